@@ -1,0 +1,1 @@
+"""Subcommands of the `edgeinfer` CLI, one module each (see edgeinfer/cli.py)."""

@@ -1,0 +1,46 @@
+"""`edgeinfer show NAME`: what `ollama show` prints, read from the GGUF header."""
+
+from __future__ import annotations
+
+import json
+
+from edgeinfer.loader import open_model
+from edgeinfer.model_info import describe, human_bytes, human_count
+
+
+def register(sub) -> None:
+    p = sub.add_parser("show", help="show a model's architecture, size and quantization")
+    p.add_argument("name", help="model alias, hf.co/owner/repo[:quant] or path to a .gguf file")
+    p.add_argument("--json", action="store_true", help="print the facts as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from edgeinfer.registry import resolve
+
+    info = describe(open_model(resolve(args.name, download=False)))
+    if args.json:
+        print(json.dumps(info.to_dict(), indent=2))
+        return 0
+    rows = [
+        ("architecture", info.architecture),
+        ("parameters", human_count(info.parameters)),
+        ("context length", info.context_length),
+        ("embedding length", info.embedding_length),
+        ("layers", info.block_count),
+        ("attention heads", f"{info.head_count} (KV {info.head_count_kv})"),
+        ("quantization", info.quantization),
+    ]
+    print("  Model")
+    for key, value in rows:
+        print(f"    {key:<20}{value}")
+    print("\n  Tensors")
+    for qtype, count in info.tensor_types.items():
+        print(f"    {qtype:<20}{count}")
+    print("\n  File")
+    print(f"    {'path':<20}{info.path}")
+    print(f"    {'size':<20}{human_bytes(info.file_size)}")
+    print(f"    {'chat template':<20}{'yes' if info.has_chat_template else 'none (a built-in one is used)'}")
+    if info.license:
+        print(f"\n  License\n    {info.license}")
+    return 0

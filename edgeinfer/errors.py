@@ -1,0 +1,37 @@
+"""Errors a user can cause. Each carries one line that names the problem.
+
+Front ends (CLI, TUI, REST) catch `EdgeInferError` and show its message; anything
+else is a bug and keeps its traceback.
+"""
+
+
+class EdgeInferError(Exception):
+    """A problem with the user's input: printed as one line, never a traceback."""
+
+
+class GGUFError(EdgeInferError):
+    """The file is not a GGUF edgeinfer can load (bad magic, truncated, unknown type...)."""
+
+
+class UnsupportedModelError(EdgeInferError):
+    """A valid GGUF whose architecture or tensor types edgeinfer does not run."""
+
+
+class ModelNotFoundError(EdgeInferError):
+    """A model name that is neither a local file, an alias nor an hf.co reference."""
+
+
+class DownloadError(EdgeInferError):
+    """A download failed: offline, missing file, size or checksum mismatch."""
+
+
+class TokenizerError(EdgeInferError):
+    """Tokenizer metadata that edgeinfer cannot build a tokenizer from."""
+
+
+class TemplateError(EdgeInferError):
+    """A chat template that fails to parse or render."""
+
+
+class ContextOverflowError(EdgeInferError):
+    """A prompt that does not fit in the context window."""

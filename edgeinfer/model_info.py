@@ -1,0 +1,71 @@
+"""What `edgeinfer show` (and the REST `/api/show`) reports about a model file."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from edgeinfer.loader import ModelFile
+
+# llama.cpp's `general.file_type` (LLAMA_FTYPE_*) names, for the ones users meet.
+FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 25: "IQ4_NL", 30: "IQ4_XS", 32: "BF16",
+}
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    architecture: str
+    name: str
+    parameters: int
+    context_length: int
+    embedding_length: int
+    block_count: int
+    head_count: int
+    head_count_kv: int
+    quantization: str
+    tensor_types: dict[str, int]
+    file_size: int
+    has_chat_template: bool
+    license: str | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def describe(mf: ModelFile) -> ModelInfo:
+    gf, cfg = mf.gguf, mf.config
+    ftype = gf.get("general.file_type")
+    quant = FILE_TYPES.get(ftype, f"file type {ftype}") if ftype is not None else next(iter(gf.type_counts()), "?")
+    return ModelInfo(
+        path=str(gf.path),
+        architecture=cfg.arch,
+        name=str(gf.get("general.name", gf.path.stem)),
+        parameters=gf.parameter_count(),
+        context_length=cfg.n_ctx_train,
+        embedding_length=cfg.n_embd,
+        block_count=cfg.n_layer,
+        head_count=cfg.n_head,
+        head_count_kv=cfg.n_head_kv,
+        quantization=quant,
+        tensor_types=gf.type_counts(),
+        file_size=gf.file_size,
+        has_chat_template=bool(gf.get("tokenizer.chat_template")),
+        license=gf.get("general.license"),
+    )
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,25 @@
+"""Model families, one file each, registered by their GGUF `general.architecture`."""
+
+from __future__ import annotations
+
+from edgeinfer.models.base import ModelConfig, Transformer
+from edgeinfer.models.gemma3 import Gemma3
+from edgeinfer.models.llama import Llama
+from edgeinfer.models.qwen2 import Qwen2
+from edgeinfer.models.qwen3 import Qwen3
+
+ARCHITECTURES: dict[str, type[Transformer]] = {
+    "llama": Llama,
+    "qwen2": Qwen2,
+    "qwen3": Qwen3,
+    "gemma3": Gemma3,
+}
+# Architectures that are the same graph under another name (mlx-lm keeps the same remap).
+ALIASES = {"mistral": "llama"}
+
+
+def family_for(arch: str) -> type[Transformer] | None:
+    return ARCHITECTURES.get(ALIASES.get(arch, arch))
+
+
+__all__ = ["ARCHITECTURES", "ModelConfig", "Transformer", "family_for"]

@@ -1,0 +1,63 @@
+"""Gemma 3 (text): embeddings scaled by sqrt(n_embd), four RMSNorms per block (pre and post
+attention, pre and post FFN), per-head q/k norm, GELU(tanh) gated FFN, tied embeddings.
+
+Five of every six layers use a sliding window with their own RoPE base (10k; the global
+layers use `gemma3.rope.freq_base`). Norm weights already include Gemma's `1 +` offset:
+the GGUF converter bakes it in, so the norm is a plain RMSNorm here. The output head is
+the embedding matrix unless the file carries `output.weight`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from edgeinfer.models.base import ROPE_NEOX, Transformer
+
+SWA_PATTERN = 6  # layer i is global when (i + 1) % 6 == 0, as llama.cpp's set_swa_pattern(6)
+ROPE_BASE_SWA = 10_000.0
+
+
+class Gemma3(Transformer):
+    ROPE_MODE = ROPE_NEOX
+    DEFAULT_NORM_EPS = 1e-6
+    DEFAULT_ROPE_BASE = 1_000_000.0
+
+    @classmethod
+    def adjust_config(cls, cfg, gf):
+        window = int(gf.get("gemma3.attention.sliding_window", 0) or 0)
+        swa = tuple(bool(window) and (i % SWA_PATTERN) < SWA_PATTERN - 1 for i in range(cfg.n_layer))
+        # gemma 27B scales by n_embd / n_head instead of the head size (llama.cpp does the same)
+        big = cfg.n_layer == 62
+        scale = 1.0 / math.sqrt(cfg.n_embd / cfg.n_head if big else cfg.head_dim)
+        return replace(cfg, sliding_window=window, swa_layers=swa, rope_base_swa=ROPE_BASE_SWA,
+                       attn_scale=scale, embed_scale=math.sqrt(cfg.n_embd))
+
+    @classmethod
+    def expected_tensors(cls, cfg):
+        t = super().expected_tensors(cfg)
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            t[p + "attn_q_norm.weight"] = (cfg.head_dim,)
+            t[p + "attn_k_norm.weight"] = (cfg.head_dim,)
+            t[p + "post_attention_norm.weight"] = (cfg.n_embd,)
+            t[p + "post_ffw_norm.weight"] = (cfg.n_embd,)
+        return t
+
+    def layer(self, i, x, positions, slots, kv):
+        be, cfg, p = self.backend, self.config, f"blk.{i}."
+        n, eps = x.shape[0], cfg.norm_eps
+        h = be.rms_norm(x, p + "attn_norm.weight", eps)
+        q = be.linear(p + "attn_q.weight", h).reshape(n, cfg.n_head, cfg.head_dim)
+        k = be.linear(p + "attn_k.weight", h).reshape(n, cfg.n_head_kv, cfg.head_dim)
+        v = be.linear(p + "attn_v.weight", h).reshape(n, cfg.n_head_kv, cfg.head_dim_v)
+        q = be.rms_norm(q, p + "attn_q_norm.weight", eps)
+        k = be.rms_norm(k, p + "attn_k_norm.weight", eps)
+        attn = self.attention(i, q, k, v, positions, slots, kv)
+        h = be.linear(p + "attn_output.weight", attn)
+        x = x + be.rms_norm(h, p + "post_attention_norm.weight", eps)
+        h = be.rms_norm(x, p + "ffn_norm.weight", eps)
+        gate = be.linear(p + "ffn_gate.weight", h)
+        up = be.linear(p + "ffn_up.weight", h)
+        h = be.linear(p + "ffn_down.weight", be.gelu_mul(gate, up))
+        return x + be.rms_norm(h, p + "post_ffw_norm.weight", eps)

@@ -1,0 +1,22 @@
+"""Qwen 2 / 2.5: the llama block with biases on q/k/v and NeoX-style RoPE (rotate halves)."""
+
+from __future__ import annotations
+
+from edgeinfer.models.base import ROPE_NEOX
+from edgeinfer.models.llama import Llama
+
+
+class Qwen2(Llama):
+    ROPE_MODE = ROPE_NEOX
+    DEFAULT_NORM_EPS = 1e-6
+    DEFAULT_ROPE_BASE = 1_000_000.0
+
+    @classmethod
+    def expected_tensors(cls, cfg):
+        t = super().expected_tensors(cfg)
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            t[p + "attn_q.bias"] = (cfg.q_dim,)
+            t[p + "attn_k.bias"] = (cfg.kv_dim,)
+            t[p + "attn_v.bias"] = (cfg.n_head_kv * cfg.head_dim_v,)
+        return t

@@ -1,0 +1,267 @@
+"""Write tiny GGUF checkpoints for tests: any supported architecture, random weights, any type.
+
+`gguf` can quantize only the simple types (F16, BF16, Q4_0..Q8_0); for K-quants and IQ4
+we write valid random blocks directly (random payload bytes, finite fp16 scales rescaled so
+the dequantized weights have a chosen standard deviation).
+
+    path = write_tiny_model(tmp_path / "m.gguf", arch="llama", qtype="Q4_K")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+
+T = GGMLQuantizationType
+
+# Byte offsets of the fp16 scale fields (d, and dmin/m where present) inside one block.
+_FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
+    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+}
+_FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+
+
+def qtype_of(qtype: str | GGMLQuantizationType) -> GGMLQuantizationType:
+    return qtype if isinstance(qtype, GGMLQuantizationType) else T[qtype]
+
+
+def random_blocks(qtype, n_rows: int, n_cols: int, rng: np.random.Generator,
+                  std: float = 0.05) -> np.ndarray:
+    """Random valid blocks of `qtype` as uint8 (n_rows, row_bytes), dequantizing to ~N(0, std)."""
+    qtype = qtype_of(qtype)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    assert n_cols % block_size == 0, (qtype.name, n_cols)
+    if qtype in _FLOAT_TYPES or qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        values = rng.standard_normal((n_rows, n_cols)).astype(np.float32) * std
+        if qtype == T.F32:
+            return values.view(np.uint8).reshape(n_rows, n_cols * 4)
+        return quants.quantize(values, qtype)
+    n_blocks = n_rows * n_cols // block_size
+    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    fields = _FP16_FIELDS[qtype]
+    for off in fields:
+        scale = rng.uniform(0.5, 1.0, n_blocks).astype(np.float16)
+        blocks[:, off:off + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+    # Rescale every fp16 field by one factor: dequantized values scale linearly with it.
+    got = quants.dequantize(blocks, qtype).std()
+    factor = std / max(float(got), 1e-12)
+    for off in fields:
+        scale = blocks[:, off:off + 2].copy().view(np.float16).astype(np.float32) * factor
+        blocks[:, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+    return blocks.reshape(n_rows, n_cols // block_size * type_size)
+
+
+# -- tiny vocabularies ----------------------------------------------------------------
+
+_WORDS = ("the of and to in is you that it he was for on are as with his they at be this "
+          "have from or one had by word but not what all were we when your can said there "
+          "use an each which she do how their if will up other about out many then them "
+          "these so some her would make like him into time has look two more write go see "
+          "number no way could people my than first water been call who oil its now find "
+          "hello world def return print import class self none true false code").split()
+
+
+def spm_vocab() -> dict:
+    """A small SentencePiece-style vocabulary: control tokens, 256 byte tokens, word pieces."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    pieces = ["\u2581"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    pieces += ["\u2581" + w for w in _WORDS] + ["\u2581t", "\u2581a", "he", "in", "er", "on"]
+    seen = set()
+    for p in pieces:
+        if p not in seen:
+            seen.add(p)
+            tokens.append(p)
+            types.append(1)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    return {
+        "model": "llama", "pre": "default", "tokens": tokens, "scores": scores, "types": types,
+        "bos": 1, "eos": 2, "unk": 0, "add_bos": True,
+    }
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def bpe_vocab(pre: str = "llama-bpe") -> dict:
+    """A small byte-level BPE vocabulary (GPT-2 style) with merges for a few words."""
+    b2u = _byte_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    merges: list[str] = []
+    for word in ["\u0120the", "\u0120and", "he", "in", "\u0120hello", "\u0120world", "er", "on"]:
+        word = word.replace("\u0120", b2u[32])
+        cur = word[0]
+        for ch in word[1:]:
+            merged = cur + ch
+            if merged not in tokens:
+                merges.append(f"{cur} {ch}")
+                tokens.append(merged)
+            cur = merged
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    n_normal = len(tokens)
+    tokens += specials
+    return {
+        "model": "gpt2", "pre": pre, "tokens": tokens, "merges": merges,
+        "types": [1] * n_normal + [3] * len(specials),
+        "bos": n_normal, "eos": n_normal + 1, "eot": n_normal + 2, "add_bos": True,
+    }
+
+
+# -- model shapes -----------------------------------------------------------------------
+
+@dataclass
+class TinyShape:
+    n_embd: int = 256
+    n_layer: int = 2
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 64
+    n_ff: int = 512
+    n_ctx: int = 512
+    extra: dict = field(default_factory=dict)
+
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def _layer_tensors(arch: str, s: TinyShape, i: int) -> dict[str, tuple[int, int] | tuple[int]]:
+    """GGUF tensor name -> GGML shape (row length first) for one block."""
+    q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    p = f"blk.{i}."
+    t: dict = {
+        p + "attn_norm.weight": (s.n_embd,),
+        p + "attn_q.weight": (s.n_embd, q_dim),
+        p + "attn_k.weight": (s.n_embd, kv_dim),
+        p + "attn_v.weight": (s.n_embd, kv_dim),
+        p + "attn_output.weight": (q_dim, s.n_embd),
+        p + "ffn_norm.weight": (s.n_embd,),
+        p + "ffn_gate.weight": (s.n_embd, s.n_ff),
+        p + "ffn_up.weight": (s.n_embd, s.n_ff),
+        p + "ffn_down.weight": (s.n_ff, s.n_embd),
+    }
+    if arch == "qwen2":
+        t.update({p + "attn_q.bias": (q_dim,), p + "attn_k.bias": (kv_dim,),
+                  p + "attn_v.bias": (kv_dim,)})
+    if arch in ("qwen3", "gemma3"):
+        t.update({p + "attn_q_norm.weight": (s.head_dim,), p + "attn_k_norm.weight": (s.head_dim,)})
+    if arch == "gemma3":
+        t.update({p + "post_attention_norm.weight": (s.n_embd,),
+                  p + "post_ffw_norm.weight": (s.n_embd,)})
+    return t
+
+
+def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", *,
+                     shape: TinyShape | None = None, vocab: dict | None = None, seed: int = 0,
+                     tie_embeddings: bool | None = None, chat_template: str | None = None,
+                     extra_metadata: dict | None = None, omit_tensors: tuple[str, ...] = (),
+                     embd_qtype: str | None = None) -> Path:
+    """Write a random-weight GGUF of `arch`; matrices in `qtype`, norms and biases in F32."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown test architecture {arch}")
+    s = shape or TinyShape()
+    vocab = vocab or spm_vocab()
+    rng = np.random.default_rng(seed)
+    qt = qtype_of(qtype)
+    path = Path(path)
+    n_vocab = len(vocab["tokens"])
+    tie = (arch == "gemma3") if tie_embeddings is None else tie_embeddings
+
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}-{qt.name}")
+    w.add_context_length(s.n_ctx)
+    w.add_embedding_length(s.n_embd)
+    w.add_block_count(s.n_layer)
+    w.add_feed_forward_length(s.n_ff)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(s.n_head_kv)
+    w.add_layer_norm_rms_eps(1e-6 if arch == "gemma3" else 1e-5)
+    w.add_rope_freq_base(1_000_000.0 if arch != "llama" else 500_000.0)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    if arch == "llama":
+        w.add_rope_dimension_count(s.head_dim)
+    if arch == "gemma3":
+        w.add_sliding_window(s.extra.get("sliding_window", 16))
+    w.add_file_type(int(qt) if qt != T.F32 else 0)
+
+    w.add_tokenizer_model(vocab["model"])
+    w.add_tokenizer_pre(vocab.get("pre", "default"))
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["types"])
+    if "scores" in vocab:
+        w.add_token_scores(vocab["scores"])
+    if "merges" in vocab:
+        w.add_token_merges(vocab["merges"])
+    w.add_bos_token_id(vocab["bos"])
+    w.add_eos_token_id(vocab["eos"])
+    if "unk" in vocab:
+        w.add_unk_token_id(vocab["unk"])
+    if "eot" in vocab:
+        w.add_eot_token_id(vocab["eot"])
+    w.add_add_bos_token(vocab.get("add_bos", True))
+    w.add_add_eos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    for key, value in (extra_metadata or {}).items():
+        _add_metadata(w, key, value)
+
+    tensors: dict = {"token_embd.weight": (s.n_embd, n_vocab), "output_norm.weight": (s.n_embd,)}
+    if not tie:
+        tensors["output.weight"] = (s.n_embd, n_vocab)
+    for i in range(s.n_layer):
+        tensors.update(_layer_tensors(arch, s, i))
+
+    for name, gshape in tensors.items():
+        if name in omit_tensors:
+            continue
+        if len(gshape) == 1:  # norms and biases stay F32, as converters write them
+            data = rng.standard_normal(gshape).astype(np.float32) * 0.1
+            if name.endswith("norm.weight") and arch != "gemma3":
+                data += 1.0  # llama-style norms multiply by w; gemma's by (1 + w), baked in at conversion
+            elif name.endswith("norm.weight"):
+                data += 1.0
+            w.add_tensor(name, data)
+            continue
+        n_cols, n_rows = gshape
+        tq = qtype_of(embd_qtype) if (embd_qtype and name == "token_embd.weight") else qt
+        if n_cols % GGML_QUANT_SIZES[tq][0]:
+            tq = T.F16
+        blocks = random_blocks(tq, n_rows, n_cols, rng, std=0.08)
+        if tq == T.F32:
+            w.add_tensor(name, blocks.view(np.float32).reshape(n_rows, n_cols))
+        else:
+            w.add_tensor(name, blocks, raw_dtype=tq)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_metadata(w: GGUFWriter, key: str, value) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    else:
+        w.add_array(key, list(value))
