@@ -1,0 +1,63 @@
+"""`edgeinfer pull | list | rm`: the local model store, as `ollama pull/list/rm` present it."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import datetime
+
+from edgeinfer import registry
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("pull", help="download a model into the local store",
+                              description="Download a model: an alias, or hf.co/OWNER/REPO[:QUANT].")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(func=pull_command)
+
+    p = subparsers.add_parser("list", aliases=["ls"], help="list the models in the local store")
+    p.set_defaults(func=list_command)
+
+    p = subparsers.add_parser("rm", help="delete a model from the local store")
+    p.add_argument("name", metavar="NAME")
+    p.set_defaults(func=rm_command)
+
+
+def pull_command(args: argparse.Namespace) -> int:
+    path = registry.pull(args.name, progress=not args.quiet)
+    print(f"pulled {args.name}: {path}")
+    return 0
+
+
+def list_command(args: argparse.Namespace) -> int:
+    rows = [(m.name, human_size(m.size_bytes), human_age(m.modified)) for m in registry.list_local()]
+    header = ("NAME", "SIZE", "MODIFIED")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
+    for row in [header, *rows]:
+        print("    ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def rm_command(args: argparse.Namespace) -> int:
+    registry.remove(args.name)
+    print(f"deleted '{args.name}'")
+    return 0
+
+
+def human_size(n: int) -> str:
+    """Decimal units, as `ollama list` shows them: 1.1 GB, 815 MB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{n} B"
+
+
+def human_age(when: datetime, now: datetime | None = None) -> str:
+    seconds = max(0.0, ((now or datetime.now()) - when).total_seconds())
+    for unit, size in (("year", 365 * 86400), ("month", 30 * 86400), ("week", 7 * 86400),
+                       ("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size:
+            count = int(seconds // size)
+            return f"{count} {unit}{'s' if count > 1 else ''} ago"
+    return "just now"
