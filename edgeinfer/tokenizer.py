@@ -1,0 +1,420 @@
+"""The tokenizer of a GGUF model, built from its `tokenizer.ggml.*` metadata alone.
+
+Token for token what llama.cpp's `llama_tokenize` / `llama_detokenize` produce (the
+golden tests in `tests/test_tokenizer_golden.py` hold us to that):
+
+- `llama` vocabularies (Gemma, Llama 2, Mistral): SentencePiece-style BPE with scores and
+  `<0xXX>` byte fallback (`tokenizer_spm.py`);
+- `gpt2` vocabularies (Llama 3, Qwen): byte-level BPE with merges and the pre-tokenizer
+  `tokenizer.ggml.pre` names (`tokenizer_bpe.py`).
+
+Special tokens: control and user-defined tokens are cut out of the text first, longest
+first (llama.cpp's `tokenizer_st_partition`); user-defined ones always, control ones only
+with `parse_special=True`. Text works on bytes throughout: a `str` is UTF-8 encoded with
+`surrogatepass`, so lone surrogates reach the tokenizer as llama.cpp would see them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from edgeinfer.detokenize import StreamDecoder, clean_spaces
+from edgeinfer.errors import TokenizerError
+from edgeinfer.tokenizer_bpe import CHAR_TO_BYTE, BPEFast, BPEReference, pre_tokenizer_for
+from edgeinfer.tokenizer_spm import SPMSession
+
+__all__ = ["Tokenizer", "StreamDecoder", "load_tokenizer", "TokenAttr"]
+
+
+class TokenAttr:
+    """llama.cpp's `llama_token_attr` bits."""
+
+    UNDEFINED = 0
+    UNKNOWN = 1 << 0
+    UNUSED = 1 << 1
+    NORMAL = 1 << 2
+    CONTROL = 1 << 3
+    USER_DEFINED = 1 << 4
+    BYTE = 1 << 5
+
+
+# GGUF token type -> attribute (llama_token_type -> llama_token_attr)
+_TYPE_TO_ATTR = {0: TokenAttr.UNDEFINED, 1: TokenAttr.NORMAL, 2: TokenAttr.UNKNOWN,
+                 3: TokenAttr.CONTROL, 4: TokenAttr.USER_DEFINED, 5: TokenAttr.UNUSED,
+                 6: TokenAttr.BYTE}
+
+_SPECIAL_KEYS = {  # attribute name -> GGUF key suffix(es), later keys override earlier ones
+    "bos_id": ("bos_token_id",), "eos_id": ("eos_token_id",), "eot_id": ("eot_token_id",),
+    "eom_id": ("eom_token_id",), "unk_id": ("unknown_token_id",),
+    "sep_id": ("seperator_token_id",), "pad_id": ("padding_token_id",),
+    "mask_id": ("mask_token_id",),
+    "fim_pre_id": ("fim_pre_token_id", "prefix_token_id"),
+    "fim_suf_id": ("fim_suf_token_id", "suffix_token_id"),
+    "fim_mid_id": ("fim_mid_token_id", "middle_token_id"),
+    "fim_pad_id": ("fim_pad_token_id",), "fim_rep_id": ("fim_rep_token_id",),
+    "fim_sep_id": ("fim_sep_token_id",),
+}
+
+# Texts llama.cpp recognizes when the file does not name the token (llama-vocab.cpp).
+_AUTO_DETECT = {
+    "eot_id": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+               "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
+               "<end_of_utterance>"),
+    "eom_id": ("<|eom_id|>",),
+    "fim_pre_id": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+                   "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf_id": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+                   "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid_id": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+                   "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pad_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep_id": ("<|file_sep|>",),
+}
+_EOG_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+))
+_SPACE = " ".encode()
+_ESCAPED_SPACE = "\u2581".encode()
+
+
+class Tokenizer:
+    """Text <-> token ids for one vocabulary. Build with `from_metadata` or `load_tokenizer`."""
+
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None
+    eom_id: int | None
+    unk_id: int | None
+    sep_id: int | None
+    pad_id: int | None
+    mask_id: int | None
+    fim_pre_id: int | None
+    fim_suf_id: int | None
+    fim_mid_id: int | None
+    fim_pad_id: int | None
+    fim_rep_id: int | None
+    fim_sep_id: int | None
+
+    def __init__(self, model: str, tokens: list[str], types: list[int] | None,
+                 scores: list[float] | None, merges: list[str] | None, pre: str,
+                 meta: Mapping[str, Any]) -> None:
+        self.model = model
+        self.pre = pre
+        n = len(tokens)
+        if n == 0:
+            raise TokenizerError("tokenizer.ggml.tokens is empty")
+        # token text as llama.cpp stores it: raw bytes (GGUF strings are not always UTF-8)
+        texts = [t.encode("utf-8", "surrogateescape") for t in tokens]
+        texts = [t if t else f"[EMPTY_{i}]".encode() for i, t in enumerate(texts)]
+        self._texts = texts
+        self._id_of: dict[bytes, int] = {}
+        for i, t in enumerate(texts):
+            self._id_of[t] = i  # last one wins, as llama.cpp's token_to_id
+        if types is not None and len(types) < n:
+            raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+        if scores is not None and len(scores) < n:
+            raise TokenizerError(f"tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
+        self._attrs = ([_TYPE_TO_ATTR.get(int(t), TokenAttr.UNDEFINED) for t in types[:n]]
+                       if types is not None else [TokenAttr.NORMAL] * n)
+        self._scores = [float(s) for s in scores[:n]] if scores is not None else [0.0] * n
+
+        def flag(key: str, default: bool) -> bool:
+            value = meta.get(f"tokenizer.ggml.{key}")
+            return default if value is None else bool(value)
+
+        if model == "llama":
+            self.add_bos, self.add_eos = True, False
+            self.add_space_prefix = flag("add_space_prefix", True)
+            self.clean_spaces = False
+            defaults = {"bos_id": 1, "eos_id": 2, "unk_id": 0}
+            self._spm = SPMSession(self._id_of, self._scores, n)
+            self._bpe_ref = self._bpe_fast = None
+        elif model == "gpt2":
+            spec = pre_tokenizer_for(pre)
+            self.add_bos = bool(spec.add_bos) if spec.add_bos is not None else False
+            self.add_eos = False
+            self.add_space_prefix = flag("add_space_prefix", False)
+            self.clean_spaces = spec.clean_spaces
+            defaults = {"bos_id": 11, "eos_id": 11}
+            if merges is None:
+                raise TokenizerError("gpt2 tokenizer without tokenizer.ggml.merges")
+            self._spm = None
+            self._bpe_ref = BPEReference(self._id_of, list(merges), spec)
+            try:
+                self._bpe_fast: BPEFast | None = BPEFast(list(tokens), list(merges), spec)
+            except Exception:  # noqa: BLE001 - a vocabulary HF rejects still works, slower
+                self._bpe_fast = None
+        else:
+            raise TokenizerError(f"unsupported tokenizer model tokenizer.ggml.model={model!r} "
+                                 f"(edgeinfer supports 'llama' and 'gpt2')")
+        self.add_bos = flag("add_bos_token", self.add_bos)
+        self.add_eos = flag("add_eos_token", self.add_eos)
+        self._init_special_ids(defaults, meta)
+        self._init_eog()
+        self._special_order = sorted(
+            (i for i in range(n) if self._attrs[i] & (TokenAttr.CONTROL | TokenAttr.USER_DEFINED
+                                                      | TokenAttr.UNKNOWN)),
+            key=lambda i: -len(texts[i]))
+        self._pieces: dict[int, bytes] = {}  # token_to_piece(special=True), filled on demand
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
+        """Build from GGUF metadata (key -> value, as `GGUFFile.metadata`)."""
+        model = meta.get("tokenizer.ggml.model")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if model is None or tokens is None:
+            raise TokenizerError("the file has no tokenizer (tokenizer.ggml.model/tokens missing)")
+        types = meta.get("tokenizer.ggml.token_type")
+        scores = meta.get("tokenizer.ggml.scores")
+        return cls(str(model), list(tokens),
+                   None if types is None else [int(t) for t in types],
+                   None if scores is None else [float(s) for s in scores],
+                   meta.get("tokenizer.ggml.merges"), str(meta.get("tokenizer.ggml.pre") or ""),
+                   meta)
+
+    def _init_special_ids(self, defaults: dict[str, int], meta: Mapping[str, Any]) -> None:
+        n = self.vocab_size
+        for name, keys in _SPECIAL_KEYS.items():
+            tid = defaults.get(name)
+            if tid is not None and tid >= n:
+                tid = None
+            for key in keys:
+                value = meta.get(f"tokenizer.ggml.{key}")
+                if value is not None and 0 <= int(value) < n:
+                    tid = int(value)
+            setattr(self, name, tid)
+        # llama.cpp walks a hash map here, so with 2+ matches its pick is arbitrary; we take
+        # the first text in its list (<|eot_id|> before <|end_of_text|>, <|im_end|> first)
+        for name, candidates in _AUTO_DETECT.items():
+            if getattr(self, name) is not None:
+                continue
+            for cand in candidates:
+                tid = self._id_of.get(cand.encode())
+                if tid is not None:
+                    setattr(self, name, tid)
+                    self._attrs[tid] |= TokenAttr.CONTROL
+                    break
+        for tid, text in enumerate(self._texts):  # control tokens named "unused..."
+            if self._attrs[tid] & TokenAttr.CONTROL and b"unused" in text:
+                self._attrs[tid] |= TokenAttr.UNUSED
+
+    def _init_eog(self) -> None:
+        eog = {t for t in (self.fim_pad_id, self.fim_rep_id, self.fim_sep_id) if t is not None}
+        for tid, text in enumerate(self._texts):
+            if self._id_of[text] != tid:
+                continue
+            try:
+                s = text.decode()
+            except UnicodeDecodeError:
+                continue
+            if s in _EOG_TEXTS:
+                eog.add(tid)
+                self._attrs[tid] |= TokenAttr.CONTROL
+            if s in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):  # gpt-oss
+                self._attrs[tid] = TokenAttr.USER_DEFINED
+        eog |= {t for t in (self.eos_id, self.eot_id, self.eom_id) if t is not None}
+        texts = {self._texts[t]: t for t in eog}
+        if b"<|end|>" in texts and ((b"<|return|>" in texts and b"<|call|>" in texts)
+                                    or (b"<|calls|>" in texts and b"<|flush|>" in texts)):
+            eog.discard(texts[b"<|end|>"])
+            self._attrs[texts[b"<|end|>"]] = TokenAttr.USER_DEFINED
+        if b"</s>" in texts and (b"<|tool_response>" in texts or b"<|plamo:eos|>" in texts):
+            eog.discard(texts[b"</s>"])
+            self._attrs[texts[b"</s>"]] = TokenAttr.NORMAL
+        self.eog_ids: frozenset[int] = frozenset(eog)
+
+    # -- queries --------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._texts)
+
+    def token_text(self, token_id: int) -> str:
+        """The token as stored in the vocabulary (byte-level / U+2581 form)."""
+        return self._texts[self._check(token_id)].decode("utf-8", "surrogateescape")
+
+    def token_attr(self, token_id: int) -> int:
+        return self._attrs[self._check(token_id)]
+
+    def is_control(self, token_id: int) -> bool:
+        return bool(self.token_attr(token_id) & (TokenAttr.CONTROL | TokenAttr.UNKNOWN))
+
+    def is_eog(self, token_id: int) -> bool:
+        """End of generation: EOS, EOT, EOM and the turn-end tokens llama.cpp knows."""
+        return token_id in self.eog_ids
+
+    def token_id(self, text: str) -> int | None:
+        """Id of the token whose vocabulary text is exactly `text`, or None."""
+        return self._id_of.get(text.encode("utf-8", "surrogateescape"))
+
+    def _check(self, token_id: int) -> int:
+        if not isinstance(token_id, int) or not 0 <= token_id < len(self._texts):
+            raise TokenizerError(f"token id {token_id!r} is out of range 0..{len(self._texts) - 1}")
+        return token_id
+
+    # -- text -> ids ----------------------------------------------------------------------
+
+    def tokenize(self, text: str | bytes, add_special: bool = True,
+                 parse_special: bool = False) -> list[int]:
+        """llama_tokenize(text, add_special, parse_special)."""
+        data = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+        fragments = self._partition(data, parse_special) if data else []
+        out: list[int] = []
+        if self._spm is not None:
+            if add_special and self.add_bos:
+                out.append(self._need(self.bos_id, "BOS"))
+            prev_special = True
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                    prev_special = True
+                    continue
+                if self.add_space_prefix and prev_special:
+                    frag = _SPACE + frag
+                self._spm.encode(frag.replace(_SPACE, _ESCAPED_SPACE), out)
+                prev_special = False
+        else:
+            if add_special and self.add_bos:
+                out.append(self._need(self.bos_id, "BOS"))
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                else:
+                    out += self._bpe(frag)
+        if add_special and self.add_eos:
+            out.append(self._need(self.eos_id, "EOS"))
+        return out
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.tokenize(text, add_special, parse_special)
+
+    def _need(self, tid: int | None, what: str) -> int:
+        if tid is None:
+            raise TokenizerError(f"the vocabulary asks for a {what} token but has none")
+        return tid
+
+    def _bpe(self, data: bytes, reference: bool = False) -> list[int]:
+        if self._bpe_fast is not None and not reference:
+            try:
+                text = data.decode("utf-8")  # strict: invalid bytes/surrogates take the reference
+            except UnicodeDecodeError:
+                pass
+            else:
+                return self._bpe_fast.encode(text)
+        return self._bpe_ref.encode(data)
+
+    def tokenize_reference(self, text: str | bytes, add_special: bool = True,
+                           parse_special: bool = False) -> list[int]:
+        """`tokenize` through the plain-Python BPE path only (to check the fast path)."""
+        fast, self._bpe_fast = self._bpe_fast, None
+        try:
+            return self.tokenize(text, add_special, parse_special)
+        finally:
+            self._bpe_fast = fast
+
+    def _partition(self, data: bytes, parse_special: bool) -> list[bytes | int]:
+        """llama.cpp's tokenizer_st_partition: cut special tokens out, longest first."""
+        fragments: list[bytes | int] = [data]
+        skip = TokenAttr.CONTROL | TokenAttr.UNKNOWN
+        for tid in self._special_order:
+            if not parse_special and self._attrs[tid] & skip:
+                continue
+            special = self._texts[tid]
+            if special not in data:  # fragments are substrings of data
+                continue
+            new: list[bytes | int] = []
+            for frag in fragments:
+                if isinstance(frag, int) or special not in frag:
+                    new.append(frag)
+                    continue
+                for k, part in enumerate(frag.split(special)):
+                    if k:
+                        new.append(tid)
+                    if part:
+                        new.append(part)
+            fragments = new
+        return fragments
+
+    # -- ids -> text ----------------------------------------------------------------------
+
+    def _piece(self, tid: int) -> bytes:
+        """llama.cpp's token_to_piece(special=True), cached for every token."""
+        attr, text = self._attrs[tid], self._texts[tid]
+        if attr & (TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED):
+            return text
+        if attr & TokenAttr.NORMAL:
+            if self.model == "llama":
+                return text.replace(_ESCAPED_SPACE, _SPACE)
+            return _decode_byte_level(text)
+        if attr & TokenAttr.BYTE:
+            return bytes((int(text[3:5], 16),))
+        return b""
+
+    def token_to_piece(self, token_id: int, special: bool = True) -> bytes:
+        """The bytes one token stands for; control tokens give b"" unless `special`."""
+        self._check(token_id)
+        if not special and self._attrs[token_id] & (TokenAttr.UNKNOWN | TokenAttr.CONTROL):
+            return b""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self._piece(token_id)
+        return piece
+
+    def detokenize_bytes(self, ids: list[int], skip_special: bool = False,
+                         remove_special: bool = False, as_pieces: bool = False) -> bytes:
+        """llama_detokenize(ids, remove_special, unparse_special=not skip_special) as bytes.
+
+        `as_pieces`: just the token pieces joined (what llama-server / llama-cli stream):
+        no leading-space strip, no clean_up_tokenization_spaces.
+        """
+        ids = [self._check(i) for i in ids]
+        if as_pieces:
+            return b"".join(self.token_to_piece(i, not skip_special) for i in ids)
+        remove_space = self.add_space_prefix
+        if remove_special and self.add_bos and ids and ids[0] == self.bos_id:
+            remove_space = False
+            ids = ids[1:]
+        if remove_special and self.add_eos and ids and ids[-1] == self.eos_id:
+            ids = ids[:-1]
+        special = not skip_special
+        parts = [self.token_to_piece(i, special) for i in ids]
+        if remove_space and parts and parts[0][:1] == _SPACE:
+            parts[0] = parts[0][1:]
+        out = b"".join(parts)
+        return clean_spaces(out) if self.clean_spaces else out
+
+    def detokenize(self, ids: list[int], skip_special: bool = False,
+                   remove_special: bool = False, as_pieces: bool = False) -> str:
+        """Token ids to text (invalid UTF-8 becomes U+FFFD); see `detokenize_bytes`."""
+        return self.detokenize_bytes(ids, skip_special, remove_special, as_pieces).decode(
+            "utf-8", "replace")
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.detokenize(ids, skip_special)
+
+    def stream(self, skip_special: bool = False, as_pieces: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special, as_pieces)
+
+
+def _decode_byte_level(text: bytes) -> bytes:
+    """llama_decode_text: GPT-2 byte-level characters back to bytes."""
+    out = bytearray()
+    for ch in text.decode("utf-8", "surrogateescape"):
+        b = CHAR_TO_BYTE.get(ch)
+        if b is not None:
+            out.append(b)
+        else:  # llama.cpp writes the unknown character and the whole token text
+            utf8 = ch.encode("utf-8", "surrogateescape")
+            out += b"[UNK_BYTE_0x" + utf8.hex().encode() + text + b"]"
+    return bytes(out)
+
+
+def load_tokenizer(gguf_file: Any) -> Tokenizer:
+    """The tokenizer of an open `GGUFFile` (or anything with a `.metadata` mapping)."""
+    return Tokenizer.from_metadata(gguf_file.metadata)
