@@ -31,8 +31,12 @@ def qtype_of(qtype: str | GGMLQuantizationType) -> GGMLQuantizationType:
 
 
 def random_blocks(qtype, n_rows: int, n_cols: int, rng: np.random.Generator,
-                  std: float = 0.05) -> np.ndarray:
-    """Random valid blocks of `qtype` as uint8 (n_rows, row_bytes), dequantizing to ~N(0, std)."""
+                  std: float = 0.05, negative_scales: bool = False) -> np.ndarray:
+    """Random valid blocks of `qtype` as uint8 (n_rows, row_bytes), dequantizing to ~N(0, std).
+
+    `negative_scales` also flips the sign of random fp16 scale fields of the written-as-bytes
+    types, so kernels are exercised with negative d / dmin too.
+    """
     qtype = qtype_of(qtype)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     assert n_cols % block_size == 0, (qtype.name, n_cols)
@@ -40,7 +44,7 @@ def random_blocks(qtype, n_rows: int, n_cols: int, rng: np.random.Generator,
         values = rng.standard_normal((n_rows, n_cols)).astype(np.float32) * std
         if qtype == T.F32:
             return values.view(np.uint8).reshape(n_rows, n_cols * 4)
-        return quants.quantize(values, qtype)
+        return np.ascontiguousarray(quants.quantize(values, qtype)).view(np.uint8).reshape(n_rows, -1)
     n_blocks = n_rows * n_cols // block_size
     blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
     fields = _FP16_FIELDS[qtype]
@@ -53,6 +57,10 @@ def random_blocks(qtype, n_rows: int, n_cols: int, rng: np.random.Generator,
     for off in fields:
         scale = blocks[:, off:off + 2].copy().view(np.float16).astype(np.float32) * factor
         blocks[:, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+    if negative_scales:
+        for off in fields:
+            flip = rng.random(n_blocks) < 0.5
+            blocks[flip, off + 1] ^= 0x80  # the fp16 sign bit
     return blocks.reshape(n_rows, n_cols // block_size * type_size)
 
 

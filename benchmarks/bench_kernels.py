@@ -1,0 +1,103 @@
+"""Decode matvec throughput of the CPU kernels against the machine's read bandwidth.
+
+    python benchmarks/bench_kernels.py [--rows 4096 --cols 14336 --repeat 21 --types Q4_K,Q8_0,Q6_K,Q5_0]
+
+Read bandwidth = a Numba prange sum over a 512 MiB float32 array (far larger than L3).
+matvec GB/s = weight bytes / median time of one call (activation quantization included).
+Also times the plain Numba kernel (the portable reference path), and a prefill matmul
+(GFLOP/s) for a batch of tokens. Cells are "median / best": medians, because 2-thread
+timings stall sometimes; best, because on a shared machine it shows the uncontended speed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from numba import njit, prange
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from quant_blocks import random_blocks  # noqa: E402
+
+import edgeinfer.kernels_cpu as K  # noqa: E402
+from edgeinfer.kernels_cpu import fast_dot, quant_kernels  # noqa: E402
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _prange_sum(a):
+    s = np.float32(0.0)
+    for i in prange(a.shape[0]):
+        s += a[i]
+    return s
+
+
+def _times(fn, repeat):
+    """(median, best) seconds of `repeat` calls after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)), float(min(ts))
+
+
+def _cell(work, times, unit_scale=1e-9):
+    med, best = times
+    return f"{work / med * unit_scale:6.1f} / {work / best * unit_scale:5.1f}"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--cols", type=int, default=14336)
+    ap.add_argument("--repeat", type=int, default=21)
+    ap.add_argument("--types", default="Q4_K,Q8_0,Q6_K,Q5_0")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain-kernel comparison")
+    ap.add_argument("--prefill-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    threads = [int(t) for t in args.threads.split(",")]
+    rng = np.random.default_rng(0)
+
+    big = np.ones(128 * 1024 * 1024, np.float32)     # 512 MiB
+    print(f"{'(median / best)':<30}" + "".join(f"{f'{t} thread(s)':>18}" for t in threads))
+    row = []
+    for t in threads:
+        K.set_threads(t)
+        row.append(_cell(big.nbytes, _times(lambda: _prange_sum(big), max(5, args.repeat // 3))))
+    print(f"{'read bandwidth GB/s':<30}" + "".join(f"{v:>18}" for v in row))
+    del big
+
+    x = rng.standard_normal(args.cols).astype(np.float32)
+    X = rng.standard_normal((args.prefill_tokens, args.cols)).astype(np.float32)
+    for name in args.types.split(","):
+        qtype = T[name]
+        w = random_blocks(qtype, args.rows, args.cols, rng)
+        w.flags.writeable = False
+        out = np.empty(args.rows, np.float32)
+        info = K.quant_info(qtype)
+        xq, xd, xs = K.quantize_activations(x, info) if info.act_block else (None, None, None)
+        cells, plain, pre = [], [], []
+        for t in threads:
+            K.set_threads(t)
+            cells.append(_cell(w.nbytes, _times(lambda: K.matvec(w, qtype, x, out), args.repeat)))
+            if fast_dot.has_fast_path(int(qtype)) and not args.no_plain:
+                plain.append(_cell(w.nbytes, _times(lambda: quant_kernels.matvec_q_kernel(
+                    w, w.view(np.int8), int(qtype), xq, xd, xs, out, 16, 32), max(3, args.repeat // 5))))
+            if args.prefill_tokens:
+                flop = 2 * args.rows * args.cols * args.prefill_tokens
+                pre.append(_cell(flop, _times(lambda: K.matmul(w, qtype, X), 3)))
+        print(f"{f'{name} {args.rows}x{args.cols} matvec GB/s':<30}" + "".join(f"{c:>18}" for c in cells))
+        if plain:
+            print(f"{'  plain kernel GB/s':<30}" + "".join(f"{c:>18}" for c in plain))
+        if pre:
+            path = "int8" if K.matmul_uses_int8(qtype, args.prefill_tokens) else "BLAS"
+            print(f"{f'  matmul {args.prefill_tokens} tok GFLOP/s ({path})':<30}" + "".join(f"{c:>18}" for c in pre))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,813 @@
+"""Fast paths for every quantized type, written as LLVM vector IR.
+
+Numba's auto-vectorizer leaves the integer block dots mostly scalar, so each row's
+whole loop over blocks is emitted as IR through `numba.extending.intrinsic`: an
+`<8 x float>` accumulator per row, per block u8 x s8 products summed in pairs to i16
+(vpmaddubsw), multiplied by the sub-block scales and summed to i32 (vpmaddwd), one
+fma per block with the float scales, one horizontal sum per row. Numba only runs
+`prange` over rows. The same per-type value extraction also writes float rows for
+the prefill GEMM (`dequantize_fast`).
+
+Target CPU: x86 AVX2 intrinsics (pmaddubsw, pmaddwd, psignb, pshufb) are emitted only
+when the CPU Numba compiles for has AVX2 (they abort the process elsewhere); other
+targets get portable IR for the same arithmetic (no F16C: fp16 scales converted with
+integer ops). Loads use align 1: blocks are not aligned (34 bytes for Q8_0).
+Pair sums never saturate: each caller bounds them in a comment.
+
+Intrinsics and their callers stay in this file: `cache=True` only tracks the cached
+function's own file.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .quant_kernels import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F16T, F32T = ir.HalfType(), ir.FloatType()
+
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _const_vec(t, n, values):
+    return ir.Constant(_vec(t, n), list(values) if hasattr(values, "__iter__") else [values] * n)
+
+
+def _mask(idx):
+    return ir.Constant(_vec(I32, len(idx)), list(idx))
+
+
+class _IR:
+    """Small helpers over an IRBuilder."""
+
+    def __init__(self, builder: ir.IRBuilder, feats: set[str]):
+        self.b = builder
+        self.avx2 = "+avx2" in feats
+        self.f16c = "+f16c" in feats
+
+    def ptr(self, base, off):
+        """base (i8*) + off bytes."""
+        return self.b.gep(base, [off])
+
+    def load(self, base, off, ty):
+        p = self.b.bitcast(self.ptr(base, off), ty.as_pointer())
+        return self.b.load(p, align=1)
+
+    def load_f16(self, base, off):
+        if self.f16c:   # vcvtph2ps
+            return self.b.fpext(self.load(base, off, F16T), F32T)
+        # Without F16C, LLVM would call __extendhfsf2, which Numba's JIT does not provide:
+        # convert with integer ops (F. Giesen's half_to_float).
+        b = self.b
+        h = b.zext(self.load(base, off, I16), I32)
+        c = lambda v: ir.Constant(I32, v)  # noqa: E731
+        u = b.shl(b.and_(h, c(0x7FFF)), c(13))
+        e = b.and_(u, c(0x0F800000))
+        u1 = b.add(u, c(112 << 23))
+        inf_nan = b.bitcast(b.add(u1, c(112 << 23)), F32T)
+        denorm = b.fsub(b.bitcast(b.add(u1, c(1 << 23)), F32T), b.bitcast(c(113 << 23), F32T))
+        f = b.select(b.icmp_unsigned("==", e, c(0x0F800000)), inf_nan,
+                     b.select(b.icmp_unsigned("==", e, c(0)), denorm, b.bitcast(u1, F32T)))
+        sign = b.shl(b.and_(h, c(0x8000)), c(16))
+        return b.bitcast(b.or_(b.bitcast(f, I32), sign), F32T)
+
+    def splat(self, scalar, n):
+        v = self.b.insert_element(ir.Constant(_vec(scalar.type, 1), ir.Undefined), scalar, ir.Constant(I32, 0))
+        return self.b.shuffle_vector(v, v, _mask([0] * n))
+
+    def half(self, v, which):
+        n = v.type.count // 2
+        return self.b.shuffle_vector(v, v, _mask(range(which * n, which * n + n)))
+
+    def pairs(self, v):
+        """Add neighbouring lanes: <2n x i32> -> <n x i32> (the pmaddwd shape)."""
+        n = v.type.count // 2
+        ev = self.b.shuffle_vector(v, v, _mask(range(0, 2 * n, 2)))
+        od = self.b.shuffle_vector(v, v, _mask(range(1, 2 * n, 2)))
+        return self.b.add(ev, od)
+
+    def _x86(self, name, ret, args):
+        mod = self.b.module
+        fn = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ret, [a.type for a in args]), name)
+        return self.b.call(fn, args)
+
+    def maddubs(self, a8, x8):
+        """<32 x i8> a (unsigned) . <32 x i8> x (signed) -> <16 x i16> pair sums (vpmaddubsw).
+
+        Callers keep |a_even*x_even + a_odd*x_odd| < 2^15, so the AVX2 instruction's
+        saturation never triggers and the portable version needs none.
+        """
+        if self.avx2:
+            return self._x86("llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [a8, x8])
+        b = self.b
+        p = b.mul(b.zext(a8, _vec(I16, 32)), b.sext(x8, _vec(I16, 32)))
+        ev = b.shuffle_vector(p, p, _mask(range(0, 32, 2)))
+        od = b.shuffle_vector(p, p, _mask(range(1, 32, 2)))
+        return b.add(ev, od)
+
+    def madd_i16(self, s16, m16):
+        """<16 x i16> . <16 x i16> -> <8 x i32> pair sums (vpmaddwd)."""
+        if self.avx2:
+            return self._x86("llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [s16, m16])
+        b = self.b
+        return self.pairs(b.mul(b.sext(s16, _vec(I32, 16)), b.sext(m16, _vec(I32, 16))))
+
+    def sign_i8(self, x8, w8):
+        """x * sign(w) per lane (vpsignb)."""
+        if self.avx2:
+            return self._x86("llvm.x86.avx2.psign.b", _vec(I8, 32), [x8, w8])
+        b = self.b
+        zero = _const_vec(I8, 32, 0)
+        neg = b.select(b.icmp_signed("<", w8, zero), b.sub(zero, x8), x8)
+        return b.select(b.icmp_signed("==", w8, zero), zero, neg)
+
+    def abs_i8(self, w8):
+        b = self.b
+        zero = _const_vec(I8, 32, 0)
+        return b.select(b.icmp_signed("<", w8, zero), b.sub(zero, w8), w8)
+
+    def lut16(self, idx, table):
+        """<32 x i8> indices 0..15 -> table[idx] (vpshufb on AVX2; scalar loads elsewhere)."""
+        b = self.b
+        if self.avx2:
+            return self._x86("llvm.x86.avx2.pshuf.b", _vec(I8, 32), [_const_vec(I8, 32, list(table) * 2), idx])
+        name = "edgeinfer_lut16_" + "_".join(str(v & 255) for v in table)
+        g = b.module.globals.get(name) or cgutils.global_constant(
+            b.module, name, ir.Constant(ir.ArrayType(I8, 16), [v & 255 for v in table]))
+        out = ir.Constant(_vec(I8, 32), [0] * 32)
+        for k in range(32):
+            i = b.zext(b.extract_element(idx, ir.Constant(I32, k)), I64)
+            v = b.load(b.gep(g, [ir.Constant(I64, 0), i]))
+            out = b.insert_element(out, v, ir.Constant(I32, k))
+        return out
+
+    def hsum_f32(self, v):
+        b = self.b
+        while v.type.count > 1:
+            v = b.fadd(self.half(v, 0), self.half(v, 1))
+        return b.extract_element(v, ir.Constant(I32, 0))
+
+    def fma(self, a, x, acc):
+        mod = self.b.module
+        name = f"llvm.fma.v{acc.type.count}f32"
+        fn = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(acc.type, [acc.type] * 3), name)
+        return self.b.call(fn, [a, x, acc])
+
+
+def _target_features(context) -> set[str]:
+    """Features of the CPU Numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, else the host).
+
+    x86 AVX2 intrinsics are emitted only where "+avx2" is present (elsewhere they would
+    abort the process); Numba keys its on-disk cache by CPU name and this feature string.
+    """
+    cg = context.codegen()
+    feats = getattr(cg, "_tm_features", None)
+    if feats is None:
+        feats = cg._get_host_cpu_features()
+    return set(feats.split(","))
+
+
+def _array_ptrs(context, builder, sig, args):
+    """(row r of w as i8*, xq i8*, xd i8*, xs i8*, nb) from (w, r, xq, xd, xs)."""
+    w = context.make_array(sig.args[0])(context, builder, args[0])
+    r = args[1]
+    stride0 = cgutils.unpack_tuple(builder, w.strides)[0]
+    wrow = builder.gep(builder.bitcast(w.data, I8.as_pointer()), [builder.mul(r, stride0)])
+    out = [wrow]
+    for k in (2, 3, 4):
+        a = context.make_array(sig.args[k])(context, builder, args[k])
+        out.append(builder.bitcast(a.data, I8.as_pointer()))
+    xd = context.make_array(sig.args[3])(context, builder, args[3])
+    nb = cgutils.unpack_tuple(builder, xd.shape)[0]
+    return out, nb
+
+
+def _row_loop(context, builder, sig, args, body):
+    """Emit `for b in range(nb): acc = body(b, acc)`; return the horizontal sum.
+
+    Two <8 x float> accumulators take alternate blocks so consecutive blocks' fmas
+    do not wait on each other; an odd last block goes to the first.
+    """
+    (wrow, xq, xd, xs), nb = _array_ptrs(context, builder, sig, args)
+    h = _IR(builder, _target_features(context))
+    zero = ir.Constant(_vec(F32T, 8), [0.0] * 8)
+    one = ir.Constant(I64, 1)
+    npair = builder.ashr(nb, one)
+    entry = builder.block
+    loop = builder.append_basic_block("qdot.loop")
+    mid = builder.append_basic_block("qdot.mid")
+    odd = builder.append_basic_block("qdot.odd")
+    done = builder.append_basic_block("qdot.done")
+    builder.cbranch(builder.icmp_signed(">", npair, ir.Constant(I64, 0)), loop, mid)
+
+    builder.position_at_end(loop)
+    i = builder.phi(I64)
+    a0 = builder.phi(zero.type)
+    a1 = builder.phi(zero.type)
+    i.add_incoming(ir.Constant(I64, 0), entry)
+    a0.add_incoming(zero, entry)
+    a1.add_incoming(zero, entry)
+    b0 = builder.shl(i, one)
+    n0 = body(h, wrow, xq, xd, xs, b0, a0)
+    n1 = body(h, wrow, xq, xd, xs, builder.add(b0, one), a1)
+    nxt = builder.add(i, one)
+    loop_end = builder.block
+    i.add_incoming(nxt, loop_end)
+    a0.add_incoming(n0, loop_end)
+    a1.add_incoming(n1, loop_end)
+    builder.cbranch(builder.icmp_signed("<", nxt, npair), loop, mid)
+
+    builder.position_at_end(mid)
+    m0 = builder.phi(zero.type)
+    m1 = builder.phi(zero.type)
+    m0.add_incoming(zero, entry)
+    m0.add_incoming(n0, loop_end)
+    m1.add_incoming(zero, entry)
+    m1.add_incoming(n1, loop_end)
+    builder.cbranch(builder.trunc(builder.and_(nb, one), ir.IntType(1)), odd, done)
+
+    builder.position_at_end(odd)
+    o0 = body(h, wrow, xq, xd, xs, builder.sub(nb, one), m0)
+    odd_end = builder.block
+    builder.branch(done)
+
+    builder.position_at_end(done)
+    r0 = builder.phi(zero.type)
+    r0.add_incoming(m0, mid)
+    r0.add_incoming(o0, odd_end)
+    return h.hsum_f32(builder.fadd(r0, m1))
+
+
+def _c64(v):
+    return ir.Constant(I64, v)
+
+
+# ----------------------------------------------------------------------------- per-type block bodies
+
+def _body_q8_0(h, wrow, xq, xd, xs, bi, acc):
+    b = h.b
+    wo = b.mul(bi, _c64(34))
+    d = b.fmul(h.load_f16(wrow, wo), h.load(xd, b.mul(bi, _c64(4)), F32T))
+    wv = h.load(wrow, b.add(wo, _c64(2)), _vec(I8, 32))
+    xv = h.load(xq, b.mul(bi, _c64(32)), _vec(I8, 32))
+    # |w| (u8) . sign(w)*x (s8): products are the same, and vpmaddubsw takes u8 x s8
+    # pairs: |w|*|x| <= 128*127, two of them < 2^15
+    s = h.madd_i16(h.maddubs(h.abs_i8(wv), h.sign_i8(xv, wv)), _const_vec(I16, 16, 1))
+    return h.fma(h.splat(d, 8), b.sitofp(s, _vec(F32T, 8)), acc)
+
+
+def _nibbles32(h, q16):
+    """<16 x i8> packed nibbles -> <32 x i8>: low nibbles then high nibbles."""
+    b = h.b
+    lo = b.and_(q16, _const_vec(I8, 16, 15))
+    hi = b.lshr(q16, _const_vec(I8, 16, 4))
+    return b.shuffle_vector(lo, hi, _mask(range(32)))
+
+
+def _qh_bits(h, qh32, value):
+    """Bit k of the i32 qh -> `value` in byte k of a <32 x i8> (0 elsewhere)."""
+    b = h.b
+    qb = b.bitcast(qh32, _vec(I8, 4))
+    spread = b.shuffle_vector(qb, qb, _mask([k // 8 for k in range(32)]))
+    bit = b.and_(spread, _const_vec(I8, 32, [1 << (k % 8) for k in range(32)]))
+    return b.select(b.icmp_unsigned("!=", bit, _const_vec(I8, 32, 0)), _const_vec(I8, 32, value),
+                    _const_vec(I8, 32, 0))
+
+
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+# 32-element block types: (bytes per block, has min m, has 5th bits qh, offset subtracted, non-linear table)
+_Q32 = {
+    Q4_0: (18, False, False, 8, False), Q4_1: (20, True, False, 0, False),
+    Q5_0: (22, False, True, 16, False), Q5_1: (24, True, True, 0, False),
+    IQ4_NL: (18, False, False, 0, True),
+}
+
+
+def _q32_values(h, wrow, wo, qt):
+    """The 32 quant values of a 32-element block at byte wo as <32 x i8>: unsigned codes
+    (value = d * (code - offset) + m), or signed table values for IQ4_NL."""
+    b = h.b
+    bs, has_min, has_qh, offset, table = _Q32[qt]
+    qo = 4 if has_min else 2
+    qs = b.add(wo, _c64(qo + (4 if has_qh else 0)))
+    q = _nibbles32(h, h.load(wrow, qs, _vec(I8, 16)))
+    if has_qh:
+        q = b.or_(q, _qh_bits(h, h.load(wrow, b.add(wo, _c64(qo)), I32), 16))
+    if table:
+        q = h.lut16(q, KVALUES_IQ4NL)
+    return q
+
+
+def _make_body_q32(qt):
+    bs, has_min, has_qh, offset, table = _Q32[qt]
+
+    def body(h, wrow, xq, xd, xs, bi, acc):
+        b = h.b
+        wo = b.mul(bi, _c64(bs))
+        dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
+        d = b.fmul(h.load_f16(wrow, wo), dx)
+        q = _q32_values(h, wrow, wo, qt)
+        xv = h.load(xq, b.mul(bi, _c64(32)), _vec(I8, 32))
+        if table:   # signed x signed: |q| . sign(q)*x, pairs <= 2*127*127
+            p16 = h.maddubs(h.abs_i8(q), h.sign_i8(xv, q))
+        else:       # codes <= 31: pairs <= 2*31*128
+            p16 = h.maddubs(q, xv)
+        s = h.madd_i16(p16, _const_vec(I16, 16, 1))
+        if offset or has_min:
+            xsum = h.load(xs, b.mul(bi, _c64(4)), I32)
+        if offset:  # (q - offset) . x = q . x - offset * sum(x), in lane 0
+            corr = b.mul(xsum, ir.Constant(I32, offset))
+            s = b.sub(s, b.insert_element(ir.Constant(_vec(I32, 8), [0] * 8), corr, ir.Constant(I32, 0)))
+        acc = h.fma(h.splat(d, 8), b.sitofp(s, _vec(F32T, 8)), acc)
+        if has_min:  # + m * dx * sum(x), in lane 0
+            mt = b.fmul(b.fmul(h.load_f16(wrow, b.add(wo, _c64(2))), dx), b.sitofp(xsum, F32T))
+            acc = b.fadd(acc, b.insert_element(ir.Constant(_vec(F32T, 8), [0.0] * 8), mt, ir.Constant(I32, 0)))
+        return acc
+    return body
+
+
+def _q4k_scales(h, wrow, wo):
+    """12 packed bytes -> (<8 x i32> scales, <8 x i32> mins), as ggml's utmp trick."""
+    b = h.b
+    u0 = h.load(wrow, b.add(wo, _c64(4)), I32)
+    u1 = h.load(wrow, b.add(wo, _c64(8)), I32)
+    u2 = h.load(wrow, b.add(wo, _c64(12)), I32)
+    k1, k2, k3 = ir.Constant(I32, 0x3F3F3F3F), ir.Constant(I32, 0x0F0F0F0F), ir.Constant(I32, 0x03030303)
+    c4, c6 = ir.Constant(I32, 4), ir.Constant(I32, 6)
+    t3 = b.or_(b.and_(b.lshr(u2, c4), k2), b.shl(b.and_(b.lshr(u1, c6), k3), c4))
+    t1 = b.or_(b.and_(u2, k2), b.shl(b.and_(b.lshr(u0, c6), k3), c4))
+    t2 = b.and_(u1, k1)
+    t0 = b.and_(u0, k1)
+    v = ir.Constant(_vec(I32, 4), [0] * 4)
+    for i, t in enumerate((t0, t1, t2, t3)):
+        v = b.insert_element(v, t, ir.Constant(I32, i))
+    by = b.zext(b.bitcast(v, _vec(I8, 16)), _vec(I32, 16))
+    return h.half(by, 0), h.half(by, 1)
+
+
+def _make_body_q45_k(five: bool):
+    bs, qs0 = (176, 48) if five else (144, 16)
+
+    def body(h, wrow, xq, xd, xs, bi, acc):
+        b = h.b
+        wo = b.mul(bi, _c64(bs))
+        dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
+        d = b.fmul(h.load_f16(wrow, wo), dx)
+        dmin = b.fmul(h.load_f16(wrow, b.add(wo, _c64(2))), dx)
+        sc, mn = _q4k_scales(h, wrow, wo)
+        sc16 = b.trunc(sc, _vec(I16, 8))
+        bs32 = h.pairs(h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16)))     # per-32 sums of x
+        msum = b.mul(mn, bs32)
+        xo = b.mul(bi, _c64(256))
+        qh = h.load(wrow, b.add(wo, _c64(16)), _vec(I8, 32)) if five else None
+        isum = ir.Constant(_vec(I32, 8), [0] * 8)
+        for c in range(4):
+            q = h.load(wrow, b.add(wo, _c64(qs0 + 32 * c)), _vec(I8, 32))
+            for hi in range(2):
+                j = 2 * c + hi
+                v = _k_nibbles(h, q, hi)
+                if five:     # bit j of qh[l] is the 5th bit of element l of sub-block j
+                    hb = b.and_(b.lshr(qh, _const_vec(I8, 32, j)), _const_vec(I8, 32, 1))
+                    v = b.or_(v, b.shl(hb, _const_vec(I8, 32, 4)))
+                xv = h.load(xq, b.add(xo, _c64(32 * j)), _vec(I8, 32))
+                p16 = h.maddubs(v, xv)                               # pairs <= 2*31*128
+                scj = b.shuffle_vector(sc16, sc16, _mask([j] * 16))
+                isum = b.add(isum, h.madd_i16(p16, scj))
+        acc = h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
+        return h.fma(h.splat(b.fneg(dmin), 8), b.sitofp(msum, _vec(F32T, 8)), acc)
+    return body
+
+
+def _k_nibbles(h, q, hi):
+    b = h.b
+    return b.and_(q, _const_vec(I8, 32, 15)) if hi == 0 else b.lshr(q, _const_vec(I8, 32, 4))
+
+
+def _iq4xs_scale(h, wrow, wo, ib):
+    """Signed scale (ls - 32) of sub-block ib of an IQ4_XS block, as i16."""
+    b = h.b
+    sh = b.zext(h.load(wrow, b.add(wo, _c64(2)), I16), I32)
+    sl = b.zext(h.load(wrow, b.add(wo, _c64(4 + ib // 2)), I8), I32)
+    lo = b.and_(b.lshr(sl, ir.Constant(I32, 4 * (ib % 2))), ir.Constant(I32, 15))
+    hi = b.shl(b.and_(b.lshr(sh, ir.Constant(I32, 2 * ib)), ir.Constant(I32, 3)), ir.Constant(I32, 4))
+    return b.trunc(b.sub(b.or_(lo, hi), ir.Constant(I32, 32)), I16)
+
+
+def _body_iq4_xs(h, wrow, xq, xd, xs, bi, acc):
+    b = h.b
+    wo = b.mul(bi, _c64(136))
+    d = b.fmul(h.load_f16(wrow, wo), h.load(xd, b.mul(bi, _c64(4)), F32T))
+    xo = b.mul(bi, _c64(256))
+    isum = ir.Constant(_vec(I32, 8), [0] * 8)
+    for ib in range(8):
+        v = h.lut16(_nibbles32(h, h.load(wrow, b.add(wo, _c64(8 + 16 * ib)), _vec(I8, 16))), KVALUES_IQ4NL)
+        xv = h.load(xq, b.add(xo, _c64(32 * ib)), _vec(I8, 32))
+        p16 = h.maddubs(h.abs_i8(v), h.sign_i8(xv, v))              # pairs <= 2*127*127
+        isum = b.add(isum, h.madd_i16(p16, h.splat(_iq4xs_scale(h, wrow, wo, ib), 16)))
+    return h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
+
+
+def _q6_k_values(h, ql0, ql1, qh, gq):
+    """Unsigned 6-bit values (0..63) of quarter gq of a Q6_K half-block, as <32 x i8>."""
+    b = h.b
+    ql = ql0 if gq & 1 == 0 else ql1
+    low = b.and_(ql, _const_vec(I8, 32, 15)) if gq < 2 else b.lshr(ql, _const_vec(I8, 32, 4))
+    high = b.and_(b.lshr(qh, _const_vec(I8, 32, 2 * gq)), _const_vec(I8, 32, 3))
+    return b.or_(low, b.shl(high, _const_vec(I8, 32, 4)))
+
+
+def _body_q6_k(h, wrow, xq, xd, xs, bi, acc):
+    b = h.b
+    wo = b.mul(bi, _c64(210))
+    d = b.fmul(h.load_f16(wrow, b.add(wo, _c64(208))), h.load(xd, b.mul(bi, _c64(4)), F32T))
+    sc = b.sext(h.load(wrow, b.add(wo, _c64(192)), _vec(I8, 16)), _vec(I32, 16))
+    bsums = h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16))
+    corr = b.mul(b.mul(sc, bsums), _const_vec(I32, 16, 32))           # 32 * sc_g * sum_g(x)
+    isum = b.sub(ir.Constant(_vec(I32, 8), [0] * 8), h.pairs(corr))
+    sc16 = b.trunc(sc, _vec(I16, 16))
+    xo = b.mul(bi, _c64(256))
+    for hh in range(2):
+        qh = h.load(wrow, b.add(wo, _c64(128 + 32 * hh)), _vec(I8, 32))
+        ql0 = h.load(wrow, b.add(wo, _c64(64 * hh)), _vec(I8, 32))
+        ql1 = h.load(wrow, b.add(wo, _c64(64 * hh + 32)), _vec(I8, 32))
+        for gq in range(4):
+            q = _q6_k_values(h, ql0, ql1, qh, gq)
+            xv = h.load(xq, b.add(xo, _c64(hh * 128 + gq * 32)), _vec(I8, 32))
+            p16 = h.maddubs(q, xv)              # pairs <= 2*63*128; lanes 0..7: group g, 8..15: g+1
+            g = hh * 8 + gq * 2
+            scg = b.shuffle_vector(sc16, sc16, _mask([g] * 8 + [g + 1] * 8))
+            isum = b.add(isum, h.madd_i16(p16, scg))
+    return h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
+
+
+def _q3k_scales(h, wrow, wo):
+    """16 signed 6-bit Q3_K scales from the 12 bytes at wo + 96, as <16 x i32> (ggml's aux trick)."""
+    b = h.b
+    a0 = h.load(wrow, b.add(wo, _c64(96)), I32)
+    a1 = h.load(wrow, b.add(wo, _c64(100)), I32)
+    tmp = h.load(wrow, b.add(wo, _c64(104)), I32)
+    c = lambda v: ir.Constant(I32, v)  # noqa: E731
+    k1, k2 = c(0x03030303), c(0x0F0F0F0F)
+    s2 = b.or_(b.and_(b.lshr(a0, c(4)), k2), b.shl(b.and_(b.lshr(tmp, c(4)), k1), c(4)))
+    s3 = b.or_(b.and_(b.lshr(a1, c(4)), k2), b.shl(b.and_(b.lshr(tmp, c(6)), k1), c(4)))
+    s0 = b.or_(b.and_(a0, k2), b.shl(b.and_(tmp, k1), c(4)))
+    s1 = b.or_(b.and_(a1, k2), b.shl(b.and_(b.lshr(tmp, c(2)), k1), c(4)))
+    v = ir.Constant(_vec(I32, 4), [0] * 4)
+    for i, t in enumerate((s0, s1, s2, s3)):
+        v = b.insert_element(v, t, ir.Constant(I32, i))
+    return b.sub(b.zext(b.bitcast(v, _vec(I8, 16)), _vec(I32, 16)), _const_vec(I32, 16, 32))
+
+
+def _q23k_codes(h, wrow, wo, hh, j, three):
+    """Unsigned codes of elements hh*128 + j*32 + (0..31): Q2_K 0..3; Q3_K value + 4 (0..7)."""
+    b = h.b
+    qs0 = 32 if three else 16
+    q = h.load(wrow, b.add(wo, _c64(qs0 + 32 * hh)), _vec(I8, 32))
+    v = b.and_(b.lshr(q, _const_vec(I8, 32, 2 * j)), _const_vec(I8, 32, 3))
+    if three:   # hmask bit set: value = q, else q - 4; code = value + 4
+        hm = h.load(wrow, wo, _vec(I8, 32))
+        bit = b.and_(b.lshr(hm, _const_vec(I8, 32, 4 * hh + j)), _const_vec(I8, 32, 1))
+        v = b.or_(v, b.shl(bit, _const_vec(I8, 32, 2)))
+    return v
+
+
+def _make_body_q23_k(three: bool):
+    bs = 110 if three else 84
+
+    def body(h, wrow, xq, xd, xs, bi, acc):
+        b = h.b
+        wo = b.mul(bi, _c64(bs))
+        dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
+        bsums = h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16))
+        if three:
+            sc = _q3k_scales(h, wrow, wo)
+            d = b.fmul(h.load_f16(wrow, b.add(wo, _c64(108))), dx)
+            # codes are value + 4: subtract 4 * sc_g * sum_g(x)
+            isum = b.sub(ir.Constant(_vec(I32, 8), [0] * 8),
+                         b.mul(h.pairs(b.mul(sc, bsums)), _const_vec(I32, 8, 4)))
+        else:
+            raw = b.zext(h.load(wrow, wo, _vec(I8, 16)), _vec(I32, 16))
+            sc = b.and_(raw, _const_vec(I32, 16, 15))
+            msum = h.pairs(b.mul(b.lshr(raw, _const_vec(I32, 16, 4)), bsums))
+            d = b.fmul(h.load_f16(wrow, b.add(wo, _c64(80))), dx)
+            dmin = b.fmul(h.load_f16(wrow, b.add(wo, _c64(82))), dx)
+            isum = ir.Constant(_vec(I32, 8), [0] * 8)
+        sc16 = b.trunc(sc, _vec(I16, 16))
+        xo = b.mul(bi, _c64(256))
+        for hh in range(2):
+            for j in range(4):
+                v = _q23k_codes(h, wrow, wo, hh, j, three)
+                xv = h.load(xq, b.add(xo, _c64(hh * 128 + j * 32)), _vec(I8, 32))
+                p16 = h.maddubs(v, xv)                     # lanes 0..7: group g, 8..15: group g+1
+                g = hh * 8 + j * 2
+                isum = b.add(isum, h.madd_i16(p16, b.shuffle_vector(sc16, sc16, _mask([g] * 8 + [g + 1] * 8))))
+        acc = h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
+        if not three:
+            acc = h.fma(h.splat(b.fneg(dmin), 8), b.sitofp(msum, _vec(F32T, 8)), acc)
+        return acc
+    return body
+
+
+def _make_deq_q23_k(three: bool):
+    bs = 110 if three else 84
+
+    def body(h, wrow, yrow, bi):
+        b = h.b
+        wo = b.mul(bi, _c64(bs))
+        if three:
+            d = h.load_f16(wrow, b.add(wo, _c64(108)))
+            dsc = b.fmul(b.sitofp(_q3k_scales(h, wrow, wo), _vec(F32T, 16)), h.splat(d, 16))
+            msc = ir.Constant(_vec(F32T, 16), [0.0] * 16)
+            off = 4
+        else:
+            raw = b.zext(h.load(wrow, wo, _vec(I8, 16)), _vec(I32, 16))
+            d = h.load_f16(wrow, b.add(wo, _c64(80)))
+            dmin = h.load_f16(wrow, b.add(wo, _c64(82)))
+            dsc = b.fmul(b.sitofp(b.and_(raw, _const_vec(I32, 16, 15)), _vec(F32T, 16)), h.splat(d, 16))
+            msc = b.fmul(b.sitofp(b.lshr(raw, _const_vec(I32, 16, 4)), _vec(F32T, 16)), h.splat(b.fneg(dmin), 16))
+            off = 0
+        yo = b.mul(bi, _c64(1024))
+        for hh in range(2):
+            for j in range(4):
+                v = _q23k_codes(h, wrow, wo, hh, j, three)
+                f = b.sitofp(b.sub(b.zext(v, _vec(I32, 32)), _const_vec(I32, 32, off)), _vec(F32T, 32))
+                g = hh * 8 + j * 2
+                m = _mask([g] * 16 + [g + 1] * 16)
+                y = h.fma(f, b.shuffle_vector(dsc, dsc, m), b.shuffle_vector(msc, msc, m))
+                _store(h, yrow, b.add(yo, _c64(4 * (hh * 128 + j * 32))), y)
+    return body
+
+
+def _make_row_intrinsic(body):
+    @intrinsic
+    def row_dot(typingctx, w, r, xq, xd, xs):
+        sig = types.float32(w, r, xq, xd, xs)
+
+        def codegen(context, builder, sig, args):
+            return _row_loop(context, builder, sig, args, body)
+        return sig, codegen
+    return row_dot
+
+
+_row_q8_0 = _make_row_intrinsic(_body_q8_0)
+_row_q4_0 = _make_row_intrinsic(_make_body_q32(Q4_0))
+_row_q4_1 = _make_row_intrinsic(_make_body_q32(Q4_1))
+_row_q5_0 = _make_row_intrinsic(_make_body_q32(Q5_0))
+_row_q5_1 = _make_row_intrinsic(_make_body_q32(Q5_1))
+_row_iq4_nl = _make_row_intrinsic(_make_body_q32(IQ4_NL))
+_row_q4_k = _make_row_intrinsic(_make_body_q45_k(False))
+_row_q5_k = _make_row_intrinsic(_make_body_q45_k(True))
+_row_q6_k = _make_row_intrinsic(_body_q6_k)
+_row_iq4_xs = _make_row_intrinsic(_body_iq4_xs)
+_row_q2_k = _make_row_intrinsic(_make_body_q23_k(False))
+_row_q3_k = _make_row_intrinsic(_make_body_q23_k(True))
+
+
+# ----------------------------------------------------------------------------- dequantization (prefill)
+
+def _deq_loop(context, builder, sig, args, block, body):
+    """Emit `for b in range(n_cols // block): body(b)` writing row i of y from row r of w."""
+    w = context.make_array(sig.args[0])(context, builder, args[0])
+    y = context.make_array(sig.args[2])(context, builder, args[2])
+    r, i = args[1], args[3]
+    wrow = builder.gep(builder.bitcast(w.data, I8.as_pointer()),
+                       [builder.mul(r, cgutils.unpack_tuple(builder, w.strides)[0])])
+    yrow = builder.gep(builder.bitcast(y.data, I8.as_pointer()),
+                       [builder.mul(i, cgutils.unpack_tuple(builder, y.strides)[0])])
+    nb = builder.sdiv(cgutils.unpack_tuple(builder, y.shape)[1], ir.Constant(I64, block))
+    h = _IR(builder, _target_features(context))
+    with cgutils.for_range(builder, nb) as loop:
+        body(h, wrow, yrow, loop.index)
+    return context.get_dummy_value()
+
+
+def _store(h, yrow, off, v):
+    p = h.b.bitcast(h.ptr(yrow, off), v.type.as_pointer())
+    h.b.store(v, p, align=4)
+
+
+def _deq_q8_0(h, wrow, yrow, bi):
+    b = h.b
+    wo = b.mul(bi, _c64(34))
+    q = b.sitofp(h.load(wrow, b.add(wo, _c64(2)), _vec(I8, 32)), _vec(F32T, 32))
+    _store(h, yrow, b.mul(bi, _c64(128)), b.fmul(q, h.splat(h.load_f16(wrow, wo), 32)))
+
+
+def _make_deq_q32(qt):
+    bs, has_min, has_qh, offset, table = _Q32[qt]
+
+    def body(h, wrow, yrow, bi):
+        b = h.b
+        wo = b.mul(bi, _c64(bs))
+        q = _q32_values(h, wrow, wo, qt)
+        if table:
+            f = b.sitofp(q, _vec(F32T, 32))
+        else:
+            f = b.sitofp(b.sub(b.zext(q, _vec(I32, 32)), _const_vec(I32, 32, offset)), _vec(F32T, 32))
+        d = h.splat(h.load_f16(wrow, wo), 32)
+        if has_min:
+            y = h.fma(f, d, h.splat(h.load_f16(wrow, b.add(wo, _c64(2))), 32))
+        else:
+            y = b.fmul(f, d)
+        _store(h, yrow, b.mul(bi, _c64(128)), y)
+    return body
+
+
+def _make_deq_q45_k(five: bool):
+    bs, qs0 = (176, 48) if five else (144, 16)
+
+    def body(h, wrow, yrow, bi):
+        b = h.b
+        wo = b.mul(bi, _c64(bs))
+        d = h.load_f16(wrow, wo)
+        dmin = h.load_f16(wrow, b.add(wo, _c64(2)))
+        sc, mn = _q4k_scales(h, wrow, wo)
+        dsc = b.fmul(b.sitofp(sc, _vec(F32T, 8)), h.splat(d, 8))
+        msc = b.fmul(b.sitofp(mn, _vec(F32T, 8)), h.splat(b.fneg(dmin), 8))
+        qh = h.load(wrow, b.add(wo, _c64(16)), _vec(I8, 32)) if five else None
+        yo = b.mul(bi, _c64(1024))
+        for c in range(4):
+            q = h.load(wrow, b.add(wo, _c64(qs0 + 32 * c)), _vec(I8, 32))
+            for hi in range(2):
+                j = 2 * c + hi
+                v = _k_nibbles(h, q, hi)
+                if five:
+                    hb = b.and_(b.lshr(qh, _const_vec(I8, 32, j)), _const_vec(I8, 32, 1))
+                    v = b.or_(v, b.shl(hb, _const_vec(I8, 32, 4)))
+                f = b.uitofp(v, _vec(F32T, 32))
+                ds = b.shuffle_vector(dsc, dsc, _mask([j] * 32))
+                ms = b.shuffle_vector(msc, msc, _mask([j] * 32))
+                _store(h, yrow, b.add(yo, _c64(128 * j)), h.fma(f, ds, ms))
+    return body
+
+
+def _deq_iq4_xs(h, wrow, yrow, bi):
+    b = h.b
+    wo = b.mul(bi, _c64(136))
+    d = h.load_f16(wrow, wo)
+    yo = b.mul(bi, _c64(1024))
+    for ib in range(8):
+        v = h.lut16(_nibbles32(h, h.load(wrow, b.add(wo, _c64(8 + 16 * ib)), _vec(I8, 16))), KVALUES_IQ4NL)
+        dl = b.fmul(d, b.sitofp(_iq4xs_scale(h, wrow, wo, ib), F32T))
+        _store(h, yrow, b.add(yo, _c64(128 * ib)), b.fmul(b.sitofp(v, _vec(F32T, 32)), h.splat(dl, 32)))
+
+
+def _deq_q6_k(h, wrow, yrow, bi):
+    b = h.b
+    wo = b.mul(bi, _c64(210))
+    d = h.load_f16(wrow, b.add(wo, _c64(208)))
+    dsc = b.fmul(b.sitofp(h.load(wrow, b.add(wo, _c64(192)), _vec(I8, 16)), _vec(F32T, 16)), h.splat(d, 16))
+    yo = b.mul(bi, _c64(1024))
+    for hh in range(2):
+        qh = h.load(wrow, b.add(wo, _c64(128 + 32 * hh)), _vec(I8, 32))
+        ql0 = h.load(wrow, b.add(wo, _c64(64 * hh)), _vec(I8, 32))
+        ql1 = h.load(wrow, b.add(wo, _c64(64 * hh + 32)), _vec(I8, 32))
+        for gq in range(4):
+            q = _q6_k_values(h, ql0, ql1, qh, gq)
+            f = b.sitofp(b.sub(b.zext(q, _vec(I32, 32)), _const_vec(I32, 32, 32)), _vec(F32T, 32))
+            g = hh * 8 + gq * 2
+            ds = b.shuffle_vector(dsc, dsc, _mask([g] * 16 + [g + 1] * 16))
+            _store(h, yrow, b.add(yo, _c64(4 * (hh * 128 + gq * 32))), b.fmul(f, ds))
+
+
+def _make_deq_intrinsic(block, body):
+    @intrinsic
+    def deq_row(typingctx, w, r, y, i):
+        sig = types.void(w, r, y, i)
+
+        def codegen(context, builder, sig, args):
+            return _deq_loop(context, builder, sig, args, block, body)
+        return sig, codegen
+    return deq_row
+
+
+_deq_row_q8_0 = _make_deq_intrinsic(32, _deq_q8_0)
+_deq_row_q4_0 = _make_deq_intrinsic(32, _make_deq_q32(Q4_0))
+_deq_row_q4_1 = _make_deq_intrinsic(32, _make_deq_q32(Q4_1))
+_deq_row_q5_0 = _make_deq_intrinsic(32, _make_deq_q32(Q5_0))
+_deq_row_q5_1 = _make_deq_intrinsic(32, _make_deq_q32(Q5_1))
+_deq_row_iq4_nl = _make_deq_intrinsic(32, _make_deq_q32(IQ4_NL))
+_deq_row_q4_k = _make_deq_intrinsic(256, _make_deq_q45_k(False))
+_deq_row_q5_k = _make_deq_intrinsic(256, _make_deq_q45_k(True))
+_deq_row_q6_k = _make_deq_intrinsic(256, _deq_q6_k)
+_deq_row_iq4_xs = _make_deq_intrinsic(256, _deq_iq4_xs)
+_deq_row_q2_k = _make_deq_intrinsic(256, _make_deq_q23_k(False))
+_deq_row_q3_k = _make_deq_intrinsic(256, _make_deq_q23_k(True))
+
+FAST_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
+
+_JIT = dict(cache=True, nogil=True)
+
+
+@njit(**_JIT)
+def _row_dot(w, qt, r, xq, xd, xs):
+    """Row r of w . 8-bit activations, dispatched on the GGML type id (once per row)."""
+    if qt == Q4_K:
+        return _row_q4_k(w, r, xq, xd, xs)
+    if qt == Q6_K:
+        return _row_q6_k(w, r, xq, xd, xs)
+    if qt == Q8_0:
+        return _row_q8_0(w, r, xq, xd, xs)
+    if qt == Q5_0:
+        return _row_q5_0(w, r, xq, xd, xs)
+    if qt == Q5_K:
+        return _row_q5_k(w, r, xq, xd, xs)
+    if qt == Q4_0:
+        return _row_q4_0(w, r, xq, xd, xs)
+    if qt == Q4_1:
+        return _row_q4_1(w, r, xq, xd, xs)
+    if qt == Q5_1:
+        return _row_q5_1(w, r, xq, xd, xs)
+    if qt == IQ4_NL:
+        return _row_iq4_nl(w, r, xq, xd, xs)
+    if qt == Q3_K:
+        return _row_q3_k(w, r, xq, xd, xs)
+    if qt == Q2_K:
+        return _row_q2_k(w, r, xq, xd, xs)
+    return _row_iq4_xs(w, r, xq, xd, xs)
+
+
+@njit(**_JIT)
+def _deq_row(w, qt, r, y, i):
+    """y[i] = dequantized row r of w, dispatched on the GGML type id."""
+    if qt == Q4_K:
+        _deq_row_q4_k(w, r, y, i)
+    elif qt == Q6_K:
+        _deq_row_q6_k(w, r, y, i)
+    elif qt == Q8_0:
+        _deq_row_q8_0(w, r, y, i)
+    elif qt == Q5_0:
+        _deq_row_q5_0(w, r, y, i)
+    elif qt == Q5_K:
+        _deq_row_q5_k(w, r, y, i)
+    elif qt == Q4_0:
+        _deq_row_q4_0(w, r, y, i)
+    elif qt == Q4_1:
+        _deq_row_q4_1(w, r, y, i)
+    elif qt == Q5_1:
+        _deq_row_q5_1(w, r, y, i)
+    elif qt == IQ4_NL:
+        _deq_row_iq4_nl(w, r, y, i)
+    elif qt == Q3_K:
+        _deq_row_q3_k(w, r, y, i)
+    elif qt == Q2_K:
+        _deq_row_q2_k(w, r, y, i)
+    else:
+        _deq_row_iq4_xs(w, r, y, i)
+
+
+@njit(parallel=True, **_JIT)
+def _matvec_kernel(w, qt, xq, xd, xs, out):
+    for r in prange(out.shape[0]):
+        out[r] = _row_dot(w, qt, r, xq, xd, xs)
+
+
+@njit(parallel=True, **_JIT)
+def _matmul_kernel(w, qt, xq, xd, xs, out):
+    # each weight row is read once (it stays in L1/L2) for all tokens
+    for r in prange(w.shape[0]):
+        for t in range(xq.shape[0]):
+            out[t, r] = _row_dot(w, qt, r, xq[t], xd[t], xs[t])
+
+
+@njit(parallel=True, **_JIT)
+def _dequant_kernel(w, qt, start, y):
+    for i in prange(y.shape[0]):
+        _deq_row(w, qt, start + i, y, i)
+
+
+@njit(parallel=True, **_JIT)
+def _dequant_rows_kernel(w, qt, rows, y):
+    for i in prange(y.shape[0]):
+        _deq_row(w, qt, rows[i], y, i)
+
+
+def has_fast_path(qt: int) -> bool:
+    return qt in FAST_TYPES
+
+
+def matvec_fast(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
+    """out[r] = row r . activations (quantized by matvec.quantize_activations) for a fast-path type."""
+    _matvec_kernel(w_raw, qt, xq, xd, xs, out)
+
+
+def matmul_int(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
+    """out[t, r] = row r . token t's 8-bit activations (xq/xd/xs with one row per token)."""
+    _matmul_kernel(w_raw, qt, xq, xd, xs, out)
+
+
+def dequantize_fast(w_raw: np.ndarray, qt: int, start: int, y: np.ndarray) -> None:
+    """y[i] = dequantized row start + i of w, for a fast-path type; y float32 (n, n_cols) C-contiguous."""
+    _dequant_kernel(w_raw, qt, start, y)
+
+
+def dequantize_rows_fast(w_raw: np.ndarray, qt: int, rows: np.ndarray, y: np.ndarray) -> None:
+    """y[i] = dequantized row rows[i] of w (int64 ids, validated by the caller)."""
+    _dequant_rows_kernel(w_raw, qt, rows, y)

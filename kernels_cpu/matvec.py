@@ -1,0 +1,212 @@
+"""Public entry points: quantized matvec (decode), matmul (prefill), row lookup.
+
+Weights are the raw GGUF bytes, a C-contiguous uint8 (n_rows, row_bytes) array
+(often a read-only view into the mmap; never copied).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from . import quant_kernels as qk
+from .quant_types import QuantInfo, check_weight
+from .threads import apply_threads
+
+from . import fast_dot
+
+# EDGEINFER_PLAIN_KERNELS=1 routes every type through the plain Numba kernels (debugging).
+_FAST = not os.environ.get("EDGEINFER_PLAIN_KERNELS")
+
+
+def _fast(qt: int) -> bool:
+    return _FAST and fast_dot.has_fast_path(qt)
+
+_PREFILL_TILE_ROWS = 64        # rows dequantized at once for the BLAS GEMM (measured: 32-64 best)
+_INT8_MATMUL_MAX_TOKENS = 64   # up to here the 8-bit row kernels beat dequantize + BLAS (measured)
+
+
+def _f32_vec(x: np.ndarray, n: int, what: str) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape != (n,):
+        raise ValueError(f"{what} has shape {x.shape}, expected ({n},)")
+    return x
+
+
+def quantize_activations(x: np.ndarray, info: QuantInfo):
+    """x (n_cols,) f32 -> (xq int8 (n_cols,), xd f32 per block, xs int32 block sums) as matvec uses them.
+
+    32-blocks (Q8_0 style) for the 32-element weight types: xs = sum of the block.
+    256-blocks (Q8_K style) for K-quants / IQ4_XS: xs = sums of each 16 elements (bsums).
+    """
+    n = x.shape[0]
+    xq = np.empty(n, np.int8)
+    if info.act_block == 32:
+        xd = np.empty(n // 32, np.float32)
+        xs = np.empty(n // 32, np.int32)
+        qk.quantize_q8_0(x, xq, xd, xs, 32)
+    else:
+        xd = np.empty(n // 256, np.float32)
+        xs = np.empty(n // 16, np.int32)
+        qk.quantize_q8_k(x, xq, xd, xs, 16)
+    return xq, xd, xs
+
+
+def quantize_activation_rows(X: np.ndarray, info: QuantInfo):
+    """X (n_tok, n_cols) f32 -> per-row (xq, xd, xs) stacked: shapes (n_tok, ...) as quantize_activations."""
+    n_tok, n = X.shape
+    xq = np.empty((n_tok, n), np.int8)
+    if info.act_block == 32:
+        xd = np.empty((n_tok, n // 32), np.float32)
+        xs = np.empty((n_tok, n // 32), np.int32)
+        qk.quantize_rows_q8_0(X, xq, xd, xs)
+    else:
+        xd = np.empty((n_tok, n // 256), np.float32)
+        xs = np.empty((n_tok, n // 16), np.int32)
+        qk.quantize_rows_q8_k(X, xq, xd, xs)
+    return xq, xd, xs
+
+
+def matvec(w_raw: np.ndarray, qtype: T, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """out (n_rows,) f32 = W @ x; x (n_cols,) f32. The decode path.
+
+    Quantized types quantize x once to 8-bit blocks and use integer block dots, as llama.cpp.
+    """
+    info = check_weight(w_raw, qtype)
+    w_raw = _readonly(w_raw)
+    apply_threads()
+    n_rows = w_raw.shape[0]
+    n_cols = w_raw.shape[1] // info.type_size * info.block_size
+    x = _f32_vec(x, n_cols, "x")
+    if out is None:
+        out = np.empty(n_rows, np.float32)
+    elif out.shape != (n_rows,) or out.dtype != np.float32:
+        raise ValueError(f"out must be float32 ({n_rows},), got {out.dtype} {out.shape}")
+    qt = int(info.qtype)
+    if qt == qk.F32:
+        qk.matvec_f32_kernel(w_raw.view(np.float32), x, out)
+        return out
+    if qt in (qk.F16, qk.BF16):
+        qk.matvec_half_kernel(w_raw.view(np.uint16), qt == qk.BF16, x, out)
+        return out
+    xq, xd, xs = quantize_activations(x, info)
+    if _fast(qt):
+        fast_dot.matvec_fast(w_raw, qt, xq, xd, xs, out)
+    else:
+        qk.matvec_q_kernel(w_raw, w_raw.view(np.int8), qt, xq, xd, xs, out, 16, 32)
+    return out
+
+
+def dequantize_rows(w_raw: np.ndarray, qtype: T, n_cols: int, start: int, stop: int,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """Rows start..stop-1 as float32 (stop - start, n_cols)."""
+    info = check_weight(w_raw, qtype)
+    w_raw = _readonly(w_raw)
+    apply_threads()
+    _check_cols(w_raw, info, n_cols)
+    if not 0 <= start <= stop <= w_raw.shape[0]:
+        raise IndexError(f"row range {start}:{stop} outside 0:{w_raw.shape[0]}")
+    if out is None:
+        out = np.empty((stop - start, n_cols), np.float32)
+    elif out.shape != (stop - start, n_cols) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous float32 ({stop - start}, {n_cols})")
+    if info.qtype == T.F32:
+        out[...] = w_raw[start:stop].view(np.float32)
+    else:
+        _dequant_into(w_raw, int(info.qtype), start, out)
+    return out
+
+
+def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
+    """Embedding lookup: float32 (len(ids), n_cols), dequantizing only the rows asked for."""
+    info = check_weight(w_raw, qtype)
+    w_raw = _readonly(w_raw)
+    apply_threads()
+    _check_cols(w_raw, info, n_cols)
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= w_raw.shape[0]):
+        raise IndexError(f"row id outside 0:{w_raw.shape[0]}")
+    out = np.empty((ids.shape[0], n_cols), np.float32)
+    if info.qtype == T.F32:
+        out[...] = w_raw.view(np.float32)[ids]
+    else:
+        _dequant_rows_into(w_raw, int(info.qtype), ids, out)
+    return out
+
+
+def matmul_uses_int8(qtype: T, n_tokens: int) -> bool:
+    """Whether matmul takes the 8-bit activation path (else dequantized tiles + BLAS)."""
+    return _fast(int(qtype)) and n_tokens <= _INT8_MATMUL_MAX_TOKENS
+
+
+def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """out (n_tokens, n_rows) f32 = X @ W.T; X (n_tokens, n_cols) f32. The prefill path.
+
+    Up to _INT8_MATMUL_MAX_TOKENS tokens, fast-path types quantize each token to 8 bits and
+    use the decode row kernels (each weight row read once for all tokens; llama.cpp's
+    numerics). Otherwise tiles of rows are dequantized into a small float32 buffer and
+    multiplied with BLAS (numpy's OpenBLAS).
+    """
+    info = check_weight(w_raw, qtype)
+    w_raw = _readonly(w_raw)
+    apply_threads()
+    n_rows = w_raw.shape[0]
+    n_cols = w_raw.shape[1] // info.type_size * info.block_size
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    if X.ndim != 2 or X.shape[1] != n_cols:
+        raise ValueError(f"X has shape {X.shape}, expected (n_tokens, {n_cols})")
+    n_tok = X.shape[0]
+    if out is None:
+        out = np.empty((n_tok, n_rows), np.float32)
+    elif out.shape != (n_tok, n_rows) or out.dtype != np.float32:
+        raise ValueError(f"out must be float32 ({n_tok}, {n_rows}), got {out.dtype} {out.shape}")
+    qt = int(info.qtype)
+    if qt == qk.F32:
+        np.matmul(X, w_raw.view(np.float32).T, out=out)
+        return out
+    if matmul_uses_int8(info.qtype, n_tok):
+        xq, xd, xs = quantize_activation_rows(X, info)
+        fast_dot.matmul_int(w_raw, qt, xq, xd, xs, out)
+        return out
+    tile = np.empty((min(_PREFILL_TILE_ROWS, n_rows), n_cols), np.float32)
+    for r0 in range(0, n_rows, _PREFILL_TILE_ROWS):
+        r1 = min(r0 + _PREFILL_TILE_ROWS, n_rows)
+        t = tile[: r1 - r0]
+        _dequant_into(w_raw, qt, r0, t)
+        np.matmul(X, t.T, out=out[:, r0:r1])
+    return out
+
+
+def _dequant_into(w_raw: np.ndarray, qt: int, start: int, out: np.ndarray) -> None:
+    """out[i] = row start + i as float32 (fast IR kernel where there is one)."""
+    if _fast(qt):
+        fast_dot.dequantize_fast(w_raw, qt, start, out)
+    else:
+        _dequant_rows_into(w_raw, qt, np.arange(start, start + out.shape[0]), out)
+
+
+def _dequant_rows_into(w_raw: np.ndarray, qt: int, ids: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = row ids[i] as float32: fast IR kernel, small F16/BF16 kernel, or the plain one."""
+    if _fast(qt):
+        fast_dot.dequantize_rows_fast(w_raw, qt, ids, out)
+    elif _FAST and qt in (qk.F16, qk.BF16):
+        qk.dequantize_half_rows_kernel(w_raw.view(np.uint16), qt == qk.BF16, ids, out)
+    else:
+        qk.dequantize_rows_kernel(w_raw, w_raw.view(np.int8), qt, ids, out)
+
+
+def _readonly(w_raw: np.ndarray) -> np.ndarray:
+    """A read-only view: Numba then compiles one specialization whether the caller's array
+    is an mmap view (read-only) or a writable copy."""
+    if not w_raw.flags.writeable:
+        return w_raw
+    v = w_raw.view()
+    v.flags.writeable = False
+    return v
+
+
+def _check_cols(w_raw: np.ndarray, info: QuantInfo, n_cols: int) -> None:
+    have = w_raw.shape[1] // info.type_size * info.block_size
+    if have != n_cols:
+        raise ValueError(f"n_cols={n_cols} but the rows hold {have} {info.qtype.name} elements")

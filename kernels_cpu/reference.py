@@ -1,0 +1,94 @@
+"""Plain numpy references for the kernels (tests and debugging only; slow)."""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from .quant_types import quant_info
+
+
+def reference_dequantize(w_raw: np.ndarray, qtype: T) -> np.ndarray:
+    """(n_rows, row_bytes) raw -> (n_rows, n_cols) float32 through gguf.quants."""
+    info = quant_info(qtype)
+    if info.qtype == T.F32:
+        return w_raw.view(np.float32).copy()
+    if info.qtype == T.F16:
+        return w_raw.view(np.float16).astype(np.float32)
+    return np.asarray(dequantize(w_raw, info.qtype), dtype=np.float32).reshape(w_raw.shape[0], -1)
+
+
+def reference_matvec(w_raw: np.ndarray, qtype: T, x: np.ndarray) -> np.ndarray:
+    """dequantize(w) @ x accumulated in float64."""
+    return (reference_dequantize(w_raw, qtype).astype(np.float64) @ np.asarray(x, np.float64)).astype(np.float32)
+
+
+def reference_matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray) -> np.ndarray:
+    """X @ dequantize(w).T accumulated in float64: (n_tokens, n_rows)."""
+    return (np.asarray(X, np.float64) @ reference_dequantize(w_raw, qtype).astype(np.float64).T).astype(np.float32)
+
+
+def reference_quantize_act(x: np.ndarray, block: int) -> np.ndarray:
+    """x rounded the way matvec quantizes activations, back in float64 (for tight checks).
+
+    block 32: Q8_0 (d = amax/127 rounded to fp16); block 256: Q8_K (d = -max/127, float32).
+    """
+    x = np.asarray(x, np.float32).reshape(-1, block)
+    if block == 32:
+        amax = np.abs(x).max(axis=1, keepdims=True)
+        inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        q = np.rint(x * inv)
+        d = (amax / np.float32(127.0)).astype(np.float16).astype(np.float64)
+        return (q * d).ravel()
+    idx = np.abs(x).argmax(axis=1)
+    vmax = x[np.arange(x.shape[0]), idx][:, None]
+    iscale = np.where(vmax != 0, np.float32(-127.0) / np.where(vmax != 0, vmax, 1), 0).astype(np.float32)
+    q = np.minimum(np.rint(iscale * x), 127)
+    d = np.where(iscale != 0, np.float32(1.0) / np.where(iscale != 0, iscale, 1), 0).astype(np.float32)
+    return (q.astype(np.float64) * d.astype(np.float64)).ravel()
+
+
+def reference_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x64 = np.asarray(x, np.float64)
+    return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * np.asarray(w, np.float64)
+
+
+def reference_rope(x: np.ndarray, positions, freq_base: float, mode: str = "normal", n_dims: int | None = None,
+                   freq_scale: float = 1.0, freq_factors=None) -> np.ndarray:
+    """Rotary embedding in float64 (a copy); x (n_tok, n_heads, head_dim)."""
+    x = np.asarray(x, np.float64)
+    n_dims = x.shape[2] if n_dims is None else n_dims
+    inv = freq_base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)
+    if freq_factors is not None:
+        inv = inv / np.asarray(freq_factors, np.float64)
+    theta = np.asarray(positions, np.float64)[:, None] * (inv * freq_scale)[None, :]
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    out = x.copy()
+    if mode == "neox":
+        half = n_dims // 2
+        a, b = x[..., :half], x[..., half:n_dims]
+        out[..., :half], out[..., half:n_dims] = a * cos - b * sin, a * sin + b * cos
+    else:
+        a, b = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
+        out[..., 0:n_dims:2], out[..., 1:n_dims:2] = a * cos - b * sin, a * sin + b * cos
+    return out
+
+
+def reference_attention(q, k, v, kpos, qpos, scale, window=0, softcap=0.0) -> np.ndarray:
+    """Masked softmax attention in float64 with explicit scores; shapes as ops.attention."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = np.einsum("nhd,shd->hns", q, k) * scale
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
+    qp, kp = np.asarray(qpos)[:, None], np.asarray(kpos)[None, :]
+    allowed = kp <= qp
+    if window:
+        allowed &= (qp - kp) < window
+    scores = np.where(allowed[None], scores, -np.inf)
+    mx = scores.max(axis=-1, keepdims=True)
+    probs = np.where(allowed[None], np.exp(scores - np.where(np.isfinite(mx), mx, 0)), 0.0)
+    den = probs.sum(axis=-1, keepdims=True)
+    probs = probs / np.where(den > 0, den, 1)
+    return np.einsum("hns,shd->nhd", probs, v)

@@ -1,0 +1,28 @@
+"""Thread count of the Numba kernels (the prange loops).
+
+numba.set_num_threads is per calling thread; edgeinfer runs the engine in a worker
+thread, so the count set here is kept module-wide and re-applied (cheaply) by every
+kernel entry point in whichever thread calls it.
+"""
+from __future__ import annotations
+
+import numba
+
+_wanted: int | None = None
+
+
+def set_threads(n: int) -> None:
+    """Use n threads (clamped to 1..NUMBA_NUM_THREADS) in the kernels, from any thread."""
+    global _wanted
+    _wanted = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(_wanted)
+
+
+def get_threads() -> int:
+    return _wanted if _wanted is not None else numba.get_num_threads()
+
+
+def apply_threads() -> None:
+    """Make the calling thread use the count chosen with set_threads (no-op if none chosen)."""
+    if _wanted is not None and numba.get_num_threads() != _wanted:
+        numba.set_num_threads(_wanted)

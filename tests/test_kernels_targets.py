@@ -1,0 +1,82 @@
+"""The fast decode kernels compiled for other CPUs than this one, in subprocesses.
+
+NUMBA_CPU_NAME / NUMBA_CPU_FEATURES make Numba compile for another target:
+- haswell (AVX2, FMA, F16C, no AVX-512): the AVX2 intrinsic path,
+- x86-64 with SSE2 only: the portable-IR path (no AVX2 intrinsics, no F16C).
+Numba keys its on-disk cache by (triple, CPU name, feature string), so these runs
+share the cache directory with the host's without mixing code; the last run (host
+target) checks that loading the cache after them still gives correct results.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HASWELL = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+cx8,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,"
+           "+pclmul,+popcnt,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,"
+           "-avx512f,-avx512bw,-avx512vl,-avx512vnni,-avxvnni")
+SSE2_ONLY = "+64bit,+sse,+sse2,+cx8,+fxsr,+mmx,+cmov"
+
+_SCRIPT = r"""
+import sys
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from numba.core.registry import cpu_target
+import edgeinfer.kernels_cpu as K
+from edgeinfer.kernels_cpu import fast_dot
+from edgeinfer.kernels_cpu.reference import reference_quantize_act
+from quant_blocks import random_blocks
+
+cg = cpu_target.target_context.codegen()
+print("target", cg.magic_tuple()[1], "+avx2" in cg._tm_features.split(","))
+rng = np.random.default_rng(7)
+for qt in [T(t) for t in fast_dot.FAST_TYPES]:
+    w = random_blocks(qt, 19, 1024, rng)
+    if qt == T.Q8_0:  # fp16 scales that are subnormal, zero, negative, large
+        d = np.array([1e-7, 0.0, -3e-6, 6e4], np.float16).view(np.uint8)
+        for i in range(4):
+            w[i, 0:2] = d[2 * i:2 * i + 2]
+    w.flags.writeable = False
+    x = rng.standard_normal(1024).astype(np.float32)
+    y = K.matvec(w, qt, x)
+    W = K.reference_dequantize(w, qt).astype(np.float64)
+    xq = reference_quantize_act(x, K.quant_info(qt).act_block)
+    tol = 2e-5 * (np.abs(W) @ np.abs(xq)) + 1e-30
+    err = np.abs(y - W @ xq)
+    if not np.all(err <= tol):
+        sys.exit(f"{qt.name}: max err {err.max()} rows {np.nonzero(err > tol)[0]}")
+print("ok", fast_dot._matvec_kernel.stats.cache_hits)
+"""
+
+
+def _run(cpu_name=None, features=None):
+    env = dict(os.environ)
+    env.pop("NUMBA_CPU_NAME", None)
+    env.pop("NUMBA_CPU_FEATURES", None)
+    if cpu_name:
+        env["NUMBA_CPU_NAME"] = cpu_name
+        env["NUMBA_CPU_FEATURES"] = features
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+@pytest.mark.parametrize("cpu_name,features,has_avx2", [
+    ("haswell", HASWELL, True),
+    ("x86-64", SSE2_ONLY, False),
+], ids=["avx2", "sse2-portable"])
+def test_fast_kernels_on_other_cpu_targets(cpu_name, features, has_avx2):
+    out = _run(cpu_name, features)
+    assert f"target {cpu_name} {has_avx2}" in out
+    assert "ok" in out
+
+
+def test_host_target_after_other_targets_shared_cache():
+    _run("haswell", HASWELL)
+    out = _run()
+    assert "ok" in out
