@@ -50,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    # argparse binds an optional positional (run's PROMPT) before later flags are seen, so
+    # `run NAME -n 8 "prompt"` leaves the prompt over; take it back here.
+    if extras and getattr(args, "prompt", "") is None and not any(e.startswith("-") for e in extras):
+        args.prompt = " ".join(extras)
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -12,13 +12,18 @@ def register(sub) -> None:
     p = sub.add_parser("show", help="show a model's architecture, size and quantization")
     p.add_argument("name", help="model alias, hf.co/owner/repo[:quant] or path to a .gguf file")
     p.add_argument("--json", action="store_true", help="print the facts as JSON")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size for the GPU plan")
+    p.add_argument("-ngl", "--gpu-layers", default="auto", help="GPU layers for the plan (N|auto|0)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from edgeinfer.registry import resolve
 
-    info = describe(open_model(resolve(args.name, download=False)))
+    from edgeinfer.offload import plan_for_model
+
+    mf = open_model(resolve(args.name, download=False))
+    info = describe(mf)
     if args.json:
         print(json.dumps(info.to_dict(), indent=2))
         return 0
@@ -41,6 +46,8 @@ def run(args) -> int:
     print(f"    {'path':<20}{info.path}")
     print(f"    {'size':<20}{human_bytes(info.file_size)}")
     print(f"    {'chat template':<20}{'yes' if info.has_chat_template else 'none (a built-in one is used)'}")
+    plan = plan_for_model(mf.gguf, mf.config, args.ctx_size, gpu_layers=args.gpu_layers)
+    print(f"\n  Placement (context {args.ctx_size})\n    {plan.describe()}")
     if info.license:
         print(f"\n  License\n    {info.license}")
     return 0

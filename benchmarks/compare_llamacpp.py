@@ -1,0 +1,92 @@
+"""pp/tg tokens/s of edgeinfer and llama.cpp on the same file, same threads, in one run.
+
+    python benchmarks/compare_llamacpp.py gemma3-270m -p 512 -n 128 -r 3 -t 2
+
+llama.cpp is llama-cpp-python (==0.3.36, built with -DGGML_NATIVE=ON); it is a benchmark
+dependency only. Both sides evaluate random token ids into an empty context, as
+llama-bench does, run once untimed to warm up, and report the median of the repetitions.
+The machine is noisy: the two engines alternate per repetition so drift hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+
+def llama_cpp_runner(path: str, n_ctx: int, threads: int):
+    import llama_cpp
+
+    model = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                            n_threads_batch=threads, verbose=False)
+    n_vocab = model.n_vocab()
+
+    def pp(n: int, seed: int) -> float:
+        tokens = np.random.default_rng(seed).integers(0, n_vocab, n).tolist()
+        model.reset()
+        t0 = time.perf_counter()
+        model.eval(tokens)
+        return n / (time.perf_counter() - t0)
+
+    def tg(n: int, seed: int) -> float:
+        tokens = np.random.default_rng(seed).integers(0, n_vocab, n).tolist()
+        model.reset()
+        t0 = time.perf_counter()
+        for tok in tokens:
+            model.eval([tok])
+        return n / (time.perf_counter() - t0)
+
+    return pp, tg
+
+
+def edgeinfer_runner(path: str, n_ctx: int, threads: int):
+    from edgeinfer.bench import time_generation, time_prompt
+    from edgeinfer.engine import Engine, EngineOptions
+    from edgeinfer.loader import open_model
+
+    engine = Engine(open_model(path), EngineOptions(n_ctx=n_ctx, threads=threads, prefill_chunk=512,
+                                                     gpu_layers=0))
+    return (lambda n, seed: time_prompt(engine, n, seed)), (lambda n, seed: time_generation(engine, n, seed))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("name", help="model alias or .gguf path")
+    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("-r", "--repetitions", type=int, default=3)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    from edgeinfer.registry import resolve
+
+    path = str(resolve(args.name, download=False))
+    n_ctx = max(args.n_prompt, args.n_gen) + 8
+    runners = {"edgeinfer": edgeinfer_runner(path, n_ctx, args.threads),
+               "llama.cpp": llama_cpp_runner(path, n_ctx, args.threads)}
+    results: dict[tuple[str, str], list[float]] = {}
+    for test, n, which in (("pp", args.n_prompt, 0), ("tg", args.n_gen, 1)):
+        if n <= 0:
+            continue
+        for name, fns in runners.items():
+            fns[which](n, 99)  # warm-up (JIT, page cache)
+        for r in range(args.repetitions):
+            for name, fns in runners.items():
+                results.setdefault((name, test), []).append(fns[which](n, r))
+
+    print(f"model {path}, threads {args.threads}, median of {args.repetitions}")
+    print(f"| test | edgeinfer t/s | llama.cpp t/s | ratio |")
+    print(f"| --- | --- | --- | --- |")
+    for test, n in (("pp", args.n_prompt), ("tg", args.n_gen)):
+        if n <= 0:
+            continue
+        ours = statistics.median(results[("edgeinfer", test)])
+        theirs = statistics.median(results[("llama.cpp", test)])
+        print(f"| {test}{n} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The front door: `edgeinfer.load(name)` returns a `Model` that tokenizes, generates and chats.
+
+The CLI, the TUI, the REST server and `edgeinfer bench` all go through it.
+
+    import edgeinfer
+    model = edgeinfer.load("gemma3-270m")
+    print(model.generate("The capital of France is", max_tokens=16, temperature=0).text)
+    for chunk in model.chat([{"role": "user", "content": "Hi!"}], stream=True):
+        print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import fields
+from typing import Any, Iterator
+
+from edgeinfer.engine import Engine, EngineOptions
+from edgeinfer.errors import EdgeInferError
+from edgeinfer.generate import collect, common_prefix_len, stream_generate
+from edgeinfer.loader import open_model
+from edgeinfer.results import GenerationChunk, GenerationResult
+from edgeinfer.sampling import SamplingParams
+
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None,
+         backend: str = "cpu", chat_template: str | None = None, download: bool = True,
+         prefill_chunk: int = 256, gpu_layers: int | str = "auto") -> "Model":
+    """Resolve a model name (alias, hf.co/..., or path), open and check it, build the engine."""
+    from edgeinfer.registry import resolve
+
+    path = resolve(str(name_or_path), download=download)
+    return Model(str(name_or_path), path, EngineOptions(
+        n_ctx=n_ctx, threads=threads, backend=backend, prefill_chunk=prefill_chunk,
+        gpu_layers=gpu_layers),
+        chat_template=chat_template)
+
+
+class Model:
+    """A loaded model with one conversation's KV cache; a new request reuses its prefix."""
+
+    def __init__(self, name: str, path, options: EngineOptions, chat_template: str | None = None) -> None:
+        from edgeinfer.chat_template import ChatTemplate
+        from edgeinfer.tokenizer import load_tokenizer
+
+        self.name = name
+        self.path = path
+        model_file = open_model(path)
+        self.config = model_file.config
+        self.tokenizer = load_tokenizer(model_file.gguf)
+        self.template = ChatTemplate.for_model(model_file.gguf.metadata, chat_template)
+        self.engine = Engine(model_file, options)
+        self._kv = self.engine.new_cache()
+        self._kv_tokens: list[int] = []  # the tokens whose K/V `_kv` holds, in order
+        self._lock = threading.Lock()  # one generation at a time
+
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.n_ctx
+
+    @property
+    def placement(self) -> str:
+        """One line: where the layers run (the GPU offload split, or why all are on the CPU)."""
+        plan = self.engine.offload
+        if plan is None:
+            return f"{self.engine.backend.name} backend"
+        return plan.describe()
+
+    # -- text <-> tokens ------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.detokenize(ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kw)
+
+    # -- generation -------------------------------------------------------------------------
+    def generate(self, prompt: str | list[int], *, stream: bool = False, raw: bool = True,
+                 cancel: threading.Event | None = None, **params: Any
+                 ) -> GenerationResult | Iterator[GenerationChunk]:
+        """Complete `prompt` (text or token ids). Sampling keywords as in `SamplingParams`."""
+        ids = prompt if isinstance(prompt, list) else self.tokenize(prompt, add_special=True)
+        chunks = self._run(ids, _sampling(params), cancel)
+        return chunks if stream else collect(chunks)
+
+    def chat(self, messages: list[dict], *, stream: bool = False,
+             cancel: threading.Event | None = None, **params: Any
+             ) -> GenerationResult | Iterator[GenerationChunk]:
+        """Answer the conversation `messages` ({"role", "content"} dicts) through the chat template."""
+        # As llama.cpp: drop a BOS the template wrote (the tokenizer adds it), and parse the
+        # template's special-token text as special tokens.
+        text = self.template.render_prompt(messages, add_bos=self.tokenizer.add_bos,
+                                           add_generation_prompt=True)
+        ids = self.tokenizer.tokenize(text, add_special=True, parse_special=True)
+        chunks = self._run(ids, _sampling(params), cancel)
+        return chunks if stream else collect(chunks)
+
+    def _run(self, ids: list[int], params: SamplingParams,
+             cancel: threading.Event | None) -> Iterator[GenerationChunk]:
+        if not ids:
+            raise EdgeInferError("the prompt is empty")
+        with self._lock:
+            # Reuse the cached prefix; evaluate at least the last prompt token for its logits.
+            keep = min(common_prefix_len(self._kv_tokens, ids), len(ids) - 1)
+            self._kv.truncate(keep)
+            self._kv_tokens = self._kv_tokens[:keep]
+            generated: list[int] = []
+            try:
+                for chunk in stream_generate(self.engine, self._kv, self.tokenizer, ids, params,
+                                             cancel=cancel):
+                    if chunk.token is not None:
+                        generated.append(chunk.token)
+                    yield chunk
+            finally:
+                # Whatever got evaluated stays reusable: prompt + generated tokens in the cache.
+                self._kv_tokens = (ids + generated)[: self._kv.n_used]
+
+    def reset(self) -> None:
+        self._kv.truncate(0)
+        self._kv_tokens = []
+
+
+def _sampling(params: dict[str, Any]) -> SamplingParams:
+    unknown = set(params) - _SAMPLING_FIELDS
+    if unknown:
+        raise EdgeInferError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
+    return SamplingParams(**params).validate()

@@ -1,0 +1,35 @@
+"""The CPU backend: quantized matmuls through the Numba kernels on the raw GGUF blocks.
+
+Decode (one token) takes the matvec path that quantizes the activation to 8 bits and uses
+integer dot products; prefill (many tokens) takes the tile-dequantize + GEMM path.
+Everything else is inherited from the numpy ops in `Backend` (cheap next to the matmuls).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeinfer import kernels_cpu
+from edgeinfer.backend import Backend
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, gguf, threads: int | None = None) -> None:
+        super().__init__(gguf)
+        if threads:
+            kernels_cpu.set_threads(threads)
+
+    def linear(self, name: str, x: np.ndarray) -> np.ndarray:
+        info = self.gguf.tensors[name]
+        w = self.gguf.raw(name)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.shape[0] == 1:
+            return kernels_cpu.matvec(w, info.qtype, x[0])[None, :]
+        return kernels_cpu.matmul(w, info.qtype, x)
+
+    def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        info = self.gguf.tensors[name]
+        return kernels_cpu.get_rows(self.gguf.raw(name), info.qtype, info.n_cols,
+                                    np.asarray(ids, dtype=np.int64))

@@ -1,0 +1,110 @@
+"""The engine: a loaded model's weights, its backend plan, and the forward pass.
+
+`Engine.forward(tokens, positions, kv)` is the one call every front end ends in; it
+returns logits only for the rows asked for. Prefill runs in chunks so a long prompt never
+needs an activation buffer bigger than one chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from edgeinfer.backend import Backend, ReferenceBackend
+from edgeinfer.errors import EdgeInferError
+from edgeinfer.kv_cache import KVCache
+from edgeinfer.loader import ModelFile
+
+if TYPE_CHECKING:
+    from edgeinfer.offload import OffloadPlan
+
+BACKENDS = ("cpu", "reference")
+DEFAULT_PREFILL_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    n_ctx: int = 4096
+    threads: int | None = None
+    backend: str = "cpu"
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    gpu_layers: int | str = "auto"  # like llama.cpp's -ngl: N, "auto" (what fits) or 0
+
+
+def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "OffloadPlan | None"]:
+    """The backend for this model, and the GPU offload plan (None for the reference backend).
+
+    The cpu backend takes the layers that fit in VRAM onto CUDA when a GPU, its driver and
+    pycuda are all present; otherwise the plan says why everything stays on the CPU.
+    """
+    if options.backend == "reference":
+        return ReferenceBackend(mf.gguf), None
+    if options.backend == "cpu":
+        from edgeinfer.backend_cpu import CpuBackend
+        from edgeinfer.offload import plan_for_model
+
+        cpu = CpuBackend(mf.gguf, threads=options.threads)
+        plan = plan_for_model(mf.gguf, mf.config, options.n_ctx, gpu_layers=options.gpu_layers,
+                              prefill_rows=options.prefill_chunk)
+        if not plan.on_gpu:
+            return cpu, plan
+        from edgeinfer.backend_cuda import make_backend as make_hybrid
+
+        return make_hybrid(mf.gguf, plan, cpu), plan
+    raise EdgeInferError(f"unknown backend {options.backend!r} (choose from {', '.join(BACKENDS)})")
+
+
+class Engine:
+    def __init__(self, mf: ModelFile, options: EngineOptions | None = None) -> None:
+        self.options = options or EngineOptions()
+        if self.options.n_ctx < 1:
+            raise EdgeInferError(f"--ctx-size must be at least 1, got {self.options.n_ctx}")
+        if self.options.prefill_chunk < 1:
+            raise EdgeInferError(f"--prefill-chunk must be at least 1, got {self.options.prefill_chunk}")
+        self.model_file = mf
+        self.config = mf.config
+        self.backend, self.offload = make_backend(mf, self.options)
+        self.model = mf.family(mf.config, mf.gguf, self.backend)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.options.n_ctx
+
+    def new_cache(self) -> KVCache:
+        if hasattr(self.backend, "new_cache"):  # GPU layers keep their K/V in VRAM
+            return self.backend.new_cache(self.config, self.n_ctx)
+        return KVCache(self.config, self.n_ctx)
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, kv: KVCache,
+                logits_for: np.ndarray | None = None) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.n_vocab):
+            raise EdgeInferError(f"token id out of range 0..{self.config.n_vocab - 1}")
+        before = kv.n_used
+        try:
+            return self.model.forward(tokens, np.asarray(positions, dtype=np.int64), kv, logits_for)
+        except BaseException:  # Ctrl-C or an error mid-layer: drop the half-written tokens
+            kv.truncate(before)
+            raise
+
+    def prefill(self, tokens: list[int] | np.ndarray, kv: KVCache, progress=None) -> np.ndarray:
+        """Append `tokens` after what `kv` holds, in chunks; logits of the last token (n_vocab,)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        start = kv.n_used
+        chunk = self.options.prefill_chunk
+        logits = None
+        for lo in range(0, len(tokens), chunk):
+            part = tokens[lo:lo + chunk]
+            positions = np.arange(start + lo, start + lo + len(part))
+            logits = self.forward(part, positions, kv)
+            if progress is not None:
+                progress(min(lo + chunk, len(tokens)), len(tokens))
+        if logits is None:
+            raise EdgeInferError("nothing to evaluate: the prompt is empty")
+        return logits[0]
+
+    def decode(self, token: int, kv: KVCache) -> np.ndarray:
+        """Evaluate one token after the cache; logits (n_vocab,)."""
+        return self.forward(np.array([token]), np.array([kv.n_used]), kv)[0]

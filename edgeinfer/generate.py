@@ -1,0 +1,111 @@
+"""The decode loop: prefill, then sample -> stream text -> check stops -> decode, until done.
+
+`stream_generate` is a generator of `GenerationChunk`s; the last chunk carries
+`finish_reason`, `usage` and `timings`. It runs on a KV cache that may already hold a
+prefix of the prompt (`n_cached` tokens), so only the rest is evaluated.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from edgeinfer.engine import Engine
+from edgeinfer.errors import ContextOverflowError
+from edgeinfer.kv_cache import KVCache
+from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, Usage
+from edgeinfer.sampling import SamplingParams, make_token_sampler
+from edgeinfer.stopping import StopStringMatcher
+
+
+def check_prompt_fits(n_prompt: int, n_ctx: int) -> None:
+    if n_prompt >= n_ctx:
+        raise ContextOverflowError(
+            f"prompt has {n_prompt} tokens but the context holds {n_ctx}; "
+            f"shorten it or raise --ctx-size")
+
+
+def stream_generate(engine: Engine, kv: KVCache, tokenizer, prompt: Sequence[int],
+                    params: SamplingParams, *, cancel: threading.Event | None = None,
+                    progress=None) -> Iterator[GenerationChunk]:
+    """Generate after `prompt`; `kv` must already hold exactly the prompt's first kv.n_used tokens."""
+    from edgeinfer.tokenizer import StreamDecoder
+
+    params.validate()
+    prompt = list(prompt)
+    check_prompt_fits(len(prompt), engine.n_ctx)
+    n_cached = kv.n_used
+    assert n_cached < len(prompt), "at least one prompt token must be evaluated for its logits"
+    sample = make_token_sampler(params)
+    decoder = StreamDecoder(tokenizer, skip_special=True, as_pieces=True)  # as llama-server streams
+    stopper = StopStringMatcher(params.stop)
+
+    t_start = time.perf_counter()
+    logits = engine.prefill(prompt[n_cached:], kv, progress=progress)
+    t_first: float | None = None
+    history = list(prompt)
+    generated: list[int] = []
+    finish = FinishReason.LENGTH
+    max_tokens = params.max_tokens if params.max_tokens >= 0 else engine.n_ctx
+
+    while len(generated) < max_tokens:
+        if cancel is not None and cancel.is_set():
+            finish = FinishReason.CANCELLED
+            break
+        token = sample(logits, history)
+        if t_first is None:
+            t_first = time.perf_counter()
+        if tokenizer.is_eog(token):
+            finish = FinishReason.STOP
+            break
+        generated.append(token)
+        history.append(token)
+        text, stopped = stopper.push(decoder.push(token))
+        yield GenerationChunk(text=text, token=token)  # text may be "" while bytes/stops are held
+        if stopped:
+            finish = FinishReason.STOP
+            break
+        if len(generated) >= max_tokens:
+            break
+        if kv.n_used >= engine.n_ctx:  # no room for this token's K/V: the window is full
+            finish = FinishReason.LENGTH
+            break
+        logits = engine.decode(token, kv)
+
+    tail = ""
+    if not stopper.stopped:  # bytes held by the decoder may still complete a stop string
+        tail, stopped = stopper.push(decoder.flush())
+        if stopped:
+            finish = FinishReason.STOP
+        else:
+            tail += stopper.flush()
+    t_end = time.perf_counter()
+    usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated), cached_tokens=n_cached)
+    timings = Timings.from_clock(t_start, t_first, t_end, len(prompt) - n_cached, len(generated))
+    yield GenerationChunk(text=tail, token=None, finish_reason=finish, usage=usage, timings=timings)
+
+
+def collect(chunks: Iterator[GenerationChunk]) -> GenerationResult:
+    """Drain a stream into one result."""
+    parts: list[str] = []
+    tokens: list[int] = []
+    last = None
+    for chunk in chunks:
+        parts.append(chunk.text)
+        if chunk.token is not None:
+            tokens.append(chunk.token)
+        last = chunk
+    assert last is not None and last.finish_reason is not None
+    return GenerationResult(text="".join(parts), tokens=tokens, finish_reason=last.finish_reason,
+                            usage=last.usage, timings=last.timings)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n]) != np.asarray(b[:n])
+    return int(np.argmax(x)) if x.any() else n

@@ -1,0 +1,54 @@
+"""The KV cache of one sequence: per layer, K and V for every cached token, plus its position.
+
+Slots are handed out in order; each slot remembers the position of the token it holds,
+so attention masks by position, not slot (which is what lets a context shift or a
+paged block table reorder things later without touching the attention code).
+
+K/V are stored as float16 by default, like llama.cpp's default cache type, so logits
+match it closely and the cache takes half the memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeinfer.errors import ContextOverflowError
+from edgeinfer.models.base import ModelConfig
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, n_ctx: int, dtype: np.dtype = np.float16) -> None:
+        self.n_ctx = n_ctx
+        kv_heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v
+        # k[layer]: (n_ctx, n_head_kv, head_dim); v[layer]: (n_ctx, n_head_kv, head_dim_v)
+        self.k = [np.zeros((n_ctx, kv_heads, hd), dtype) for _ in range(config.n_layer)]
+        self.v = [np.zeros((n_ctx, kv_heads, hd_v), dtype) for _ in range(config.n_layer)]
+        self.pos = np.zeros(n_ctx, dtype=np.int64)  # position of the token in each slot
+        self.n_used = 0
+
+    def append(self, positions: np.ndarray) -> np.ndarray:
+        """Reserve slots for new tokens at `positions`; returns the slot indices."""
+        n = len(positions)
+        if self.n_used + n > self.n_ctx:
+            raise ContextOverflowError(
+                f"context is full: {self.n_used} cached + {n} new tokens exceed --ctx-size {self.n_ctx}")
+        slots = np.arange(self.n_used, self.n_used + n)
+        self.pos[slots] = positions
+        self.n_used += n
+        return slots
+
+    def store(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
+
+    def layer_view(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n = self.n_used
+        return self.k[layer][:n], self.v[layer][:n], self.pos[:n]
+
+    def truncate(self, n: int) -> None:
+        """Forget every token from slot n on (regenerate, edit, cancel)."""
+        self.n_used = min(self.n_used, max(0, n))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
