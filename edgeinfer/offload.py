@@ -1,0 +1,237 @@
+"""The offload plan: which layers (and whether the output head) run on the GPU.
+
+Like llama.cpp's `-ngl`, the first k transformer blocks go to the GPU and the rest stay
+on the CPU, so one step crosses the CPU/GPU boundary at most twice (hidden state down
+after block k-1, and up again for the output head when that sits on the GPU).
+
+What a GPU block costs in VRAM: its weight bytes (raw GGUF blocks, uploaded as they
+are) + its K/V for the whole context + a share-free scratch area for the activations of
+one prefill chunk (allocated once when anything is offloaded). The budget is the free
+VRAM minus a safety margin of 5% + 300 MiB (fragmentation, the module image, the
+driver's own allocations after we measured).
+
+`--gpu-layers`:
+- "auto": as many leading blocks as fit, then the output head if it still fits.
+- 0: CPU only.
+- N: exactly min(N, n_layer) blocks (N >= n_layer also asks for the output head when it
+  fits, as `-ngl 99` does). If those N blocks do not fit, the plan raises
+  `OffloadError` naming how many would fit — an explicit request is never silently
+  shrunk (an out-of-memory halfway through loading would be worse, and "auto" is the
+  way to say "as many as fit").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from edgeinfer.errors import EdgeInferError
+
+if TYPE_CHECKING:
+    from edgeinfer.gguf_file import GGUFFile
+    from edgeinfer.models.base import ModelConfig
+
+GiB = 1 << 30
+MiB = 1 << 20
+MARGIN_FRACTION = 0.05
+MARGIN_BYTES = 300 * MiB
+DEFAULT_PREFILL_ROWS = 512  # activation rows the scratch area is sized for (one prefill chunk)
+KV_BYTES_PER_VALUE = {"f16": 2.0, "f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32}
+
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+class OffloadError(EdgeInferError):
+    """A --gpu-layers request that cannot be honoured (does not fit, bad value)."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One GPU as the planner sees it. compute_capability is (major, minor), e.g. (8, 6)."""
+
+    name: str
+    total_vram: int
+    free_vram: int
+    compute_capability: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Byte counts the plan needs, from a GGUF file or estimated from a config."""
+
+    layer_weights: tuple[int, ...]  # bytes of every blk.i.* tensor, per block
+    output_weights: int  # output head (+ output_norm) bytes
+    kv_values_per_token: tuple[int, ...]  # K + V values one token adds, per block
+    scratch_values_per_row: int  # float32 activations one prefill row needs at once
+    n_vocab: int
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layer_weights)
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    gpu_layers: list[int]
+    output_on_gpu: bool
+    vram_weights: int
+    vram_kv: int
+    vram_scratch: int
+    reason: str  # why this split (or why CPU only)
+    n_layer: int = 0
+    device: DeviceInfo | None = None
+
+    @property
+    def vram_total(self) -> int:
+        return self.vram_weights + self.vram_kv + self.vram_scratch
+
+    @property
+    def on_gpu(self) -> bool:
+        return bool(self.gpu_layers) or self.output_on_gpu
+
+    def layer_on_gpu(self, layer: int) -> bool:
+        return layer in self.gpu_layers
+
+    def describe(self) -> str:
+        """One line for `edgeinfer show` / `--verbose`."""
+        if not self.on_gpu or self.device is None:
+            return self.reason if "running on the CPU" in self.reason else f"running on the CPU: {self.reason}"
+        dev = self.device
+        head = ", output head on GPU" if self.output_on_gpu else ""
+        return (f"offloading {len(self.gpu_layers)}/{self.n_layer} layers to GPU "
+                f"({dev.name}, {_gib(dev.free_vram)} free): weights {_gib(self.vram_weights)}, "
+                f"KV {_gib(self.vram_kv)}, scratch {_gib(self.vram_scratch)}{head}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def vram_budget(device: DeviceInfo) -> int:
+    """Bytes the plan may use on `device`: free VRAM minus 5% and 300 MiB."""
+    return max(0, int(device.free_vram * (1.0 - MARGIN_FRACTION)) - MARGIN_BYTES)
+
+
+# -- model sizes --------------------------------------------------------------------------
+
+def _kv_values_per_token(cfg: "ModelConfig") -> int:
+    return cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v)
+
+
+def _scratch_values_per_row(cfg: "ModelConfig") -> int:
+    """float32 values live at once for one token of a prefill chunk (x, h, q, k, v, attn, gate, up)."""
+    return (3 * cfg.n_embd + 2 * cfg.q_dim + 2 * cfg.n_head_kv * cfg.head_dim
+            + cfg.n_head_kv * cfg.head_dim_v + 2 * cfg.n_ff)
+
+
+def model_sizes_from_gguf(gguf: "GGUFFile", cfg: "ModelConfig") -> ModelSizes:
+    """Exact byte counts from the file's tensor table (token_embd stays on the CPU: get_rows)."""
+    layers = [0] * cfg.n_layer
+    for name, info in gguf.tensors.items():
+        m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) < cfg.n_layer:
+            layers[int(m.group(1))] += info.n_bytes
+    head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    output = gguf.tensors[head].n_bytes
+    if "output_norm.weight" in gguf.tensors:
+        output += gguf.tensors["output_norm.weight"].n_bytes
+    return ModelSizes(tuple(layers), output, (_kv_values_per_token(cfg),) * cfg.n_layer,
+                      _scratch_values_per_row(cfg), cfg.n_vocab)
+
+
+def estimate_model_sizes(cfg: "ModelConfig", bits_per_weight: float = 4.85) -> ModelSizes:
+    """Config-only estimate: every matrix at `bits_per_weight` (Q4_K_M ~ 4.85), norms in F32."""
+    per_layer_params = (cfg.n_embd * cfg.q_dim + 2 * cfg.n_embd * cfg.n_head_kv * cfg.head_dim
+                        + cfg.n_head * cfg.head_dim_v * cfg.n_embd + 3 * cfg.n_embd * cfg.n_ff)
+    layer = int(per_layer_params * bits_per_weight / 8) + 2 * cfg.n_embd * 4
+    output = int(cfg.n_vocab * cfg.n_embd * bits_per_weight / 8) + cfg.n_embd * 4
+    return ModelSizes((layer,) * cfg.n_layer, output, (_kv_values_per_token(cfg),) * cfg.n_layer,
+                      _scratch_values_per_row(cfg), cfg.n_vocab)
+
+
+# -- the plan -----------------------------------------------------------------------------
+
+def parse_gpu_layers(value: str | int) -> int | str:
+    """`--gpu-layers` text -> "auto" or a non-negative int."""
+    if isinstance(value, int):
+        n = value
+    elif str(value).strip().lower() == "auto":
+        return "auto"
+    else:
+        try:
+            n = int(str(value).strip())
+        except ValueError:
+            raise OffloadError(f"--gpu-layers must be a number or 'auto', got {value!r}") from None
+    if n < 0:
+        raise OffloadError(f"--gpu-layers must be 0 or more, got {n}")
+    return n
+
+
+def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
+                 kv_dtype: str = "f16", gpu_layers: int | str = "auto",
+                 prefill_rows: int = DEFAULT_PREFILL_ROWS, no_device_reason: str = "no GPU") -> OffloadPlan:
+    """Place the first k blocks (and the head when it fits) on `device`; see the module doc."""
+    if kv_dtype not in KV_BYTES_PER_VALUE:
+        raise OffloadError(f"unknown KV cache type {kv_dtype!r} (choose from {', '.join(KV_BYTES_PER_VALUE)})")
+    request = parse_gpu_layers(gpu_layers)
+    n_layer = sizes.n_layer
+
+    def cpu(reason: str) -> OffloadPlan:
+        return OffloadPlan([], False, 0, 0, 0, reason, n_layer, device)
+
+    if device is None:
+        return cpu(no_device_reason)
+    if request == 0:
+        return cpu("--gpu-layers 0")
+
+    kv_per_layer = [int(v * KV_BYTES_PER_VALUE[kv_dtype] * n_ctx) for v in sizes.kv_values_per_token]
+    rows = max(1, min(prefill_rows, n_ctx))
+    scratch_layers = rows * sizes.scratch_values_per_row * 4
+    scratch_head = rows * sizes.n_vocab * 4  # logits of a whole chunk (perplexity-style requests)
+    budget = vram_budget(device)
+
+    def cost(k: int, head: bool) -> tuple[int, int, int]:
+        weights = sum(sizes.layer_weights[:k]) + (sizes.output_weights if head else 0)
+        kv = sum(kv_per_layer[:k])
+        scratch = (scratch_layers if k or head else 0) + (scratch_head if head else 0)
+        return weights, kv, scratch
+
+    def fits(k: int, head: bool) -> bool:
+        return sum(cost(k, head)) <= budget
+
+    fit_k = 0
+    while fit_k < n_layer and fits(fit_k + 1, False):
+        fit_k += 1
+    if request == "auto":
+        k, want_head = fit_k, True  # the head goes up whenever it still fits
+    else:
+        k = min(int(request), n_layer)
+        want_head = int(request) >= n_layer
+        if k > fit_k:
+            need = sum(cost(k, False))
+            raise OffloadError(
+                f"--gpu-layers {request} needs {_gib(need)} of VRAM but {device.name} has "
+                f"{_gib(budget)} usable ({_gib(device.free_vram)} free); {fit_k} layers fit, "
+                f"use --gpu-layers {fit_k} or auto")
+    head = want_head and fits(k, True)
+    if k == 0 and not head:
+        return cpu(f"{device.name} has {_gib(device.free_vram)} free, not enough for one layer")
+    weights, kv, scratch = cost(k, head)
+    why = "all layers fit" if k == n_layer else (
+        f"--gpu-layers {request}" if request != "auto" else f"{k} of {n_layer} layers fit in {_gib(budget)}")
+    return OffloadPlan(list(range(k)), head, weights, kv, scratch, why, n_layer, device)
+
+
+def plan_for_model(gguf: "GGUFFile", cfg: "ModelConfig", n_ctx: int, *, gpu_layers: int | str = "auto",
+                   kv_dtype: str = "f16", prefill_rows: int = DEFAULT_PREFILL_ROWS) -> OffloadPlan:
+    """Probe the real GPU (CPU plan with the reason when there is none) and plan for `gguf`."""
+    sizes = model_sizes_from_gguf(gguf, cfg)
+    if parse_gpu_layers(gpu_layers) == 0:
+        return plan_offload(sizes, None, n_ctx, no_device_reason="--gpu-layers 0")
+    from edgeinfer.kernels_cuda.runtime import cuda_available, device_info
+
+    ok, reason = cuda_available()
+    device = device_info() if ok else None
+    return plan_offload(sizes, device, n_ctx, kv_dtype=kv_dtype, gpu_layers=gpu_layers,
+                        prefill_rows=prefill_rows, no_device_reason=reason)

@@ -1,0 +1,205 @@
+// Attention over a paged f16 K/V cache in VRAM.
+//
+// Cache layout (one layer): k_cache [n_phys_blocks, block_size, n_kv, hd] f16, v_cache the
+// same with hd_v. Logical slot s lives in physical block block_table[s / block_size] at
+// row s % block_size. kpos[s] is the position of the token in slot s; masking is by
+// position (causal: kpos <= qpos; sliding window: qpos - kpos < window), never by slot,
+// so context shifts and reused prefix blocks need no special case. A contiguous cache is
+// the special case block_size = n_ctx, block_table = {0}.
+//
+//   kv_store:                f32 K/V of new tokens -> their slots (f16)
+//   flash_attention_prefill: 8 queries of one head per block; K/V tiles of 32 keys staged
+//                            in shared memory; online softmax; GQA by head // group.
+//   paged_decode_attention:  one (query, head) per block; 4 warps split the keys, each with
+//                            its own online softmax, merged at the end (flash-decoding).
+// q: (n_q, n_head, hd) f32, prescaled inside; out: (n_q, n_head, hd_v) f32. hd even, <= 256.
+#include <cuda_fp16.h>
+#include <math_constants.h>
+#include <limits.h>
+#include <stdint.h>
+
+#define MAX_HD 256
+#define PER_LANE (MAX_HD / 32)
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ long long paged_row(const int* block_table, int block_size, int n_kv, int slot,
+                                               int kvh) {
+    const long long phys = (long long)block_table[slot / block_size] * block_size + slot % block_size;
+    return phys * n_kv + kvh;  // times the head dim gives the element offset
+}
+
+__device__ __forceinline__ bool visible(int kp, int qp, int window) {
+    return kp <= qp && (window <= 0 || qp - kp < window);
+}
+
+// One warp's running softmax state; lane owns output dims lane, lane+32, ...
+struct Online {
+    float m, l;
+    float o[PER_LANE];
+};
+
+__device__ __forceinline__ void online_init(Online& st) {
+    st.m = -CUDART_INF_F;
+    st.l = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) st.o[i] = 0.0f;
+}
+
+// Fold one tile of up to 32 keys into st. Lane j scored key j (score = -inf when masked);
+// vrow(j) gives key j's V row. Returns without work when the whole tile is masked.
+template <typename VRow>
+__device__ __forceinline__ void online_update(Online& st, float score, int hd_v, VRow vrow) {
+    const int lane = threadIdx.x & 31;
+    const float tmax = warp_max(score);
+    if (tmax == -CUDART_INF_F) return;
+    const float m_new = fmaxf(st.m, tmax);
+    const float corr = __expf(st.m - m_new);  // 0 on the first tile (m = -inf)
+    const float p = score == -CUDART_INF_F ? 0.0f : __expf(score - m_new);
+    st.l = st.l * corr + warp_sum(p);
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) st.o[i] *= corr;
+    for (int j = 0; j < 32; ++j) {
+        const float pj = __shfl_sync(0xffffffffu, p, j);
+        if (pj == 0.0f) continue;  // warp-uniform: pj is a broadcast
+        const __half* v = vrow(j);
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int d = lane + 32 * i;
+            if (d < hd_v) st.o[i] += pj * __half2float(v[d]);
+        }
+    }
+    st.m = m_new;
+}
+
+extern "C" __global__ void kv_store(const float* k, const float* v, __half* k_cache, __half* v_cache,
+                                    const int* block_table, const int* slots, int n_tok, int block_size,
+                                    int n_kv, int hd, int hd_v) {
+    // grid (n_tok, n_kv), threads over the head dims
+    const int t = blockIdx.x, h = blockIdx.y;
+    const long long row = paged_row(block_table, block_size, n_kv, slots[t], h);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x)
+        k_cache[row * hd + d] = __float2half(k[((long long)t * n_kv + h) * hd + d]);
+    for (int d = threadIdx.x; d < hd_v; d += blockDim.x)
+        v_cache[row * hd_v + d] = __float2half(v[((long long)t * n_kv + h) * hd_v + d]);
+}
+
+#define FA_WARPS 8
+#define FA_KEYS 32
+#define FA_LD (MAX_HD + 2)  // +2 halfs: an odd word stride, so lane j reading row j hits distinct banks
+
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
+    flash_attention_prefill(const float* q, const __half* k_cache, const __half* v_cache, const int* block_table,
+                            const int* kpos, const int* qpos, float* out, int n_q, int n_keys, int block_size,
+                            int n_head, int n_kv, int hd, int hd_v, float scale, int window) {
+    __shared__ float qs[FA_WARPS][MAX_HD];
+    __shared__ __half ks[FA_KEYS][FA_LD];
+    __shared__ __half vs[FA_KEYS][FA_LD];
+    __shared__ int kp_s[FA_KEYS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int head = blockIdx.y, kvh = head / (n_head / n_kv);
+    const int qi = blockIdx.x * FA_WARPS + warp;
+    const bool active = qi < n_q;
+    const int qp = active ? qpos[qi] : 0;
+    for (int d = lane; d < hd; d += 32)
+        qs[warp][d] = active ? q[((long long)qi * n_head + head) * hd + d] * scale : 0.0f;
+    Online st;
+    online_init(st);
+    for (int base = 0; base < n_keys; base += FA_KEYS) {
+        __syncthreads();  // previous tile fully consumed
+        for (int idx = threadIdx.x; idx < FA_KEYS * MAX_HD; idx += blockDim.x) {
+            const int j = idx / MAX_HD, d = idx % MAX_HD, s = base + j;
+            if (s < n_keys) {
+                const long long row = paged_row(block_table, block_size, n_kv, s, kvh);
+                if (d < hd) ks[j][d] = k_cache[row * hd + d];
+                if (d < hd_v) vs[j][d] = v_cache[row * hd_v + d];
+                if (d == 0) kp_s[j] = kpos[s];
+            } else if (d == 0) {
+                kp_s[j] = INT_MAX;  // never visible
+            }
+        }
+        __syncthreads();
+        if (!active) continue;
+        float score = -CUDART_INF_F;
+        if (visible(kp_s[lane], qp, window)) {
+            float acc = 0.0f;
+            for (int d = 0; d < hd; ++d) acc += qs[warp][d] * __half2float(ks[lane][d]);
+            score = acc;
+        }
+        online_update(st, score, hd_v, [&](int j) { return &vs[j][0]; });
+    }
+    if (!active) return;
+    const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        const int d = lane + 32 * i;
+        if (d < hd_v) out[((long long)qi * n_head + head) * hd_v + d] = st.o[i] * inv;
+    }
+}
+
+#define DA_WARPS 4
+
+extern "C" __global__ void __launch_bounds__(DA_WARPS * 32)
+    paged_decode_attention(const float* q, const __half* k_cache, const __half* v_cache, const int* block_table,
+                           const int* kpos, const int* qpos, float* out, int n_q, int n_keys, int block_size,
+                           int n_head, int n_kv, int hd, int hd_v, float scale, int window) {
+    __shared__ float qs[MAX_HD];
+    __shared__ float m_s[DA_WARPS], l_s[DA_WARPS];
+    __shared__ float o_s[DA_WARPS][MAX_HD];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int head = blockIdx.x, qi = blockIdx.y, kvh = head / (n_head / n_kv);
+    const int qp = qpos[qi];
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[((long long)qi * n_head + head) * hd + d] * scale;
+    __syncthreads();
+    Online st;
+    online_init(st);
+    for (int base = warp * 32; base < n_keys; base += 32 * DA_WARPS) {
+        const int s = base + lane;
+        float score = -CUDART_INF_F;
+        if (s < n_keys && visible(kpos[s], qp, window)) {
+            const __half2* k = reinterpret_cast<const __half2*>(
+                k_cache + paged_row(block_table, block_size, n_kv, s, kvh) * hd);
+            float acc = 0.0f;
+            for (int d = 0; d < hd / 2; ++d) {
+                const float2 kk = __half22float2(k[d]);
+                acc += qs[2 * d] * kk.x + qs[2 * d + 1] * kk.y;
+            }
+            score = acc;
+        }
+        online_update(st, score, hd_v, [&](int j) {
+            const int sj = min(base + j, n_keys - 1);  // p_j = 0 for sj past the end, never read then
+            return v_cache + paged_row(block_table, block_size, n_kv, sj, kvh) * hd_v;
+        });
+    }
+    // merge the warps' partial softmaxes
+    if (lane == 0) {
+        m_s[warp] = st.m;
+        l_s[warp] = st.l;
+    }
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        const int d = lane + 32 * i;
+        if (d < hd_v) o_s[warp][d] = st.o[i];
+    }
+    __syncthreads();
+    float m = -CUDART_INF_F;
+    for (int w = 0; w < DA_WARPS; ++w) m = fmaxf(m, m_s[w]);
+    float l = 0.0f;
+    for (int w = 0; w < DA_WARPS; ++w) l += m_s[w] == -CUDART_INF_F ? 0.0f : l_s[w] * __expf(m_s[w] - m);
+    for (int d = threadIdx.x; d < hd_v; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int w = 0; w < DA_WARPS; ++w)
+            if (m_s[w] != -CUDART_INF_F) acc += o_s[w][d] * __expf(m_s[w] - m);
+        out[((long long)qi * n_head + head) * hd_v + d] = l > 0.0f ? acc / l : 0.0f;
+    }
+}

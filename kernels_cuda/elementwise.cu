@@ -1,0 +1,103 @@
+// Norms, RoPE, gated activations and adds on float32 activations in VRAM.
+//
+//   rms_norm:  out = x / sqrt(mean(x^2) + eps) * w (+ residual)   one block per row
+//              (the weight multiply and gemma's "x + norm(h)" residual are fused in)
+//   rope:      rotary embedding of the first n_dims of every head; "norm" (adjacent pairs)
+//              or "neox" (halves) mode; optional freq_factors (llama3 scaling) divide the
+//              frequencies; base is passed per call (gemma's per-layer bases)
+//   silu_mul / gelu_mul: act(gate) * up in one pass (no separate activation launch)
+//   add, add_rows: residual add; bias add broadcast over rows
+#include <stdint.h>
+
+extern "C" __global__ void rms_norm(const float* x, const float* w, const float* residual, float* out, int n_cols,
+                                    float eps) {
+    // one block (up to 1024 threads, a multiple of 32) per row
+    __shared__ float partial[32];
+    const float* xr = x + (long long)blockIdx.x * n_cols;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) s += xr[i] * xr[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        s = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.0f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (threadIdx.x == 0) partial[0] = s;
+    }
+    __syncthreads();
+    const float r = rsqrtf(partial[0] / (float)n_cols + eps);
+    float* yr = out + (long long)blockIdx.x * n_cols;
+    const float* rr = residual ? residual + (long long)blockIdx.x * n_cols : 0;
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
+        const float y = xr[i] * r * w[i];
+        yr[i] = rr ? rr[i] + y : y;
+    }
+}
+
+extern "C" __global__ void rope(const float* x, float* out, const int* positions, int n_tok, int n_heads, int hd,
+                                int n_dims, float base, float freq_scale, int neox, const float* freq_factors) {
+    // one thread per pair of output dims: hd/2 pairs per (token, head) row
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int pairs = hd / 2;
+    if (idx >= (long long)n_tok * n_heads * pairs) return;
+    const int i = (int)(idx % pairs);
+    const long long row = idx / pairs;
+    const int tok = (int)(row / n_heads);
+    const float* xr = x + row * hd;
+    float* yr = out + row * hd;
+    int a, b;  // the two dims this thread writes
+    const bool rotate = 2 * i < n_dims;
+    if (neox) {
+        const int half = n_dims / 2;
+        if (rotate) { a = i; b = i + half; }
+        else { a = n_dims + 2 * (i - half); b = a + 1; }
+    } else {
+        a = 2 * i; b = a + 1;
+    }
+    if (!rotate) {
+        yr[a] = xr[a];
+        yr[b] = xr[b];
+        return;
+    }
+    // theta in double, reduced mod 2 pi, then float sincos: float32 theta loses ~1e-3 rad
+    // at positions ~1e5, double keeps long contexts matching the reference.
+    double inv = pow((double)base, -2.0 * (double)i / (double)n_dims) * (double)freq_scale;
+    if (freq_factors) inv /= (double)freq_factors[i];
+    double theta = fmod((double)positions[tok] * inv, 6.283185307179586);
+    if (theta > 3.141592653589793) theta -= 6.283185307179586;  // [-pi, pi]: where fast sincos is accurate
+    float s, c;
+    sincosf((float)theta, &s, &c);
+    const float x0 = xr[a], x1 = xr[b];
+    yr[a] = x0 * c - x1 * s;
+    yr[b] = x0 * s + x1 * c;
+}
+
+extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+extern "C" __global__ void gelu_mul(const float* gate, const float* up, float* out, long long n) {
+    // tanh approximation, as ggml_gelu
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float g = gate[i];
+        const float t = tanhf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g));
+        out[i] = 0.5f * g * (1.0f + t) * up[i];
+    }
+}
+
+extern "C" __global__ void add(const float* a, const float* b, float* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] + b[i];
+}
+
+extern "C" __global__ void add_rows(float* x, const float* bias, long long n, int n_cols) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += bias[i % n_cols];
+}

@@ -1,0 +1,150 @@
+"""Thin PyCUDA launchers: one Python function per kernel family, on pycuda GPUArrays.
+
+Shapes follow edgeinfer.backend: activations float32 (n_tokens, features), per-head
+tensors (n_tokens, n_heads, head_dim); weights are raw GGUF rows (n_rows, row_bytes) uint8.
+pycuda is imported inside the functions, so importing this module never needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from edgeinfer.kernels_cuda.runtime import allocator, kernel
+
+# GGUF type -> kernel name suffix (matvec_<s>, gemm_<s>, dequant_<s> in quant.cu)
+QTYPE_SUFFIX = {Q.F32: "f32", Q.F16: "f16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q5_0: "q5_0",
+                Q.Q5_1: "q5_1", Q.Q8_0: "q8_0", Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
+KERNEL_NAMES = {
+    "quant.cu": [f"{op}_{s}" for s in QTYPE_SUFFIX.values() for op in ("matvec", "gemm", "dequant")],
+    "attention.cu": ["kv_store", "flash_attention_prefill", "paged_decode_attention"],
+    "elementwise.cu": ["rms_norm", "rope", "silu_mul", "gelu_mul", "add", "add_rows"],
+}
+MATVEC_MAX_TOKENS = 4  # up to this many rows re-read the weights per token; more use the GEMM
+MAX_HEAD_DIM = 256  # MAX_HD in attention.cu
+NULL = np.intp(0)
+
+
+def _ptr(a: Any) -> Any:
+    """A kernel pointer argument. GPUArrays are passed as themselves: pycuda reads their address
+    (also for sliced views, whose `.gpudata` is a bare int that pycuda would reject)."""
+    return NULL if a is None else a
+
+
+def _empty(shape: tuple[int, ...], dtype=np.float32):
+    from pycuda import gpuarray
+
+    return gpuarray.empty(shape, dtype, allocator=allocator())
+
+
+def _grid1d(n: int, threads: int = 256) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    return ((n + threads - 1) // threads, 1, 1), (threads, 1, 1)
+
+
+def supports(qtype: Q, n_cols: int) -> bool:
+    return qtype in QTYPE_SUFFIX and n_cols % 32 == 0
+
+
+def attention_supports(hd: int, hd_v: int) -> bool:
+    return max(hd, hd_v) <= MAX_HEAD_DIM and hd % 2 == 0
+
+
+def linear(w, qtype: Q, n_rows: int, n_cols: int, x, residual=None):
+    """x (n, n_cols) f32 @ W^T (+ residual) -> (n, n_rows); W is raw GGUF rows in VRAM."""
+    n = x.shape[0]
+    row_bytes = w.shape[1]
+    y = _empty((n, n_rows))
+    s = QTYPE_SUFFIX[qtype]
+    if n <= MATVEC_MAX_TOKENS:
+        kernel("quant.cu", f"matvec_{s}")(
+            w, np.int64(row_bytes), np.int32(n_rows), np.int32(n_cols), x, _ptr(residual),
+            y, block=(128, 1, 1), grid=((n_rows + 3) // 4, n, 1))
+    else:
+        kernel("quant.cu", f"gemm_{s}")(
+            w, np.int64(row_bytes), np.int32(n_rows), np.int32(n_cols), x, np.int32(n),
+            _ptr(residual), y, block=(128, 1, 1), grid=((n_rows + 63) // 64, (n + 63) // 64, 1))
+    return y
+
+
+def dequantize(w, qtype: Q, n_rows: int, n_cols: int):
+    out = _empty((n_rows, n_cols))
+    grid, block = _grid1d(n_rows * (n_cols // 32))
+    kernel("quant.cu", f"dequant_{QTYPE_SUFFIX[qtype]}")(
+        w, np.int64(w.shape[1]), np.int32(n_rows), np.int32(n_cols), out, block=block, grid=grid)
+    return out
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """Over the last axis of x (any leading shape), times weight (+ residual)."""
+    n_cols = x.shape[-1]
+    rows = x.size // n_cols
+    out = _empty(x.shape)
+    threads = min(1024, max(32, (n_cols + 31) // 32 * 32))
+    kernel("elementwise.cu", "rms_norm")(x, weight, _ptr(residual), out, np.int32(n_cols),
+                                         np.float32(eps), block=(threads, 1, 1), grid=(rows, 1, 1))
+    return out
+
+
+def rope(x, positions, n_dims: int, base: float, freq_scale: float, neox: bool, freq_factors=None):
+    """x (n, heads, hd); positions int32 (n,) on the device."""
+    n, heads, hd = x.shape
+    out = _empty(x.shape)
+    grid, block = _grid1d(n * heads * (hd // 2))
+    kernel("elementwise.cu", "rope")(x, out, positions, np.int32(n), np.int32(heads),
+                                     np.int32(hd), np.int32(n_dims), np.float32(base), np.float32(freq_scale),
+                                     np.int32(1 if neox else 0), _ptr(freq_factors), block=block, grid=grid)
+    return out
+
+
+def _binary(name: str, a, b):
+    out = _empty(a.shape)
+    grid, block = _grid1d(a.size)
+    kernel("elementwise.cu", name)(a, b, out, np.int64(a.size), block=block, grid=grid)
+    return out
+
+
+def silu_mul(gate, up):
+    return _binary("silu_mul", gate, up)
+
+
+def gelu_mul(gate, up):
+    return _binary("gelu_mul", gate, up)
+
+
+def add(a, b):
+    return _binary("add", a, b)
+
+
+def add_rows(x, bias) -> None:
+    """x += bias broadcast over rows, in place."""
+    grid, block = _grid1d(x.size)
+    kernel("elementwise.cu", "add_rows")(x, bias, np.int64(x.size), np.int32(bias.size),
+                                         block=block, grid=grid)
+
+
+def kv_store(k, v, k_cache, v_cache, block_table, slots, block_size: int) -> None:
+    """k (n, n_kv, hd), v (n, n_kv, hd_v) f32 -> f16 cache rows of `slots` (int32, device)."""
+    n, n_kv, hd = k.shape
+    hd_v = v.shape[2]
+    kernel("attention.cu", "kv_store")(
+        k, v, k_cache, v_cache, block_table, slots, np.int32(n),
+        np.int32(block_size), np.int32(n_kv), np.int32(hd), np.int32(hd_v), block=(128, 1, 1), grid=(n, n_kv, 1))
+
+
+def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_size: int, n_kv: int,
+              hd_v: int, scale: float, window: int):
+    """q (n, n_head, hd) over the first n_keys slots of a paged f16 cache -> (n, n_head, hd_v)."""
+    n, n_head, hd = q.shape
+    if not attention_supports(hd, hd_v):
+        raise ValueError(f"head dim {hd}/{hd_v}: the CUDA attention needs an even head dim <= {MAX_HEAD_DIM}")
+    out = _empty((n, n_head, hd_v))
+    args = (q, k_cache, v_cache, block_table, kpos, qpos,
+            out, np.int32(n), np.int32(n_keys), np.int32(block_size), np.int32(n_head), np.int32(n_kv),
+            np.int32(hd), np.int32(hd_v), np.float32(scale), np.int32(window))
+    if n >= 8:  # enough queries per head to share K/V tiles in shared memory
+        kernel("attention.cu", "flash_attention_prefill")(*args, block=(256, 1, 1), grid=((n + 7) // 8, n_head, 1))
+    else:
+        kernel("attention.cu", "paged_decode_attention")(*args, block=(128, 1, 1), grid=(n_head, n, 1))
+    return out

@@ -1,0 +1,309 @@
+// Quantized matrix kernels that read GGUF blocks directly from VRAM.
+//
+//   matvec_<type>:  decode, y[t, r] = sum_c W[r, c] * x[t, c] (+ residual), one warp per row.
+//   gemm_<type>:    prefill, Y = X W^T; weight tiles are dequantized to fp16 in shared
+//                   memory and multiplied with WMMA 16x16x16 (float accumulate) on sm_70+.
+//
+// Every type is read as "chunks" of 32 consecutive weights: a Q4_0/Q5_0/Q8_0 block is one
+// chunk, a K-quant super-block (256) is eight. `dequant32<T>` turns chunk c of a row into
+// 32 floats, and both kernels are written once on top of it.
+//
+// Activations stay float32 in the matvec (not quantized to q8 as on the CPU): decode is
+// bound by the weight bytes read from DRAM, the f32 FMAs are far below the GPU's compute
+// limit, and f32 keeps the result as close to the numpy reference as possible.
+//
+// Block layouts (bytes) follow ggml / gguf.quants:
+//   Q4_0 18: d f16 | qs[16]          Q4_1 20: d, m f16 | qs[16]
+//   Q5_0 22: d | qh u32 | qs[16]      Q5_1 24: d, m | qh u32 | qs[16]
+//   Q8_0 34: d | qs int8[32]
+//   Q4_K 144: d, dmin | scales[12] | qs[128]
+//   Q5_K 176: d, dmin | scales[12] | qh[32] | qs[128]
+//   Q6_K 210: ql[128] | qh[64] | scales int8[16] | d
+#include <cuda_fp16.h>
+#include <stdint.h>
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
+#include <mma.h>
+#define EI_WMMA 1
+#endif
+
+// GGMLQuantizationType values
+// host+device so a CPU-only harness can check the block layouts against gguf.quants
+#define EI_HD __host__ __device__
+
+#define T_F32 0
+#define T_F16 1
+#define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q5_0 6
+#define T_Q5_1 7
+#define T_Q8_0 8
+#define T_Q4_K 12
+#define T_Q5_K 13
+#define T_Q6_K 14
+
+EI_HD __forceinline__ float ld_f16(const uint8_t* p) {
+    return __half2float(__ushort_as_half((unsigned short)(p[0] | (p[1] << 8))));
+}
+
+EI_HD __forceinline__ uint32_t ld_u32(const uint8_t* p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+// scale and min j (0..7) of a Q4_K / Q5_K super-block: 6-bit values packed into 12 bytes
+EI_HD __forceinline__ void scale_min_k4(int j, const uint8_t* q, float* sc, float* mn) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *mn = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *mn = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+// Chunk c (32 consecutive weights) of one row -> y[0..31].
+template <int T>
+EI_HD __forceinline__ void dequant32(const uint8_t* row, int c, float* y) {
+    if (T == T_F32) {
+        const float* p = reinterpret_cast<const float*>(row) + 32 * c;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) y[i] = p[i];
+    } else if (T == T_F16) {
+        const __half* p = reinterpret_cast<const __half*>(row) + 32 * c;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) y[i] = __half2float(p[i]);
+    } else if (T == T_Q4_0 || T == T_Q4_1) {
+        const uint8_t* b = row + c * (T == T_Q4_0 ? 18 : 20);
+        const float d = ld_f16(b);
+        const float m = T == T_Q4_1 ? ld_f16(b + 2) : -8.0f * d;
+        const uint8_t* qs = b + (T == T_Q4_0 ? 2 : 4);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            y[i] = d * (float)(qs[i] & 0xF) + m;
+            y[i + 16] = d * (float)(qs[i] >> 4) + m;
+        }
+    } else if (T == T_Q5_0 || T == T_Q5_1) {
+        const uint8_t* b = row + c * (T == T_Q5_0 ? 22 : 24);
+        const float d = ld_f16(b);
+        const float m = T == T_Q5_1 ? ld_f16(b + 2) : -16.0f * d;
+        const uint32_t qh = ld_u32(b + (T == T_Q5_0 ? 2 : 4));
+        const uint8_t* qs = b + (T == T_Q5_0 ? 6 : 8);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            y[i] = d * (float)((qs[i] & 0xF) | (((qh >> i) & 1) << 4)) + m;
+            y[i + 16] = d * (float)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) + m;
+        }
+    } else if (T == T_Q8_0) {
+        const uint8_t* b = row + c * 34;
+        const float d = ld_f16(b);
+        const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) y[i] = d * (float)qs[i];
+    } else if (T == T_Q4_K || T == T_Q5_K) {
+        const int sub = c & 7;
+        const uint8_t* b = row + (c >> 3) * (T == T_Q4_K ? 144 : 176);
+        const float d = ld_f16(b), dmin = ld_f16(b + 2);
+        float sc, mn;
+        scale_min_k4(sub, b + 4, &sc, &mn);
+        const float dl = d * sc, ml = dmin * mn;
+        const uint8_t* qs = b + (T == T_Q4_K ? 16 : 48) + 32 * (sub >> 1);
+        const int shift = (sub & 1) * 4;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            int q = (qs[i] >> shift) & 0xF;
+            if (T == T_Q5_K) q |= ((b[16 + i] >> sub) & 1) << 4;
+            y[i] = dl * (float)q - ml;
+        }
+    } else if (T == T_Q6_K) {
+        const int sub = c & 7, half = sub >> 2, k = sub & 3;
+        const uint8_t* b = row + (c >> 3) * 210;
+        const float d = ld_f16(b + 208);
+        const uint8_t* ql = b + 64 * half + 32 * (k & 1);
+        const uint8_t* qh = b + 128 + 32 * half;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * half + 2 * k;
+        const int lshift = (k >> 1) * 4, hshift = 2 * k;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int q = (((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4)) - 32;
+            y[i] = d * (float)sc[i >> 4] * (float)q;
+        }
+    }
+}
+
+#ifndef EI_HOST_ONLY  // the harness in tests/test_cuda_compile.py needs only dequant32
+// ---------------------------------------------------------------------------------------
+// decode: one warp per output row; lane l handles chunks l, l+32, ... of that row.
+#define MV_WARPS 4
+
+template <int T>
+__device__ __forceinline__ void matvec_impl(const uint8_t* __restrict__ W, long long row_bytes, int n_rows,
+                                            int n_cols, const float* __restrict__ x,
+                                            const float* __restrict__ residual, float* __restrict__ y) {
+    const int row = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    const int tok = blockIdx.y;
+    if (row >= n_rows) return;
+    const uint8_t* w = W + row * row_bytes;
+    const float4* xt = reinterpret_cast<const float4*>(x + (long long)tok * n_cols);
+    float acc = 0.0f;
+    for (int c = lane; c < n_cols / 32; c += 32) {
+        float v[32];
+        dequant32<T>(w, c, v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float4 a = xt[c * 8 + i];
+            acc += v[4 * i] * a.x + v[4 * i + 1] * a.y + v[4 * i + 2] * a.z + v[4 * i + 3] * a.w;
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) {
+        const long long o = (long long)tok * n_rows + row;
+        y[o] = residual ? acc + residual[o] : acc;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// prefill: 64 tokens x 64 weight rows per block, K step 32 (one chunk), 4 warps.
+// Threads 0..63 dequantize one weight row's chunk each, threads 64..127 stage X; both as
+// fp16 in shared memory. Each warp owns a 32x32 corner of the output = 2x2 WMMA tiles.
+#define GM 64
+#define GN 64
+#define GK 32
+#define GLD (GK + 8)  // +8 halfs: keeps rows 16-byte aligned and spreads shared-memory banks
+
+template <int T>
+__device__ __forceinline__ void gemm_impl(const uint8_t* __restrict__ W, long long row_bytes, int n_rows,
+                                          int n_cols, const float* __restrict__ X, int n_tok,
+                                          const float* __restrict__ residual, float* __restrict__ Y) {
+    __shared__ __align__(32) __half xs[GM * GLD];
+    __shared__ __align__(32) __half ws[GN * GLD];
+    __shared__ __align__(32) float cs[GM * GN];
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const int m0 = blockIdx.y * GM, n0 = blockIdx.x * GN;
+#ifdef EI_WMMA
+    using namespace nvcuda;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+#else
+    float accs[32];  // fallback: thread owns 32 outputs of the 64x64 tile
+    for (int i = 0; i < 32; ++i) accs[i] = 0.0f;
+#endif
+    for (int k0 = 0; k0 < n_cols; k0 += GK) {
+        if (tid < GN) {
+            const int r = n0 + tid;
+            float v[32];
+            if (r < n_rows) {
+                dequant32<T>(W + r * row_bytes, k0 / 32, v);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 32; ++i) v[i] = 0.0f;
+            }
+#pragma unroll
+            for (int i = 0; i < 32; ++i) ws[tid * GLD + i] = __float2half(v[i]);
+        } else {
+            const int t = tid - GN;  // stages token row t of this K step
+            const int m = m0 + t;
+#pragma unroll 8
+            for (int i = 0; i < 32; ++i)
+                xs[t * GLD + i] = __float2half(m < n_tok ? X[(long long)m * n_cols + k0 + i] : 0.0f);
+        }
+        __syncthreads();
+#ifdef EI_WMMA
+        const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+#pragma unroll
+        for (int kk = 0; kk < GK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a[2];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(a[i], xs + (wm + 16 * i) * GLD + kk, GLD);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(b[j], ws + (wn + 16 * j) * GLD + kk, GLD);
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
+        }
+#else
+        for (int e = 0; e < 32; ++e) {
+            const int idx = tid * 32 + e, mm = idx / GN, nn = idx % GN;
+            float s = 0.0f;
+            for (int kk = 0; kk < GK; ++kk) s += __half2float(xs[mm * GLD + kk]) * __half2float(ws[nn * GLD + kk]);
+            accs[e] += s;
+        }
+#endif
+        __syncthreads();
+    }
+#ifdef EI_WMMA
+    {
+        const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                wmma::store_matrix_sync(cs + (wm + 16 * i) * GN + wn + 16 * j, acc[i][j], GN, wmma::mem_row_major);
+    }
+#else
+    for (int e = 0; e < 32; ++e) cs[tid * 32 + e] = accs[e];
+#endif
+    __syncthreads();
+    for (int idx = tid; idx < GM * GN; idx += blockDim.x) {
+        const int m = m0 + idx / GN, n = n0 + idx % GN;
+        if (m < n_tok && n < n_rows) {
+            const long long o = (long long)m * n_rows + n;
+            Y[o] = residual ? cs[idx] + residual[o] : cs[idx];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// extern "C" entry points, found by name from Python: matvec_<type> and gemm_<type>.
+#define EI_ENTRY(suffix, T)                                                                          \
+    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                      \
+        matvec_##suffix(const uint8_t* W, long long row_bytes, int n_rows, int n_cols, const float* x, \
+                        const float* residual, float* y) {                                           \
+        matvec_impl<T>(W, row_bytes, n_rows, n_cols, x, residual, y);                                \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(128)                                                \
+        gemm_##suffix(const uint8_t* W, long long row_bytes, int n_rows, int n_cols, const float* X,  \
+                      int n_tok, const float* residual, float* Y) {                                  \
+        gemm_impl<T>(W, row_bytes, n_rows, n_cols, X, n_tok, residual, Y);                           \
+    }
+
+EI_ENTRY(f32, T_F32)
+EI_ENTRY(f16, T_F16)
+EI_ENTRY(q4_0, T_Q4_0)
+EI_ENTRY(q4_1, T_Q4_1)
+EI_ENTRY(q5_0, T_Q5_0)
+EI_ENTRY(q5_1, T_Q5_1)
+EI_ENTRY(q8_0, T_Q8_0)
+EI_ENTRY(q4_k, T_Q4_K)
+EI_ENTRY(q5_k, T_Q5_K)
+EI_ENTRY(q6_k, T_Q6_K)
+
+// A chunk-aligned dequantize of whole rows to float32 (tests and the CPU-side fallback).
+#define EI_DEQ(suffix, T)                                                                            \
+    extern "C" __global__ void dequant_##suffix(const uint8_t* W, long long row_bytes, int n_rows,   \
+                                                int n_cols, float* out) {                            \
+        const int n_chunks = n_cols / 32;                                                            \
+        const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                        \
+        if (i >= (long long)n_rows * n_chunks) return;                                               \
+        const int r = (int)(i / n_chunks), c = (int)(i % n_chunks);                                  \
+        float v[32];                                                                                 \
+        dequant32<T>(W + r * row_bytes, c, v);                                                       \
+        for (int k = 0; k < 32; ++k) out[(long long)r * n_cols + 32 * c + k] = v[k];                 \
+    }
+
+EI_DEQ(f32, T_F32)
+EI_DEQ(f16, T_F16)
+EI_DEQ(q4_0, T_Q4_0)
+EI_DEQ(q4_1, T_Q4_1)
+EI_DEQ(q5_0, T_Q5_0)
+EI_DEQ(q5_1, T_Q5_1)
+EI_DEQ(q8_0, T_Q8_0)
+EI_DEQ(q4_k, T_Q4_K)
+EI_DEQ(q5_k, T_Q5_K)
+EI_DEQ(q6_k, T_Q6_K)
+#endif  // EI_HOST_ONLY

@@ -1,0 +1,212 @@
+"""GPU tests: every CUDA kernel against the numpy reference, and whole-model logits of the
+hybrid backend against the reference backend at several --gpu-layers values.
+
+Skipped, with the probe's one-line reason, where pycuda, the driver or a GPU is missing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+from gguf_factory import TinyShape, random_blocks, write_tiny_model
+
+from edgeinfer.kernels_cuda.runtime import cuda_available
+
+_OK, _REASON = cuda_available()
+if not _OK:
+    pytest.skip(_REASON, allow_module_level=True)
+
+from pycuda import gpuarray  # noqa: E402
+
+from edgeinfer.backend import Backend, ReferenceBackend  # noqa: E402
+from edgeinfer.backend_cuda import CudaKVCache, HybridBackend  # noqa: E402
+from edgeinfer.kernels_cuda import launch, runtime  # noqa: E402
+from edgeinfer.kv_cache import KVCache  # noqa: E402
+from edgeinfer.loader import open_model  # noqa: E402
+from edgeinfer.models.base import ROPE_NEOX, ROPE_NORM  # noqa: E402
+from edgeinfer.offload import OffloadPlan  # noqa: E402
+
+TYPES = list(launch.QTYPE_SUFFIX)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ctx():
+    runtime.context()
+
+
+class _Ref(Backend):
+    """The reference ops with vectors given directly (no GGUF file)."""
+
+    def __init__(self, vectors: dict[str, np.ndarray] | None = None) -> None:
+        self._vectors = vectors or {}
+
+
+def _weights(qtype: Q, n_rows: int, n_cols: int, seed: int):
+    rng = np.random.default_rng(seed)
+    raw = np.ascontiguousarray(random_blocks(qtype, n_rows, n_cols, rng)).view(np.uint8).reshape(n_rows, -1)
+    dense = quants.dequantize(raw, qtype).astype(np.float32).reshape(n_rows, n_cols)
+    return raw, dense
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+# -- matrices -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_dequant_kernel(qtype):
+    raw, dense = _weights(qtype, 7, 512, int(qtype))
+    got = launch.dequantize(gpuarray.to_gpu(raw), qtype, 7, 512).get()
+    np.testing.assert_allclose(got, dense, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("n", [1, 3, 70], ids=lambda n: f"n{n}")  # matvec, matvec x3, WMMA GEMM
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_linear(qtype, n):
+    n_rows, n_cols = 200, 768  # 200: not a multiple of the 64-row GEMM tile
+    raw, dense = _weights(qtype, n_rows, n_cols, 100 + int(qtype))
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, n_cols)).astype(np.float32)
+    res = rng.standard_normal((n, n_rows)).astype(np.float32)
+    want = (x.astype(np.float64) @ dense.T.astype(np.float64)).astype(np.float32)
+    w = gpuarray.to_gpu(raw)
+    got = launch.linear(w, qtype, n_rows, n_cols, gpuarray.to_gpu(x)).get()
+    tol = 1e-5 if n <= launch.MATVEC_MAX_TOKENS else 3e-3  # the GEMM rounds tiles to fp16
+    assert _rel(got, want) < tol
+    got_r = launch.linear(w, qtype, n_rows, n_cols, gpuarray.to_gpu(x), gpuarray.to_gpu(res)).get()
+    assert _rel(got_r, want + res) < tol
+
+
+# -- elementwise --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(5, 640), (3, 4, 256), (2, 1000)])
+def test_rms_norm(shape):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape).astype(np.float32) * 3
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    r = rng.standard_normal(shape).astype(np.float32)
+    want = _Ref({"w": w}).rms_norm(x, "w", 1e-6)
+    got = launch.rms_norm(gpuarray.to_gpu(x), gpuarray.to_gpu(w), 1e-6).get()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    got = launch.rms_norm(gpuarray.to_gpu(x), gpuarray.to_gpu(w), 1e-6, residual=gpuarray.to_gpu(r)).get()
+    np.testing.assert_allclose(got, want + r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [ROPE_NORM, ROPE_NEOX])
+@pytest.mark.parametrize("n_dims", [128, 64])
+@pytest.mark.parametrize("factors", [False, True])
+def test_rope(mode, n_dims, factors):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 4, 128)).astype(np.float32)
+    positions = np.array([0, 1, 7, 500, 8191, 100_000])
+    ff = (1.0 + rng.random(n_dims // 2) * 7).astype(np.float32)
+    ref = _Ref({"ff": ff})
+    want = ref.rope(x, positions, n_dims, 500000.0, 0.5, mode, "ff" if factors else None)
+    got = launch.rope(gpuarray.to_gpu(x), gpuarray.to_gpu(positions.astype(np.int32)), n_dims, 500000.0, 0.5,
+                      mode == ROPE_NEOX, gpuarray.to_gpu(ff) if factors else None).get()
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(x).max() * 10)
+
+
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_mul"])
+def test_gated_activations(op):
+    rng = np.random.default_rng(2)
+    g, u = (rng.standard_normal((9, 333)).astype(np.float32) * 4 for _ in range(2))
+    want = getattr(_Ref(), op)(g, u)
+    got = getattr(launch, op)(gpuarray.to_gpu(g), gpuarray.to_gpu(u)).get()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_add_and_bias_rows():
+    rng = np.random.default_rng(3)
+    a, b = (rng.standard_normal((4, 96)).astype(np.float32) for _ in range(2))
+    bias = rng.standard_normal(96).astype(np.float32)
+    np.testing.assert_array_equal(launch.add(gpuarray.to_gpu(a), gpuarray.to_gpu(b)).get(), a + b)
+    x = gpuarray.to_gpu(a)
+    launch.add_rows(x, gpuarray.to_gpu(bias))
+    np.testing.assert_array_equal(x.get(), a + bias)
+
+
+# -- attention ----------------------------------------------------------------------------
+
+class _KV:
+    def __init__(self, k, v, pos):
+        self.k, self.v, self.pos = k, v, pos
+
+    def layer_view(self, layer):
+        return self.k, self.v, self.pos
+
+
+@pytest.mark.parametrize("n_q", [1, 3, 20], ids=lambda n: f"q{n}")  # decode kernel x2, flash prefill
+@pytest.mark.parametrize("hd", [64, 256])
+@pytest.mark.parametrize("window", [0, 16])
+def test_paged_attention(n_q, hd, window):
+    rng = np.random.default_rng(n_q * hd + window)
+    n_keys, n_kv, n_head, block_size = 45, 2, 8, 16
+    k = rng.standard_normal((n_keys, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((n_keys, n_kv, hd)).astype(np.float32)
+    kpos = np.arange(n_keys)
+    q = rng.standard_normal((n_q, n_head, hd)).astype(np.float32)
+    qpos = np.arange(n_keys - n_q, n_keys)
+    scale = 1.0 / np.sqrt(hd)
+    want = _Ref().attention(q, _KV(k.astype(np.float16), v.astype(np.float16), kpos), 0, qpos, scale, window)
+
+    n_phys = 5  # 3 logical blocks scattered over 5 physical ones
+    table = np.array([4, 0, 2], np.int32)
+    k_cache = gpuarray.zeros((n_phys, block_size, n_kv, hd), np.float16)
+    v_cache = gpuarray.zeros((n_phys, block_size, n_kv, hd), np.float16)
+    table_d = gpuarray.to_gpu(table)
+    launch.kv_store(gpuarray.to_gpu(k), gpuarray.to_gpu(v), k_cache, v_cache, table_d,
+                    gpuarray.to_gpu(np.arange(n_keys, dtype=np.int32)), block_size)
+    stored = k_cache.get()[table].reshape(-1, n_kv, hd)[:n_keys]
+    np.testing.assert_array_equal(stored, k.astype(np.float16))
+    got = launch.attention(gpuarray.to_gpu(q), k_cache, v_cache, table_d, gpuarray.to_gpu(kpos.astype(np.int32)),
+                           gpuarray.to_gpu(qpos.astype(np.int32)), n_keys, block_size, n_kv, hd, scale, window).get()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# -- whole model --------------------------------------------------------------------------
+
+def _plan(n_layer: int, k: int, head: bool) -> OffloadPlan:
+    return OffloadPlan(list(range(k)), head, 0, 0, 0, "test", n_layer, runtime.device_info())
+
+
+def _logits(mf, backend, kv, tokens: np.ndarray, n_decode: int = 3) -> np.ndarray:
+    model = mf.family(mf.config, mf.gguf, backend)
+    rows = [model.forward(tokens, np.arange(len(tokens)), kv)[0]]
+    nxt = int(np.argmax(rows[-1]))
+    for step in range(n_decode):  # decode steps take the matvec and paged decode kernels
+        pos = len(tokens) + step
+        rows.append(model.forward(np.array([nxt]), np.array([pos]), kv)[0])
+        nxt = int(np.argmax(rows[-1]))
+    return np.stack(rows)
+
+
+def _compare(path, ks, n_ctx=64, n_tokens=12):
+    mf = open_model(path)
+    cfg = mf.config
+    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, n_tokens)
+    ref = _logits(mf, ReferenceBackend(mf.gguf), KVCache(cfg, n_ctx), tokens)
+    for k in ks:
+        k = min(k, cfg.n_layer)
+        hb = HybridBackend(mf.gguf, _plan(cfg.n_layer, k, k == cfg.n_layer), ReferenceBackend(mf.gguf))
+        kv = hb.new_cache(cfg, n_ctx)
+        assert isinstance(kv, CudaKVCache)
+        got = _logits(mf, hb, kv, tokens)
+        scale = np.abs(ref).max()
+        assert np.abs(got - ref).max() < 2e-2 * scale, (k, np.abs(got - ref).max(), scale)
+        assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.75, k
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_tiny_model_logits_match_cpu(tmp_path, arch, qtype):
+    path = write_tiny_model(tmp_path / "m.gguf", arch, qtype, shape=TinyShape(n_layer=3))
+    _compare(path, ks=[0, 1, 3])
+
+
+@pytest.mark.slow
+def test_gemma3_270m_logits_match_cpu(gemma_path):
+    _compare(gemma_path, ks=[0, 6, 18], n_ctx=128, n_tokens=16)
