@@ -1,0 +1,131 @@
+"""`edgeinfer serve NAME`: the local REST API (OpenAI, Ollama and llama-server endpoints).
+
+The server listens at once and answers `/health` with 503 while the model loads on a
+thread; a model that fails to load stops the server with that one-line error.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+import threading
+
+from edgeinfer.commands.run import add_model_options, add_sampling_options, sampling_from_args
+from edgeinfer.errors import EdgeInferError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI, Ollama and llama-server APIs)")
+    p.add_argument("name", help="model alias, hf.co/owner/repo[:quant] or path to a .gguf file")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; other addresses expose the server)")
+    p.add_argument("--port", type=_port, default=11434, help="port (default 11434, Ollama's)")
+    p.add_argument("--max-queue", type=_non_negative, default=8, metavar="N",
+                   help="requests that may wait while one runs; more get 429 (default 8)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require Authorization: Bearer KEY (default: $EDGEINFER_API_KEY; /health stays open)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from ORIGIN (repeatable; '*' allows any)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
+                   help="accept this Host header besides localhost/127.0.0.1/::1 (repeatable; "
+                        "'*' accepts any, only behind a proxy that checks Host)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="cancel a request after S seconds, queue wait included (default: none)")
+    p.add_argument("--max-body", type=_positive, default=2 << 20, metavar="BYTES",
+                   help="largest request body accepted (default 2 MiB)")
+    add_model_options(p)
+    add_sampling_options(p)
+    p.set_defaults(func=serve)
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from edgeinfer.server import ServerConfig, create_app
+
+    if args.timeout is not None and args.timeout <= 0:
+        raise EdgeInferError(f"--timeout must be positive, got {args.timeout}")
+    config = ServerConfig(
+        model_name=args.name, max_queue=args.max_queue, timeout_s=args.timeout,
+        api_key=args.api_key or os.environ.get("EDGEINFER_API_KEY") or None,
+        cors_origins=list(args.cors_origin), allowed_hosts=list(args.allowed_host) + _bind_names(args.host),
+        max_body_bytes=args.max_body, sampling=sampling_from_args(args))
+    if not _is_loopback(args.host):
+        print(f"edgeinfer: warning: listening on {args.host} exposes the model to the network"
+              + ("" if config.api_key else "; consider --api-key"), file=sys.stderr)
+    app = create_app(config)
+    state = app.state.server
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+
+    def load() -> None:
+        import edgeinfer
+
+        try:
+            state.set_model(edgeinfer.load(args.name, n_ctx=args.ctx_size, threads=args.threads,
+                                           backend=args.backend, chat_template=args.chat_template))
+            print(f"edgeinfer: serving {args.name} on http://{_url_host(args.host)}:{args.port}", file=sys.stderr)
+        except EdgeInferError as exc:
+            state.load_error = str(exc)
+            server.should_exit = True
+
+    print(f"edgeinfer: loading {args.name} ...", file=sys.stderr)
+    threading.Thread(target=load, name="edgeinfer-load", daemon=True).start()
+    server.run()
+    if state.load_error:
+        raise EdgeInferError(state.load_error)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _bind_names(host: str) -> list[str]:
+    """A server bound to one specific address accepts that address as Host too."""
+    if host in ("0.0.0.0", "::", "") or _is_loopback(host):
+        return []
+    return [host]
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _port(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value < 1:
+        import argparse
+
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value

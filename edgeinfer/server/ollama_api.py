@@ -1,0 +1,222 @@
+"""Ollama-compatible endpoints: /api/generate, /api/chat, /api/tags, /api/show, /api/ps, /api/version.
+
+Streaming is on by default (NDJSON, one object a line); the last object has `done: true`,
+`done_reason` and the durations in nanoseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import AsyncIterator
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from edgeinfer import __version__
+from edgeinfer.server.app import APIError, collect, first_chunk, read_body, stream_chunks
+from edgeinfer.server.fim import fim_start
+from edgeinfer.server.schemas import (OllamaBase, OllamaChatRequest, OllamaGenerateRequest,
+                                      OllamaShowRequest)
+
+router = APIRouter()
+NDJSON = "application/x-ndjson"
+_DONE_REASON = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def sampling_of(state, req: OllamaBase, n_ctx: int) -> dict:
+    if req.format not in (None, ""):
+        raise APIError(400, "format (JSON mode / schemas) is not supported yet")
+    o = req.options
+    if o is None:
+        return state.sampling()
+    if o.num_ctx is not None and o.num_ctx > n_ctx:
+        raise APIError(400, f"num_ctx {o.num_ctx} is larger than the loaded context of {n_ctx} tokens; "
+                            f"restart the server with --ctx-size {o.num_ctx}")
+    max_tokens = -1 if o.num_predict == -2 else o.num_predict
+    stop = [o.stop] if isinstance(o.stop, str) else o.stop
+    return state.sampling(max_tokens=max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
+                          min_p=o.min_p, seed=o.seed, stop=stop, repeat_penalty=o.repeat_penalty,
+                          repeat_last_n=o.repeat_last_n, presence_penalty=o.presence_penalty,
+                          frequency_penalty=o.frequency_penalty)
+
+
+def final_stats(last, t_request: float) -> dict:
+    u, t = last.usage, last.timings
+    return {"done": True, "done_reason": _DONE_REASON[last.finish_reason],
+            "total_duration": int((time.perf_counter() - t_request) * 1e9), "load_duration": 0,
+            "prompt_eval_count": u.prompt_tokens, "prompt_eval_duration": int(t.prompt_s * 1e9),
+            "eval_count": u.completion_tokens, "eval_duration": int(t.gen_s * 1e9)}
+
+
+def load_response(state) -> JSONResponse:
+    """Ollama answers an empty prompt by loading the model: done_reason "load"."""
+    return JSONResponse({"model": state.config.model_name, "created_at": now_iso(), "response": "",
+                         "done": True, "done_reason": "load"})
+
+
+@router.post("/api/generate")
+async def generate(request: Request):
+    t0 = time.perf_counter()
+    state = request.app.state.server
+    req = await read_body(request, OllamaGenerateRequest)
+    model = state.require_model()
+    state.check_model_name(req.model)
+    if req.images:
+        raise APIError(400, "images are not supported by this model")
+    if req.template:
+        raise APIError(400, "template overrides are not supported; start the server with --chat-template")
+    params = sampling_of(state, req, model.n_ctx)
+    if not req.prompt and req.suffix is None:
+        return load_response(state)
+    if req.suffix is not None:
+        start = fim_start(model, params, prefix=req.prompt, suffix=req.suffix)
+    elif req.raw:
+        start = lambda cancel: model.generate(req.prompt, stream=True, cancel=cancel, **params)  # noqa: E731
+    else:
+        messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
+            [{"role": "user", "content": req.prompt}]
+        start = lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params)  # noqa: E731
+    job = state.submit(start)
+    head = {"model": state.config.model_name}
+    if not req.stream:
+        text, last = await collect(job, request)
+        return JSONResponse({**head, "created_at": now_iso(), "response": text, **final_stats(last, t0)})
+    first = await first_chunk(job, request)
+    return StreamingResponse(_ndjson(job, first, head, t0, lambda text: {"response": text}),
+                             media_type=NDJSON)
+
+
+@router.post("/api/chat")
+async def chat(request: Request):
+    t0 = time.perf_counter()
+    state = request.app.state.server
+    req = await read_body(request, OllamaChatRequest)
+    model = state.require_model()
+    state.check_model_name(req.model)
+    if any(m.images for m in req.messages):
+        raise APIError(400, "images are not supported by this model")
+    params = sampling_of(state, req, model.n_ctx)
+    if not req.messages:
+        return JSONResponse({"model": state.config.model_name, "created_at": now_iso(),
+                             "message": {"role": "assistant", "content": ""}, "done": True,
+                             "done_reason": "load"})
+    messages = [{"role": m.role, "content": m.content} for m in req.messages]
+    job = state.submit(lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params))
+    head = {"model": state.config.model_name}
+
+    def message(text: str) -> dict:
+        return {"message": {"role": "assistant", "content": text}}
+
+    if not req.stream:
+        text, last = await collect(job, request)
+        return JSONResponse({**head, "created_at": now_iso(), **message(text), **final_stats(last, t0)})
+    first = await first_chunk(job, request)
+    return StreamingResponse(_ndjson(job, first, head, t0, message), media_type=NDJSON)
+
+
+async def _ndjson(job, first, head: dict, t0: float, body) -> AsyncIterator[str]:
+    last = None
+    try:
+        async for chunk in stream_chunks(job, first):
+            if chunk.text:
+                yield _line({**head, "created_at": now_iso(), **body(chunk.text), "done": False})
+            if chunk.finish_reason is not None:
+                last = chunk
+    except APIError as exc:
+        yield _line({"error": exc.message})
+        return
+    if job.timed_out:
+        yield _line({"error": "the request timed out"})
+    elif last is not None:
+        yield _line({**head, "created_at": now_iso(), **body(""), **final_stats(last, t0)})
+
+
+def _line(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False) + "\n"
+
+
+# -- model facts ----------------------------------------------------------------------------
+
+async def model_info(state):
+    """`edgeinfer.model_info.describe` of the loaded file, read once (off the event loop)."""
+    info = getattr(state, "_model_info", None)
+    if info is None:
+        from edgeinfer.loader import open_model
+        from edgeinfer.model_info import describe
+
+        model = state.require_model()
+        info = await anyio.to_thread.run_sync(lambda: describe(open_model(model.path)))
+        state._model_info = info
+    return info
+
+
+def details(info) -> dict:
+    from edgeinfer.model_info import human_count
+
+    return {"parent_model": "", "format": "gguf", "family": info.architecture,
+            "families": [info.architecture], "parameter_size": human_count(info.parameters),
+            "quantization_level": info.quantization}
+
+
+def _modified_at(info) -> str:
+    import os
+
+    try:
+        ts = os.stat(info.path).st_mtime
+    except OSError:
+        ts = time.time()
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@router.get("/api/tags")
+async def tags(request: Request) -> JSONResponse:
+    state = request.app.state.server
+    info = await model_info(state)
+    name = state.config.model_name
+    return JSONResponse({"models": [{"name": name, "model": name, "modified_at": _modified_at(info),
+                                     "size": info.file_size, "digest": "", "details": details(info)}]})
+
+
+@router.get("/api/ps")
+async def ps(request: Request) -> JSONResponse:
+    state = request.app.state.server
+    info = await model_info(state)
+    name = state.config.model_name
+    return JSONResponse({"models": [{"name": name, "model": name, "size": info.file_size, "digest": "",
+                                     "details": details(info), "expires_at": "9999-12-31T23:59:59Z",
+                                     "size_vram": 0, "context_length": state.model.n_ctx}]})
+
+
+@router.post("/api/show")
+async def show(request: Request) -> JSONResponse:
+    state = request.app.state.server
+    req = await read_body(request, OllamaShowRequest)
+    state.require_model()
+    state.check_model_name(req.model if req.model is not None else req.name)
+    info = await model_info(state)
+    from edgeinfer.server.fim import has_fim
+
+    arch = info.architecture
+    model_info_keys = {
+        "general.architecture": arch, "general.name": info.name,
+        "general.parameter_count": info.parameters, "general.file_type": info.quantization,
+        f"{arch}.context_length": info.context_length, f"{arch}.embedding_length": info.embedding_length,
+        f"{arch}.block_count": info.block_count, f"{arch}.attention.head_count": info.head_count,
+        f"{arch}.attention.head_count_kv": info.head_count_kv}
+    template = getattr(getattr(state.model, "template", None), "source", "") or ""
+    capabilities = ["completion"] + (["insert"] if has_fim(state.model.tokenizer) else [])
+    return JSONResponse({"license": info.license or "", "modelfile": "", "parameters": "",
+                         "template": template, "details": details(info), "model_info": model_info_keys,
+                         "capabilities": capabilities, "modified_at": _modified_at(info)})
+
+
+@router.get("/api/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": __version__})
