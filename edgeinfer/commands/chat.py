@@ -1,0 +1,39 @@
+"""`edgeinfer chat [NAME]`: the full-screen chat TUI (conversations, settings, model picker).
+
+Without NAME the model picker opens on the local models (`edgeinfer list`).
+"""
+
+from __future__ import annotations
+
+from edgeinfer.commands.run import add_model_options, add_sampling_options, sampling_from_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("chat", help="full-screen chat in the terminal (Textual TUI)")
+    p.add_argument("name", nargs="?", default=None,
+                   help="model alias, hf.co/owner/repo[:quant] or .gguf path (default: pick one)")
+    p.add_argument("--system", default="", help="system prompt for new conversations")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where conversations are saved (default $EDGEINFER_HOME/conversations "
+                        "or ~/.local/share/edgeinfer/conversations)")
+    add_model_options(p)
+    add_sampling_options(p)
+    p.set_defaults(func=chat)
+
+
+def chat(args) -> int:
+    params = sampling_from_args(args)  # bad flag values fail before the screen opens
+
+    from edgeinfer.conversations import ConversationStore
+    from edgeinfer.tui.app import ChatApp
+
+    def load(name: str, n_ctx: int):
+        import edgeinfer
+
+        return edgeinfer.load(name, n_ctx=n_ctx, threads=args.threads, backend=args.backend,
+                              chat_template=args.chat_template)
+
+    app = ChatApp(args.name, load_model=load, store=ConversationStore(args.data_dir),
+                  sampling=params, system=args.system, n_ctx=args.ctx_size)
+    app.run()
+    return int(app.return_code or 0)
