@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
+from edgeinfer.tokenizer_bpe import _bytes_to_unicode
+
 T = GGMLQuantizationType
 
 # Byte offsets of the fp16 scale fields (d, and dmin/m where present) inside one block.
@@ -93,22 +95,9 @@ def spm_vocab() -> dict:
     }
 
 
-def _byte_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def bpe_vocab(pre: str = "llama-bpe") -> dict:
     """A small byte-level BPE vocabulary (GPT-2 style) with merges for a few words."""
-    b2u = _byte_to_unicode()
+    b2u = _bytes_to_unicode()  # GPT-2's byte -> printable character table
     tokens = [b2u[b] for b in range(256)]
     merges: list[str] = []
     for word in ["\u0120the", "\u0120and", "he", "in", "\u0120hello", "\u0120world", "er", "on"]:

@@ -21,7 +21,8 @@ import struct
 from functools import lru_cache
 from pathlib import Path
 
-from gguf_factory import TinyShape, _byte_to_unicode, spm_vocab, write_tiny_model
+from gguf_factory import TinyShape, spm_vocab, write_tiny_model
+from edgeinfer.tokenizer_bpe import _bytes_to_unicode
 
 _SHAPE = TinyShape(n_embd=32, n_layer=1, n_head=2, n_head_kv=1, head_dim=16, n_ff=64, n_ctx=256)
 
@@ -96,7 +97,7 @@ def merges_by_bpe(ranks: list[bytes]) -> list[tuple[bytes, bytes]]:
 
 
 def _vocab(name: str, specials: dict[int, str], merge_style: str, n_vocab: int) -> dict:
-    b2u = _byte_to_unicode()
+    b2u = _bytes_to_unicode()
     enc = lambda raw: "".join(b2u[b] for b in raw)  # noqa: E731
     ranks = read_ranks(name)
     tokens = [enc(t) for t in ranks]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from edgeinfer.commands.run import _positive_int
+from edgeinfer.commands.arg_types import positive_int as _positive_int
 
 
 def register(sub) -> None:

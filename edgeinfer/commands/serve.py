@@ -11,7 +11,8 @@ import os
 import sys
 import threading
 
-from edgeinfer.commands.run import add_model_options, add_sampling_options, sampling_from_args
+from edgeinfer.commands.arg_types import non_negative_int, port_number, positive_int
+from edgeinfer.commands.run import add_model_options, add_sampling_options, model_kwargs, sampling_from_args
 from edgeinfer.errors import EdgeInferError
 
 
@@ -20,8 +21,8 @@ def register(sub) -> None:
     p.add_argument("name", help="model alias, hf.co/owner/repo[:quant] or path to a .gguf file")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; other addresses expose the server)")
-    p.add_argument("--port", type=_port, default=11434, help="port (default 11434, Ollama's)")
-    p.add_argument("--max-queue", type=_non_negative, default=8, metavar="N",
+    p.add_argument("--port", type=port_number, default=11434, help="port (default 11434, Ollama's)")
+    p.add_argument("--max-queue", type=non_negative_int, default=8, metavar="N",
                    help="requests that may wait while one runs; more get 429 (default 8)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require Authorization: Bearer KEY (default: $EDGEINFER_API_KEY; /health stays open)")
@@ -32,7 +33,7 @@ def register(sub) -> None:
                         "'*' accepts any, only behind a proxy that checks Host)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="cancel a request after S seconds, queue wait included (default: none)")
-    p.add_argument("--max-body", type=_positive, default=2 << 20, metavar="BYTES",
+    p.add_argument("--max-body", type=positive_int, default=2 << 20, metavar="BYTES",
                    help="largest request body accepted (default 2 MiB)")
     add_model_options(p)
     add_sampling_options(p)
@@ -63,8 +64,7 @@ def serve(args) -> int:
         import edgeinfer
 
         try:
-            state.set_model(edgeinfer.load(args.name, n_ctx=args.ctx_size, threads=args.threads,
-                                           backend=args.backend, chat_template=args.chat_template))
+            state.set_model(edgeinfer.load(args.name, **model_kwargs(args)))
             print(f"edgeinfer: serving {args.name} on http://{_url_host(args.host)}:{args.port}", file=sys.stderr)
         except EdgeInferError as exc:
             state.load_error = str(exc)
@@ -96,36 +96,3 @@ def _bind_names(host: str) -> list[str]:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def _port(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = _non_negative(text)
-    if value < 1:
-        import argparse
-
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
