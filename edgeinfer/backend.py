@@ -111,12 +111,14 @@ class Backend:
         k, v, kpos = kv.layer_view(layer)  # (S, n_kv, hd), (S, n_kv, hd_v), (S,)
         n, n_head, _ = q.shape
         group = n_head // k.shape[1]
-        k = np.repeat(k.astype(np.float32), group, axis=1)  # (S, n_head, hd)
-        v = np.repeat(v.astype(np.float32), group, axis=1)
+        # Per KV head, its group of query heads; matmul (BLAS), not einsum (a plain loop).
+        k = k.astype(np.float32).transpose(1, 2, 0)[:, None]  # (n_kv, 1, hd, S)
+        v = v.astype(np.float32).transpose(1, 0, 2)[:, None]  # (n_kv, 1, S, hd_v)
         # Like llama.cpp's F16 cache matmuls: Q and the softmax weights are rounded to F16
         # before their dot products with the F16 K and V.
         q = q.astype(np.float16).astype(np.float32)
-        scores = np.einsum("nhd,shd->hns", q, k) * np.float32(scale)
+        qg = q.reshape(n, k.shape[0], group, -1).transpose(1, 2, 0, 3)  # (n_kv, group, n, hd)
+        scores = (qg @ k).reshape(n_head, n, -1) * np.float32(scale)  # (n_head, n, S)
         qpos = np.asarray(positions)[:, None]
         allowed = kpos[None, :] <= qpos
         if window:
@@ -127,7 +129,9 @@ class Backend:
         inv = (1.0 / probs.astype(np.float64).sum(axis=-1, keepdims=True)).astype(np.float32)
         probs *= inv  # ggml sums in double and scales by the reciprocal
         probs = probs.astype(np.float16).astype(np.float32)
-        return np.einsum("hns,shd->nhd", probs, v).astype(np.float32)
+        pg = probs.reshape(k.shape[0], group, n, -1)
+        out = (pg @ v).reshape(n_head, n, -1)  # (n_head, n, hd_v)
+        return np.ascontiguousarray(out.transpose(1, 0, 2), dtype=np.float32)
 
 
 class ReferenceBackend(Backend):

@@ -20,6 +20,11 @@ class CpuBackend(Backend):
         super().__init__(gguf)
         if threads:
             kernels_cpu.set_threads(threads)
+            # The prefill GEMM and attention go through numpy's BLAS: give it the same
+            # thread count, or its own threads fight the kernels' for the cores.
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(threads, user_api="blas")
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
         info = self.gguf.tensors[name]
