@@ -10,6 +10,7 @@ Every problem ends in a `GGUFError` whose one line names the file and the proble
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -63,7 +64,7 @@ class TensorInfo:
 
     @property
     def n_rows(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64)) if len(self.shape) > 1 else 1
+        return math.prod(self.shape[1:])
 
     @property
     def row_bytes(self) -> int:
@@ -155,6 +156,7 @@ class GGUFFile:
         self.tensors = tensors
         self.data_offset = data_offset
         self._mapped = mapped  # read-only uint8 view of the whole file
+        self._raw_views: dict[str, np.ndarray] = {}  # decode asks for each matrix every token
 
     # -- opening ---------------------------------------------------------------------
     @classmethod
@@ -189,9 +191,12 @@ class GGUFFile:
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 array of shape (n_rows, row_bytes)."""
-        info = self.tensors[name]
-        flat = self._mapped[info.offset : info.offset + info.n_bytes]
-        return flat.reshape(info.n_rows, info.row_bytes)
+        view = self._raw_views.get(name)
+        if view is None:
+            info = self.tensors[name]
+            flat = self._mapped[info.offset : info.offset + info.n_bytes]
+            view = self._raw_views[name] = flat.reshape(info.n_rows, info.row_bytes)
+        return view
 
     def array(self, name: str) -> np.ndarray:
         """An F32/F16/BF16 tensor as a numpy array in row-major (numpy) shape, zero copy."""
