@@ -35,7 +35,7 @@ def run(args) -> int:
     n_ctx = max(args.n_prompt, args.n_gen) + 1
     engine = Engine(mf, EngineOptions(n_ctx=n_ctx, threads=args.threads, backend=args.backend,
                                       prefill_chunk=args.prefill_chunk))
-    threads = kernels_cpu.get_threads()
+    threads = args.threads or kernels_cpu.get_threads()
     info = describe(mf)
     model_type = f"{info.architecture} {human_count(info.parameters)} {info.quantization}"
     rows = run_bench(engine, n_prompt=args.n_prompt, n_gen=args.n_gen,
