@@ -18,31 +18,43 @@ from typing import Any, Iterator
 
 from edgeinfer.engine import Engine, EngineOptions
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.generate import collect, common_prefix_len, stream_generate
+from edgeinfer.generate import collect
 from edgeinfer.loader import open_model
 from edgeinfer.results import GenerationChunk, GenerationResult
+from edgeinfer.saved_session import model_identity
 from edgeinfer.sampling import SamplingParams
+from edgeinfer.session import SessionManager
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
 
 def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None,
          backend: str = "cpu", chat_template: str | None = None, download: bool = True,
-         prefill_chunk: int = 256, gpu_layers: int | str = "auto") -> "Model":
-    """Resolve a model name (alias, hf.co/..., or path), open and check it, build the engine."""
+         prefill_chunk: int = 256, gpu_layers: int | str = "auto", kv_pool_mb: float | None = None,
+         context_shift: bool = False, n_keep: int = 0) -> "Model":
+    """Resolve a model name (alias, hf.co/..., or path), open and check it, build the engine.
+
+    `kv_pool_mb` caps the paged KV pool (default 2 x n_ctx tokens, see edgeinfer.session);
+    `context_shift` drops the oldest half of the context after `n_keep` tokens when a
+    generation fills the window; off by default for the library and the server (a full
+    window ends with finish_reason "length", predictable for API clients), on in
+    `edgeinfer run` / `chat` (as llama-cli), off there with --no-context-shift.
+    """
     from edgeinfer.registry import resolve
 
     path = resolve(str(name_or_path), download=download)
     return Model(str(name_or_path), path, EngineOptions(
         n_ctx=n_ctx, threads=threads, backend=backend, prefill_chunk=prefill_chunk,
         gpu_layers=gpu_layers),
-        chat_template=chat_template)
+        chat_template=chat_template, kv_pool_mb=kv_pool_mb, context_shift=context_shift, n_keep=n_keep)
 
 
 class Model:
-    """A loaded model with one conversation's KV cache; a new request reuses its prefix."""
+    """A loaded model; requests go through its SessionManager, so a request reuses the
+    longest cached prefix (a growing conversation prefills only its new tokens)."""
 
-    def __init__(self, name: str, path, options: EngineOptions, chat_template: str | None = None) -> None:
+    def __init__(self, name: str, path, options: EngineOptions, chat_template: str | None = None, *,
+                 kv_pool_mb: float | None = None, context_shift: bool = False, n_keep: int = 0) -> None:
         from edgeinfer.chat_template import ChatTemplate
         from edgeinfer.tokenizer import load_tokenizer
 
@@ -53,9 +65,12 @@ class Model:
         self.tokenizer = load_tokenizer(model_file.gguf)
         self.template = ChatTemplate.for_model(model_file.gguf.metadata, chat_template)
         self.engine = Engine(model_file, options)
-        self._kv = self.engine.new_cache()
-        self._kv_tokens: list[int] = []  # the tokens whose K/V `_kv` holds, in order
-        self._lock = threading.Lock()  # one generation at a time
+        general_name = str(model_file.gguf.metadata.get("general.name", "") or "")
+        self.identity = model_identity(path, general_name)  # for saved sessions and cache keys
+        self.sessions = SessionManager(self.engine, self.tokenizer, n_ctx=self.engine.n_ctx,
+                                       model_id=self.identity["digest"], kv_pool_mb=kv_pool_mb,
+                                       context_shift=context_shift, n_keep=n_keep)
+        self._lock = self.sessions.lock  # held while a generation runs (one at a time)
 
     @property
     def n_ctx(self) -> int:
@@ -85,7 +100,7 @@ class Model:
                  ) -> GenerationResult | Iterator[GenerationChunk]:
         """Complete `prompt` (text or token ids). Sampling keywords as in `SamplingParams`."""
         ids = prompt if isinstance(prompt, list) else self.tokenize(prompt, add_special=True)
-        chunks = self._run(ids, _sampling(params), cancel)
+        chunks = self._run(ids, params, cancel)
         return chunks if stream else collect(chunks)
 
     def chat(self, messages: list[dict], *, stream: bool = False,
@@ -97,32 +112,25 @@ class Model:
         text = self.template.render_prompt(messages, add_bos=self.tokenizer.add_bos,
                                            add_generation_prompt=True)
         ids = self.tokenizer.tokenize(text, add_special=True, parse_special=True)
-        chunks = self._run(ids, _sampling(params), cancel)
+        chunks = self._run(ids, params, cancel)
         return chunks if stream else collect(chunks)
 
-    def _run(self, ids: list[int], params: SamplingParams,
+    def _run(self, ids: list[int], params: dict[str, Any],
              cancel: threading.Event | None) -> Iterator[GenerationChunk]:
         if not ids:
             raise EdgeInferError("the prompt is empty")
-        with self._lock:
-            # Reuse the cached prefix; evaluate at least the last prompt token for its logits.
-            keep = min(common_prefix_len(self._kv_tokens, ids), len(ids) - 1)
-            self._kv.truncate(keep)
-            self._kv_tokens = self._kv_tokens[:keep]
-            generated: list[int] = []
-            try:
-                for chunk in stream_generate(self.engine, self._kv, self.tokenizer, ids, params,
-                                             cancel=cancel):
-                    if chunk.token is not None:
-                        generated.append(chunk.token)
-                    yield chunk
-            finally:
-                # Whatever got evaluated stays reusable: prompt + generated tokens in the cache.
-                self._kv_tokens = (ids + generated)[: self._kv.n_used]
+        # Per-request context-shift settings ride along with the sampling keywords.
+        shift = params.pop("context_shift", None)
+        n_keep = params.pop("n_keep", None)
+        return self.sessions.generate(ids, _sampling(params), cancel, context_shift=shift, n_keep=n_keep)
+
+    def stats(self) -> dict:
+        """KV pool and prefix-cache figures (blocks used/free/cached, hit rates)."""
+        return self.sessions.stats()
 
     def reset(self) -> None:
-        self._kv.truncate(0)
-        self._kv_tokens = []
+        """Forget every cached prefix."""
+        self.sessions.reset()
 
 
 def _sampling(params: dict[str, Any]) -> SamplingParams:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -30,8 +30,13 @@ def check_prompt_fits(n_prompt: int, n_ctx: int) -> None:
 
 def stream_generate(engine: Engine, kv: KVCache, tokenizer, prompt: Sequence[int],
                     params: SamplingParams, *, cancel: threading.Event | None = None,
-                    progress=None) -> Iterator[GenerationChunk]:
-    """Generate after `prompt`; `kv` must already hold exactly the prompt's first kv.n_used tokens."""
+                    progress=None, make_room: Callable[[], bool] | None = None
+                    ) -> Iterator[GenerationChunk]:
+    """Generate after `prompt`; `kv` must already hold exactly the prompt's first kv.n_used tokens.
+
+    When the window is full, `make_room()` (a context shift) may free space and return True
+    to go on; without it, or when it returns False, generation ends with finish_reason length.
+    """
     from edgeinfer.tokenizer import StreamDecoder
 
     params.validate()
@@ -49,6 +54,8 @@ def stream_generate(engine: Engine, kv: KVCache, tokenizer, prompt: Sequence[int
     history = list(prompt)
     generated: list[int] = []
     finish = FinishReason.LENGTH
+    # -1 = until the model stops; with a context shift that could be forever, so cap it at
+    # n_ctx tokens as before (llama.cpp's n_predict=-1 is unbounded; ours stays finite).
     max_tokens = params.max_tokens if params.max_tokens >= 0 else engine.n_ctx
 
     while len(generated) < max_tokens:
@@ -70,8 +77,8 @@ def stream_generate(engine: Engine, kv: KVCache, tokenizer, prompt: Sequence[int
             break
         if len(generated) >= max_tokens:
             break
-        if kv.n_used >= engine.n_ctx:  # no room for this token's K/V: the window is full
-            finish = FinishReason.LENGTH
+        if kv.n_used >= kv.n_ctx and (make_room is None or not make_room()):
+            finish = FinishReason.LENGTH  # no room for this token's K/V: the window is full
             break
         logits = engine.decode(token, kv)
 

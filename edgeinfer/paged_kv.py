@@ -37,6 +37,11 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _ascending_run(blocks: np.ndarray) -> bool:
+    """Whether blocks are b, b+1, b+2, ... (first/last already checked by the caller)."""
+    return len(blocks) < 3 or bool(np.all(np.diff(blocks) == 1))
+
+
 class SequenceKV:
     """One sequence in a PagedKVCache; duck-types edgeinfer.kv_cache.KVCache."""
 
@@ -91,8 +96,13 @@ class SequenceKV:
 
         S = n_used, less the tokens of blocks dropped as out of every sliding window.
         """
-        # Gather whole blocks (a few large copies), then cut the partial last block.
         blocks, held, c = self.kept_blocks(), self.n_held, self.cache
+        if len(blocks) and blocks[-1] - blocks[0] == len(blocks) - 1 and _ascending_run(blocks):
+            # One run of consecutive blocks (the usual case for a conversation that grew in
+            # a fresh pool): a zero-copy view, as KVCache.layer_view returns.
+            lo, hi = int(blocks[0]) * c.block_size, int(blocks[0]) * c.block_size + held
+            return c.k_flat[layer][lo:hi], c.v_flat[layer][lo:hi], c.pos_flat[lo:hi]
+        # Gather whole blocks (a few large copies), then cut the partial last block.
         k = c.k[layer][blocks].reshape(-1, *c.k[layer].shape[2:])[:held]
         v = c.v[layer][blocks].reshape(-1, *c.v[layer].shape[2:])[:held]
         return k, v, c.pos[blocks].reshape(-1)[:held]

@@ -5,7 +5,7 @@ Without NAME the model picker opens on the local models (`edgeinfer list`).
 
 from __future__ import annotations
 
-from edgeinfer.commands.run import add_model_options, add_sampling_options, sampling_from_args
+from edgeinfer.commands.run import add_model_options, add_sampling_options, model_kwargs, sampling_from_args
 
 
 def register(sub) -> None:
@@ -30,8 +30,7 @@ def chat(args) -> int:
     def load(name: str, n_ctx: int):
         import edgeinfer
 
-        return edgeinfer.load(name, n_ctx=n_ctx, threads=args.threads, backend=args.backend,
-                              chat_template=args.chat_template)
+        return edgeinfer.load(name, **{**model_kwargs(args, context_shift=True), "n_ctx": n_ctx})
 
     app = ChatApp(args.name, load_model=load, store=ConversationStore(args.data_dir),
                   sampling=params, system=args.system, n_ctx=args.ctx_size)

