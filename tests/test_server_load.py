@@ -122,5 +122,10 @@ def test_load_many_clients_some_leaving(fim_model_path):
                 assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
         assert state.model._lock.acquire(blocking=False)  # no generation left holding the model
         state.model._lock.release()
+        # The KV pool: exact accounting, no sequence outlived its request, and the only blocks
+        # in use are those of the last request's tokens (kept resident for prefix reuse).
+        state.model.sessions.check_invariants()
+        stats = state.model.stats()
+        assert stats["used"] <= -(-stats["resident_tokens"] // stats["block_size"])
     finally:
         srv.stop()
