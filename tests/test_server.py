@@ -358,6 +358,7 @@ BAD_REQUESTS = [
     ("/api/chat", {"messages": [{"role": "user", "content": "hi", "images": ["abc"]}]}, 400, "images"),
     ("/api/show", {"model": "../../etc/passwd"}, 404, "not found"),
     ("/completion", {"prompt": "hi", "n_keep": -5}, 400, "n_keep"),
+    ("/completion", {"prompt": "hi", "n_keep": -1}, 400, "n_keep"),
     ("/completion", {"prompt": "hi", "top_k": -1}, 400, "top_k"),
     ("/completion", {"prompt": "hi", "n_predict": -2}, 400, "n_predict"),
     ("/infill", {"input_prefix": 5}, 400, "input_prefix"),

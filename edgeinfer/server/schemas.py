@@ -135,7 +135,7 @@ class OllamaShowRequest(Body):
 
 class LlamaSampling(Body):
     n_predict: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] = -1  # -1 = until stop / context end
-    n_keep: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] = 0      # -1 = llama-server's "all"
+    n_keep: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0  # no negatives: cf. CVE-2026-21869
     temperature: Annotated[float, Field(ge=0, le=100)] | None = None
     top_k: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
