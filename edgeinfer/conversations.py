@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgeinfer.atomic_file import write_atomically
 from edgeinfer.errors import EdgeInferError
 
 FORMAT_VERSION = 1
@@ -132,20 +132,7 @@ class ConversationStore:
         path = self.path_of(conv.id)
         self.root.mkdir(parents=True, exist_ok=True)
         data = json.dumps(conv.to_json(), ensure_ascii=False, indent=1)
-        fd, tmp = tempfile.mkstemp(prefix=f".{conv.id}.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        _fsync_dir(self.root)
+        write_atomically(path, lambda f: f.write(data.encode("utf-8")))
         return path
 
     def delete(self, conv_id: str) -> None:
@@ -163,17 +150,3 @@ class ConversationStore:
         if path.stem != conv.id:
             raise ConversationError("file name does not match its id")
         return conv
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

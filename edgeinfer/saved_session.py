@@ -22,7 +22,6 @@ import io
 import json
 import os
 import re
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeinfer.atomic_file import write_atomically
 from edgeinfer.errors import EdgeInferError
 
 FORMAT = "edgeinfer-session"
@@ -111,21 +111,7 @@ def save_session(path: str | os.PathLike[str], session: SavedSession, model: dic
 
 
 def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
+    write_atomically(path, lambda f: np.savez(f, **arrays))
 
 
 def load_session(path: str | os.PathLike[str], model: dict, n_layer: int | None = None) -> SavedSession:
@@ -178,16 +164,3 @@ def load_session(path: str | os.PathLike[str], model: dict, n_layer: int | None 
     except (KeyError, ValueError, TypeError) as exc:
         raise SessionFileError(f"{where} is corrupt ({exc}); not loaded") from None
     return session
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
