@@ -109,6 +109,10 @@ class Backend:
         Returns (n, n_head, hd_v).
         """
         k, v, kpos = kv.layer_view(layer)  # (S, n_kv, hd), (S, n_kv, hd_v), (S,)
+        if window:  # a sliding-window layer never looks further back than its window
+            keep = kpos > np.min(positions) - window
+            if not keep.all():
+                k, v, kpos = k[keep], v[keep], kpos[keep]
         n, n_head, _ = q.shape
         group = n_head // k.shape[1]
         # Per KV head, its group of query heads; matmul (BLAS), not einsum (a plain loop).
