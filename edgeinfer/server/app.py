@@ -168,15 +168,20 @@ def _fail(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-async def first_chunk(job: Job, request: Request) -> GenerationChunk | None:
-    """Wait (through the queue and the prefill) for the first chunk; errors become APIError."""
+async def _next_chunk(job: Job, request: Request) -> GenerationChunk | None:
+    """The job's next chunk; on any failure the job is cancelled and errors become APIError."""
     try:
-        chunk = await job.next(request.is_disconnected)
+        return await job.next(request.is_disconnected)
     except BaseException as exc:
         job.cancel_job()
         if isinstance(exc, asyncio.CancelledError):
             raise
         raise _fail(exc) from None
+
+
+async def first_chunk(job: Job, request: Request) -> GenerationChunk | None:
+    """Wait (through the queue and the prefill) for the first chunk; errors become APIError."""
+    chunk = await _next_chunk(job, request)
     if chunk is None and job.timed_out:
         raise APIError(504, "the request timed out while waiting for the model", code="timeout")
     return chunk
@@ -189,12 +194,7 @@ async def collect(job: Job, request: Request) -> tuple[str, GenerationChunk]:
     try:
         while chunk is not None:
             parts.append(chunk.text)
-            chunk = await job.next(request.is_disconnected)
-    except BaseException as exc:
-        job.cancel_job()
-        if isinstance(exc, asyncio.CancelledError):
-            raise
-        raise _fail(exc) from None
+            chunk = await _next_chunk(job, request)
     finally:
         _stop_timer(job)
     if job.timed_out:
