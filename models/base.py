@@ -9,7 +9,7 @@ defaults, the tensors it needs, and its block (`layer`). Models see only a `Back
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -249,4 +249,4 @@ def _check_shape(gf: "GGUFFile", name: str, shape: tuple[int, ...]) -> None:
                         f"from the model's metadata")
 
 
-__all__ = ["ModelConfig", "Transformer", "ROPE_NORM", "ROPE_NEOX", "replace"]
+__all__ = ["ModelConfig", "Transformer", "ROPE_NORM", "ROPE_NEOX"]
