@@ -70,72 +70,151 @@ class Backend:
 
     def gelu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         """GELU (tanh approximation) of gate, times up, the way ggml's CPU geglu computes it:
-        through a table indexed by the F16-rounded input, giving an F16-rounded GELU;
-        identity above 10 and zero below -10."""
-        x = gate.astype(np.float16).astype(np.float32)
-        g = 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)))
-        g = g.astype(np.float16).astype(np.float32)
-        g = np.where(gate >= 10.0, gate, np.where(gate <= -10.0, 0.0, g))
-        return (g * up).astype(np.float32)
+        a table lookup by the F16-rounded input; identity above 10 and zero below -10."""
+        table = _gelu_f16_table()
+        g = table[gate.astype(np.float16).view(np.uint16)]
+        y = np.where(gate >= 10.0, gate, np.where(gate <= -10.0, np.float32(0.0), g)) * up
+        return y.astype(np.float32)
 
     def rope(self, x: np.ndarray, positions: np.ndarray, n_dims: int, base: float,
              freq_scale: float, mode: str, freq_factors: str | None) -> np.ndarray:
-        """Rotary embedding of the first n_dims of each head; x: (n, heads, head_dim)."""
-        inv = base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)
-        if freq_factors is not None:
-            inv = inv / self.vector(freq_factors).astype(np.float64)
-        theta = np.asarray(positions, dtype=np.float64)[:, None] * (inv * freq_scale)[None, :]
-        cos = np.cos(theta).astype(np.float32)[:, None, :]
-        sin = np.sin(theta).astype(np.float32)[:, None, :]
-        out = x.copy()
+        """Rotary embedding of the first n_dims of each head; x: (n, heads, head_dim).
+
+        ggml's exact arithmetic: its float32 angle recurrence and cosf/sinf (`rope_cache`),
+        and the rotation as the compiler emits it, x0*cos - x1*sin = fma(x0, cos, -(x1*sin))
+        and x0*sin + x1*cos = fma(x0, sin, x1*cos)."""
+        from edgeinfer.kernels_cpu.ops import rope_cache
+
+        ff = self.vector(freq_factors) if freq_factors is not None else None
+        cos, sin = rope_cache(positions, n_dims, base, freq_scale, ff)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        out = x.astype(np.float32, copy=True)
         if mode == ROPE_NEOX:
             half = n_dims // 2
-            a, b = x[..., :half], x[..., half:n_dims]
-            out[..., :half] = a * cos - b * sin
-            out[..., half:n_dims] = a * sin + b * cos
+            a, b = out[..., :half].copy(), out[..., half:n_dims].copy()
+            out[..., :half] = _fma(a, cos, -(b * sin))
+            out[..., half:n_dims] = _fma(a, sin, b * cos)
         else:
-            a, b = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
-            out[..., 0:n_dims:2] = a * cos - b * sin
-            out[..., 1:n_dims:2] = a * sin + b * cos
+            a, b = out[..., 0:n_dims:2].copy(), out[..., 1:n_dims:2].copy()
+            out[..., 0:n_dims:2] = _fma(a, cos, -(b * sin))
+            out[..., 1:n_dims:2] = _fma(a, sin, b * cos)
         return out
 
     # -- attention ------------------------------------------------------------------------
     def attention(self, q: np.ndarray, kv: "KVCache", layer: int, positions: np.ndarray,
-                  scale: float, window: int) -> np.ndarray:
+                  scale: float, window: int, q_scale: float = 1.0) -> np.ndarray:
         """Causal attention of q (n, n_head, hd) over the cached K/V of `layer`.
 
         A query at position p sees cached keys at positions <= p, and with a sliding
         window only those with p - key_pos < window (llama.cpp's standard SWA mask).
-        Returns (n, n_head, hd_v).
+        `q_scale` multiplies Q first (in float32, before its F16 rounding: Gemma), `scale`
+        multiplies Q K^T. Returns (n, n_head, hd_v).
+
+        This is the readable numpy form of llama.cpp's exact rounding order, which
+        kernels_cpu/attention.py explains and the CPU backend runs compiled.
         """
-        k, v, kpos = kv.layer_view(layer)  # (S, n_kv, hd), (S, n_kv, hd_v), (S,)
-        if window:  # a sliding-window layer never looks further back than its window
-            keep = kpos > np.min(positions) - window
-            if not keep.all():
-                k, v, kpos = k[keep], v[keep], kpos[keep]
-        n, n_head, _ = q.shape
-        group = n_head // k.shape[1]
-        # Per KV head, its group of query heads; matmul (BLAS), not einsum (a plain loop).
-        k = k.astype(np.float32).transpose(1, 2, 0)[:, None]  # (n_kv, 1, hd, S)
-        v = v.astype(np.float32).transpose(1, 0, 2)[:, None]  # (n_kv, 1, S, hd_v)
-        # Like llama.cpp's F16 cache matmuls: Q and the softmax weights are rounded to F16
-        # before their dot products with the F16 K and V.
-        q = q.astype(np.float16).astype(np.float32)
-        qg = q.reshape(n, k.shape[0], group, -1).transpose(1, 2, 0, 3)  # (n_kv, group, n, hd)
-        scores = (qg @ k).reshape(n_head, n, -1) * np.float32(scale)  # (n_head, n, S)
+        k, v, kpos = kv.layer_view(layer)  # (S, n_kv, hd), (S, n_kv, hd_v), (S,) in slot order
+        if q_scale != 1.0:
+            q = q * np.float32(q_scale)
+        n, n_head, hd = q.shape
+        n_keys, n_kv = k.shape[0], k.shape[1]
+        group = n_head // n_kv
         qpos = np.asarray(positions)[:, None]
         allowed = kpos[None, :] <= qpos
         if window:
-            allowed &= (qpos - kpos[None, :]) < window
-        scores = np.where(allowed[None, :, :], scores, -np.inf)
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = np.exp(scores)
-        inv = (1.0 / probs.astype(np.float64).sum(axis=-1, keepdims=True)).astype(np.float32)
-        probs *= inv  # ggml sums in double and scales by the reciprocal
-        probs = probs.astype(np.float16).astype(np.float32)
-        pg = probs.reshape(k.shape[0], group, n, -1)
-        out = (pg @ v).reshape(n_head, n, -1)  # (n_head, n, hd_v)
-        return np.ascontiguousarray(out.transpose(1, 0, 2), dtype=np.float32)
+            allowed &= (qpos - kpos[None, :]) < window  # (n, S)
+        q16 = q.astype(np.float16).astype(np.float32).reshape(n, n_kv, group, hd)
+        k32 = k.astype(np.float32)
+        # Q K^T as ggml_vec_dot_f16: 32 float32 slots, slot e % 32 sums dims e, e+32, ... in
+        # order (the products of two F16 values are exact), the fixed reduction, then the
+        # dims past the last multiple of 32 in double.
+        n_vec = hd - hd % 32
+        slots = np.zeros((n, n_kv, group, n_keys, 32), np.float32)
+        for c in range(0, n_vec, 32):
+            kc = k32[:, :, c:c + 32].transpose(1, 0, 2)  # (n_kv, S, 32)
+            slots += q16[:, :, :, None, c:c + 32] * kc[None, :, None, :, :]
+        dots = _reduce32(slots).astype(np.float64)
+        if n_vec < hd:
+            dots += np.einsum("tkgd,skd->tkgs", q16[..., n_vec:].astype(np.float64),
+                              k32[:, :, n_vec:].astype(np.float64))
+        scores = dots.astype(np.float32).reshape(n, n_head, n_keys) * np.float32(scale)
+        scores = np.where(allowed[:, None, :], scores, np.float32(-np.inf))
+        e = ggml_expf(scores - scores.max(axis=-1, keepdims=True))
+        pad = (-n_keys) % 8  # ggml sums each group of 8 in float32, the groups in double
+        groups = np.concatenate([e, np.zeros((n, n_head, pad), np.float32)], axis=-1)
+        total = _hsum8(groups.reshape(n, n_head, -1, 8)).astype(np.float64).sum(axis=-1, keepdims=True)
+        probs = (e * (1.0 / total).astype(np.float32)).astype(np.float16).astype(np.float32)
+        # weights x V: ggml_vec_dot_f16 over the keys, key j in slot j % 32, in key order
+        pad32 = (-n_keys) % 32
+        v32 = np.concatenate([v.astype(np.float32), np.zeros((pad32,) + v.shape[1:], np.float32)])
+        p = np.concatenate([probs, np.zeros((n, n_head, pad32), np.float32)], axis=-1)
+        p = p.reshape(n, n_kv, group, -1)
+        out_slots = np.zeros((n, n_kv, group, v.shape[2], 32), np.float32)
+        for j in range(0, n_keys + pad32, 32):
+            block = v32[j:j + 32].transpose(1, 2, 0)  # (n_kv, hd_v, 32)
+            out_slots += p[:, :, :, None, j:j + 32] * block[None, :, None, :, :]
+        return _reduce32(out_slots).reshape(n, n_head, -1)
+
+
+def _reduce32(slots: np.ndarray) -> np.ndarray:
+    """GGML_F32x8_REDUCE of 32 float32 slots (last axis, as 4 x 8 lanes): x = (s0+s2) +
+    (s1+s3) per lane, then lanes i+4 onto i, then ((0+1) + (2+3))."""
+    s = slots.reshape(slots.shape[:-1] + (4, 8))
+    x = (s[..., 0, :] + s[..., 2, :]) + (s[..., 1, :] + s[..., 3, :])
+    t = x[..., :4] + x[..., 4:]
+    return (t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])
+
+
+def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fused multiply-add: the product of two float32 is exact in float64."""
+    return (a.astype(np.float64) * b + c).astype(np.float32)
+
+
+_GELU_TABLE: list[np.ndarray] = []
+
+
+def _gelu_f16_table() -> np.ndarray:
+    """ggml's GELU table: for every F16 input, 0.5x(1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))
+    in float32 ops (the compiler fuses (0.044715 x) x + 1 into an fma; tanh correctly
+    rounded), rounded to F16. Built once (65536 entries)."""
+    if not _GELU_TABLE:
+        x = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+        with np.errstate(all="ignore"):
+            ax = np.float32(0.044715) * x
+            inner = (ax.astype(np.float64) * x + 1.0).astype(np.float32)  # exact-product fma
+            arg = (np.float32(_SQRT_2_OVER_PI) * x) * inner
+            t = np.tanh(arg.astype(np.float64)).astype(np.float32)
+            g = (np.float32(0.5) * x) * (np.float32(1.0) + t)
+        _GELU_TABLE.append(g.astype(np.float16).astype(np.float32))
+    return _GELU_TABLE[0]
+
+
+def _hsum8(lanes: np.ndarray) -> np.ndarray:
+    """The AVX horizontal sum of 8 float32 lanes (last axis): (0+4, 1+5, 2+6, 3+7), then
+    (0+2, 1+3), then their sum."""
+    t = lanes[..., :4] + lanes[..., 4:]
+    return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
+
+
+def ggml_expf(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf (llama.cpp's vectorised float32 exp) for x <= 0; -inf -> 0."""
+    from edgeinfer.kernels_cpu import kv_attention as kern
+
+    def fma(a, b, c):  # exact product in float64, then the roundings
+        return (np.asarray(a, np.float64) * b + c).astype(np.float32)
+
+    x = np.asarray(x, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = fma(x, kern._LOG2E, kern._R)
+        n = (z - kern._R).astype(np.float32)
+        b = fma(-n, kern._LN2_LO, fma(-n, kern._LN2_HI, x))
+        u = (b * b).astype(np.float32)
+        j = fma(fma(fma(kern._C5, b, kern._C4), u, fma(kern._C3, b, kern._C2)), u,
+                (kern._C1 * b).astype(np.float32))
+        tiny = ~(n >= -126.0)
+        k = np.ldexp(np.float32(1.0), np.where(tiny, 0, n).astype(np.int32)).astype(np.float32)
+        out = ((j + np.float32(1.0)).astype(np.float32) * k).astype(np.float32)
+    return np.where(tiny, np.float32(0.0), out)
 
 
 class ReferenceBackend(Backend):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeinfer import kernels_cpu
+from edgeinfer.kernels_cpu import kv_attention
 from edgeinfer.backend import Backend
 
 
@@ -39,3 +40,11 @@ class CpuBackend(Backend):
         info = self.gguf.tensors[name]
         return kernels_cpu.get_rows(self.gguf.raw(name), info.qtype, info.n_cols,
                                     np.asarray(ids, dtype=np.int64))
+
+    def attention(self, q, kv, layer, positions, scale, window, q_scale=1.0):
+        k, v, kpos = kv.layer_view(layer)
+        if q_scale != 1.0:
+            q = q * np.float32(q_scale)
+        if q.shape[0] <= kv_attention.EXACT_MAX_QUERIES:  # decode, short prompts: llama.cpp's order
+            return kv_attention.attention(q, k, v, kpos, positions, scale, window)
+        return kv_attention.attention_blas(q, k, v, kpos, np.asarray(positions), scale, window)

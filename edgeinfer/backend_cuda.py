@@ -317,7 +317,7 @@ class HybridBackend(Backend):
         return self.cpu.rope(x, positions, n_dims, base, freq_scale, mode, freq_factors)
 
     def attention(self, q: Any, kv: KVCache, layer: int, positions: np.ndarray, scale: float,
-                  window: int) -> Any:
+                  window: int, q_scale: float = 1.0) -> Any:
         from edgeinfer.kernels_cuda import launch
 
         self._on_gpu = self.plan.layer_on_gpu(layer)
@@ -325,9 +325,9 @@ class HybridBackend(Backend):
         if self._on_gpu and k is not None and launch.attention_supports(k.shape[2], kv.v_dev[layer].shape[2]):
             out = launch.attention(self.to_device(q).array, k, kv.v_dev[layer], kv.block_table, kv.pos_dev,
                                    self._ints(positions), kv.n_used, kv.n_ctx, k.shape[1], kv.v_dev[layer].shape[2],
-                                   scale, window)
+                                   scale * q_scale, window)
             return DeviceTensor(out, self)
-        out = self.cpu.attention(self.to_host(q), kv, layer, positions, scale, window)
+        out = self.cpu.attention(self.to_host(q), kv, layer, positions, scale, window, q_scale=q_scale)
         return self.to_device(out) if self._on_gpu else out
 
 

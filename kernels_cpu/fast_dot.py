@@ -153,6 +153,12 @@ class _IR:
             v = b.fadd(self.half(v, 0), self.half(v, 1))
         return b.extract_element(v, ir.Constant(I32, 0))
 
+    def hsum_i32(self, v):
+        b = self.b
+        while v.type.count > 1:
+            v = b.add(self.half(v, 0), self.half(v, 1))
+        return b.extract_element(v, ir.Constant(I32, 0))
+
     def fma(self, a, x, acc):
         mod = self.b.module
         name = f"llvm.fma.v{acc.type.count}f32"
@@ -188,60 +194,53 @@ def _array_ptrs(context, builder, sig, args):
     return out, nb
 
 
-def _row_loop(context, builder, sig, args, body):
+def _row_loop(context, builder, sig, args, body, with_mins=False):
     """Emit `for b in range(nb): acc = body(b, acc)`; return the horizontal sum.
 
-    Two <8 x float> accumulators take alternate blocks so consecutive blocks' fmas
-    do not wait on each other; an odd last block goes to the first.
+    One <8 x float> accumulator over the blocks in order, then the AVX horizontal sum:
+    llama.cpp's exact float order, so results match it bit for bit (a chain of dependent
+    fmas costs nothing here: each block's integer work is far longer than an fma).
+    with_mins: the body also takes and returns a <4 x float> accumulator for the K-quant
+    min terms, which llama.cpp keeps apart and adds at the end.
     """
     (wrow, xq, xd, xs), nb = _array_ptrs(context, builder, sig, args)
     h = _IR(builder, _target_features(context))
     zero = ir.Constant(_vec(F32T, 8), [0.0] * 8)
-    one = ir.Constant(I64, 1)
-    npair = builder.ashr(nb, one)
+    zero4 = ir.Constant(_vec(F32T, 4), [0.0] * 4)
     entry = builder.block
     loop = builder.append_basic_block("qdot.loop")
-    mid = builder.append_basic_block("qdot.mid")
-    odd = builder.append_basic_block("qdot.odd")
     done = builder.append_basic_block("qdot.done")
-    builder.cbranch(builder.icmp_signed(">", npair, ir.Constant(I64, 0)), loop, mid)
+    builder.cbranch(builder.icmp_signed(">", nb, ir.Constant(I64, 0)), loop, done)
 
     builder.position_at_end(loop)
     i = builder.phi(I64)
-    a0 = builder.phi(zero.type)
-    a1 = builder.phi(zero.type)
+    acc = builder.phi(zero.type)
     i.add_incoming(ir.Constant(I64, 0), entry)
-    a0.add_incoming(zero, entry)
-    a1.add_incoming(zero, entry)
-    b0 = builder.shl(i, one)
-    n0 = body(h, wrow, xq, xd, xs, b0, a0)
-    n1 = body(h, wrow, xq, xd, xs, builder.add(b0, one), a1)
-    nxt = builder.add(i, one)
+    acc.add_incoming(zero, entry)
+    if with_mins:
+        accm = builder.phi(zero4.type)
+        accm.add_incoming(zero4, entry)
+        n_acc, n_accm = body(h, wrow, xq, xd, xs, i, (acc, accm))
+    else:
+        n_acc = body(h, wrow, xq, xd, xs, i, acc)
+    nxt = builder.add(i, ir.Constant(I64, 1))
     loop_end = builder.block
     i.add_incoming(nxt, loop_end)
-    a0.add_incoming(n0, loop_end)
-    a1.add_incoming(n1, loop_end)
-    builder.cbranch(builder.icmp_signed("<", nxt, npair), loop, mid)
-
-    builder.position_at_end(mid)
-    m0 = builder.phi(zero.type)
-    m1 = builder.phi(zero.type)
-    m0.add_incoming(zero, entry)
-    m0.add_incoming(n0, loop_end)
-    m1.add_incoming(zero, entry)
-    m1.add_incoming(n1, loop_end)
-    builder.cbranch(builder.trunc(builder.and_(nb, one), ir.IntType(1)), odd, done)
-
-    builder.position_at_end(odd)
-    o0 = body(h, wrow, xq, xd, xs, builder.sub(nb, one), m0)
-    odd_end = builder.block
-    builder.branch(done)
+    acc.add_incoming(n_acc, loop_end)
+    if with_mins:
+        accm.add_incoming(n_accm, loop_end)
+    builder.cbranch(builder.icmp_signed("<", nxt, nb), loop, done)
 
     builder.position_at_end(done)
-    r0 = builder.phi(zero.type)
-    r0.add_incoming(m0, mid)
-    r0.add_incoming(o0, odd_end)
-    return h.hsum_f32(builder.fadd(r0, m1))
+    r = builder.phi(zero.type)
+    r.add_incoming(zero, entry)
+    r.add_incoming(n_acc, loop_end)
+    if with_mins:
+        rm = builder.phi(zero4.type)
+        rm.add_incoming(zero4, entry)
+        rm.add_incoming(n_accm, loop_end)
+        return builder.fadd(h.hsum_f32(r), h.hsum_f32(rm))
+    return h.hsum_f32(r)
 
 
 def _c64(v):
@@ -315,16 +314,15 @@ def _make_body_q32(qt):
         d = b.fmul(h.load_f16(wrow, wo), dx)
         q = _q32_values(h, wrow, wo, qt)
         xv = h.load(xq, b.mul(bi, _c64(32)), _vec(I8, 32))
-        if table:   # signed x signed: |q| . sign(q)*x, pairs <= 2*127*127
+        if offset:  # the signed value q - offset in each lane, as llama.cpp's tinyBLAS does
+            q = b.sub(q, _const_vec(I8, 32, offset))
+        if table or offset:  # signed x signed: |q| . sign(q)*x, pairs <= 2*127*127
             p16 = h.maddubs(h.abs_i8(q), h.sign_i8(xv, q))
         else:       # codes <= 31: pairs <= 2*31*128
             p16 = h.maddubs(q, xv)
         s = h.madd_i16(p16, _const_vec(I16, 16, 1))
-        if offset or has_min:
+        if has_min:
             xsum = h.load(xs, b.mul(bi, _c64(4)), I32)
-        if offset:  # (q - offset) . x = q . x - offset * sum(x), in lane 0
-            corr = b.mul(xsum, ir.Constant(I32, offset))
-            s = b.sub(s, b.insert_element(ir.Constant(_vec(I32, 8), [0] * 8), corr, ir.Constant(I32, 0)))
         acc = h.fma(h.splat(d, 8), b.sitofp(s, _vec(F32T, 8)), acc)
         if has_min:  # + m * dx * sum(x), in lane 0
             mt = b.fmul(b.fmul(h.load_f16(wrow, b.add(wo, _c64(2))), dx), b.sitofp(xsum, F32T))
@@ -352,7 +350,10 @@ def _q4k_scales(h, wrow, wo):
     return h.half(by, 0), h.half(by, 1)
 
 
-def _make_body_q45_k(five: bool):
+def _make_body_q45_k(five: bool, rows8: bool = False):
+    """Q4_K / Q5_K block dot. rows8 (Q4_K only): llama.cpp repacks Q4_K matrices whose row
+    count is a multiple of 8 and then sums each block's integer dot to one integer before
+    its single float fma per block (one row per lane), so the float order differs."""
     bs, qs0 = (176, 48) if five else (144, 16)
 
     def body(h, wrow, xq, xd, xs, bi, acc):
@@ -380,8 +381,21 @@ def _make_body_q45_k(five: bool):
                 p16 = h.maddubs(v, xv)                               # pairs <= 2*31*128
                 scj = b.shuffle_vector(sc16, sc16, _mask([j] * 16))
                 isum = b.add(isum, h.madd_i16(p16, scj))
+        if five:
+            acc = h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
+            return h.fma(h.splat(b.fneg(dmin), 8), b.sitofp(msum, _vec(F32T, 8)), acc)
+        acc, accm = acc
+        if rows8:  # whole-block integer sums in lane 0; the min terms negated (exact)
+            z8, z4 = ir.Constant(_vec(F32T, 8), [0.0] * 8), ir.Constant(_vec(F32T, 4), [0.0] * 4)
+            i0 = ir.Constant(I32, 0)
+            tot = b.insert_element(z8, b.sitofp(h.hsum_i32(isum), F32T), i0)
+            mtot = b.insert_element(z4, b.sitofp(h.hsum_i32(msum), F32T), i0)
+            acc = h.fma(h.splat(d, 8), tot, acc)
+            return acc, h.fma(h.splat(b.fneg(dmin), 4), mtot, accm)
+        # Q4_K as llama.cpp's vec_dot: min terms summed in pairs into a separate <4 x float>
         acc = h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
-        return h.fma(h.splat(b.fneg(dmin), 8), b.sitofp(msum, _vec(F32T, 8)), acc)
+        accm = h.fma(h.splat(b.fneg(dmin), 4), b.sitofp(h.pairs(msum), _vec(F32T, 4)), accm)
+        return acc, accm
     return body
 
 
@@ -545,13 +559,13 @@ def _make_deq_q23_k(three: bool):
     return body
 
 
-def _make_row_intrinsic(body):
+def _make_row_intrinsic(body, with_mins=False):
     @intrinsic
     def row_dot(typingctx, w, r, xq, xd, xs):
         sig = types.float32(w, r, xq, xd, xs)
 
         def codegen(context, builder, sig, args):
-            return _row_loop(context, builder, sig, args, body)
+            return _row_loop(context, builder, sig, args, body, with_mins)
         return sig, codegen
     return row_dot
 
@@ -562,7 +576,8 @@ _row_q4_1 = _make_row_intrinsic(_make_body_q32(Q4_1))
 _row_q5_0 = _make_row_intrinsic(_make_body_q32(Q5_0))
 _row_q5_1 = _make_row_intrinsic(_make_body_q32(Q5_1))
 _row_iq4_nl = _make_row_intrinsic(_make_body_q32(IQ4_NL))
-_row_q4_k = _make_row_intrinsic(_make_body_q45_k(False))
+_row_q4_k = _make_row_intrinsic(_make_body_q45_k(False), with_mins=True)
+_row_q4_k_rows8 = _make_row_intrinsic(_make_body_q45_k(False, rows8=True), with_mins=True)
 _row_q5_k = _make_row_intrinsic(_make_body_q45_k(True))
 _row_q6_k = _make_row_intrinsic(_body_q6_k)
 _row_iq4_xs = _make_row_intrinsic(_body_iq4_xs)
@@ -710,6 +725,8 @@ _JIT = dict(cache=True, nogil=True)
 def _row_dot(w, qt, r, xq, xd, xs):
     """Row r of w . 8-bit activations, dispatched on the GGML type id (once per row)."""
     if qt == Q4_K:
+        if w.shape[0] % 8 == 0:
+            return _row_q4_k_rows8(w, r, xq, xd, xs)
         return _row_q4_k(w, r, xq, xd, xs)
     if qt == Q6_K:
         return _row_q6_k(w, r, xq, xd, xs)

@@ -60,6 +60,33 @@ def _rope_kernel(x, positions, n_dims, inv_freq, neox):
                 x[t, h, ib] = a * s + b * c
 
 
+@njit(**_JIT)
+def _rope_cache_kernel(positions, n_dims, base, freq_scale, ff, cos, sin):
+    theta_scale = math.pow(np.float32(base), np.float32(-2.0) / np.float32(n_dims))  # powf
+    for t in range(positions.shape[0]):
+        theta = np.float32(positions[t])
+        for i in range(n_dims // 2):
+            th = np.float32(freq_scale * (theta / ff[i]))
+            cos[t, i] = math.cos(th)  # float32 math.cos/sin call the C library's cosf/sinf
+            sin[t, i] = math.sin(th)
+            theta = np.float32(theta * theta_scale)
+
+
+def rope_cache(positions, n_dims: int, base: float, freq_scale: float = 1.0,
+               freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (n_pos, n_dims/2) float32 of every rotated pair, as ggml computes them:
+    theta runs through float32 products by powf(base, -2/n_dims) from the position, and
+    cosf/sinf of the C library (not correctly rounded, so float64 math differs in the
+    last bit). Large positions lose accuracy exactly as llama.cpp's do."""
+    positions = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
+    half = n_dims // 2
+    ff = np.ones(half, np.float32) if freq_factors is None else np.ascontiguousarray(freq_factors, np.float32)
+    cos = np.empty((positions.shape[0], half), np.float32)
+    sin = np.empty_like(cos)
+    _rope_cache_kernel(positions, int(n_dims), np.float32(base), np.float32(freq_scale), ff, cos, sin)
+    return cos, sin
+
+
 def rope_inv_freq(n_dims: int, freq_base: float, freq_scale: float = 1.0,
                   freq_factors: np.ndarray | None = None) -> np.ndarray:
     """theta_i / position for each rotated pair i: freq_scale * base^(-2i/n_dims) / factor_i (float64)."""

@@ -47,7 +47,7 @@ class ModelConfig:
     rope_base_swa: float = 0.0  # RoPE base of sliding-window layers (gemma3), 0 = same as global
     sliding_window: int = 0  # 0 = every layer attends to the whole context
     swa_layers: tuple[bool, ...] = ()
-    attn_scale: float = 0.0  # multiplies Q K^T; 0 = 1/sqrt(head_dim)
+    attn_scale: float = 0.0  # multiplies Q before attention (Gemma); 0 = 1/sqrt(head_dim) on Q K^T
     embed_scale: float = 1.0  # gemma multiplies embeddings by sqrt(n_embd)
     tied_embeddings: bool = False
     final_logit_softcap: float = 0.0
@@ -222,8 +222,11 @@ class Transformer:
         k = be.rope(k, positions, cfg.rope_dims, base, scale, cfg.rope_mode, freq_factors)
         kv.store(i, slots, k, v)
         window = cfg.sliding_window if cfg.is_swa(i) else 0
-        attn_scale = cfg.attn_scale or 1.0 / math.sqrt(cfg.head_dim)
-        out = be.attention(q, kv, i, positions, attn_scale, window)
+        if cfg.attn_scale:  # Gemma scales Q itself before attention, as llama.cpp does
+            q_scale, kq_scale = cfg.attn_scale, 1.0
+        else:  # the others scale Q K^T inside the softmax
+            q_scale, kq_scale = 1.0, 1.0 / math.sqrt(cfg.head_dim)
+        out = be.attention(q, kv, i, positions, kq_scale, window, q_scale=q_scale)
         return out.reshape(out.shape[0], -1)
 
     def swiglu_ffn(self, i: int, h: np.ndarray) -> np.ndarray:

@@ -7,8 +7,11 @@ attention that amplifies rounding, so the spread is large for some types.
 - tiny models (logits of std ~1.3): max |ours - llama.cpp| <= max(floor, 2 x spread); the
   floor is 0.01 for the CPU backend, which quantizes activations to 8 bits as llama.cpp
   does, and 0.05 for the float reference, which does not (worth up to ~0.04 here).
-- Gemma 3 270M (top-64 logits around 15-25): max |diff| <= GEMMA_ATOL = 1.0; see the
-  test's docstring for the measured noise floor of this model.
+- Gemma 3 270M: the CPU kernels reproduce ggml's floating-point order (activation
+  quantization, block accumulation lanes, the F16 attention dot products, ggml's exp,
+  RoPE angles, GELU table), so llama.cpp's decode-path logits are matched bit for bit
+  (measured max |diff| 0); GEMMA_LOGIT_ATOL only allows for a platform libm whose
+  cosf/tanh differ, and every greedy token must match.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from gguf_factory import bpe_vocab, spm_vocab, write_tiny_model
 
 GOLDENS = Path(__file__).parent / "data" / "goldens"
 TINY_FLOOR = {"cpu": 1e-2, "reference": 5e-2}
-GEMMA_ATOL = 1.0
+GEMMA_LOGIT_ATOL = 1e-3
 TINY_FILES = sorted(GOLDENS.glob("tiny-*.json"))
 
 
@@ -82,35 +85,21 @@ def gemma_golden():
 
 @pytest.mark.slow
 def test_gemma_matches_llama_cpp(gemma_path, gemma_golden):
-    """Gemma 3 270M against llama.cpp's one-token-at-a-time decode path.
-
-    What "agree" can mean here was measured: scaling the embeddings by (1 + 1e-7 noise)
-    moves this model's logits by up to 1.1 (8-bit activation rounding flips cascade through
-    18 layers), and llama.cpp's own batched prompt path differs from its decode path by up
-    to 1.03 on these prompts. So: same argmax and top-5, top-10 overlap >= 9, max |diff|
-    over llama.cpp's top-64 <= GEMMA_ATOL, and greedy continuations identical at least up to
-    the first step where llama.cpp's top-2 margin is below GEMMA_ATOL (a near-tie that noise
-    of that size may flip), and all 32 tokens identical on at least 2 of the 8 prompts.
-    """
+    """Gemma 3 270M against llama.cpp's one-token-at-a-time CPU path: for every prompt the
+    final-position logits agree (top-10 ids equal, max |diff| over llama.cpp's top-64 within
+    GEMMA_LOGIT_ATOL; measured: 0, the kernels reproduce ggml's float order) and all 32
+    greedy tokens are identical."""
     engine = _engine(gemma_path, "cpu", n_ctx=256)
-    full_matches = 0
     for case in gemma_golden["cases"]:
         kv = engine.new_cache()
         logits = engine.prefill(case["ids"], kv)
         top_ids = np.array(case["top_ids"])
-        ours = np.argsort(-logits)[:10]
-        assert ours[0] == top_ids[0], case["prompt"]
-        assert set(ours[:5]) == set(top_ids[:5]), case["prompt"]
-        assert len(set(ours) & set(top_ids[:10])) >= 9, case["prompt"]
+        assert list(np.argsort(-logits, kind="stable")[:10]) == list(top_ids[:10]), case["prompt"]
         diff = np.abs(logits[top_ids] - np.array(case["top_logits"])).max()
-        assert diff < GEMMA_ATOL, f"{case['prompt']!r}: max |diff| {diff:.3f}"
+        assert diff <= GEMMA_LOGIT_ATOL, f"{case['prompt']!r}: max |diff| {diff:.3g}"
         greedy = []
         for _ in range(gemma_golden["n_greedy"]):
             token = int(np.argmax(logits))
             greedy.append(token)
             logits = engine.decode(token, kv)
-        margins = case["greedy_margins"]
-        safe = next((i for i, m in enumerate(margins) if m < GEMMA_ATOL), len(margins))
-        assert greedy[:safe] == case["greedy"][:safe], case["prompt"]
-        full_matches += greedy == case["greedy"]
-    assert full_matches >= 2
+        assert greedy == case["greedy"], case["prompt"]

@@ -1,0 +1,231 @@
+"""Causal GQA attention over an F16 KV cache, in llama.cpp's exact floating-point order.
+
+Why the exact order: small models such as Gemma 3 270M turn a last-bit difference in one
+attention output into a different greedy token a few steps later, so matching llama.cpp
+token for token needs the same roundings in the same order, not just "close" math.
+llama.cpp's CPU decode path (no flash attention) computes, per query row and head:
+
+1. KQ = K (F16) . Q rounded to F16, one `ggml_vec_dot_f16` per key: 32 float32 slots, slot
+   e % 32 accumulates element e in order (the F16 x F16 products are exact in float32),
+   then the fixed AVX reduction of the 32 slots (`reduce32`) into a double; elements past
+   the last multiple of 32 are added in double.
+2. Softmax over the keys: w = KQ * kq_scale, masked keys -inf, minus the row max,
+   exp by `ggml_v_expf` (a polynomial, not libm's expf) 8 keys at a time; each group of 8
+   is summed in float32 (`hsum8`) and the group sums in double; the weights are scaled
+   by float32(1 / sum).
+3. Out = V^T (F16) . weights rounded to F16, again `ggml_vec_dot_f16` over the keys: key
+   j goes to slot j % 32, where j is the key's slot in the cache (its position in a fresh
+   sequence; llama.cpp pads the key count to 256, so there are no leftovers).
+
+A masked key contributes exactly zero everywhere, so the kernels skip it. The numpy
+reference of the same math is `edgeinfer.backend.Backend.attention`; the tests require
+the two to agree bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .threads import apply_threads
+
+_JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
+
+# ggml_v_expf's constants, as written there in hexadecimal
+_R = np.float32(float.fromhex("0x1.8p23"))
+_LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
+_LN2_HI = np.float32(float.fromhex("0x1.62e4p-1"))
+_LN2_LO = np.float32(float.fromhex("0x1.7f7d1cp-20"))
+_C5 = np.float32(float.fromhex("0x1.0e4020p-7"))
+_C4 = np.float32(float.fromhex("0x1.573e2ep-5"))
+_C3 = np.float32(float.fromhex("0x1.555e66p-3"))
+_C2 = np.float32(float.fromhex("0x1.fffdb6p-2"))
+_C1 = np.float32(float.fromhex("0x1.ffffecp-1"))
+
+F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+@njit(inline="always", **_JIT)
+def _fma(a, b, c):
+    # float32 FMA: a*b of two float32 is exact in float64, so only the final roundings
+    # remain (float64 then float32; they differ from one rounding with probability ~2^-29)
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+@njit(inline="always", **_JIT)
+def ggml_expf(x):
+    """ggml_v_expf for one float32 lane x <= 0 (softmax arguments); exp(-inf) = 0."""
+    z = _fma(x, _LOG2E, _R)
+    n = np.float32(z - _R)
+    if n < -126.0:  # below float32's normal range: ggml's result is < 2^-125, nothing downstream sees it
+        return np.float32(0.0)
+    b = _fma(-n, _LN2_LO, _fma(-n, _LN2_HI, x))
+    u = np.float32(b * b)
+    j = _fma(_fma(_fma(_C5, b, _C4), u, _fma(_C3, b, _C2)), u, np.float32(_C1 * b))
+    # k = 2^n exactly; fma(j, k, k) = k * round(j + 1) since k is a power of two
+    return np.float32(np.float32(j + np.float32(1.0)) * np.float32(2.0 ** int(n)))
+
+
+@njit(inline="always", **_JIT)
+def _hsum8(a0, a1, a2, a3, a4, a5, a6, a7):
+    # _mm256 -> _mm_add_ps(hi, lo) -> movehl add -> movehdup add_ss
+    t0 = np.float32(a0 + a4)
+    t1 = np.float32(a1 + a5)
+    t2 = np.float32(a2 + a6)
+    t3 = np.float32(a3 + a7)
+    return np.float32(np.float32(t0 + t2) + np.float32(t1 + t3))
+
+
+@njit(inline="always", **_JIT)
+def reduce32(acc):
+    """GGML_F32x8_REDUCE of 4 x <8 x float>: (s0+s2) + (s1+s3), then the 128-bit halves,
+    then two horizontal adds."""
+    x = np.empty(8, np.float32)
+    for i in range(8):
+        x[i] = np.float32(np.float32(acc[i] + acc[16 + i]) + np.float32(acc[8 + i] + acc[24 + i]))
+    t0 = np.float32(x[0] + x[4])
+    t1 = np.float32(x[1] + x[5])
+    t2 = np.float32(x[2] + x[6])
+    t3 = np.float32(x[3] + x[7])
+    return np.float32(np.float32(t0 + t1) + np.float32(t2 + t3))
+
+
+@njit(inline="always", **_JIT)
+def _round_f16(x):
+    """The float32 value of x rounded to the nearest float16 (ties to even)."""
+    a = abs(np.float64(x))
+    if a >= 65520.0:
+        r = np.inf
+    else:
+        if a < 6.103515625e-05:  # F16 subnormal range: a fixed quantum of 2^-24
+            quantum = 5.9604644775390625e-08
+        else:
+            m, e = math.frexp(a)
+            quantum = 2.0 ** (e - 11)
+        magic = 1.5 * quantum * 4503599627370496.0  # adding it rounds to a multiple of quantum
+        r = (a + magic) - magic
+    return np.float32(-r if x < 0 else r)
+
+
+@njit(**_JIT)
+def _allowed(kp, qp, window):
+    return kp <= qp and (window <= 0 or qp - kp < window)
+
+
+@njit(**_JIT)
+def _scores_and_weights(q16, k_bits, tbl, g, kpos, qp, window, kq_scale, w):
+    """Fill w[:S] with the F16-rounded softmax weights of one query row (q16: F16 values)."""
+    n_keys = k_bits.shape[0]
+    hd = q16.shape[0]
+    neg_inf = np.float32(-np.inf)
+    mx = neg_inf
+    n_vec = hd - hd % 32
+    acc = np.zeros(32, np.float32)
+    for j in range(n_keys):
+        if not _allowed(kpos[j], qp, window):
+            w[j] = neg_inf
+            continue
+        acc[:] = 0.0
+        for d in range(n_vec):
+            acc[d & 31] += tbl[k_bits[j, g, d]] * q16[d]
+        dot = np.float64(reduce32(acc))
+        for d in range(n_vec, hd):  # leftovers, in double
+            dot += np.float64(tbl[k_bits[j, g, d]]) * np.float64(q16[d])
+        s = np.float32(np.float32(dot) * kq_scale)
+        w[j] = s
+        if s > mx:
+            mx = s
+    total = 0.0  # float64, as ggml_float
+    for c in range(0, n_keys, 8):
+        e = np.zeros(8, np.float32)
+        for lane in range(min(8, n_keys - c)):
+            if w[c + lane] != neg_inf:
+                e[lane] = ggml_expf(np.float32(w[c + lane] - mx))
+            w[c + lane] = e[lane]
+        total += np.float64(_hsum8(e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]))
+    inv = np.float32(1.0 / total)
+    for j in range(n_keys):
+        w[j] = _round_f16(np.float32(w[j] * inv))
+
+
+@njit(**_JIT)
+def _weighted_values(w, v_bits, tbl, g, out):
+    """out[d] = sum_j w[j] * V[j, d] as ggml_vec_dot_f16 over the keys (key j in slot j % 32).
+    Keys outer, dims inner: each (dim, slot) still sums its keys in order."""
+    n_keys, hdv = v_bits.shape[0], v_bits.shape[2]
+    acc = np.zeros((hdv, 32), np.float32)
+    for j in range(n_keys):
+        wj = w[j]
+        if wj != 0.0:  # a zero weight adds exactly +0
+            slot = j & 31
+            for d in range(hdv):
+                acc[d, slot] += tbl[v_bits[j, g, d]] * wj
+    for d in range(hdv):
+        out[d] = reduce32(acc[d])
+
+
+@njit(parallel=True, **_JIT)
+def _attention_rows(q16, k_bits, v_bits, tbl, kpos, qpos, window, kq_scale, out):
+    """One job per (query row, head): many queries (prefill) keep every thread busy."""
+    n_tok, n_head, _ = q16.shape
+    group = n_head // k_bits.shape[1]
+    for job in prange(n_tok * n_head):
+        t = job // n_head
+        h = job % n_head
+        w = np.empty(k_bits.shape[0], np.float32)
+        _scores_and_weights(q16[t, h], k_bits, tbl, h // group, kpos, qpos[t], window, kq_scale, w)
+        _weighted_values(w, v_bits, tbl, h // group, out[t, h])
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpos: np.ndarray,
+              kq_scale: float, window: int = 0) -> np.ndarray:
+    """Causal GQA attention -> (n_tok, n_head, hd_v) float32.
+
+    q (n_tok, n_head, hd) float32; k (S, n_kv_head, hd) and v (S, n_kv_head, hd_v) float16
+    (the cache's layer view, slot order); kpos (S,) the keys' positions, qpos (n_tok,) the
+    queries'. A query at p sees keys with kpos <= p and, with window > 0, p - kpos < window.
+    """
+    if k.dtype != np.float16 or v.dtype != np.float16:
+        raise TypeError(f"attention reads an F16 cache, got K {k.dtype} and V {v.dtype}")
+    apply_threads()
+    q16 = np.ascontiguousarray(q, dtype=np.float32).astype(np.float16).astype(np.float32)
+    out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
+    _attention_rows(q16, np.ascontiguousarray(k).view(np.uint16), np.ascontiguousarray(v).view(np.uint16),
+                    F16_TO_F32, np.ascontiguousarray(kpos, dtype=np.int64),
+                    np.ascontiguousarray(qpos, dtype=np.int64), int(window), np.float32(kq_scale), out)
+    return out
+
+
+# Above this many query rows (long prefill chunks) the exact per-key loops cost more than
+# they are worth: llama.cpp itself switches to other kernels for batches, so there is no
+# bit-exact target there. `attention_blas` does the same math with matrix products.
+EXACT_MAX_QUERIES = 64
+
+
+def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpos: np.ndarray,
+                   kq_scale: float, window: int = 0) -> np.ndarray:
+    """`attention` through BLAS matrix products: same roundings at the boundaries (Q and
+    the weights in F16, sums in double), float order of the BLAS library inside."""
+    qpos = np.asarray(qpos)
+    if window:  # a sliding-window layer never looks further back than its window
+        keep = kpos > np.min(qpos) - window
+        if not keep.all():
+            k, v, kpos = k[keep], v[keep], kpos[keep]
+    n, n_head, _ = q.shape
+    group = n_head // k.shape[1]
+    k = k.astype(np.float32).transpose(1, 2, 0)[:, None]  # (n_kv, 1, hd, S)
+    v = v.astype(np.float32).transpose(1, 0, 2)[:, None]  # (n_kv, 1, S, hd_v)
+    q = q.astype(np.float16).astype(np.float32)
+    qg = q.reshape(n, k.shape[0], group, -1).transpose(1, 2, 0, 3)  # (n_kv, group, n, hd)
+    scores = (qg @ k).reshape(n_head, n, -1) * np.float32(kq_scale)  # (n_head, n, S)
+    allowed = kpos[None, :] <= qpos[:, None]
+    if window:
+        allowed &= (qpos[:, None] - kpos[None, :]) < window
+    scores = np.where(allowed[None, :, :], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs *= (1.0 / probs.astype(np.float64).sum(axis=-1, keepdims=True)).astype(np.float32)
+    probs = probs.astype(np.float16).astype(np.float32)
+    out = (probs.reshape(k.shape[0], group, n, -1) @ v).reshape(n_head, n, -1)
+    return np.ascontiguousarray(out.transpose(1, 0, 2), dtype=np.float32)

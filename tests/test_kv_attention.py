@@ -1,0 +1,119 @@
+"""The compiled attention (kernels_cpu/kv_attention.py) against the numpy reference
+(Backend.attention), which spells out llama.cpp's rounding order: they must agree bit for
+bit, and both must be a correct softmax attention (checked against float64 math)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgeinfer.backend import Backend, ggml_expf
+from edgeinfer.kernels_cpu import kv_attention
+
+
+class _Cache:
+    def __init__(self, k, v, pos):
+        self.k, self.v, self.pos = k, v, pos
+
+    def layer_view(self, layer):
+        return self.k, self.v, self.pos
+
+
+def _case(rng, n, S, n_head, n_kv, hd, hdv):
+    q = (rng.standard_normal((n, n_head, hd)) * 2).astype(np.float32)
+    k = (rng.standard_normal((S, n_kv, hd)) * 2).astype(np.float16)
+    v = rng.standard_normal((S, n_kv, hdv)).astype(np.float16)
+    return q, k, v
+
+
+def _float64_attention(q, k, v, kpos, qpos, scale, window):
+    q16 = q.astype(np.float16).astype(np.float64)
+    group = q.shape[1] // k.shape[1]
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
+    for t, p in enumerate(qpos):
+        ok = (kpos <= p) & ((p - kpos < window) if window else True)
+        for h in range(q.shape[1]):
+            s = k[ok, h // group].astype(np.float64) @ q16[t, h] * scale
+            w = np.exp(s - s.max())
+            out[t, h] = (w / w.sum()) @ v[ok, h // group].astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("n,S,n_head,n_kv,hd,hdv,window", [
+    (1, 37, 4, 1, 256, 256, 0),      # Gemma 3 270M decode shape
+    (1, 300, 8, 2, 64, 64, 0),       # more keys than one 256-key pad
+    (6, 13, 8, 2, 64, 64, 4),        # prefill rows, sliding window
+    (3, 40, 6, 3, 80, 48, 0),        # head size with leftovers past 64, hd_v != hd
+    (2, 2, 2, 2, 32, 32, 0),
+])
+def test_kernel_equals_reference_bit_for_bit(n, S, n_head, n_kv, hd, hdv, window):
+    rng = np.random.default_rng(S + hd)
+    q, k, v = _case(rng, n, S, n_head, n_kv, hd, hdv)
+    kpos, qpos = np.arange(S), np.arange(S - n, S)
+    want = Backend(None).attention(q, _Cache(k, v, kpos), 0, qpos, 0.125, window)
+    got = kv_attention.attention(q, k, v, kpos, qpos, 0.125, window)
+    np.testing.assert_array_equal(got, want)
+    exact = _float64_attention(q, k, v, kpos, qpos, 0.125, window)
+    np.testing.assert_allclose(got, exact, atol=3e-3 * np.abs(exact).max())  # F16 weights
+
+
+def test_masked_and_padded_keys_contribute_nothing():
+    rng = np.random.default_rng(3)
+    q, k, v = _case(rng, 1, 20, 4, 2, 64, 64)
+    kpos = np.arange(20)
+    full = kv_attention.attention(q, k, v, kpos, np.array([9]), 0.125)
+    # keys after the query (positions 10..19) are masked: garbage there changes nothing
+    k2, v2 = k.copy(), v.copy()
+    k2[10:], v2[10:] = 7.0, -3.0
+    np.testing.assert_array_equal(kv_attention.attention(q, k2, v2, kpos, np.array([9]), 0.125), full)
+
+
+def test_ggml_expf_is_exp():
+    x = -np.linspace(0, 80, 100001, dtype=np.float32)
+    e = ggml_expf(x)
+    np.testing.assert_allclose(e, np.exp(x.astype(np.float64)), rtol=3e-7)
+    assert ggml_expf(np.array([-np.inf, -200.0], np.float32)).tolist() == [0.0, 0.0]
+    assert ggml_expf(np.array([0.0], np.float32))[0] == 1.0
+
+
+def test_f16_cache_is_required():
+    q = np.zeros((1, 1, 32), np.float32)
+    k = np.zeros((1, 1, 32), np.float32)
+    with pytest.raises(TypeError, match="F16"):
+        kv_attention.attention(q, k, k, np.array([0]), np.array([0]), 1.0)
+
+
+def test_rope_cache_follows_ggml_float32_angles():
+    from edgeinfer.kernels_cpu.ops import rope_cache
+
+    pos = np.array([0, 1, 7, 500, 32000])
+    cos, sin = rope_cache(pos, 64, 10000.0, 0.5, None)
+    # the angle is a float32 running product, as ggml_rope_cache_init computes it
+    scale = np.float32(np.float64(10000.0) ** np.float64(np.float32(-2.0) / np.float32(64)))
+    for t, p in enumerate(pos):
+        theta = np.float32(p)
+        for i in range(32):
+            th = np.float32(np.float32(0.5) * theta)
+            assert abs(cos[t, i] - np.cos(np.float64(th))) <= 1e-7 and abs(sin[t, i] - np.sin(np.float64(th))) <= 1e-7
+            theta = np.float32(theta * scale)
+    # and it is a rotation by the intended angle, up to float32 accuracy at small positions
+    inv = 10000.0 ** (-np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(cos[:4], np.cos(0.5 * pos[:4, None] * inv), atol=1e-5)
+
+
+def test_backend_rope_rotates_pairs():
+    x = np.random.default_rng(0).standard_normal((3, 2, 16)).astype(np.float32)
+    pos = np.array([0, 3, 9])
+    for mode in ("neox", "normal"):
+        out = Backend(None).rope(x, pos, 16, 10000.0, 1.0, mode, None)
+        np.testing.assert_array_equal(out[0], x[0])  # position 0 is the identity
+        np.testing.assert_allclose(np.linalg.norm(out, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+def test_blas_path_agrees_with_exact_path():
+    rng = np.random.default_rng(5)
+    q, k, v = _case(rng, 70, 90, 4, 1, 64, 64)
+    kpos, qpos = np.arange(90), np.arange(20, 90)
+    for window in (0, 16):
+        exact = kv_attention.attention(q, k, v, kpos, qpos, 0.125, window)
+        fast = kv_attention.attention_blas(q, k, v, kpos, qpos, 0.125, window)
+        np.testing.assert_allclose(fast, exact, atol=2e-3 * np.abs(exact).max())
