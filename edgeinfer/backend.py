@@ -49,6 +49,11 @@ class Backend:
         """x (n, n_cols) @ W^T -> (n, n_rows) for the GGUF matrix `name`."""
         raise NotImplementedError
 
+    def linear_many(self, names: list[str], x: np.ndarray) -> list[np.ndarray]:
+        """[linear(name, x) for name in names]: several matrices on the same input (Q/K/V,
+        gate/up), which a backend may run together."""
+        return [self.linear(name, x) for name in names]
+
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of matrix `name` as float32 (len(ids), n_cols): the embedding lookup."""
         info = self.gguf.tensors[name]
@@ -61,7 +66,8 @@ class Backend:
         # ggml's order: sum of float32 squares in double, mean back to float32, then
         # x * (1 / sqrt(mean + eps)). This model family amplifies last-bit differences.
         sq = np.square(x, dtype=np.float32).astype(np.float64)
-        mean = (sq.sum(axis=-1, keepdims=True) / x.shape[-1]).astype(np.float32)
+        total = np.cumsum(sq, axis=-1)[..., -1:]  # in order, as ggml (sum() would pair up)
+        mean = (total / x.shape[-1]).astype(np.float32)
         scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
         return (x * scale) * self.vector(weight)
 

@@ -11,7 +11,9 @@ import numpy as np
 
 from edgeinfer import kernels_cpu
 from edgeinfer.kernels_cpu import kv_attention
-from edgeinfer.backend import Backend
+from edgeinfer.backend import Backend, _gelu_f16_table
+from edgeinfer.models.base import ROPE_NEOX
+from edgeinfer.kernels_cpu import ops
 
 
 class CpuBackend(Backend):
@@ -36,6 +38,13 @@ class CpuBackend(Backend):
             return kernels_cpu.matvec(w, info.qtype, x[0])[None, :]
         return kernels_cpu.matmul(w, info.qtype, x)
 
+    def linear_many(self, names, x):
+        if x.shape[0] != 1:  # prefill: each matrix's GEMM is large enough on its own
+            return [self.linear(name, x) for name in names]
+        ws = [self.gguf.raw(name) for name in names]
+        qts = [self.gguf.tensors[name].qtype for name in names]
+        return [y[None, :] for y in kernels_cpu.matvec_many(ws, qts, np.ascontiguousarray(x[0], np.float32))]
+
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         info = self.gguf.tensors[name]
         return kernels_cpu.get_rows(self.gguf.raw(name), info.qtype, info.n_cols,
@@ -48,3 +57,16 @@ class CpuBackend(Backend):
         if q.shape[0] <= kv_attention.EXACT_MAX_QUERIES:  # decode, short prompts: llama.cpp's order
             return kv_attention.attention(q, k, v, kpos, positions, scale, window)
         return kv_attention.attention_blas(q, k, v, kpos, np.asarray(positions), scale, window)
+
+    # The float ops below compute what Backend's numpy versions compute, bit for bit
+    # (tests/test_kernels_ops.py), in one compiled call each: per-token Python overhead.
+    def rms_norm(self, x, weight, eps):
+        return ops.rms_norm(x, self.vector(weight), eps)
+
+    def rope(self, x, positions, n_dims, base, freq_scale, mode, freq_factors):
+        ff = self.vector(freq_factors) if freq_factors is not None else None
+        out = np.array(x, dtype=np.float32, order="C")
+        return ops.rope_inplace(out, positions, base, "neox" if mode == ROPE_NEOX else "normal", n_dims, freq_scale, ff)
+
+    def gelu_mul(self, gate, up):
+        return ops.gelu_mul(gate, up, _gelu_f16_table())

@@ -787,6 +787,30 @@ def _matvec_kernel(w, qt, xq, xd, xs, out):
 
 
 @njit(parallel=True, **_JIT)
+def _matvec2_kernel(w1, q1, w2, q2, xq, xd, xs, o1, o2):
+    # two matrices on the same activations in one parallel region (gate + up)
+    n1 = o1.shape[0]
+    for r in prange(n1 + o2.shape[0]):
+        if r < n1:
+            o1[r] = _row_dot(w1, q1, r, xq, xd, xs)
+        else:
+            o2[r - n1] = _row_dot(w2, q2, r - n1, xq, xd, xs)
+
+
+@njit(parallel=True, **_JIT)
+def _matvec3_kernel(w1, q1, w2, q2, w3, q3, xq, xd, xs, o1, o2, o3):
+    # three matrices on the same activations in one parallel region (Q, K, V)
+    n1, n12 = o1.shape[0], o1.shape[0] + o2.shape[0]
+    for r in prange(n12 + o3.shape[0]):
+        if r < n1:
+            o1[r] = _row_dot(w1, q1, r, xq, xd, xs)
+        elif r < n12:
+            o2[r - n1] = _row_dot(w2, q2, r - n1, xq, xd, xs)
+        else:
+            o3[r - n12] = _row_dot(w3, q3, r - n12, xq, xd, xs)
+
+
+@njit(parallel=True, **_JIT)
 def _matmul_kernel(w, qt, xq, xd, xs, out):
     # each weight row is read once (it stays in L1/L2) for all tokens
     for r in prange(w.shape[0]):
@@ -828,3 +852,14 @@ def dequantize_fast(w_raw: np.ndarray, qt: int, start: int, y: np.ndarray) -> No
 def dequantize_rows_fast(w_raw: np.ndarray, qt: int, rows: np.ndarray, y: np.ndarray) -> None:
     """y[i] = dequantized row rows[i] of w (int64 ids, validated by the caller)."""
     _dequant_rows_kernel(w_raw, qt, rows, y)
+
+
+def matvec_fast_many(ws: list, qts: list, xq, xd, xs, outs: list) -> None:
+    """matvec_fast for 2 or 3 matrices sharing the quantized activations, in one call."""
+    if len(ws) == 2:
+        _matvec2_kernel(ws[0], qts[0], ws[1], qts[1], xq, xd, xs, outs[0], outs[1])
+    elif len(ws) == 3:
+        _matvec3_kernel(ws[0], qts[0], ws[1], qts[1], ws[2], qts[2], xq, xd, xs, outs[0], outs[1], outs[2])
+    else:
+        for w, qt, out in zip(ws, qts, outs):
+            _matvec_kernel(w, qt, xq, xd, xs, out)

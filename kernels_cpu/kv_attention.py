@@ -26,8 +26,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
+from .fast_dot import _IR, _target_features
 from .threads import apply_threads
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
@@ -44,6 +47,24 @@ _C2 = np.float32(float.fromhex("0x1.fffdb6p-2"))
 _C1 = np.float32(float.fromhex("0x1.ffffecp-1"))
 
 F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+@intrinsic
+def _f16(typingctx, bits):
+    """The float32 value of F16 bits (uint16): vcvtph2ps where the CPU has F16C, which LLVM
+    vectorizes in the loops below; integer ops elsewhere (exact either way)."""
+    sig = types.float32(bits)
+
+    def codegen(context, builder, sig, args):
+        h = _IR(builder, _target_features(context))
+        i16 = ir.IntType(16)
+        v = builder.trunc(args[0], i16) if args[0].type != i16 else args[0]
+        if h.f16c:
+            return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
+        ptr = builder.alloca(i16)  # load_f16 reads from memory
+        builder.store(v, ptr)
+        return h.load_f16(builder.bitcast(ptr, ir.IntType(8).as_pointer()), ir.Constant(ir.IntType(64), 0))
+    return sig, codegen
 
 
 @njit(inline="always", **_JIT)
@@ -127,11 +148,12 @@ def _scores_and_weights(q16, k_bits, tbl, g, kpos, qp, window, kq_scale, w):
             w[j] = neg_inf
             continue
         acc[:] = 0.0
-        for d in range(n_vec):
-            acc[d & 31] += tbl[k_bits[j, g, d]] * q16[d]
+        for c in range(0, n_vec, 32):
+            for lane in range(32):
+                acc[lane] += _f16(k_bits[j, g, c + lane]) * q16[c + lane]
         dot = np.float64(reduce32(acc))
         for d in range(n_vec, hd):  # leftovers, in double
-            dot += np.float64(tbl[k_bits[j, g, d]]) * np.float64(q16[d])
+            dot += np.float64(_f16(k_bits[j, g, d])) * np.float64(q16[d])
         s = np.float32(np.float32(dot) * kq_scale)
         w[j] = s
         if s > mx:
@@ -152,17 +174,20 @@ def _scores_and_weights(q16, k_bits, tbl, g, kpos, qp, window, kq_scale, w):
 @njit(**_JIT)
 def _weighted_values(w, v_bits, tbl, g, out):
     """out[d] = sum_j w[j] * V[j, d] as ggml_vec_dot_f16 over the keys (key j in slot j % 32).
-    Keys outer, dims inner: each (dim, slot) still sums its keys in order."""
+    Keys outer, dims inner (vectorized): each (slot, dim) still sums its keys in order."""
     n_keys, hdv = v_bits.shape[0], v_bits.shape[2]
-    acc = np.zeros((hdv, 32), np.float32)
+    acc = np.zeros((32, hdv), np.float32)
     for j in range(n_keys):
         wj = w[j]
         if wj != 0.0:  # a zero weight adds exactly +0
-            slot = j & 31
+            row = acc[j & 31]
             for d in range(hdv):
-                acc[d, slot] += tbl[v_bits[j, g, d]] * wj
+                row[d] += _f16(v_bits[j, g, d]) * wj
+    slots = np.empty(32, np.float32)
     for d in range(hdv):
-        out[d] = reduce32(acc[d])
+        for i in range(32):
+            slots[i] = acc[i, d]
+        out[d] = reduce32(slots)
 
 
 @njit(parallel=True, **_JIT)

@@ -72,23 +72,3 @@ def reference_rope(x: np.ndarray, positions, freq_base: float, mode: str = "norm
         a, b = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
         out[..., 0:n_dims:2], out[..., 1:n_dims:2] = a * cos - b * sin, a * sin + b * cos
     return out
-
-
-def reference_attention(q, k, v, kpos, qpos, scale, window=0, softcap=0.0) -> np.ndarray:
-    """Masked softmax attention in float64 with explicit scores; shapes as ops.attention."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    scores = np.einsum("nhd,shd->hns", q, k) * scale
-    if softcap:
-        scores = softcap * np.tanh(scores / softcap)
-    qp, kp = np.asarray(qpos)[:, None], np.asarray(kpos)[None, :]
-    allowed = kp <= qp
-    if window:
-        allowed &= (qp - kp) < window
-    scores = np.where(allowed[None], scores, -np.inf)
-    mx = scores.max(axis=-1, keepdims=True)
-    probs = np.where(allowed[None], np.exp(scores - np.where(np.isfinite(mx), mx, 0)), 0.0)
-    den = probs.sum(axis=-1, keepdims=True)
-    probs = probs / np.where(den > 0, den, 1)
-    return np.einsum("hns,shd->nhd", probs, v)

@@ -6,9 +6,12 @@ kernel entry point in whichever thread calls it.
 """
 from __future__ import annotations
 
+import threading
+
 import numba
 
 _wanted: int | None = None
+_applied = threading.local()  # the count this thread last set (numba's getter takes a lock)
 
 
 def set_threads(n: int) -> None:
@@ -16,6 +19,7 @@ def set_threads(n: int) -> None:
     global _wanted
     _wanted = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(_wanted)
+    _applied.count = _wanted
 
 
 def get_threads() -> int:
@@ -24,5 +28,6 @@ def get_threads() -> int:
 
 def apply_threads() -> None:
     """Make the calling thread use the count chosen with set_threads (no-op if none chosen)."""
-    if _wanted is not None and numba.get_num_threads() != _wanted:
+    if _wanted is not None and getattr(_applied, "count", None) != _wanted:
         numba.set_num_threads(_wanted)
+        _applied.count = _wanted

@@ -231,8 +231,7 @@ class Transformer:
 
     def swiglu_ffn(self, i: int, h: np.ndarray) -> np.ndarray:
         be, p = self.backend, f"blk.{i}."
-        gate = be.linear(p + "ffn_gate.weight", h)
-        up = be.linear(p + "ffn_up.weight", h)
+        gate, up = be.linear_many([p + "ffn_gate.weight", p + "ffn_up.weight"], h)
         return be.linear(p + "ffn_down.weight", be.silu_mul(gate, up))
 
 

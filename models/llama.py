@@ -18,21 +18,24 @@ class Llama(Transformer):
         be, cfg, p = self.backend, self.config, f"blk.{i}."
         n = x.shape[0]
         h = be.rms_norm(x, p + "attn_norm.weight", cfg.norm_eps)
-        q = self.project(p + "attn_q", h).reshape(n, cfg.n_head, cfg.head_dim)
-        k = self.project(p + "attn_k", h).reshape(n, cfg.n_head_kv, cfg.head_dim)
-        v = self.project(p + "attn_v", h).reshape(n, cfg.n_head_kv, cfg.head_dim_v)
+        q, k, v = self.project_many([p + "attn_q", p + "attn_k", p + "attn_v"], h)
+        q = q.reshape(n, cfg.n_head, cfg.head_dim)
+        k = k.reshape(n, cfg.n_head_kv, cfg.head_dim)
+        v = v.reshape(n, cfg.n_head_kv, cfg.head_dim_v)
         q, k = self.qk_norm(i, q, k)
         attn = self.attention(i, q, k, v, positions, slots, kv)
         x = x + be.linear(p + "attn_output.weight", attn)
         h = be.rms_norm(x, p + "ffn_norm.weight", cfg.norm_eps)
         return x + self.swiglu_ffn(i, h)
 
-    def project(self, name: str, h: np.ndarray) -> np.ndarray:
-        """Linear layer plus its bias when the file has one (qwen2 has them on q/k/v)."""
-        out = self.backend.linear(name + ".weight", h)
-        if name + ".bias" in self.gguf.tensors:
-            out += self.backend.vector(name + ".bias")
-        return out
+    def project_many(self, names: list[str], h: np.ndarray) -> list[np.ndarray]:
+        """Linear layers on the same input, plus their biases when the file has them (qwen2
+        has them on q/k/v)."""
+        outs = self.backend.linear_many([name + ".weight" for name in names], h)
+        for name, out in zip(names, outs):
+            if name + ".bias" in self.gguf.tensors:
+                out += self.backend.vector(name + ".bias")
+        return outs
 
     def qk_norm(self, i: int, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """No per-head norm in llama; qwen3 overrides."""

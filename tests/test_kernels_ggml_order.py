@@ -1,0 +1,142 @@
+"""The decode row dots follow llama.cpp's AVX2 float order exactly (the reason Gemma 3's
+greedy tokens match llama.cpp's). Each numpy function below re-derives one ggml kernel's
+order from its source: the activation quantization, the 8 integer lanes of each block
+(lane L holds bytes 4L..4L+3 of a 32-byte chunk), one float accumulator per lane fed by an
+fma per block, the AVX horizontal sum; the kernels must agree bit for bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import edgeinfer.kernels_cpu as K
+from quant_blocks import random_blocks
+
+
+def _fma(a, b, c):
+    return (np.asarray(a, np.float64) * b + c).astype(np.float32)
+
+
+def _hsum8(a):
+    t = a[..., :4] + a[..., 4:]
+    return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
+
+
+def _f16(b):
+    return b.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _lanes(q, x):
+    """int8 dot of a 32-value chunk split into 8 lanes of 4 bytes: (rows, 8) int64."""
+    return (q.astype(np.int64) * x.astype(np.int64)).reshape(q.shape[0], 8, 4).sum(-1)
+
+
+def _q32_dot(w, x, qtype):
+    """ggml_vec_dot_q8_0_q8_0 / q5_0 / q4_0 (AVX2): signed values, one 8-lane accumulator."""
+    xq, xd, _ = K.quantize_activations(x, K.quant_info(qtype))
+    bs = {T.Q8_0: 34, T.Q5_0: 22, T.Q4_0: 18}[qtype]
+    rows = w.reshape(w.shape[0], -1, bs)
+    acc = np.zeros((w.shape[0], 8), np.float32)
+    for b in range(rows.shape[1]):
+        blk = rows[:, b]
+        if qtype == T.Q8_0:
+            q = blk[:, 2:].view(np.int8).astype(np.int64)
+        else:
+            qs = blk[:, -16:].astype(np.int64)
+            q = np.concatenate([qs & 15, qs >> 4], axis=1)
+            if qtype == T.Q5_0:
+                qh = blk[:, 2:6].copy().view(np.uint32)[:, 0].astype(np.int64)
+                q = q | (((qh[:, None] >> np.arange(32)) & 1) << 4)
+                q = q - 16
+            else:
+                q = q - 8
+        d = (_f16(blk[:, :2]) * xd[b]).astype(np.float32)
+        acc = _fma(d[:, None], _lanes(q, xq[32 * b: 32 * b + 32]).astype(np.float32), acc)
+    return _hsum8(acc)
+
+
+def _q4k_dot(w, x):
+    """ggml_vec_dot_q4_K_q8_K, or (rows a multiple of 8) the repacked 8-row gemv."""
+    xq, xd, xs = K.quantize_activations(x, K.quant_info(T.Q4_K))
+    n, rows8 = w.shape[0], w.shape[0] % 8 == 0
+    blocks = w.reshape(n, -1, 144)
+    acc, accm = np.zeros((n, 8), np.float32), np.zeros((n, 4), np.float32)
+    for b in range(blocks.shape[1]):
+        B = blocks[:, b]
+        d = (xd[b] * _f16(B[:, 0:2])).astype(np.float32)
+        dmin = (-xd[b] * _f16(B[:, 2:4])).astype(np.float32)
+        sc = B[:, 4:16].astype(np.int64)
+        scales, mins = np.zeros((n, 8), np.int64), np.zeros((n, 8), np.int64)
+        for j in range(8):
+            if j < 4:
+                scales[:, j], mins[:, j] = sc[:, j] & 63, sc[:, j + 4] & 63
+            else:
+                scales[:, j] = (sc[:, j + 4] & 15) | ((sc[:, j - 4] >> 6) << 4)
+                mins[:, j] = (sc[:, j + 4] >> 4) | ((sc[:, j] >> 6) << 4)
+        mprod = mins * xs[16 * b: 16 * b + 16].reshape(8, 2).sum(1)[None]
+        sumi = np.zeros((n, 8), np.int64)
+        for j in range(4):
+            q4 = B[:, 16 + 32 * j: 48 + 32 * j].astype(np.int64)
+            sumi += _lanes(q4 & 15, xq[256 * b + 64 * j: 256 * b + 64 * j + 32]) * scales[:, 2 * j: 2 * j + 1]
+            sumi += _lanes(q4 >> 4, xq[256 * b + 64 * j + 32: 256 * b + 64 * j + 64]) * scales[:, 2 * j + 1: 2 * j + 2]
+        if rows8:  # one lane per row: whole-block integers, the min terms subtracted at the end
+            acc[:, 0] = _fma(d, sumi.sum(1).astype(np.float32), acc[:, 0])
+            accm[:, 0] = _fma(-dmin, mprod.sum(1).astype(np.float32), accm[:, 0])
+        else:
+            acc = _fma(d[:, None], sumi.astype(np.float32), acc)
+            accm = _fma(dmin[:, None], mprod.reshape(n, 4, 2).sum(-1).astype(np.float32), accm)
+    if rows8:
+        return acc[:, 0] - accm[:, 0]
+    m = accm[:, :2] + accm[:, 2:]
+    return _hsum8(acc) + (m[:, 0] + m[:, 1])
+
+
+def _q6k_dot(w, x):
+    """ggml_vec_dot_q6_K_q8_K (AVX2)."""
+    xq, xd, xs = K.quantize_activations(x, K.quant_info(T.Q6_K))
+    n = w.shape[0]
+    blocks = w.reshape(n, -1, 210)
+    acc = np.zeros((n, 8), np.float32)
+    for b in range(blocks.shape[1]):
+        B = blocks[:, b]
+        d = (xd[b] * _f16(B[:, 208:210])).astype(np.float32)
+        sc = B[:, 192:208].view(np.int8).astype(np.int64)
+        sumi = -32 * (sc * xs[16 * b: 16 * b + 16][None]).reshape(n, 8, 2).sum(-1)
+        for hh in range(2):
+            ql0, ql1 = B[:, 64 * hh: 64 * hh + 32].astype(np.int64), B[:, 64 * hh + 32: 64 * hh + 64].astype(np.int64)
+            qh = B[:, 128 + 32 * hh: 160 + 32 * hh].astype(np.int64)
+            for gq in range(4):
+                low = (ql0 if gq % 2 == 0 else ql1)
+                low = low & 15 if gq < 2 else low >> 4
+                q = low | (((qh >> (2 * gq)) & 3) << 4)
+                g = hh * 8 + gq * 2
+                lanes = _lanes(q, xq[256 * b + hh * 128 + gq * 32: 256 * b + hh * 128 + gq * 32 + 32])
+                sumi += lanes * np.concatenate([np.repeat(sc[:, g:g + 1], 4, 1), np.repeat(sc[:, g + 1:g + 2], 4, 1)], 1)
+        acc = _fma(d[:, None], sumi.astype(np.float32), acc)
+    return _hsum8(acc)
+
+
+ORDERS = {T.Q8_0: lambda w, x: _q32_dot(w, x, T.Q8_0), T.Q5_0: lambda w, x: _q32_dot(w, x, T.Q5_0),
+          T.Q4_0: lambda w, x: _q32_dot(w, x, T.Q4_0), T.Q4_K: _q4k_dot, T.Q6_K: _q6k_dot}
+
+
+@pytest.mark.parametrize("qtype", list(ORDERS), ids=lambda t: t.name)
+@pytest.mark.parametrize("n_rows", [8, 13])
+def test_matvec_follows_ggml_order(qtype, n_rows):
+    rng = np.random.default_rng(n_rows)
+    n_cols = 1024
+    w = random_blocks(qtype, n_rows, n_cols, rng)
+    x = (rng.standard_normal(n_cols) * 3).astype(np.float32)
+    np.testing.assert_array_equal(K.matvec(w, qtype, x), ORDERS[qtype](w, x))
+
+
+def test_matvec_many_equals_separate_matvecs():
+    rng = np.random.default_rng(4)
+    ws = [random_blocks(t, r, 512, rng) for t, r in ((T.Q5_0, 24), (T.Q5_0, 8), (T.Q8_0, 8))]
+    x = rng.standard_normal(512).astype(np.float32)
+    for k in (2, 3):
+        got = K.matvec_many(ws[:k], [T.Q5_0, T.Q5_0, T.Q8_0][:k], x)
+        for g, w, t in zip(got, ws, (T.Q5_0, T.Q5_0, T.Q8_0)):
+            np.testing.assert_array_equal(g, K.matvec(w, t, x))
+    mixed = K.matvec_many([ws[0], random_blocks(T.Q4_K, 8, 512, rng)], [T.Q5_0, T.Q4_K], x)  # two formats
+    np.testing.assert_array_equal(mixed[0], K.matvec(ws[0], T.Q5_0, x))
