@@ -824,6 +824,13 @@ def _dequant_kernel(w, qt, start, y):
         _deq_row(w, qt, start + i, y, i)
 
 
+@njit(**_JIT)
+def _dequant_kernel_serial(w, qt, start, y):
+    # for callers that run their own threads (the prefill GEMM splits rows across threads)
+    for i in range(y.shape[0]):
+        _deq_row(w, qt, start + i, y, i)
+
+
 @njit(parallel=True, **_JIT)
 def _dequant_rows_kernel(w, qt, rows, y):
     for i in prange(y.shape[0]):
@@ -847,6 +854,11 @@ def matmul_int(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
 def dequantize_fast(w_raw: np.ndarray, qt: int, start: int, y: np.ndarray) -> None:
     """y[i] = dequantized row start + i of w, for a fast-path type; y float32 (n, n_cols) C-contiguous."""
     _dequant_kernel(w_raw, qt, start, y)
+
+
+def dequantize_fast_serial(w_raw: np.ndarray, qt: int, start: int, y: np.ndarray) -> None:
+    """dequantize_fast on the calling thread only (no parallel region; releases the GIL)."""
+    _dequant_kernel_serial(w_raw, qt, start, y)
 
 
 def dequantize_rows_fast(w_raw: np.ndarray, qt: int, rows: np.ndarray, y: np.ndarray) -> None:

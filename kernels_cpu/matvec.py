@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from . import quant_kernels as qk
 from .quant_types import QuantInfo, check_weight
-from .threads import apply_threads
+from .threads import apply_threads, get_threads
 
 from . import fast_dot
 
@@ -190,15 +190,45 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         xq, xd, xs = quantize_activation_rows(X, info)
         fast_dot.matmul_int(w_raw, qt, xq, xd, xs, out)
         return out
-    tile = np.empty((min(_PREFILL_TILE_ROWS, n_rows), n_cols), np.float32)
-    for r0 in range(0, n_rows, _PREFILL_TILE_ROWS):
-        r1 = min(r0 + _PREFILL_TILE_ROWS, n_rows)
-        t = tile[: r1 - r0]
-        _dequant_into(w_raw, qt, r0, t)
+    n_threads = get_threads()
+    if n_threads > 1 and _fast(qt) and n_rows >= 2 * _PREFILL_TILE_ROWS:
+        # numpy's BLAS runs single-threaded beside Numba (see backend_cpu), so the row tiles
+        # are split across our own threads: each dequantizes its tiles on its own thread
+        # (no Numba parallel region) and calls BLAS, both without the GIL.
+        bounds = np.linspace(0, n_rows // _PREFILL_TILE_ROWS, n_threads + 1).astype(int) * _PREFILL_TILE_ROWS
+        bounds[-1] = n_rows
+        jobs = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        list(_gemm_pool(n_threads).map(lambda ab: _tiled_gemm(X, w_raw, qt, ab[0], ab[1], out, True), jobs))
+    else:
+        _tiled_gemm(X, w_raw, qt, 0, n_rows, out, False)
+    return out
+
+
+_POOL: list = []
+
+
+def _gemm_pool(n: int):
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not _POOL or _POOL[0][0] != n:
+        _POOL[:] = [(n, ThreadPoolExecutor(n, thread_name_prefix="edgeinfer-gemm"))]
+    return _POOL[0][1]
+
+
+def _tiled_gemm(X: np.ndarray, w_raw: np.ndarray, qt: int, r0: int, r1: int, out: np.ndarray,
+                serial: bool) -> None:
+    """out[:, r0:r1] = X @ W[r0:r1].T through float32 tiles of _PREFILL_TILE_ROWS rows."""
+    tile = np.empty((min(_PREFILL_TILE_ROWS, r1 - r0), X.shape[1]), np.float32)
+    for a in range(r0, r1, _PREFILL_TILE_ROWS):
+        b = min(a + _PREFILL_TILE_ROWS, r1)
+        t = tile[: b - a]
+        if serial:
+            fast_dot.dequantize_fast_serial(w_raw, qt, a, t)
+        else:
+            _dequant_into(w_raw, qt, a, t)
         # Into a fresh contiguous block: numpy only calls BLAS when `out` is contiguous,
         # and a column slice of `out` is not (that fallback ran ~10x slower).
-        out[:, r0:r1] = X @ t.T
-    return out
+        out[:, a:b] = X @ t.T
 
 
 def _dequant_into(w_raw: np.ndarray, qt: int, start: int, out: np.ndarray) -> None:
