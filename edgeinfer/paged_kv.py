@@ -17,6 +17,13 @@ fork, regenerate-from-the-middle and cached prefixes safe.
 Sliding-window layers: a block all of whose positions are out of EVERY layer's window can
 go back to the pool (`PagedKVCache.drop_out_of_window`). That only happens when every layer
 is a sliding-window layer; models with global layers too (gemma3) keep every block.
+
+Device storage (GPU-offloaded layers): a `device` object given to PagedKVCache keeps the K/V
+of `device.layers` elsewhere (VRAM, edgeinfer.backend_cuda.DeviceBlockStorage), in blocks
+with the same ids as the host pool, so ref counts, the prefix cache and copy-on-write cover
+them unchanged. The cache tells it about every append (positions of new slots), store and
+block copy; layer_view of such a layer asks it for a download. Those layers get no host
+arrays. Without a device (the CPU-only path) nothing here changes.
 """
 
 from __future__ import annotations
@@ -85,9 +92,14 @@ class SequenceKV:
         c.pos_flat[slots] = positions
         self.n_used += n
         self._kept = None
+        if c.device is not None:
+            c.device.on_append(self, slots, positions)
         return slots
 
     def store(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        if layer in self.cache.device_layers:
+            self.cache.device.store(self, layer, slots, k, v)
+            return
         self.cache.k_flat[layer][slots] = k
         self.cache.v_flat[layer][slots] = v
 
@@ -97,6 +109,9 @@ class SequenceKV:
         S = n_used, less the tokens of blocks dropped as out of every sliding window.
         """
         blocks, held, c = self.kept_blocks(), self.n_held, self.cache
+        if layer in c.device_layers:  # a download (CPU fallbacks, context shift, export)
+            k, v = c.device.layer_view(self, layer)
+            return k, v, c.pos[blocks].reshape(-1)[:held]
         if len(blocks) and blocks[-1] - blocks[0] == len(blocks) - 1 and _ascending_run(blocks):
             # One run of consecutive blocks (the usual case for a conversation that grew in
             # a fresh pool): a zero-copy view, as KVCache.layer_view returns.
@@ -173,22 +188,31 @@ class PagedKVCache:
     """K/V storage for `num_blocks` blocks, one BlockPool, and the sequences using them."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
-                 dtype: np.dtype = np.float16, extra_keys: tuple = ()) -> None:
+                 dtype: np.dtype = np.float16, extra_keys: tuple = (), device=None) -> None:
         self.config = config
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size)
         # The cached K/V depend on the model and the cache dtype as well as the tokens.
         self.extra_keys = (str(np.dtype(dtype)),) + tuple(extra_keys)
+        # Optional storage of some layers' K/V outside host memory (see the module docstring).
+        self.device = device
+        self.device_layers = frozenset(device.layers) if device is not None else frozenset()
+        self._host_layers = [i for i in range(config.n_layer) if i not in self.device_layers]
         kv_heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v
+
+        def blocks(layer: int) -> int:  # device layers keep an empty host array
+            return 0 if layer in self.device_layers else num_blocks
+
         # k[layer]: (num_blocks, block_size, n_head_kv, head_dim); v: (..., head_dim_v)
-        self.k = [np.zeros((num_blocks, block_size, kv_heads, hd), dtype) for _ in range(config.n_layer)]
-        self.v = [np.zeros((num_blocks, block_size, kv_heads, hd_v), dtype) for _ in range(config.n_layer)]
+        self.k = [np.zeros((blocks(i), block_size, kv_heads, hd), dtype) for i in range(config.n_layer)]
+        self.v = [np.zeros((blocks(i), block_size, kv_heads, hd_v), dtype) for i in range(config.n_layer)]
         self.pos = np.zeros((num_blocks, block_size), dtype=np.int64)
         # Flat views (num_blocks * block_size, ...) indexed by global slot.
         self.k_flat = [a.reshape(-1, kv_heads, hd) for a in self.k]
         self.v_flat = [a.reshape(-1, kv_heads, hd_v) for a in self.v]
         self.pos_flat = self.pos.reshape(-1)
-        self.bytes_per_block = sum(a[0].nbytes for a in self.k) + sum(a[0].nbytes for a in self.v)
+        self.bytes_per_block = (config.n_layer * block_size * kv_heads * (hd + hd_v)
+                                * np.dtype(dtype).itemsize)  # host and device layers alike
         self._live: set[SequenceKV] = set()
 
     @property
@@ -315,8 +339,9 @@ class PagedKVCache:
         return self.pool.ref_count(block) == 1 and self.pool.block_hash(block) is None
 
     def _copy_rows(self, src: int, dst: int, n: int) -> None:
-        for a in self.k:
-            a[dst, :n] = a[src, :n]
-        for a in self.v:
-            a[dst, :n] = a[src, :n]
+        for i in self._host_layers:
+            self.k[i][dst, :n] = self.k[i][src, :n]
+            self.v[i][dst, :n] = self.v[i][src, :n]
         self.pos[dst, :n] = self.pos[src, :n]
+        if self.device is not None:
+            self.device.copy_rows(src, dst, n)

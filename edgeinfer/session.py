@@ -15,6 +15,13 @@ Pool size (`pool_tokens`): by default 2 x n_ctx tokens (rounded up to blocks), s
 conversation can run at full context while another's cached prefix survives beside it;
 `kv_pool_mb` caps that by memory, but never below n_ctx + one block (one full sequence
 must always fit). Gemma 3 270M at n_ctx 4096: 2 x 4096 x 18 KiB = 144 MiB of f16 K/V.
+
+GPU-offloaded layers: the backend's `new_block_storage` gives the pool VRAM blocks for
+those layers (edgeinfer.backend_cuda.DeviceBlockStorage, same block ids, so prefix sharing
+and copy-on-write hold there too); the pool is then capped at what the offload plan
+reserved VRAM for (`max_kv_blocks`: n_ctx tokens, like llama.cpp's unified KV), again
+never below n_ctx + one block. A backend with its own contiguous cache (`new_cache`) and
+no block storage gets one slot with token-level prefix reuse instead.
 """
 
 from __future__ import annotations
@@ -58,11 +65,19 @@ class SessionManager:
         self.n_keep = n_keep
         cfg = engine.config
         per_token = 2 * cfg.n_layer * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v)  # f16 K + V
+        backend = engine.backend
         self._num_blocks = pool_blocks(self.n_ctx, block_size, per_token, pool_tokens, kv_pool_mb)
-        # GPU-offloaded layers keep K/V in VRAM in the backend's own contiguous cache, which
-        # the CUDA attention kernel reads; there the manager keeps one slot with token-level
-        # prefix reuse and no block cache or context shift (paged VRAM K/V is future work).
-        self.paged = not hasattr(engine.backend, "new_cache")
+        # GPU-offloaded layers keep their K/V in VRAM blocks of the same pool (the CUDA paged
+        # attention reads them through the sequence's block table). A backend that only offers
+        # its own contiguous cache gets one slot with token-level prefix reuse, no block cache.
+        self.paged = hasattr(backend, "new_block_storage") or not hasattr(backend, "new_cache")
+        self._device = None  # VRAM blocks of the GPU layers, kept across reset()
+        if self.paged and hasattr(backend, "new_block_storage"):
+            vram_blocks = backend.max_kv_blocks(cfg, block_size)
+            if vram_blocks is not None:
+                self._num_blocks = max(pool_blocks(self.n_ctx, block_size, per_token, 0),
+                                       min(self._num_blocks, vram_blocks))
+            self._device = backend.new_block_storage(cfg, self._num_blocks, block_size)
         self.cache: PagedKVCache | None = self._new_cache() if self.paged else None
         self._slot = None if self.paged else engine.new_cache()
         self._slot_tokens: list[int] = []  # the ids whose K/V _slot holds
@@ -75,7 +90,7 @@ class SessionManager:
 
     def _new_cache(self) -> PagedKVCache:
         return PagedKVCache(self.engine.config, self._num_blocks, self.block_size,
-                            extra_keys=(self.model_id,))
+                            extra_keys=(self.model_id,), device=self._device)
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, ids: Sequence[int], params: SamplingParams, cancel: threading.Event | None = None,

@@ -1,11 +1,14 @@
 // Attention over a paged f16 K/V cache in VRAM.
 //
 // Cache layout (one layer): k_cache [n_phys_blocks, block_size, n_kv, hd] f16, v_cache the
-// same with hd_v. Logical slot s lives in physical block block_table[s / block_size] at
-// row s % block_size. kpos[s] is the position of the token in slot s; masking is by
-// position (causal: kpos <= qpos; sliding window: qpos - kpos < window), never by slot,
-// so context shifts and reused prefix blocks need no special case. A contiguous cache is
-// the special case block_size = n_ctx, block_table = {0}.
+// same with hd_v, kpos [n_phys_blocks * block_size] int32 (shared by the layers). Logical
+// slot s of a sequence (its s-th token) lives in physical block block_table[s / block_size]
+// at row s % block_size, i.e. physical slot p = block_table[s / bs] * bs + s % bs; kpos[p]
+// is the position of the token there. Positions live with the blocks, so a block shared by
+// several sequences (prefix cache, fork) carries its positions along. Masking is by
+// position (causal: kpos <= qpos; sliding window: qpos - kpos < window), never by slot, so
+// context shifts and reused prefix blocks need no special case. A contiguous cache is the
+// special case block_size = n_ctx, block_table = {0} (then p = s).
 //
 //   kv_store:                f32 K/V of new tokens -> their slots (f16)
 //   flash_attention_prefill: 8 queries of one head per block; K/V tiles of 32 keys staged
@@ -33,10 +36,14 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Physical slot of logical slot `slot` (index into kpos and the cache's first two axes).
+__device__ __forceinline__ long long paged_slot(const int* block_table, int block_size, int slot) {
+    return (long long)block_table[slot / block_size] * block_size + slot % block_size;
+}
+
 __device__ __forceinline__ long long paged_row(const int* block_table, int block_size, int n_kv, int slot,
                                                int kvh) {
-    const long long phys = (long long)block_table[slot / block_size] * block_size + slot % block_size;
-    return phys * n_kv + kvh;  // times the head dim gives the element offset
+    return paged_slot(block_table, block_size, slot) * n_kv + kvh;  // times the head dim: element offset
 }
 
 __device__ __forceinline__ bool visible(int kp, int qp, int window) {
@@ -85,7 +92,8 @@ __device__ __forceinline__ void online_update(Online& st, float score, int hd_v,
 extern "C" __global__ void kv_store(const float* k, const float* v, __half* k_cache, __half* v_cache,
                                     const int* block_table, const int* slots, int n_tok, int block_size,
                                     int n_kv, int hd, int hd_v) {
-    // grid (n_tok, n_kv), threads over the head dims
+    // grid (n_tok, n_kv), threads over the head dims; slots are logical (token indices of the
+    // sequence), mapped through its block table like the attention kernels' keys
     const int t = blockIdx.x, h = blockIdx.y;
     const long long row = paged_row(block_table, block_size, n_kv, slots[t], h);
     for (int d = threadIdx.x; d < hd; d += blockDim.x)
@@ -123,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
                 const long long row = paged_row(block_table, block_size, n_kv, s, kvh);
                 if (d < hd) ks[j][d] = k_cache[row * hd + d];
                 if (d < hd_v) vs[j][d] = v_cache[row * hd_v + d];
-                if (d == 0) kp_s[j] = kpos[s];
+                if (d == 0) kp_s[j] = kpos[paged_slot(block_table, block_size, s)];
             } else if (d == 0) {
                 kp_s[j] = INT_MAX;  // never visible
             }
@@ -166,7 +174,7 @@ extern "C" __global__ void __launch_bounds__(DA_WARPS * 32)
     for (int base = warp * 32; base < n_keys; base += 32 * DA_WARPS) {
         const int s = base + lane;
         float score = -CUDART_INF_F;
-        if (s < n_keys && visible(kpos[s], qp, window)) {
+        if (s < n_keys && visible(kpos[paged_slot(block_table, block_size, s)], qp, window)) {
             const __half2* k = reinterpret_cast<const __half2*>(
                 k_cache + paged_row(block_table, block_size, n_kv, s, kvh) * hd);
             float acc = 0.0f;

@@ -125,7 +125,8 @@ def add_rows(x, bias) -> None:
 
 
 def kv_store(k, v, k_cache, v_cache, block_table, slots, block_size: int) -> None:
-    """k (n, n_kv, hd), v (n, n_kv, hd_v) f32 -> f16 cache rows of `slots` (int32, device)."""
+    """k (n, n_kv, hd), v (n, n_kv, hd_v) f32 -> f16 cache rows of the logical `slots` (int32,
+    device), each in physical slot block_table[s // block_size] * block_size + s % block_size."""
     n, n_kv, hd = k.shape
     hd_v = v.shape[2]
     kernel("attention.cu", "kv_store")(
@@ -135,7 +136,10 @@ def kv_store(k, v, k_cache, v_cache, block_table, slots, block_size: int) -> Non
 
 def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_size: int, n_kv: int,
               hd_v: int, scale: float, window: int):
-    """q (n, n_head, hd) over the first n_keys slots of a paged f16 cache -> (n, n_head, hd_v)."""
+    """q (n, n_head, hd) over the first n_keys logical slots of a paged f16 cache -> (n, n_head, hd_v).
+
+    kpos (int32, device) holds the position of every PHYSICAL slot (n_phys_blocks * block_size,
+    stored with the blocks); block_table maps the sequence's logical blocks to physical ones."""
     n, n_head, hd = q.shape
     if not attention_supports(hd, hd_v):
         raise ValueError(f"head dim {hd}/{hd_v}: the CUDA attention needs an even head dim <= {MAX_HEAD_DIM}")
@@ -148,3 +152,17 @@ def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_s
     else:
         kernel("attention.cu", "paged_decode_attention")(*args, block=(128, 1, 1), grid=(n_head, n, 1))
     return out
+
+
+def copy_rows(cache, src: int, dst: int, n: int) -> None:
+    """cache[dst:dst + n] = cache[src:src + n] along the first axis, device to device.
+
+    `cache` is C-contiguous (a flat K/V or position pool: rows of whole slots), so a run of rows
+    is one contiguous byte range: one cuMemcpyDtoD, no kernel (copy-on-write of a block)."""
+    if n <= 0:
+        return
+    import pycuda.driver as drv
+
+    row = cache.nbytes // cache.shape[0]
+    base = int(cache.gpudata)
+    drv.memcpy_dtod(base + dst * row, base + src * row, n * row)

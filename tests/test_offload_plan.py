@@ -274,6 +274,7 @@ def _fake_modules():
 
     @counted
     def kv_store(k, v, k_cache, v_cache, block_table, slots, block_size):
+        calls["kv_store_tokens"] = calls.get("kv_store_tokens", 0) + len(slots)
         for t, s in enumerate(np.asarray(slots)):
             b, r = divmod(int(s), block_size)
             row = int(block_table[b]) * block_size + r
@@ -282,33 +283,33 @@ def _fake_modules():
 
     @counted
     def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys, block_size, n_kv, hd_v, scale, window):
+        # logical slot s -> physical slot through the block table; positions are per physical slot
         rows = [int(block_table[s // block_size]) * block_size + s % block_size for s in range(n_keys)]
         k = k_cache.reshape(-1, *k_cache.shape[-2:])[rows]
         v = v_cache.reshape(-1, *v_cache.shape[-2:])[rows]
         view = types.SimpleNamespace(layer_view=lambda layer: (np.asarray(k), np.asarray(v),
-                                                               np.asarray(kpos)[:n_keys].astype(np.int64)))
+                                                               np.asarray(kpos)[rows].astype(np.int64)))
         return dev(Ref({}).attention(np.asarray(q), view, 0, np.asarray(qpos), scale, window))
+
+    @counted
+    def copy_rows(cache, src, dst, n):  # cuMemcpyDtoD of whole first-axis rows
+        if n > 0:
+            cache[dst:dst + n] = np.array(cache[src:src + n])
 
     def add_rows(x, bias):
         x += bias
 
     ops = dict(linear=linear, rms_norm=rms_norm, rope=rope, kv_store=kv_store, attention=attention,
-               add_rows=add_rows, add=lambda a, b: dev(a + b),
+               copy_rows=copy_rows, add_rows=add_rows, add=lambda a, b: dev(a + b),
                silu_mul=lambda g, u: dev(Ref({}).silu_mul(np.asarray(g), np.asarray(u))),
                gelu_mul=lambda g, u: dev(Ref({}).gelu_mul(np.asarray(g), np.asarray(u))))
     return pkg, ops, calls
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_hybrid_backend_on_a_simulated_device(tiny_models, monkeypatch, arch):
-    """The layer split, boundary transfers and GPU-side KV of HybridBackend, with numpy standing in
-    for the kernels: logits equal the reference backend's for every --gpu-layers value."""
-    from edgeinfer.backend import ReferenceBackend
-    from edgeinfer.backend_cuda import CudaKVCache, DeviceTensor, HybridBackend
+def install_fake_device(monkeypatch) -> dict[str, int]:
+    """Make pycuda importable as the numpy fake and route every launcher to it; returns the
+    call counts (plus "kv_store_tokens": the tokens kv_store wrote, summed over layers)."""
     from edgeinfer.kernels_cuda import launch, runtime
-    from edgeinfer.kv_cache import KVCache
-    from edgeinfer.loader import open_model
-    from edgeinfer.offload import OffloadPlan
 
     pkg, ops, calls = _fake_modules()
     monkeypatch.setitem(sys.modules, "pycuda", pkg)
@@ -317,6 +318,20 @@ def test_hybrid_backend_on_a_simulated_device(tiny_models, monkeypatch, arch):
     monkeypatch.setattr(runtime, "context", lambda: None)
     for name, fn in ops.items():
         monkeypatch.setattr(launch, name, fn)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_hybrid_backend_on_a_simulated_device(tiny_models, monkeypatch, arch):
+    """The layer split, boundary transfers and GPU-side KV of HybridBackend, with numpy standing in
+    for the kernels: logits equal the reference backend's for every --gpu-layers value."""
+    from edgeinfer.backend import ReferenceBackend
+    from edgeinfer.backend_cuda import CudaKVCache, DeviceTensor, HybridBackend
+    from edgeinfer.kv_cache import KVCache
+    from edgeinfer.loader import open_model
+    from edgeinfer.offload import OffloadPlan
+
+    calls = install_fake_device(monkeypatch)
 
     mf = open_model(tiny_models[arch])
     cfg = mf.config
