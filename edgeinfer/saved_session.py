@@ -4,7 +4,9 @@ on disk, so `edgeinfer run NAME --session S` resumes it.
 File: `<data dir>/sessions/<S>.npz` (data dir = `$EDGEINFER_HOME` or ~/.local/share/edgeinfer),
 a numpy .npz archive:
 - `header`: UTF-8 JSON {"format": "edgeinfer-session", "version": 1, "model": identity,
-  "messages": [...], "sampling": {...}, "n_kv": tokens with saved K/V (0 = none)}
+  "messages": [...], "sampling": {...}, "n_kv": tokens with saved K/V (0 = none)}, and
+  optionally "meta": {...}, what a front end keeps beside the chat (the TUI: title, model
+  reference, settings such as the context size, creation time); readers ignore it
 - `tokens`: int64 token ids of the conversation so far
 - `pos`, `k<i>`, `v<i>` (layer i): positions and f16 K/V of tokens[:n_kv], when saved.
 
@@ -13,6 +15,9 @@ to compute and catches a different or re-quantized file; a mismatch is refused. 
 atomic (temp file in the same folder, fsync, os.replace, fsync of the folder): a crash
 mid-save leaves the previous file intact. A file that fails to parse or check is reported
 as an EdgeInferError, never loaded half-way.
+
+`read_session_info` reads only the header (no arrays, no model check): for listings, and for
+finding the model a session was made with.
 """
 
 from __future__ import annotations
@@ -83,6 +88,9 @@ class SavedSession:
     k: list[np.ndarray] | None = None
     v: list[np.ndarray] | None = None
     pos: np.ndarray | None = None
+    # Front-end metadata kept in the header. None on save = keep what the file already has
+    # (so `edgeinfer run --session` continuing a TUI conversation keeps its title).
+    meta: dict[str, Any] | None = None
 
     @property
     def n_kv(self) -> int:
@@ -94,6 +102,9 @@ def save_session(path: str | os.PathLike[str], session: SavedSession, model: dic
     path = Path(path)
     header = {"format": FORMAT, "version": VERSION, "model": model, "messages": session.messages,
               "sampling": session.sampling, "n_kv": session.n_kv}
+    meta = session.meta if session.meta is not None else _existing_meta(path)
+    if meta:
+        header["meta"] = meta
     arrays: dict[str, np.ndarray] = {
         "header": np.frombuffer(json.dumps(header, ensure_ascii=False).encode(), dtype=np.uint8),
         "tokens": np.asarray(session.tokens, dtype=np.int64),
@@ -108,6 +119,13 @@ def save_session(path: str | os.PathLike[str], session: SavedSession, model: dic
     except OSError as exc:
         raise SessionFileError(f"cannot write session file {path.name} ({exc.strerror or exc})") from None
     return path
+
+
+def _existing_meta(path: Path) -> dict | None:
+    try:
+        return read_session_info(path).meta or None
+    except SessionFileError:
+        return None
 
 
 def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -130,11 +148,7 @@ def load_session(path: str | os.PathLike[str], model: dict, n_layer: int | None 
         header = json.loads(arrays["header"].tobytes().decode("utf-8"))
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as exc:
         raise SessionFileError(f"{where} is corrupt ({type(exc).__name__}); not loaded") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise SessionFileError(f"{where} is not an edgeinfer session")
-    if header.get("version") != VERSION:
-        raise SessionFileError(f"{where} has format version {header.get('version')!r}; "
-                               f"this edgeinfer reads version {VERSION}")
+    _check_header(header, where)
     saved = header.get("model") or {}
     if saved.get("size") != model.get("size") or saved.get("digest") != model.get("digest"):
         raise SessionFileError(
@@ -143,15 +157,8 @@ def load_session(path: str | os.PathLike[str], model: dict, n_layer: int | None 
             f"load that model or pick another session name")
     try:
         tokens = [int(t) for t in np.asarray(arrays["tokens"], dtype=np.int64)]
-        messages = header.get("messages") or []
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise ValueError("messages")
-        sampling = header.get("sampling") or {}
-        if not isinstance(sampling, dict):
-            raise ValueError("sampling")
-        session = SavedSession(messages=messages, tokens=tokens, sampling=sampling)
+        messages, sampling, meta = _header_fields(header)
+        session = SavedSession(messages=messages, tokens=tokens, sampling=sampling, meta=meta)
         n_kv = int(header.get("n_kv") or 0)
         if n_kv:
             pos = np.asarray(arrays["pos"], dtype=np.int64)
@@ -164,3 +171,67 @@ def load_session(path: str | os.PathLike[str], model: dict, n_layer: int | None 
     except (KeyError, ValueError, TypeError) as exc:
         raise SessionFileError(f"{where} is corrupt ({exc}); not loaded") from None
     return session
+
+
+@dataclass
+class SessionInfo:
+    """A saved session's header: what it holds, and the identity of the model that made it."""
+
+    name: str
+    model: dict[str, Any]
+    messages: list[dict]
+    sampling: dict[str, Any]
+    meta: dict[str, Any]
+    n_kv: int
+    mtime: float  # when the file was last written
+
+
+def read_session_info(path: str | os.PathLike[str]) -> SessionInfo:
+    """The header of a saved session, checked like load_session's but without the model check
+    and without reading the token and K/V arrays (the zip member `header` only)."""
+    path = Path(path)
+    where = f"session file {path.name}"
+    try:
+        mtime = path.stat().st_mtime
+        with np.load(path, allow_pickle=False) as z:
+            raw = z["header"]
+        header = json.loads(raw.tobytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise SessionFileError(f"{where} does not exist") from None
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as exc:
+        raise SessionFileError(f"{where} is corrupt ({type(exc).__name__}); not loaded") from None
+    _check_header(header, where)
+    try:
+        messages, sampling, meta = _header_fields(header)
+        model = header.get("model") or {}
+        if not isinstance(model, dict):
+            raise ValueError("model")
+        n_kv = int(header.get("n_kv") or 0)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise SessionFileError(f"{where} is corrupt ({exc}); not loaded") from None
+    return SessionInfo(name=path.stem, model=model, messages=messages, sampling=sampling,
+                       meta=meta or {}, n_kv=n_kv, mtime=mtime)
+
+
+def _check_header(header: Any, where: str) -> None:
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise SessionFileError(f"{where} is not an edgeinfer session")
+    if header.get("version") != VERSION:
+        raise SessionFileError(f"{where} has format version {header.get('version')!r}; "
+                               f"this edgeinfer reads version {VERSION}")
+
+
+def _header_fields(header: dict) -> tuple[list[dict], dict, dict | None]:
+    """(messages, sampling, meta) of a header; ValueError if one has the wrong shape."""
+    messages = header.get("messages") or []
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ValueError("messages")
+    sampling = header.get("sampling") or {}
+    if not isinstance(sampling, dict):
+        raise ValueError("sampling")
+    meta = header.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise ValueError("meta")
+    return messages, sampling, meta

@@ -172,3 +172,40 @@ def test_run_session_with_invalid_saved_settings_is_refused(tiny_models, home, c
                  "--session", "bad"]) == 1
     err = capsys.readouterr().err
     assert "invalid sampling settings" in err and err.strip().count("\n") == 0
+
+
+def test_meta_round_trips_and_a_save_without_meta_keeps_it(model, home):
+    path = session_path("with-meta")
+    first = _session(model)
+    first.meta = {"title": "My chat", "settings": {"n_ctx": 512}}
+    save_session(path, first, model.identity)
+    assert load_session(path, model.identity).meta == first.meta
+    again = _session(model)  # as `edgeinfer run` writes it: meta None = keep the file's
+    again.messages.append({"role": "user", "content": "more"})
+    save_session(path, again, model.identity)
+    loaded = load_session(path, model.identity)
+    assert loaded.meta == first.meta and loaded.messages[-1]["content"] == "more"
+    plain = save_session(session_path("no-meta"), _session(model), model.identity)
+    assert load_session(plain, model.identity).meta is None
+
+
+def test_read_session_info_reads_the_header_of_any_models_session(model, tiny_models, home):
+    ids = list(range(3, 20))
+    model.reset()
+    model.generate(ids, max_tokens=2, temperature=0)
+    tokens, k, v, pos = model.sessions.export_kv()
+    saved = _session(model)
+    saved.tokens, saved.k, saved.v, saved.pos = tokens, k, v, pos
+    saved.meta = {"title": "t"}
+    path = save_session(session_path("info"), saved, model.identity)
+    info = saved_session.read_session_info(path)
+    assert info.name == "info" and info.model == model.identity and info.n_kv == len(tokens)
+    assert info.messages == saved.messages and info.sampling == saved.sampling and info.meta == {"title": "t"}
+    assert info.mtime == path.stat().st_mtime
+    # No model check here (a listing shows every session); load_session still refuses another model's.
+    with pytest.raises(SessionFileError):
+        load_session(path, model_identity(tiny_models["qwen3"]))
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(SessionFileError) as err:
+        saved_session.read_session_info(path)
+    assert "corrupt" in str(err.value) and "\n" not in str(err.value)

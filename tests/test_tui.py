@@ -6,15 +6,20 @@ never from the TUI itself.
 
 from __future__ import annotations
 
-import json
+import os
+import shutil
 import threading
+
+import numpy as np
 
 import pytest
 
 pytest.importorskip("textual")
 
 import edgeinfer  # noqa: E402
+from edgeinfer.cli import main  # noqa: E402
 from edgeinfer.conversations import Conversation, ConversationStore  # noqa: E402
+from edgeinfer.saved_session import load_session, model_identity, read_session_info  # noqa: E402
 from edgeinfer.tui.app import ChatApp  # noqa: E402
 from edgeinfer.tui.screens import HelpScreen, ModelPickerScreen, SettingsScreen  # noqa: E402
 from edgeinfer.tui.widgets import AssistantMessage, PromptInput, UserMessage, code_blocks  # noqa: E402
@@ -58,7 +63,7 @@ def tiny(tiny_models):
 
 @pytest.fixture
 def store(tmp_path):
-    return ConversationStore(tmp_path / "conversations")
+    return ConversationStore(tmp_path / "sessions")
 
 
 def make_app(model, store, sampling=GREEDY, n_ctx=256, **kw) -> RecordingApp:
@@ -129,9 +134,12 @@ async def test_send_streams_the_greedy_answer_and_saves_it(tiny, store):
         assert f"ctx {u.prompt_tokens + u.completion_tokens}/256" in app.stats.render()
         assert app.stats.ttft_s is not None and app.stats.gen_tps is not None
         assert not errors(app)
-    saved = json.loads(store.path_of(app.conv.id).read_text(encoding="utf-8"))
-    assert [m["content"] for m in saved["messages"]] == ["hello there", expected.text]
-    assert saved["title"] == "" and app.conv.display_title == "hello there"
+    # Saved as a saved session (the file `edgeinfer run --session` reads), of this model, no K/V by default.
+    saved = read_session_info(store.path_of(app.conv.id))
+    assert [m["content"] for m in saved.messages] == ["hello there", expected.text]
+    assert saved.meta["title"] == "" and app.conv.display_title == "hello there"
+    assert saved.model == app.model.identity and saved.n_kv == 0
+    assert saved.sampling["temperature"] == 0.0 and saved.sampling["max_tokens"] == 16
 
 
 async def test_newline_key_and_input_usable_while_answering(tiny, store):
@@ -251,7 +259,7 @@ async def test_new_conversation_then_resume_in_a_fresh_app(tiny, store):
         await pilot.pause()
         assert app.conv.id != first_id and not app.query(UserMessage)
         await send(app, pilot, "second question")
-    assert len(list(store.root.glob("*.json"))) == 2
+    assert len(list(store.root.glob("*.npz"))) == 2
 
     again = make_app(tiny, store)
     async with again.run_test(size=SIZE) as pilot:
@@ -368,7 +376,8 @@ def test_code_blocks_finds_closed_and_unclosed_fences():
 
 async def test_corrupt_file_is_skipped_with_a_notification(tiny, store):
     store.root.mkdir(parents=True)
-    (store.root / "0123.json").write_text("{oops")
+    (store.root / "0123.json").write_text("{oops")  # a first-store file: not migrated, kept, reported
+    (store.root / "broken.npz").write_bytes(b"PK\x03\x04 not really")
     good = Conversation(messages=[{"role": "user", "content": "kept"}])
     store.save(good)
     app = make_app(tiny, store, warm_up=False)
@@ -376,6 +385,8 @@ async def test_corrupt_file_is_skipped_with_a_notification(tiny, store):
         await settle(app, pilot)
         assert app.is_running
         assert any("0123.json" in m and sev == "warning" for m, sev in app.notes)
+        assert any("broken.npz" in m and "corrupt" in m and sev == "warning" for m, sev in app.notes)
+        assert (store.root / "0123.json").exists()
         assert app.query_one("#conversations").option_count == 1
 
 
@@ -426,3 +437,234 @@ def test_chat_command_rejects_bad_flags_before_opening_the_screen(capsys):
     assert main(["chat", "gemma3-270m", "--top-p", "7"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("edgeinfer: error:") and "top_p" in err and "\n" not in err
+
+
+# -- conversations are saved sessions ------------------------------------------------------------
+
+
+def run_args(path: str, *extra: str, n_ctx: int = 256) -> list[str]:
+    return ["run", path, *extra, "-n", "16", "--temp", "0", "--backend", "reference", "-c", str(n_ctx)]
+
+
+async def test_conversation_goes_on_in_edgeinfer_run_and_back(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EDGEINFER_HOME", str(tmp_path))
+    store = ConversationStore()  # the default: $EDGEINFER_HOME/sessions, where `run --session` looks
+    ctx = 1024  # the tiny model's tokenizer spends a token per character or so
+    app = make_app(tiny, store, system="Be brief.", n_ctx=ctx)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await send(app, pilot, "first question")
+        cid, first = app.conv.id, app.conv.messages[-1]["content"]
+        await pilot.press("f2")  # the rename dialog names the session and the command that resumes it
+        await pilot.pause()
+        hint = str(app.screen.query_one("#session-hint").render())
+        assert f"edgeinfer run {tiny} --session {cid}" in hint
+        app.screen.query_one("#title").value = "Named in the TUI"
+        await pilot.press("enter")
+        await pilot.pause()
+    assert store.path_of(cid) == tmp_path / "sessions" / f"{cid}.npz"
+
+    # `edgeinfer run NAME --session ID` resumes it: system prompt, history and sampling restored.
+    capsys.readouterr()
+    assert main(run_args(tiny, "and more", "--session", cid, n_ctx=ctx)) == 0
+    out, err = capsys.readouterr()
+    assert f"Resumed session '{cid}' (1 turn(s))" in err
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first question"},
+               {"role": "assistant", "content": first}, {"role": "user", "content": "and more"}]
+    second = direct_answer(tiny, history, n_ctx=ctx).text
+    assert out == second + "\n"
+
+    # `run` wrote the file; the TUI's title (kept in the header's meta) survived it.
+    made_by_run = main(run_args(tiny, "hello from run", "--session", "work", n_ctx=ctx))
+    assert made_by_run == 0
+    again = make_app(tiny, store, n_ctx=ctx)
+    async with again.run_test(size=SIZE) as pilot:
+        await settle(again, pilot)
+        panel = again.query_one("#conversations")
+        titles = {panel.get_option_at_index(i).id: panel.get_option_at_index(i).prompt
+                  for i in range(panel.option_count)}
+        assert titles == {cid: "Named in the TUI", "work": "hello from run"}
+        await again.open_conversation(cid)
+        await settle(again, pilot)
+        assert again.conv.system == "Be brief."
+        assert [m["content"] for m in again.conv.messages] == ["first question", first, "and more", second]
+        assert not [m for m, sev in again.notes if sev != "information"]
+        await send(again, pilot, "last one")
+        expected = direct_answer(tiny, history + [{"role": "assistant", "content": second},
+                                                  {"role": "user", "content": "last one"}], n_ctx=ctx).text
+        assert again.conv.messages[-1]["content"] == expected
+
+        await again.open_conversation("work")  # a session `run` made opens in the TUI too
+        await settle(again, pilot)
+        assert [m["content"] for m in again.conv.messages][0] == "hello from run"
+        assert again.query_one(UserMessage).text == "hello from run"
+    model = load_reference(tiny, ctx)
+    final = load_session(store.path_of(cid), model.identity, model.config.n_layer)
+    assert [m["role"] for m in final.messages] == ["system"] + ["user", "assistant"] * 3
+    assert final.meta["title"] == "Named in the TUI"
+
+
+async def test_a_failed_save_keeps_the_previous_file(tiny, store, monkeypatch):
+    app = make_app(tiny, store, n_ctx=1024)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await send(app, pilot, "first")
+        path = store.path_of(app.conv.id)
+        before = path.read_bytes()
+        real_savez = np.savez
+
+        def disk_full(file, **arrays):  # the write dies half-way through, as a crash or a full disk would
+            file.write(b"PK\x03\x04" + b"\0" * 100)
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(np, "savez", disk_full)
+        await send(app, pilot, "second")
+        assert app.is_running and len(app.conv.messages) == 4  # the chat goes on in memory
+        assert any("could not save" in m and "No space left" in m for m in errors(app))
+        assert path.read_bytes() == before  # the previous version, whole
+        assert sorted(p.name for p in store.root.iterdir()) == [path.name]  # no temp file left
+        assert [m["content"] for m in read_session_info(path).messages][0] == "first"
+        assert len(read_session_info(path).messages) == 2
+
+        monkeypatch.setattr(np, "savez", real_savez)
+        failures = len(errors(app))
+        await send(app, pilot, "third")
+        assert len(errors(app)) == failures and len(read_session_info(path).messages) == 6
+
+
+async def test_saved_kv_cache_means_resuming_prefills_nothing(tiny, store):
+    app = make_app(tiny, store)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await send(app, pilot, "no cache kept")
+        without_kv = app.conv.id
+        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+s")  # turn the setting on, as a person would
+        await pilot.pause()
+        box = app.screen.query_one("#save_kv")
+        assert box.value is False  # off by default
+        box.value = True
+        await pilot.click("#save")
+        await settle(app, pilot)
+        await send(app, pilot, "hello")
+        with_kv, prompt_tokens = app.conv.id, app.last_chunk.usage.prompt_tokens
+    info = read_session_info(store.path_of(with_kv))
+    assert info.n_kv >= prompt_tokens and info.meta["settings"]["save_kv"] is True
+    assert read_session_info(store.path_of(without_kv)).n_kv == 0
+
+    fresh = make_app(tiny, store)  # a new process: its prefix cache starts empty
+    async with fresh.run_test(size=SIZE) as pilot:
+        await settle(fresh, pilot)
+        await fresh.open_conversation(with_kv)
+        await settle(fresh, pilot)
+        assert any("restored the saved KV cache" in m for m, _ in fresh.notes)
+        await pilot.press("ctrl+r")
+        await settle(fresh, pilot)
+        assert fresh.last_chunk.usage.prompt_tokens == prompt_tokens
+        assert fresh.stats.cached == prompt_tokens - 1  # all but the last prompt token came from disk
+        assert read_session_info(store.path_of(with_kv)).n_kv > 0  # saved with it again
+
+    control = make_app(tiny, store)
+    async with control.run_test(size=SIZE) as pilot:
+        await settle(control, pilot)
+        await control.open_conversation(without_kv)
+        await settle(control, pilot)
+        await pilot.press("ctrl+r")
+        await settle(control, pilot)
+        assert control.stats.cached == 0  # without saved K/V the whole prompt is read again
+        assert not any("restored" in m for m, _ in control.notes)
+
+
+async def test_resuming_another_models_conversation_loads_that_model(tiny, tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGEINFER_HOME", str(tmp_path))
+    store = ConversationStore()
+    qwen = str(tiny_models["qwen2"])
+    maker = make_app(qwen, store, warm_up=False)
+    async with maker.run_test(size=SIZE) as pilot:
+        await settle(maker, pilot)
+        await send(maker, pilot, "hi qwen")
+        qwen_conv, qwen_answer = maker.conv.id, maker.conv.messages[-1]["content"]
+    assert main(run_args(qwen, "hi from run", "--session", "qwen-run")) == 0  # no model name in its file
+
+    app = make_app(tiny, store, warm_up=False, list_models=lambda: [("tiny qwen2", qwen), ("tiny llama", tiny)])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert app.model.config.arch == "llama"
+        await app.open_conversation(qwen_conv)
+        await settle(app, pilot)
+        assert any("loading qwen2.gguf" in m for m, _ in app.notes)
+        assert app.model.config.arch == "qwen2" and app.model_name == qwen
+        assert "qwen2.gguf" in app.stats.render()
+        await send(app, pilot, "and?")
+        history = [{"role": "user", "content": "hi qwen"}, {"role": "assistant", "content": qwen_answer},
+                   {"role": "user", "content": "and?"}]
+        assert app.conv.messages[-1]["content"] == direct_answer(qwen, history).text
+
+        await pilot.press("ctrl+o")  # back to llama, then open the session `run` made with qwen2:
+        await pilot.pause()
+        app.screen.query_one("#models").highlighted = 1
+        await pilot.press("enter")
+        await settle(app, pilot)
+        assert app.model.config.arch == "llama"
+        await app.open_conversation("qwen-run")  # found among the local models by its file identity
+        await settle(app, pilot)
+        assert app.model.config.arch == "qwen2" and not errors(app)
+
+
+async def test_conversation_of_a_missing_model_stays_readable(tiny, tiny_models, store, tmp_path):
+    gone = tmp_path / "elsewhere" / "gone-model.gguf"
+    gone.parent.mkdir()
+    shutil.copy(tiny_models["qwen2"], gone)
+    maker = make_app(str(gone), store, warm_up=False)
+    async with maker.run_test(size=SIZE) as pilot:
+        await settle(maker, pilot)
+        await send(maker, pilot, "remember this")
+        cid, answer = maker.conv.id, maker.conv.messages[-1]["content"]
+    os.remove(gone)
+
+    app = make_app(tiny, store, warm_up=False, list_models=lambda: [("tiny llama", tiny)])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await app.open_conversation(cid)
+        await settle(app, pilot)
+        notice = [m for m, sev in app.notes if sev == "warning" and "not on this machine" in m]
+        assert notice and "gone-model.gguf" in notice[0] and "\n" not in notice[0]
+        assert app.model.config.arch == "llama" and app.is_running  # the loaded model stays
+        assert app.query_one(UserMessage).text == "remember this"  # the messages are readable
+        assert app.query_one(AssistantMessage).source == answer
+        await send(app, pilot, "go on")  # continuing it uses the loaded model, and says so in the file
+        assert len(app.conv.messages) == 4
+    assert read_session_info(store.path_of(cid)).model["digest"] == model_identity(tiny)["digest"]
+
+
+async def test_first_store_conversations_are_migrated(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGEINFER_HOME", str(tmp_path))
+    old = tmp_path / "conversations"
+    old.mkdir()
+    cid = "ab" * 16
+    (old / f"{cid}.json").write_text(
+        '{"version": 1, "id": "%s", "title": "Old chat", "model": "%s", "system": "sys", '
+        '"settings": {"temperature": 0.0, "n_ctx": 256}, "created": 1.0, "updated": 2.0, '
+        '"messages": [{"role": "user", "content": "old question"}, '
+        '{"role": "assistant", "content": "old answer", "finish_reason": "stop"}]}' % (cid, tiny),
+        encoding="utf-8")
+    lost = "cd" * 16
+    (old / f"{lost}.json").write_text(
+        '{"version": 1, "id": "%s", "title": "", "model": "/nowhere/lost.gguf", "system": "", "settings": {}, '
+        '"messages": [{"role": "user", "content": "lost question"}]}' % lost, encoding="utf-8")
+    app = make_app(tiny, ConversationStore(), warm_up=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        panel = app.query_one("#conversations")
+        assert sorted(panel.get_option_at_index(i).prompt for i in range(panel.option_count)) == [
+            "Old chat", "lost question"]
+        await app.open_conversation(cid)
+        await settle(app, pilot)
+        assert app.conv.system == "sys" and app.query_one(AssistantMessage).source == "old answer"
+        assert not [m for m, sev in app.notes if sev != "information"]
+        await app.open_conversation(lost)
+        await settle(app, pilot)
+        assert any("lost.gguf" in m and "not on this machine" in m for m, sev in app.notes if sev == "warning")
+        assert app.query_one(UserMessage).text == "lost question" and app.model.config.arch == "llama"
+    assert (old / "migrated" / f"{cid}.json").exists() and not (old / f"{cid}.json").exists()
+    assert read_session_info(tmp_path / "sessions" / f"{cid}.npz").model["digest"] == model_identity(tiny)["digest"]

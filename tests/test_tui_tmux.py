@@ -5,7 +5,6 @@ The expected answer comes from the model API directly (greedy), not from the TUI
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -76,9 +75,13 @@ def test_chat_in_tmux_answers_like_the_api(gemma_path, tmp_path):
         shown = _answer_box(pane)
         assert shown == _squash(expected), f"answer on screen {shown!r} != API answer {expected!r}"
         _tmux(sock, "send-keys", "-t", "chat", "C-q")
-        saved = list((tmp_path / "conversations").glob("*.json"))
+        # Saved as a saved session, the file `edgeinfer run gemma3-270m --session ID` resumes.
+        from edgeinfer.saved_session import read_session_info
+
+        saved = list((tmp_path / "sessions").glob("*.npz"))
         assert len(saved) == 1
-        messages = json.loads(saved[0].read_text(encoding="utf-8"))["messages"]
-        assert [m["content"] for m in messages] == [QUESTION, expected]
+        info = read_session_info(saved[0])
+        assert [m["content"] for m in info.messages] == [QUESTION, expected]
+        assert info.model["size"] == gemma_path.stat().st_size
     finally:
         subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)

@@ -1,8 +1,11 @@
 """The Textual chat app behind `edgeinfer chat`.
 
-All model work (loading, warm-up, generation) runs in worker threads and reports back
-with `call_from_thread`, so the screen keeps answering keys while the model computes.
-The conversation is saved (atomically) after each message and each answer.
+All model work (loading, warm-up, generation, restoring saved K/V) runs in worker threads
+and reports back with `call_from_thread`, so the screen keeps answering keys while the model
+computes. Conversations are saved sessions (edgeinfer.conversations over
+edgeinfer.saved_session), written atomically after each message and each answer, so
+`edgeinfer run NAME --session ID` continues them; resuming one made with another model file
+loads that model, or says it is not on this machine and shows the messages anyway.
 """
 
 from __future__ import annotations
@@ -17,14 +20,16 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Label, LoadingIndicator, Markdown, OptionList
 from textual.widgets.option_list import Option
 
-from edgeinfer.conversations import Conversation, ConversationStore
+from edgeinfer.conversations import (SAMPLING_KEYS, Conversation, ConversationStore, identify,
+                                     same_model)
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.tui.screens import (ConfirmScreen, HelpScreen, ModelPickerScreen, RenameScreen,
                                    SettingsScreen)
 from edgeinfer.tui.widgets import AssistantMessage, PromptInput, Stats, StatusBar, UserMessage, code_blocks
 
-# Settings kept per conversation (the rest of the sampling flags come from the command line).
-SETTING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "n_ctx")
+# Settings edited per conversation (the rest of the sampling flags come from the command line,
+# or from the saved session when `edgeinfer run` made it). save_kv: also save the K/V cache.
+SETTING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "n_ctx", "save_kv")
 DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, max_tokens=-1)
 
 ModelLoader = Callable[[str, int], Any]  # (name or path, n_ctx) -> edgeinfer.api.Model
@@ -108,7 +113,7 @@ class ChatApp(App):
 
     def __init__(self, model_name: str | None = None, *, load_model: ModelLoader | None = None,
                  store: ConversationStore | None = None, sampling: dict | None = None,
-                 system: str = "", n_ctx: int = 4096, warm_up: bool = True,
+                 system: str = "", n_ctx: int = 4096, warm_up: bool = True, save_kv: bool = False,
                  list_models: Callable[[], list[tuple[str, str]]] | None = None) -> None:
         super().__init__()
         self.model_name = model_name
@@ -118,10 +123,15 @@ class ChatApp(App):
         self.warm_up = warm_up
         # Sampling flags from the command line; the per-conversation settings override them.
         self.base_params = {**DEFAULT_SAMPLING, **(sampling or {})}
-        self.default_settings = {k: self.base_params[k] for k in SETTING_KEYS if k != "n_ctx"}
-        self.default_settings["n_ctx"] = n_ctx
+        self.default_settings = {k: self.base_params[k] for k in SETTING_KEYS if k in SAMPLING_KEYS}
+        self.default_settings.update(n_ctx=n_ctx, save_kv=bool(save_kv))
         self.default_system = system or ""
         self.conv = self._fresh_conversation()
+        # (tokens, k, v, pos) last exported for self.conv: written with it when save_kv is on.
+        self.kv: tuple | None = None
+        self._resident_conv: str | None = None  # the conversation whose tokens the model's K/V hold
+        self._load_seq = 0  # the latest load; results of earlier ones are dropped
+        self._gen_model = None  # the model the current (or last) answer came from
         self.model = None
         self.stats = Stats(model=model_name or "no model", n_ctx=n_ctx)
         self.loading = False
@@ -164,13 +174,15 @@ class ChatApp(App):
         self.loading = True
         self.model = None
         self.model_name = name
+        self._resident_conv = None
+        self._load_seq += 1
         self.stats = Stats(model=_short(name), n_ctx=n_ctx, state="loading…")
         self._set_loading(f"loading {_short(name)}…")
         self._show_stats()
-        self._load_worker(name, n_ctx)
+        self._load_worker(name, n_ctx, self._load_seq)
 
     @work(thread=True, group="model", exit_on_error=False)
-    def _load_worker(self, name: str, n_ctx: int) -> None:
+    def _load_worker(self, name: str, n_ctx: int, seq: int) -> None:
         try:
             model = self.load_model(name, n_ctx)
             quant = quantization_of(model.path)
@@ -180,19 +192,21 @@ class ChatApp(App):
                 model.generate(model.tokenize("Hello"), max_tokens=1, temperature=0.0)
                 model.reset()
         except EdgeInferError as exc:
-            self._ui(self._load_failed, name, str(exc))
+            self._ui(self._load_failed, name, str(exc), seq)
             return
         except Exception as exc:  # noqa: BLE001 - a bug must not take the saved chats down with it
-            self._ui(self._load_failed, name, f"internal error: {type(exc).__name__}: {exc}")
+            self._ui(self._load_failed, name, f"internal error: {type(exc).__name__}: {exc}", seq)
             return
-        self._ui(self._loaded, model, quant)
+        self._ui(self._loaded, model, quant, seq)
 
     def _set_loading(self, text: str | None) -> None:
         box = self.query_one("#loading")
         box.set_class(text is not None, "visible")
         self.query_one("#loading-label", Label).update(text or "")
 
-    def _loaded(self, model, quant: str) -> None:
+    def _loaded(self, model, quant: str, seq: int) -> None:
+        if seq != self._load_seq:  # another model was asked for meanwhile
+            return
         self.model = model
         self.loading = False
         self._set_loading(None)
@@ -200,8 +214,11 @@ class ChatApp(App):
         self.stats.ctx_used = self._count_context()
         self._show_stats()
         self.notify(f"{_short(self.model_name)} ready", timeout=2)
+        self._restore_kv()
 
-    def _load_failed(self, name: str, message: str) -> None:
+    def _load_failed(self, name: str, message: str, seq: int) -> None:
+        if seq != self._load_seq:
+            return
         self.loading = False
         self._set_loading(None)
         self.stats = Stats(model="no model", n_ctx=0, state="load failed: Ctrl+O picks a model")
@@ -234,7 +251,12 @@ class ChatApp(App):
         self._stream = Markdown.get_stream(widget)
         self._cancel = threading.Event()
         self.generating = True
+        if not same_model(self.conv.identity, self.model.identity):
+            self.kv = None  # K/V of another model's tokens: useless from now on
         self.conv.model = self.model_name or ""
+        self.conv.identity = dict(self.model.identity)
+        self.conv.model_path = str(self.model.path)
+        self._gen_model = self.model
         self._answer_widget = widget
         self._save()  # the question survives a crash during the answer
         self.stats.ctx_used = self._count_context()
@@ -245,7 +267,7 @@ class ChatApp(App):
 
     def _params(self) -> dict:
         params = dict(self.base_params)
-        params.update({k: v for k, v in self.conv.settings.items() if k in SETTING_KEYS and k != "n_ctx"})
+        params.update({k: v for k, v in self.conv.settings.items() if k in SAMPLING_KEYS})
         return params
 
     @work(thread=True, group="generate", exit_on_error=False)
@@ -289,6 +311,8 @@ class ChatApp(App):
             self._stream = None
         self.generating = False
         self.last_chunk = last
+        if last is not None and self.model is not None and self.model is self._gen_model:
+            self._resident_conv = self.conv.id  # the model's K/V now hold this conversation
         self.stats.state = ""
         if error:
             self.notify(error, title="error", severity="error", timeout=10)
@@ -373,24 +397,127 @@ class ChatApp(App):
             self.notify("still answering: Esc stops it", severity="warning")
             return
         self.conv = self._fresh_conversation(like=self.conv)
+        self.kv = None
         await self._show_conversation()
 
     @on(OptionList.OptionSelected, "#conversations")
     async def _on_pick_conversation(self, event: OptionList.OptionSelected) -> None:
+        await self.open_conversation(event.option.id)
+
+    async def open_conversation(self, conv_id: str) -> None:
+        """Resume a saved conversation: show it, then make sure its model is the loaded one."""
         if self.generating:
             self.notify("still answering: Esc stops it", severity="warning")
             return
         try:
-            conv = self.store.load(event.option.id)
+            conv = self.store.load(conv_id)
         except EdgeInferError as exc:
             self.notify(str(exc), title="cannot open conversation", severity="error")
             self._refresh_conversations()
             return
+        conv.settings = self._checked_settings(conv)
         self.conv = conv
-        self.conv.settings = {**self.default_settings, **conv.settings}
+        self.kv = None
         await self._show_conversation()
-        self._apply_context_size()
+        self._follow_model()
         self.query_one("#prompt", PromptInput).focus()
+
+    def _checked_settings(self, conv: Conversation) -> dict:
+        """The conversation's settings over the defaults; invalid saved values fall back to them."""
+        settings = {**self.default_settings, **conv.settings}
+        if "save_kv" not in conv.settings:  # made by `edgeinfer run`: keep its K/V if it saved them
+            settings["save_kv"] = bool(conv.n_kv) or self.default_settings["save_kv"]
+        from edgeinfer.sampling import SamplingParams
+
+        try:
+            SamplingParams(**{**self.base_params,
+                              **{k: v for k, v in settings.items() if k in SAMPLING_KEYS}}).validate()
+            if not isinstance(settings["n_ctx"], int) or settings["n_ctx"] < 16:
+                raise ValueError("n_ctx")
+        except (EdgeInferError, TypeError, ValueError):
+            self.notify("its saved settings are invalid; the defaults apply", title=conv.display_title,
+                        severity="warning")
+            settings = {**self.default_settings, "save_kv": settings.get("save_kv") is True}
+        settings["save_kv"] = settings.get("save_kv") is True
+        return settings
+
+    def _follow_model(self) -> None:
+        """Load the model the conversation was made with (or say it is missing), and restore its K/V."""
+        conv = self.conv
+        want = conv.identity if conv.identity.get("digest") else identify(conv.model)
+        if not conv.messages or (want is None and not conv.model):  # nothing to follow: keep the loaded one
+            self._apply_context_size()
+            return
+        if want is None:  # known only by a name that is not on this machine (an early conversation)
+            if conv.model != self.model_name:
+                self._model_missing(conv)
+            self._apply_context_size()
+            return
+        if self.model is not None and same_model(self.model.identity, want):
+            self._apply_context_size()  # a reload restores the K/V when it is done
+            self._restore_kv()
+            return
+        if self.model is None and self.loading and same_model(identify(self.model_name or ""), want):
+            return  # on its way: the K/V are restored once it is loaded
+        target = self._locate(conv, want)
+        if target is None:
+            self._model_missing(conv)
+            self._apply_context_size()
+            return
+        self.notify(f"loading {_short(target)}, the model this conversation was made with", timeout=4)
+        self.start_loading(target, conv.settings["n_ctx"])
+
+    def _model_missing(self, conv: Conversation) -> None:
+        now = f"continues it with {_short(self.model_name)}" if self.model_name else "needs a model (Ctrl+O)"
+        self.notify(f"It was made with {conv.model_label}, which is not on this machine. Its messages "
+                    f"are shown; a new message {now}.", title="model not available",
+                    severity="warning", timeout=12)
+
+    def _locate(self, conv: Conversation, want: dict) -> str | None:
+        """A local model name (or path) whose file is the one `want` identifies, or None."""
+        try:
+            listed = [value for _, value in self.list_models()]
+        except EdgeInferError:
+            listed = []
+        seen: set[str] = set()
+        for name in [conv.model, conv.model_path, *listed]:
+            if not name or name in seen:
+                continue
+            seen.add(name)
+            if same_model(identify(name, size=want.get("size")), want):
+                return name
+        return None
+
+    def _restore_kv(self) -> None:
+        """Import the conversation's saved K/V into the loaded model, so nothing is prefilled again."""
+        conv = self.conv
+        if (self.model is None or self.loading or not conv.n_kv or self._resident_conv == conv.id
+                or not same_model(self.model.identity, conv.identity)):
+            return
+        self._kv_worker(self.model, conv)
+
+    @work(thread=True, group="kv", exit_on_error=False)
+    def _kv_worker(self, model, conv: Conversation) -> None:
+        try:
+            saved = self.store.load_kv(conv, model.identity, model.config.n_layer)
+            n = model.sessions.import_kv(saved.tokens, saved.k, saved.v, saved.pos) if saved else 0
+        except Exception as exc:  # noqa: BLE001 - only a cache: say so and go on
+            message = str(exc) if isinstance(exc, EdgeInferError) else f"{type(exc).__name__}: {exc}"
+            self._ui(self._kv_failed, message)
+            return
+        self._ui(self._kv_restored, model, conv.id, saved, n)
+
+    def _kv_restored(self, model, conv_id: str, saved, n: int) -> None:
+        if not n or self.model is not model or self.conv.id != conv_id:
+            return
+        self._resident_conv = conv_id
+        if self.conv.settings.get("save_kv"):
+            self.kv = (saved.tokens, saved.k, saved.v, saved.pos)
+        self.notify(f"restored the saved KV cache ({n} tokens): nothing to prefill again", timeout=3)
+
+    def _kv_failed(self, message: str) -> None:
+        self.notify(f"{message}; the next answer reads the conversation again",
+                    title="KV cache not restored", severity="warning")
 
     def action_settings(self) -> None:
         if self.generating:
@@ -404,7 +531,8 @@ class ChatApp(App):
 
             settings = {k: values[k] for k in SETTING_KEYS}
             try:
-                trial = {**self.base_params, **{k: v for k, v in settings.items() if k != "n_ctx"}}
+                trial = {**self.base_params, **{k: v for k, v in self.conv.settings.items() if k in SAMPLING_KEYS},
+                         **{k: v for k, v in settings.items() if k in SAMPLING_KEYS}}
                 SamplingParams(**trial).validate()
                 if settings["n_ctx"] < 16:
                     raise EdgeInferError(f"context size must be at least 16, got {settings['n_ctx']}")
@@ -412,7 +540,7 @@ class ChatApp(App):
                 self.notify(str(exc), title="settings not saved", severity="error")
                 return
             self.conv.system = values["system"]
-            self.conv.settings = settings
+            self.conv.settings = {**self.conv.settings, **settings}
             self.default_settings = dict(settings)  # a new chat starts from these
             self.default_system = self.conv.system
             if self.conv.messages:
@@ -450,7 +578,9 @@ class ChatApp(App):
             self.sub_title = self.conv.display_title
             self._refresh_conversations()
 
-        self.push_screen(RenameScreen(self.conv.display_title), renamed)
+        model = self.conv.model or self.model_name or "MODEL"
+        hint = f"Session {self.conv.id}: `edgeinfer run {model} --session {self.conv.id}` continues it."
+        self.push_screen(RenameScreen(self.conv.display_title, hint), renamed)
 
     def action_delete(self) -> None:
         if self.generating:
@@ -462,6 +592,7 @@ class ChatApp(App):
                 return
             self.store.delete(self.conv.id)
             self.conv = self._fresh_conversation(like=self.conv)
+            self.kv = None
             await self._show_conversation()
             self.notify("conversation deleted", timeout=2)
 
@@ -485,7 +616,10 @@ class ChatApp(App):
     def _fresh_conversation(self, like: Conversation | None = None) -> Conversation:
         settings = dict(like.settings) if like else dict(self.default_settings)
         system = like.system if like else self.default_system
-        return Conversation(model=self.model_name or "", system=system, settings=settings)
+        conv = Conversation(id=self.store.new_id(), model=self.model_name or "", system=system, settings=settings)
+        if getattr(self, "model", None) is not None:
+            conv.identity, conv.model_path = dict(self.model.identity), str(self.model.path)
+        return conv
 
     def _idle_with_model(self) -> bool:
         if self.generating:
@@ -541,9 +675,21 @@ class ChatApp(App):
         except EdgeInferError:
             return 0
 
+    def _kv_for_save(self) -> tuple | None:
+        """The K/V to write with the conversation (None when its save_kv setting is off)."""
+        if not self.conv.settings.get("save_kv"):
+            return None
+        if (self.model is not None and not self.generating and self._resident_conv == self.conv.id
+                and same_model(self.model.identity, self.conv.identity)):
+            kv = self.model.sessions.export_kv()
+            if kv is not None:
+                self.kv = kv
+        return self.kv
+
     def _save(self) -> None:
         try:
-            self.store.save(self.conv)
+            save_kv = bool(self.conv.settings.get("save_kv"))
+            self.store.save(self.conv, sampling=self._params(), kv=self._kv_for_save(), keep_kv=save_kv)
         except (OSError, EdgeInferError) as exc:
             self.notify(f"could not save the conversation: {exc}", severity="error")
             return

@@ -8,7 +8,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Markdown, OptionList, TextArea
+from textual.widgets import Button, Checkbox, Input, Label, Markdown, OptionList, TextArea
 from textual.widgets.option_list import Option
 
 HELP = """\
@@ -38,11 +38,15 @@ the prompt box stays usable while the model writes.
 | F1 | this help |
 | Ctrl+Q | quit |
 
-Conversations are saved after every message, atomically, one JSON file each under
-`$EDGEINFER_HOME/conversations` (default `~/.local/share/edgeinfer/conversations`).
-Select one in the side panel to resume it. The status bar shows the model and its
-quantization, context used / context size, time to first token, tokens per second and
-how many prompt tokens came from the prefix cache.
+Conversations are saved after every message, atomically, as saved sessions under
+`$EDGEINFER_HOME/sessions` (default `~/.local/share/edgeinfer/sessions`): the same files
+`edgeinfer run NAME --session ID` resumes, so a chat goes on in either (F2 shows its ID).
+Select one in the side panel to resume it; if it was made with another model file, that
+model is loaded (or, when it is not on this machine, a notice says so and the messages are
+still shown). The setting *Save the KV cache* also stores the conversation's K/V, so
+resuming it prefills nothing (bigger files; off by default). The status bar shows the model
+and its quantization, context used / context size, time to first token, tokens per second
+and how many prompt tokens came from the prefix cache.
 """
 
 
@@ -82,6 +86,8 @@ class SettingsScreen(ModalScreen[dict | None]):
                 for key, label, _ in SETTING_FIELDS:
                     yield Label(label)
                     yield Input(str(self.settings.get(key, "")), id=key)
+            yield Checkbox("Save the KV cache with the conversation (bigger file; resuming prefills nothing)",
+                           bool(self.settings.get("save_kv")), id="save_kv")
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
@@ -96,7 +102,8 @@ class SettingsScreen(ModalScreen[dict | None]):
         self.dismiss(None)
 
     def action_save(self) -> None:
-        values: dict[str, Any] = {"system": self.query_one("#system", TextArea).text}
+        values: dict[str, Any] = {"system": self.query_one("#system", TextArea).text,
+                                  "save_kv": self.query_one("#save_kv", Checkbox).value}
         for key, label, kind in SETTING_FIELDS:
             raw = self.query_one(f"#{key}", Input).value.strip()
             try:
@@ -138,14 +145,18 @@ class ModelPickerScreen(ModalScreen[str | None]):
 class RenameScreen(ModalScreen[str | None]):
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, title: str) -> None:
+    def __init__(self, title: str, hint: str = "") -> None:
+        """`hint`: a line under the title box (the session id and how to resume it elsewhere)."""
         super().__init__()
         self.title_text = title
+        self.hint = hint
 
     def compose(self) -> ComposeResult:
         with Vertical(id="rename-body", classes="dialog"):
             yield Label("Conversation title (Enter saves, Esc cancels)")
             yield Input(self.title_text, id="title")
+            if self.hint:
+                yield Label(self.hint, id="session-hint", markup=False)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
