@@ -29,6 +29,7 @@ class CpuBackend(Backend):
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(1, user_api="blas")
+        self._rope_angles: dict = {}
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
         info = self.gguf.tensors[name]
@@ -64,9 +65,17 @@ class CpuBackend(Backend):
         return ops.rms_norm(x, self.vector(weight), eps)
 
     def rope(self, x, positions, n_dims, base, freq_scale, mode, freq_factors):
-        ff = self.vector(freq_factors) if freq_factors is not None else None
+        # Q and K of every layer with the same base share the angles: computed once per step
+        key = (np.asarray(positions).tobytes(), n_dims, base, freq_scale, freq_factors)
+        cached = self._rope_angles.get(key)
+        if cached is None:
+            ff = self.vector(freq_factors) if freq_factors is not None else None
+            cached = ops.rope_cache(positions, n_dims, base, freq_scale, ff)
+            if len(self._rope_angles) >= 8:
+                self._rope_angles.clear()
+            self._rope_angles[key] = cached
         out = np.array(x, dtype=np.float32, order="C")
-        return ops.rope_inplace(out, positions, base, "neox" if mode == ROPE_NEOX else "normal", n_dims, freq_scale, ff)
+        return ops.rope_rotate(out, cached, n_dims, mode == ROPE_NEOX)
 
     def gelu_mul(self, gate, up):
         return ops.gelu_mul(gate, up, _gelu_f16_table())

@@ -103,8 +103,16 @@ def rope_inplace(x: np.ndarray, positions, freq_base: float, mode: str = "normal
     positions = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
     if positions.shape[0] != x.shape[0]:
         raise ValueError(f"{positions.shape[0]} positions for {x.shape[0]} tokens")
-    cos, sin = rope_cache(positions, n_dims, freq_base, freq_scale, freq_factors)
-    _rope_kernel(x, cos, sin, n_dims, ROPE_MODES[mode] == 1)
+    return rope_rotate(x, rope_cache(positions, n_dims, freq_base, freq_scale, freq_factors), n_dims,
+                       ROPE_MODES[mode] == 1)
+
+
+def rope_rotate(x: np.ndarray, angles: tuple[np.ndarray, np.ndarray], n_dims: int, neox: bool) -> np.ndarray:
+    """Rotate x (n_tok, n_heads, head_dim) f32 C-contiguous in place by `rope_cache` angles."""
+    cos, sin = angles
+    if cos.shape[0] != x.shape[0]:
+        raise ValueError(f"{cos.shape[0]} positions for {x.shape[0]} tokens")
+    _rope_kernel(x, cos, sin, n_dims, neox)
     return x
 
 
