@@ -98,6 +98,87 @@ def _hsum8(a0, a1, a2, a3, a4, a5, a6, a7):
     return np.float32(np.float32(t0 + t2) + np.float32(t1 + t3))
 
 
+def _has_f16c() -> bool:
+    from llvmlite import binding
+
+    return binding.get_host_cpu_features().get("f16c", False)
+
+
+_VECTOR_F16 = _has_f16c()
+
+
+@intrinsic
+def _dot_f16_32(typingctx, k_row, q, n):
+    """ggml_vec_dot_f16 of F16 bits k_row (1-D uint16, C) with float32 q over the first n
+    elements (a multiple of 32), in its exact order: four <8 x float> accumulators fed in
+    turn, then GGML_F32x8_REDUCE. Emitted only where the CPU has F16C (vcvtph2ps)."""
+    sig = types.float32(k_row, q, n)
+
+    def codegen(context, builder, sig, args):
+        f32, i64 = ir.FloatType(), ir.IntType(64)
+        v8f = ir.VectorType(f32, 8)
+        ka = context.make_array(sig.args[0])(context, builder, args[0])
+        qa = context.make_array(sig.args[1])(context, builder, args[1])
+        kp = builder.bitcast(ka.data, ir.IntType(16).as_pointer())
+        qp = builder.bitcast(qa.data, f32.as_pointer())
+        n = args[2]
+        zero = ir.Constant(v8f, [0.0] * 8)
+        entry = builder.block
+        loop = builder.append_basic_block("dot16.loop")
+        done = builder.append_basic_block("dot16.done")
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(i64)
+        i.add_incoming(ir.Constant(i64, 0), entry)
+        accs = []
+        for _ in range(4):
+            a = builder.phi(v8f)
+            a.add_incoming(zero, entry)
+            accs.append(a)
+        new = []
+        for j, a in enumerate(accs):
+            off = builder.add(i, ir.Constant(i64, 8 * j))
+            kv = builder.load(builder.bitcast(builder.gep(kp, [off]), ir.VectorType(ir.IntType(16), 8).as_pointer()), align=2)
+            kf = builder.fpext(builder.bitcast(kv, ir.VectorType(ir.HalfType(), 8)), v8f)
+            qv = builder.load(builder.bitcast(builder.gep(qp, [off]), v8f.as_pointer()), align=4)
+            new.append(builder.fadd(a, builder.fmul(kf, qv)))  # F16 x F16 products are exact: = fma
+        nxt = builder.add(i, ir.Constant(i64, 32))
+        end = builder.block
+        i.add_incoming(nxt, end)
+        for a, na in zip(accs, new):
+            a.add_incoming(na, end)
+        builder.cbranch(builder.icmp_signed("<", nxt, n), loop, done)
+        builder.position_at_end(done)
+        fin = []
+        for na in new:
+            ph = builder.phi(v8f)
+            ph.add_incoming(zero, entry)
+            ph.add_incoming(na, end)
+            fin.append(ph)
+        x0 = builder.fadd(builder.fadd(fin[0], fin[2]), builder.fadd(fin[1], fin[3]))
+
+        def lane(v, k):
+            return builder.extract_element(v, ir.Constant(ir.IntType(32), k))
+        t = [builder.fadd(lane(x0, k), lane(x0, k + 4)) for k in range(4)]
+        return builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))
+    return sig, codegen
+
+
+@njit(**_JIT)
+def dot_f16_scalar(k_row, q16, n_vec, acc, n_slots):
+    """_dot_f16_32 without F16C: the same order, element by element."""
+    acc[:] = 0.0
+    for c in range(0, n_vec, n_slots):
+        for lane in range(n_slots):
+            acc[lane] += _f16(k_row[c + lane]) * q16[c + lane]
+    return reduce32(acc)
+
+
+@njit(**_JIT)
+def dot_f16_vector(k_row, q16, n_vec):
+    return _dot_f16_32(k_row, q16, n_vec)
+
+
 @njit(inline="always", **_JIT)
 def reduce32(acc):
     """GGML_F32x8_REDUCE of 4 x <8 x float>: (s0+s2) + (s1+s3), then the 128-bit halves,
@@ -135,7 +216,7 @@ def _allowed(kp, qp, window):
 
 
 @njit(**_JIT)
-def _scores_and_weights(q16, k_bits, tbl, g, kpos, qp, window, kq_scale, w):
+def _scores_and_weights(q16, k_bits, tbl, g, kpos, qp, window, kq_scale, w, n_slots=32):
     """Fill w[:S] with the F16-rounded softmax weights of one query row (q16: F16 values)."""
     n_keys = k_bits.shape[0]
     hd = q16.shape[0]
@@ -147,11 +228,10 @@ def _scores_and_weights(q16, k_bits, tbl, g, kpos, qp, window, kq_scale, w):
         if not _allowed(kpos[j], qp, window):
             w[j] = neg_inf
             continue
-        acc[:] = 0.0
-        for c in range(0, n_vec, 32):
-            for lane in range(32):
-                acc[lane] += _f16(k_bits[j, g, c + lane]) * q16[c + lane]
-        dot = np.float64(reduce32(acc))
+        if _VECTOR_F16:
+            dot = np.float64(_dot_f16_32(k_bits[j, g], q16, n_vec))
+        else:
+            dot = np.float64(dot_f16_scalar(k_bits[j, g], q16, n_vec, acc, n_slots))
         for d in range(n_vec, hd):  # leftovers, in double
             dot += np.float64(_f16(k_bits[j, g, d])) * np.float64(q16[d])
         s = np.float32(np.float32(dot) * kq_scale)
@@ -190,8 +270,11 @@ def _weighted_values(w, v_bits, tbl, g, out):
         out[d] = reduce32(slots)
 
 
+_SLOTS = 32  # ggml_vec_dot_f16's 4 x 8 accumulators, passed at run time (see the KQ loop)
+
+
 @njit(parallel=True, **_JIT)
-def _attention_rows(q16, k_bits, v_bits, tbl, kpos, qpos, window, kq_scale, out):
+def _attention_rows(q16, k_bits, v_bits, tbl, kpos, qpos, window, kq_scale, out, n_slots):
     """One job per (query row, head): many queries (prefill) keep every thread busy."""
     n_tok, n_head, _ = q16.shape
     group = n_head // k_bits.shape[1]
@@ -199,7 +282,7 @@ def _attention_rows(q16, k_bits, v_bits, tbl, kpos, qpos, window, kq_scale, out)
         t = job // n_head
         h = job % n_head
         w = np.empty(k_bits.shape[0], np.float32)
-        _scores_and_weights(q16[t, h], k_bits, tbl, h // group, kpos, qpos[t], window, kq_scale, w)
+        _scores_and_weights(q16[t, h], k_bits, tbl, h // group, kpos, qpos[t], window, kq_scale, w, n_slots)
         _weighted_values(w, v_bits, tbl, h // group, out[t, h])
 
 
@@ -218,7 +301,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpo
     out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
     _attention_rows(q16, np.ascontiguousarray(k).view(np.uint16), np.ascontiguousarray(v).view(np.uint16),
                     F16_TO_F32, np.ascontiguousarray(kpos, dtype=np.int64),
-                    np.ascontiguousarray(qpos, dtype=np.int64), int(window), np.float32(kq_scale), out)
+                    np.ascontiguousarray(qpos, dtype=np.int64), int(window), np.float32(kq_scale), out,
+                    _SLOTS)
     return out
 
 

@@ -117,3 +117,15 @@ def test_blas_path_agrees_with_exact_path():
         exact = kv_attention.attention(q, k, v, kpos, qpos, 0.125, window)
         fast = kv_attention.attention_blas(q, k, v, kpos, qpos, 0.125, window)
         np.testing.assert_allclose(fast, exact, atol=2e-3 * np.abs(exact).max())
+
+
+def test_vector_and_scalar_f16_dots_agree():
+    rng = np.random.default_rng(9)
+    for n in (32, 256, 96):
+        k = rng.standard_normal(n).astype(np.float16).view(np.uint16)
+        q = rng.standard_normal(n).astype(np.float16).astype(np.float32)
+        scalar = kv_attention.dot_f16_scalar(k, q, n, np.zeros(32, np.float32), 32)
+        if kv_attention._VECTOR_F16:
+            assert kv_attention.dot_f16_vector(k, q, n) == scalar
+        exact = k.view(np.float16).astype(np.float64) @ q.astype(np.float64)
+        assert abs(scalar - exact) <= 1e-5 * np.abs(q).sum() * 4
