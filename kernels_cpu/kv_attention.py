@@ -315,8 +315,24 @@ EXACT_MAX_QUERIES = 64
 def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpos: np.ndarray,
                    kq_scale: float, window: int = 0) -> np.ndarray:
     """`attention` through BLAS matrix products: same roundings at the boundaries (Q and
-    the weights in F16, sums in double), float order of the BLAS library inside."""
+    the weights in F16, sums in double), float order of the BLAS library inside.
+    With -t > 1 the query rows are split across threads (BLAS itself runs single-threaded
+    beside Numba; numpy releases the GIL in every large op here)."""
+    from .matvec import _gemm_pool
+    from .threads import get_threads
+
     qpos = np.asarray(qpos)
+    n_threads = get_threads()
+    if n_threads > 1 and q.shape[0] >= 2 * EXACT_MAX_QUERIES:
+        parts = np.array_split(np.arange(q.shape[0]), n_threads)
+        outs = list(_gemm_pool(n_threads).map(
+            lambda rows: _attention_blas_rows(q[rows[0]:rows[-1] + 1], k, v, kpos, qpos[rows[0]:rows[-1] + 1],
+                                              kq_scale, window), parts))
+        return np.concatenate(outs, axis=0)
+    return _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window)
+
+
+def _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window):
     if window:  # a sliding-window layer never looks further back than its window
         keep = kpos > np.min(qpos) - window
         if not keep.all():

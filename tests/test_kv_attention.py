@@ -129,3 +129,20 @@ def test_vector_and_scalar_f16_dots_agree():
             assert kv_attention.dot_f16_vector(k, q, n) == scalar
         exact = k.view(np.float16).astype(np.float64) @ q.astype(np.float64)
         assert abs(scalar - exact) <= 1e-5 * np.abs(q).sum() * 4
+
+
+def test_blas_path_split_across_threads_is_the_same():
+    from edgeinfer.kernels_cpu import get_threads, set_threads
+
+    rng = np.random.default_rng(6)
+    q, k, v = _case(rng, 150, 200, 4, 2, 64, 64)
+    kpos, qpos = np.arange(200), np.arange(50, 200)
+    before = get_threads()
+    try:
+        set_threads(1)
+        one = kv_attention.attention_blas(q, k, v, kpos, qpos, 0.125, 32)
+        set_threads(2)
+        two = kv_attention.attention_blas(q, k, v, kpos, qpos, 0.125, 32)
+    finally:
+        set_threads(before)
+    np.testing.assert_array_equal(two, one)
