@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+COOL_DOWN_S = 1.0
+
 
 def llama_cpp_runner(path: str, n_ctx: int, threads: int):
     import llama_cpp
@@ -75,6 +77,9 @@ def main() -> None:
             fns[which](n, 99)  # warm-up (JIT, page cache)
         for r in range(args.repetitions):
             for name, fns in runners.items():
+                # both engines keep worker threads that spin for a while after a run; let
+                # the other engine's go idle first, or they steal this one's cores
+                time.sleep(COOL_DOWN_S)
                 results.setdefault((name, test), []).append(fns[which](n, r))
 
     print(f"model {path}, threads {args.threads}, median of {args.repetitions}")
