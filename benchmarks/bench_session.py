@@ -77,6 +77,7 @@ def main() -> None:
         print(f"turn {turn + 1}: {result.usage.prompt_tokens} prompt tokens, {result.usage.cached_tokens} "
               f"cached, TTFT {result.timings.ttft_s * 1e3:.0f} ms", file=sys.stderr, flush=True)
 
+    warm_stats = model.stats()  # before reset(): the chat's own pool use and hit rates
     # Cold: an empty cache over the last turn's full history.
     model.reset()
     cold = model.chat(messages[:-1], max_tokens=args.max_tokens, temperature=0)
@@ -95,7 +96,14 @@ def main() -> None:
     worst_cold = max(r[3] for r in later) / cold_ttft if later else 0.0
     print(f"worst later turn: {worst_ratio:.2f}x turn 1 (target <= 1.5), "
           f"{100 * worst_cold:.1f}% of cold (target <= 10%)")
-    print(f"prefix cache: {model.stats()}")
+    s = warm_stats
+    print(f"prefix reuse over the chat: {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens "
+          f"({100 * s['token_hit_rate']:.0f}%), {s['requests']} requests")
+    for g in s.get("groups", []):
+        kind = f"sliding-window {g['window']}" if g["window"] else "full-attention"
+        print(f"KV {kind} group ({g['layers']} layers): {g['used']} of {g['total']} blocks in use, "
+              f"{g['cached']} cached free, {g['used'] * g['block_bytes'] / 2**20:.1f} of "
+              f"{g['total'] * g['block_bytes'] / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ key of its new position (`rope_shift`). Values carry no position and move unchan
 The kept tokens' K/V were computed while the discarded ones were still visible, so after a
 shift the cache is not what a fresh prompt would compute (llama.cpp accepts the same): the
 session manager never registers post-shift blocks in the prefix cache.
+
+Sliding-window layer groups keep only their window (edgeinfer.paged_kv): after the shift
+they hold the moved rows the next queries can see; kept-prefix rows such a group had
+already given back stay missing (masked), as in llama.cpp's SWA cache.
 """
 
 from __future__ import annotations
@@ -35,30 +39,13 @@ def rope_shift(backend: Backend, config, gguf, layer: int, k: np.ndarray, delta:
 def shift_context(engine, seq, n_keep: int) -> int:
     """Shift a full `seq` (a SequenceKV) in place; returns the tokens discarded (0 = cannot).
 
-    `seq.tokens` (the recorded ids, possibly one ahead of n_used) loses the same range.
+    `seq.tokens` (the recorded ids, possibly one ahead of n_used) loses the same range. The
+    block work (per layer group; sliding-window groups keep only what their window needs)
+    is SequenceKV.shift's; the keys are re-roped here.
     """
-    n_used = seq.n_used
-    if getattr(seq, "n_dropped", 0):  # blocks already dropped by a sliding window: not supported
-        return 0
-    n_keep = max(0, min(n_keep, n_used - 1))
-    n_discard = (n_used - n_keep) // 2
-    if n_discard <= 0:
-        return 0
     cfg, gguf, backend = engine.config, engine.model_file.gguf, engine.backend
-    lo, hi = n_keep, n_keep + n_discard
-    tail_k, tail_v = [], []
-    pos = None
-    for layer in range(cfg.n_layer):  # gather (copies) before truncate hands blocks back
-        k, v, p = seq.layer_view(layer)
-        if pos is None:
-            pos = np.array(p[hi:n_used])
-        delta = np.full(n_used - hi, -n_discard, dtype=np.int64)
-        tail_k.append(rope_shift(backend, cfg, gguf, layer, k[hi:n_used], delta))
-        tail_v.append(np.array(v[hi:n_used]))
-    tokens = list(seq.tokens)
-    seq.truncate(n_keep)
-    slots = seq.append(pos - n_discard)
-    for layer in range(cfg.n_layer):
-        seq.store(layer, slots, tail_k[layer], tail_v[layer])
-    seq.tokens = tokens[:lo] + tokens[hi:]
-    return n_discard
+
+    def rerope(layer: int, k: np.ndarray, delta: np.ndarray) -> np.ndarray:
+        return rope_shift(backend, cfg, gguf, layer, k, delta)
+
+    return seq.shift(n_keep, rerope)

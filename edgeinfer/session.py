@@ -11,17 +11,26 @@ blocks are registered in the prefix cache as they fill.
 After a successful request its sequence stays resident until the next request starts; a
 cancelled or failed request gives all its blocks back at once (hashed ones stay cached).
 
-Pool size (`pool_tokens`): by default 2 x n_ctx tokens (rounded up to blocks), so one
-conversation can run at full context while another's cached prefix survives beside it;
-`kv_pool_mb` caps that by memory, but never below n_ctx + one block (one full sequence
-must always fit). Gemma 3 270M at n_ctx 4096: 2 x 4096 x 18 KiB = 144 MiB of f16 K/V.
+Pool size, per layer group (edgeinfer.paged_kv: the full-attention layers, and the
+sliding-window layers of one window, each have their own pool). Full-attention group: by
+default 2 x n_ctx tokens (`pool_tokens` to change it), so one conversation can run at full
+context while another's cached prefix survives beside it. A sliding-window group gives
+back what falls out of its window, so one sequence needs only window + prefill chunk
+tokens there (plus the drop alignment and a copy-on-write block): it gets twice that,
+never more than the full group. `kv_pool_mb` caps the sum by memory, shrinking every group
+in proportion, but never below what one full sequence needs (n_ctx + one block in the
+full group). Gemma 3 270M at n_ctx 4096 (3 global + 15 sliding-window-512 layers, 1 KiB
+of f16 K/V per layer and token): 8192 x 3 KiB + 1632 x 15 KiB = 48 MiB, where one pool
+for all layers took 2 x 4096 x 18 KiB = 144 MiB.
 
 GPU-offloaded layers: the backend's `new_block_storage` gives the pool VRAM blocks for
-those layers (edgeinfer.backend_cuda.DeviceBlockStorage, same block ids, so prefix sharing
-and copy-on-write hold there too); the pool is then capped at what the offload plan
-reserved VRAM for (`max_kv_blocks`: n_ctx tokens, like llama.cpp's unified KV), again
-never below n_ctx + one block. A backend with its own contiguous cache (`new_cache`) and
-no block storage gets one slot with token-level prefix reuse instead.
+those layers (edgeinfer.backend_cuda.DeviceBlockStorage, same block ids as their group's
+pool, so prefix sharing and copy-on-write hold there too); they all sit in one group, the
+full-attention one unless every one is a sliding-window layer. That group is then capped
+at what the offload plan reserved VRAM for (`max_kv_blocks`: n_ctx tokens, like
+llama.cpp's unified KV), again never below n_ctx + one block. A backend with its own
+contiguous cache (`new_cache`) and no block storage gets one slot with token-level prefix
+reuse instead.
 """
 
 from __future__ import annotations
@@ -34,20 +43,51 @@ import numpy as np
 from edgeinfer.context_shift import shift_context
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.generate import check_prompt_fits, common_prefix_len, stream_generate
-from edgeinfer.paged_kv import PagedKVCache, SequenceKV
+from edgeinfer.paged_kv import DROP_ALIGN, PagedKVCache, SequenceKV, drop_quantum, layer_groups
 from edgeinfer.results import FinishReason, GenerationChunk
 from edgeinfer.sampling import SamplingParams
 
 
 def pool_blocks(n_ctx: int, block_size: int, bytes_per_token: int, pool_tokens: int | None = None,
                 kv_pool_mb: float | None = None) -> int:
-    """Number of blocks for the pool (see the module docstring for the policy)."""
+    """Number of blocks for a pool of one group holding every layer (see the module docstring)."""
     minimum = -(-n_ctx // block_size) + 1  # one full sequence + a copy-on-write block
     tokens = 2 * n_ctx if pool_tokens is None else pool_tokens
     blocks = -(-tokens // block_size)
     if kv_pool_mb is not None:
         blocks = min(blocks, int(kv_pool_mb * 2**20) // max(1, bytes_per_token * block_size))
     return max(minimum, blocks)
+
+
+def group_pool_blocks(n_ctx: int, block_size: int, groups: Sequence[tuple[int, int]],
+                      pool_tokens: int | None = None, kv_pool_mb: float | None = None,
+                      prefill_chunk: int = 256, drop_align: int = DROP_ALIGN) -> list[int]:
+    """Blocks for each layer group's pool; `groups`: (window, bytes per token) of each.
+
+    Full-attention group (window 0): `pool_blocks`'s policy. Sliding-window group: one
+    sequence needs the blocks spanning window - 1 + prefill_chunk tokens (+1 for their
+    alignment to blocks, + the drop quantum - 1, +1 for a copy-on-write): it gets twice
+    that, at most the full group's count. A `kv_pool_mb` budget shrinks every group in
+    proportion, never below one sequence's need.
+    """
+    bs = block_size
+    full_min = -(-n_ctx // bs) + 1
+    full_want = max(full_min, -(-(2 * n_ctx if pool_tokens is None else pool_tokens) // bs))
+    mins, wants = [], []
+    for window, _ in groups:
+        if window and window < n_ctx:
+            need = -(-(window - 1 + prefill_chunk) // bs) + 1 + drop_quantum(bs, window, drop_align)
+            mins.append(min(full_min, need))
+            wants.append(max(mins[-1], min(full_want, 2 * need)))
+        else:
+            mins.append(full_min)
+            wants.append(full_want)
+    if kv_pool_mb is not None:
+        budget = int(kv_pool_mb * 2**20)
+        total = sum(w * max(1, per_token * bs) for w, (_, per_token) in zip(wants, groups))
+        if total > budget:
+            wants = [w * budget // total for w in wants]
+    return [max(lo, w) for lo, w in zip(mins, wants)]
 
 
 class SessionManager:
@@ -64,20 +104,28 @@ class SessionManager:
         self.context_shift = context_shift
         self.n_keep = n_keep
         cfg = engine.config
-        per_token = 2 * cfg.n_layer * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v)  # f16 K + V
         backend = engine.backend
-        self._num_blocks = pool_blocks(self.n_ctx, block_size, per_token, pool_tokens, kv_pool_mb)
-        # GPU-offloaded layers keep their K/V in VRAM blocks of the same pool (the CUDA paged
+        # GPU-offloaded layers keep their K/V in VRAM blocks of their group's pool (the CUDA paged
         # attention reads them through the sequence's block table). A backend that only offers
         # its own contiguous cache gets one slot with token-level prefix reuse, no block cache.
         self.paged = hasattr(backend, "new_block_storage") or not hasattr(backend, "new_cache")
+        device_layers = list(backend.kv_layers(cfg)) if self.paged and hasattr(backend, "kv_layers") else []
+        groups = layer_groups(cfg, device_layers)
+        per_layer = 2 * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v)  # f16 K + V of one layer and token
+        options = getattr(engine, "options", None)
+        chunk = getattr(options, "prefill_chunk", 256)
+        sizes = [(w, len(layers) * per_layer) for w, layers in groups]
+        blocks = group_pool_blocks(self.n_ctx, block_size, sizes, pool_tokens, kv_pool_mb, chunk)
         self._device = None  # VRAM blocks of the GPU layers, kept across reset()
         if self.paged and hasattr(backend, "new_block_storage"):
-            vram_blocks = backend.max_kv_blocks(cfg, block_size)
-            if vram_blocks is not None:
-                self._num_blocks = max(pool_blocks(self.n_ctx, block_size, per_token, 0),
-                                       min(self._num_blocks, vram_blocks))
-            self._device = backend.new_block_storage(cfg, self._num_blocks, block_size)
+            on_device = next((i for i, (_, layers) in enumerate(groups) if set(layers) & set(device_layers)), None)
+            if on_device is not None:
+                vram_blocks = backend.max_kv_blocks(cfg, block_size)
+                if vram_blocks is not None:  # ... but never below one sequence's need
+                    floor = group_pool_blocks(self.n_ctx, block_size, sizes, pool_tokens, 0, chunk)[on_device]
+                    blocks[on_device] = max(floor, min(blocks[on_device], vram_blocks))
+                self._device = backend.new_block_storage(cfg, blocks[on_device], block_size)
+        self._group_blocks = {w: b for (w, _), b in zip(groups, blocks)}
         self.cache: PagedKVCache | None = self._new_cache() if self.paged else None
         self._slot = None if self.paged else engine.new_cache()
         self._slot_tokens: list[int] = []  # the ids whose K/V _slot holds
@@ -89,7 +137,7 @@ class SessionManager:
         self.shifts = 0
 
     def _new_cache(self) -> PagedKVCache:
-        return PagedKVCache(self.engine.config, self._num_blocks, self.block_size,
+        return PagedKVCache(self.engine.config, self._group_blocks, self.block_size,
                             extra_keys=(self.model_id,), device=self._device)
 
     # -- generation ---------------------------------------------------------------------------
@@ -180,9 +228,13 @@ class SessionManager:
         if old is not None:
             common = min(common_prefix_len(old.tokens[:old.n_used], ids), len(ids) - 1)
             if common > cached:  # the previous conversation goes further than whole blocks
-                self.cache.release(seq)
-                seq = self.cache.fork(old)
-                seq.truncate(common)
+                fork = self.cache.fork(old)
+                fork.truncate(common)  # may come out shorter: sliding-window blocks given back
+                if fork.n_used > cached:
+                    self.cache.release(seq)
+                    seq = fork
+                else:
+                    self.cache.release(fork)
             self.cache.release(old)  # its full blocks stay cached; shared ones stay with seq
         seq.record_tokens(ids[seq.n_used:])
         return seq
@@ -206,20 +258,30 @@ class SessionManager:
         return [] if seq is None else list(seq.tokens[:seq.n_used])
 
     def export_kv(self) -> tuple[list[int], list, list, np.ndarray] | None:
-        """(tokens, k per layer, v per layer, positions) of the resident sequence, or None."""
-        seq = self._resident if self.paged else self._slot
-        if seq is None or seq.n_used == 0 or getattr(seq, "n_dropped", 0):
+        """(tokens, k per layer, v per layer, positions) of the resident sequence, or None.
+
+        Rows a sliding-window layer no longer holds (out of its window) are NaN; import_kv
+        knows them.
+        """
+        if not self.paged:
+            seq = self._slot
+            if seq.n_used == 0:
+                return None
+            views = [seq.layer_view(i) for i in range(self.engine.config.n_layer)]
+            return (self.resident_tokens(), [np.array(k) for k, _, _ in views],
+                    [np.array(v) for _, v, _ in views], np.array(views[0][2]))
+        seq = self._resident
+        if seq is None or seq.n_used == 0 or not np.array_equal(seq.positions, np.arange(seq.n_used)):
             return None
-        tokens = self.resident_tokens()
-        views = [seq.layer_view(i) for i in range(self.engine.config.n_layer)]
-        return (tokens, [np.array(k) for k, _, _ in views],
-                [np.array(v) for _, v, _ in views], np.array(views[0][2]))
+        k, v = seq.export()
+        return self.resident_tokens(), k, v, np.array(seq.positions)
 
     def import_kv(self, tokens: Sequence[int], k: list, v: list, pos: np.ndarray) -> int:
         """Make saved K/V of `tokens[:len(pos)]` the resident sequence; returns tokens restored.
 
         Positions must be 0..n-1 (K/V as a fresh run computes them); the full blocks are
-        registered in the prefix cache like freshly prefilled ones.
+        registered in the prefix cache like freshly prefilled ones. Sliding-window groups
+        take only the blocks the next token's window needs.
         """
         cfg = self.engine.config
         pos = np.asarray(pos, dtype=np.int64)
@@ -228,8 +290,14 @@ class SessionManager:
             return 0
         if not np.array_equal(pos, np.arange(n)) or len(k) != cfg.n_layer or len(v) != cfg.n_layer:
             raise EdgeInferError("saved K/V do not fit this model")
+        for i in range(cfg.n_layer):
+            if (np.shape(k[i]) != (n, cfg.n_head_kv, cfg.head_dim)
+                    or np.shape(v[i]) != (n, cfg.n_head_kv, cfg.head_dim_v)):
+                raise EdgeInferError("saved K/V do not fit this model")
         with self.lock:
             if not self.paged:
+                if any(np.isnan(a).any() for a in list(k) + list(v)):
+                    return 0  # rows a sliding window dropped: this slot needs them all, recompute
                 self._slot.truncate(0)
                 slots = self._slot.append(pos)
                 for i in range(cfg.n_layer):
@@ -241,12 +309,10 @@ class SessionManager:
                 self._resident = None
             seq = self.cache.new_sequence(self.n_ctx)
             try:
-                slots = seq.append(pos)
-                for i in range(cfg.n_layer):
-                    if k[i].shape[1:] != (cfg.n_head_kv, cfg.head_dim) or v[i].shape[1:] != (
-                            cfg.n_head_kv, cfg.head_dim_v):
-                        raise EdgeInferError("saved K/V do not fit this model")
-                    seq.store(i, slots, k[i], v[i])
+                try:
+                    seq.load(pos, k, v)
+                except ValueError:
+                    raise EdgeInferError("saved K/V do not fit this model") from None
                 seq.record_tokens(list(tokens)[:n])
                 self.cache.commit_full_blocks(seq)
             except BaseException:
@@ -279,15 +345,17 @@ class SessionManager:
     def _pool_stats(self) -> dict:
         # /metrics may read this from another thread while a generation changes the pool;
         # iterating its free queue then can fail: retry, and fall back to the lock-free counts.
+        cache = self.cache
         for _ in range(3):
             try:
-                return dict(self.cache.stats())
+                return dict(cache.stats())
             except RuntimeError:
                 continue
-        pool = self.cache.pool
-        return dict(used=pool.num_blocks - pool.num_free, free=pool.num_free, cached=0,
-                    total=pool.num_blocks, hits=pool.hits, queries=pool.queries,
-                    hit_rate=pool.hits / pool.queries if pool.queries else 0.0)
+        pools = [g.pool for g in cache.groups]
+        total = sum(p.num_blocks for p in pools)
+        free = sum(p.num_free for p in pools)
+        return dict(used=total - free, free=free, cached=0, total=total, hits=cache.hits,
+                    queries=cache.queries, hit_rate=cache.hits / cache.queries if cache.queries else 0.0)
 
     def check_invariants(self) -> None:
         if not self.paged:

@@ -23,6 +23,8 @@ CFG = ModelConfig(arch="test", n_vocab=16, n_ctx_train=64, n_embd=8, n_layer=2, 
                   head_dim=4, head_dim_v=3, n_ff=8, norm_eps=1e-5, rope_mode="neox", rope_dims=4,
                   rope_base=10000.0)
 CFG_SWA = replace(CFG, sliding_window=6, swa_layers=(True, True))  # every layer sliding-window
+# gemma3-like mix: layers 0 and 2 slide (window 6), layer 1 attends to everything
+CFG_MIX = replace(CFG, n_layer=3, sliding_window=6, swa_layers=(True, False, True))
 BS = 4
 
 
@@ -49,7 +51,7 @@ def write(cache: PagedKVCache, seq: SequenceKV, new: list[int], ref: KVCache | N
         positions = np.arange(before, before + len(new))
         slots = seq.append(positions)
         ref_slots = ref.append(positions) if ref is not None else None
-        for layer in range(CFG.n_layer):
+        for layer in range(cache.config.n_layer):
             k, v = kv_values(seq.tokens, before, before + len(new), layer)
             seq.store(layer, slots, k, v)
             if ref is not None:
@@ -60,21 +62,29 @@ def write(cache: PagedKVCache, seq: SequenceKV, new: list[int], ref: KVCache | N
     cache.commit_full_blocks(seq)
 
 
-def reference_for(tokens: list[int], n_ctx: int) -> KVCache:
-    ref = KVCache(CFG, n_ctx)
+def reference_for(tokens: list[int], n_ctx: int, config: ModelConfig = CFG) -> KVCache:
+    ref = KVCache(config, n_ctx)
     if tokens:
         slots = ref.append(np.arange(len(tokens)))
-        for layer in range(CFG.n_layer):
+        for layer in range(config.n_layer):
             ref.store(layer, slots, *kv_values(tokens, 0, len(tokens), layer))
     return ref
 
 
 def assert_same_view(seq: SequenceKV, ref: KVCache) -> None:
+    """Every layer's view equals the reference, less the leading rows its group dropped
+    (which no later query can see)."""
     assert seq.n_used == ref.n_used
-    for layer in range(CFG.n_layer):
+    cache = seq.cache
+    for layer in range(cache.config.n_layer):
+        g = cache.group_of[layer]
+        skip = seq.tables[g.index].n_dropped * cache.block_size
         for got, want in zip(seq.layer_view(layer), ref.layer_view(layer)):
-            assert got.shape == want.shape
-            np.testing.assert_array_equal(got, want)
+            assert got.shape == want[skip:].shape
+            np.testing.assert_array_equal(got, want[skip:])
+        if skip:
+            pos = ref.layer_view(layer)[2]
+            assert (pos[:skip] <= pos[-1] + 1 - g.window).all()
 
 
 # -- targeted cases ---------------------------------------------------------------------------
@@ -249,18 +259,18 @@ def test_model_forward_on_a_paged_sequence_matches_the_contiguous_cache(tiny_mod
     paged.check_invariants()
 
 
-def _attention(kv, layer: int, positions: np.ndarray) -> np.ndarray:
+def _attention(kv, layer: int, positions: np.ndarray, window: int = CFG_SWA.sliding_window) -> np.ndarray:
     q = np.random.default_rng(layer).standard_normal((len(positions), CFG.n_head, CFG.head_dim))
-    return Backend(None).attention(q.astype(np.float32), kv, layer, positions, 0.5, CFG_SWA.sliding_window)
+    return Backend(None).attention(q.astype(np.float32), kv, layer, positions, 0.5, window)
 
 
 def test_drop_out_of_window_frees_blocks_no_later_query_sees():
-    cache = PagedKVCache(CFG_SWA, num_blocks=8, block_size=BS)
+    cache = PagedKVCache(CFG_SWA, num_blocks=8, block_size=BS, drop_align=1)
     a = cache.new_sequence(64)
     ref = KVCache(CFG_SWA, 64)
     write(cache, a, list(range(14)), ref)  # blocks hold positions 0-3, 4-7, 8-11, 12-13
     assert cache.drop_out_of_window(a) == 2  # next position 14, window 6: keys <= 8 are masked
-    assert cache.stats()["used"] == 2 and a.n_used == 14
+    assert cache.stats()["used"] == 2 and a.n_used == 14 and a.n_dropped == 2
     for layer in range(CFG.n_layer):
         k, v, pos = a.layer_view(layer)
         np.testing.assert_array_equal(k, ref.layer_view(layer)[0][8:])
@@ -270,18 +280,107 @@ def test_drop_out_of_window_frees_blocks_no_later_query_sees():
     for layer in range(CFG.n_layer):
         np.testing.assert_allclose(_attention(a, layer, future), _attention(ref, layer, future), atol=1e-6)
     a.truncate(13)  # keys 8.. still cover the window of position 13
-    assert a.n_used == 13
-    a.truncate(10)  # position 10 would need key 5, which is gone: forget everything
-    assert a.n_used == 0 and a.tokens == [] and cache.stats()["used"] == 0
+    assert a.n_used == 13 and a.n_dropped == 2
+    # Position 10 needs key 5 again: its block went back to the pool with its hash and is
+    # taken back from the prefix cache (block 0 is not needed).
+    a.truncate(10)
+    assert a.n_used == 10 and a.n_dropped == 1 and cache.stats()["used"] == 2
+    assert_same_view(a, reference_for(list(range(10)), 64, CFG_SWA))
     cache.check_invariants()
 
 
-def test_drop_out_of_window_keeps_everything_with_global_layers():
-    cfg = replace(CFG, sliding_window=2, swa_layers=(True, False))  # gemma3-like mix
-    cache = PagedKVCache(cfg, num_blocks=8, block_size=BS)
+def test_truncate_into_dropped_blocks_that_were_evicted_shortens_the_sequence():
+    cache = PagedKVCache(CFG_SWA, num_blocks=8, block_size=BS, drop_align=1)
+    tokens = list(range(3, 31))
     a = cache.new_sequence(64)
-    write(cache, a, list(range(20)))
-    assert cache.drop_out_of_window(a) == 0 and cache.stats()["used"] == 5
+    for lo in range(0, 28, 4):
+        write(cache, a, tokens[lo:lo + 4])  # the last append (at 24) drops blocks 0-3 (<= 18)
+    assert a.n_dropped == 4 and cache.stats()["used"] == 3
+    b = cache.new_sequence(64)
+    assert cache.reuse_prefix(b, tokens[:8]) == 8  # takes blocks 0 and 1 back from the free list
+    c = cache.new_sequence(64)
+    write(cache, c, [1] * 8)  # two more blocks: the never-used one and dropped block 2
+    a.truncate(14)  # position 14 needs keys 9.. (blocks 2, 3): block 2 is gone
+    assert a.n_used == 8 and a.tokens == tokens[:8] and a.n_dropped == 0  # blocks 0, 1 shared with b
+    assert a.block_table == b.block_table
+    assert_same_view(a, reference_for(tokens[:8], 64, CFG_SWA))
+    write(cache, a, tokens[8:20])
+    assert_same_view(a, reference_for(tokens[:20], 64, CFG_SWA))
+    cache.check_invariants()
+
+
+def test_sliding_window_group_drops_while_the_global_group_keeps_everything():
+    cache = PagedKVCache(CFG_MIX, num_blocks={0: 16, 6: 6}, block_size=BS, drop_align=1)
+    full, swa = cache.groups
+    assert (full.window, full.layers, swa.window, swa.layers) == (0, (1,), 6, (0, 2))
+    a = cache.new_sequence(64)
+    ref = KVCache(CFG_MIX, 64)
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, 9, 60)]
+    for lo in range(0, 60, 3):  # decode-like growth, 3 tokens a step
+        write(cache, a, tokens[lo:lo + 3], ref)
+        s = cache.stats()["groups"]
+        assert s[0]["used"] == -(-a.n_used // BS)  # the global layer keeps every block
+        assert s[1]["used"] <= 3  # window 6 + 3 new tokens span at most 3 blocks of 4
+        cache.check_invariants()
+    assert_same_view(a, ref)
+    assert cache.stats()["used"] == 15 + cache.stats()["groups"][1]["used"]
+    future = np.array([60, 61])
+    for layer in range(3):
+        window = CFG_MIX.sliding_window if CFG_MIX.is_swa(layer) else 0
+        np.testing.assert_array_equal(_attention(a, layer, future, window), _attention(ref, layer, future, window))
+    # A new sequence with the same prompt hits all 15 blocks: the global group has them all,
+    # the sliding-window group the ones covering the last window (its older ones may be gone).
+    b = cache.new_sequence(64)
+    assert cache.reuse_prefix(b, tokens) == 60
+    assert b.tables[1].n_dropped == 13 and b.tables[0].n_dropped == 0
+    assert_same_view(b, reference_for(tokens, 64, CFG_MIX))
+    cache.release(a)
+    cache.release(b)
+    assert cache.stats()["used"] == 0
+    cache.check_invariants()
+
+
+def test_prefix_hit_needs_only_the_window_blocks_of_a_sliding_window_group():
+    cache = PagedKVCache(CFG_MIX, num_blocks={0: 16, 6: 4}, block_size=BS, drop_align=1)
+    tokens = list(range(1, 41))
+    a = cache.new_sequence(64)
+    for lo in range(0, 40, 4):
+        write(cache, a, tokens[lo:lo + 4])
+    assert [g["used"] for g in cache.stats()["groups"]] == [10, 3]
+    cache.release(a)  # 10 global blocks cached; the 4 sliding-window ones hold blocks 6..9
+    b = cache.new_sequence(64)
+    assert cache.reuse_prefix(b, tokens) == 40  # the window of position 40 needs blocks 8, 9 only
+    assert b.tables[1].n_dropped == 8 and cache.stats()["hits"] == 10
+    assert_same_view(b, reference_for(tokens, 64, CFG_MIX))
+    cache.release(b)
+    c = cache.new_sequence(64)
+    write(cache, c, [9] * 16)  # takes every sliding-window block: their cached content is gone
+    cache.release(c)
+    d = cache.new_sequence(64)
+    n = cache.reuse_prefix(d, tokens)
+    assert n == 0  # the global blocks are still there, but no window before any hit point is
+    for lo in range(0, 40, 4):  # prefilled in chunks: the window group needs 3 blocks at a time
+        write(cache, d, tokens[lo:lo + 4])
+    assert_same_view(d, reference_for(tokens, 64, CFG_MIX))
+    cache.check_invariants()
+
+
+def test_drops_are_aligned_so_attention_stays_bit_exact():
+    """With the default 32-token alignment a paged sliding-window layer sums its keys in the
+    same accumulators as the contiguous cache: outputs equal bit for bit."""
+    cfg = replace(CFG_MIX, sliding_window=10)
+    cache = PagedKVCache(cfg, num_blocks={0: 32, 10: 16}, block_size=BS)
+    a = cache.new_sequence(100)
+    ref = KVCache(cfg, 100)
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        write(cache, a, [int(t) for t in rng.integers(0, 9, 3)], ref)
+        assert a.tables[1].n_dropped % 8 == 0  # 8 blocks of 4 = 32 tokens
+    assert a.tables[1].n_dropped >= 16
+    q = np.array([a.n_used])
+    for layer in range(3):
+        window = cfg.sliding_window if cfg.is_swa(layer) else 0
+        np.testing.assert_array_equal(_attention(a, layer, q, window), _attention(ref, layer, q, window))
 
 
 # -- random session operations ----------------------------------------------------------------
@@ -303,27 +402,36 @@ class Live:
 
 class PagedKVMachine(RuleBasedStateMachine):
     config = CFG
+    num_blocks: int | dict = NUM_BLOCKS
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache = PagedKVCache(self.config, num_blocks=NUM_BLOCKS, block_size=BS)
+        self.cache = PagedKVCache(self.config, num_blocks=self.num_blocks, block_size=BS, drop_align=1)
         self.live: list[Live] = []
 
+    def _state(self, seq: SequenceKV) -> tuple:
+        return ([(list(t.blocks), t.n_dropped) for t in seq.tables], seq.n_used, list(seq.tokens),
+                [g.pool.num_free for g in self.cache.groups])
+
     def _extend(self, item: Live, new: list[int]) -> None:
-        seq, pool = item.seq, self.cache.pool
-        before_state = (list(seq.block_table), seq.n_used, list(seq.tokens), pool.num_free)
-        n_new = -(-(seq.n_used + len(new)) // BS) - len(seq.block_table)
+        seq = item.seq
+        before_state = self._state(seq)
         try:
             write(self.cache, seq, new, item.ref)
         except ContextOverflowError:
             assert seq.n_used + len(new) > N_CTX
         except KVPoolExhaustedError:
-            # at most one extra block (a copy-on-write of the partial last block) beyond n_new
-            assert before_state[3] < n_new + 1
+            # some group lacks blocks even counting those its window gives back
+            assert any(need > free for need, free in self._needs(before_state, len(new)))
         else:
-            assert before_state[3] >= n_new
             return
-        assert (list(seq.block_table), seq.n_used, list(seq.tokens), pool.num_free) == before_state
+        assert self._state(seq) == before_state  # all or nothing
+
+    def _needs(self, state: tuple, n: int):
+        """(most new blocks, free blocks) per group for n more tokens."""
+        tables, n_used, _, free = state
+        for (blocks, _), f in zip(tables, free):
+            yield -(-(n_used + n) // BS) - len(blocks) + 1, f
 
     def _pick(self, i: int) -> Live:
         return self.live[i % len(self.live)]
@@ -334,7 +442,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         seq = self.cache.new_sequence(N_CTX)
         n = self.cache.reuse_prefix(seq, prompt)
         assert n % BS == 0 and n <= len(prompt) and seq.tokens == prompt[:n]
-        item = Live(seq, reference_for(prompt[:n], N_CTX), n)
+        item = Live(seq, reference_for(prompt[:n], N_CTX, self.config), n)
         self.live.append(item)
         self._extend(item, prompt[n:])
 
@@ -393,7 +501,8 @@ class PagedKVMachine(RuleBasedStateMachine):
 
 
 class PagedKVSlidingWindowMachine(PagedKVMachine):
-    """The same operations on an all-sliding-window model, plus dropping out-of-window blocks."""
+    """The same operations on an all-sliding-window model: appends drop blocks out of the
+    window, truncates take them back from the prefix cache (or shorten), explicit drops too."""
 
     config = CFG_SWA
 
@@ -402,20 +511,17 @@ class PagedKVSlidingWindowMachine(PagedKVMachine):
     def drop(self, i: int) -> None:
         self.cache.drop_out_of_window(self._pick(i).seq)
 
-    def check_view(self, seq: SequenceKV, ref: KVCache) -> None:
-        """The paged view is the reference minus leading rows no later query can attend to."""
-        assert seq.n_used == ref.n_used
-        skip = seq.n_dropped * BS
-        for layer in range(CFG.n_layer):
-            for got, want in zip(seq.layer_view(layer), ref.layer_view(layer)):
-                np.testing.assert_array_equal(got, want[skip:])
-        if skip:
-            pos = ref.layer_view(0)[2]
-            assert (pos[:skip] <= pos[-1] + 1 - CFG_SWA.sliding_window).all()
+
+class PagedKVMixedMachine(PagedKVSlidingWindowMachine):
+    """Sliding-window and global layers: two groups, two pools (the window's one small)."""
+
+    config = CFG_MIX
+    num_blocks = {0: NUM_BLOCKS, 6: 10}
 
 
-for machine in (PagedKVMachine, PagedKVSlidingWindowMachine):
+for machine in (PagedKVMachine, PagedKVSlidingWindowMachine, PagedKVMixedMachine):
     machine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 TestPagedKV = PagedKVMachine.TestCase
 TestPagedKVSlidingWindow = PagedKVSlidingWindowMachine.TestCase
+TestPagedKVMixed = PagedKVMixedMachine.TestCase
