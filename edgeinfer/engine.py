@@ -47,7 +47,7 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
 
         cpu = CpuBackend(mf.gguf, threads=options.threads)
         plan = plan_for_model(mf.gguf, mf.config, options.n_ctx, gpu_layers=options.gpu_layers,
-                              prefill_rows=options.prefill_chunk)
+                              prefill_rows=options.prefill_chunk + options.prefill_chunk // 4)
         if not plan.on_gpu:
             return cpu, plan
         from edgeinfer.backend_cuda import make_backend as make_hybrid
@@ -93,17 +93,31 @@ class Engine:
         """Append `tokens` after what `kv` holds, in chunks; logits of the last token (n_vocab,)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         start = kv.n_used
-        chunk = self.options.prefill_chunk
+        cuts = self.chunk_bounds(len(tokens))
         logits = None
-        for lo in range(0, len(tokens), chunk):
-            part = tokens[lo:lo + chunk]
-            positions = np.arange(start + lo, start + lo + len(part))
-            logits = self.forward(part, positions, kv)
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            positions = np.arange(start + lo, start + hi)
+            logits = self.forward(tokens[lo:hi], positions, kv)
             if progress is not None:
-                progress(min(lo + chunk, len(tokens)), len(tokens))
+                progress(hi, len(tokens))
         if logits is None:
             raise EdgeInferError("nothing to evaluate: the prompt is empty")
         return logits[0]
+
+    def chunk_bounds(self, n: int) -> list[int]:
+        """Where a prefill of n tokens is cut: every prefill_chunk tokens, except that a last
+        piece of at most a quarter chunk joins the one before it (one more pass over every
+        weight for a handful of tokens costs more than a slightly larger batch)."""
+        chunk = self.options.prefill_chunk
+        cuts = list(range(0, n, chunk)) + [n]
+        if len(cuts) > 2 and n - cuts[-2] <= chunk // 4:
+            del cuts[-2]
+        return cuts
+
+    @property
+    def max_prefill_rows(self) -> int:
+        """The most tokens one prefill forward pass takes (see chunk_bounds)."""
+        return self.options.prefill_chunk + self.options.prefill_chunk // 4
 
     def decode(self, token: int, kv: KVCache) -> np.ndarray:
         """Evaluate one token after the cache; logits (n_vocab,)."""

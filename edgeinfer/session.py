@@ -112,8 +112,7 @@ class SessionManager:
         device_layers = list(backend.kv_layers(cfg)) if self.paged and hasattr(backend, "kv_layers") else []
         groups = layer_groups(cfg, device_layers)
         per_layer = 2 * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v)  # f16 K + V of one layer and token
-        options = getattr(engine, "options", None)
-        chunk = getattr(options, "prefill_chunk", 256)
+        chunk = getattr(engine, "max_prefill_rows", 256)  # the largest prefill pass
         sizes = [(w, len(layers) * per_layer) for w, layers in groups]
         blocks = group_pool_blocks(self.n_ctx, block_size, sizes, pool_tokens, kv_pool_mb, chunk)
         self._device = None  # VRAM blocks of the GPU layers, kept across reset()

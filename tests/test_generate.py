@@ -120,3 +120,20 @@ def test_chat_runs_for_every_family(tiny_models, arch):
                     max_tokens=4, temperature=0)
     assert result.usage.prompt_tokens > 4
     assert result.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+def test_prefill_chunks_merge_a_short_tail():
+    from edgeinfer.engine import Engine, EngineOptions
+
+    class _Opts(EngineOptions):
+        pass
+
+    engine = Engine.__new__(Engine)
+    engine.options = EngineOptions(prefill_chunk=256)
+    assert engine.chunk_bounds(100) == [0, 100]
+    assert engine.chunk_bounds(256) == [0, 256]
+    assert engine.chunk_bounds(300) == [0, 300]          # a 44-token tail rides along
+    assert engine.chunk_bounds(400) == [0, 256, 400]     # a 144-token tail is its own pass
+    assert engine.chunk_bounds(576) == [0, 256, 576]
+    assert max(b - a for a, b in zip(engine.chunk_bounds(10_000)[:-1], engine.chunk_bounds(10_000)[1:])) \
+        <= engine.max_prefill_rows
