@@ -164,6 +164,36 @@ def _dot_f16_32(typingctx, k_row, q, n):
     return sig, codegen
 
 
+@intrinsic
+def _via_f16(typingctx, x):
+    """float32 -> nearest F16 -> float32 (vcvtps2ph, round to nearest even; F16C only)."""
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+    return sig, codegen
+
+
+@njit(parallel=True, **_JIT)
+def _softmax_rows_f16(scores):
+    """In place, per row of a (rows, keys) float32 array whose masked entries are -inf:
+    exp(x - max), normalised by the double sum, rounded to F16 (the weights' cache type)."""
+    for r in prange(scores.shape[0]):
+        row = scores[r]
+        mx = row.max()
+        total = 0.0
+        for j in range(row.shape[0]):
+            e = np.float32(math.exp(row[j] - mx))
+            row[j] = e
+            total += e
+        inv = np.float32(1.0 / total)
+        for j in range(row.shape[0]):
+            if _VECTOR_F16:
+                row[j] = _via_f16(np.float32(row[j] * inv))
+            else:
+                row[j] = _round_f16(np.float32(row[j] * inv))
+
+
 @njit(**_JIT)
 def dot_f16_scalar(k_row, q16, n_vec, acc, n_slots):
     """_dot_f16_32 without F16C: the same order, element by element."""
@@ -347,10 +377,8 @@ def _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window):
     allowed = kpos[None, :] <= qpos[:, None]
     if window:
         allowed &= (qpos[:, None] - kpos[None, :]) < window
-    scores = np.where(allowed[None, :, :], scores, -np.inf)
-    scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs *= (1.0 / probs.astype(np.float64).sum(axis=-1, keepdims=True)).astype(np.float32)
-    probs = probs.astype(np.float16).astype(np.float32)
+    scores[:, ~allowed] = -np.inf
+    probs = np.ascontiguousarray(scores).reshape(-1, scores.shape[-1])
+    _softmax_rows_f16(probs)  # one compiled pass (numpy's F16 cast of tiny weights was 10x the matmuls)
     out = (probs.reshape(k.shape[0], group, n, -1) @ v).reshape(n_head, n, -1)
     return np.ascontiguousarray(out.transpose(1, 0, 2), dtype=np.float32)
