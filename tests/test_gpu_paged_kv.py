@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 import pytest
+from oracles import cold_greedy
 from test_offload_plan import install_fake_device
 
 import edgeinfer
@@ -88,23 +89,6 @@ def _cold_logits(engine, ids: list[int]) -> np.ndarray:
     return engine.prefill(ids, KVCache(engine.config, engine.n_ctx))
 
 
-def _cold_greedy(engine, tokenizer, ids: list[int], max_tokens: int) -> list[int]:
-    kv = KVCache(engine.config, engine.n_ctx)
-    logits = engine.prefill(ids, kv)
-    out: list[int] = []
-    while len(out) < max_tokens:
-        tok = int(np.argmax(logits))
-        if tokenizer.is_eog(tok):
-            break
-        out.append(tok)
-        if len(out) >= max_tokens or kv.n_used >= engine.n_ctx:
-            break
-        logits = engine.decode(tok, kv)
-    return out
-
-
-# -- (1) shared prefixes share device blocks; only the new tokens are prefilled -----------------
-
 def test_conversations_sharing_a_prefix_share_device_blocks(tiny_models, device):
     from edgeinfer.backend_cuda import DeviceBlockStorage
 
@@ -170,7 +154,7 @@ def test_second_conversation_prefills_only_its_new_tokens(tiny_models, device):
     assert result.usage.cached_tokens == 16  # a's four full blocks, from the prefix cache (in VRAM)
     assert positions[0] == 16  # prefill started after the cached blocks
     assert device["kv_store_tokens"] == len(positions) * cpu.config.n_layer
-    assert result.tokens == _cold_greedy(cpu.engine, cpu.tokenizer, b, 3)
+    assert result.tokens == cold_greedy(cpu.engine, cpu.tokenizer, b, 3)
     mgr.check_invariants()
 
 
@@ -245,7 +229,7 @@ def test_regenerate_and_edit_copy_device_blocks_and_match_cold_runs(tiny_models,
     vocab = cpu.config.n_vocab
     prompt = _ids(rng, 14, vocab)
     first = collect(mgr.generate(prompt, _greedy(4)))
-    assert first.tokens == _cold_greedy(cpu.engine, cpu.tokenizer, prompt, 4)
+    assert first.tokens == cold_greedy(cpu.engine, cpu.tokenizer, prompt, 4)
     device.clear()
     again = collect(mgr.generate(prompt, _greedy(4)))  # regenerate: resume at token 13, mid-block
     assert again.tokens == first.tokens and again.usage.cached_tokens == 13
@@ -253,7 +237,7 @@ def test_regenerate_and_edit_copy_device_blocks_and_match_cold_runs(tiny_models,
     edited = prompt[:6] + _ids(rng, 5, vocab)  # edit inside the second block
     result = collect(mgr.generate(edited, _greedy(4)))
     assert result.usage.cached_tokens == 6
-    assert result.tokens == _cold_greedy(cpu.engine, cpu.tokenizer, edited, 4)
+    assert result.tokens == cold_greedy(cpu.engine, cpu.tokenizer, edited, 4)
     # the original conversation's cached blocks survived both copies intact
     back = collect(mgr.generate(prompt, _greedy(4)))
     assert back.tokens == first.tokens and back.usage.cached_tokens == 12
@@ -307,7 +291,7 @@ def test_random_operations_on_vram_blocks_match_cache_free_runs(tiny_models, dev
             assert mgr.stats()["used"] == 0
         else:
             result = collect(mgr.generate(prompt, _greedy(4)))
-            assert result.tokens == _cold_greedy(cpu.engine, cpu.tokenizer, prompt, 4), (step, op)
+            assert result.tokens == cold_greedy(cpu.engine, cpu.tokenizer, prompt, 4), (step, op)
             convs.append(prompt + result.tokens)
         mgr.check_invariants()
 
@@ -339,7 +323,7 @@ def test_context_shift_and_saved_kv_with_vram_layers(tmp_path, device):
     follow = saved[1][0] + [5, 6]
     again = collect(mgrs[1].generate(follow, _greedy(3)))
     assert again.usage.cached_tokens == len(saved[1][0])
-    assert again.tokens == _cold_greedy(cpu.engine, cpu.tokenizer, follow, 3)
+    assert again.tokens == cold_greedy(cpu.engine, cpu.tokenizer, follow, 3)
     mgrs[1].check_invariants()
 
 
@@ -366,7 +350,7 @@ def test_head_dims_the_kernels_lack_keep_kv_on_the_host(tiny_models, device, mon
     assert mgr.paged and mgr.cache.device is None
     prompt = _ids(np.random.default_rng(7), 11, cpu.config.n_vocab)
     result = collect(mgr.generate(prompt, _greedy(3)))
-    assert result.tokens == _cold_greedy(cpu.engine, cpu.tokenizer, prompt, 3)
+    assert result.tokens == cold_greedy(cpu.engine, cpu.tokenizer, prompt, 3)
     assert "attention" not in device and "kv_store" not in device
 
 

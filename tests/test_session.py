@@ -21,6 +21,7 @@ from edgeinfer.results import FinishReason
 from edgeinfer.sampling import SamplingParams
 from edgeinfer.session import SessionManager, pool_blocks
 from gguf_factory import TinyShape, bpe_vocab, spm_vocab, write_tiny_model
+from oracles import cold_run
 
 N_CTX = 64
 
@@ -38,23 +39,6 @@ def _manager(model, **kw) -> SessionManager:
 
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens)
-
-
-def cold_greedy(engine, tokenizer, ids: list[int], max_tokens: int) -> tuple[list[int], np.ndarray]:
-    """Cache-free oracle: a fresh contiguous KVCache, prefill, argmax decode. (tokens, first logits)."""
-    kv = KVCache(engine.config, engine.n_ctx)
-    logits = engine.prefill(ids, kv)
-    first = logits.copy()
-    out: list[int] = []
-    while len(out) < max_tokens:
-        tok = int(np.argmax(logits))
-        if tokenizer.is_eog(tok):
-            break
-        out.append(tok)
-        if len(out) >= max_tokens or kv.n_used >= engine.n_ctx:
-            break
-        logits = engine.decode(tok, kv)
-    return out, first
 
 
 def _ids(rng, n: int, vocab: int) -> list[int]:
@@ -78,7 +62,7 @@ def test_cached_and_uncached_runs_give_the_same_logits(model):
     n = mgr.cache.reuse_prefix(seq, longer[:-1])
     assert n == 20  # 5 full blocks of 4 of the 23-token prompt
     warm = model.engine.prefill(longer[n:], seq)
-    _, cold = cold_greedy(model.engine, model.tokenizer, longer, 0)
+    _, cold = cold_run(model.engine, model.tokenizer, longer, 0)
     np.testing.assert_allclose(warm, cold, rtol=0, atol=1e-5)
     mgr.cache.release(seq)
     mgr.check_invariants()
@@ -90,7 +74,7 @@ def test_growing_conversation_reuses_everything_before(model):
     history = _ids(rng, 9, model.config.n_vocab)
     for turn in range(3):
         result = collect(mgr.generate(history, _greedy(4)))
-        expect, _ = cold_greedy(model.engine, model.tokenizer, history, 4)
+        expect, _ = cold_run(model.engine, model.tokenizer, history, 4)
         assert result.tokens == expect
         if turn:  # everything but the last prompt token was cached by the previous turn
             assert result.usage.cached_tokens == len(history) - 1 - len(new)
@@ -111,7 +95,7 @@ def test_regenerate_and_edit_last_reuse_the_prefix(model):
     edited = before + _ids(rng, 6, model.config.n_vocab)  # edit the last message
     result = collect(mgr.generate(edited, _greedy(4)))
     assert result.usage.cached_tokens >= len(before)
-    assert result.tokens == cold_greedy(model.engine, model.tokenizer, edited, 4)[0]
+    assert result.tokens == cold_run(model.engine, model.tokenizer, edited, 4)[0]
     mgr.check_invariants()
 
 
@@ -242,7 +226,7 @@ def test_random_operations_keep_accounting_exact_and_outputs_cache_free(model, o
             assert _used_blocks(mgr) == 0
         else:
             result = collect(mgr.generate(prompt, _greedy(4)))
-            expect, _ = cold_greedy(model.engine, model.tokenizer, prompt, 4)
+            expect, _ = cold_run(model.engine, model.tokenizer, prompt, 4)
             assert result.tokens == expect, op
             assert result.usage.cached_tokens < len(prompt)
             convs.append(prompt + result.tokens)
@@ -319,7 +303,7 @@ def test_generation_through_a_shift_matches_cold_runs(one_layer_models):
         if len(history) > 40:
             history = history[:4] + history[4 + 18:]
         if i in (10, 11, 15, 24):  # a few steps after the shift (and one before) vs a cold run
-            _, logits = cold_greedy(m.engine, m.tokenizer, history, 0)
+            _, logits = cold_run(m.engine, m.tokenizer, history, 0)
             assert int(np.argmax(logits)) == tok, i
         history.append(tok)
     assert _used_blocks(mgr) == 0  # a shifted sequence is not kept for reuse
@@ -355,7 +339,7 @@ def test_offloaded_backend_uses_one_contiguous_slot(tiny_models):
     history = _ids(rng, 7, m.config.n_vocab)
     for turn in range(2):
         result = collect(mgr.generate(history, _greedy(3)))
-        assert result.tokens == cold_greedy(m.engine, m.tokenizer, history, 3)[0]
+        assert result.tokens == cold_run(m.engine, m.tokenizer, history, 3)[0]
         if turn:
             assert result.usage.cached_tokens == len(history) - 3
         history = history + result.tokens + _ids(rng, 2, m.config.n_vocab)

@@ -25,6 +25,7 @@ from edgeinfer.sampling import SamplingParams
 from edgeinfer.saved_session import SavedSession, load_session, save_session
 from edgeinfer.session import SessionManager, group_pool_blocks
 from gguf_factory import TinyShape, spm_vocab, write_tiny_model
+from oracles import cold_greedy
 
 WINDOW = 8
 N_CTX = 96
@@ -56,22 +57,6 @@ def _greedy(n: int) -> SamplingParams:
 
 def _ids(rng, n: int, vocab: int) -> list[int]:
     return [int(t) for t in rng.integers(3, vocab, n)]
-
-
-def cold_greedy(engine, tokenizer, ids: list[int], max_tokens: int) -> list[int]:
-    """Cache-free oracle: a fresh contiguous KVCache, prefill, argmax decode."""
-    kv = KVCache(engine.config, engine.n_ctx)
-    logits = engine.prefill(ids, kv)
-    out: list[int] = []
-    while len(out) < max_tokens:
-        tok = int(np.argmax(logits))
-        if tokenizer.is_eog(tok):
-            break
-        out.append(tok)
-        if len(out) >= max_tokens or kv.n_used >= engine.n_ctx:
-            break
-        logits = engine.decode(tok, kv)
-    return out
 
 
 def _group_used(mgr: SessionManager) -> tuple[int, int]:
