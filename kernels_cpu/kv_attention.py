@@ -175,23 +175,47 @@ def _via_f16(typingctx, x):
 
 
 @njit(parallel=True, **_JIT)
-def _softmax_rows_f16(scores):
-    """In place, per row of a (rows, keys) float32 array whose masked entries are -inf:
-    exp(x - max), normalised by the double sum, rounded to F16 (the weights' cache type)."""
+def _mask_and_center(scores, kpos, qpos, window):
+    """In place over scores (rows, keys), row r belonging to query r % len(qpos): x - row max
+    over the keys the query sees (causal, sliding window), -inf for the others."""
+    n = qpos.shape[0]
     for r in prange(scores.shape[0]):
         row = scores[r]
-        mx = row.max()
+        p = qpos[r % n]
+        mx = np.float32(-np.inf)
+        for j in range(row.shape[0]):
+            if kpos[j] <= p and (window <= 0 or p - kpos[j] < window) and row[j] > mx:
+                mx = row[j]
+        for j in range(row.shape[0]):
+            if kpos[j] <= p and (window <= 0 or p - kpos[j] < window):
+                row[j] = row[j] - mx
+            else:
+                row[j] = -np.inf
+
+
+@njit(parallel=True, **_JIT)
+def _normalize_f16(probs):
+    """In place: each row divided by its sum (taken in double), rounded to F16."""
+    for r in prange(probs.shape[0]):
+        row = probs[r]
         total = 0.0
         for j in range(row.shape[0]):
-            e = np.float32(math.exp(row[j] - mx))
-            row[j] = e
-            total += e
+            total += row[j]
         inv = np.float32(1.0 / total)
         for j in range(row.shape[0]):
             if _VECTOR_F16:
                 row[j] = _via_f16(np.float32(row[j] * inv))
             else:
                 row[j] = _round_f16(np.float32(row[j] * inv))
+
+
+def _softmax_rows_f16(scores, kpos, qpos, window):
+    """Masked softmax of each row in place, weights rounded to F16 (the cache type). exp is
+    numpy's (vectorized); the compiled passes around it do what numpy did slowly (its F16
+    cast of tiny weights alone took 10x the matmuls)."""
+    _mask_and_center(scores, kpos, qpos, window)
+    np.exp(scores, out=scores)
+    _normalize_f16(scores)
 
 
 @njit(**_JIT)
@@ -367,18 +391,18 @@ def _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window):
         keep = kpos > np.min(qpos) - window
         if not keep.all():
             k, v, kpos = k[keep], v[keep], kpos[keep]
-    n, n_head, _ = q.shape
-    group = n_head // k.shape[1]
-    k = k.astype(np.float32).transpose(1, 2, 0)[:, None]  # (n_kv, 1, hd, S)
-    v = v.astype(np.float32).transpose(1, 0, 2)[:, None]  # (n_kv, 1, S, hd_v)
+    n, n_head, hd = q.shape
+    n_kv = k.shape[1]
+    group = n_head // n_kv
+    k = k.astype(np.float32).transpose(1, 2, 0)  # (n_kv, hd, S)
+    v = v.astype(np.float32).transpose(1, 0, 2)  # (n_kv, S, hd_v)
     q = q.astype(np.float16).astype(np.float32)
-    qg = q.reshape(n, k.shape[0], group, -1).transpose(1, 2, 0, 3)  # (n_kv, group, n, hd)
-    scores = (qg @ k).reshape(n_head, n, -1) * np.float32(kq_scale)  # (n_head, n, S)
-    allowed = kpos[None, :] <= qpos[:, None]
-    if window:
-        allowed &= (qpos[:, None] - kpos[None, :]) < window
-    scores[:, ~allowed] = -np.inf
-    probs = np.ascontiguousarray(scores).reshape(-1, scores.shape[-1])
-    _softmax_rows_f16(probs)  # one compiled pass (numpy's F16 cast of tiny weights was 10x the matmuls)
-    out = (probs.reshape(k.shape[0], group, n, -1) @ v).reshape(n_head, n, -1)
+    # one GEMM per KV head for its whole group of query heads: rows (head in group, query)
+    qg = np.ascontiguousarray(q.reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)).reshape(n_kv, group * n, hd)
+    scores = qg @ k  # (n_kv, group * n, S)
+    if kq_scale != 1.0:
+        scores *= np.float32(kq_scale)
+    _softmax_rows_f16(scores.reshape(-1, scores.shape[-1]), np.ascontiguousarray(kpos, dtype=np.int64),
+                      np.ascontiguousarray(qpos, dtype=np.int64), int(window))
+    out = (scores @ v).reshape(n_kv, group, n, -1).reshape(n_head, n, -1)  # heads in KV-head order
     return np.ascontiguousarray(out.transpose(1, 0, 2), dtype=np.float32)
