@@ -99,8 +99,15 @@ def _hsum8(a0, a1, a2, a3, a4, a5, a6, a7):
 
 
 def _has_f16c() -> bool:
+    """Whether the CPU Numba compiles for has F16C: the host's, unless NUMBA_CPU_NAME /
+    NUMBA_CPU_FEATURES name another target (then only an explicit +f16c counts)."""
+    from numba.core import config
     from llvmlite import binding
 
+    if config.CPU_FEATURES is not None:
+        return "+f16c" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME is not None and config.CPU_NAME != "host":
+        return False
     return binding.get_host_cpu_features().get("f16c", False)
 
 
