@@ -46,7 +46,6 @@ _C3 = np.float32(float.fromhex("0x1.555e66p-3"))
 _C2 = np.float32(float.fromhex("0x1.fffdb6p-2"))
 _C1 = np.float32(float.fromhex("0x1.ffffecp-1"))
 
-F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 @intrinsic
@@ -277,7 +276,7 @@ def _allowed(kp, qp, window):
 
 
 @njit(**_JIT)
-def _scores_and_weights(q16, k_bits, tbl, g, kpos, qp, window, kq_scale, w, n_slots=32):
+def _scores_and_weights(q16, k_bits, g, kpos, qp, window, kq_scale, w, n_slots=32):
     """Fill w[:S] with the F16-rounded softmax weights of one query row (q16: F16 values)."""
     n_keys = k_bits.shape[0]
     hd = q16.shape[0]
@@ -313,7 +312,7 @@ def _scores_and_weights(q16, k_bits, tbl, g, kpos, qp, window, kq_scale, w, n_sl
 
 
 @njit(**_JIT)
-def _weighted_values(w, v_bits, tbl, g, out):
+def _weighted_values(w, v_bits, g, out):
     """out[d] = sum_j w[j] * V[j, d] as ggml_vec_dot_f16 over the keys (key j in slot j % 32).
     Keys outer, dims inner (vectorized): each (slot, dim) still sums its keys in order."""
     n_keys, hdv = v_bits.shape[0], v_bits.shape[2]
@@ -335,7 +334,7 @@ _SLOTS = 32  # ggml_vec_dot_f16's 4 x 8 accumulators, passed at run time (see th
 
 
 @njit(parallel=True, **_JIT)
-def _attention_rows(q16, k_bits, v_bits, tbl, kpos, qpos, window, kq_scale, out, n_slots):
+def _attention_rows(q16, k_bits, v_bits, kpos, qpos, window, kq_scale, out, n_slots):
     """One job per (query row, head): many queries (prefill) keep every thread busy."""
     n_tok, n_head, _ = q16.shape
     group = n_head // k_bits.shape[1]
@@ -343,8 +342,8 @@ def _attention_rows(q16, k_bits, v_bits, tbl, kpos, qpos, window, kq_scale, out,
         t = job // n_head
         h = job % n_head
         w = np.empty(k_bits.shape[0], np.float32)
-        _scores_and_weights(q16[t, h], k_bits, tbl, h // group, kpos, qpos[t], window, kq_scale, w, n_slots)
-        _weighted_values(w, v_bits, tbl, h // group, out[t, h])
+        _scores_and_weights(q16[t, h], k_bits, h // group, kpos, qpos[t], window, kq_scale, w, n_slots)
+        _weighted_values(w, v_bits, h // group, out[t, h])
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpos: np.ndarray,
@@ -361,7 +360,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpo
     q16 = np.ascontiguousarray(q, dtype=np.float32).astype(np.float16).astype(np.float32)
     out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
     _attention_rows(q16, np.ascontiguousarray(k).view(np.uint16), np.ascontiguousarray(v).view(np.uint16),
-                    F16_TO_F32, np.ascontiguousarray(kpos, dtype=np.int64),
+                    np.ascontiguousarray(kpos, dtype=np.int64),
                     np.ascontiguousarray(qpos, dtype=np.int64), int(window), np.float32(kq_scale), out,
                     _SLOTS)
     return out
