@@ -10,10 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from edgeinfer import kernels_cpu
-from edgeinfer.kernels_cpu import kv_attention
 from edgeinfer.backend import Backend, _gelu_f16_table
+from edgeinfer.kernels_cpu import kv_attention, ops
 from edgeinfer.models.base import ROPE_NEOX
-from edgeinfer.kernels_cpu import ops
 
 
 class CpuBackend(Backend):

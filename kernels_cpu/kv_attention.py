@@ -31,7 +31,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .fast_dot import _IR, _target_features
-from .threads import apply_threads
+from .threads import apply_threads, get_threads, worker_pool
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
 
@@ -378,16 +378,14 @@ def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray
     the weights in F16, sums in double), float order of the BLAS library inside.
     With -t > 1 the query rows are split across threads (BLAS itself runs single-threaded
     beside Numba; numpy releases the GIL in every large op here)."""
-    from .matvec import _gemm_pool
-    from .threads import get_threads
-
     qpos = np.asarray(qpos)
     n_threads = get_threads()
     if n_threads > 1 and q.shape[0] >= 2 * EXACT_MAX_QUERIES:
-        parts = np.array_split(np.arange(q.shape[0]), n_threads)
-        outs = list(_gemm_pool(n_threads).map(
-            lambda rows: _attention_blas_rows(q[rows[0]:rows[-1] + 1], k, v, kpos, qpos[rows[0]:rows[-1] + 1],
-                                              kq_scale, window), parts))
+        n, t = q.shape[0], n_threads  # np.array_split's cut points: the first n % t parts get one more row
+        cuts = [i * (n // t) + min(i, n % t) for i in range(t + 1)]
+        outs = list(worker_pool(n_threads).map(
+            lambda ab: _attention_blas_rows(q[ab[0]:ab[1]], k, v, kpos, qpos[ab[0]:ab[1]], kq_scale, window),
+            zip(cuts[:-1], cuts[1:])))
         return np.concatenate(outs, axis=0)
     return _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window)
 
@@ -410,5 +408,5 @@ def _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window):
         scores *= np.float32(kq_scale)
     _softmax_rows_f16(scores.reshape(-1, scores.shape[-1]), np.ascontiguousarray(kpos, dtype=np.int64),
                       np.ascontiguousarray(qpos, dtype=np.int64), int(window))
-    out = (scores @ v).reshape(n_kv, group, n, -1).reshape(n_head, n, -1)  # heads in KV-head order
+    out = (scores @ v).reshape(n_head, n, -1)  # rows were (KV head, head in group, query)
     return np.ascontiguousarray(out.transpose(1, 0, 2), dtype=np.float32)

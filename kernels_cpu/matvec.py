@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from . import quant_kernels as qk
 from .quant_types import QuantInfo, check_weight
-from .threads import apply_threads, get_threads
+from .threads import apply_threads, get_threads, worker_pool
 
 from . import fast_dot
 
@@ -198,21 +198,10 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         bounds = np.linspace(0, n_rows // _PREFILL_TILE_ROWS, n_threads + 1).astype(int) * _PREFILL_TILE_ROWS
         bounds[-1] = n_rows
         jobs = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        list(_gemm_pool(n_threads).map(lambda ab: _tiled_gemm(X, w_raw, qt, ab[0], ab[1], out, True), jobs))
+        list(worker_pool(n_threads).map(lambda ab: _tiled_gemm(X, w_raw, qt, ab[0], ab[1], out, True), jobs))
     else:
         _tiled_gemm(X, w_raw, qt, 0, n_rows, out, False)
     return out
-
-
-_POOL: list = []
-
-
-def _gemm_pool(n: int):
-    from concurrent.futures import ThreadPoolExecutor
-
-    if not _POOL or _POOL[0][0] != n:
-        _POOL[:] = [(n, ThreadPoolExecutor(n, thread_name_prefix="edgeinfer-gemm"))]
-    return _POOL[0][1]
 
 
 def _tiled_gemm(X: np.ndarray, w_raw: np.ndarray, qt: int, r0: int, r1: int, out: np.ndarray,

@@ -31,3 +31,19 @@ def apply_threads() -> None:
     if _wanted is not None and getattr(_applied, "count", None) != _wanted:
         numba.set_num_threads(_wanted)
         _applied.count = _wanted
+
+
+_POOL: dict[int, object] = {}
+
+
+def worker_pool(n: int):
+    """A persistent pool of n Python threads for work that splits itself across cores
+    outside Numba's parallel regions (the BLAS prefill GEMM and attention: numpy's BLAS is
+    kept to one thread beside Numba, and releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = _POOL.get(n)
+    if pool is None:
+        _POOL.clear()
+        pool = _POOL[n] = ThreadPoolExecutor(n, thread_name_prefix="edgeinfer-worker")
+    return pool
