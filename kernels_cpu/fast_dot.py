@@ -20,12 +20,15 @@ function's own file.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .quant_kernels import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+
+llvm.initialize_native_asmparser()   # load_f16's one inline `vmovd` needs it
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F16T, F32T = ir.HalfType(), ir.FloatType()
@@ -61,7 +64,16 @@ class _IR:
 
     def load_f16(self, base, off):
         if self.f16c:   # vcvtph2ps
-            return self.b.fpext(self.load(base, off, F16T), F32T)
+            # Moved through a general register with `vmovd`, which writes the whole vector
+            # register: a plain half load becomes `vpinsrw` into whatever register LLVM
+            # picks, often the row's accumulator, chaining each block's scale conversion
+            # to the previous block's fma (it halved the Q8_0 and Q4_K kernels' speed).
+            b = self.b
+            h32 = b.zext(self.load(base, off, I16), I32)
+            v = b.asm(ir.FunctionType(_vec(I32, 4), [I32]), "vmovd $1, $0", "=x,r", [h32], False)
+            v8 = b.bitcast(v, _vec(F16T, 8))
+            f4 = b.fpext(b.shuffle_vector(v8, v8, _mask(range(4))), _vec(F32T, 4))
+            return b.extract_element(f4, ir.Constant(I32, 0))
         # Without F16C, LLVM would call __extendhfsf2, which Numba's JIT does not provide:
         # convert with integer ops (F. Giesen's half_to_float).
         b = self.b
@@ -76,6 +88,19 @@ class _IR:
                      b.select(b.icmp_unsigned("==", e, c(0)), denorm, b.bitcast(u1, F32T)))
         sign = b.shl(b.and_(h, c(0x8000)), c(16))
         return b.bitcast(b.or_(b.bitcast(f, I32), sign), F32T)
+
+    def load_f16_splat(self, base, off, n):
+        """The fp16 at base+off as float in all n lanes.
+
+        With F16C this is vpbroadcastw + vcvtph2ps, both writing whole registers. A scalar
+        half load instead becomes `vpinsrw` into an arbitrary register (often the row's
+        accumulator), which chains each block's scale to the previous block's fma.
+        """
+        if not self.f16c or n != 8:
+            return self.splat(self.load_f16(base, off), n)
+        b = self.b
+        v = self.splat(b.bitcast(self.load(base, off, I16), F16T), 8)
+        return b.fpext(v, _vec(F32T, 8))
 
     def splat(self, scalar, n):
         v = self.b.insert_element(ir.Constant(_vec(scalar.type, 1), ir.Undefined), scalar, ir.Constant(I32, 0))
@@ -159,6 +184,13 @@ class _IR:
             v = b.add(self.half(v, 0), self.half(v, 1))
         return b.extract_element(v, ir.Constant(I32, 0))
 
+    def prefetch(self, ptr):
+        """Read prefetch into all cache levels (llvm.prefetch; a no-op where unsupported)."""
+        mod = self.b.module
+        fn = mod.globals.get("llvm.prefetch.p0") or ir.Function(
+            mod, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
+        self.b.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
     def fma(self, a, x, acc):
         mod = self.b.module
         name = f"llvm.fma.v{acc.type.count}f32"
@@ -179,13 +211,14 @@ def _target_features(context) -> set[str]:
     return set(feats.split(","))
 
 
-def _array_ptrs(context, builder, sig, args):
-    """(row r of w as i8*, xq i8*, xd i8*, xs i8*, nb) from (w, r, xq, xd, xs)."""
+def _array_ptrs(context, builder, sig, args, nrows=1):
+    """([rows r..r+nrows-1 of w as i8*], xq i8*, xd i8*, xs i8*, nb) from (w, r, xq, xd, xs)."""
     w = context.make_array(sig.args[0])(context, builder, args[0])
     r = args[1]
     stride0 = cgutils.unpack_tuple(builder, w.strides)[0]
-    wrow = builder.gep(builder.bitcast(w.data, I8.as_pointer()), [builder.mul(r, stride0)])
-    out = [wrow]
+    base = builder.gep(builder.bitcast(w.data, I8.as_pointer()), [builder.mul(r, stride0)])
+    wrows = [builder.gep(base, [builder.mul(ir.Constant(I64, k), stride0)]) for k in range(nrows)]
+    out = [wrows]
     for k in (2, 3, 4):
         a = context.make_array(sig.args[k])(context, builder, args[k])
         out.append(builder.bitcast(a.data, I8.as_pointer()))
@@ -194,19 +227,30 @@ def _array_ptrs(context, builder, sig, args):
     return out, nb
 
 
-def _row_loop(context, builder, sig, args, body, with_mins=False):
-    """Emit `for b in range(nb): acc = body(b, acc)`; return the horizontal sum.
+def _row_loop(context, builder, sig, args, body, with_mins=False, nrows=1, block_bytes=0):
+    """Emit `for b in range(nb): acc[k] = body(row k, b, acc[k])` for nrows rows; return
+    the rows' horizontal sums.
 
-    One <8 x float> accumulator over the blocks in order, then the AVX horizontal sum:
-    llama.cpp's exact float order, so results match it bit for bit (a chain of dependent
-    fmas costs nothing here: each block's integer work is far longer than an fma).
+    Each row keeps one <8 x float> accumulator over the blocks in order, then the AVX
+    horizontal sum: llama.cpp's exact float order, so results match it bit for bit.
+    Several rows per loop share the activation loads and overlap their fma chains (one
+    row's chain of dependent fmas would set the pace for the short-bodied types).
     with_mins: the body also takes and returns a <4 x float> accumulator for the K-quant
     min terms, which llama.cpp keeps apart and adds at the end.
     """
-    (wrow, xq, xd, xs), nb = _array_ptrs(context, builder, sig, args)
+    (wrows, xq, xd, xs), nb = _array_ptrs(context, builder, sig, args, nrows)
     h = _IR(builder, _target_features(context))
     zero = ir.Constant(_vec(F32T, 8), [0.0] * 8)
     zero4 = ir.Constant(_vec(F32T, 4), [0.0] * 4)
+    if nrows > 1:
+        # Short rows (the 640-column Gemma head): the next group's rows, else 1 KiB ahead
+        # in this row. A group's rows are separate short streams that the hardware
+        # prefetcher does not pick up in time.
+        stride = builder.ptrtoint(wrows[1], I64)
+        stride = builder.sub(stride, builder.ptrtoint(wrows[0], I64))
+        group = builder.mul(stride, ir.Constant(I64, nrows))
+        pf_dist = builder.select(builder.icmp_signed("<", group, ir.Constant(I64, 8192)),
+                                 builder.mul(group, ir.Constant(I64, 3)), ir.Constant(I64, 1024))
     entry = builder.block
     loop = builder.append_basic_block("qdot.loop")
     done = builder.append_basic_block("qdot.done")
@@ -214,33 +258,45 @@ def _row_loop(context, builder, sig, args, body, with_mins=False):
 
     builder.position_at_end(loop)
     i = builder.phi(I64)
-    acc = builder.phi(zero.type)
     i.add_incoming(ir.Constant(I64, 0), entry)
-    acc.add_incoming(zero, entry)
-    if with_mins:
-        accm = builder.phi(zero4.type)
-        accm.add_incoming(zero4, entry)
-        n_acc, n_accm = body(h, wrow, xq, xd, xs, i, (acc, accm))
-    else:
-        n_acc = body(h, wrow, xq, xd, xs, i, acc)
+    phis = []   # all phis first: LLVM wants them at the top of the block
+    for _ in wrows:
+        ph = [builder.phi(z.type) for z in ((zero, zero4) if with_mins else (zero,))]
+        for p_, z in zip(ph, (zero, zero4)):
+            p_.add_incoming(z, entry)
+        phis.append(ph)
+    nxts = []
+    if nrows > 1:
+        for wrow in wrows:
+            h.prefetch(builder.gep(wrow, [builder.add(builder.mul(i, _c64(block_bytes)), pf_dist)]))
+    for wrow, ph in zip(wrows, phis):
+        if with_mins:
+            nxts.append(body(h, wrow, xq, xd, xs, i, tuple(ph)))
+        else:
+            nxts.append((body(h, wrow, xq, xd, xs, i, ph[0]),))
     nxt = builder.add(i, ir.Constant(I64, 1))
     loop_end = builder.block
     i.add_incoming(nxt, loop_end)
-    acc.add_incoming(n_acc, loop_end)
-    if with_mins:
-        accm.add_incoming(n_accm, loop_end)
+    for ph, nx in zip(phis, nxts):
+        for p_, n_ in zip(ph, nx):
+            p_.add_incoming(n_, loop_end)
     builder.cbranch(builder.icmp_signed("<", nxt, nb), loop, done)
 
     builder.position_at_end(done)
-    r = builder.phi(zero.type)
-    r.add_incoming(zero, entry)
-    r.add_incoming(n_acc, loop_end)
-    if with_mins:
-        rm = builder.phi(zero4.type)
-        rm.add_incoming(zero4, entry)
-        rm.add_incoming(n_accm, loop_end)
-        return builder.fadd(h.hsum_f32(r), h.hsum_f32(rm))
-    return h.hsum_f32(r)
+    fins = []
+    for nx in nxts:
+        fin = []
+        for n_, z in zip(nx, (zero, zero4)):
+            r = builder.phi(z.type)
+            r.add_incoming(z, entry)
+            r.add_incoming(n_, loop_end)
+            fin.append(r)
+        fins.append(fin)
+    sums = []
+    for fin in fins:
+        hs = [h.hsum_f32(r) for r in fin]
+        sums.append(builder.fadd(hs[0], hs[1]) if with_mins else hs[0])
+    return sums
 
 
 def _c64(v):
@@ -252,13 +308,13 @@ def _c64(v):
 def _body_q8_0(h, wrow, xq, xd, xs, bi, acc):
     b = h.b
     wo = b.mul(bi, _c64(34))
-    d = b.fmul(h.load_f16(wrow, wo), h.load(xd, b.mul(bi, _c64(4)), F32T))
+    d = b.fmul(h.load_f16_splat(wrow, wo, 8), h.splat(h.load(xd, b.mul(bi, _c64(4)), F32T), 8))
     wv = h.load(wrow, b.add(wo, _c64(2)), _vec(I8, 32))
     xv = h.load(xq, b.mul(bi, _c64(32)), _vec(I8, 32))
     # |w| (u8) . sign(w)*x (s8): products are the same, and vpmaddubsw takes u8 x s8
     # pairs: |w|*|x| <= 128*127, two of them < 2^15
     s = h.madd_i16(h.maddubs(h.abs_i8(wv), h.sign_i8(xv, wv)), _const_vec(I16, 16, 1))
-    return h.fma(h.splat(d, 8), b.sitofp(s, _vec(F32T, 8)), acc)
+    return h.fma(d, b.sitofp(s, _vec(F32T, 8)), acc)
 
 
 def _nibbles32(h, q16):
@@ -559,18 +615,27 @@ def _make_deq_q23_k(three: bool):
     return body
 
 
-def _make_row_intrinsic(body, with_mins=False):
+ROWS = 4   # rows per multi-row call (4 accumulators hide the fma latency; _matvec_item unpacks 4)
+
+
+def _make_row_intrinsic(body, with_mins=False, nrows=1, block_bytes=0):
+    """row_dot(w, r, xq, xd, xs): row r's dot as float32, or with nrows > 1 a tuple of
+    rows r..r+nrows-1 (the caller keeps r + nrows <= rows)."""
+    ret = types.float32 if nrows == 1 else types.UniTuple(types.float32, nrows)
+
     @intrinsic
     def row_dot(typingctx, w, r, xq, xd, xs):
-        sig = types.float32(w, r, xq, xd, xs)
+        sig = ret(w, r, xq, xd, xs)
 
         def codegen(context, builder, sig, args):
-            return _row_loop(context, builder, sig, args, body, with_mins)
+            sums = _row_loop(context, builder, sig, args, body, with_mins, nrows, block_bytes)
+            return sums[0] if nrows == 1 else context.make_tuple(builder, sig.return_type, sums)
         return sig, codegen
     return row_dot
 
 
 _row_q8_0 = _make_row_intrinsic(_body_q8_0)
+_rows_q8_0 = _make_row_intrinsic(_body_q8_0, nrows=ROWS, block_bytes=34)
 _row_q4_0 = _make_row_intrinsic(_make_body_q32(Q4_0))
 _row_q4_1 = _make_row_intrinsic(_make_body_q32(Q4_1))
 _row_q5_0 = _make_row_intrinsic(_make_body_q32(Q5_0))
@@ -721,34 +786,82 @@ FAST_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 _JIT = dict(cache=True, nogil=True)
 
 
+CHUNK = 16   # rows per work item: the type dispatch and call overhead, once per chunk
+
+
 @njit(**_JIT)
-def _row_dot(w, qt, r, xq, xd, xs):
-    """Row r of w . 8-bit activations, dispatched on the GGML type id (once per row)."""
+def _q8_0_rows(w, r0, r1, xq, xd, xs, out):
+    # Q8_0 rows of 4 KiB or more run ROWS at a time (measured: 1.5x on one thread). Not
+    # shorter rows: as interleaved short streams they come from memory slower; nor the
+    # other types: their bodies spill registers with ROWS copies.
+    r = r0
+    if w.shape[1] >= 4096:
+        while r + ROWS <= r1:
+            a, b, c, d = _rows_q8_0(w, r, xq, xd, xs)
+            out[r] = a
+            out[r + 1] = b
+            out[r + 2] = c
+            out[r + 3] = d
+            r += ROWS
+    for i in range(r, r1):
+        out[i] = _row_q8_0(w, i, xq, xd, xs)
+
+
+@njit(**_JIT)
+def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
+    """out[r] = row r of w . 8-bit activations for r0 <= r < r1, dispatched on the GGML
+    type id once (the row intrinsics inline into each branch's loop)."""
     if qt == Q4_K:
         if w.shape[0] % 8 == 0:
-            return _row_q4_k_rows8(w, r, xq, xd, xs)
-        return _row_q4_k(w, r, xq, xd, xs)
-    if qt == Q6_K:
-        return _row_q6_k(w, r, xq, xd, xs)
-    if qt == Q8_0:
-        return _row_q8_0(w, r, xq, xd, xs)
-    if qt == Q5_0:
-        return _row_q5_0(w, r, xq, xd, xs)
-    if qt == Q5_K:
-        return _row_q5_k(w, r, xq, xd, xs)
-    if qt == Q4_0:
-        return _row_q4_0(w, r, xq, xd, xs)
-    if qt == Q4_1:
-        return _row_q4_1(w, r, xq, xd, xs)
-    if qt == Q5_1:
-        return _row_q5_1(w, r, xq, xd, xs)
-    if qt == IQ4_NL:
-        return _row_iq4_nl(w, r, xq, xd, xs)
-    if qt == Q3_K:
-        return _row_q3_k(w, r, xq, xd, xs)
-    if qt == Q2_K:
-        return _row_q2_k(w, r, xq, xd, xs)
-    return _row_iq4_xs(w, r, xq, xd, xs)
+            for r in range(r0, r1):
+                out[r] = _row_q4_k_rows8(w, r, xq, xd, xs)
+        else:
+            for r in range(r0, r1):
+                out[r] = _row_q4_k(w, r, xq, xd, xs)
+    elif qt == Q6_K:
+        for r in range(r0, r1):
+            out[r] = _row_q6_k(w, r, xq, xd, xs)
+    elif qt == Q8_0:
+        _q8_0_rows(w, r0, r1, xq, xd, xs, out)
+    elif qt == Q5_0:
+        for r in range(r0, r1):
+            out[r] = _row_q5_0(w, r, xq, xd, xs)
+    elif qt == Q5_K:
+        for r in range(r0, r1):
+            out[r] = _row_q5_k(w, r, xq, xd, xs)
+    elif qt == Q4_0:
+        for r in range(r0, r1):
+            out[r] = _row_q4_0(w, r, xq, xd, xs)
+    elif qt == Q4_1:
+        for r in range(r0, r1):
+            out[r] = _row_q4_1(w, r, xq, xd, xs)
+    elif qt == Q5_1:
+        for r in range(r0, r1):
+            out[r] = _row_q5_1(w, r, xq, xd, xs)
+    elif qt == IQ4_NL:
+        for r in range(r0, r1):
+            out[r] = _row_iq4_nl(w, r, xq, xd, xs)
+    elif qt == Q3_K:
+        for r in range(r0, r1):
+            out[r] = _row_q3_k(w, r, xq, xd, xs)
+    elif qt == Q2_K:
+        for r in range(r0, r1):
+            out[r] = _row_q2_k(w, r, xq, xd, xs)
+    else:
+        for r in range(r0, r1):
+            out[r] = _row_iq4_xs(w, r, xq, xd, xs)
+
+
+@njit(**_JIT)
+def _n_items(n_rows):
+    return (n_rows + CHUNK - 1) // CHUNK
+
+
+@njit(**_JIT)
+def _matvec_item(w, qt, xq, xd, xs, out, g):
+    """Work item g (rows g*CHUNK ..) of out = w . x."""
+    r0 = g * CHUNK
+    _dot_rows(w, qt, r0, min(r0 + CHUNK, out.shape[0]), xq, xd, xs, out)
 
 
 @njit(**_JIT)
@@ -782,40 +895,41 @@ def _deq_row(w, qt, r, y, i):
 
 @njit(parallel=True, **_JIT)
 def _matvec_kernel(w, qt, xq, xd, xs, out):
-    for r in prange(out.shape[0]):
-        out[r] = _row_dot(w, qt, r, xq, xd, xs)
+    for g in prange(_n_items(out.shape[0])):
+        _matvec_item(w, qt, xq, xd, xs, out, g)
 
 
 @njit(parallel=True, **_JIT)
 def _matvec2_kernel(w1, q1, w2, q2, xq, xd, xs, o1, o2):
     # two matrices on the same activations in one parallel region (gate + up)
-    n1 = o1.shape[0]
-    for r in prange(n1 + o2.shape[0]):
-        if r < n1:
-            o1[r] = _row_dot(w1, q1, r, xq, xd, xs)
+    n1 = _n_items(o1.shape[0])
+    for g in prange(n1 + _n_items(o2.shape[0])):
+        if g < n1:
+            _matvec_item(w1, q1, xq, xd, xs, o1, g)
         else:
-            o2[r - n1] = _row_dot(w2, q2, r - n1, xq, xd, xs)
+            _matvec_item(w2, q2, xq, xd, xs, o2, g - n1)
 
 
 @njit(parallel=True, **_JIT)
 def _matvec3_kernel(w1, q1, w2, q2, w3, q3, xq, xd, xs, o1, o2, o3):
     # three matrices on the same activations in one parallel region (Q, K, V)
-    n1, n12 = o1.shape[0], o1.shape[0] + o2.shape[0]
-    for r in prange(n12 + o3.shape[0]):
-        if r < n1:
-            o1[r] = _row_dot(w1, q1, r, xq, xd, xs)
-        elif r < n12:
-            o2[r - n1] = _row_dot(w2, q2, r - n1, xq, xd, xs)
+    n1 = _n_items(o1.shape[0])
+    n12 = n1 + _n_items(o2.shape[0])
+    for g in prange(n12 + _n_items(o3.shape[0])):
+        if g < n1:
+            _matvec_item(w1, q1, xq, xd, xs, o1, g)
+        elif g < n12:
+            _matvec_item(w2, q2, xq, xd, xs, o2, g - n1)
         else:
-            o3[r - n12] = _row_dot(w3, q3, r - n12, xq, xd, xs)
+            _matvec_item(w3, q3, xq, xd, xs, o3, g - n12)
 
 
 @njit(parallel=True, **_JIT)
 def _matmul_kernel(w, qt, xq, xd, xs, out):
-    # each weight row is read once (it stays in L1/L2) for all tokens
-    for r in prange(w.shape[0]):
+    # each group of weight rows is read once (it stays in L1/L2) for all tokens
+    for g in prange(_n_items(w.shape[0])):
         for t in range(xq.shape[0]):
-            out[t, r] = _row_dot(w, qt, r, xq[t], xd[t], xs[t])
+            _matvec_item(w, qt, xq[t], xd[t], xs[t], out[t], g)
 
 
 @njit(parallel=True, **_JIT)

@@ -130,6 +130,16 @@ def test_matvec_follows_ggml_order(qtype, n_rows):
     np.testing.assert_array_equal(K.matvec(w, qtype, x), ORDERS[qtype](w, x))
 
 
+@pytest.mark.parametrize("n_rows", [4, 37])
+def test_q8_0_long_rows_four_at_a_time_keep_the_order(n_rows):
+    # rows of >= 4 KiB run four per loop (fast_dot._q8_0_rows); 37 rows also leave a
+    # partial chunk and a leftover row
+    rng = np.random.default_rng(n_rows)
+    w = random_blocks(T.Q8_0, n_rows, 4096, rng)
+    x = (rng.standard_normal(4096) * 3).astype(np.float32)
+    np.testing.assert_array_equal(K.matvec(w, T.Q8_0, x), ORDERS[T.Q8_0](w, x))
+
+
 def test_matvec_many_equals_separate_matvecs():
     rng = np.random.default_rng(4)
     ws = [random_blocks(t, r, 512, rng) for t, r in ((T.Q5_0, 24), (T.Q5_0, 8), (T.Q8_0, 8))]
