@@ -102,6 +102,46 @@ class _IR:
         v = self.splat(b.bitcast(self.load(base, off, I16), F16T), 8)
         return b.fpext(v, _vec(F32T, 8))
 
+    def load_f16x2(self, base, off):
+        """Two adjacent fp16 at base+off -> <4 x float> [a, b, 0, 0]."""
+        b = self.b
+        if not self.f16c:
+            z = ir.Constant(_vec(F32T, 4), [0.0] * 4)
+            z = b.insert_element(z, self.load_f16(base, off), ir.Constant(I32, 0))
+            return b.insert_element(z, self.load_f16(base, b.add(off, _c64(2))), ir.Constant(I32, 1))
+        # vmovd: see load_f16
+        v = b.asm(ir.FunctionType(_vec(I32, 4), [I32]), "vmovd $1, $0", "=x,r", [self.load(base, off, I32)], False)
+        v8 = b.bitcast(v, _vec(F16T, 8))
+        return b.fpext(b.shuffle_vector(v8, v8, _mask(range(4))), _vec(F32T, 4))
+
+    def narrow_i32_i16(self, v):
+        """<16 x i32> (each fits i16) -> <16 x i16>, same lane order."""
+        b = self.b
+        if self.avx2:  # vpackssdw interleaves 128-bit halves; vpermq puts them back
+            p = self._x86("llvm.x86.avx2.packssdw", _vec(I16, 16), [self.half(v, 0), self.half(v, 1)])
+            q = b.bitcast(p, _vec(I64, 4))
+            return b.bitcast(b.shuffle_vector(q, q, _mask([0, 2, 1, 3])), _vec(I16, 16))
+        return b.trunc(v, _vec(I16, 16))
+
+    def pick_i16_halves(self, v, j, k):
+        """<16 x i16> whose halves both hold the same 8 values -> lane j in the low 8
+        lanes, lane k in the high 8 (one vpshufb on AVX2)."""
+        b = self.b
+        if self.avx2:
+            m = _const_vec(I8, 32, [2 * j, 2 * j + 1] * 8 + [2 * k, 2 * k + 1] * 8)
+            vb = b.bitcast(v, _vec(I8, 32))
+            return b.bitcast(self._x86("llvm.x86.avx2.pshuf.b", _vec(I8, 32), [vb, m]), _vec(I16, 16))
+        return b.shuffle_vector(v, v, _mask([j] * 8 + [k + 8] * 8))
+
+    def bcast_u8_as_i16(self, bytes2, j):
+        """<32 x i8> (16 bytes repeated in both halves) -> <16 x i16>, every lane byte j
+        zero-extended: one vpshufb on AVX2."""
+        b = self.b
+        if self.avx2:
+            m = _const_vec(I8, 32, [j, -128] * 16)    # -128 (0x80): write a zero byte
+            return b.bitcast(self._x86("llvm.x86.avx2.pshuf.b", _vec(I8, 32), [bytes2, m]), _vec(I16, 16))
+        return b.zext(b.shuffle_vector(bytes2, bytes2, _mask([j] * 16)), _vec(I16, 16))
+
     def splat(self, scalar, n):
         v = self.b.insert_element(ir.Constant(_vec(scalar.type, 1), ir.Undefined), scalar, ir.Constant(I32, 0))
         return self.b.shuffle_vector(v, v, _mask([0] * n))
@@ -455,6 +495,56 @@ def _make_body_q45_k(five: bool, rows8: bool = False):
     return body
 
 
+def _q4k_scales_vec(h, wrow, wo):
+    """The 12 packed scale bytes -> <16 x i8>: 8 scales, then 8 mins (ggml's utmp trick
+    on one <4 x i32> instead of scalar registers)."""
+    b = h.b
+    v = h.load(wrow, b.add(wo, _c64(4)), _vec(I32, 4))     # u0 u1 u2 (+4 bytes of qs)
+    c = lambda x: _const_vec(I32, 4, x)  # noqa: E731
+    a = b.and_(v, c(0x3F3F3F3F))                                       # t0 t2 . .
+    hi2 = b.shl(b.and_(b.lshr(v, c(6)), c(0x03030303)), c(4))          # from u0, u1
+    u2 = b.shuffle_vector(v, v, _mask([2, 2, 2, 2]))
+    lo4 = b.and_(b.lshr(u2, _const_vec(I32, 4, [0, 4, 0, 0])), c(0x0F0F0F0F))
+    t13 = b.or_(lo4, hi2)                                              # t1 t3 . .
+    return b.bitcast(b.shuffle_vector(a, t13, _mask([0, 4, 1, 5])), _vec(I8, 16))
+
+
+def _body_q4_k_rows8(h, wrow, xq, xd, xs, bi, acc):
+    """Q4_K block dot in the order of llama.cpp's repacked 8-row gemv (rows % 8 == 0):
+    per block, the whole integer dot I and min dot M, then one fma each into separate
+    float sums. Both sums live in one <4 x float>: lane 0 += (d*dx) * I, lane 1 +=
+    (-(dmin*dx)) * M, lanes 2-3 stay 0, so the row's result is lane 0 + lane 1.
+    The loop's <8 x float> accumulator stays zero."""
+    b = h.b
+    acc8, c4 = acc
+    wo = b.mul(bi, _c64(144))
+    dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
+    dxv = b.insert_element(b.insert_element(ir.Constant(_vec(F32T, 4), [0.0] * 4), dx, ir.Constant(I32, 0)),
+                           b.fneg(dx), ir.Constant(I32, 1))
+    dm = b.fmul(h.load_f16x2(wrow, wo), dxv)         # [d*dx, -(dmin*dx), 0, 0]
+    sm = _q4k_scales_vec(h, wrow, wo)
+    mn32 = b.zext(b.shuffle_vector(sm, sm, _mask(range(8, 16))), _vec(I32, 8))
+    bs32 = h.pairs(h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16)))     # per-32 sums of x
+    msum = b.mul(mn32, bs32)
+    sc2 = b.shuffle_vector(sm, sm, _mask(list(range(16)) * 2))        # scales in both lanes
+    xo = b.mul(bi, _c64(256))
+    isum = ir.Constant(_vec(I32, 8), [0] * 8)
+    for c in range(4):
+        q = h.load(wrow, b.add(wo, _c64(16 + 32 * c)), _vec(I8, 32))
+        for hi in range(2):
+            j = 2 * c + hi
+            xv = h.load(xq, b.add(xo, _c64(32 * j)), _vec(I8, 32))
+            p16 = h.maddubs(_k_nibbles(h, q, hi), xv)                  # pairs <= 2*15*128
+            isum = b.add(isum, h.madd_i16(p16, h.bcast_u8_as_i16(sc2, j)))
+    # [I, M, I, M]: exact integer sums (any order)
+    e = b.shuffle_vector(isum, msum, _mask([0, 2, 8, 10, 4, 6, 12, 14]))
+    o = b.shuffle_vector(isum, msum, _mask([1, 3, 9, 11, 5, 7, 13, 15]))
+    p = b.add(e, o)
+    q4 = b.add(h.half(p, 0), h.half(p, 1))
+    im = b.add(b.shuffle_vector(q4, q4, _mask([0, 2, 0, 2])), b.shuffle_vector(q4, q4, _mask([1, 3, 1, 3])))
+    return acc8, h.fma(dm, b.sitofp(im, _vec(F32T, 4)), c4)
+
+
 def _k_nibbles(h, q, hi):
     b = h.b
     return b.and_(q, _const_vec(I8, 32, 15)) if hi == 0 else b.lshr(q, _const_vec(I8, 32, 4))
@@ -489,32 +579,36 @@ def _q6_k_values(h, ql0, ql1, qh, gq):
     b = h.b
     ql = ql0 if gq & 1 == 0 else ql1
     low = b.and_(ql, _const_vec(I8, 32, 15)) if gq < 2 else b.lshr(ql, _const_vec(I8, 32, 4))
-    high = b.and_(b.lshr(qh, _const_vec(I8, 32, 2 * gq)), _const_vec(I8, 32, 3))
-    return b.or_(low, b.shl(high, _const_vec(I8, 32, 4)))
+    # bits 2gq, 2gq+1 of qh moved to bits 4, 5: one shift and one mask
+    sh = 4 - 2 * gq
+    hq = qh if sh == 0 else (b.shl(qh, _const_vec(I8, 32, sh)) if sh > 0 else b.lshr(qh, _const_vec(I8, 32, -sh)))
+    return b.or_(low, b.and_(hq, _const_vec(I8, 32, 0x30)))
 
 
 def _body_q6_k(h, wrow, xq, xd, xs, bi, acc):
     b = h.b
     wo = b.mul(bi, _c64(210))
-    d = b.fmul(h.load_f16(wrow, b.add(wo, _c64(208))), h.load(xd, b.mul(bi, _c64(4)), F32T))
-    sc = b.sext(h.load(wrow, b.add(wo, _c64(192)), _vec(I8, 16)), _vec(I32, 16))
-    bsums = h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16))
-    corr = b.mul(b.mul(sc, bsums), _const_vec(I32, 16, 32))           # 32 * sc_g * sum_g(x)
-    isum = b.sub(ir.Constant(_vec(I32, 8), [0] * 8), h.pairs(corr))
-    sc16 = b.trunc(sc, _vec(I16, 16))
+    d = b.fmul(h.load_f16_splat(wrow, b.add(wo, _c64(208)), 8), h.splat(h.load(xd, b.mul(bi, _c64(4)), F32T), 8))
+    sc16 = b.sext(h.load(wrow, b.add(wo, _c64(192)), _vec(I8, 16)), _vec(I16, 16))
+    bs16 = h.narrow_i32_i16(h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16)))   # |sums| <= 16*128
+    # lane k: 32 * (sc_2k * sum_2k(x) + sc_2k+1 * sum_2k+1(x)), as llama.cpp's q8sclsub
+    isum = b.sub(ir.Constant(_vec(I32, 8), [0] * 8), b.shl(h.madd_i16(sc16, bs16), _const_vec(I32, 8, 5)))
+    # scales as i16 with both 128-bit halves holding the same 8: one vpshufb per group pair
+    sc_lo = b.shuffle_vector(sc16, sc16, _mask(list(range(8)) * 2))
+    sc_hi = b.shuffle_vector(sc16, sc16, _mask(list(range(8, 16)) * 2))
     xo = b.mul(bi, _c64(256))
     for hh in range(2):
         qh = h.load(wrow, b.add(wo, _c64(128 + 32 * hh)), _vec(I8, 32))
         ql0 = h.load(wrow, b.add(wo, _c64(64 * hh)), _vec(I8, 32))
         ql1 = h.load(wrow, b.add(wo, _c64(64 * hh + 32)), _vec(I8, 32))
+        src = sc_lo if hh == 0 else sc_hi
         for gq in range(4):
             q = _q6_k_values(h, ql0, ql1, qh, gq)
             xv = h.load(xq, b.add(xo, _c64(hh * 128 + gq * 32)), _vec(I8, 32))
             p16 = h.maddubs(q, xv)              # pairs <= 2*63*128; lanes 0..7: group g, 8..15: g+1
-            g = hh * 8 + gq * 2
-            scg = b.shuffle_vector(sc16, sc16, _mask([g] * 8 + [g + 1] * 8))
-            isum = b.add(isum, h.madd_i16(p16, scg))
-    return h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
+            g = gq * 2                          # within this half's 8 scales
+            isum = b.add(isum, h.madd_i16(p16, h.pick_i16_halves(src, g, g + 1)))
+    return h.fma(d, b.sitofp(isum, _vec(F32T, 8)), acc)
 
 
 def _q3k_scales(h, wrow, wo):
@@ -642,7 +736,7 @@ _row_q5_0 = _make_row_intrinsic(_make_body_q32(Q5_0))
 _row_q5_1 = _make_row_intrinsic(_make_body_q32(Q5_1))
 _row_iq4_nl = _make_row_intrinsic(_make_body_q32(IQ4_NL))
 _row_q4_k = _make_row_intrinsic(_make_body_q45_k(False), with_mins=True)
-_row_q4_k_rows8 = _make_row_intrinsic(_make_body_q45_k(False, rows8=True), with_mins=True)
+_row_q4_k_rows8 = _make_row_intrinsic(_body_q4_k_rows8, with_mins=True)
 _row_q5_k = _make_row_intrinsic(_make_body_q45_k(True))
 _row_q6_k = _make_row_intrinsic(_body_q6_k)
 _row_iq4_xs = _make_row_intrinsic(_body_iq4_xs)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import numpy as np
 
 HASWELL = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+cx8,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,"
            "+pclmul,+popcnt,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,"
@@ -34,26 +34,31 @@ from quant_blocks import random_blocks
 cg = cpu_target.target_context.codegen()
 print("target", cg.magic_tuple()[1], "+avx2" in cg._tm_features.split(","))
 rng = np.random.default_rng(7)
-for qt in [T(t) for t in fast_dot.FAST_TYPES]:
-    w = random_blocks(qt, 19, 1024, rng)
+results = {}
+# 19 rows: the per-row orders; 16 rows: Q4_K's 8-row order; 4096 columns: Q8_0 four rows at a time
+cases = [(T(t), 19, 1024) for t in fast_dot.FAST_TYPES] + [(T.Q4_K, 16, 1024), (T.Q8_0, 9, 4096)]
+for qt, n_rows, n_cols in cases:
+    w = random_blocks(qt, n_rows, n_cols, rng)
     if qt == T.Q8_0:  # fp16 scales that are subnormal, zero, negative, large
         d = np.array([1e-7, 0.0, -3e-6, 6e4], np.float16).view(np.uint8)
         for i in range(4):
             w[i, 0:2] = d[2 * i:2 * i + 2]
     w.flags.writeable = False
-    x = rng.standard_normal(1024).astype(np.float32)
+    x = rng.standard_normal(n_cols).astype(np.float32)
     y = K.matvec(w, qt, x)
+    results[f"{qt.name}_{n_rows}x{n_cols}"] = y
     W = K.reference_dequantize(w, qt).astype(np.float64)
     xq = reference_quantize_act(x, K.quant_info(qt).act_block)
     tol = 2e-5 * (np.abs(W) @ np.abs(xq)) + 1e-30
     err = np.abs(y - W @ xq)
     if not np.all(err <= tol):
         sys.exit(f"{qt.name}: max err {err.max()} rows {np.nonzero(err > tol)[0]}")
+np.savez(sys.argv[1], **results)
 print("ok", fast_dot._matvec_kernel.stats.cache_hits)
 """
 
 
-def _run(cpu_name=None, features=None):
+def _run(out_file, cpu_name=None, features=None):
     env = dict(os.environ)
     env.pop("NUMBA_CPU_NAME", None)
     env.pop("NUMBA_CPU_FEATURES", None)
@@ -61,22 +66,24 @@ def _run(cpu_name=None, features=None):
         env["NUMBA_CPU_NAME"] = cpu_name
         env["NUMBA_CPU_FEATURES"] = features
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-c", _SCRIPT, str(out_file)], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout
 
 
-@pytest.mark.parametrize("cpu_name,features,has_avx2", [
-    ("haswell", HASWELL, True),
-    ("x86-64", SSE2_ONLY, False),
-], ids=["avx2", "sse2-portable"])
-def test_fast_kernels_on_other_cpu_targets(cpu_name, features, has_avx2):
-    out = _run(cpu_name, features)
-    assert f"target {cpu_name} {has_avx2}" in out
-    assert "ok" in out
-
-
-def test_host_target_after_other_targets_shared_cache():
-    _run("haswell", HASWELL)
-    out = _run()
-    assert "ok" in out
+def test_fast_kernels_on_other_cpu_targets_give_the_host_bits(tmp_path):
+    # the AVX2 intrinsics and the portable IR do the same integer and float operations in
+    # the same order, so every target must produce the host's results bit for bit
+    outs = {}
+    for name, cpu_name, features, has_avx2 in [("avx2", "haswell", HASWELL, True),
+                                               ("sse2-portable", "x86-64", SSE2_ONLY, False)]:
+        out = _run(tmp_path / f"{name}.npz", cpu_name, features)
+        assert f"target {cpu_name} {has_avx2}" in out
+        assert "ok" in out
+        outs[name] = np.load(tmp_path / f"{name}.npz")
+    # last: the host target, loading the on-disk cache the other targets wrote beside it
+    assert "ok" in _run(tmp_path / "host.npz")
+    host = np.load(tmp_path / "host.npz")
+    for name, got in outs.items():
+        for key in host.files:
+            np.testing.assert_array_equal(got[key], host[key], err_msg=f"{name} {key}")
