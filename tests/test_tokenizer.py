@@ -283,3 +283,65 @@ def test_cli_detokenize_bad_ids(tiny_gguf, capsys, args, message):
     assert cli_main(["detokenize", str(tiny_gguf)] + args) == 1
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+# -- speed-ups that must not change a single id ----------------------------------------------
+
+def _partition_plain(tok: Tokenizer, data: bytes, parse_special: bool) -> list:
+    """llama.cpp's tokenizer_st_partition without the prefix filter: every special token
+    searched for in turn."""
+    from edgeinfer.tokenizer import TokenAttr
+    fragments = [data]
+    for tid in tok._special_order:
+        if not parse_special and tok._attrs[tid] & (TokenAttr.CONTROL | TokenAttr.UNKNOWN):
+            continue
+        special = tok._texts[tid]
+        new = []
+        for frag in fragments:
+            if isinstance(frag, int) or special not in frag:
+                new.append(frag)
+                continue
+            for k, part in enumerate(frag.split(special)):
+                if k:
+                    new.append(tid)
+                if part:
+                    new.append(part)
+        fragments = new
+    return fragments
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen25", "llama3"])
+@HYP
+@given(text=SPECIALISH, parse_special=st.booleans())
+def test_partition_prefix_filter_changes_nothing(name, text, parse_special):
+    tok = vocab_models.tokenizer(name)
+    data = text.encode("utf-8", "surrogatepass")
+    assert tok._partition(data, parse_special) == _partition_plain(tok, data, parse_special)
+
+
+def test_fragment_cache_reuses_unchanged_messages_and_keeps_ids():
+    tok = gemma()
+    turns = [f"<start_of_turn>user\nMessage {i}: " + "the garden needs water and some sun. " * 8
+             + f"<end_of_turn>\n<start_of_turn>model\nReply {i}, " + "a few words of answer. " * 4
+             + "<end_of_turn>\n" for i in range(6)]
+    calls = []
+    real = tok._spm.encode
+    tok._spm.encode = lambda frag, out: (calls.append(frag), real(frag, out))[1]
+    try:
+        first = tok.tokenize("".join(turns), parse_special=True)
+        n_first = len(calls)
+        again = tok.tokenize("".join(turns) + "<start_of_turn>user\nOne more question about it, please "
+                             "answer in detail.<end_of_turn>\n", parse_special=True)
+    finally:
+        tok._spm.encode = real
+    assert again[:len(first)] == first
+    # the second call encodes only the new long fragment (and short ones, never cached)
+    long_new = [f for f in calls[n_first:] if len(f) >= 64]
+    assert len(long_new) == 1 and b"One" in long_new[0]
+    from edgeinfer.tokenizer import _FragmentCache
+    cached, tok._fragments = tok._fragments, _FragmentCache()    # the same text, nothing cached
+    try:
+        assert again == tok.tokenize("".join(turns) + "<start_of_turn>user\nOne more question about "
+                                     "it, please answer in detail.<end_of_turn>\n", parse_special=True)
+    finally:
+        tok._fragments = cached
