@@ -30,6 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from .f16 import f16_to_f32, f16_value as _f16, round_f16
 from .fast_dot import _IR, _target_features
 from .threads import apply_threads, get_threads, worker_pool
 
@@ -46,24 +47,6 @@ _C3 = np.float32(float.fromhex("0x1.555e66p-3"))
 _C2 = np.float32(float.fromhex("0x1.fffdb6p-2"))
 _C1 = np.float32(float.fromhex("0x1.ffffecp-1"))
 
-
-
-@intrinsic
-def _f16(typingctx, bits):
-    """The float32 value of F16 bits (uint16): vcvtph2ps where the CPU has F16C, which LLVM
-    vectorizes in the loops below; integer ops elsewhere (exact either way)."""
-    sig = types.float32(bits)
-
-    def codegen(context, builder, sig, args):
-        h = _IR(builder, _target_features(context))
-        i16 = ir.IntType(16)
-        v = builder.trunc(args[0], i16) if args[0].type != i16 else args[0]
-        if h.f16c:
-            return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
-        ptr = builder.alloca(i16)  # load_f16 reads from memory
-        builder.store(v, ptr)
-        return h.load_f16(builder.bitcast(ptr, ir.IntType(8).as_pointer()), ir.Constant(ir.IntType(64), 0))
-    return sig, codegen
 
 
 @njit(inline="always", **_JIT)
@@ -357,7 +340,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpo
     if k.dtype != np.float16 or v.dtype != np.float16:
         raise TypeError(f"attention reads an F16 cache, got K {k.dtype} and V {v.dtype}")
     apply_threads()
-    q16 = np.ascontiguousarray(q, dtype=np.float32).astype(np.float16).astype(np.float32)
+    q16 = round_f16(q)
     out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
     _attention_rows(q16, np.ascontiguousarray(k).view(np.uint16), np.ascontiguousarray(v).view(np.uint16),
                     np.ascontiguousarray(kpos, dtype=np.int64),
@@ -379,6 +362,14 @@ def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray
     With -t > 1 the query rows are split across threads (BLAS itself runs single-threaded
     beside Numba; numpy releases the GIL in every large op here)."""
     qpos = np.asarray(qpos)
+    if window:  # a sliding-window layer never looks further back than its window
+        keep = kpos > np.min(qpos) - window
+        if not keep.all():
+            k, v, kpos = k[keep], v[keep], kpos[keep]
+    # once for all threads: (n_kv, hd, S) and (n_kv, S, hd_v) float32, Q rounded to F16
+    k = f16_to_f32(k).transpose(1, 2, 0)
+    v = f16_to_f32(v).transpose(1, 0, 2)
+    q = round_f16(q)
     n_threads = get_threads()
     if n_threads > 1 and q.shape[0] >= 2 * EXACT_MAX_QUERIES:
         n, t = q.shape[0], n_threads  # np.array_split's cut points: the first n % t parts get one more row
@@ -391,16 +382,10 @@ def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray
 
 
 def _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window):
-    if window:  # a sliding-window layer never looks further back than its window
-        keep = kpos > np.min(qpos) - window
-        if not keep.all():
-            k, v, kpos = k[keep], v[keep], kpos[keep]
+    # q (n, n_head, hd) already F16-rounded; k (n_kv, hd, S), v (n_kv, S, hd_v) float32
     n, n_head, hd = q.shape
-    n_kv = k.shape[1]
+    n_kv = k.shape[0]
     group = n_head // n_kv
-    k = k.astype(np.float32).transpose(1, 2, 0)  # (n_kv, hd, S)
-    v = v.astype(np.float32).transpose(1, 0, 2)  # (n_kv, S, hd_v)
-    q = q.astype(np.float16).astype(np.float32)
     # one GEMM per KV head for its whole group of query heads: rows (head in group, query)
     qg = np.ascontiguousarray(q.reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)).reshape(n_kv, group * n, hd)
     scores = qg @ k  # (n_kv, group * n, S)

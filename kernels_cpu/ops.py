@@ -11,6 +11,7 @@ import math
 import numpy as np
 from numba import njit
 
+from .f16 import f16_bits_of
 from .threads import apply_threads
 
 _JIT = dict(cache=True, nogil=True)
@@ -117,7 +118,8 @@ def rope_rotate(x: np.ndarray, angles: tuple[np.ndarray, np.ndarray], n_dims: in
 
 
 @njit(**_JIT)
-def _gelu_mul_kernel(gate, gate_f16_bits, up, table, out):
+def _gelu_mul_kernel(gate, up, table, out):
+    gate_bits = gate.view(np.uint32)
     for i in range(gate.shape[0]):
         g = gate[i]
         if g <= -10.0:
@@ -125,7 +127,7 @@ def _gelu_mul_kernel(gate, gate_f16_bits, up, table, out):
         elif g >= 10.0:
             out[i] = g * up[i]
         else:
-            out[i] = table[gate_f16_bits[i]] * up[i]
+            out[i] = table[f16_bits_of(gate_bits[i])] * up[i]
 
 
 def gelu_mul(gate: np.ndarray, up: np.ndarray, table: np.ndarray) -> np.ndarray:
@@ -133,6 +135,5 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray, table: np.ndarray) -> np.ndarray:
     gate = np.ascontiguousarray(gate, dtype=np.float32)
     up = np.ascontiguousarray(up, dtype=np.float32)
     out = np.empty_like(gate)
-    _gelu_mul_kernel(gate.reshape(-1), gate.astype(np.float16).view(np.uint16).reshape(-1), up.reshape(-1),
-                     table, out.reshape(-1))
+    _gelu_mul_kernel(gate.reshape(-1), up.reshape(-1), table, out.reshape(-1))
     return out
