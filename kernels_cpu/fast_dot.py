@@ -218,12 +218,6 @@ class _IR:
             v = b.fadd(self.half(v, 0), self.half(v, 1))
         return b.extract_element(v, ir.Constant(I32, 0))
 
-    def hsum_i32(self, v):
-        b = self.b
-        while v.type.count > 1:
-            v = b.add(self.half(v, 0), self.half(v, 1))
-        return b.extract_element(v, ir.Constant(I32, 0))
-
     def prefetch(self, ptr):
         """Read prefetch into all cache levels (llvm.prefetch; a no-op where unsupported)."""
         mod = self.b.module
@@ -446,10 +440,9 @@ def _q4k_scales(h, wrow, wo):
     return h.half(by, 0), h.half(by, 1)
 
 
-def _make_body_q45_k(five: bool, rows8: bool = False):
-    """Q4_K / Q5_K block dot. rows8 (Q4_K only): llama.cpp repacks Q4_K matrices whose row
-    count is a multiple of 8 and then sums each block's integer dot to one integer before
-    its single float fma per block (one row per lane), so the float order differs."""
+def _make_body_q45_k(five: bool):
+    """Q4_K / Q5_K block dot in ggml_vec_dot's order (Q4_K matrices with rows % 8 == 0
+    take `_body_q4_k_rows8`)."""
     bs, qs0 = (176, 48) if five else (144, 16)
 
     def body(h, wrow, xq, xd, xs, bi, acc):
@@ -481,13 +474,6 @@ def _make_body_q45_k(five: bool, rows8: bool = False):
             acc = h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
             return h.fma(h.splat(b.fneg(dmin), 8), b.sitofp(msum, _vec(F32T, 8)), acc)
         acc, accm = acc
-        if rows8:  # whole-block integer sums in lane 0; the min terms negated (exact)
-            z8, z4 = ir.Constant(_vec(F32T, 8), [0.0] * 8), ir.Constant(_vec(F32T, 4), [0.0] * 4)
-            i0 = ir.Constant(I32, 0)
-            tot = b.insert_element(z8, b.sitofp(h.hsum_i32(isum), F32T), i0)
-            mtot = b.insert_element(z4, b.sitofp(h.hsum_i32(msum), F32T), i0)
-            acc = h.fma(h.splat(d, 8), tot, acc)
-            return acc, h.fma(h.splat(b.fneg(dmin), 4), mtot, accm)
         # Q4_K as llama.cpp's vec_dot: min terms summed in pairs into a separate <4 x float>
         acc = h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
         accm = h.fma(h.splat(b.fneg(dmin), 4), b.sitofp(h.pairs(msum), _vec(F32T, 4)), accm)
