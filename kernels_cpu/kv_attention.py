@@ -30,7 +30,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .f16 import f16_to_f32, f16_value as _f16, round_f16
+from .f16 import f16_bits_of, f16_to_f32, f16_value, round_f16
+from .f16 import f16_value as _f16
 from .fast_dot import _IR, _target_features
 from .threads import apply_threads, get_threads, worker_pool
 
@@ -291,7 +292,7 @@ def _scores_and_weights(q16, k_bits, g, kpos, qp, window, kq_scale, w, n_slots=3
         total += np.float64(_hsum8(e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]))
     inv = np.float32(1.0 / total)
     for j in range(n_keys):
-        w[j] = _round_f16(np.float32(w[j] * inv))
+        w[j] = f16_value(np.uint16(f16_bits_of(np.float32(w[j] * inv).view(np.uint32))))
 
 
 @njit(**_JIT)
@@ -306,11 +307,17 @@ def _weighted_values(w, v_bits, g, out):
             row = acc[j & 31]
             for d in range(hdv):
                 row[d] += _f16(v_bits[j, g, d]) * wj
-    slots = np.empty(32, np.float32)
+    # reduce32 for every dim at once (lane-wise over the dims, the same adds per dim)
+    x = np.empty((8, hdv), np.float32)
+    for i in range(8):
+        for d in range(hdv):
+            x[i, d] = np.float32(np.float32(acc[i, d] + acc[16 + i, d]) + np.float32(acc[8 + i, d] + acc[24 + i, d]))
     for d in range(hdv):
-        for i in range(32):
-            slots[i] = acc[i, d]
-        out[d] = reduce32(slots)
+        t0 = np.float32(x[0, d] + x[4, d])
+        t1 = np.float32(x[1, d] + x[5, d])
+        t2 = np.float32(x[2, d] + x[6, d])
+        t3 = np.float32(x[3, d] + x[7, d])
+        out[d] = np.float32(np.float32(t0 + t1) + np.float32(t2 + t3))
 
 
 _SLOTS = 32  # ggml_vec_dot_f16's 4 x 8 accumulators, passed at run time (see the KQ loop)

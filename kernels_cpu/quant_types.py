@@ -35,8 +35,9 @@ def supported_types() -> tuple[T, ...]:
 
 def quant_info(qtype: T | int) -> QuantInfo:
     try:
-        return QUANT_INFO[T(int(qtype))]
-    except (KeyError, ValueError):
+        info = QUANT_INFO.get(qtype)  # IntEnum keys match plain ints: no enum call per matvec
+        return info if info is not None else QUANT_INFO[T(int(qtype))]
+    except (KeyError, ValueError, TypeError):
         name = getattr(qtype, "name", str(qtype))
         raise UnsupportedModelError(f"tensor type {name} is not supported by the CPU kernels") from None
 
