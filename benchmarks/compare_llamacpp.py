@@ -91,6 +91,8 @@ def main() -> None:
         ours = statistics.median(results[("edgeinfer", test)])
         theirs = statistics.median(results[("llama.cpp", test)])
         print(f"| {test}{n} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f}x |")
+    for (name, test), samples in results.items():  # the spread shows how noisy the machine was
+        print(f"{name} {test}: " + " ".join(f"{v:.1f}" for v in samples))
 
 
 if __name__ == "__main__":

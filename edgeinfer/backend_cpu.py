@@ -12,6 +12,7 @@ import numpy as np
 from edgeinfer import kernels_cpu
 from edgeinfer.backend import Backend, _gelu_f16_table
 from edgeinfer.kernels_cpu import kv_attention, ops
+from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_weight
 from edgeinfer.models.base import ROPE_NEOX
 
 
@@ -29,21 +30,42 @@ class CpuBackend(Backend):
 
         threadpool_limits(1, user_api="blas")
         self._rope_angles: dict = {}
+        self._prepared: dict = {}
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
         info = self.gguf.tensors[name]
         w = self.gguf.raw(name)
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.shape[0] == 1:
+            prepared = self._decode_group((name,))
+            if prepared is not None:
+                return matvec_prepared(prepared, x[0])[0][None, :]
             return kernels_cpu.matvec(w, info.qtype, x[0])[None, :]
         return kernels_cpu.matmul(w, info.qtype, x)
 
     def linear_many(self, names, x):
         if x.shape[0] != 1:  # prefill: each matrix's GEMM is large enough on its own
             return [self.linear(name, x) for name in names]
+        x0 = np.ascontiguousarray(x[0], np.float32)
+        prepared = self._decode_group(tuple(names))
+        if prepared is not None:
+            return [y[None, :] for y in matvec_prepared(prepared, x0)]
         ws = [self.gguf.raw(name) for name in names]
         qts = [self.gguf.tensors[name].qtype for name in names]
-        return [y[None, :] for y in kernels_cpu.matvec_many(ws, qts, np.ascontiguousarray(x[0], np.float32))]
+        return [y[None, :] for y in kernels_cpu.matvec_many(ws, qts, x0)]
+
+    def _decode_group(self, names: tuple[str, ...]):
+        """The decode matvec's prepared weights for these matrices (validated once), or
+        None where they need the general path: a type without the 8-bit kernels, or
+        matrices that differ in columns or activation format."""
+        if names in self._prepared:
+            return self._prepared[names]
+        group = [prepare_weight(self.gguf.raw(n), self.gguf.tensors[n].qtype) for n in names]
+        ok = (all(g is not None for g in group) and len(group) <= 3
+              and len({g[2].act_block for g in group}) == 1
+              and len({g[3] for g in group}) == 1)
+        self._prepared[names] = group if ok else None
+        return self._prepared[names]
 
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         info = self.gguf.tensors[name]

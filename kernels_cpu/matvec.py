@@ -119,6 +119,32 @@ def matvec_many(ws: list[np.ndarray], qtypes: list, x: np.ndarray) -> list[np.nd
     return outs
 
 
+def prepare_weight(w_raw: np.ndarray, qtype) -> tuple[np.ndarray, int, QuantInfo, int] | None:
+    """Validate a weight once for `matvec_prepared`: (read-only w, type id, info, n_cols),
+    or None for a type without the 8-bit fast path (use `matvec` for those)."""
+    info = check_weight(w_raw, qtype)
+    qt = int(info.qtype)
+    n_cols = w_raw.shape[1] // info.type_size * info.block_size
+    return (_readonly(w_raw), qt, info, n_cols) if _fast(qt) else None
+
+
+def matvec_prepared(prepared: list, x: np.ndarray) -> list[np.ndarray]:
+    """[W @ x for each prepare_weight() result], x float32 C-contiguous (n_cols,): the decode
+    path without per-call validation (~6 us a call, hundreds of calls a token). The
+    matrices must share the column count and activation format (the caller checked);
+    2-3 of them run in one parallel region, as matvec_many."""
+    if x.dtype != np.float32 or x.shape != (prepared[0][3],) or not x.flags.c_contiguous:
+        raise ValueError(f"x must be C-contiguous float32 ({prepared[0][3]},), got {x.dtype} {x.shape}")
+    apply_threads()
+    xq, xd, xs = quantize_activations(x, prepared[0][2])
+    outs = [np.empty(p[0].shape[0], np.float32) for p in prepared]
+    if len(prepared) == 1:
+        fast_dot.matvec_fast(prepared[0][0], prepared[0][1], xq, xd, xs, outs[0])
+    else:
+        fast_dot.matvec_fast_many([p[0] for p in prepared], [p[1] for p in prepared], xq, xd, xs, outs)
+    return outs
+
+
 def dequantize_rows(w_raw: np.ndarray, qtype: T, n_cols: int, start: int, stop: int,
                     out: np.ndarray | None = None) -> np.ndarray:
     """Rows start..stop-1 as float32 (stop - start, n_cols)."""

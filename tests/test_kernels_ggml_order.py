@@ -150,3 +150,18 @@ def test_matvec_many_equals_separate_matvecs():
             np.testing.assert_array_equal(g, K.matvec(w, t, x))
     mixed = K.matvec_many([ws[0], random_blocks(T.Q4_K, 8, 512, rng)], [T.Q5_0, T.Q4_K], x)  # two formats
     np.testing.assert_array_equal(mixed[0], K.matvec(ws[0], T.Q5_0, x))
+
+
+def test_matvec_prepared_equals_matvec():
+    from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_weight
+    rng = np.random.default_rng(5)
+    ws = [(random_blocks(T.Q4_K, 16, 512, rng), T.Q4_K), (random_blocks(T.Q6_K, 8, 512, rng), T.Q6_K),
+          (random_blocks(T.Q4_K, 4, 512, rng), T.Q4_K)]
+    x = rng.standard_normal(512).astype(np.float32)
+    for k in (1, 2, 3):
+        got = matvec_prepared([prepare_weight(w, t) for w, t in ws[:k]], x)
+        for g, (w, t) in zip(got, ws):
+            np.testing.assert_array_equal(g, K.matvec(w, t, x))
+    assert prepare_weight(np.zeros((4, 512 * 2), np.uint8), T.F16) is None   # float types: general path
+    with pytest.raises(ValueError, match="C-contiguous float32 \\(512,\\)"):
+        matvec_prepared([prepare_weight(*ws[0])], x[:256])          # never reads past a row
