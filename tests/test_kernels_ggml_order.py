@@ -140,6 +140,16 @@ def test_q8_0_long_rows_four_at_a_time_keep_the_order(n_rows):
     np.testing.assert_array_equal(K.matvec(w, T.Q8_0, x), ORDERS[T.Q8_0](w, x))
 
 
+@pytest.mark.parametrize("n_rows", [8, 24])
+def test_q4_k_long_rows_eight_in_lanes_keep_the_order(n_rows):
+    # rows of >= 6 KiB run 8 per call, one row per lane (fast_dot._rows8_q4_k); 24 rows
+    # also leave a partial chunk
+    rng = np.random.default_rng(n_rows)
+    w = random_blocks(T.Q4_K, n_rows, 14336, rng)
+    x = (rng.standard_normal(14336) * 3).astype(np.float32)
+    np.testing.assert_array_equal(K.matvec(w, T.Q4_K, x), ORDERS[T.Q4_K](w, x))
+
+
 def test_matvec_many_equals_separate_matvecs():
     rng = np.random.default_rng(4)
     ws = [random_blocks(t, r, 512, rng) for t, r in ((T.Q5_0, 24), (T.Q5_0, 8), (T.Q8_0, 8))]

@@ -35,8 +35,10 @@ cg = cpu_target.target_context.codegen()
 print("target", cg.magic_tuple()[1], "+avx2" in cg._tm_features.split(","))
 rng = np.random.default_rng(7)
 results = {}
-# 19 rows: the per-row orders; 16 rows: Q4_K's 8-row order; 4096 columns: Q8_0 four rows at a time
-cases = [(T(t), 19, 1024) for t in fast_dot.FAST_TYPES] + [(T.Q4_K, 16, 1024), (T.Q8_0, 9, 4096)]
+# 19 rows: the per-row orders; 16 rows: Q4_K's 8-row order; 4096 columns: Q8_0 four rows at a
+# time; 8 x 14336: Q4_K 8 rows in lanes
+cases = [(T(t), 19, 1024) for t in fast_dot.FAST_TYPES] + [(T.Q4_K, 16, 1024), (T.Q8_0, 9, 4096),
+                                                           (T.Q4_K, 8, 14336)]
 for qt, n_rows, n_cols in cases:
     w = random_blocks(qt, n_rows, n_cols, rng)
     if qt == T.Q8_0:  # fp16 scales that are subnormal, zero, negative, large
@@ -53,6 +55,13 @@ for qt, n_rows, n_cols in cases:
     err = np.abs(y - W @ xq)
     if not np.all(err <= tol):
         sys.exit(f"{qt.name}: max err {err.max()} rows {np.nonzero(err > tol)[0]}")
+# attention (the F16C vector dot or its scalar twin) and the F16 conversions
+from edgeinfer.kernels_cpu import f16, kv_attention
+q = rng.standard_normal((3, 4, 64)).astype(np.float32)
+k, v = (rng.standard_normal((40, 2, 64)).astype(np.float16) for _ in range(2))
+results["attention"] = kv_attention.attention(q, k, v, np.arange(40), np.arange(37, 40), 0.125, 16)
+results["f16_bits"] = f16.to_f16_bits(q * 1e3)
+results["f16_to_f32"] = f16.f16_to_f32(k)
 np.savez(sys.argv[1], **results)
 print("ok", fast_dot._matvec_kernel.stats.cache_hits)
 """
