@@ -131,9 +131,9 @@ def test_matvec_follows_ggml_order(qtype, n_rows):
 
 
 @pytest.mark.parametrize("n_rows", [4, 37])
-def test_q8_0_long_rows_four_at_a_time_keep_the_order(n_rows):
-    # rows of >= 4 KiB run four per loop (fast_dot._q8_0_rows); 37 rows also leave a
-    # partial chunk and a leftover row
+def test_q8_0_four_rows_at_a_time_keep_the_order(n_rows):
+    # four rows a quarter of the matrix apart run in one loop (fast_dot._q8_0_rows); 37
+    # rows also leave a partial chunk and a leftover row
     rng = np.random.default_rng(n_rows)
     w = random_blocks(T.Q8_0, n_rows, 4096, rng)
     x = (rng.standard_normal(4096) * 3).astype(np.float32)
