@@ -130,24 +130,16 @@ def test_matvec_follows_ggml_order(qtype, n_rows):
     np.testing.assert_array_equal(K.matvec(w, qtype, x), ORDERS[qtype](w, x))
 
 
-@pytest.mark.parametrize("n_rows", [4, 37])
-def test_q8_0_four_rows_at_a_time_keep_the_order(n_rows):
-    # four rows a quarter of the matrix apart run in one loop (fast_dot._q8_0_rows); 37
-    # rows also leave a partial chunk and a leftover row
+@pytest.mark.parametrize("qtype, n_rows, n_cols", [
+    (T.Q8_0, 4, 4096), (T.Q8_0, 37, 4096),   # four rows a quarter of the matrix apart per loop
+    (T.Q4_K, 8, 14336), (T.Q4_K, 24, 14336),  # rows >= 6 KiB: 8 rows in lanes (_rows8_q4_k)
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_multi_row_loops_keep_the_order(qtype, n_rows, n_cols):
+    # 37 and 24 rows also leave a partial 16-row chunk (and, for Q8_0, a leftover row)
     rng = np.random.default_rng(n_rows)
-    w = random_blocks(T.Q8_0, n_rows, 4096, rng)
-    x = (rng.standard_normal(4096) * 3).astype(np.float32)
-    np.testing.assert_array_equal(K.matvec(w, T.Q8_0, x), ORDERS[T.Q8_0](w, x))
-
-
-@pytest.mark.parametrize("n_rows", [8, 24])
-def test_q4_k_long_rows_eight_in_lanes_keep_the_order(n_rows):
-    # rows of >= 6 KiB run 8 per call, one row per lane (fast_dot._rows8_q4_k); 24 rows
-    # also leave a partial chunk
-    rng = np.random.default_rng(n_rows)
-    w = random_blocks(T.Q4_K, n_rows, 14336, rng)
-    x = (rng.standard_normal(14336) * 3).astype(np.float32)
-    np.testing.assert_array_equal(K.matvec(w, T.Q4_K, x), ORDERS[T.Q4_K](w, x))
+    w = random_blocks(qtype, n_rows, n_cols, rng)
+    x = (rng.standard_normal(n_cols) * 3).astype(np.float32)
+    np.testing.assert_array_equal(K.matvec(w, qtype, x), ORDERS[qtype](w, x))
 
 
 def test_matvec_many_equals_separate_matvecs():
