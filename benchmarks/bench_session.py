@@ -5,7 +5,7 @@ over the same full history.
 Targets (issue 7): each later turn's TTFT within 1.5x of turn 1's (only the new tokens are
 prefilled) and <= 10% of the cold run's.
 
-    python benchmarks/bench_session.py [--turns 10] [--words 175] [--max-tokens 64] [--threads N] [--repeat 3]
+    python benchmarks/bench_session.py [--turns 10] [--words 175] [--max-tokens 64] [--threads N] [--repeat 5]
 
 The machine is noisy, so the whole chat (from an empty cache) and the cold run are each
 repeated --repeat times and every TTFT is the median over the repetitions.
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per reply")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--ctx-size", type=int, default=4096)
-    ap.add_argument("--repeat", type=int, default=3, help="runs of the whole chat and of the cold run")
+    ap.add_argument("--repeat", type=int, default=5, help="runs of the whole chat and of the cold run")
     args = ap.parse_args()
 
     try:
