@@ -12,7 +12,7 @@ import numpy as np
 from edgeinfer import kernels_cpu
 from edgeinfer.backend import Backend, _gelu_f16_table
 from edgeinfer.kernels_cpu import kv_attention, ops
-from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_weight
+from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
 from edgeinfer.models.base import ROPE_NEOX
 
 
@@ -33,15 +33,13 @@ class CpuBackend(Backend):
         self._prepared: dict = {}
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
-        info = self.gguf.tensors[name]
-        w = self.gguf.raw(name)
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.shape[0] == 1:
             prepared = self._decode_group((name,))
             if prepared is not None:
                 return matvec_prepared(prepared, x[0])[0][None, :]
-            return kernels_cpu.matvec(w, info.qtype, x[0])[None, :]
-        return kernels_cpu.matmul(w, info.qtype, x)
+            return kernels_cpu.matvec(self.gguf.raw(name), self.gguf.tensors[name].qtype, x[0])[None, :]
+        return kernels_cpu.matmul(self.gguf.raw(name), self.gguf.tensors[name].qtype, x)
 
     def linear_many(self, names, x):
         if x.shape[0] != 1:  # prefill: each matrix's GEMM is large enough on its own
@@ -56,15 +54,10 @@ class CpuBackend(Backend):
 
     def _decode_group(self, names: tuple[str, ...]):
         """The decode matvec's prepared weights for these matrices (validated once), or
-        None where they need the general path: a type without the 8-bit kernels, or
-        matrices that differ in columns or activation format."""
-        if names in self._prepared:
-            return self._prepared[names]
-        group = [prepare_weight(self.gguf.raw(n), self.gguf.tensors[n].qtype) for n in names]
-        ok = (all(g is not None for g in group) and len(group) <= 3
-              and len({g[2].act_block for g in group}) == 1
-              and len({g[3] for g in group}) == 1)
-        self._prepared[names] = group if ok else None
+        None where they need the general path (see kernels_cpu.matvec.prepare_group)."""
+        if names not in self._prepared:
+            self._prepared[names] = prepare_group([self.gguf.raw(n) for n in names],
+                                                  [self.gguf.tensors[n].qtype for n in names])
         return self._prepared[names]
 
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ Weights are the raw GGUF bytes, a C-contiguous uint8 (n_rows, row_bytes) array
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
@@ -102,46 +103,55 @@ def matvec_many(ws: list[np.ndarray], qtypes: list, x: np.ndarray) -> list[np.nd
     """[W @ x for W in ws] for matrices with the same column count: x is quantized once
     when their types share an activation format, and the rows of all of them run in one
     parallel region (fewer thread launches per decoded token). Same results as matvec."""
-    infos = [check_weight(w, qt) for w, qt in zip(ws, qtypes)]
-    qts = [int(i.qtype) for i in infos]
-    if (len(ws) not in (2, 3) or len({i.act_block for i in infos}) != 1
-            or not all(_fast(qt) for qt in qts)):
+    group = prepare_group(ws, qtypes) if len(ws) in (2, 3) else None
+    if group is None:
         return [matvec(w, qt, x) for w, qt in zip(ws, qtypes)]
-    apply_threads()
-    ws = [_readonly(w) for w in ws]
-    n_cols = ws[0].shape[1] // infos[0].type_size * infos[0].block_size
-    for w, info in zip(ws, infos):
-        if w.shape[1] // info.type_size * info.block_size != n_cols:
-            raise ValueError("matvec_many needs matrices with the same number of columns")
-    xq, xd, xs = quantize_activations(_f32_vec(x, n_cols, "x"), infos[0])
-    outs = [np.empty(w.shape[0], np.float32) for w in ws]
-    fast_dot.matvec_fast_many(ws, qts, xq, xd, xs, outs)
-    return outs
+    return matvec_prepared(group, _f32_vec(x, group[0].n_cols, "x"))
 
 
-def prepare_weight(w_raw: np.ndarray, qtype) -> tuple[np.ndarray, int, QuantInfo, int] | None:
-    """Validate a weight once for `matvec_prepared`: (read-only w, type id, info, n_cols),
-    or None for a type without the 8-bit fast path (use `matvec` for those)."""
+class PreparedWeight(NamedTuple):
+    """A weight validated once for `matvec_prepared`."""
+    w: np.ndarray       # read-only raw blocks (n_rows, row_bytes)
+    qt: int             # GGML type id
+    info: QuantInfo
+    n_cols: int
+
+
+def prepare_weight(w_raw: np.ndarray, qtype) -> PreparedWeight | None:
+    """Validate a weight once for `matvec_prepared`, or None for a type without the 8-bit
+    fast path (use `matvec` for those)."""
     info = check_weight(w_raw, qtype)
     qt = int(info.qtype)
     n_cols = w_raw.shape[1] // info.type_size * info.block_size
-    return (_readonly(w_raw), qt, info, n_cols) if _fast(qt) else None
+    return PreparedWeight(_readonly(w_raw), qt, info, n_cols) if _fast(qt) else None
 
 
-def matvec_prepared(prepared: list, x: np.ndarray) -> list[np.ndarray]:
-    """[W @ x for each prepare_weight() result], x float32 C-contiguous (n_cols,): the decode
-    path without per-call validation (~6 us a call, hundreds of calls a token). The
-    matrices must share the column count and activation format (the caller checked);
-    2-3 of them run in one parallel region, as matvec_many."""
-    if x.dtype != np.float32 or x.shape != (prepared[0][3],) or not x.flags.c_contiguous:
-        raise ValueError(f"x must be C-contiguous float32 ({prepared[0][3]},), got {x.dtype} {x.shape}")
+def prepare_group(ws: list[np.ndarray], qtypes: list) -> list[PreparedWeight] | None:
+    """prepare_weight for matrices that take the same quantized activations, or None where
+    one lacks the fast path or their activation formats differ (then: `matvec` each)."""
+    group = [prepare_weight(w, qt) for w, qt in zip(ws, qtypes)]
+    if any(p is None for p in group) or len({p.info.act_block for p in group}) != 1:
+        return None
+    if len({p.n_cols for p in group}) != 1:
+        raise ValueError("matvec_many needs matrices with the same number of columns")
+    return group
+
+
+def matvec_prepared(prepared: list[PreparedWeight], x: np.ndarray) -> list[np.ndarray]:
+    """[W @ x for each prepared weight], x float32 C-contiguous (n_cols,): the decode path
+    without per-call validation (~6 us a call, hundreds of calls a token). The matrices
+    must share the column count and activation format (prepare_group checks); 2-3 of them
+    run in one parallel region."""
+    n_cols = prepared[0].n_cols
+    if x.dtype != np.float32 or x.shape != (n_cols,) or not x.flags.c_contiguous:
+        raise ValueError(f"x must be C-contiguous float32 ({n_cols},), got {x.dtype} {x.shape}")
     apply_threads()
-    xq, xd, xs = quantize_activations(x, prepared[0][2])
-    outs = [np.empty(p[0].shape[0], np.float32) for p in prepared]
+    xq, xd, xs = quantize_activations(x, prepared[0].info)
+    outs = [np.empty(p.w.shape[0], np.float32) for p in prepared]
     if len(prepared) == 1:
-        fast_dot.matvec_fast(prepared[0][0], prepared[0][1], xq, xd, xs, outs[0])
+        fast_dot.matvec_fast(prepared[0].w, prepared[0].qt, xq, xd, xs, outs[0])
     else:
-        fast_dot.matvec_fast_many([p[0] for p in prepared], [p[1] for p in prepared], xq, xd, xs, outs)
+        fast_dot.matvec_fast_many([p.w for p in prepared], [p.qt for p in prepared], xq, xd, xs, outs)
     return outs
 
 
