@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .fast_dot import _IR, _target_features
@@ -27,12 +26,7 @@ def f16_value(typingctx, bits):
     def codegen(context, builder, sig, args):
         h = _IR(builder, _target_features(context))
         i16 = ir.IntType(16)
-        v = builder.trunc(args[0], i16) if args[0].type != i16 else args[0]
-        if h.f16c:
-            return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
-        ptr = cgutils.alloca_once(builder, i16)  # load_f16 reads from memory; entry block, so LLVM promotes it
-        builder.store(v, ptr)
-        return h.load_f16(builder.bitcast(ptr, ir.IntType(8).as_pointer()), ir.Constant(ir.IntType(64), 0))
+        return h.f16_value(builder.trunc(args[0], i16) if args[0].type != i16 else args[0])
     return sig, codegen
 
 

@@ -62,18 +62,31 @@ class _IR:
         p = self.b.bitcast(self.ptr(base, off), ty.as_pointer())
         return self.b.load(p, align=1)
 
+    def _f16_pair(self, bits32):
+        """i32 holding two fp16 -> <4 x float> [lo, hi, 0, 0] (F16C only).
+
+        Moved into the vector register with `vmovd`, which writes all of it: a plain half
+        load becomes `vpinsrw` into whatever register LLVM picks, often the row's
+        accumulator, chaining each block's scale conversion to the previous block's fma
+        (it halved the Q8_0 and Q4_K kernels' speed)."""
+        b = self.b
+        v = b.asm(ir.FunctionType(_vec(I32, 4), [I32]), "vmovd $1, $0", "=x,r", [bits32], False)
+        v8 = b.bitcast(v, _vec(F16T, 8))
+        return b.fpext(b.shuffle_vector(v8, v8, _mask(range(4))), _vec(F32T, 4))
+
+    def f16_value(self, v16):
+        """An i16 of fp16 bits (a value, not memory) -> float."""
+        b = self.b
+        if self.f16c:
+            return b.fpext(b.bitcast(v16, F16T), F32T)
+        ptr = cgutils.alloca_once(b, I16)   # load_f16 reads memory; entry block: promoted
+        b.store(v16, ptr)
+        return self.load_f16(b.bitcast(ptr, I8.as_pointer()), _c64(0))
+
     def load_f16(self, base, off):
         if self.f16c:   # vcvtph2ps
-            # Moved through a general register with `vmovd`, which writes the whole vector
-            # register: a plain half load becomes `vpinsrw` into whatever register LLVM
-            # picks, often the row's accumulator, chaining each block's scale conversion
-            # to the previous block's fma (it halved the Q8_0 and Q4_K kernels' speed).
-            b = self.b
-            h32 = b.zext(self.load(base, off, I16), I32)
-            v = b.asm(ir.FunctionType(_vec(I32, 4), [I32]), "vmovd $1, $0", "=x,r", [h32], False)
-            v8 = b.bitcast(v, _vec(F16T, 8))
-            f4 = b.fpext(b.shuffle_vector(v8, v8, _mask(range(4))), _vec(F32T, 4))
-            return b.extract_element(f4, ir.Constant(I32, 0))
+            f4 = self._f16_pair(self.b.zext(self.load(base, off, I16), I32))
+            return self.b.extract_element(f4, ir.Constant(I32, 0))
         # Without F16C, LLVM would call __extendhfsf2, which Numba's JIT does not provide:
         # convert with integer ops (F. Giesen's half_to_float).
         b = self.b
@@ -109,10 +122,7 @@ class _IR:
             z = ir.Constant(_vec(F32T, 4), [0.0] * 4)
             z = b.insert_element(z, self.load_f16(base, off), ir.Constant(I32, 0))
             return b.insert_element(z, self.load_f16(base, b.add(off, _c64(2))), ir.Constant(I32, 1))
-        # vmovd: see load_f16
-        v = b.asm(ir.FunctionType(_vec(I32, 4), [I32]), "vmovd $1, $0", "=x,r", [self.load(base, off, I32)], False)
-        v8 = b.bitcast(v, _vec(F16T, 8))
-        return b.fpext(b.shuffle_vector(v8, v8, _mask(range(4))), _vec(F32T, 4))
+        return self._f16_pair(self.load(base, off, I32))
 
     def narrow_i32_i16(self, v):
         """<16 x i32> (each fits i16) -> <16 x i16>, same lane order."""
@@ -139,10 +149,8 @@ class _IR:
         if self.f16c:
             return b.fpext(b.bitcast(v16, _vec(F16T, 8)), _vec(F32T, 8))
         out = ir.Constant(_vec(F32T, 8), [0.0] * 8)
-        for k in range(8):  # load_f16's integer conversion, lane by lane
-            ptr = cgutils.alloca_once(b, I16)   # entry block: promoted to a register
-            b.store(b.extract_element(v16, ir.Constant(I32, k)), ptr)
-            out = b.insert_element(out, self.load_f16(b.bitcast(ptr, I8.as_pointer()), _c64(0)),
+        for k in range(8):  # the integer conversion, lane by lane
+            out = b.insert_element(out, self.f16_value(b.extract_element(v16, ir.Constant(I32, k))),
                                    ir.Constant(I32, k))
         return out
 
@@ -430,66 +438,6 @@ def _make_body_q32(qt):
     return body
 
 
-def _q4k_scales(h, wrow, wo):
-    """12 packed bytes -> (<8 x i32> scales, <8 x i32> mins), as ggml's utmp trick."""
-    b = h.b
-    u0 = h.load(wrow, b.add(wo, _c64(4)), I32)
-    u1 = h.load(wrow, b.add(wo, _c64(8)), I32)
-    u2 = h.load(wrow, b.add(wo, _c64(12)), I32)
-    k1, k2, k3 = ir.Constant(I32, 0x3F3F3F3F), ir.Constant(I32, 0x0F0F0F0F), ir.Constant(I32, 0x03030303)
-    c4, c6 = ir.Constant(I32, 4), ir.Constant(I32, 6)
-    t3 = b.or_(b.and_(b.lshr(u2, c4), k2), b.shl(b.and_(b.lshr(u1, c6), k3), c4))
-    t1 = b.or_(b.and_(u2, k2), b.shl(b.and_(b.lshr(u0, c6), k3), c4))
-    t2 = b.and_(u1, k1)
-    t0 = b.and_(u0, k1)
-    v = ir.Constant(_vec(I32, 4), [0] * 4)
-    for i, t in enumerate((t0, t1, t2, t3)):
-        v = b.insert_element(v, t, ir.Constant(I32, i))
-    by = b.zext(b.bitcast(v, _vec(I8, 16)), _vec(I32, 16))
-    return h.half(by, 0), h.half(by, 1)
-
-
-def _make_body_q45_k(five: bool):
-    """Q4_K / Q5_K block dot in ggml_vec_dot's order (Q4_K matrices with rows % 8 == 0
-    take `_q4_k_rows8_lanes`)."""
-    bs, qs0 = (176, 48) if five else (144, 16)
-
-    def body(h, wrow, xq, xd, xs, bi, acc):
-        b = h.b
-        wo = b.mul(bi, _c64(bs))
-        dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
-        d = b.fmul(h.load_f16(wrow, wo), dx)
-        dmin = b.fmul(h.load_f16(wrow, b.add(wo, _c64(2))), dx)
-        sc, mn = _q4k_scales(h, wrow, wo)
-        sc16 = b.trunc(sc, _vec(I16, 8))
-        bs32 = h.pairs(h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16)))     # per-32 sums of x
-        msum = b.mul(mn, bs32)
-        xo = b.mul(bi, _c64(256))
-        qh = h.load(wrow, b.add(wo, _c64(16)), _vec(I8, 32)) if five else None
-        isum = ir.Constant(_vec(I32, 8), [0] * 8)
-        for c in range(4):
-            q = h.load(wrow, b.add(wo, _c64(qs0 + 32 * c)), _vec(I8, 32))
-            for hi in range(2):
-                j = 2 * c + hi
-                v = _k_nibbles(h, q, hi)
-                if five:     # bit j of qh[l] is the 5th bit of element l of sub-block j
-                    hb = b.and_(b.lshr(qh, _const_vec(I8, 32, j)), _const_vec(I8, 32, 1))
-                    v = b.or_(v, b.shl(hb, _const_vec(I8, 32, 4)))
-                xv = h.load(xq, b.add(xo, _c64(32 * j)), _vec(I8, 32))
-                p16 = h.maddubs(v, xv)                               # pairs <= 2*31*128
-                scj = b.shuffle_vector(sc16, sc16, _mask([j] * 16))
-                isum = b.add(isum, h.madd_i16(p16, scj))
-        if five:
-            acc = h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
-            return h.fma(h.splat(b.fneg(dmin), 8), b.sitofp(msum, _vec(F32T, 8)), acc)
-        acc, accm = acc
-        # Q4_K as llama.cpp's vec_dot: min terms summed in pairs into a separate <4 x float>
-        acc = h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
-        accm = h.fma(h.splat(b.fneg(dmin), 4), b.sitofp(h.pairs(msum), _vec(F32T, 4)), accm)
-        return acc, accm
-    return body
-
-
 def _q4k_scales_vec(h, wrow, wo):
     """The 12 packed scale bytes -> <16 x i8>: 8 scales, then 8 mins (ggml's utmp trick
     on one <4 x i32> instead of scalar registers)."""
@@ -502,6 +450,64 @@ def _q4k_scales_vec(h, wrow, wo):
     lo4 = b.and_(b.lshr(u2, _const_vec(I32, 4, [0, 4, 0, 0])), c(0x0F0F0F0F))
     t13 = b.or_(lo4, hi2)                                              # t1 t3 . .
     return b.bitcast(b.shuffle_vector(a, t13, _mask([0, 4, 1, 5])), _vec(I8, 16))
+
+
+def _q4k_scales(h, wrow, wo):
+    """12 packed bytes -> (<8 x i32> scales, <8 x i32> mins)."""
+    b = h.b
+    sm = _q4k_scales_vec(h, wrow, wo)
+    return (b.zext(b.shuffle_vector(sm, sm, _mask(range(8))), _vec(I32, 8)),
+            b.zext(b.shuffle_vector(sm, sm, _mask(range(8, 16))), _vec(I32, 8)))
+
+
+def _q45k_isum(h, wrow, wo, xq, xo, sm, five):
+    """Q4_K / Q5_K block: <8 x i32> of sum_j scale_j * (q_j . x_j), sub-block j's 32 products
+    pairwise-summed (vpmaddubsw) then scaled and paired (vpmaddwd): the lanes of
+    ggml_vec_dot_q4_K / q5_K. sm: _q4k_scales_vec's bytes."""
+    b = h.b
+    qs0 = 48 if five else 16
+    qh = h.load(wrow, b.add(wo, _c64(16)), _vec(I8, 32)) if five else None
+    sc2 = b.shuffle_vector(sm, sm, _mask(list(range(16)) * 2))        # scales in both lanes
+    isum = ir.Constant(_vec(I32, 8), [0] * 8)
+    for c in range(4):
+        q = h.load(wrow, b.add(wo, _c64(qs0 + 32 * c)), _vec(I8, 32))
+        for hi in range(2):
+            j = 2 * c + hi
+            v = _k_nibbles(h, q, hi)
+            if five:     # bit j of qh[l] is the 5th bit of element l of sub-block j
+                hb = b.and_(b.lshr(qh, _const_vec(I8, 32, j)), _const_vec(I8, 32, 1))
+                v = b.or_(v, b.shl(hb, _const_vec(I8, 32, 4)))
+            xv = h.load(xq, b.add(xo, _c64(32 * j)), _vec(I8, 32))
+            p16 = h.maddubs(v, xv)                               # pairs <= 2*31*128
+            isum = b.add(isum, h.madd_i16(p16, h.bcast_u8_as_i16(sc2, j)))
+    return isum
+
+
+def _make_body_q45_k(five: bool):
+    """Q4_K / Q5_K block dot in ggml_vec_dot's order (Q4_K matrices with rows % 8 == 0
+    take `_q4_k_rows8_lanes`)."""
+    bs = 176 if five else 144
+
+    def body(h, wrow, xq, xd, xs, bi, acc):
+        b = h.b
+        wo = b.mul(bi, _c64(bs))
+        dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
+        d = b.fmul(h.load_f16(wrow, wo), dx)
+        dmin = b.fmul(h.load_f16(wrow, b.add(wo, _c64(2))), dx)
+        sm = _q4k_scales_vec(h, wrow, wo)
+        mn = b.zext(b.shuffle_vector(sm, sm, _mask(range(8, 16))), _vec(I32, 8))
+        bs32 = h.pairs(h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16)))     # per-32 sums of x
+        msum = b.mul(mn, bs32)
+        isum = _q45k_isum(h, wrow, wo, xq, b.mul(bi, _c64(256)), sm, five)
+        if five:
+            acc = h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
+            return h.fma(h.splat(b.fneg(dmin), 8), b.sitofp(msum, _vec(F32T, 8)), acc)
+        acc, accm = acc
+        # Q4_K as llama.cpp's vec_dot: min terms summed in pairs into a separate <4 x float>
+        acc = h.fma(h.splat(d, 8), b.sitofp(isum, _vec(F32T, 8)), acc)
+        accm = h.fma(h.splat(b.fneg(dmin), 4), b.sitofp(h.pairs(msum), _vec(F32T, 4)), accm)
+        return acc, accm
+    return body
 
 
 def _k_nibbles(h, q, hi):
@@ -896,16 +902,7 @@ def _q4_k_rows8_lanes(context, builder, sig, args):
         sm = _q4k_scales_vec(h, wrow, wo)
         mn32 = b.zext(b.shuffle_vector(sm, sm, _mask(range(8, 16))), _vec(I32, 8))
         msums.append(b.mul(mn32, bs32))
-        sc2 = b.shuffle_vector(sm, sm, _mask(list(range(16)) * 2))
-        isum = ir.Constant(_vec(I32, 8), [0] * 8)
-        for c in range(4):
-            q = h.load(wrow, b.add(wo, _c64(16 + 32 * c)), _vec(I8, 32))
-            for hi in range(2):
-                j = 2 * c + hi
-                xv = h.load(xq, b.add(xo, _c64(32 * j)), _vec(I8, 32))
-                p16 = h.maddubs(_k_nibbles(h, q, hi), xv)              # pairs <= 2*15*128
-                isum = b.add(isum, h.madd_i16(p16, h.bcast_u8_as_i16(sc2, j)))
-        isums.append(isum)
+        isums.append(_q45k_isum(h, wrow, wo, xq, xo, sm, False))
         dm = b.insert_element(dm, h.load(wrow, wo, I32), ir.Constant(I32, k))   # d | dmin << 16
     tot_i = b.sitofp(_reduce_rows8(h, isums), _vec(F32T, 8))
     tot_m = b.sitofp(_reduce_rows8(h, msums), _vec(F32T, 8))
