@@ -30,8 +30,6 @@ def f16_value(typingctx, bits):
     return sig, codegen
 
 
-_f16 = f16_value
-
 _MAGIC = np.float32(12582912.0)       # 1.5 * 2^23: adding it rounds a float32 < 2^22 to an integer (ties even)
 _TWO_24 = np.float32(16777216.0)      # F16's smallest subnormal is 2^-24
 
@@ -53,6 +51,12 @@ def f16_bits_of(x_bits):
     return sign | h
 
 
+@njit(inline="always", **_JIT)
+def f16_round(x):
+    """float32 x rounded to the nearest F16 value, as float32."""
+    return f16_value(np.uint16(f16_bits_of(np.float32(x).view(np.uint32))))
+
+
 @njit(**_JIT)
 def _to_f16_bits_kernel(x_bits, out):
     for i in range(x_bits.shape[0]):
@@ -60,15 +64,15 @@ def _to_f16_bits_kernel(x_bits, out):
 
 
 @njit(**_JIT)
-def _round_f16_kernel(x_bits, out):
-    for i in range(x_bits.shape[0]):
-        out[i] = _f16(np.uint16(f16_bits_of(x_bits[i])))
+def _round_f16_kernel(x, out):
+    for i in range(x.shape[0]):
+        out[i] = f16_round(x[i])
 
 
 @njit(**_JIT)
 def _f16_to_f32_kernel(bits, out):
     for i in range(bits.shape[0]):
-        out[i] = _f16(bits[i])
+        out[i] = f16_value(bits[i])
 
 
 def to_f16_bits(x: np.ndarray) -> np.ndarray:
@@ -83,7 +87,7 @@ def round_f16(x: np.ndarray) -> np.ndarray:
     """x.astype(float16).astype(float32) for float32 x."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty(x.shape, np.float32)
-    _round_f16_kernel(x.reshape(-1).view(np.uint32), out.reshape(-1))
+    _round_f16_kernel(x.reshape(-1), out.reshape(-1))
     return out
 
 

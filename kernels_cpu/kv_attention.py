@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .f16 import f16_bits_of, f16_to_f32, f16_value, round_f16
+from .f16 import f16_round, f16_to_f32, round_f16
 from .f16 import f16_value as _f16
 from .fast_dot import _IR, _target_features
 from .threads import apply_threads, get_threads, worker_pool
@@ -292,7 +292,7 @@ def _scores_and_weights(q16, k_bits, g, kpos, qp, window, kq_scale, w, n_slots=3
         total += np.float64(_hsum8(e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]))
     inv = np.float32(1.0 / total)
     for j in range(n_keys):
-        w[j] = f16_value(np.uint16(f16_bits_of(np.float32(w[j] * inv).view(np.uint32))))
+        w[j] = f16_round(np.float32(w[j] * inv))
 
 
 @njit(**_JIT)
