@@ -3,7 +3,11 @@
     python benchmarks/bench_kernels.py [--rows 4096 --cols 14336 --repeat 21 --types Q4_K,Q8_0,Q6_K,Q5_0]
 
 Read bandwidth = a Numba prange sum over a 512 MiB float32 array (far larger than L3).
-matvec GB/s = weight bytes / median time of one call (activation quantization included).
+matvec GB/s = weight bytes / median time of one call (activation quantization included),
+three calls alternating with three read-bandwidth calls, so "% of read" compares two
+medians taken in the same minutes (the machine's bandwidth drifts a lot between runs).
+Three copies of the weights take turns, as consecutive matrices do in decode, so a matrix
+smaller than L3 is still read from memory.
 Also times the plain Numba kernel (the portable reference path), and a prefill matmul
 (GFLOP/s) for a batch of tokens. Cells are "median / best": medians, because 2-thread
 timings stall sometimes; best, because on a shared machine it shows the uncontended speed.
@@ -45,6 +49,21 @@ def _times(fn, repeat):
     return float(np.median(ts)), float(min(ts))
 
 
+def _paired_times(fn, ref, repeat):
+    """(median, best) seconds of fn and of ref, called alternately three at a time,
+    `repeat` times each."""
+    fn()
+    ref()
+    ts, rs = [], []
+    for _ in range(0, repeat, 3):
+        for f, acc in ((fn, ts), (ref, rs)):
+            for _ in range(3):
+                t0 = time.perf_counter()
+                f()
+                acc.append(time.perf_counter() - t0)
+    return (float(np.median(ts)), float(min(ts))), (float(np.median(rs)), float(min(rs)))
+
+
 def _cell(work, times, unit_scale=1e-9):
     med, best = times
     return f"{work / med * unit_scale:6.1f} / {work / best * unit_scale:5.1f}"
@@ -70,7 +89,6 @@ def main(argv=None) -> None:
         K.set_threads(t)
         row.append(_cell(big.nbytes, _times(lambda: _prange_sum(big), max(5, args.repeat // 3))))
     print(f"{'read bandwidth GB/s':<30}" + "".join(f"{v:>18}" for v in row))
-    del big
 
     x = rng.standard_normal(args.cols).astype(np.float32)
     X = rng.standard_normal((args.prefill_tokens, args.cols)).astype(np.float32)
@@ -78,13 +96,21 @@ def main(argv=None) -> None:
         qtype = T[name]
         w = random_blocks(qtype, args.rows, args.cols, rng)
         w.flags.writeable = False
+        copies = [w, w.copy(), w.copy()]
+        turn = [0]
+
+        def mv():
+            turn[0] = (turn[0] + 1) % 3
+            K.matvec(copies[turn[0]], qtype, x, out)
         out = np.empty(args.rows, np.float32)
         info = K.quant_info(qtype)
         xq, xd, xs = K.quantize_activations(x, info) if info.act_block else (None, None, None)
-        cells, plain, pre = [], [], []
+        cells, pcts, plain, pre = [], [], [], []
         for t in threads:
             K.set_threads(t)
-            cells.append(_cell(w.nbytes, _times(lambda: K.matvec(w, qtype, x, out), args.repeat)))
+            mv_t, bw_t = _paired_times(mv, lambda: _prange_sum(big), args.repeat)
+            cells.append(_cell(w.nbytes, mv_t))
+            pcts.append(f"{(w.nbytes / mv_t[0]) / (big.nbytes / bw_t[0]):.0%} of {big.nbytes / bw_t[0] / 1e9:.1f}")
             if fast_dot.has_fast_path(int(qtype)) and not args.no_plain:
                 plain.append(_cell(w.nbytes, _times(lambda: quant_kernels.matvec_q_kernel(
                     w, w.view(np.int8), int(qtype), xq, xd, xs, out, 16, 32), max(3, args.repeat // 5))))
@@ -92,6 +118,7 @@ def main(argv=None) -> None:
                 flop = 2 * args.rows * args.cols * args.prefill_tokens
                 pre.append(_cell(flop, _times(lambda: K.matmul(w, qtype, X), 3)))
         print(f"{f'{name} {args.rows}x{args.cols} matvec GB/s':<30}" + "".join(f"{c:>18}" for c in cells))
+        print(f"{'  median % of read alongside':<30}" + "".join(f"{c:>18}" for c in pcts))
         if plain:
             print(f"{'  plain kernel GB/s':<30}" + "".join(f"{c:>18}" for c in plain))
         if pre:

@@ -485,7 +485,7 @@ def _q45k_isum(h, wrow, wo, xq, xo, sm, five):
 
 def _make_body_q45_k(five: bool):
     """Q4_K / Q5_K block dot in ggml_vec_dot's order (Q4_K matrices with rows % 8 == 0
-    take `_q4_k_rows8_lanes`)."""
+    take `_q4_k_rows4_lanes`)."""
     bs = 176 if five else 144
 
     def body(h, wrow, xq, xd, xs, bi, acc):
@@ -674,7 +674,7 @@ def _make_deq_q23_k(three: bool):
     return body
 
 
-ROWS = 4   # Q8_0 rows per loop (4 accumulators hide the fma latency; _q8_0_rows unpacks 4)
+ROWS = 4   # rows per loop of the multi-row kernels (_quartered_rows unpacks 4)
 
 
 def _make_row_intrinsic(body, with_mins=False, nrows=1, block_bytes=0):
@@ -707,6 +707,7 @@ def _make_row_intrinsic(body, with_mins=False, nrows=1, block_bytes=0):
 # 2 threads, 15.2 -> 11.6 ms with one. The K-quants, compute-bound, lost 10-40% with it.
 _row_q8_0 = _make_row_intrinsic(_body_q8_0, block_bytes=34)
 _rows_q8_0 = _make_row_intrinsic(_body_q8_0, nrows=ROWS, block_bytes=34)
+_rows_q6_k = _make_row_intrinsic(_body_q6_k, nrows=ROWS)    # prefetching lost 50% here
 _row_q4_0 = _make_row_intrinsic(_make_body_q32(Q4_0))
 _row_q4_1 = _make_row_intrinsic(_make_body_q32(Q4_1))
 _row_q5_0 = _make_row_intrinsic(_make_body_q32(Q5_0))
@@ -856,34 +857,34 @@ FAST_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 _JIT = dict(cache=True, nogil=True)
 
 
-# ----------------------------------------------------------------------------- Q4_K, 8 rows in lanes
+# ----------------------------------------------------------------------------- Q4_K, 4 rows in lanes
 
-def _reduce_rows8(h, vs):
-    """8 x <8 x i32> -> <8 x i32> whose lane k is the sum of vs[k]'s lanes (exact)."""
+def _reduce_rows4(h, vs):
+    """4 x <8 x i32> -> <8 x i32> whose lanes k and k + 4 are the sum of vs[k]'s lanes (exact)."""
     b = h.b
 
     def hadd(x, y):
         return b.add(b.shuffle_vector(x, y, _mask([0, 2, 8, 10, 4, 6, 12, 14])),
                      b.shuffle_vector(x, y, _mask([1, 3, 9, 11, 5, 7, 13, 15])))
-    q0 = hadd(hadd(vs[0], vs[1]), hadd(vs[2], vs[3]))    # rows 0-3: lanes 0-3 and 4-7 halves
-    q1 = hadd(hadd(vs[4], vs[5]), hadd(vs[6], vs[7]))
-    return b.add(b.shuffle_vector(q0, q1, _mask([0, 1, 2, 3, 8, 9, 10, 11])),
-                 b.shuffle_vector(q0, q1, _mask([4, 5, 6, 7, 12, 13, 14, 15])))
+    q = hadd(hadd(vs[0], vs[1]), hadd(vs[2], vs[3]))    # rows 0-3 in each 128-bit half
+    return b.add(q, b.shuffle_vector(q, q, _mask([4, 5, 6, 7, 0, 1, 2, 3])))
 
 
-def _q4_k_rows8_lanes(context, builder, sig, args):
-    """Rows r, r+step, .. r+7*step of a Q4_K matrix with one row per float lane, in the
-    order of llama.cpp's repacked 8-row gemv: per block, each row's integer dot I and min
-    dot M, then acc += (d*dx) * I and accm += (dmin*(-dx)) * M lane-wise; row k's result
-    is acc[k] + accm[k]. (That gemv sums each block's integer dot to one integer before a
-    single float fma per block, so its float order differs from ggml_vec_dot_q4_K's.)"""
-    (wrows, xq, xd, xs), nb = _array_ptrs(context, builder, sig, args, 8)
+def _q4_k_rows4_lanes(context, builder, sig, args):
+    """Rows r, r+step, r+2*step, r+3*step of a Q4_K matrix with one row per float lane, in
+    the order of llama.cpp's repacked 8-row gemv: per block, each row's integer dot I and
+    min dot M, then acc += (d*dx) * I and accm += (dmin*(-dx)) * M lane-wise; row k's
+    result is acc[k] + accm[k]. (That gemv sums each block's integer dot to one integer
+    before a single float fma per block, so its float order differs from
+    ggml_vec_dot_q4_K's; the lanes are independent, so 4 rows give its bits as 8 do.)
+    The float work runs on 8 lanes, rows 0-3 twice: as cheap as 4 lanes."""
+    (wrows, xq, xd, xs), nb = _array_ptrs(context, builder, sig, args, ROWS)
     h = _IR(builder, _target_features(context))
     b = builder
     zero = ir.Constant(_vec(F32T, 8), [0.0] * 8)
     entry = b.block
-    loop = b.append_basic_block("q4k8.loop")
-    done = b.append_basic_block("q4k8.done")
+    loop = b.append_basic_block("q4k4.loop")
+    done = b.append_basic_block("q4k4.done")
     b.cbranch(b.icmp_signed(">", nb, ir.Constant(I64, 0)), loop, done)
     b.position_at_end(loop)
     bi = b.phi(I64)
@@ -903,9 +904,10 @@ def _q4_k_rows8_lanes(context, builder, sig, args):
         mn32 = b.zext(b.shuffle_vector(sm, sm, _mask(range(8, 16))), _vec(I32, 8))
         msums.append(b.mul(mn32, bs32))
         isums.append(_q45k_isum(h, wrow, wo, xq, xo, sm, False))
-        dm = b.insert_element(dm, h.load(wrow, wo, I32), ir.Constant(I32, k))   # d | dmin << 16
-    tot_i = b.sitofp(_reduce_rows8(h, isums), _vec(F32T, 8))
-    tot_m = b.sitofp(_reduce_rows8(h, msums), _vec(F32T, 8))
+        dmk = h.load(wrow, wo, I32)                                     # d | dmin << 16
+        dm = b.insert_element(b.insert_element(dm, dmk, ir.Constant(I32, k)), dmk, ir.Constant(I32, k + 4))
+    tot_i = b.sitofp(_reduce_rows4(h, isums), _vec(F32T, 8))
+    tot_m = b.sitofp(_reduce_rows4(h, msums), _vec(F32T, 8))
     dm16 = b.bitcast(dm, _vec(I16, 16))
     d = h.f16_lanes(b.shuffle_vector(dm16, dm16, _mask(range(0, 16, 2))))
     dmin = h.f16_lanes(b.shuffle_vector(dm16, dm16, _mask(range(1, 16, 2))))
@@ -923,75 +925,65 @@ def _q4_k_rows8_lanes(context, builder, sig, args):
         p_.add_incoming(zero, entry)
         p_.add_incoming(v, loop_end)
     tot = b.fadd(ra, rm)
-    return [b.extract_element(tot, ir.Constant(I32, k)) for k in range(8)]
+    return [b.extract_element(tot, ir.Constant(I32, k)) for k in range(ROWS)]
 
 
 @intrinsic
-def _rows8_q4_k(typingctx, w, r, xq, xd, xs, step):
-    """Rows r, r+step, .. r+7*step of a Q4_K matrix as a tuple: see _q4_k_rows8_lanes."""
-    sig = types.UniTuple(types.float32, 8)(w, r, xq, xd, xs, step)
+def _rows4_q4_k(typingctx, w, r, xq, xd, xs, step):
+    """Rows r, r+step, r+2*step, r+3*step of a Q4_K matrix as a tuple: see _q4_k_rows4_lanes."""
+    sig = types.UniTuple(types.float32, ROWS)(w, r, xq, xd, xs, step)
 
     def codegen(context, builder, sig, args):
-        return context.make_tuple(builder, sig.return_type, _q4_k_rows8_lanes(context, builder, sig, args))
+        return context.make_tuple(builder, sig.return_type, _q4_k_rows4_lanes(context, builder, sig, args))
     return sig, codegen
 
 
 CHUNK = 16   # rows per work item: the type dispatch and call overhead, once per chunk
-#              (a multiple of 8: Q4_K's 8-row groups never straddle two chunks)
+#              (a multiple of ROWS: a 4-row group never straddles two chunks)
 
 
 @njit(**_JIT)
-def _q8_0_rows(w, r0, r1, xq, xd, xs, out):
-    """Q8_0 "rows" r0..r1 in a quartered order: with q = n_rows // 4, slot v < 4q is row
-    v // 4 + (v % 4) * q, slots from 4q on are rows themselves. Four rows a quarter of the
-    matrix apart run in one loop: four independent fma chains (one row's chain sets the
-    pace otherwise), shared activation loads, and four long sequential streams for the
-    prefetchers (four adjacent short rows were slower from memory). The Gemma head
-    (262144 x 640) went 6.3 -> 5.6 ms with 2 threads; every row keeps ggml's order."""
+def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
+    """Q8_0, Q6_K and Q4_K (rows % 8 == 0) "rows" r0..r1 in a quartered order: with
+    q = n_rows // 4, slot v < 4q is row v // 4 + (v % 4) * q, slots from 4q on are rows
+    themselves. Four rows a quarter of the matrix apart run in one loop: four long
+    sequential streams for the prefetchers (four adjacent short rows were slower from
+    memory, and eight streams a thread slower than four), shared activation loads, and,
+    for Q8_0, four independent fma chains (one row's chain sets the pace otherwise).
+    Every row keeps its own order: Q8_0 and Q6_K ggml_vec_dot's, Q4_K llama.cpp's
+    repacked gemv's, one row per lane (_q4_k_rows4_lanes).
+    Measured with 2 threads, old and new loop alternating in one run: Gemma's Q8_0 head
+    (262144 x 640) 6.3 -> 5.6 ms against one row a loop; Q6_K 4096 x 14336 16.9 -> 22.8
+    GB/s against one row a loop (8 rows spilled: 15.0); Q4_K 4096 x 14336 20.5 -> 24.1
+    GB/s against 8 rows an eighth apart in 8 lanes."""
     q = out.shape[0] // ROWS
     v = r0
     while v + ROWS <= min(r1, ROWS * q):   # r0 is a multiple of CHUNK, so of ROWS
         i = v // ROWS
-        a, b, c, d = _rows_q8_0(w, i, xq, xd, xs, q)
+        if qt == Q8_0:
+            a, b, c, d = _rows_q8_0(w, i, xq, xd, xs, q)
+        elif qt == Q6_K:
+            a, b, c, d = _rows_q6_k(w, i, xq, xd, xs, q)
+        else:
+            a, b, c, d = _rows4_q4_k(w, i, xq, xd, xs, q)
         out[i] = a
         out[i + q] = b
         out[i + 2 * q] = c
         out[i + 3 * q] = d
         v += ROWS
-    for r in range(max(v, ROWS * q), r1):
-        out[r] = _row_q8_0(w, r, xq, xd, xs)
-
-
-@njit(**_JIT)
-def _q4_k_rows8(w, r0, r1, xq, xd, xs, out):
-    """Q4_K (rows % 8 == 0) "rows" r0..r1 in an eighths order: with q = n_rows // 8, slot v
-    is row v // 8 + (v % 8) * q. Eight rows an eighth of the matrix apart run in one call,
-    one row per lane (llama.cpp's repacked 8-row order): eight
-    long sequential streams, and the per-block overhead shared by 8 rows. With 2 threads:
-    65536x2048 19.8 -> 20.7 GB/s, 16384x8192 19.2 -> 22.5, 4096x14336 19.4 -> 21.1."""
-    q = out.shape[0] // 8
-    for v in range(r0, r1, 8):   # r0 is a multiple of CHUNK, r1 of 8
-        i = v // 8
-        vals = _rows8_q4_k(w, i, xq, xd, xs, q)
-        for k in range(8):
-            out[i + k * q] = vals[k]
+    for r in range(max(v, ROWS * q), r1):   # never for Q4_K (rows % 8 == 0)
+        out[r] = _row_q8_0(w, r, xq, xd, xs) if qt == Q8_0 else _row_q6_k(w, r, xq, xd, xs)
 
 
 @njit(**_JIT)
 def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
     """out[r] = row r of w . 8-bit activations for r0 <= r < r1, dispatched on the GGML
     type id once (the row intrinsics inline into each branch's loop)."""
-    if qt == Q4_K:
-        if w.shape[0] % 8 == 0:
-            _q4_k_rows8(w, r0, r1, xq, xd, xs, out)
-        else:
-            for r in range(r0, r1):
-                out[r] = _row_q4_k(w, r, xq, xd, xs)
-    elif qt == Q6_K:
+    if qt == Q6_K or qt == Q8_0 or (qt == Q4_K and w.shape[0] % 8 == 0):
+        _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
+    elif qt == Q4_K:   # llama.cpp repacks only matrices with rows % 8 == 0
         for r in range(r0, r1):
-            out[r] = _row_q6_k(w, r, xq, xd, xs)
-    elif qt == Q8_0:
-        _q8_0_rows(w, r0, r1, xq, xd, xs, out)
+            out[r] = _row_q4_k(w, r, xq, xd, xs)
     elif qt == Q5_0:
         for r in range(r0, r1):
             out[r] = _row_q5_0(w, r, xq, xd, xs)

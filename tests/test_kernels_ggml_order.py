@@ -131,11 +131,13 @@ def test_matvec_follows_ggml_order(qtype, n_rows):
 
 
 @pytest.mark.parametrize("qtype, n_rows, n_cols", [
-    (T.Q8_0, 4, 4096), (T.Q8_0, 37, 4096),   # four rows a quarter of the matrix apart per loop
-    (T.Q4_K, 8, 14336), (T.Q4_K, 24, 14336),  # 8 rows an eighth apart, one per lane (_rows8_q4_k)
+    # four rows a quarter of the matrix apart per loop (_quartered_rows)
+    (T.Q8_0, 4, 4096), (T.Q8_0, 37, 4096),
+    (T.Q6_K, 4, 4096), (T.Q6_K, 38, 4096),
+    (T.Q4_K, 8, 14336), (T.Q4_K, 24, 14336),  # one row per lane (_rows4_q4_k)
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_multi_row_loops_keep_the_order(qtype, n_rows, n_cols):
-    # 37 and 24 rows also leave a partial 16-row chunk (and, for Q8_0, a leftover row)
+    # 37, 38 and 24 rows also leave a partial 16-row chunk, and 37 and 38 leftover rows
     rng = np.random.default_rng(n_rows)
     w = random_blocks(qtype, n_rows, n_cols, rng)
     x = (rng.standard_normal(n_cols) * 3).astype(np.float32)

@@ -35,8 +35,8 @@ cg = cpu_target.target_context.codegen()
 print("target", cg.magic_tuple()[1], "+avx2" in cg._tm_features.split(","))
 rng = np.random.default_rng(7)
 results = {}
-# 19 rows: the per-row orders; 16 rows: Q4_K's 8-row order; 4096 columns: Q8_0 four rows at a
-# time; 8 x 14336: Q4_K 8 rows in lanes (so are the 16 x 1024)
+# 19 rows: the per-row orders, and Q8_0's and Q6_K's four rows a loop with 3 leftover rows;
+# 16 x 1024 and 8 x 14336: Q4_K four rows in lanes; 9 x 4096: Q8_0 four rows a loop
 cases = [(T(t), 19, 1024) for t in fast_dot.FAST_TYPES] + [(T.Q4_K, 16, 1024), (T.Q8_0, 9, 4096),
                                                            (T.Q4_K, 8, 14336)]
 for qt, n_rows, n_cols in cases:
