@@ -72,7 +72,11 @@ class Backend:
         return (x * scale) * self.vector(weight)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        return gate / (1.0 + np.exp(-gate)) * up
+        """SiLU of gate, times up, as ggml's AVX2 swiglu: gate / (1 + ggml_v_expf(-gate))."""
+        gate = np.asarray(gate, np.float32)
+        with np.errstate(over="ignore"):
+            silu = (gate / (np.float32(1.0) + ggml_expf_any(-gate))).astype(np.float32)
+        return (silu * up).astype(np.float32)
 
     def gelu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         """GELU (tanh approximation) of gate, times up, the way ggml's CPU geglu computes it:
@@ -221,6 +225,30 @@ def ggml_expf(x: np.ndarray) -> np.ndarray:
         k = np.ldexp(np.float32(1.0), np.where(tiny, 0, n).astype(np.int32)).astype(np.float32)
         out = ((j + np.float32(1.0)).astype(np.float32) * k).astype(np.float32)
     return np.where(tiny, np.float32(0.0), out)
+
+
+def ggml_expf_any(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf (AVX2) over any finite float32 x: 2^n * (1 + j) rounded once to float32
+    for |n| <= 126 (its fma), 2^n * float32(1 + j) rounded again beyond (two power-of-two
+    factors), 0 for n < -192 and inf for n > 192."""
+    from edgeinfer.kernels_cpu import kv_attention as kern
+
+    def fma(a, b, c):  # exact product in float64, then the roundings
+        return (np.asarray(a, np.float64) * b + c).astype(np.float32)
+
+    x = np.asarray(x, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = fma(x, kern._LOG2E, kern._R)
+        n = (z - kern._R).astype(np.float32)
+        b = fma(-n, kern._LN2_LO, fma(-n, kern._LN2_HI, x))
+        u = (b * b).astype(np.float32)
+        j = fma(fma(fma(kern._C5, b, kern._C4), u, fma(kern._C3, b, kern._C2)), u,
+                (kern._C1 * b).astype(np.float32))
+        nc = np.clip(n, -193, 193).astype(np.int32)
+        one_j = np.where(np.abs(n) <= 126, j.astype(np.float64) + 1.0,
+                         (j + np.float32(1.0)).astype(np.float32).astype(np.float64))
+        out = np.ldexp(one_j, nc).astype(np.float32)
+    return np.where(n > 192, np.float32(np.inf), np.where(n < -192, np.float32(0.0), out)).astype(np.float32)
 
 
 class ReferenceBackend(Backend):

@@ -91,5 +91,8 @@ class CpuBackend(Backend):
         out = np.array(x, dtype=np.float32, order="C")
         return ops.rope_rotate(out, cached, n_dims, mode == ROPE_NEOX)
 
+    def silu_mul(self, gate, up):
+        return ops.silu_mul(gate, up)
+
     def gelu_mul(self, gate, up):
         return ops.gelu_mul(gate, up, _gelu_f16_table())

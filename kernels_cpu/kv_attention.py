@@ -58,17 +58,50 @@ def _fma(a, b, c):
 
 
 @njit(inline="always", **_JIT)
-def ggml_expf(x):
-    """ggml_v_expf for one float32 lane x <= 0 (softmax arguments); exp(-inf) = 0."""
+def _expf_parts(x):
+    """ggml_v_expf's exponent n and polynomial j: exp(x) ~ 2^n * (1 + j)."""
     z = _fma(x, _LOG2E, _R)
     n = np.float32(z - _R)
-    if n < -126.0:  # below float32's normal range: ggml's result is < 2^-125, nothing downstream sees it
-        return np.float32(0.0)
     b = _fma(-n, _LN2_LO, _fma(-n, _LN2_HI, x))
     u = np.float32(b * b)
     j = _fma(_fma(_fma(_C5, b, _C4), u, _fma(_C3, b, _C2)), u, np.float32(_C1 * b))
+    return n, j
+
+
+@njit(inline="always", **_JIT)
+def ggml_expf(x):
+    """ggml_v_expf for one float32 lane x <= 0 (softmax arguments); exp(-inf) = 0."""
+    n, j = _expf_parts(x)
+    if n < -126.0:  # below float32's normal range: ggml's result is < 2^-125, nothing downstream sees it
+        return np.float32(0.0)
     # k = 2^n exactly; fma(j, k, k) = k * round(j + 1) since k is a power of two
     return np.float32(np.float32(j + np.float32(1.0)) * np.float32(2.0 ** int(n)))
+
+
+@intrinsic
+def _pow2_f64(typingctx, n):
+    """2.0 ** n for an int64 -1022 <= n <= 1023, from the exponent bits (vectorizes)."""
+    sig = types.float64(types.int64)
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        e = builder.shl(builder.add(args[0], ir.Constant(i64, 1023)), ir.Constant(i64, 52))
+        return builder.bitcast(e, ir.DoubleType())
+    return sig, codegen
+
+
+@njit(inline="always", **_JIT)
+def ggml_expf_any(x):
+    """ggml_v_expf (AVX2) for any finite float32 x, its three ranges: |n| <= 126,
+    fma(j, k, k) with k = 2^n, one rounding of 2^n * (1 + j) (exact in float64);
+    126 < |n| <= 192, two power-of-two factors, 1 + j rounded to float32 first and the
+    last product rounding again (to a subnormal, or to inf); beyond, 0 or inf.
+    Branch-free, so loops over it vectorize."""
+    n, j = _expf_parts(x)
+    one_j = np.float64(j) + 1.0 if abs(n) <= 126.0 else np.float64(np.float32(j + np.float32(1.0)))
+    k = _pow2_f64(np.int64(min(max(n, np.float32(-193.0)), np.float32(193.0))))
+    r = np.float32(one_j * k)
+    return np.float32(0.0) if n < -192.0 else (np.float32(np.inf) if n > 192.0 else r)
 
 
 @njit(inline="always", **_JIT)

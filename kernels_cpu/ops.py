@@ -1,4 +1,4 @@
-"""Float kernels around the matmuls: RMSNorm, rotary embedding, GELU.
+"""Float kernels around the matmuls: RMSNorm, rotary embedding, GELU, SiLU.
 
 Each computes exactly what edgeinfer.backend.Backend's numpy op computes (ggml's rounding
 order), in one compiled call; tests/test_kernels_ops.py requires bit equality. Attention
@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit
 
 from .f16 import f16_bits_of
+from .kv_attention import ggml_expf_any
 from .threads import apply_threads
 
 _JIT = dict(cache=True, nogil=True)
@@ -136,4 +137,20 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray, table: np.ndarray) -> np.ndarray:
     up = np.ascontiguousarray(up, dtype=np.float32)
     out = np.empty_like(gate)
     _gelu_mul_kernel(gate.reshape(-1), up.reshape(-1), table, out.reshape(-1))
+    return out
+
+
+@njit(error_model="numpy", **_JIT)   # no zero-division branch: the loop vectorizes
+def _silu_mul_kernel(gate, up, out):
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        out[i] = np.float32(g / np.float32(np.float32(1.0) + ggml_expf_any(-g))) * up[i]
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """ggml's swiglu on AVX2: gate / (1 + ggml_v_expf(-gate)) * up, in float32."""
+    gate = np.ascontiguousarray(gate, dtype=np.float32)
+    up = np.ascontiguousarray(up, dtype=np.float32)
+    out = np.empty_like(gate)
+    _silu_mul_kernel(gate.reshape(-1), up.reshape(-1), out.reshape(-1))
     return out

@@ -61,3 +61,54 @@ def test_gelu_mul_is_bit_exact_and_correct():
     g64 = gate.astype(np.float64)
     gelu = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * g64 * (1 + 0.044715 * g64 ** 2)))
     np.testing.assert_allclose(got, gelu * up, atol=2e-3 * np.abs(gelu * up).max())
+
+
+def _ggml_v_expf_avx2(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf's AVX2 code transcribed literally, bit tricks and all three ranges
+    (an independent check of the closed form `ggml_expf_any` uses)."""
+    from edgeinfer.kernels_cpu import kv_attention as kern
+
+    def fma(a, b, c):
+        return (np.asarray(a, np.float64) * b + c).astype(np.float32)
+
+    def bits(v):
+        return np.asarray(v, np.float32).view(np.uint32)
+
+    def flt(u):
+        return np.asarray(u, np.uint32).view(np.float32)
+
+    x = x.astype(np.float32)
+    with np.errstate(all="ignore"):
+        z = fma(x, kern._LOG2E, kern._R)
+        n = (z - kern._R).astype(np.float32)
+        b = fma(-n, kern._LN2_LO, fma(-n, kern._LN2_HI, x))
+        e = (bits(z) << np.uint32(23)).astype(np.uint32)
+        k = flt((e + bits(np.float32(1.0))).astype(np.uint32))
+        c = np.abs(n) > 126
+        u = (b * b).astype(np.float32)
+        j = fma(fma(fma(kern._C5, b, kern._C4), u, fma(kern._C3, b, kern._C2)), u, (kern._C1 * b).astype(np.float32))
+        g = np.where(n <= 0, np.uint32(0x82000000), np.uint32(0)).astype(np.uint32)
+        s1 = flt((g + np.uint32(0x7F000000)).astype(np.uint32))
+        s2 = flt((e - g).astype(np.uint32))
+        d = np.abs(n) > 192
+        big = (s1 * s1).astype(np.float32)
+        mid = (fma(s2, j, s2) * s1).astype(np.float32)
+        small = fma(k, j, k)
+    return np.where(d, big, np.where(c, mid, small))
+
+
+def test_silu_mul_is_ggml_swiglu_bit_for_bit():
+    from edgeinfer.backend import ggml_expf_any
+    rng = np.random.default_rng(3)
+    # ordinary values, and the ranges where exp(-x) is subnormal, zero, huge or inf
+    gate = np.concatenate([rng.standard_normal(4000) * 6, rng.uniform(-200, 200, 4000),
+                           [0.0, -0.0, 87.0, 88.5, 90.0, 103.0, 104.5, 130.0, -88.0, -88.5, -89.0,
+                            -132.0, 1e6, -1e6]]).astype(np.float32)
+    up = rng.standard_normal(gate.shape).astype(np.float32)
+    np.testing.assert_array_equal(ggml_expf_any(-gate), _ggml_v_expf_avx2(-gate))
+    got = ops.silu_mul(gate, up)
+    np.testing.assert_array_equal(got, Backend(None).silu_mul(gate, up))
+    g64 = gate.astype(np.float64)
+    with np.errstate(over="ignore"):
+        want = g64 / (1.0 + np.exp(-g64)) * up
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-30)
