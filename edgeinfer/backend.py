@@ -206,14 +206,13 @@ def _hsum8(lanes: np.ndarray) -> np.ndarray:
     return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
 
 
-def ggml_expf(x: np.ndarray) -> np.ndarray:
-    """ggml_v_expf (llama.cpp's vectorised float32 exp) for x <= 0; -inf -> 0."""
+def _ggml_expf_parts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml_v_expf's exponent n and polynomial j for float32 x: exp(x) ~ 2^n * (1 + j)."""
     from edgeinfer.kernels_cpu import kv_attention as kern
 
     def fma(a, b, c):  # exact product in float64, then the roundings
         return (np.asarray(a, np.float64) * b + c).astype(np.float32)
 
-    x = np.asarray(x, np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         z = fma(x, kern._LOG2E, kern._R)
         n = (z - kern._R).astype(np.float32)
@@ -221,6 +220,13 @@ def ggml_expf(x: np.ndarray) -> np.ndarray:
         u = (b * b).astype(np.float32)
         j = fma(fma(fma(kern._C5, b, kern._C4), u, fma(kern._C3, b, kern._C2)), u,
                 (kern._C1 * b).astype(np.float32))
+    return n, j
+
+
+def ggml_expf(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf (llama.cpp's vectorised float32 exp) for x <= 0; -inf -> 0."""
+    n, j = _ggml_expf_parts(np.asarray(x, np.float32))
+    with np.errstate(invalid="ignore", over="ignore"):
         tiny = ~(n >= -126.0)
         k = np.ldexp(np.float32(1.0), np.where(tiny, 0, n).astype(np.int32)).astype(np.float32)
         out = ((j + np.float32(1.0)).astype(np.float32) * k).astype(np.float32)
@@ -231,19 +237,8 @@ def ggml_expf_any(x: np.ndarray) -> np.ndarray:
     """ggml_v_expf (AVX2) over any finite float32 x: 2^n * (1 + j) rounded once to float32
     for |n| <= 126 (its fma), 2^n * float32(1 + j) rounded again beyond (two power-of-two
     factors), 0 for n < -192 and inf for n > 192."""
-    from edgeinfer.kernels_cpu import kv_attention as kern
-
-    def fma(a, b, c):  # exact product in float64, then the roundings
-        return (np.asarray(a, np.float64) * b + c).astype(np.float32)
-
-    x = np.asarray(x, np.float32)
+    n, j = _ggml_expf_parts(np.asarray(x, np.float32))
     with np.errstate(invalid="ignore", over="ignore"):
-        z = fma(x, kern._LOG2E, kern._R)
-        n = (z - kern._R).astype(np.float32)
-        b = fma(-n, kern._LN2_LO, fma(-n, kern._LN2_HI, x))
-        u = (b * b).astype(np.float32)
-        j = fma(fma(fma(kern._C5, b, kern._C4), u, fma(kern._C3, b, kern._C2)), u,
-                (kern._C1 * b).astype(np.float32))
         nc = np.clip(n, -193, 193).astype(np.int32)
         one_j = np.where(np.abs(n) <= 126, j.astype(np.float64) + 1.0,
                          (j + np.float32(1.0)).astype(np.float32).astype(np.float64))
