@@ -897,13 +897,25 @@ def _q4_k_rows4_lanes(context, builder, sig, args):
     dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
     bs32 = h.pairs(h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16)))     # per-32 sums of x
     xo = b.mul(bi, _c64(256))
-    isums, msums = [], []
+    msums = []
     dm = ir.Constant(_vec(I32, 8), [0] * 8)
+    # the 4 rows sub-block by sub-block, each activation vector loaded once for all of
+    # them: rows one after another made LLVM keep all 8 activation vectors live (it shares
+    # the identical loads) and spill; this order measured 11-15% faster, in L2 and from
+    # memory. Integer sums are exact, so the order within a row changes no bit.
+    sms = [_q4k_scales_vec(h, wrow, wo) for wrow in wrows]
+    sc2s = [b.shuffle_vector(sm, sm, _mask(list(range(16)) * 2)) for sm in sms]   # both lanes
+    isums = [ir.Constant(_vec(I32, 8), [0] * 8)] * len(wrows)
+    for c in range(4):
+        xvs = [h.load(xq, b.add(xo, _c64(64 * c + 32 * hi)), _vec(I8, 32)) for hi in range(2)]
+        for k, wrow in enumerate(wrows):
+            q = h.load(wrow, b.add(wo, _c64(16 + 32 * c)), _vec(I8, 32))
+            for hi in range(2):   # sub-block 2c + hi: low nibbles, then high
+                p16 = h.maddubs(_k_nibbles(h, q, hi), xvs[hi])             # pairs <= 2*15*128
+                isums[k] = b.add(isums[k], h.madd_i16(p16, h.bcast_u8_as_i16(sc2s[k], 2 * c + hi)))
     for k, wrow in enumerate(wrows):
-        sm = _q4k_scales_vec(h, wrow, wo)
-        mn32 = b.zext(b.shuffle_vector(sm, sm, _mask(range(8, 16))), _vec(I32, 8))
+        mn32 = b.zext(b.shuffle_vector(sms[k], sms[k], _mask(range(8, 16))), _vec(I32, 8))
         msums.append(b.mul(mn32, bs32))
-        isums.append(_q45k_isum(h, wrow, wo, xq, xo, sm, False))
         dmk = h.load(wrow, wo, I32)                                     # d | dmin << 16
         dm = b.insert_element(b.insert_element(dm, dmk, ir.Constant(I32, k)), dmk, ir.Constant(I32, k + 4))
     tot_i = b.sitofp(_reduce_rows4(h, isums), _vec(F32T, 8))
