@@ -71,6 +71,14 @@ class Backend:
         scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
         return (x * scale) * self.vector(weight)
 
+    def norm_swiglu_residual(self, x: np.ndarray, norm: str, eps: float, gate: str, up: str,
+                             down: str) -> np.ndarray:
+        """A pre-norm SwiGLU feed-forward with its residual: x + down(silu(gate(h)) * up(h)),
+        h = rms_norm(x). Backends may run it as one fused step (the CPU one does, in decode)."""
+        h = self.rms_norm(x, norm, eps)
+        g, u = self.linear_many([gate, up], h)
+        return x + self.linear(down, self.silu_mul(g, u))
+
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         """SiLU of gate, times up, as ggml's AVX2 swiglu: gate / (1 + ggml_v_expf(-gate))."""
         gate = np.asarray(gate, np.float32)

@@ -11,7 +11,7 @@ import numpy as np
 
 from edgeinfer import kernels_cpu
 from edgeinfer.backend import Backend, _gelu_f16_table
-from edgeinfer.kernels_cpu import kv_attention, ops
+from edgeinfer.kernels_cpu import decode_blocks, kv_attention, ops
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
 from edgeinfer.models.base import ROPE_NEOX
 
@@ -51,6 +51,14 @@ class CpuBackend(Backend):
         ws = [self.gguf.raw(name) for name in names]
         qts = [self.gguf.tensors[name].qtype for name in names]
         return [y[None, :] for y in kernels_cpu.matvec_many(ws, qts, x0)]
+
+    def norm_swiglu_residual(self, x, norm, eps, gate, up, down):
+        if x.shape[0] == 1:  # decode: the whole block in one compiled call (decode_blocks)
+            gate_up, down_w = self._decode_group((gate, up)), self._decode_group((down,))
+            if gate_up is not None and down_w is not None:
+                x0 = np.ascontiguousarray(x[0], np.float32)
+                return decode_blocks.norm_swiglu_residual(x0, self.vector(norm), eps, gate_up, down_w[0])[None, :]
+        return super().norm_swiglu_residual(x, norm, eps, gate, up, down)
 
     def _decode_group(self, names: tuple[str, ...]):
         """The decode matvec's prepared weights for these matrices (validated once), or

@@ -41,17 +41,7 @@ def quantize_activations(x: np.ndarray, info: QuantInfo):
     32-blocks (Q8_0 style) for the 32-element weight types: xs = sum of the block.
     256-blocks (Q8_K style) for K-quants / IQ4_XS: xs = sums of each 16 elements (bsums).
     """
-    n = x.shape[0]
-    xq = np.empty(n, np.int8)
-    if info.act_block == 32:
-        xd = np.empty(n // 32, np.float32)
-        xs = np.empty(n // 32, np.int32)
-        qk.quantize_q8_0(x, xq, xd, xs, 32)
-    else:
-        xd = np.empty(n // 256, np.float32)
-        xs = np.empty(n // 16, np.int32)
-        qk.quantize_q8_k(x, xq, xd, xs, 16)
-    return xq, xd, xs
+    return qk.quantize_act(x, info.act_block)
 
 
 def quantize_activation_rows(X: np.ndarray, info: QuantInfo):

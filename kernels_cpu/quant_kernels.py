@@ -148,6 +148,23 @@ def quantize_q8_k(x, xq, xd, xs, n16):
 
 
 @njit(**_JIT)
+def quantize_act(x, act_block):
+    """x (n,) f32 -> (xq int8 (n,), xd f32 per block, xs int32 sums): Q8_0-style 32-blocks
+    (xs per 32) for act_block 32, Q8_K-style 256-blocks (xs per 16) otherwise."""
+    n = x.shape[0]
+    xq = np.empty(n, np.int8)
+    if act_block == 32:
+        xd = np.empty(n // 32, np.float32)
+        xs = np.empty(n // 32, np.int32)
+        quantize_q8_0(x, xq, xd, xs, 32)
+    else:
+        xd = np.empty(n // 256, np.float32)
+        xs = np.empty(n // 16, np.int32)
+        quantize_q8_k(x, xq, xd, xs, 16)
+    return xq, xd, xs
+
+
+@njit(**_JIT)
 def quantize_rows_q8_0(X, XQ, XD, XS):
     """quantize_q8_0 over the rows of X (n_tok, n)."""
     for t in range(X.shape[0]):

@@ -229,11 +229,6 @@ class Transformer:
         out = be.attention(q, kv, i, positions, kq_scale, window, q_scale=q_scale)
         return out.reshape(out.shape[0], -1)
 
-    def swiglu_ffn(self, i: int, h: np.ndarray) -> np.ndarray:
-        be, p = self.backend, f"blk.{i}."
-        gate, up = be.linear_many([p + "ffn_gate.weight", p + "ffn_up.weight"], h)
-        return be.linear(p + "ffn_down.weight", be.silu_mul(gate, up))
-
 
 def _vocab_size(gf: "GGUFFile", arch: str) -> int:
     tokens = gf.metadata.get("tokenizer.ggml.tokens")

@@ -25,8 +25,8 @@ class Llama(Transformer):
         q, k = self.qk_norm(i, q, k)
         attn = self.attention(i, q, k, v, positions, slots, kv)
         x = x + be.linear(p + "attn_output.weight", attn)
-        h = be.rms_norm(x, p + "ffn_norm.weight", cfg.norm_eps)
-        return x + self.swiglu_ffn(i, h)
+        return be.norm_swiglu_residual(x, p + "ffn_norm.weight", cfg.norm_eps, p + "ffn_gate.weight",
+                                       p + "ffn_up.weight", p + "ffn_down.weight")
 
     def project_many(self, names: list[str], h: np.ndarray) -> list[np.ndarray]:
         """Linear layers on the same input, plus their biases when the file has them (qwen2

@@ -1,0 +1,60 @@
+"""Whole sub-blocks of a decoded token in one compiled call.
+
+Why: a decode layer streams tens of MB of weights, which evicts the caches, so every
+Python-level op between two matvecs starts cold: `ops.rms_norm` on 2048 floats takes
+~6 us warm and ~70 us right after a 64 MB sweep. Running norm -> matvecs -> activation
+-> matvec -> residual as one call leaves one cold entry instead of about eight.
+Each step calls the same kernels the op-by-op path calls, in the same order, so the
+results are the same bits (tests/test_decode_blocks.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from . import quant_kernels as qk
+from .fast_dot import _matvec_item, _n_items
+from .ops import _rms_norm_kernel, _silu_mul_kernel
+from .threads import apply_threads
+
+_JIT = dict(cache=True, nogil=True)
+
+
+# The parallel loops are written out here rather than calling fast_dot's parallel
+# kernels: a cached function calling another parallel function crashed when both were
+# loaded from caches written by different processes.
+@njit(parallel=True, **_JIT)
+def _norm_swiglu_residual(x, norm_w, eps, wg, qg, wu, qu, act_gu, wd, qd, act_d):
+    n = x.shape[0]
+    h = np.empty((1, n), np.float32)
+    _rms_norm_kernel(x.reshape(1, n), norm_w, eps, h)
+    xq, xd, xs = qk.quantize_act(h[0], act_gu)
+    gate = np.empty(wg.shape[0], np.float32)
+    up = np.empty(wu.shape[0], np.float32)
+    n_gate = _n_items(gate.shape[0])
+    for g in prange(n_gate + _n_items(up.shape[0])):   # as fast_dot._matvec2_kernel
+        if g < n_gate:
+            _matvec_item(wg, qg, xq, xd, xs, gate, g)
+        else:
+            _matvec_item(wu, qu, xq, xd, xs, up, g - n_gate)
+    act = np.empty_like(gate)
+    _silu_mul_kernel(gate, up, act)
+    aq, ad, as_ = qk.quantize_act(act, act_d)
+    down = np.empty(wd.shape[0], np.float32)
+    for g in prange(_n_items(down.shape[0])):          # as fast_dot._matvec_kernel
+        _matvec_item(wd, qd, aq, ad, as_, down, g)
+    out = np.empty(n, np.float32)
+    for k in range(n):
+        out[k] = x[k] + down[k]
+    return out
+
+
+def norm_swiglu_residual(x: np.ndarray, norm_w: np.ndarray, eps: float, gate_up, down) -> np.ndarray:
+    """x + down(silu(gate(h)) * up(h)) with h = rms_norm(x) * norm_w, for one token.
+
+    x (n,) float32 C-contiguous; gate_up: matvec.prepare_group of (gate, up); down:
+    matvec.prepare_weight of down (prepared weights: validated once by the caller)."""
+    apply_threads()
+    g, u = gate_up
+    return _norm_swiglu_residual(x, norm_w, np.float32(eps), g.w, g.qt, u.w, u.qt, g.info.act_block,
+                                 down.w, down.qt, down.info.act_block)
