@@ -284,6 +284,37 @@ def _array_ptrs(context, builder, sig, args, nrows=1):
     return out, nb
 
 
+def _counted_loop(builder, n, step, inits, body, name):
+    """Emit `i = 0; while i < n: accs = body(i, accs); i += step` with the accumulators
+    in phis (all at the top of the loop block, as LLVM wants); return their final values
+    (inits when n <= 0). body(i, accs) -> new accs, same types."""
+    entry = builder.block
+    loop = builder.append_basic_block(f"{name}.loop")
+    done = builder.append_basic_block(f"{name}.done")
+    builder.cbranch(builder.icmp_signed(">", n, ir.Constant(I64, 0)), loop, done)
+    builder.position_at_end(loop)
+    i = builder.phi(I64)
+    i.add_incoming(ir.Constant(I64, 0), entry)
+    accs = [builder.phi(v.type) for v in inits]
+    for a, v in zip(accs, inits):
+        a.add_incoming(v, entry)
+    new = body(i, accs)
+    nxt = builder.add(i, ir.Constant(I64, step))
+    end = builder.block
+    i.add_incoming(nxt, end)
+    for a, v in zip(accs, new):
+        a.add_incoming(v, end)
+    builder.cbranch(builder.icmp_signed("<", nxt, n), loop, done)
+    builder.position_at_end(done)
+    outs = []
+    for v0, v in zip(inits, new):
+        r = builder.phi(v0.type)
+        r.add_incoming(v0, entry)
+        r.add_incoming(v, end)
+        outs.append(r)
+    return outs
+
+
 def _row_loop(context, builder, sig, args, body, with_mins=False, nrows=1, block_bytes=0):
     """Emit `for b in range(nb): acc[k] = body(row k, b, acc[k])` for nrows rows; return
     the rows' horizontal sums.
@@ -302,50 +333,23 @@ def _row_loop(context, builder, sig, args, body, with_mins=False, nrows=1, block
     if block_bytes:  # software prefetch, this many bytes ahead in each row's stream
         # (x86 prefetches never fault, so running past the matrix's end is harmless)
         pf_dist = ir.Constant(I64, 4096 if nrows == 1 else 1024)
-    entry = builder.block
-    loop = builder.append_basic_block("qdot.loop")
-    done = builder.append_basic_block("qdot.done")
-    builder.cbranch(builder.icmp_signed(">", nb, ir.Constant(I64, 0)), loop, done)
+    width = 2 if with_mins else 1        # accumulators per row, flattened for the loop
 
-    builder.position_at_end(loop)
-    i = builder.phi(I64)
-    i.add_incoming(ir.Constant(I64, 0), entry)
-    phis = []   # all phis first: LLVM wants them at the top of the block
-    for _ in wrows:
-        ph = [builder.phi(z.type) for z in ((zero, zero4) if with_mins else (zero,))]
-        for p_, z in zip(ph, (zero, zero4)):
-            p_.add_incoming(z, entry)
-        phis.append(ph)
-    nxts = []
-    if block_bytes:
-        for wrow in wrows:
-            h.prefetch(builder.gep(wrow, [builder.add(builder.mul(i, _c64(block_bytes)), pf_dist)]))
-    for wrow, ph in zip(wrows, phis):
-        if with_mins:
-            nxts.append(body(h, wrow, xq, xd, xs, i, tuple(ph)))
-        else:
-            nxts.append((body(h, wrow, xq, xd, xs, i, ph[0]),))
-    nxt = builder.add(i, ir.Constant(I64, 1))
-    loop_end = builder.block
-    i.add_incoming(nxt, loop_end)
-    for ph, nx in zip(phis, nxts):
-        for p_, n_ in zip(ph, nx):
-            p_.add_incoming(n_, loop_end)
-    builder.cbranch(builder.icmp_signed("<", nxt, nb), loop, done)
-
-    builder.position_at_end(done)
-    fins = []
-    for nx in nxts:
-        fin = []
-        for n_, z in zip(nx, (zero, zero4)):
-            r = builder.phi(z.type)
-            r.add_incoming(z, entry)
-            r.add_incoming(n_, loop_end)
-            fin.append(r)
-        fins.append(fin)
+    def blocks(i, accs):
+        if block_bytes:
+            for wrow in wrows:
+                h.prefetch(builder.gep(wrow, [builder.add(builder.mul(i, _c64(block_bytes)), pf_dist)]))
+        out = []
+        for k, wrow in enumerate(wrows):
+            if with_mins:
+                out += body(h, wrow, xq, xd, xs, i, tuple(accs[2 * k:2 * k + 2]))
+            else:
+                out.append(body(h, wrow, xq, xd, xs, i, accs[k]))
+        return out
+    fin = _counted_loop(builder, nb, 1, [zero, zero4][:width] * len(wrows), blocks, "qdot")
     sums = []
-    for fin in fins:
-        hs = [h.hsum_f32(r) for r in fin]
+    for k in range(len(wrows)):
+        hs = [h.hsum_f32(r) for r in fin[width * k:width * k + width]]
         sums.append(builder.fadd(hs[0], hs[1]) if with_mins else hs[0])
     return sums
 
@@ -882,17 +886,17 @@ def _q4_k_rows4_lanes(context, builder, sig, args):
     h = _IR(builder, _target_features(context))
     b = builder
     zero = ir.Constant(_vec(F32T, 8), [0.0] * 8)
-    entry = b.block
-    loop = b.append_basic_block("q4k4.loop")
-    done = b.append_basic_block("q4k4.done")
-    b.cbranch(b.icmp_signed(">", nb, ir.Constant(I64, 0)), loop, done)
-    b.position_at_end(loop)
-    bi = b.phi(I64)
-    acc = b.phi(zero.type)
-    accm = b.phi(zero.type)
-    for p_ in (acc, accm):
-        p_.add_incoming(zero, entry)
-    bi.add_incoming(ir.Constant(I64, 0), entry)
+
+    def block(bi, accs):
+        return _q4_k_rows4_block(h, wrows, xq, xd, xs, bi, *accs)
+    ra, rm = _counted_loop(b, nb, 1, [zero, zero], block, "q4k4")
+    tot = b.fadd(ra, rm)
+    return [b.extract_element(tot, ir.Constant(I32, k)) for k in range(ROWS)]
+
+
+def _q4_k_rows4_block(h, wrows, xq, xd, xs, bi, acc, accm):
+    """One block of _q4_k_rows4_lanes: the new (acc, accm)."""
+    b = h.b
     wo = b.mul(bi, _c64(144))
     dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
     bs32 = h.pairs(h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16)))     # per-32 sums of x
@@ -923,21 +927,8 @@ def _q4_k_rows4_lanes(context, builder, sig, args):
     dm16 = b.bitcast(dm, _vec(I16, 16))
     d = h.f16_lanes(b.shuffle_vector(dm16, dm16, _mask(range(0, 16, 2))))
     dmin = h.f16_lanes(b.shuffle_vector(dm16, dm16, _mask(range(1, 16, 2))))
-    n_acc = h.fma(b.fmul(d, h.splat(dx, 8)), tot_i, acc)
-    n_accm = h.fma(b.fmul(dmin, h.splat(b.fneg(dx), 8)), tot_m, accm)
-    nxt = b.add(bi, ir.Constant(I64, 1))
-    loop_end = b.block
-    bi.add_incoming(nxt, loop_end)
-    acc.add_incoming(n_acc, loop_end)
-    accm.add_incoming(n_accm, loop_end)
-    b.cbranch(b.icmp_signed("<", nxt, nb), loop, done)
-    b.position_at_end(done)
-    ra, rm = b.phi(zero.type), b.phi(zero.type)
-    for p_, v in ((ra, n_acc), (rm, n_accm)):
-        p_.add_incoming(zero, entry)
-        p_.add_incoming(v, loop_end)
-    tot = b.fadd(ra, rm)
-    return [b.extract_element(tot, ir.Constant(I32, k)) for k in range(ROWS)]
+    return [h.fma(b.fmul(d, h.splat(dx, 8)), tot_i, acc),
+            h.fma(b.fmul(dmin, h.splat(b.fneg(dx), 8)), tot_m, accm)]
 
 
 @intrinsic

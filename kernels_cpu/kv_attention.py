@@ -32,7 +32,7 @@ from numba.extending import intrinsic
 
 from .f16 import f16_round, f16_to_f32, round_f16
 from .f16 import f16_value as _f16
-from .fast_dot import _IR, _target_features
+from .fast_dot import _IR, _counted_loop, _target_features
 from .threads import apply_threads, get_threads, worker_pool
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
@@ -146,38 +146,17 @@ def _dot_f16_32(typingctx, k_row, q, n):
         qp = builder.bitcast(qa.data, f32.as_pointer())
         n = args[2]
         zero = ir.Constant(v8f, [0.0] * 8)
-        entry = builder.block
-        loop = builder.append_basic_block("dot16.loop")
-        done = builder.append_basic_block("dot16.done")
-        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
-        i = builder.phi(i64)
-        i.add_incoming(ir.Constant(i64, 0), entry)
-        accs = []
-        for _ in range(4):
-            a = builder.phi(v8f)
-            a.add_incoming(zero, entry)
-            accs.append(a)
-        new = []
-        for j, a in enumerate(accs):
-            off = builder.add(i, ir.Constant(i64, 8 * j))
-            kv = builder.load(builder.bitcast(builder.gep(kp, [off]), ir.VectorType(ir.IntType(16), 8).as_pointer()), align=2)
-            kf = builder.fpext(builder.bitcast(kv, ir.VectorType(ir.HalfType(), 8)), v8f)
-            qv = builder.load(builder.bitcast(builder.gep(qp, [off]), v8f.as_pointer()), align=4)
-            new.append(builder.fadd(a, builder.fmul(kf, qv)))  # F16 x F16 products are exact: = fma
-        nxt = builder.add(i, ir.Constant(i64, 32))
-        end = builder.block
-        i.add_incoming(nxt, end)
-        for a, na in zip(accs, new):
-            a.add_incoming(na, end)
-        builder.cbranch(builder.icmp_signed("<", nxt, n), loop, done)
-        builder.position_at_end(done)
-        fin = []
-        for na in new:
-            ph = builder.phi(v8f)
-            ph.add_incoming(zero, entry)
-            ph.add_incoming(na, end)
-            fin.append(ph)
+
+        def step(i, accs):
+            new = []
+            for j, a in enumerate(accs):
+                off = builder.add(i, ir.Constant(i64, 8 * j))
+                kv = builder.load(builder.bitcast(builder.gep(kp, [off]), ir.VectorType(ir.IntType(16), 8).as_pointer()), align=2)
+                kf = builder.fpext(builder.bitcast(kv, ir.VectorType(ir.HalfType(), 8)), v8f)
+                qv = builder.load(builder.bitcast(builder.gep(qp, [off]), v8f.as_pointer()), align=4)
+                new.append(builder.fadd(a, builder.fmul(kf, qv)))  # F16 x F16 products are exact: = fma
+            return new
+        fin = _counted_loop(builder, n, 32, [zero] * 4, step, "dot16")
         x0 = builder.fadd(builder.fadd(fin[0], fin[2]), builder.fadd(fin[1], fin[3]))
 
         def lane(v, k):
