@@ -176,12 +176,16 @@ def _via_f16(typingctx, x):
     return sig, codegen
 
 
-@njit(parallel=True, **_JIT)
+# The softmax passes below run serially: attention_blas parallelises over query blocks
+# on the worker pool, and a Numba parallel region entered from a second Python thread
+# gives that thread its own OpenMP team. libgomp then has more threads than cores and
+# stops spinning between regions, which made every later decode step ~1.8x slower.
+@njit(**_JIT)
 def _mask_and_center(scores, kpos, qpos, window):
     """In place over scores (rows, keys), row r belonging to query r % len(qpos): x - row max
     over the keys the query sees (causal, sliding window), -inf for the others."""
     n = qpos.shape[0]
-    for r in prange(scores.shape[0]):
+    for r in range(scores.shape[0]):
         row = scores[r]
         p = qpos[r % n]
         mx = np.float32(-np.inf)
@@ -195,10 +199,10 @@ def _mask_and_center(scores, kpos, qpos, window):
                 row[j] = -np.inf
 
 
-@njit(parallel=True, **_JIT)
+@njit(**_JIT)
 def _normalize_f16(probs):
     """In place: each row divided by its sum (taken in double), rounded to F16."""
-    for r in prange(probs.shape[0]):
+    for r in range(probs.shape[0]):
         row = probs[r]
         total = 0.0
         for j in range(row.shape[0]):
@@ -374,13 +378,21 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpo
 EXACT_MAX_QUERIES = 64
 
 
+_BLAS_QUERY_BLOCK = 64  # query rows per block: each block multiplies only the keys it sees
+
+
 def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpos: np.ndarray,
                    kq_scale: float, window: int = 0) -> np.ndarray:
     """`attention` through BLAS matrix products: same roundings at the boundaries (Q and
     the weights in F16, sums in double), float order of the BLAS library inside.
-    With -t > 1 the query rows are split across threads (BLAS itself runs single-threaded
-    beside Numba; numpy releases the GIL in every large op here)."""
+
+    The queries go in blocks of _BLAS_QUERY_BLOCK rows, each against only the keys it can
+    see (causal and window bounds of its positions): a prefill chunk does about half the
+    products of the full square. With -t > 1 the blocks are shared out across the worker
+    threads by their cost (BLAS itself runs single-threaded beside Numba; numpy releases
+    the GIL in every large op here)."""
     qpos = np.asarray(qpos)
+    kpos = np.asarray(kpos)
     if window:  # a sliding-window layer never looks further back than its window
         keep = kpos > np.min(qpos) - window
         if not keep.all():
@@ -389,15 +401,49 @@ def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray
     k = f16_to_f32(k).transpose(1, 2, 0)
     v = f16_to_f32(v).transpose(1, 0, 2)
     q = round_f16(q)
+    n = q.shape[0]
+    out = np.empty((n, q.shape[1], v.shape[2]), np.float32)
+    blocks = []  # (first row, end row, the keys' slots: a slice or an index array)
+    for a in range(0, n, _BLAS_QUERY_BLOCK):
+        b = min(a + _BLAS_QUERY_BLOCK, n)
+        seen = kpos <= qpos[a:b].max()
+        if window:
+            seen &= kpos > qpos[a:b].min() - window
+        blocks.append((a, b, _as_slice(np.flatnonzero(seen))))
+
+    def run(mine):
+        for a, b, keys in mine:
+            out[a:b] = _attention_blas_rows(q[a:b], k[:, :, keys], v[:, keys], kpos[keys], qpos[a:b],
+                                            kq_scale, window)
+
     n_threads = get_threads()
-    if n_threads > 1 and q.shape[0] >= 2 * EXACT_MAX_QUERIES:
-        n, t = q.shape[0], n_threads  # np.array_split's cut points: the first n % t parts get one more row
-        cuts = [i * (n // t) + min(i, n % t) for i in range(t + 1)]
-        outs = list(worker_pool(n_threads).map(
-            lambda ab: _attention_blas_rows(q[ab[0]:ab[1]], k, v, kpos, qpos[ab[0]:ab[1]], kq_scale, window),
-            zip(cuts[:-1], cuts[1:])))
-        return np.concatenate(outs, axis=0)
-    return _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window)
+    if n_threads > 1 and len(blocks) > 1:
+        list(worker_pool(n_threads).map(run, _share_out(blocks, n_threads)))
+    else:
+        run(blocks)
+    return out
+
+
+def _as_slice(idx: np.ndarray):
+    """A run of consecutive slots as a slice (a view, no copy); else the index array."""
+    if idx.size and idx[-1] - idx[0] + 1 == idx.size:
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
+def _share_out(blocks: list, n_parts: int) -> list[list]:
+    """Blocks into n_parts lists of about equal cost (rows x keys), largest first to the
+    least loaded."""
+    def cost(blk):
+        keys = blk[2]
+        return (blk[1] - blk[0]) * (keys.stop - keys.start if isinstance(keys, slice) else len(keys))
+    parts: list[list] = [[] for _ in range(n_parts)]
+    load = [0] * n_parts
+    for blk in sorted(blocks, key=cost, reverse=True):
+        i = load.index(min(load))
+        parts[i].append(blk)
+        load[i] += cost(blk)
+    return [p for p in parts if p]
 
 
 def _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window):

@@ -147,3 +147,45 @@ def test_blas_path_split_across_threads_agrees():
         set_threads(before)
     # BLAS may block a smaller row count differently (last-bit differences), nothing more
     np.testing.assert_allclose(two, one, rtol=1e-3, atol=1e-3 * np.abs(one).max())
+
+
+def test_blas_path_blocks_see_only_their_keys_in_any_slot_order():
+    # slots out of position order (as after a context shift) and a window: each query
+    # block gathers the keys it sees instead of slicing a prefix
+    rng = np.random.default_rng(8)
+    q, k, v = _case(rng, 150, 180, 4, 2, 64, 64)
+    kpos = rng.permutation(180)
+    qpos = np.arange(30, 180)
+    for window in (0, 40):
+        exact = _float64_attention(q, k, v, kpos, qpos, 0.125, window)
+        fast = kv_attention.attention_blas(q, k, v, kpos, qpos, 0.125, window)
+        np.testing.assert_allclose(fast, exact, atol=2e-3 * np.abs(exact).max())
+
+
+_THREADS_AFTER_BLAS_ATTENTION = """
+import os, numpy as np
+from edgeinfer.kernels_cpu import kv_attention, matvec, set_threads
+set_threads(2)
+matvec(np.zeros((8, 32), np.float32).view(np.uint8), 0, np.ones(32, np.float32))  # main's team
+before = len(os.listdir("/proc/self/task"))
+rng = np.random.default_rng(0)
+q = rng.standard_normal((256, 4, 64)).astype(np.float32)
+k = rng.standard_normal((256, 1, 64)).astype(np.float16)
+kv_attention.attention_blas(q, k, k, np.arange(256), np.arange(256), 0.125)
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_blas_attention_starts_no_openmp_team_on_the_worker_threads():
+    # A Numba parallel region entered from a worker thread gives it its own OpenMP team;
+    # with more OpenMP threads than cores libgomp stops spinning and every later decode
+    # step slowed ~1.8x. The pool's 2 threads are all the prefill attention may add.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_NUM_THREADS="2")
+    added = subprocess.run([sys.executable, "-c", _THREADS_AFTER_BLAS_ATTENTION], env=env,
+                           capture_output=True, text=True, check=True).stdout.split()[-1]
+    assert int(added) == 2
