@@ -112,3 +112,17 @@ def test_silu_mul_is_ggml_swiglu_bit_for_bit():
     with np.errstate(over="ignore"):
         want = g64 / (1.0 + np.exp(-g64)) * up
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-30)
+
+
+def test_prefill_sized_inputs_take_the_parallel_kernels_with_the_same_bits():
+    # from ops._PARALLEL_MIN elements the ops run on all threads, in pieces whose edges
+    # fall inside rows (70 x 1001 is not a multiple of the piece size)
+    rng = np.random.default_rng(4)
+    n_tok, n = 70, 1001
+    assert n_tok * n >= ops._PARALLEL_MIN
+    x = (rng.standard_normal((n_tok, n)) * 3).astype(np.float32)
+    y = rng.standard_normal((n_tok, n)).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    np.testing.assert_array_equal(ops.rms_norm(x, w, 1e-6), _Vectors({"w": w}).rms_norm(x, "w", 1e-6))
+    np.testing.assert_array_equal(ops.gelu_mul(x, y, _gelu_f16_table()), Backend(None).gelu_mul(x, y))
+    np.testing.assert_array_equal(ops.silu_mul(x, y), Backend(None).silu_mul(x, y))
