@@ -42,8 +42,10 @@ class CpuBackend(Backend):
         return kernels_cpu.matmul(self.gguf.raw(name), self.gguf.tensors[name].qtype, x)
 
     def linear_many(self, names, x):
-        if x.shape[0] != 1:  # prefill: each matrix's GEMM is large enough on its own
-            return [self.linear(name, x) for name in names]
+        if x.shape[0] != 1:  # prefill: one quantized input for all of them where they take it
+            return kernels_cpu.matmul_many([self.gguf.raw(n) for n in names],
+                                           [self.gguf.tensors[n].qtype for n in names],
+                                           np.ascontiguousarray(x, dtype=np.float32))
         x0 = np.ascontiguousarray(x[0], np.float32)
         prepared = self._decode_group(tuple(names))
         if prepared is not None:

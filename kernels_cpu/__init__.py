@@ -4,12 +4,13 @@ Weights are the raw GGUF bytes: C-contiguous uint8 (n_rows, row_bytes), may be a
     matvec(w_raw, qtype, x, out=None)          x (n_cols,) f32 -> (n_rows,) f32          decode
     matvec_many([w...], [qtype...], x)         the same for 2-3 matrices at once (QKV, gate+up)
     matmul(w_raw, qtype, X, out=None)          X (n_tok, n_cols) f32 -> (n_tok, n_rows) f32  prefill
+    matmul_many([w...], [qtype...], X)         the same for matrices on one input (one quantization)
     get_rows(w_raw, qtype, n_cols, ids)        -> (len(ids), n_cols) f32                 embeddings
     dequantize_rows(w_raw, qtype, n_cols, start, stop, out=None) -> (stop-start, n_cols) f32
     set_threads(n) / get_threads(), supported_types(), quant_info(qtype), row_bytes(qtype, n_cols)
 Float ops: rms_norm, rope_inplace, gelu_mul (ops.py); attention (kv_attention.py).
 """
-from .matvec import (dequantize_rows, get_rows, matmul, matmul_uses_int8, matvec, matvec_many,
+from .matvec import (dequantize_rows, get_rows, matmul, matmul_many, matmul_uses_int8, matvec, matvec_many,
                      quantize_activation_rows, quantize_activations)
 from .kv_attention import attention
 from .ops import gelu_mul, rms_norm, rope_inplace
@@ -18,7 +19,7 @@ from .reference import reference_dequantize, reference_matmul, reference_matvec
 from .threads import get_threads, set_threads
 
 __all__ = [
-    "matvec", "matvec_many", "matmul", "get_rows", "dequantize_rows", "quantize_activations", "quantize_activation_rows",
+    "matvec", "matvec_many", "matmul", "matmul_many", "get_rows", "dequantize_rows", "quantize_activations", "quantize_activation_rows",
     "matmul_uses_int8", "supported_types", "quant_info", "row_bytes", "QuantInfo", "QUANT_INFO",
     "set_threads", "get_threads", "rms_norm", "rope_inplace", "gelu_mul", "attention",
     "reference_dequantize", "reference_matvec", "reference_matmul",

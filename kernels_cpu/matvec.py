@@ -15,7 +15,7 @@ from . import quant_kernels as qk
 from .quant_types import QuantInfo, check_weight
 from .threads import apply_threads, get_threads, worker_pool
 
-from . import fast_dot
+from . import fast_dot, tile_gemm
 
 # EDGEINFER_PLAIN_KERNELS=1 routes every type through the plain Numba kernels (debugging).
 _FAST = not os.environ.get("EDGEINFER_PLAIN_KERNELS")
@@ -183,8 +183,72 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
 
 
 def matmul_uses_int8(qtype: T, n_tokens: int) -> bool:
-    """Whether matmul takes the 8-bit activation path (else dequantized tiles + BLAS)."""
+    """Whether matmul takes an 8-bit activation path: the decode row kernels (the same
+    numbers as matvec) or the VNNI tiles (else dequantized tiles + BLAS)."""
+    return matmul_uses_rows(qtype, n_tokens) or _uses_tiles(int(qtype))
+
+
+def matmul_uses_rows(qtype: T, n_tokens: int) -> bool:
+    """Whether matmul runs the decode row kernels per token (results equal to matvec's)."""
     return _fast(int(qtype)) and n_tokens <= _INT8_MATMUL_MAX_TOKENS
+
+
+def _uses_tiles(qt: int) -> bool:
+    """Long prompts of these types take the 8-bit tile kernels (VNNI CPUs only: elsewhere
+    the float BLAS GEMM is faster)."""
+    if qt not in tile_gemm.TILE_TYPES or not _FAST:
+        return False
+    if not _VNNI:
+        _VNNI.append(tile_gemm.has_vnni())
+    return _VNNI[0]
+
+
+_VNNI: list[bool] = []
+
+
+def _tile_matmul(X: np.ndarray, w_raw: np.ndarray, qt: int, info: QuantInfo, out: np.ndarray) -> None:
+    """out = X @ W.T with tile_gemm (see matmul_many)."""
+    matmul_many([w_raw], [qt], X, [out])
+
+
+def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | None = None) -> list[np.ndarray]:
+    """[matmul(w, qt, X) for w, qt in zip(ws, qtypes)] for matrices on the same input
+    (Q/K/V, gate/up). Where every one takes the 8-bit tiles, X is quantized and packed once
+    and each thread gets its share of the rows of all of them in one batch (the worker
+    pool, not a Numba parallel region: its OpenMP worker would spin beside them)."""
+    infos = [check_weight(w, qt) for w, qt in zip(ws, qtypes)]
+    qts = [int(info.qtype) for info in infos]
+    if matmul_uses_rows(qts[0], X.shape[0]) or not all(_uses_tiles(qt) for qt in qts):
+        return [matmul(w, qt, X) for w, qt in zip(ws, qtypes)]
+    ws = [_readonly(w) for w in ws]
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    for w, info in zip(ws, infos):
+        n_cols = w.shape[1] // info.type_size * info.block_size
+        if X.ndim != 2 or X.shape[1] != n_cols:
+            raise ValueError(f"X has shape {X.shape}, expected (n_tokens, {n_cols})")
+    if outs is None:
+        outs = [np.empty((X.shape[0], w.shape[0]), np.float32) for w in ws]
+    apply_threads()
+    packed = tile_gemm.pack_activations(X)
+    n_threads = get_threads()
+    step = tile_gemm.TILE_ROWS
+    shares: list[list] = [[] for _ in range(n_threads)]
+    for w, qt, out in zip(ws, qts, outs):    # each matrix cut in n_threads row ranges
+        n = w.shape[0]
+        cuts = [min(n, (i * n // n_threads) // step * step) for i in range(n_threads)] + [n]
+        for i in range(n_threads):
+            if cuts[i + 1] > cuts[i]:
+                shares[i].append((w, qt, cuts[i], cuts[i + 1], out))
+
+    def run(share):
+        for w, qt, a, b, out in share:
+            tile_gemm.matmul_rows(w, qt, a, b, packed, out)
+    shares = [s for s in shares if s]
+    if len(shares) == 1:
+        run(shares[0])
+    else:
+        list(worker_pool(n_threads).map(run, shares))
+    return outs
 
 
 def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -212,9 +276,12 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
     if qt == qk.F32:
         np.matmul(X, w_raw.view(np.float32).T, out=out)
         return out
-    if matmul_uses_int8(info.qtype, n_tok):
+    if matmul_uses_rows(info.qtype, n_tok):
         xq, xd, xs = quantize_activation_rows(X, info)
         fast_dot.matmul_int(w_raw, qt, xq, xd, xs, out)
+        return out
+    if _uses_tiles(qt):
+        _tile_matmul(X, w_raw, qt, info, out)
         return out
     n_threads = get_threads()
     if n_threads > 1 and _fast(qt) and n_rows >= 2 * _PREFILL_TILE_ROWS:

@@ -1,4 +1,4 @@
-"""The fast decode kernels compiled for other CPUs than this one, in subprocesses.
+"""The fast decode and prefill-tile kernels compiled for other CPUs than this one, in subprocesses.
 
 NUMBA_CPU_NAME / NUMBA_CPU_FEATURES make Numba compile for another target:
 - haswell (AVX2, FMA, F16C, no AVX-512): the AVX2 intrinsic path,
@@ -62,6 +62,15 @@ k, v = (rng.standard_normal((40, 2, 64)).astype(np.float16) for _ in range(2))
 results["attention"] = kv_attention.attention(q, k, v, np.arange(40), np.arange(37, 40), 0.125, 16)
 results["f16_bits"] = f16.to_f16_bits(q * 1e3)
 results["f16_to_f32"] = f16.f16_to_f32(k)
+# the prefill tiles: vpdpbusd with VNNI, its portable emulation elsewhere (exact integers)
+from edgeinfer.kernels_cpu import tile_gemm
+X = rng.standard_normal((19, 256)).astype(np.float32)
+packed = tile_gemm.pack_activations(X)
+for qt in (T.Q8_0, T.Q4_0, T.Q5_0):
+    w = random_blocks(qt, 6, 256, rng)
+    out = np.empty((19, 6), np.float32)
+    tile_gemm.matmul_rows(w, int(qt), 0, 6, packed, out)
+    results[f"tiles_{qt.name}"] = out
 np.savez(sys.argv[1], **results)
 print("ok", fast_dot._matvec_kernel.stats.cache_hits)
 """
