@@ -33,12 +33,12 @@ from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
 from .fast_dot import (F32T, I8, I32, I64, _IR, _Q32, _c64, _const_vec, _counted_loop,
-                       _mask, _q32_values, _target_features, _vec)
+                       _mask, _q32_values, _q4k_scales_vec, _target_features, _vec)
 from . import quant_kernels as qk
-from .quant_kernels import Q4_0, Q5_0, Q8_0
+from .quant_kernels import Q4_0, Q4_K, Q5_0, Q8_0
 
 TILE_ROWS = 4     # weight rows a tile (adjacent)
-TILE_TYPES = (Q8_0, Q4_0, Q5_0)
+TILE_TYPES = (Q8_0, Q4_0, Q5_0, Q4_K)
 _JIT = dict(cache=True, nogil=True)
 
 
@@ -74,12 +74,85 @@ def _codes(h, wrow, wo, qt):
     return _q32_values(h, wrow, wo, qt)
 
 
+def _lane(h, v, i):
+    """Lane i of <8 x i32> v in every lane (vpermd: one instruction, any lane)."""
+    if h.avx2:
+        return h._x86("llvm.x86.avx2.permd", _vec(I32, 8), [v, _const_vec(I32, 8, i)])
+    return h.b.shuffle_vector(v, v, _mask([i] * 8))
+
+
+def _dots(h, feats, isums, codes, xgs, act):
+    """isums[row][group] += (row's 32 codes) . (activation block `act` of the group's 8
+    tokens): each row's 4-byte group i broadcast against the tokens' groups i."""
+    b = h.b
+    isums = [list(row) for row in isums]
+    for i in range(8):
+        xvs = [h.load(xg, b.add(b.mul(act, _c64(256)), _c64(32 * i)), _vec(I8, 32)) for xg in xgs]
+        for k, c in enumerate(codes):
+            bc = b.bitcast(_lane(h, c, i), _vec(I8, 32))
+            for gi, xv in enumerate(xvs):
+                isums[k][gi] = _dpbusd(h, feats, isums[k][gi], bc, xv)
+    return isums
+
+
+def _q32_block(h, feats, qt, wrows, xgs, dgs, sgs, bi, accs):
+    """One 32-element block (Q8_0, Q4_0, Q5_0) of the tile: the new accumulators."""
+    b = h.b
+    wo = b.mul(bi, _c64(34 if qt == Q8_0 else _Q32[qt][0]))
+    shift = _OFFSET[qt].bit_length() - 1          # offsets are powers of two
+    codes = [b.bitcast(_codes(h, wrow, wo, qt), _vec(I32, 8)) for wrow in wrows]
+    dw = [h.splat(h.load_f16(wrow, wo), 8) for wrow in wrows]
+    # -offset * each token's block sum starts the integer sums, so the dots leave
+    # code . x - offset * sum(x): the block's exact integer dot
+    starts = [b.shl(h.load(sg, b.mul(bi, _c64(32)), _vec(I32, 8)), _const_vec(I32, 8, shift)) for sg in sgs]
+    isums = _dots(h, feats, [list(starts) for _ in wrows], codes, xgs, bi)
+    new = list(accs)
+    for gi, dg in enumerate(dgs):
+        dx = h.load(dg, b.mul(bi, _c64(32)), _vec(F32T, 8))
+        for k in range(len(wrows)):
+            n = TILE_GROUPS * k + gi
+            new[n] = h.fma(b.fmul(dw[k], dx), b.sitofp(isums[k][gi], _vec(F32T, 8)), accs[n])
+    return new
+
+
+def _q4_k_block(h, feats, wrows, xgs, dgs, sgs, bi, accs):
+    """One 256-element Q4_K block of the tile: 8 sub-blocks of 32, each one activation
+    block; value = d * sc_j * q - dmin * m_j, so per sub-block and token
+    acc += dx * (d sc_j * (q . x) - dmin m_j * sum(x))."""
+    b = h.b
+    wo = b.mul(bi, _c64(144))
+    izero = ir.Constant(_vec(I32, 8), [0] * 8)
+    scs, mns = [], []
+    for wrow in wrows:       # the row's 8 scales times d and 8 mins times dmin, as floats
+        sm = _q4k_scales_vec(h, wrow, wo)
+        as_f = [b.uitofp(b.zext(b.shuffle_vector(sm, sm, _mask(range(o, o + 8))), _vec(I32, 8)), _vec(F32T, 8))
+                for o in (0, 8)]
+        scs.append(b.bitcast(b.fmul(h.splat(h.load_f16(wrow, wo), 8), as_f[0]), _vec(I32, 8)))
+        mns.append(b.bitcast(b.fmul(h.splat(h.load_f16(wrow, b.add(wo, _c64(2))), 8), as_f[1]), _vec(I32, 8)))
+    new = list(accs)
+    for j in range(8):
+        act = b.add(b.mul(bi, _c64(8)), _c64(j))
+        codes = []
+        for wrow in wrows:   # sub-block j: low nibbles of qs[32 c ..] for j = 2c, high for 2c + 1
+            q = h.load(wrow, b.add(wo, _c64(16 + 32 * (j // 2))), _vec(I8, 32))
+            q = b.and_(q, _const_vec(I8, 32, 15)) if j % 2 == 0 else b.lshr(q, _const_vec(I8, 32, 4))
+            codes.append(b.bitcast(q, _vec(I32, 8)))
+        isums = _dots(h, feats, [[izero] * len(xgs) for _ in wrows], codes, xgs, act)
+        for gi in range(len(xgs)):
+            dx = h.load(dgs[gi], b.mul(act, _c64(32)), _vec(F32T, 8))
+            neg_sum = b.sitofp(h.load(sgs[gi], b.mul(act, _c64(32)), _vec(I32, 8)), _vec(F32T, 8))
+            for k in range(len(wrows)):
+                sc = b.bitcast(_lane(h, scs[k], j), _vec(F32T, 8))
+                mn = b.bitcast(_lane(h, mns[k], j), _vec(F32T, 8))
+                t = h.fma(sc, b.sitofp(isums[k][gi], _vec(F32T, 8)), b.fmul(mn, neg_sum))
+                n = TILE_GROUPS * k + gi
+                new[n] = h.fma(dx, t, new[n])
+    return new
+
+
 def _tile_codegen(qt, n_rows):
     """IR for rows r..r+n_rows-1 of w against token groups g..g+TILE_GROUPS-1 of the packed
     activations; stores row k, token (group gi, lane j) at tmp[k, GROUP * gi + j]."""
-    block_bytes = 34 if qt == Q8_0 else _Q32[qt][0]
-    shift = _OFFSET[qt].bit_length() - 1          # offsets are powers of two
-
     def codegen(context, builder, sig, args):
         w_ty, _, xp_ty, dxp_ty, xsp_ty, _, tmp_ty = sig.args
         arrs = [context.make_array(ty)(context, builder, a)
@@ -97,39 +170,17 @@ def _tile_codegen(qt, n_rows):
             return [b.gep(base, [b.mul(b.add(first, _c64(k)), stride)]) for k in range(n)]
         wrows = rows_of(w, r, n_rows)
         xgs, dgs, sgs = (rows_of(a, g, TILE_GROUPS) for a in (xp, dxp, xsp))
-        nb = b.sdiv(cgutils.unpack_tuple(b, dxp.shape)[1], _c64(GROUP))   # dxp: (groups, nb * GROUP)
+        n_act = b.sdiv(cgutils.unpack_tuple(b, dxp.shape)[1], _c64(GROUP))   # dxp: (groups, blocks * GROUP)
         zero = ir.Constant(_vec(F32T, 8), [0.0] * 8)
-
-        def lane(v, i):
-            """Lane i of <8 x i32> v in every lane (vpermd: one instruction, any lane)."""
-            if h.avx2:
-                return h._x86("llvm.x86.avx2.permd", _vec(I32, 8), [v, _const_vec(I32, 8, i)])
-            return b.shuffle_vector(v, v, _mask([i] * 8))
-
-        def block(bi, accs):
-            wo = b.mul(bi, _c64(block_bytes))
-            codes = [b.bitcast(_codes(h, wrow, wo, qt), _vec(I32, 8)) for wrow in wrows]
-            dw = [h.splat(h.load_f16(wrow, wo), 8) for wrow in wrows]
-            # -offset * each token's block sum starts the integer sums, so the dots leave
-            # code . x - offset * sum(x): the block's exact integer dot
-            starts = [b.shl(h.load(sgs[gi], b.mul(bi, _c64(32)), _vec(I32, 8)), _const_vec(I32, 8, shift))
-                      for gi in range(TILE_GROUPS)]
-            isums = [list(starts) for _ in range(n_rows)]           # [row][group]
-            for i in range(8):   # bytes 4i..4i+3 of a row's block against those of 8 tokens
-                xvs = [h.load(xgs[gi], b.add(b.mul(bi, _c64(256)), _c64(32 * i)), _vec(I8, 32))
-                       for gi in range(TILE_GROUPS)]
-                for k in range(n_rows):
-                    bc = b.bitcast(lane(codes[k], i), _vec(I8, 32))
-                    for gi in range(TILE_GROUPS):
-                        isums[k][gi] = _dpbusd(h, feats, isums[k][gi], bc, xvs[gi])
-            new = list(accs)
-            for gi in range(TILE_GROUPS):
-                dx = h.load(dgs[gi], b.mul(bi, _c64(32)), _vec(F32T, 8))
-                for k in range(n_rows):
-                    n = TILE_GROUPS * k + gi
-                    new[n] = h.fma(b.fmul(dw[k], dx), b.sitofp(isums[k][gi], _vec(F32T, 8)), accs[n])
-            return new
-        fin = _counted_loop(b, nb, 1, [zero] * (n_rows * TILE_GROUPS), block, "tile")
+        if qt == Q4_K:
+            def block(bi, accs):
+                return _q4_k_block(h, feats, wrows, xgs, dgs, sgs, bi, accs)
+            n_blocks = b.sdiv(n_act, _c64(8))
+        else:
+            def block(bi, accs):
+                return _q32_block(h, feats, qt, wrows, xgs, dgs, sgs, bi, accs)
+            n_blocks = n_act
+        fin = _counted_loop(b, n_blocks, 1, [zero] * (n_rows * TILE_GROUPS), block, "tile")
         tstride = cgutils.unpack_tuple(b, tmp.strides)[0]
         tbase = b.bitcast(tmp.data, i8p)
         for k in range(n_rows):
@@ -151,6 +202,7 @@ def _make_tile(qt, n_rows):
 _tile4_q8_0, _tile1_q8_0 = _make_tile(Q8_0, TILE_ROWS), _make_tile(Q8_0, 1)
 _tile4_q4_0, _tile1_q4_0 = _make_tile(Q4_0, TILE_ROWS), _make_tile(Q4_0, 1)
 _tile4_q5_0, _tile1_q5_0 = _make_tile(Q5_0, TILE_ROWS), _make_tile(Q5_0, 1)
+_tile4_q4_k, _tile1_q4_k = _make_tile(Q4_K, TILE_ROWS), _make_tile(Q4_K, 1)
 
 
 @njit(**_JIT)
@@ -159,6 +211,8 @@ def _tile(w, qt, r, n, xp, dxp, xsp, g, tmp):
         _tile4_q8_0(w, r, xp, dxp, xsp, g, tmp) if n == TILE_ROWS else _tile1_q8_0(w, r, xp, dxp, xsp, g, tmp)
     elif qt == Q4_0:
         _tile4_q4_0(w, r, xp, dxp, xsp, g, tmp) if n == TILE_ROWS else _tile1_q4_0(w, r, xp, dxp, xsp, g, tmp)
+    elif qt == Q4_K:
+        _tile4_q4_k(w, r, xp, dxp, xsp, g, tmp) if n == TILE_ROWS else _tile1_q4_k(w, r, xp, dxp, xsp, g, tmp)
     else:
         _tile4_q5_0(w, r, xp, dxp, xsp, g, tmp) if n == TILE_ROWS else _tile1_q5_0(w, r, xp, dxp, xsp, g, tmp)
 

@@ -32,9 +32,9 @@ def _check(Y, w, qtype, X):
 def test_tiles_match_reference(qtype, n_rows, n_tok):
     # rows past the last whole 4-row tile run 1-row tiles; tokens pad to 16 with zeros
     rng = np.random.default_rng(n_rows * 100 + n_tok)
-    w = random_blocks(qtype, n_rows, 640, rng)
+    w = random_blocks(qtype, n_rows, 768, rng)   # whole Q4_K blocks
     w.flags.writeable = False
-    X = (rng.standard_normal((n_tok, 640)) * 3).astype(np.float32)
+    X = (rng.standard_normal((n_tok, 768)) * 3).astype(np.float32)
     out = np.full((n_tok, n_rows), np.nan, np.float32)
     tile_gemm.matmul_rows(w, int(qtype), 0, n_rows, tile_gemm.pack_activations(X), out)
     _check(out, w, qtype, X)
@@ -56,8 +56,8 @@ def test_packing_quantizes_as_matvec():
 @pytest.mark.skipif(not tile_gemm.has_vnni(), reason="matmul takes the tiles only on a CPU with VNNI")
 def test_matmul_many_shares_one_packing():
     rng = np.random.default_rng(2)
-    ws = [random_blocks(qt, n, 256, rng) for qt, n in ((T.Q5_0, 64), (T.Q8_0, 18), (T.Q4_0, 7))]
-    qts = [T.Q5_0, T.Q8_0, T.Q4_0]
+    qts = [T.Q5_0, T.Q8_0, T.Q4_0, T.Q4_K]
+    ws = [random_blocks(qt, n, 256, rng) for qt, n in zip(qts, (64, 18, 7, 12))]
     X = rng.standard_normal((100, 256)).astype(np.float32)
     many = K.matmul_many(ws, qts, X)
     for w, qt, y in zip(ws, qts, many):
