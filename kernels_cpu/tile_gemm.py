@@ -35,10 +35,10 @@ from numba.extending import intrinsic
 from .fast_dot import (F32T, I8, I32, I64, _IR, _Q32, _c64, _const_vec, _counted_loop,
                        _mask, _q32_values, _q4k_scales_vec, _target_features, _vec)
 from . import quant_kernels as qk
-from .quant_kernels import Q4_0, Q4_K, Q5_0, Q8_0
+from .quant_kernels import Q4_0, Q4_K, Q5_0, Q6_K, Q8_0
 
 TILE_ROWS = 4     # weight rows a tile (adjacent)
-TILE_TYPES = (Q8_0, Q4_0, Q5_0, Q4_K)
+TILE_TYPES = (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K)
 _JIT = dict(cache=True, nogil=True)
 
 
@@ -81,12 +81,13 @@ def _lane(h, v, i):
     return h.b.shuffle_vector(v, v, _mask([i] * 8))
 
 
-def _dots(h, feats, isums, codes, xgs, act):
+def _dots(h, feats, isums, codes, xgs, act, steps=range(8)):
     """isums[row][group] += (row's 32 codes) . (activation block `act` of the group's 8
-    tokens): each row's 4-byte group i broadcast against the tokens' groups i."""
+    tokens): each row's 4-byte group i broadcast against the tokens' groups i, for i in
+    `steps` (all 8: the whole block)."""
     b = h.b
     isums = [list(row) for row in isums]
-    for i in range(8):
+    for i in steps:
         xvs = [h.load(xg, b.add(b.mul(act, _c64(256)), _c64(32 * i)), _vec(I8, 32)) for xg in xgs]
         for k, c in enumerate(codes):
             bc = b.bitcast(_lane(h, c, i), _vec(I8, 32))
@@ -150,15 +151,57 @@ def _q4_k_block(h, feats, wrows, xgs, dgs, sgs, bi, accs):
     return new
 
 
+def _q6_k_block(h, feats, wrows, xgs, dgs, sgs, hgs, bi, accs):
+    """One 256-element Q6_K block of the tile. Activation block a = 4 half + part takes
+    codes (ql low or high nibbles) | (2 qh bits << 4), value = d * sc * (code - 32), with a
+    scale for each 16 elements: steps 0-3 and 4-7 of the dots sum apart, each from -32
+    times its half's activation sum, then acc += (d dx) * (scA * IA + scB * IB)."""
+    b = h.b
+    wo = b.mul(bi, _c64(210))
+    scales = []
+    for wrow in wrows:   # 16 int8 scales as two <8 x i32>
+        sc = b.sext(h.load(wrow, b.add(wo, _c64(192)), _vec(I8, 16)), _vec(I32, 16))
+        scales.append([b.shuffle_vector(sc, sc, _mask(range(o, o + 8))) for o in (0, 8)])
+    dws = [h.splat(h.load_f16(wrow, b.add(wo, _c64(208))), 8) for wrow in wrows]
+    new = list(accs)
+    for a in range(8):
+        half, part = divmod(a, 4)
+        act = b.add(b.mul(bi, _c64(8)), _c64(a))
+        codes = []
+        for wrow in wrows:
+            ql = h.load(wrow, b.add(wo, _c64(64 * half + 32 * (part % 2))), _vec(I8, 32))
+            ql = b.and_(ql, _const_vec(I8, 32, 15)) if part < 2 else b.lshr(ql, _const_vec(I8, 32, 4))
+            qh = h.load(wrow, b.add(wo, _c64(128 + 32 * half)), _vec(I8, 32))
+            qh = b.shl(b.and_(b.lshr(qh, _const_vec(I8, 32, 2 * part)), _const_vec(I8, 32, 3)), _const_vec(I8, 32, 4))
+            codes.append(b.bitcast(b.or_(ql, qh), _vec(I32, 8)))
+        neg_all = [h.load(sg, b.mul(act, _c64(32)), _vec(I32, 8)) for sg in sgs]
+        neg_a = [h.load(hg, b.mul(act, _c64(32)), _vec(I32, 8)) for hg in hgs]
+        five = _const_vec(I32, 8, 5)
+        starts_a = [b.shl(v, five) for v in neg_a]
+        starts_b = [b.shl(b.sub(t, v), five) for t, v in zip(neg_all, neg_a)]
+        ia = _dots(h, feats, [list(starts_a) for _ in wrows], codes, xgs, act, steps=range(4))
+        ib = _dots(h, feats, [list(starts_b) for _ in wrows], codes, xgs, act, steps=range(4, 8))
+        s_idx = 8 * half + 2 * part          # scales s_idx (elements 0-15), s_idx + 1 (16-31)
+        for k in range(len(wrows)):
+            sca = _lane(h, scales[k][s_idx // 8], s_idx % 8)
+            scb = _lane(h, scales[k][(s_idx + 1) // 8], (s_idx + 1) % 8)
+            for gi, dg in enumerate(dgs):
+                dx = h.load(dg, b.mul(act, _c64(32)), _vec(F32T, 8))
+                tot = b.add(b.mul(sca, ia[k][gi]), b.mul(scb, ib[k][gi]))
+                n = TILE_GROUPS * k + gi
+                new[n] = h.fma(b.fmul(dws[k], dx), b.sitofp(tot, _vec(F32T, 8)), new[n])
+    return new
+
+
 def _tile_codegen(qt, n_rows):
     """IR for rows r..r+n_rows-1 of w against token groups g..g+TILE_GROUPS-1 of the packed
     activations; stores row k, token (group gi, lane j) at tmp[k, GROUP * gi + j]."""
     def codegen(context, builder, sig, args):
-        w_ty, _, xp_ty, dxp_ty, xsp_ty, _, tmp_ty = sig.args
-        arrs = [context.make_array(ty)(context, builder, a)
-                for ty, a in zip((w_ty, xp_ty, dxp_ty, xsp_ty, tmp_ty), (args[0], args[2], args[3], args[4], args[6]))]
-        w, xp, dxp, xsp, tmp = arrs
-        r, g = args[1], args[5]
+        w_ty, _, xp_ty, dxp_ty, xsp_ty, xhp_ty, _, tmp_ty = sig.args
+        arrs = [context.make_array(ty)(context, builder, a) for ty, a in
+                zip((w_ty, xp_ty, dxp_ty, xsp_ty, xhp_ty, tmp_ty), (args[0], args[2], args[3], args[4], args[5], args[7]))]
+        w, xp, dxp, xsp, xhp, tmp = arrs
+        r, g = args[1], args[6]
         feats = _target_features(context)
         h = _IR(builder, feats)
         b = builder
@@ -169,12 +212,16 @@ def _tile_codegen(qt, n_rows):
             base = b.bitcast(arr.data, i8p)
             return [b.gep(base, [b.mul(b.add(first, _c64(k)), stride)]) for k in range(n)]
         wrows = rows_of(w, r, n_rows)
-        xgs, dgs, sgs = (rows_of(a, g, TILE_GROUPS) for a in (xp, dxp, xsp))
+        xgs, dgs, sgs, hgs = (rows_of(a, g, TILE_GROUPS) for a in (xp, dxp, xsp, xhp))
         n_act = b.sdiv(cgutils.unpack_tuple(b, dxp.shape)[1], _c64(GROUP))   # dxp: (groups, blocks * GROUP)
         zero = ir.Constant(_vec(F32T, 8), [0.0] * 8)
         if qt == Q4_K:
             def block(bi, accs):
                 return _q4_k_block(h, feats, wrows, xgs, dgs, sgs, bi, accs)
+            n_blocks = b.sdiv(n_act, _c64(8))
+        elif qt == Q6_K:
+            def block(bi, accs):
+                return _q6_k_block(h, feats, wrows, xgs, dgs, sgs, hgs, bi, accs)
             n_blocks = b.sdiv(n_act, _c64(8))
         else:
             def block(bi, accs):
@@ -193,9 +240,9 @@ def _tile_codegen(qt, n_rows):
 
 def _make_tile(qt, n_rows):
     @intrinsic
-    def tile(typingctx, w, r, xp, dxp, xsp, g, tmp):
+    def tile(typingctx, w, r, xp, dxp, xsp, xhp, g, tmp):
         """Rows r.. of w . token groups g.. of the packed activations, into tmp (see _tile_codegen)."""
-        return types.void(w, r, xp, dxp, xsp, g, tmp), _tile_codegen(qt, n_rows)
+        return types.void(w, r, xp, dxp, xsp, xhp, g, tmp), _tile_codegen(qt, n_rows)
     return tile
 
 
@@ -203,22 +250,26 @@ _tile4_q8_0, _tile1_q8_0 = _make_tile(Q8_0, TILE_ROWS), _make_tile(Q8_0, 1)
 _tile4_q4_0, _tile1_q4_0 = _make_tile(Q4_0, TILE_ROWS), _make_tile(Q4_0, 1)
 _tile4_q5_0, _tile1_q5_0 = _make_tile(Q5_0, TILE_ROWS), _make_tile(Q5_0, 1)
 _tile4_q4_k, _tile1_q4_k = _make_tile(Q4_K, TILE_ROWS), _make_tile(Q4_K, 1)
+_tile4_q6_k, _tile1_q6_k = _make_tile(Q6_K, TILE_ROWS), _make_tile(Q6_K, 1)
 
 
 @njit(**_JIT)
-def _tile(w, qt, r, n, xp, dxp, xsp, g, tmp):
+def _tile(w, qt, r, n, xp, dxp, xsp, xhp, g, tmp):
+    four = n == TILE_ROWS
     if qt == Q8_0:
-        _tile4_q8_0(w, r, xp, dxp, xsp, g, tmp) if n == TILE_ROWS else _tile1_q8_0(w, r, xp, dxp, xsp, g, tmp)
+        _tile4_q8_0(w, r, xp, dxp, xsp, xhp, g, tmp) if four else _tile1_q8_0(w, r, xp, dxp, xsp, xhp, g, tmp)
     elif qt == Q4_0:
-        _tile4_q4_0(w, r, xp, dxp, xsp, g, tmp) if n == TILE_ROWS else _tile1_q4_0(w, r, xp, dxp, xsp, g, tmp)
+        _tile4_q4_0(w, r, xp, dxp, xsp, xhp, g, tmp) if four else _tile1_q4_0(w, r, xp, dxp, xsp, xhp, g, tmp)
     elif qt == Q4_K:
-        _tile4_q4_k(w, r, xp, dxp, xsp, g, tmp) if n == TILE_ROWS else _tile1_q4_k(w, r, xp, dxp, xsp, g, tmp)
+        _tile4_q4_k(w, r, xp, dxp, xsp, xhp, g, tmp) if four else _tile1_q4_k(w, r, xp, dxp, xsp, xhp, g, tmp)
+    elif qt == Q6_K:
+        _tile4_q6_k(w, r, xp, dxp, xsp, xhp, g, tmp) if four else _tile1_q6_k(w, r, xp, dxp, xsp, xhp, g, tmp)
     else:
-        _tile4_q5_0(w, r, xp, dxp, xsp, g, tmp) if n == TILE_ROWS else _tile1_q5_0(w, r, xp, dxp, xsp, g, tmp)
+        _tile4_q5_0(w, r, xp, dxp, xsp, xhp, g, tmp) if four else _tile1_q5_0(w, r, xp, dxp, xsp, xhp, g, tmp)
 
 
 @njit(**_JIT)
-def _matmul_rows(w, qt, r0, r1, xp, dxp, xsp, out):
+def _matmul_rows(w, qt, r0, r1, xp, dxp, xsp, xhp, out):
     """out[t, r] for r0 <= r < r1 and every token, on this thread."""
     n_tok = out.shape[0]
     tmp = np.empty((TILE_ROWS, GROUP * TILE_GROUPS), np.float32)
@@ -226,7 +277,7 @@ def _matmul_rows(w, qt, r0, r1, xp, dxp, xsp, out):
     while r < r1:
         n = TILE_ROWS if r + TILE_ROWS <= r1 else 1
         for g in range(0, xp.shape[0], TILE_GROUPS):
-            _tile(w, qt, r, n, xp, dxp, xsp, g, tmp)
+            _tile(w, qt, r, n, xp, dxp, xsp, xhp, g, tmp)
             t0 = g * GROUP
             for k in range(n):
                 for j in range(min(GROUP * TILE_GROUPS, n_tok - t0)):
@@ -235,7 +286,7 @@ def _matmul_rows(w, qt, r0, r1, xp, dxp, xsp, out):
 
 
 @njit(**_JIT)
-def _quantize_packed(X, xp, dxp, xsp):
+def _quantize_packed(X, xp, dxp, xsp, xhp):
     n_tok, n_cols = X.shape
     nb = n_cols // 32
     xq = np.empty(n_cols, np.int8)
@@ -247,6 +298,10 @@ def _quantize_packed(X, xp, dxp, xsp):
         for bi in range(nb):
             dxp[g, bi * GROUP + j] = xd[bi]
             xsp[g, bi * GROUP + j] = -xs[bi]
+            half = 0
+            for e in range(16):
+                half += xq[bi * 32 + e]
+            xhp[g, bi * GROUP + j] = -half
             for i in range(8):
                 for c in range(4):
                     xp[g, bi * 256 + i * 32 + j * 4 + c] = xq[bi * 32 + i * 4 + c]
@@ -263,12 +318,13 @@ def pack_activations(X: np.ndarray):
     xp = np.zeros((n_groups, nb * 256), np.int8)
     dxp = np.zeros((n_groups, nb * GROUP), np.float32)
     xsp = np.zeros((n_groups, nb * GROUP), np.int32)
-    _quantize_packed(np.ascontiguousarray(X, dtype=np.float32), xp, dxp, xsp)
-    return xp, dxp, xsp
+    xhp = np.zeros((n_groups, nb * GROUP), np.int32)
+    _quantize_packed(np.ascontiguousarray(X, dtype=np.float32), xp, dxp, xsp, xhp)
+    return xp, dxp, xsp, xhp
 
 
 def matmul_rows(w_raw, qt: int, r0: int, r1: int, packed, out) -> None:
     """Rows r0..r1 of out (n_tok, n_rows) = activations . w, for a TILE_TYPES weight and
     `pack_activations` output. Releases the GIL: callers run row ranges on their own threads."""
-    xp, dxp, xsp = packed
-    _matmul_rows(w_raw, qt, r0, r1, xp, dxp, xsp, out)
+    xp, dxp, xsp, xhp = packed
+    _matmul_rows(w_raw, qt, r0, r1, xp, dxp, xsp, xhp, out)

@@ -94,10 +94,11 @@ def test_matmul_matches_reference(qtype):
         Y = K.matmul(w, qtype, X)
         assert Y.shape == (n_tok, n_rows) and Y.dtype == np.float32
         if K.matmul_uses_int8(qtype, n_tok):    # 8-bit activations, as matvec: same bounds
-            Xq = np.stack([reference_quantize_act(x, act) for x in X])
+            rows = MATVEC.matmul_uses_rows(qtype, n_tok)   # else the VNNI tiles: 32-blocks
+            Xq = np.stack([reference_quantize_act(x, act if rows else 32) for x in X])
             tol = 2e-5 * (np.abs(Xq) @ np.abs(W).T) + 1e-30
             assert np.all(np.abs(Y - Xq @ W.T) <= tol), (qtype.name, n_tok)
-            if MATVEC.matmul_uses_rows(qtype, n_tok):   # the decode kernels: matvec's numbers
+            if rows:                                    # the decode kernels: matvec's numbers
                 for t in range(n_tok):
                     np.testing.assert_array_equal(Y[t], K.matvec(w, qtype, X[t]))
         else:                                         # float GEMM: only summation order differs

@@ -66,7 +66,7 @@ results["f16_to_f32"] = f16.f16_to_f32(k)
 from edgeinfer.kernels_cpu import tile_gemm
 X = rng.standard_normal((19, 256)).astype(np.float32)
 packed = tile_gemm.pack_activations(X)
-for qt in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K):
+for qt in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q6_K):
     w = random_blocks(qt, 6, 256, rng)
     out = np.empty((19, 6), np.float32)
     tile_gemm.matmul_rows(w, int(qt), 0, 6, packed, out)

@@ -43,7 +43,7 @@ def test_tiles_match_reference(qtype, n_rows, n_tok):
 def test_packing_quantizes_as_matvec():
     rng = np.random.default_rng(1)
     X = rng.standard_normal((21, 96)).astype(np.float32)
-    xp, dxp, xsp = tile_gemm.pack_activations(X)
+    xp, dxp, xsp, xhp = tile_gemm.pack_activations(X)
     xq, xd, xs = MATVEC.quantize_activation_rows(X, K.quant_info(T.Q8_0))
     assert xp.shape == (4, 3 * 256) and dxp.shape == xsp.shape == (4, 3 * 8)   # 21 tokens -> 4 x 8
     lanes = xp.reshape(4, 3, 8, 8, 4).transpose(0, 3, 1, 2, 4).reshape(32, 96)  # [g, j] -> token
@@ -51,13 +51,15 @@ def test_packing_quantizes_as_matvec():
     assert not lanes[21:].any()
     np.testing.assert_array_equal(dxp.reshape(4, 3, 8).transpose(0, 2, 1).reshape(32, 3)[:21], xd)
     np.testing.assert_array_equal(xsp.reshape(4, 3, 8).transpose(0, 2, 1).reshape(32, 3)[:21], -xs)
+    halves = xq.reshape(21, 3, 2, 16).sum(axis=-1)[:, :, 0]
+    np.testing.assert_array_equal(xhp.reshape(4, 3, 8).transpose(0, 2, 1).reshape(32, 3)[:21], -halves)
 
 
 @pytest.mark.skipif(not tile_gemm.has_vnni(), reason="matmul takes the tiles only on a CPU with VNNI")
 def test_matmul_many_shares_one_packing():
     rng = np.random.default_rng(2)
-    qts = [T.Q5_0, T.Q8_0, T.Q4_0, T.Q4_K]
-    ws = [random_blocks(qt, n, 256, rng) for qt, n in zip(qts, (64, 18, 7, 12))]
+    qts = [T.Q5_0, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K]
+    ws = [random_blocks(qt, n, 256, rng) for qt, n in zip(qts, (64, 18, 7, 12, 9))]
     X = rng.standard_normal((100, 256)).astype(np.float32)
     many = K.matmul_many(ws, qts, X)
     for w, qt, y in zip(ws, qts, many):
