@@ -196,19 +196,7 @@ def matmul_uses_rows(qtype: T, n_tokens: int) -> bool:
 def _uses_tiles(qt: int) -> bool:
     """Long prompts of these types take the 8-bit tile kernels (VNNI CPUs only: elsewhere
     the float BLAS GEMM is faster)."""
-    if qt not in tile_gemm.TILE_TYPES or not _FAST:
-        return False
-    if not _VNNI:
-        _VNNI.append(tile_gemm.has_vnni())
-    return _VNNI[0]
-
-
-_VNNI: list[bool] = []
-
-
-def _tile_matmul(X: np.ndarray, w_raw: np.ndarray, qt: int, info: QuantInfo, out: np.ndarray) -> None:
-    """out = X @ W.T with tile_gemm (see matmul_many)."""
-    matmul_many([w_raw], [qt], X, [out])
+    return _FAST and qt in tile_gemm.TILE_TYPES and tile_gemm.has_vnni()
 
 
 def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | None = None) -> list[np.ndarray]:
@@ -281,7 +269,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         fast_dot.matmul_int(w_raw, qt, xq, xd, xs, out)
         return out
     if _uses_tiles(qt):
-        _tile_matmul(X, w_raw, qt, info, out)
+        matmul_many([w_raw], [qt], X, [out])
         return out
     n_threads = get_threads()
     if n_threads > 1 and _fast(qt) and n_rows >= 2 * _PREFILL_TILE_ROWS:

@@ -157,7 +157,6 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray, table: np.ndarray) -> np.ndarray:
     gate = np.ascontiguousarray(gate, dtype=np.float32)
     up = np.ascontiguousarray(up, dtype=np.float32)
     out = np.empty_like(gate)
-    apply_threads()
     _in_pieces(lambda g, u, o: _gelu_mul_kernel(g, u, table, o), gate.size, gate.reshape(-1),
                up.reshape(-1), out.reshape(-1))
     return out
@@ -175,6 +174,5 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     gate = np.ascontiguousarray(gate, dtype=np.float32)
     up = np.ascontiguousarray(up, dtype=np.float32)
     out = np.empty_like(gate)
-    apply_threads()
     _in_pieces(_silu_mul_kernel, gate.size, gate.reshape(-1), up.reshape(-1), out.reshape(-1))
     return out

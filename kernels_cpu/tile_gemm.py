@@ -25,6 +25,8 @@ after editing fast_dot's value extraction clear __pycache__ (as for decode_block
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -32,7 +34,7 @@ from numba.core import cgutils
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
-from .fast_dot import (F32T, I8, I32, I64, _IR, _Q32, _c64, _const_vec, _counted_loop,
+from .fast_dot import (F32T, I8, I32, _IR, _Q32, _c64, _const_vec, _counted_loop,
                        _mask, _q32_values, _q4k_scales_vec, _target_features, _vec)
 from . import quant_kernels as qk
 from .quant_kernels import Q4_0, Q4_K, Q5_0, Q6_K, Q8_0
@@ -42,6 +44,7 @@ TILE_TYPES = (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K)
 _JIT = dict(cache=True, nogil=True)
 
 
+@functools.cache
 def has_vnni() -> bool:
     """Whether the CPU Numba compiles for has 256-bit vpdpbusd (AVX512-VNNI with VL, or AVX-VNNI)."""
     cg = cpu_target.target_context.codegen()
