@@ -264,16 +264,21 @@ class ReferenceBackend(Backend):
         self._dense: dict[str, np.ndarray] = {}
 
     def dense(self, name: str) -> np.ndarray:
+        """The matrix dequantized, as float64 (n_rows, n_cols), cached."""
         w = self._dense.get(name)
         if w is None:
             info = self.gguf.tensors[name]
             if info.qtype == GGMLQuantizationType.F32:
                 w = np.asarray(self.gguf.array(name))
             else:
-                w = quants.dequantize(self.gguf.raw(name), info.qtype).astype(np.float32)
-            w = w.reshape(info.n_rows, info.n_cols)
+                w = quants.dequantize(self.gguf.raw(name), info.qtype)
+            w = w.reshape(info.n_rows, info.n_cols).astype(np.float64)
             self._dense[name] = w
         return w
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
-        return (x @ self.dense(name).T).astype(np.float32)
+        # float64 sums rounded once to float32: a row's result does not depend on how many
+        # rows share the call. In float32 it did: BLAS picks other kernels (and summation
+        # orders) by batch size, so a cached prefix plus a new chunk could pick another
+        # greedy token than the whole prompt at once.
+        return (x.astype(np.float64) @ self.dense(name).T).astype(np.float32)

@@ -256,8 +256,9 @@ def _fake_modules():
 
     @counted
     def linear(w, qtype, n_rows, n_cols, x, residual=None):
-        dense = quants.dequantize(np.asarray(w), qtype).astype(np.float32).reshape(n_rows, n_cols)
-        y = np.asarray(x) @ dense.T
+        # float64 sums rounded to float32, as the reference backend's linear
+        dense = quants.dequantize(np.asarray(w), qtype).astype(np.float64).reshape(n_rows, n_cols)
+        y = (np.asarray(x, np.float64) @ dense.T).astype(np.float32)
         return dev(y if residual is None else y + residual)
 
     @counted
