@@ -13,9 +13,9 @@ import numpy as np
 from numba import njit, prange
 
 from . import quant_kernels as qk
-from .fast_dot import _matvec_item, _n_items
+from .fast_dot import _claimed_items
 from .ops import _rms_norm_kernel, _silu_mul_kernel
-from .threads import apply_threads
+from .threads import apply_threads, get_threads
 
 _JIT = dict(cache=True, nogil=True)
 
@@ -24,25 +24,23 @@ _JIT = dict(cache=True, nogil=True)
 # kernels: a cached function calling another parallel function crashed when both were
 # loaded from caches written by different processes.
 @njit(parallel=True, **_JIT)
-def _norm_swiglu_residual(x, norm_w, eps, wg, qg, wu, qu, act_gu, wd, qd, act_d):
+def _norm_swiglu_residual(x, norm_w, eps, wg, qg, wu, qu, act_gu, wd, qd, act_d, nt):
     n = x.shape[0]
     h = np.empty((1, n), np.float32)
     _rms_norm_kernel(x.reshape(1, n), norm_w, eps, h)
     xq, xd, xs = qk.quantize_act(h[0], act_gu)
     gate = np.empty(wg.shape[0], np.float32)
     up = np.empty(wu.shape[0], np.float32)
-    n_gate = _n_items(gate.shape[0])
-    for g in prange(n_gate + _n_items(up.shape[0])):   # as fast_dot._matvec2_kernel
-        if g < n_gate:
-            _matvec_item(wg, qg, xq, xd, xs, gate, g)
-        else:
-            _matvec_item(wu, qu, xq, xd, xs, up, g - n_gate)
+    none = np.empty(0, np.float32)
+    claims = np.zeros(2, np.int64)
+    for _ in prange(nt):   # as fast_dot._matvec_kernel: one iteration per thread
+        _claimed_items(claims[0:1], nt, wg, qg, gate, wu, qu, up, wu, qu, none, xq, xd, xs)
     act = np.empty_like(gate)
     _silu_mul_kernel(gate, up, act)
     aq, ad, as_ = qk.quantize_act(act, act_d)
     down = np.empty(wd.shape[0], np.float32)
-    for g in prange(_n_items(down.shape[0])):          # as fast_dot._matvec_kernel
-        _matvec_item(wd, qd, aq, ad, as_, down, g)
+    for _ in prange(nt):
+        _claimed_items(claims[1:2], nt, wd, qd, down, wd, qd, none, wd, qd, none, aq, ad, as_)
     out = np.empty(n, np.float32)
     for k in range(n):
         out[k] = x[k] + down[k]
@@ -57,4 +55,4 @@ def norm_swiglu_residual(x: np.ndarray, norm_w: np.ndarray, eps: float, gate_up,
     apply_threads()
     g, u = gate_up
     return _norm_swiglu_residual(x, norm_w, np.float32(eps), g.w, g.qt, u.w, u.qt, g.info.act_block,
-                                 down.w, down.qt, down.info.act_block)
+                                 down.w, down.qt, down.info.act_block, get_threads())

@@ -156,6 +156,32 @@ def test_matvec_many_equals_separate_matvecs():
     np.testing.assert_array_equal(mixed[0], K.matvec(ws[0], T.Q5_0, x))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_claimed_work_items_cover_every_row_once(threads):
+    """Rows of up to three matrices share one numbering of work items that threads claim
+    in runs (fast_dot._claimed_items): every output row is written, once, with the bits of
+    one matrix at a time, whatever the thread count and however the runs fall."""
+    from edgeinfer.kernels_cpu import fast_dot
+
+    rng = np.random.default_rng(9)
+    # 19 + 1 + 63 work items; types that take the same 8-bit activations
+    shapes = ((T.Q4_K, 8 * 37), (T.Q6_K, 13), (T.Q4_K, 1000))
+    ws = [random_blocks(t, r, 512, rng) for t, r in shapes]
+    x = rng.standard_normal(512).astype(np.float32)
+    xq, xd, xs = K.quantize_activations(x, K.quant_info(T.Q4_K))
+    alone = [K.matvec(w, t, x) for w, (t, _) in zip(ws, shapes)]
+    before = K.get_threads()
+    K.set_threads(threads)
+    try:
+        for k in (1, 2, 3):
+            outs = [np.full(r, np.nan, np.float32) for _, r in shapes[:k]]
+            fast_dot.matvec_fast_many(ws[:k], [int(t) for t, _ in shapes[:k]], xq, xd, xs, outs)
+            for got, want in zip(outs, alone):
+                np.testing.assert_array_equal(got, want)
+    finally:
+        K.set_threads(before)
+
+
 def test_matvec_prepared_equals_matvec():
     from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_weight
     rng = np.random.default_rng(5)
