@@ -6,6 +6,7 @@ Weights are the raw GGUF bytes, a C-contiguous uint8 (n_rows, row_bytes) array
 from __future__ import annotations
 
 import os
+import queue
 from typing import NamedTuple
 
 import numpy as np
@@ -24,6 +25,7 @@ _FAST = not os.environ.get("EDGEINFER_PLAIN_KERNELS")
 def _fast(qt: int) -> bool:
     return _FAST and fast_dot.has_fast_path(qt)
 
+_PIECES_PER_THREAD = 8         # prefill row pieces per thread (matmul_many)
 _PREFILL_TILE_ROWS = 64        # rows dequantized at once for the BLAS GEMM (measured: 32-64 best)
 _INT8_MATMUL_MAX_TOKENS = 64   # up to here the 8-bit row kernels beat dequantize + BLAS (measured)
 
@@ -219,23 +221,26 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
     apply_threads()
     packed = tile_gemm.pack_activations(X)
     n_threads = get_threads()
+    # pieces of about 1/(8 n_threads) of all rows, which the threads take in turn (as the
+    # decode matvecs claim theirs): a core slowed by another process takes fewer
     step = tile_gemm.TILE_ROWS
-    shares: list[list] = [[] for _ in range(n_threads)]
-    for w, qt, out in zip(ws, qts, outs):    # each matrix cut in n_threads row ranges
-        n = w.shape[0]
-        cuts = [min(n, (i * n // n_threads) // step * step) for i in range(n_threads)] + [n]
-        for i in range(n_threads):
-            if cuts[i + 1] > cuts[i]:
-                shares[i].append((w, qt, cuts[i], cuts[i + 1], out))
+    size = max(step, sum(w.shape[0] for w in ws) // (_PIECES_PER_THREAD * n_threads) // step * step)
+    pieces = queue.SimpleQueue()
+    for w, qt, out in zip(ws, qts, outs):
+        for a in range(0, w.shape[0], size):
+            pieces.put((w, qt, a, min(a + size, w.shape[0]), out))
 
-    def run(share):
-        for w, qt, a, b, out in share:
+    def run(_):
+        while True:
+            try:
+                w, qt, a, b, out = pieces.get_nowait()
+            except queue.Empty:
+                return
             tile_gemm.matmul_rows(w, qt, a, b, packed, out)
-    shares = [s for s in shares if s]
-    if len(shares) == 1:
-        run(shares[0])
+    if n_threads == 1:
+        run(0)
     else:
-        list(worker_pool(n_threads).map(run, shares))
+        list(worker_pool(n_threads).map(run, range(n_threads)))
     return outs
 
 
