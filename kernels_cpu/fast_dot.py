@@ -556,6 +556,37 @@ def _q6_k_values(h, ql0, ql1, qh, gq):
     return b.or_(low, b.and_(hq, _const_vec(I8, 32, 0x30)))
 
 
+def _q6_k_isum_512(h, wrow, wo, xq, xo, sc16):
+    """The scaled products of one Q6_K block, two quarters per 512-bit vector (AVX512-BW):
+    <8 x i32> equal to the 256-bit loop's lanes summed (exact integers: the same bits).
+    A 64-byte load holds ql for quarters gq and gq + 1; qh is loaded into both halves and
+    shifted per half; one word permute gives the four 16-element groups' scales."""
+    b = h.b
+    v64, v32i16, v16i32 = _vec(I8, 64), _vec(I16, 32), _vec(I32, 16)
+    isum = ir.Constant(v16i32, [0] * 16)
+    for hh in range(2):
+        ql = h.load(wrow, b.add(wo, _c64(64 * hh)), v64)                 # quarters 0, 1 (ql0 ql1)
+        qh32 = h.load(wrow, b.add(wo, _c64(128 + 32 * hh)), _vec(I8, 32))
+        qh = b.shuffle_vector(qh32, qh32, _mask(list(range(32)) * 2))
+        for pq in range(2):                  # quarters 2pq (low half) and 2pq + 1 (high half)
+            low = b.and_(ql, _const_vec(I8, 64, 15)) if pq == 0 else b.lshr(ql, _const_vec(I8, 64, 4))
+            # bits 2gq, 2gq + 1 of qh to bits 4, 5 (gq = 0..3: shifts 4, 2, 0, -2), in 16-bit
+            # lanes (one vpsllvw / vpsrlvw; x86 has no per-byte shift): the bits that cross
+            # into the neighbouring byte land outside the 0x30 mask
+            qh16 = b.bitcast(qh, v32i16)
+            if pq == 0:
+                hq = b.shl(qh16, _const_vec(I16, 32, [4] * 16 + [2] * 16))
+            else:
+                hq = b.lshr(qh16, _const_vec(I16, 32, [0] * 16 + [2] * 16))
+            q = b.or_(low, b.and_(b.bitcast(hq, v64), _const_vec(I8, 64, 0x30)))
+            xv = h.load(xq, b.add(xo, _c64(hh * 128 + pq * 64)), v64)
+            p16 = h._x86("llvm.x86.avx512.pmaddubs.w.512", v32i16, [q, xv])   # pairs <= 2*63*128
+            g = 8 * hh + 4 * pq                  # the four groups of 16 in this vector
+            sc = b.shuffle_vector(sc16, sc16, _mask([g + k for k in range(4) for _ in range(8)]))
+            isum = b.add(isum, h._x86("llvm.x86.avx512.pmaddw.d.512", v16i32, [p16, sc]))
+    return b.add(h.half(isum, 0), h.half(isum, 1))
+
+
 def _body_q6_k(h, wrow, xq, xd, xs, bi, acc):
     b = h.b
     wo = b.mul(bi, _c64(210))
@@ -568,6 +599,9 @@ def _body_q6_k(h, wrow, xq, xd, xs, bi, acc):
     sc_lo = b.shuffle_vector(sc16, sc16, _mask(list(range(8)) * 2))
     sc_hi = b.shuffle_vector(sc16, sc16, _mask(list(range(8, 16)) * 2))
     xo = b.mul(bi, _c64(256))
+    if h.avx512bw:
+        isum = b.add(isum, _q6_k_isum_512(h, wrow, wo, xq, xo, sc16))
+        return h.fma(d, b.sitofp(isum, _vec(F32T, 8)), acc)
     for hh in range(2):
         qh = h.load(wrow, b.add(wo, _c64(128 + 32 * hh)), _vec(I8, 32))
         ql0 = h.load(wrow, b.add(wo, _c64(64 * hh)), _vec(I8, 32))
