@@ -595,13 +595,13 @@ def _body_q6_k(h, wrow, xq, xd, xs, bi, acc):
     bs16 = h.narrow_i32_i16(h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16)))   # |sums| <= 16*128
     # lane k: 32 * (sc_2k * sum_2k(x) + sc_2k+1 * sum_2k+1(x)), as llama.cpp's q8sclsub
     isum = b.sub(ir.Constant(_vec(I32, 8), [0] * 8), b.shl(h.madd_i16(sc16, bs16), _const_vec(I32, 8, 5)))
-    # scales as i16 with both 128-bit halves holding the same 8: one vpshufb per group pair
-    sc_lo = b.shuffle_vector(sc16, sc16, _mask(list(range(8)) * 2))
-    sc_hi = b.shuffle_vector(sc16, sc16, _mask(list(range(8, 16)) * 2))
     xo = b.mul(bi, _c64(256))
     if h.avx512bw:
         isum = b.add(isum, _q6_k_isum_512(h, wrow, wo, xq, xo, sc16))
         return h.fma(d, b.sitofp(isum, _vec(F32T, 8)), acc)
+    # scales as i16 with both 128-bit halves holding the same 8: one vpshufb per group pair
+    sc_lo = b.shuffle_vector(sc16, sc16, _mask(list(range(8)) * 2))
+    sc_hi = b.shuffle_vector(sc16, sc16, _mask(list(range(8, 16)) * 2))
     for hh in range(2):
         qh = h.load(wrow, b.add(wo, _c64(128 + 32 * hh)), _vec(I8, 32))
         ql0 = h.load(wrow, b.add(wo, _c64(64 * hh)), _vec(I8, 32))

@@ -25,7 +25,6 @@ _FAST = not os.environ.get("EDGEINFER_PLAIN_KERNELS")
 def _fast(qt: int) -> bool:
     return _FAST and fast_dot.has_fast_path(qt)
 
-_PIECES_PER_THREAD = 8         # prefill row pieces per thread (matmul_many)
 _PREFILL_TILE_ROWS = 64        # rows dequantized at once for the BLAS GEMM (measured: 32-64 best)
 _INT8_MATMUL_MAX_TOKENS = 64   # up to here the 8-bit row kernels beat dequantize + BLAS (measured)
 
@@ -221,10 +220,11 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
     apply_threads()
     packed = tile_gemm.pack_activations(X)
     n_threads = get_threads()
-    # pieces of about 1/(8 n_threads) of all rows, which the threads take in turn (as the
-    # decode matvecs claim theirs): a core slowed by another process takes fewer
+    # pieces of all rows, which the threads take in turn as the decode matvecs claim theirs
+    # (about CLAIMS_PER_THREAD each): a core slowed by another process takes fewer
     step = tile_gemm.TILE_ROWS
-    size = max(step, sum(w.shape[0] for w in ws) // (_PIECES_PER_THREAD * n_threads) // step * step)
+    n_pieces = fast_dot.CLAIMS_PER_THREAD * n_threads
+    size = max(step, sum(w.shape[0] for w in ws) // n_pieces // step * step)
     pieces = queue.SimpleQueue()
     for w, qt, out in zip(ws, qts, outs):
         for a in range(0, w.shape[0], size):
