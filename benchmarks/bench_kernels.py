@@ -8,6 +8,8 @@ three calls alternating with three read-bandwidth calls, so "% of read" compares
 medians taken in the same minutes (the machine's bandwidth drifts a lot between runs).
 Three copies of the weights take turns, as consecutive matrices do in decode, so a matrix
 smaller than L3 is still read from memory.
+"L2-resident" runs the same kernel on ~384 KiB of rows a thread (they stay in L2): its
+compute speed without DRAM, to tell a memory-bound matvec from a compute-bound one.
 Also times the plain Numba kernel (the portable reference path), and a prefill matmul
 (GFLOP/s) for a batch of tokens. Cells are "median / best": medians, because 2-thread
 timings stall sometimes; best, because on a shared machine it shows the uncontended speed.
@@ -105,12 +107,22 @@ def main(argv=None) -> None:
         out = np.empty(args.rows, np.float32)
         info = K.quant_info(qtype)
         xq, xd, xs = K.quantize_activations(x, info) if info.act_block else (None, None, None)
-        cells, pcts, plain, pre = [], [], [], []
+        cells, pcts, cached, plain, pre = [], [], [], [], []
         for t in threads:
             K.set_threads(t)
             mv_t, bw_t = _paired_times(mv, lambda: _prange_sum(big), args.repeat)
             cells.append(_cell(w.nbytes, mv_t))
             pcts.append(f"{(w.nbytes / mv_t[0]) / (big.nbytes / bw_t[0]):.0%} of {big.nbytes / bw_t[0] / 1e9:.1f}")
+            if fast_dot.has_fast_path(int(qtype)):
+                # the same kernel on ~384 KiB of rows a thread, which stay in L2, activations
+                # quantized beforehand: the compute alone. Far above the DRAM figure, the
+                # matvec waits on memory; close to it, on compute.
+                per_thread = max(16, (384 * 1024 // w.shape[1]) // 16 * 16)
+                small = np.ascontiguousarray(w[:per_thread * t])
+                out_small = np.empty(small.shape[0], np.float32)
+                cached.append(_cell(small.nbytes * 50, _times(
+                    lambda: [fast_dot.matvec_fast(small, int(qtype), xq, xd, xs, out_small) for _ in range(50)],
+                    max(5, args.repeat // 3))))
             if fast_dot.has_fast_path(int(qtype)) and not args.no_plain:
                 plain.append(_cell(w.nbytes, _times(lambda: quant_kernels.matvec_q_kernel(
                     w, w.view(np.int8), int(qtype), xq, xd, xs, out, 16, 32), max(3, args.repeat // 5))))
@@ -119,6 +131,8 @@ def main(argv=None) -> None:
                 pre.append(_cell(flop, _times(lambda: K.matmul(w, qtype, X), 3)))
         print(f"{f'{name} {args.rows}x{args.cols} matvec GB/s':<30}" + "".join(f"{c:>18}" for c in cells))
         print(f"{'  median % of read alongside':<30}" + "".join(f"{c:>18}" for c in pcts))
+        if cached:
+            print(f"{'  L2-resident GB/s (compute)':<30}" + "".join(f"{c:>18}" for c in cached))
         if plain:
             print(f"{'  plain kernel GB/s':<30}" + "".join(f"{c:>18}" for c in plain))
         if pre:
