@@ -23,21 +23,13 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from numba import njit, prange
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from quant_blocks import random_blocks  # noqa: E402
 
 import edgeinfer.kernels_cpu as K  # noqa: E402
 from edgeinfer.kernels_cpu import fast_dot, quant_kernels  # noqa: E402
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _prange_sum(a):
-    s = np.float32(0.0)
-    for i in prange(a.shape[0]):
-        s += a[i]
-    return s
+from read_bandwidth import big_array, prange_sum as _prange_sum  # noqa: E402
 
 
 def _times(fn, repeat):
@@ -84,7 +76,7 @@ def main(argv=None) -> None:
     threads = [int(t) for t in args.threads.split(",")]
     rng = np.random.default_rng(0)
 
-    big = np.ones(128 * 1024 * 1024, np.float32)     # 512 MiB
+    big = big_array()
     print(f"{'(median / best)':<30}" + "".join(f"{f'{t} thread(s)':>18}" for t in threads))
     row = []
     for t in threads:

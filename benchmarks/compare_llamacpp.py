@@ -6,6 +6,11 @@ llama.cpp is llama-cpp-python (==0.3.36, built with -DGGML_NATIVE=ON); it is a b
 dependency only. Both sides evaluate random token ids into an empty context, as
 llama-bench does, run once untimed to warm up, and report the median of the repetitions.
 The machine is noisy: the two engines alternate per repetition so drift hits both alike.
+
+After a tg test it also prints each engine's effective decode bandwidth (the weight bytes a
+decode step reads times tokens/s) against the machine's read bandwidth measured in the
+same run: decode is memory-bound, so that share says how close either engine is to the
+hardware, and how much room a ratio between the two has.
 """
 
 from __future__ import annotations
@@ -54,6 +59,29 @@ def edgeinfer_runner(path: str, n_ctx: int, threads: int):
     return (lambda n, seed: time_prompt(engine, n, seed)), (lambda n, seed: time_generation(engine, n, seed))
 
 
+def decode_bytes_per_token(path: str) -> int:
+    """Bytes of the tensors one decode step reads: all of them but the token embedding,
+    which it reads one row of (unless the output matrix is tied to it)."""
+    from edgeinfer.gguf_file import GGUFFile
+
+    gf = GGUFFile.open(path)
+    skip = {"token_embd.weight"} if "output.weight" in gf.tensors else set()
+    return sum(info.n_bytes for name, info in gf.tensors.items() if name not in skip)
+
+
+def print_bandwidth(path: str, tg: dict[str, float], threads: int) -> None:
+    import edgeinfer.kernels_cpu as K
+    from read_bandwidth import read_bandwidth
+
+    per_token = decode_bytes_per_token(path)
+    K.set_threads(threads)
+    read = read_bandwidth()
+    print(f"decode reads {per_token / 2**20:.1f} MiB a token; read bandwidth {read / 1e9:.1f} GB/s "
+          f"(Numba prange sum, {threads} threads, this run)")
+    for name, ts in tg.items():
+        print(f"  {name}: {per_token * ts / 1e9:.1f} GB/s effective, {per_token * ts / read:.0%} of read")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("name", help="model alias or .gguf path")
@@ -93,6 +121,9 @@ def main() -> None:
         print(f"| {test}{n} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f}x |")
     for (name, test), samples in results.items():  # the spread shows how noisy the machine was
         print(f"{name} {test}: " + " ".join(f"{v:.1f}" for v in samples))
+    if args.n_gen > 0:
+        print_bandwidth(path, {name: statistics.median(results[(name, "tg")]) for name in runners},
+                        args.threads)
 
 
 if __name__ == "__main__":
