@@ -55,6 +55,7 @@ class _IR:
         self.avx2 = "+avx2" in feats
         self.avx512bw = "+avx512bw" in feats
         self.f16c = "+f16c" in feats
+        self.vnni = "+avxvnni" in feats or {"+avx512vnni", "+avx512vl"} <= feats   # 256-bit vpdpbusd
 
     def ptr(self, base, off):
         """base (i8*) + off bytes."""
@@ -198,6 +199,13 @@ class _IR:
         ev = b.shuffle_vector(p, p, _mask(range(0, 32, 2)))
         od = b.shuffle_vector(p, p, _mask(range(1, 32, 2)))
         return b.add(ev, od)
+
+    def dpbusd(self, acc, a_u8, x_s8):
+        """acc + <32 x i8> unsigned a . <32 x i8> signed x summed in fours -> <8 x i32>
+        (one vpdpbusd; only where self.vnni)."""
+        b = self.b
+        return self._x86("llvm.x86.avx512.vpdpbusd.256", _vec(I32, 8),
+                         [acc, b.bitcast(a_u8, _vec(I32, 8)), b.bitcast(x_s8, _vec(I32, 8))])
 
     def madd_i16(self, s16, m16):
         """<16 x i16> . <16 x i16> -> <8 x i32> pair sums (vpmaddwd)."""
@@ -385,6 +393,8 @@ def _nibbles32(h, q16):
 def _qh_bits(h, qh32, value):
     """Bit k of the i32 qh -> `value` in byte k of a <32 x i8> (0 elsewhere)."""
     b = h.b
+    if h.avx512bw:   # qh is a mask register already: kmovd + one zero-masked move
+        return b.select(b.bitcast(qh32, _vec(ir.IntType(1), 32)), _const_vec(I8, 32, value), _const_vec(I8, 32, 0))
     qb = b.bitcast(qh32, _vec(I8, 4))
     spread = b.shuffle_vector(qb, qb, _mask([k // 8 for k in range(32)]))
     bit = b.and_(spread, _const_vec(I8, 32, [1 << (k % 8) for k in range(32)]))
@@ -417,6 +427,26 @@ def _q32_values(h, wrow, wo, qt):
     return q
 
 
+def _q32_offset_vnni(h, wrow, wo, qt, xv, dx, acc):
+    """Q4_0 / Q5_0 block where 256-bit vpdpbusd exists: the codes (unsigned) times x summed
+    in fours, starting from -offset * (x summed in fours), give each lane the exact integer
+    of the signed |q| . sign(q)*x path, in 2 vpdpbusd (the correction's is the same for all
+    the rows a loop runs) instead of abs, sign, vpmaddubsw, vpmaddwd. d * dx is formed in
+    all lanes (vpbroadcastw + vcvtph2ps), the same product as the scalar one splatted."""
+    b = h.b
+    bs, has_min, has_qh, offset, table = _Q32[qt]
+    raw = h.load(wrow, b.add(wo, _c64(6 if has_qh else 2)), _vec(I8, 16))
+    both = b.bitcast(b.shuffle_vector(raw, raw, _mask(list(range(16)) * 2)), _vec(I16, 16))
+    q = b.and_(b.bitcast(b.lshr(both, _const_vec(I16, 16, [0] * 8 + [4] * 8)), _vec(I8, 32)),
+               _const_vec(I8, 32, 15))                    # low nibbles, then high ones
+    if has_qh:
+        q = b.or_(q, _qh_bits(h, h.load(wrow, b.add(wo, _c64(2)), I32), 16))
+    start = b.sub(_const_vec(I32, 8, 0), h.dpbusd(_const_vec(I32, 8, 0), _const_vec(I8, 32, offset), xv))
+    s = h.dpbusd(start, q, xv)
+    d = b.fmul(h.load_f16_splat(wrow, wo, 8), h.splat(dx, 8))
+    return h.fma(d, b.sitofp(s, _vec(F32T, 8)), acc)
+
+
 def _make_body_q32(qt):
     bs, has_min, has_qh, offset, table = _Q32[qt]
 
@@ -424,9 +454,11 @@ def _make_body_q32(qt):
         b = h.b
         wo = b.mul(bi, _c64(bs))
         dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
+        xv = h.load(xq, b.mul(bi, _c64(32)), _vec(I8, 32))
+        if offset and h.vnni and h.f16c:
+            return _q32_offset_vnni(h, wrow, wo, qt, xv, dx, acc)
         d = b.fmul(h.load_f16(wrow, wo), dx)
         q = _q32_values(h, wrow, wo, qt)
-        xv = h.load(xq, b.mul(bi, _c64(32)), _vec(I8, 32))
         if offset:  # the signed value q - offset in each lane, as llama.cpp's tinyBLAS does
             q = b.sub(q, _const_vec(I8, 32, offset))
         if table or offset:  # signed x signed: |q| . sign(q)*x, pairs <= 2*127*127
