@@ -427,24 +427,30 @@ def _q32_values(h, wrow, wo, qt):
     return q
 
 
-def _q32_offset_vnni(h, wrow, wo, qt, xv, dx, acc):
-    """Q4_0 / Q5_0 block where 256-bit vpdpbusd exists: the codes (unsigned) times x summed
-    in fours, starting from -offset * (x summed in fours), give each lane the exact integer
-    of the signed |q| . sign(q)*x path, in 2 vpdpbusd (the correction's is the same for all
-    the rows a loop runs) instead of abs, sign, vpmaddubsw, vpmaddwd. d * dx is formed in
-    all lanes (vpbroadcastw + vcvtph2ps), the same product as the scalar one splatted."""
+def _q32_isum_vnni(h, wrow, wo, qt, xv):
+    """A 32-element block's <8 x i32> lane sums (products 4i..4i+3) where 256-bit vpdpbusd
+    exists: the exact integers of the vpmaddubsw + vpmaddwd path below, with one vpdpbusd
+    of unsigned codes (code = weight + offset) started from -offset * (x summed in fours):
+    that start is the same for every row a loop runs, so it costs one more vpdpbusd per
+    block, shared. It replaces abs, sign, vpmaddubsw and vpmaddwd per row. IQ4_NL's table
+    values go in as value + 128 (1..241). Nibbles come from one 16-byte broadcast and a
+    per-half word shift; qh's bits through a mask register (_qh_bits)."""
     b = h.b
     bs, has_min, has_qh, offset, table = _Q32[qt]
-    raw = h.load(wrow, b.add(wo, _c64(6 if has_qh else 2)), _vec(I8, 16))
+    qo = 4 if has_min else 2
+    raw = h.load(wrow, b.add(wo, _c64(qo + (4 if has_qh else 0))), _vec(I8, 16))
     both = b.bitcast(b.shuffle_vector(raw, raw, _mask(list(range(16)) * 2)), _vec(I16, 16))
     q = b.and_(b.bitcast(b.lshr(both, _const_vec(I16, 16, [0] * 8 + [4] * 8)), _vec(I8, 32)),
                _const_vec(I8, 32, 15))                    # low nibbles, then high ones
     if has_qh:
-        q = b.or_(q, _qh_bits(h, h.load(wrow, b.add(wo, _c64(2)), I32), 16))
-    start = b.sub(_const_vec(I32, 8, 0), h.dpbusd(_const_vec(I32, 8, 0), _const_vec(I8, 32, offset), xv))
-    s = h.dpbusd(start, q, xv)
-    d = b.fmul(h.load_f16_splat(wrow, wo, 8), h.splat(dx, 8))
-    return h.fma(d, b.sitofp(s, _vec(F32T, 8)), acc)
+        q = b.or_(q, _qh_bits(h, h.load(wrow, b.add(wo, _c64(qo)), I32), 16))
+    if table:
+        q = h.lut16(q, [((v + 128) & 255) - 256 * ((v + 128) > 127) for v in KVALUES_IQ4NL])
+        offset = 128
+    start = _const_vec(I32, 8, 0)
+    if offset:
+        start = b.sub(start, h.dpbusd(start, _const_vec(I8, 32, offset - 256 * (offset > 127)), xv))
+    return h.dpbusd(start, q, xv)
 
 
 def _make_body_q32(qt):
@@ -455,20 +461,23 @@ def _make_body_q32(qt):
         wo = b.mul(bi, _c64(bs))
         dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
         xv = h.load(xq, b.mul(bi, _c64(32)), _vec(I8, 32))
-        if offset and h.vnni and h.f16c:
-            return _q32_offset_vnni(h, wrow, wo, qt, xv, dx, acc)
-        d = b.fmul(h.load_f16(wrow, wo), dx)
-        q = _q32_values(h, wrow, wo, qt)
-        if offset:  # the signed value q - offset in each lane, as llama.cpp's tinyBLAS does
-            q = b.sub(q, _const_vec(I8, 32, offset))
-        if table or offset:  # signed x signed: |q| . sign(q)*x, pairs <= 2*127*127
-            p16 = h.maddubs(h.abs_i8(q), h.sign_i8(xv, q))
-        else:       # codes <= 31: pairs <= 2*31*128
-            p16 = h.maddubs(q, xv)
-        s = h.madd_i16(p16, _const_vec(I16, 16, 1))
+        if h.vnni and h.f16c:
+            # d * dx formed in all lanes (vpbroadcastw + vcvtph2ps): the same product
+            d = b.fmul(h.load_f16_splat(wrow, wo, 8), h.splat(dx, 8))
+            s = _q32_isum_vnni(h, wrow, wo, qt, xv)
+        else:
+            d = h.splat(b.fmul(h.load_f16(wrow, wo), dx), 8)
+            q = _q32_values(h, wrow, wo, qt)
+            if offset:  # the signed value q - offset in each lane, as llama.cpp's tinyBLAS does
+                q = b.sub(q, _const_vec(I8, 32, offset))
+            if table or offset:  # signed x signed: |q| . sign(q)*x, pairs <= 2*127*127
+                p16 = h.maddubs(h.abs_i8(q), h.sign_i8(xv, q))
+            else:       # codes <= 31: pairs <= 2*31*128
+                p16 = h.maddubs(q, xv)
+            s = h.madd_i16(p16, _const_vec(I16, 16, 1))
         if has_min:
             xsum = h.load(xs, b.mul(bi, _c64(4)), I32)
-        acc = h.fma(h.splat(d, 8), b.sitofp(s, _vec(F32T, 8)), acc)
+        acc = h.fma(d, b.sitofp(s, _vec(F32T, 8)), acc)
         if has_min:  # + m * dx * sum(x), in lane 0
             mt = b.fmul(b.fmul(h.load_f16(wrow, b.add(wo, _c64(2))), dx), b.sitofp(xsum, F32T))
             acc = b.fadd(acc, b.insert_element(ir.Constant(_vec(F32T, 8), [0.0] * 8), mt, ir.Constant(I32, 0)))
