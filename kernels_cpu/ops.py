@@ -61,8 +61,11 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = 
         raise ValueError(f"weight shape {w.shape} does not match rows of {x.shape[-1]}")
     if out is None:
         out = np.empty_like(x)
-    apply_threads()
     rows, eps32 = x.reshape(-1, x.shape[-1]), np.float32(eps)
+    if rows.size < _PARALLEL_MIN:   # a decoded token's (100+ calls a token): straight in
+        _rms_norm_kernel(rows, w, eps32, out.reshape(rows.shape))
+        return out
+    apply_threads()
     _in_pieces(lambda xs, os: _rms_norm_kernel(xs, w, eps32, os), rows.shape[0], rows,
                out.reshape(-1, x.shape[-1]))
     return out
