@@ -47,6 +47,16 @@ def _mask(idx):
     return ir.Constant(_vec(I32, len(idx)), list(idx))
 
 
+def has_vnni_features(feats: set[str]) -> bool:
+    """Whether a CPU with these LLVM features has 256-bit vpdpbusd (AVX512-VNNI with VL, or AVX-VNNI)."""
+    return "+avxvnni" in feats or {"+avx512vnni", "+avx512vl"} <= feats
+
+
+def _as_i8(u: int) -> int:
+    """An unsigned byte value (0..255) as the signed i8 constant with the same bits."""
+    return ((u + 128) & 255) - 128
+
+
 class _IR:
     """Small helpers over an IRBuilder."""
 
@@ -55,7 +65,7 @@ class _IR:
         self.avx2 = "+avx2" in feats
         self.avx512bw = "+avx512bw" in feats
         self.f16c = "+f16c" in feats
-        self.vnni = "+avxvnni" in feats or {"+avx512vnni", "+avx512vl"} <= feats   # 256-bit vpdpbusd
+        self.vnni = has_vnni_features(feats)
 
     def ptr(self, base, off):
         """base (i8*) + off bytes."""
@@ -445,11 +455,11 @@ def _q32_isum_vnni(h, wrow, wo, qt, xv):
     if has_qh:
         q = b.or_(q, _qh_bits(h, h.load(wrow, b.add(wo, _c64(qo)), I32), 16))
     if table:
-        q = h.lut16(q, [((v + 128) & 255) - 256 * ((v + 128) > 127) for v in KVALUES_IQ4NL])
+        q = h.lut16(q, [_as_i8(v + 128) for v in KVALUES_IQ4NL])
         offset = 128
     start = _const_vec(I32, 8, 0)
     if offset:
-        start = b.sub(start, h.dpbusd(start, _const_vec(I8, 32, offset - 256 * (offset > 127)), xv))
+        start = b.sub(start, h.dpbusd(start, _const_vec(I8, 32, _as_i8(offset)), xv))
     return h.dpbusd(start, q, xv)
 
 

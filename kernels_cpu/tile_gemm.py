@@ -35,7 +35,8 @@ from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
 from .fast_dot import (F32T, I8, I32, _IR, _Q32, _c64, _const_vec, _counted_loop,
-                       _mask, _q32_values, _q4k_scales_vec, _target_features, _vec)
+                       _mask, _q32_values, _q4k_scales_vec, _target_features, _vec,
+                       has_vnni_features)
 from . import quant_kernels as qk
 from .quant_kernels import Q4_0, Q4_K, Q5_0, Q6_K, Q8_0
 
@@ -47,19 +48,16 @@ _JIT = dict(cache=True, nogil=True)
 @functools.cache
 def has_vnni() -> bool:
     """Whether the CPU Numba compiles for has 256-bit vpdpbusd (AVX512-VNNI with VL, or AVX-VNNI)."""
-    cg = cpu_target.target_context.codegen()
-    feats = set((getattr(cg, "_tm_features", None) or cg._get_host_cpu_features()).split(","))
-    return "+avxvnni" in feats or {"+avx512vnni", "+avx512vl"} <= feats
+    return has_vnni_features(_target_features(cpu_target.target_context))
 
 
-def _dpbusd(h, feats, acc, a_u8, b_s8):
+def _dpbusd(h, acc, a_u8, b_s8):
     """acc + (<32 x i8> unsigned a . <32 x i8> signed b): <8 x i32>, lane i adding the
     products 4i..4i+3 (the accumulator also takes the correction, so no zeroed register
-    and no subtraction per dot)."""
+    and no subtraction per dot); the portable emulation where vpdpbusd is missing."""
     b = h.b
-    if "+avxvnni" in feats or {"+avx512vnni", "+avx512vl"} <= feats:
-        return h._x86("llvm.x86.avx512.vpdpbusd.256", _vec(I32, 8),
-                      [acc, b.bitcast(a_u8, _vec(I32, 8)), b.bitcast(b_s8, _vec(I32, 8))])
+    if h.vnni:
+        return h.dpbusd(acc, a_u8, b_s8)
     p = b.mul(b.zext(a_u8, _vec(I32, 32)), b.sext(b_s8, _vec(I32, 32)))
     quads = [b.shuffle_vector(p, p, _mask(range(k, 32, 4))) for k in range(4)]
     return b.add(acc, b.add(b.add(quads[0], quads[1]), b.add(quads[2], quads[3])))
@@ -84,7 +82,7 @@ def _lane(h, v, i):
     return h.b.shuffle_vector(v, v, _mask([i] * 8))
 
 
-def _dots(h, feats, isums, codes, xgs, act, steps=range(8)):
+def _dots(h, isums, codes, xgs, act, steps=range(8)):
     """isums[row][group] += (row's 32 codes) . (activation block `act` of the group's 8
     tokens): each row's 4-byte group i broadcast against the tokens' groups i, for i in
     `steps` (all 8: the whole block)."""
@@ -95,11 +93,11 @@ def _dots(h, feats, isums, codes, xgs, act, steps=range(8)):
         for k, c in enumerate(codes):
             bc = b.bitcast(_lane(h, c, i), _vec(I8, 32))
             for gi, xv in enumerate(xvs):
-                isums[k][gi] = _dpbusd(h, feats, isums[k][gi], bc, xv)
+                isums[k][gi] = _dpbusd(h, isums[k][gi], bc, xv)
     return isums
 
 
-def _q32_block(h, feats, qt, wrows, xgs, dgs, sgs, bi, accs):
+def _q32_block(h, qt, wrows, xgs, dgs, sgs, bi, accs):
     """One 32-element block (Q8_0, Q4_0, Q5_0) of the tile: the new accumulators."""
     b = h.b
     wo = b.mul(bi, _c64(34 if qt == Q8_0 else _Q32[qt][0]))
@@ -109,7 +107,7 @@ def _q32_block(h, feats, qt, wrows, xgs, dgs, sgs, bi, accs):
     # -offset * each token's block sum starts the integer sums, so the dots leave
     # code . x - offset * sum(x): the block's exact integer dot
     starts = [b.shl(h.load(sg, b.mul(bi, _c64(32)), _vec(I32, 8)), _const_vec(I32, 8, shift)) for sg in sgs]
-    isums = _dots(h, feats, [list(starts) for _ in wrows], codes, xgs, bi)
+    isums = _dots(h, [list(starts) for _ in wrows], codes, xgs, bi)
     new = list(accs)
     for gi, dg in enumerate(dgs):
         dx = h.load(dg, b.mul(bi, _c64(32)), _vec(F32T, 8))
@@ -119,7 +117,7 @@ def _q32_block(h, feats, qt, wrows, xgs, dgs, sgs, bi, accs):
     return new
 
 
-def _q4_k_block(h, feats, wrows, xgs, dgs, sgs, bi, accs):
+def _q4_k_block(h, wrows, xgs, dgs, sgs, bi, accs):
     """One 256-element Q4_K block of the tile: 8 sub-blocks of 32, each one activation
     block; value = d * sc_j * q - dmin * m_j, so per sub-block and token
     acc += dx * (d sc_j * (q . x) - dmin m_j * sum(x))."""
@@ -141,7 +139,7 @@ def _q4_k_block(h, feats, wrows, xgs, dgs, sgs, bi, accs):
             q = h.load(wrow, b.add(wo, _c64(16 + 32 * (j // 2))), _vec(I8, 32))
             q = b.and_(q, _const_vec(I8, 32, 15)) if j % 2 == 0 else b.lshr(q, _const_vec(I8, 32, 4))
             codes.append(b.bitcast(q, _vec(I32, 8)))
-        isums = _dots(h, feats, [[izero] * len(xgs) for _ in wrows], codes, xgs, act)
+        isums = _dots(h, [[izero] * len(xgs) for _ in wrows], codes, xgs, act)
         for gi in range(len(xgs)):
             dx = h.load(dgs[gi], b.mul(act, _c64(32)), _vec(F32T, 8))
             neg_sum = b.sitofp(h.load(sgs[gi], b.mul(act, _c64(32)), _vec(I32, 8)), _vec(F32T, 8))
@@ -154,7 +152,7 @@ def _q4_k_block(h, feats, wrows, xgs, dgs, sgs, bi, accs):
     return new
 
 
-def _q6_k_block(h, feats, wrows, xgs, dgs, sgs, hgs, bi, accs):
+def _q6_k_block(h, wrows, xgs, dgs, sgs, hgs, bi, accs):
     """One 256-element Q6_K block of the tile. Activation block a = 4 half + part takes
     codes (ql low or high nibbles) | (2 qh bits << 4), value = d * sc * (code - 32), with a
     scale for each 16 elements: steps 0-3 and 4-7 of the dots sum apart, each from -32
@@ -182,8 +180,8 @@ def _q6_k_block(h, feats, wrows, xgs, dgs, sgs, hgs, bi, accs):
         five = _const_vec(I32, 8, 5)
         starts_a = [b.shl(v, five) for v in neg_a]
         starts_b = [b.shl(b.sub(t, v), five) for t, v in zip(neg_all, neg_a)]
-        ia = _dots(h, feats, [list(starts_a) for _ in wrows], codes, xgs, act, steps=range(4))
-        ib = _dots(h, feats, [list(starts_b) for _ in wrows], codes, xgs, act, steps=range(4, 8))
+        ia = _dots(h, [list(starts_a) for _ in wrows], codes, xgs, act, steps=range(4))
+        ib = _dots(h, [list(starts_b) for _ in wrows], codes, xgs, act, steps=range(4, 8))
         s_idx = 8 * half + 2 * part          # scales s_idx (elements 0-15), s_idx + 1 (16-31)
         for k in range(len(wrows)):
             sca = _lane(h, scales[k][s_idx // 8], s_idx % 8)
@@ -205,8 +203,7 @@ def _tile_codegen(qt, n_rows):
                 zip((w_ty, xp_ty, dxp_ty, xsp_ty, xhp_ty, tmp_ty), (args[0], args[2], args[3], args[4], args[5], args[7]))]
         w, xp, dxp, xsp, xhp, tmp = arrs
         r, g = args[1], args[6]
-        feats = _target_features(context)
-        h = _IR(builder, feats)
+        h = _IR(builder, _target_features(context))
         b = builder
         i8p = I8.as_pointer()
 
@@ -220,15 +217,15 @@ def _tile_codegen(qt, n_rows):
         zero = ir.Constant(_vec(F32T, 8), [0.0] * 8)
         if qt == Q4_K:
             def block(bi, accs):
-                return _q4_k_block(h, feats, wrows, xgs, dgs, sgs, bi, accs)
+                return _q4_k_block(h, wrows, xgs, dgs, sgs, bi, accs)
             n_blocks = b.sdiv(n_act, _c64(8))
         elif qt == Q6_K:
             def block(bi, accs):
-                return _q6_k_block(h, feats, wrows, xgs, dgs, sgs, hgs, bi, accs)
+                return _q6_k_block(h, wrows, xgs, dgs, sgs, hgs, bi, accs)
             n_blocks = b.sdiv(n_act, _c64(8))
         else:
             def block(bi, accs):
-                return _q32_block(h, feats, qt, wrows, xgs, dgs, sgs, bi, accs)
+                return _q32_block(h, qt, wrows, xgs, dgs, sgs, bi, accs)
             n_blocks = n_act
         fin = _counted_loop(b, n_blocks, 1, [zero] * (n_rows * TILE_GROUPS), block, "tile")
         tstride = cgutils.unpack_tuple(b, tmp.strides)[0]
