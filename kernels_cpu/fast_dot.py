@@ -440,9 +440,10 @@ def _q32_values(h, wrow, wo, qt):
 def _q32_isum_vnni(h, wrow, wo, qt, xv):
     """A 32-element block's <8 x i32> lane sums (products 4i..4i+3) where 256-bit vpdpbusd
     exists: the exact integers of the vpmaddubsw + vpmaddwd path below, with one vpdpbusd
-    of unsigned codes (code = weight + offset) started from -offset * (x summed in fours):
-    that start is the same for every row a loop runs, so it costs one more vpdpbusd per
-    block, shared. It replaces abs, sign, vpmaddubsw and vpmaddwd per row. IQ4_NL's table
+    of unsigned codes (code = weight + offset) started from -offset * (x summed in fours),
+    a second vpdpbusd on the activations alone. The two replace abs, sign, vpmaddubsw and
+    vpmaddwd (these types run one row a loop: four rows a loop, sharing the start, measured
+    faster only for rows of under ~1000 columns and slower above). IQ4_NL's table
     values go in as value + 128 (1..241). Nibbles come from one 16-byte broadcast and a
     per-half word shift; qh's bits through a mask register (_qh_bits)."""
     b = h.b
