@@ -1,6 +1,9 @@
 """Decode matvec throughput of the CPU kernels against the machine's read bandwidth.
 
-    python benchmarks/bench_kernels.py [--rows 4096 --cols 14336 --repeat 21 --types Q4_K,Q8_0,Q6_K,Q5_0]
+    python benchmarks/bench_kernels.py [--rows 4096 --cols 14336 --repeat 21 --types Q4_K_X8,Q4_K,Q8_0,Q6_K,Q5_0]
+
+Q4_K_X8 is a Q4_K matrix in the layout the CPU backend copies Q4_K into on AVX-512 hosts
+(rows interleaved in eights, kernels_cpu/repack.py): what decode reads there.
 
 Read bandwidth = a Numba prange sum over a 512 MiB float32 array (far larger than L3).
 matvec GB/s = weight bytes / median time of one call (activation quantization included),
@@ -28,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from quant_blocks import random_blocks  # noqa: E402
 
 import edgeinfer.kernels_cpu as K  # noqa: E402
-from edgeinfer.kernels_cpu import fast_dot, quant_kernels  # noqa: E402
+from edgeinfer.kernels_cpu import fast_dot, quant_kernels, repack  # noqa: E402
+from edgeinfer.kernels_cpu.quant_types import RepackedType  # noqa: E402
 from read_bandwidth import big_array, prange_sum as _prange_sum  # noqa: E402
 
 
@@ -68,7 +72,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=14336)
     ap.add_argument("--repeat", type=int, default=21)
-    ap.add_argument("--types", default="Q4_K,Q8_0,Q6_K,Q5_0")
+    ap.add_argument("--types", default="Q4_K_X8,Q4_K,Q8_0,Q6_K,Q5_0")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain-kernel comparison")
     ap.add_argument("--prefill-tokens", type=int, default=64)
@@ -77,6 +81,7 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
 
     big = big_array()
+    print(f"the CPU backend {'copies Q4_K to Q4_K_X8' if repack.host_repacks() else 'reads Q4_K as stored'} here")
     print(f"{'(median / best)':<30}" + "".join(f"{f'{t} thread(s)':>18}" for t in threads))
     row = []
     for t in threads:
@@ -87,8 +92,12 @@ def main(argv=None) -> None:
     x = rng.standard_normal(args.cols).astype(np.float32)
     X = rng.standard_normal((args.prefill_tokens, args.cols)).astype(np.float32)
     for name in args.types.split(","):
-        qtype = T[name]
-        w = random_blocks(qtype, args.rows, args.cols, rng)
+        if name in RepackedType.__members__:   # Q4_K_X8: random Q4_K blocks, interleaved
+            qtype = RepackedType[name]
+            w = repack.interleave_q4_k(random_blocks(T.Q4_K, args.rows, args.cols, rng))
+        else:
+            qtype = T[name]
+            w = random_blocks(qtype, args.rows, args.cols, rng)
         w.flags.writeable = False
         copies = [w, w.copy(), w.copy()]
         turn = [0]
@@ -110,12 +119,12 @@ def main(argv=None) -> None:
                 # quantized beforehand: the compute alone. Far above the DRAM figure, the
                 # matvec waits on memory; close to it, on compute.
                 per_thread = max(16, (384 * 1024 // w.shape[1]) // 16 * 16)
-                small = np.ascontiguousarray(w[:per_thread * t])
+                small = np.ascontiguousarray(w[:per_thread * t])   # whole 8-row groups
                 out_small = np.empty(small.shape[0], np.float32)
                 cached.append(_cell(small.nbytes * 50, _times(
                     lambda: [fast_dot.matvec_fast(small, int(qtype), xq, xd, xs, out_small) for _ in range(50)],
                     max(5, args.repeat // 3))))
-            if fast_dot.has_fast_path(int(qtype)) and not args.no_plain:
+            if fast_dot.has_fast_path(int(qtype)) and not args.no_plain and isinstance(qtype, T):
                 plain.append(_cell(w.nbytes, _times(lambda: quant_kernels.matvec_q_kernel(
                     w, w.view(np.int8), int(qtype), xq, xd, xs, out, 16, 32), max(3, args.repeat // 5))))
             if args.prefill_tokens:

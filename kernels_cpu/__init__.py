@@ -1,6 +1,7 @@
 """Numba CPU kernels that compute on GGUF quantized blocks directly (like ggml-quants).
 
-Weights are the raw GGUF bytes: C-contiguous uint8 (n_rows, row_bytes), may be a read-only mmap view.
+Weights are the raw GGUF bytes: C-contiguous uint8 (n_rows, row_bytes), may be a read-only mmap view;
+or a Q4_K matrix interleaved in eights (repack.py, type id Q4_K_X8), the CPU backend's copy on AVX-512.
     matvec(w_raw, qtype, x, out=None)          x (n_cols,) f32 -> (n_rows,) f32          decode
     matvec_many([w...], [qtype...], x)         the same for 2-3 matrices at once (QKV, gate+up)
     matmul(w_raw, qtype, X, out=None)          X (n_tok, n_cols) f32 -> (n_tok, n_rows) f32  prefill

@@ -26,7 +26,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quant_kernels import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from .quant_kernels import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from .threads import get_threads
 
 llvm.initialize_native_asmparser()   # load_f16's one inline `vmovd` needs it
@@ -496,6 +496,35 @@ def _make_body_q32(qt):
     return body
 
 
+# Q4_K_X8 (repack.py): per group of 8 rows, each block is the 8 rows' 16-byte heads (d,
+# dmin, 12 scale bytes), then 8 pieces of 128 bytes, piece t holding qs bytes 16t..16t+16
+# of every row. A row's pointer is the group's + 16 * (row % 8); from it, block bi's head
+# is at X8_BLOCK * bi and its qs piece t at X8_BLOCK * bi + 128 + 128 * t.
+X8_ROWS = 8
+X8_BLOCK = X8_ROWS * 144
+
+
+def _q4k_block_bytes(x8: bool) -> int:
+    return X8_BLOCK if x8 else 144
+
+
+def _q4k_qs32(h, wrow, wo, c, x8):
+    """qs bytes 32c..32c+32 of the Q4_K block at wrow + wo, in either layout: <32 x i8>."""
+    b = h.b
+    if not x8:
+        return h.load(wrow, b.add(wo, _c64(16 + 32 * c)), _vec(I8, 32))
+    lo = h.load(wrow, b.add(wo, _c64(128 + 256 * c)), _vec(I8, 16))
+    hi = h.load(wrow, b.add(wo, _c64(256 + 256 * c)), _vec(I8, 16))
+    return b.shuffle_vector(lo, hi, _mask(range(32)))
+
+
+def _x8_row_ptr(builder, base, stride0, r):
+    """Row r's pointer in a Q4_K_X8 matrix at base (i8*) with row stride stride0."""
+    k = builder.and_(r, _c64(X8_ROWS - 1))
+    group = builder.mul(builder.sub(r, k), stride0)
+    return builder.gep(base, [builder.add(group, builder.mul(k, _c64(16)))])
+
+
 def _q4k_scales_vec(h, wrow, wo):
     """The 12 packed scale bytes -> <16 x i8>: 8 scales, then 8 mins (ggml's utmp trick
     on one <4 x i32> instead of scalar registers)."""
@@ -815,13 +844,14 @@ _row_q3_k = _make_row_intrinsic(_make_body_q23_k(True))
 
 # ----------------------------------------------------------------------------- dequantization (prefill)
 
-def _deq_loop(context, builder, sig, args, block, body):
-    """Emit `for b in range(n_cols // block): body(b)` writing row i of y from row r of w."""
+def _deq_loop(context, builder, sig, args, block, body, x8=False):
+    """Emit `for b in range(n_cols // block): body(b)` writing row i of y from row r of w
+    (x8: w is Q4_K_X8)."""
     w = context.make_array(sig.args[0])(context, builder, args[0])
     y = context.make_array(sig.args[2])(context, builder, args[2])
     r, i = args[1], args[3]
-    wrow = builder.gep(builder.bitcast(w.data, I8.as_pointer()),
-                       [builder.mul(r, cgutils.unpack_tuple(builder, w.strides)[0])])
+    wbase, wstride = builder.bitcast(w.data, I8.as_pointer()), cgutils.unpack_tuple(builder, w.strides)[0]
+    wrow = _x8_row_ptr(builder, wbase, wstride, r) if x8 else builder.gep(wbase, [builder.mul(r, wstride)])
     yrow = builder.gep(builder.bitcast(y.data, I8.as_pointer()),
                        [builder.mul(i, cgutils.unpack_tuple(builder, y.strides)[0])])
     nb = builder.sdiv(cgutils.unpack_tuple(builder, y.shape)[1], ir.Constant(I64, block))
@@ -863,8 +893,8 @@ def _make_deq_q32(qt):
     return body
 
 
-def _make_deq_q45_k(five: bool):
-    bs, qs0 = (176, 48) if five else (144, 16)
+def _make_deq_q45_k(five: bool, x8: bool = False):
+    bs, qs0 = (176, 48) if five else (_q4k_block_bytes(x8), 16)
 
     def body(h, wrow, yrow, bi):
         b = h.b
@@ -877,7 +907,10 @@ def _make_deq_q45_k(five: bool):
         qh = h.load(wrow, b.add(wo, _c64(16)), _vec(I8, 32)) if five else None
         yo = b.mul(bi, _c64(1024))
         for c in range(4):
-            q = h.load(wrow, b.add(wo, _c64(qs0 + 32 * c)), _vec(I8, 32))
+            if five:
+                q = h.load(wrow, b.add(wo, _c64(qs0 + 32 * c)), _vec(I8, 32))
+            else:
+                q = _q4k_qs32(h, wrow, wo, c, x8)
             for hi in range(2):
                 j = 2 * c + hi
                 v = _k_nibbles(h, q, hi)
@@ -920,13 +953,13 @@ def _deq_q6_k(h, wrow, yrow, bi):
             _store(h, yrow, b.add(yo, _c64(4 * (hh * 128 + gq * 32))), b.fmul(f, ds))
 
 
-def _make_deq_intrinsic(block, body):
+def _make_deq_intrinsic(block, body, x8=False):
     @intrinsic
     def deq_row(typingctx, w, r, y, i):
         sig = types.void(w, r, y, i)
 
         def codegen(context, builder, sig, args):
-            return _deq_loop(context, builder, sig, args, block, body)
+            return _deq_loop(context, builder, sig, args, block, body, x8)
         return sig, codegen
     return deq_row
 
@@ -938,6 +971,7 @@ _deq_row_q5_0 = _make_deq_intrinsic(32, _make_deq_q32(Q5_0))
 _deq_row_q5_1 = _make_deq_intrinsic(32, _make_deq_q32(Q5_1))
 _deq_row_iq4_nl = _make_deq_intrinsic(32, _make_deq_q32(IQ4_NL))
 _deq_row_q4_k = _make_deq_intrinsic(256, _make_deq_q45_k(False))
+_deq_row_q4_k_x8 = _make_deq_intrinsic(256, _make_deq_q45_k(False, x8=True), x8=True)
 _deq_row_q5_k = _make_deq_intrinsic(256, _make_deq_q45_k(True))
 _deq_row_q6_k = _make_deq_intrinsic(256, _deq_q6_k)
 _deq_row_iq4_xs = _make_deq_intrinsic(256, _deq_iq4_xs)
@@ -1017,8 +1051,14 @@ def _q4_k_scales_rows4(h, wrows, wo):
     the rows' d | dmin << 16). The decode is _q4k_scales_vec's, on all four rows' lanes."""
     b = h.b
     heads = [h.load(wrow, wo, _vec(I32, 4)) for wrow in wrows]    # dm u0 u1 u2, per row
-    v = b.shuffle_vector(b.shuffle_vector(heads[0], heads[1], _mask(range(8))),
-                         b.shuffle_vector(heads[2], heads[3], _mask(range(8))), _mask(range(16)))
+    return _q4_k_decode_heads4(h, b.shuffle_vector(b.shuffle_vector(heads[0], heads[1], _mask(range(8))),
+                                                   b.shuffle_vector(heads[2], heads[3], _mask(range(8))),
+                                                   _mask(range(16))))
+
+
+def _q4_k_decode_heads4(h, v):
+    """_q4_k_scales_rows4 on the 4 heads already in one <16 x i32> (row k's in lane k)."""
+    b = h.b
     c = lambda x: _const_vec(I32, 16, x)  # noqa: E731
     a = b.and_(v, c(0x3F3F3F3F))                                         # . t0 t2 .
     hi2 = b.shl(b.and_(b.lshr(v, c(6)), c(0x03030303)), c(4))            # . from u0, u1 .
@@ -1053,9 +1093,16 @@ def _q4_k_rows4_block_512(h, wrows, xq, xd, xs, bi, acc, accm):
     the same bits."""
     b = h.b
     wo = b.mul(bi, _c64(144))
-    dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
     sm, dm = _q4_k_scales_rows4(h, wrows, wo)
     isums = _q4_k_rows_isums_512(h, wrows, wo, xq, b.mul(bi, _c64(256)), sm)
+    return _q4_k_rows4_finish_512(h, sm, dm, _sum_rows4_512(h, isums), xd, xs, bi, acc, accm)
+
+
+def _q4_k_rows4_finish_512(h, sm, dm, isum4, xd, xs, bi, acc, accm):
+    """The float side of one block for 4 rows in 4 lanes: (acc, accm) + the block's terms,
+    from the decoded heads (_q4_k_decode_heads4) and the rows' integer dots (<4 x i32>)."""
+    b = h.b
+    dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
     # min sums: row k's 8 mins (i16, lane k) . the 8 per-32 activation sums (|s| <= 32*128,
     # exact in i16, the same in every lane)
     mins16 = b.bitcast(h._x86("llvm.x86.avx512.pshuf.b.512", _vec(I8, 64),
@@ -1066,7 +1113,7 @@ def _q4_k_rows4_block_512(h, wrows, xq, xd, xs, bi, acc, accm):
     m1 = b.add(mp, b.shuffle_vector(mp, mp, _mask([4 * l + j for l in range(4) for j in (1, 0, 3, 2)])))
     m2 = b.add(m1, b.shuffle_vector(m1, m1, _mask([4 * l + j for l in range(4) for j in (2, 3, 0, 1)])))
     tot_m = b.sitofp(b.shuffle_vector(m2, m2, _mask([0, 4, 8, 12])), _vec(F32T, 4))
-    tot_i = b.sitofp(_sum_rows4_512(h, isums), _vec(F32T, 4))
+    tot_i = b.sitofp(isum4, _vec(F32T, 4))
     dm16 = b.bitcast(dm, _vec(I16, 8))
     d = b.fpext(b.bitcast(b.shuffle_vector(dm16, dm16, _mask([0, 2, 4, 6])), _vec(F16T, 4)), _vec(F32T, 4))
     dmin = b.fpext(b.bitcast(b.shuffle_vector(dm16, dm16, _mask([1, 3, 5, 7])), _vec(F16T, 4)), _vec(F32T, 4))
@@ -1074,12 +1121,13 @@ def _q4_k_rows4_block_512(h, wrows, xq, xd, xs, bi, acc, accm):
             h.fma(b.fmul(dmin, h.splat(b.fneg(dx), 4)), tot_m, accm)]
 
 
-def _q4_k_rows4_block(h, wrows, xq, xd, xs, bi, acc, accm):
-    """One block of _q4_k_rows4_lanes: the new (acc, accm)."""
-    if h.avx512bw and h.f16c:
+def _q4_k_rows4_block(h, wrows, xq, xd, xs, bi, acc, accm, x8=False):
+    """One block of _q4_k_rows4_lanes: the new (acc, accm). x8: the rows are Q4_K_X8 row
+    pointers (the 256-bit loop only: AVX-512 hosts take _q4_k_x8_block_512)."""
+    if h.avx512bw and h.f16c and not x8:
         return _q4_k_rows4_block_512(h, wrows, xq, xd, xs, bi, acc, accm)
     b = h.b
-    wo = b.mul(bi, _c64(144))
+    wo = b.mul(bi, _c64(_q4k_block_bytes(x8)))
     dx = h.load(xd, b.mul(bi, _c64(4)), F32T)
     bs32 = h.pairs(h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16)))     # per-32 sums of x
     xo = b.mul(bi, _c64(256))
@@ -1095,7 +1143,7 @@ def _q4_k_rows4_block(h, wrows, xq, xd, xs, bi, acc, accm):
     for c in range(4):
         xvs = [h.load(xq, b.add(xo, _c64(64 * c + 32 * hi)), _vec(I8, 32)) for hi in range(2)]
         for k, wrow in enumerate(wrows):
-            q = h.load(wrow, b.add(wo, _c64(16 + 32 * c)), _vec(I8, 32))
+            q = _q4k_qs32(h, wrow, wo, c, x8)
             for hi in range(2):   # sub-block 2c + hi: low nibbles, then high
                 p16 = h.maddubs(_k_nibbles(h, q, hi), xvs[hi])             # pairs <= 2*15*128
                 isums[k] = b.add(isums[k], h.madd_i16(p16, h.bcast_u8_as_i16(sc2s[k], 2 * c + hi)))
@@ -1120,6 +1168,71 @@ def _rows4_q4_k(typingctx, w, r, xq, xd, xs, step):
 
     def codegen(context, builder, sig, args):
         return context.make_tuple(builder, sig.return_type, _q4_k_rows4_lanes(context, builder, sig, args))
+    return sig, codegen
+
+
+def _q4_k_x8_block_512(h, gbase, xq, xd, xs, bi, acc, accm, half):
+    """One block of rows 4 half .. 4 half + 3 of a Q4_K_X8 group (AVX512-BW), row k in
+    128-bit lane k: one 64-byte load brings the 4 heads, each 64-byte qs load the same 16
+    bytes of all 4 rows. Per lane, the two vpmaddubsw of a sub-block's halves add in i16
+    (<= 2 * 2*15*128), then one vpmaddwd with that row's scale (vpshufb picks byte j of
+    each lane). Same exact integers as _q4_k_rows4_block_512, same float side: same bits."""
+    b = h.b
+    v64, v32i16, v16i32 = _vec(I8, 64), _vec(I16, 32), _vec(I32, 16)
+    wo = b.add(b.mul(bi, _c64(X8_BLOCK)), _c64(64 * half))
+    sm, dm = _q4_k_decode_heads4(h, h.load(gbase, wo, v16i32))
+    xo = b.mul(bi, _c64(256))
+    isum = ir.Constant(v16i32, [0] * 16)
+    for c in range(4):
+        s = [None, None]
+        for piece in range(2):      # qs bytes 32c + 16 piece ..: piece t = 2c + piece
+            q = h.load(gbase, b.add(wo, _c64(X8_ROWS * 16 + 128 * (2 * c + piece))), v64)
+            for hi in range(2):     # sub-block 2c + hi: elements 16 piece .. of it
+                nib = b.and_(q, _const_vec(I8, 64, 15)) if hi == 0 else b.lshr(q, _const_vec(I8, 64, 4))
+                x16 = h.load(xq, b.add(xo, _c64(32 * (2 * c + hi) + 16 * piece)), _vec(I8, 16))
+                p = h._x86("llvm.x86.avx512.pmaddubs.w.512", v32i16,
+                           [nib, b.shuffle_vector(x16, x16, _mask(list(range(16)) * 4))])
+                s[hi] = p if s[hi] is None else b.add(s[hi], p)
+        for hi in range(2):
+            sc = h._x86("llvm.x86.avx512.pshuf.b.512", v64, [sm, _const_vec(I8, 64, [2 * c + hi, -128] * 32)])
+            isum = b.add(isum, h._x86("llvm.x86.avx512.pmaddw.d.512", v16i32, [s[hi], b.bitcast(sc, v32i16)]))
+    # each lane's 4 partial sums: two swap-and-add rounds, then lanes 0, 4, 8, 12
+    i1 = b.add(isum, b.shuffle_vector(isum, isum, _mask([4 * l + j for l in range(4) for j in (1, 0, 3, 2)])))
+    i2 = b.add(i1, b.shuffle_vector(i1, i1, _mask([4 * l + j for l in range(4) for j in (2, 3, 0, 1)])))
+    isum4 = b.shuffle_vector(i2, i2, _mask([0, 4, 8, 12]))
+    return _q4_k_rows4_finish_512(h, sm, dm, isum4, xd, xs, bi, acc, accm)
+
+
+@intrinsic
+def _rows8_q4_k_x8(typingctx, w, g, xq, xd, xs):
+    """Rows 8g .. 8g + 7 of a Q4_K_X8 matrix as a tuple, each as _q4_k_rows4_lanes computes
+    it (llama.cpp's repacked-gemv order): the same bits as the plain layout's kernel."""
+    sig = types.UniTuple(types.float32, X8_ROWS)(w, g, xq, xd, xs)
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        (wrows, xq, xd, xs), nb = _array_ptrs(context, b, sig, [args[0], b.mul(args[1], _c64(X8_ROWS))] + list(args[2:]))
+        gbase = wrows[0]
+        h = _IR(b, _target_features(context))
+        if h.avx512bw and h.f16c:
+            zero = ir.Constant(_vec(F32T, 4), [0.0] * 4)
+
+            def block(bi, accs):
+                return (_q4_k_x8_block_512(h, gbase, xq, xd, xs, bi, *accs[:2], 0)
+                        + _q4_k_x8_block_512(h, gbase, xq, xd, xs, bi, *accs[2:], 1))
+        else:
+            zero = ir.Constant(_vec(F32T, 8), [0.0] * 8)
+            rows = [b.gep(gbase, [_c64(16 * k)]) for k in range(X8_ROWS)]
+
+            def block(bi, accs):
+                return (_q4_k_rows4_block(h, rows[:4], xq, xd, xs, bi, *accs[:2], x8=True)
+                        + _q4_k_rows4_block(h, rows[4:], xq, xd, xs, bi, *accs[2:], x8=True))
+        fin = _counted_loop(b, nb, 1, [zero] * 4, block, "q4kx8")
+        vals = []
+        for half in range(2):
+            tot = b.fadd(fin[2 * half], fin[2 * half + 1])
+            vals += [b.extract_element(tot, ir.Constant(I32, k)) for k in range(4)]
+        return context.make_tuple(b, sig.return_type, vals)
     return sig, codegen
 
 
@@ -1175,7 +1288,12 @@ def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
 def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
     """out[r] = row r of w . 8-bit activations for r0 <= r < r1, dispatched on the GGML
     type id once (the row intrinsics inline into each branch's loop)."""
-    if qt == Q6_K or qt == Q8_0 or (qt == Q4_K and w.shape[0] % 8 == 0):
+    if qt == Q4_K_X8:   # r0 and r1 are multiples of 8 (CHUNK and the row count are)
+        for g in range(r0 // X8_ROWS, r1 // X8_ROWS):
+            vals = _rows8_q4_k_x8(w, g, xq, xd, xs)
+            for k in range(X8_ROWS):
+                out[X8_ROWS * g + k] = vals[k]
+    elif qt == Q6_K or qt == Q8_0 or (qt == Q4_K and w.shape[0] % 8 == 0):
         _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
     elif qt == Q4_K:   # llama.cpp repacks only matrices with rows % 8 == 0
         for r in range(r0, r1):
@@ -1226,6 +1344,8 @@ def _deq_row(w, qt, r, y, i):
     """y[i] = dequantized row r of w, dispatched on the GGML type id."""
     if qt == Q4_K:
         _deq_row_q4_k(w, r, y, i)
+    elif qt == Q4_K_X8:
+        _deq_row_q4_k_x8(w, r, y, i)
     elif qt == Q6_K:
         _deq_row_q6_k(w, r, y, i)
     elif qt == Q8_0:
@@ -1269,14 +1389,21 @@ def _claimed_items(claims, n_threads, w1, q1, o1, w2, q2, o2, w3, q3, o3, xq, xd
     step = max(1, n // (CLAIMS_PER_THREAD * n_threads))
     g0 = _fetch_add(claims, step)
     while g0 < n:
-        for g in range(g0, min(g0 + step, n)):
-            if g < n1:
-                _matvec_item(w1, q1, xq, xd, xs, o1, g)
-            elif g < n12:
-                _matvec_item(w2, q2, xq, xd, xs, o2, g - n1)
-            else:
-                _matvec_item(w3, q3, xq, xd, xs, o3, g - n12)
+        g1 = min(g0 + step, n)
+        _claimed_rows(w1, q1, o1, g0, g1, xq, xd, xs)
+        _claimed_rows(w2, q2, o2, g0 - n1, g1 - n1, xq, xd, xs)
+        _claimed_rows(w3, q3, o3, g0 - n12, g1 - n12, xq, xd, xs)
         g0 = _fetch_add(claims, step)
+
+
+@njit(**_JIT)
+def _claimed_rows(w, qt, out, g0, g1, xq, xd, xs):
+    """The rows of out's work items g0..g1 (numbered from this matrix's first; those
+    outside it skipped) in one _dot_rows call: one type dispatch a claim, not an item."""
+    a = max(g0, 0)
+    b = min(g1, _n_items(out.shape[0]))
+    if a < b:
+        _dot_rows(w, qt, a * CHUNK, min(b * CHUNK, out.shape[0]), xq, xd, xs, out)
 
 
 @njit(parallel=True, **_JIT)
@@ -1320,7 +1447,7 @@ def _dequant_rows_kernel(w, qt, rows, y):
 
 
 def has_fast_path(qt: int) -> bool:
-    return qt in FAST_TYPES
+    return qt in FAST_TYPES or qt == Q4_K_X8
 
 
 def matvec_fast(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:

@@ -1,7 +1,8 @@
 """Public entry points: quantized matvec (decode), matmul (prefill), row lookup.
 
-Weights are the raw GGUF bytes, a C-contiguous uint8 (n_rows, row_bytes) array
-(often a read-only view into the mmap; never copied).
+Weights are the raw GGUF bytes, a C-contiguous uint8 (n_rows, row_bytes) array (often a
+read-only view into the mmap), or the CPU backend's Q4_K_X8 copy of a Q4_K matrix (type id
+quant_kernels.Q4_K_X8, see repack.py), which every entry point here reads as well.
 """
 from __future__ import annotations
 
@@ -197,7 +198,7 @@ def matmul_uses_rows(qtype: T, n_tokens: int) -> bool:
 def _uses_tiles(qt: int) -> bool:
     """Long prompts of these types take the 8-bit tile kernels (VNNI CPUs only: elsewhere
     the float BLAS GEMM is faster)."""
-    return _FAST and qt in tile_gemm.TILE_TYPES and tile_gemm.has_vnni()
+    return _FAST and qt in tile_gemm.TILE_LAYOUTS and tile_gemm.has_vnni()
 
 
 def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | None = None) -> list[np.ndarray]:

@@ -21,6 +21,9 @@ from numba.extending import intrinsic
 # GGML type ids (gguf.GGMLQuantizationType values), as plain ints for Numba.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = 10, 11, 12, 13, 14, 20, 23, 30
+# Not a GGML type: Q4_K with its rows interleaved in groups of 8 (kernels_cpu/repack.py),
+# a copy the CPU backend makes at load for the fast kernels only.
+Q4_K_X8 = 1012
 
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          dtype=np.int8)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
@@ -11,7 +12,7 @@ from edgeinfer.errors import UnsupportedModelError
 
 @dataclass(frozen=True)
 class QuantInfo:
-    qtype: T
+    qtype: "T | RepackedType"
     block_size: int   # elements per block
     type_size: int    # bytes per block
     act_block: int    # block of the 8-bit activation it dots with: 32 (Q8_0) or 256 (Q8_K); 0 = float path
@@ -28,9 +29,20 @@ QUANT_INFO: dict[T, QuantInfo] = {
 }
 
 
+
+
+class RepackedType(IntEnum):
+    """Layouts the CPU backend copies weights into at load (not GGML types; repack.py)."""
+    Q4_K_X8 = 1012   # Q4_K, rows interleaved in eights (quant_kernels.Q4_K_X8)
+
+
+# same blocks as Q4_K, only placed differently
+QUANT_INFO[RepackedType.Q4_K_X8] = QuantInfo(RepackedType.Q4_K_X8, 256, 144, 256)
+
+
 def supported_types() -> tuple[T, ...]:
-    """The GGML types matvec / matmul / get_rows accept."""
-    return tuple(QUANT_INFO)
+    """The GGML types matvec / matmul / get_rows accept (and repacked layouts, not listed)."""
+    return tuple(t for t in QUANT_INFO if isinstance(t, T))
 
 
 def quant_info(qtype: T | int) -> QuantInfo:
@@ -63,6 +75,8 @@ def check_weight(w_raw: np.ndarray, qtype: T | int) -> QuantInfo:
     if w_raw.dtype != np.uint8 or w_raw.ndim != 2 or not w_raw.flags.c_contiguous:
         raise ValueError(f"raw weights must be a C-contiguous uint8 (n_rows, row_bytes) array, got "
                          f"{w_raw.dtype} {w_raw.shape}")
+    if info.qtype == RepackedType.Q4_K_X8 and w_raw.shape[0] % 8:
+        raise ValueError(f"a Q4_K_X8 matrix has rows in groups of 8, got {w_raw.shape[0]} rows")
     if w_raw.shape[1] % info.type_size:
         raise UnsupportedModelError(
             f"{w_raw.shape[1]} bytes per row is not a multiple of the {info.qtype.name} block ({info.type_size} bytes)")

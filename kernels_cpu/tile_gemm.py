@@ -35,13 +35,14 @@ from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
 from .fast_dot import (F32T, I8, I32, _IR, _Q32, _c64, _const_vec, _counted_loop,
-                       _mask, _q32_values, _q4k_scales_vec, _target_features, _vec,
-                       has_vnni_features)
+                       _mask, _q32_values, _q4k_block_bytes, _q4k_qs32, _q4k_scales_vec,
+                       _target_features, _vec, _x8_row_ptr, has_vnni_features)
 from . import quant_kernels as qk
-from .quant_kernels import Q4_0, Q4_K, Q5_0, Q6_K, Q8_0
+from .quant_kernels import Q4_0, Q4_K, Q4_K_X8, Q5_0, Q6_K, Q8_0
 
-TILE_ROWS = 4     # weight rows a tile (adjacent)
+TILE_ROWS = 4     # weight rows a tile (adjacent; in a Q4_K_X8 matrix, half a group)
 TILE_TYPES = (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K)
+TILE_LAYOUTS = TILE_TYPES + (Q4_K_X8,)   # and the repacked layouts (repack.py)
 _JIT = dict(cache=True, nogil=True)
 
 
@@ -117,12 +118,12 @@ def _q32_block(h, qt, wrows, xgs, dgs, sgs, bi, accs):
     return new
 
 
-def _q4_k_block(h, wrows, xgs, dgs, sgs, bi, accs):
+def _q4_k_block(h, wrows, xgs, dgs, sgs, bi, accs, x8=False):
     """One 256-element Q4_K block of the tile: 8 sub-blocks of 32, each one activation
     block; value = d * sc_j * q - dmin * m_j, so per sub-block and token
-    acc += dx * (d sc_j * (q . x) - dmin m_j * sum(x))."""
+    acc += dx * (d sc_j * (q . x) - dmin m_j * sum(x)). x8: Q4_K_X8 row pointers."""
     b = h.b
-    wo = b.mul(bi, _c64(144))
+    wo = b.mul(bi, _c64(_q4k_block_bytes(x8)))
     izero = ir.Constant(_vec(I32, 8), [0] * 8)
     scs, mns = [], []
     for wrow in wrows:       # the row's 8 scales times d and 8 mins times dmin, as floats
@@ -136,7 +137,7 @@ def _q4_k_block(h, wrows, xgs, dgs, sgs, bi, accs):
         act = b.add(b.mul(bi, _c64(8)), _c64(j))
         codes = []
         for wrow in wrows:   # sub-block j: low nibbles of qs[32 c ..] for j = 2c, high for 2c + 1
-            q = h.load(wrow, b.add(wo, _c64(16 + 32 * (j // 2))), _vec(I8, 32))
+            q = _q4k_qs32(h, wrow, wo, j // 2, x8)
             q = b.and_(q, _const_vec(I8, 32, 15)) if j % 2 == 0 else b.lshr(q, _const_vec(I8, 32, 4))
             codes.append(b.bitcast(q, _vec(I32, 8)))
         isums = _dots(h, [[izero] * len(xgs) for _ in wrows], codes, xgs, act)
@@ -207,17 +208,19 @@ def _tile_codegen(qt, n_rows):
         b = builder
         i8p = I8.as_pointer()
 
-        def rows_of(arr, first, n):
+        def rows_of(arr, first, n, x8=False):
             stride = cgutils.unpack_tuple(b, arr.strides)[0]
             base = b.bitcast(arr.data, i8p)
+            if x8:
+                return [_x8_row_ptr(b, base, stride, b.add(first, _c64(k))) for k in range(n)]
             return [b.gep(base, [b.mul(b.add(first, _c64(k)), stride)]) for k in range(n)]
-        wrows = rows_of(w, r, n_rows)
+        wrows = rows_of(w, r, n_rows, qt == Q4_K_X8)
         xgs, dgs, sgs, hgs = (rows_of(a, g, TILE_GROUPS) for a in (xp, dxp, xsp, xhp))
         n_act = b.sdiv(cgutils.unpack_tuple(b, dxp.shape)[1], _c64(GROUP))   # dxp: (groups, blocks * GROUP)
         zero = ir.Constant(_vec(F32T, 8), [0.0] * 8)
-        if qt == Q4_K:
+        if qt in (Q4_K, Q4_K_X8):
             def block(bi, accs):
-                return _q4_k_block(h, wrows, xgs, dgs, sgs, bi, accs)
+                return _q4_k_block(h, wrows, xgs, dgs, sgs, bi, accs, qt == Q4_K_X8)
             n_blocks = b.sdiv(n_act, _c64(8))
         elif qt == Q6_K:
             def block(bi, accs):
@@ -250,6 +253,7 @@ _tile4_q8_0, _tile1_q8_0 = _make_tile(Q8_0, TILE_ROWS), _make_tile(Q8_0, 1)
 _tile4_q4_0, _tile1_q4_0 = _make_tile(Q4_0, TILE_ROWS), _make_tile(Q4_0, 1)
 _tile4_q5_0, _tile1_q5_0 = _make_tile(Q5_0, TILE_ROWS), _make_tile(Q5_0, 1)
 _tile4_q4_k, _tile1_q4_k = _make_tile(Q4_K, TILE_ROWS), _make_tile(Q4_K, 1)
+_tile4_q4_k_x8, _tile1_q4_k_x8 = _make_tile(Q4_K_X8, TILE_ROWS), _make_tile(Q4_K_X8, 1)
 _tile4_q6_k, _tile1_q6_k = _make_tile(Q6_K, TILE_ROWS), _make_tile(Q6_K, 1)
 
 
@@ -262,6 +266,8 @@ def _tile(w, qt, r, n, xp, dxp, xsp, xhp, g, tmp):
         _tile4_q4_0(w, r, xp, dxp, xsp, xhp, g, tmp) if four else _tile1_q4_0(w, r, xp, dxp, xsp, xhp, g, tmp)
     elif qt == Q4_K:
         _tile4_q4_k(w, r, xp, dxp, xsp, xhp, g, tmp) if four else _tile1_q4_k(w, r, xp, dxp, xsp, xhp, g, tmp)
+    elif qt == Q4_K_X8:
+        _tile4_q4_k_x8(w, r, xp, dxp, xsp, xhp, g, tmp) if four else _tile1_q4_k_x8(w, r, xp, dxp, xsp, xhp, g, tmp)
     elif qt == Q6_K:
         _tile4_q6_k(w, r, xp, dxp, xsp, xhp, g, tmp) if four else _tile1_q6_k(w, r, xp, dxp, xsp, xhp, g, tmp)
     else:

@@ -55,6 +55,15 @@ for qt, n_rows, n_cols in cases:
     err = np.abs(y - W @ xq)
     if not np.all(err <= tol):
         sys.exit(f"{qt.name}: max err {err.max()} rows {np.nonzero(err > tol)[0]}")
+# Q4_K_X8, the backend's interleaved copy (the 256-bit loop off AVX-512): the plain layout's bits
+from edgeinfer.kernels_cpu import repack
+for n_rows, n_cols in ((16, 1024), (8, 14336)):
+    w = random_blocks(T.Q4_K, n_rows, n_cols, rng)
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    y = K.matvec(repack.interleave_q4_k(w), 1012, x)
+    if not np.array_equal(y, K.matvec(w, T.Q4_K, x)):
+        sys.exit(f"Q4_K_X8 {n_rows}x{n_cols} differs from Q4_K")
+    results[f"Q4_K_X8_{n_rows}x{n_cols}"] = y
 # attention (the F16C vector dot or its scalar twin) and the F16 conversions
 from edgeinfer.kernels_cpu import f16, kv_attention
 q = rng.standard_normal((3, 4, 64)).astype(np.float32)
@@ -71,6 +80,14 @@ for qt in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q6_K):
     out = np.empty((19, 6), np.float32)
     tile_gemm.matmul_rows(w, int(qt), 0, 6, packed, out)
     results[f"tiles_{qt.name}"] = out
+    if qt == T.Q4_K:
+        w8 = random_blocks(qt, 8, 256, rng)
+        out8, plain8 = np.empty((19, 8), np.float32), np.empty((19, 8), np.float32)
+        tile_gemm.matmul_rows(repack.interleave_q4_k(w8), 1012, 0, 8, packed, out8)
+        tile_gemm.matmul_rows(w8, int(qt), 0, 8, packed, plain8)
+        if not np.array_equal(out8, plain8):
+            sys.exit("Q4_K_X8 tiles differ from Q4_K's")
+        results["tiles_Q4_K_X8"] = out8
 np.savez(sys.argv[1], **results)
 print("ok", fast_dot._matvec_kernel.stats.cache_hits)
 """
