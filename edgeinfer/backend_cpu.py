@@ -13,6 +13,7 @@ from edgeinfer import kernels_cpu
 from edgeinfer.backend import Backend, _gelu_f16_table
 from edgeinfer.kernels_cpu import decode_blocks, kv_attention, ops
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
+from edgeinfer.kernels_cpu.repack import repack
 from edgeinfer.models.base import ROPE_NEOX
 
 
@@ -31,6 +32,22 @@ class CpuBackend(Backend):
         threadpool_limits(1, user_api="blas")
         self._rope_angles: dict = {}
         self._prepared: dict = {}
+        self._weights: dict = {}
+
+    def weight(self, name: str) -> tuple[np.ndarray, int]:
+        """(blocks, type id) the kernels read for matrix `name`: the file's mapped bytes, or
+        on first use a copy in a faster layout (Q4_K -> Q4_K_X8 on AVX-512 hosts,
+        kernels_cpu/repack.py), whose file pages then leave this process's memory (peak
+        RSS stays about the file's size). Only matrices computed here are copied: layers
+        offloaded to the GPU never ask."""
+        got = self._weights.get(name)
+        if got is None:
+            raw = self.gguf.raw(name)
+            w, qt = repack(raw, self.gguf.tensors[name].qtype)
+            if w is not raw:
+                self.gguf.drop_pages(name)
+            got = self._weights[name] = (w, qt)
+        return got
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -38,21 +55,18 @@ class CpuBackend(Backend):
             prepared = self._decode_group((name,))
             if prepared is not None:
                 return matvec_prepared(prepared, x[0])[0][None, :]
-            return kernels_cpu.matvec(self.gguf.raw(name), self.gguf.tensors[name].qtype, x[0])[None, :]
-        return kernels_cpu.matmul(self.gguf.raw(name), self.gguf.tensors[name].qtype, x)
+            return kernels_cpu.matvec(*self.weight(name), x[0])[None, :]
+        return kernels_cpu.matmul(*self.weight(name), x)
 
     def linear_many(self, names, x):
+        ws, qts = zip(*(self.weight(n) for n in names))
         if x.shape[0] != 1:  # prefill: one quantized input for all of them where they take it
-            return kernels_cpu.matmul_many([self.gguf.raw(n) for n in names],
-                                           [self.gguf.tensors[n].qtype for n in names],
-                                           np.ascontiguousarray(x, dtype=np.float32))
+            return kernels_cpu.matmul_many(list(ws), list(qts), np.ascontiguousarray(x, dtype=np.float32))
         x0 = np.ascontiguousarray(x[0], np.float32)
         prepared = self._decode_group(tuple(names))
         if prepared is not None:
             return [y[None, :] for y in matvec_prepared(prepared, x0)]
-        ws = [self.gguf.raw(name) for name in names]
-        qts = [self.gguf.tensors[name].qtype for name in names]
-        return [y[None, :] for y in kernels_cpu.matvec_many(ws, qts, x0)]
+        return [y[None, :] for y in kernels_cpu.matvec_many(list(ws), list(qts), x0)]
 
     def norm_swiglu_residual(self, x, norm, eps, gate, up, down):
         if x.shape[0] == 1:  # decode: the whole block in one compiled call (decode_blocks)
@@ -66,13 +80,12 @@ class CpuBackend(Backend):
         """The decode matvec's prepared weights for these matrices (validated once), or
         None where they need the general path (see kernels_cpu.matvec.prepare_group)."""
         if names not in self._prepared:
-            self._prepared[names] = prepare_group([self.gguf.raw(n) for n in names],
-                                                  [self.gguf.tensors[n].qtype for n in names])
+            ws, qts = zip(*(self.weight(n) for n in names))
+            self._prepared[names] = prepare_group(list(ws), list(qts))
         return self._prepared[names]
 
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
-        info = self.gguf.tensors[name]
-        return kernels_cpu.get_rows(self.gguf.raw(name), info.qtype, info.n_cols,
+        return kernels_cpu.get_rows(*self.weight(name), self.gguf.tensors[name].n_cols,
                                     np.asarray(ids, dtype=np.int64))
 
     def attention(self, q, kv, layer, positions, scale, window, q_scale=1.0):

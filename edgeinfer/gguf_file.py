@@ -157,6 +157,7 @@ class GGUFFile:
         self.data_offset = data_offset
         self._mapped = mapped  # read-only uint8 view of the whole file
         self._raw_views: dict[str, np.ndarray] = {}  # decode asks for each matrix every token
+        self._mmap: mmap.mmap | None = None   # the mapping behind `mapped`, where it is one
 
     # -- opening ---------------------------------------------------------------------
     @classmethod
@@ -175,7 +176,9 @@ class GGUFFile:
         except (OSError, ValueError) as exc:
             raise GGUFError(f"{path}: cannot read file: {exc}") from None
         mapped = np.frombuffer(mm, dtype=np.uint8)
-        return _parse(path, memoryview(mm), mapped)
+        gf = _parse(path, memoryview(mm), mapped)
+        gf._mmap = mm
+        return gf
 
     # -- access ----------------------------------------------------------------------
     @property
@@ -197,6 +200,18 @@ class GGUFFile:
             flat = self._mapped[info.offset : info.offset + info.n_bytes]
             view = self._raw_views[name] = flat.reshape(info.n_rows, info.row_bytes)
         return view
+
+    def drop_pages(self, name: str) -> None:
+        """Let the OS take the tensor's mapped pages out of this process's memory (the CPU
+        backend calls it once it holds a copy in another layout): they stay in the page
+        cache, and a later read maps them back. Only pages wholly inside the tensor."""
+        if self._mmap is None or not hasattr(self._mmap, "madvise"):
+            return
+        info = self.tensors[name]
+        start = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (info.offset + info.n_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def array(self, name: str) -> np.ndarray:
         """An F32/F16/BF16 tensor as a numpy array in row-major (numpy) shape, zero copy."""
