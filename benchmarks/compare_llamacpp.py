@@ -1,10 +1,11 @@
 """pp/tg tokens/s of edgeinfer and llama.cpp on the same file, same threads, in one run.
 
-    python benchmarks/compare_llamacpp.py gemma3-270m -p 512 -n 128 -r 3 -t 2
+    python benchmarks/compare_llamacpp.py gemma3-270m -p 512 -n 128 -r 3 -t 2 [-d 1024]
 
 llama.cpp is llama-cpp-python (==0.3.36, built with -DGGML_NATIVE=ON); it is a benchmark
 dependency only. Both sides evaluate random token ids into an empty context, as
-llama-bench does, run once untimed to warm up, and report the median of the repetitions.
+llama-bench does (with -d, a context already holding that many tokens, filled untimed),
+run once untimed to warm up, and report the median of the repetitions.
 The machine is noisy: the two engines alternate per repetition so drift hits both alike.
 
 After a tg test it also prints each engine's effective decode bandwidth (the weight bytes a
@@ -24,23 +25,28 @@ import numpy as np
 COOL_DOWN_S = 1.0
 
 
-def llama_cpp_runner(path: str, n_ctx: int, threads: int):
+def llama_cpp_runner(path: str, n_ctx: int, threads: int, depth: int):
     import llama_cpp
 
     model = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                             n_threads_batch=threads, verbose=False)
     n_vocab = model.n_vocab()
 
+    def at_depth(seed: int) -> None:
+        model.reset()
+        if depth:
+            model.eval(np.random.default_rng(seed + 1000).integers(0, n_vocab, depth).tolist())
+
     def pp(n: int, seed: int) -> float:
         tokens = np.random.default_rng(seed).integers(0, n_vocab, n).tolist()
-        model.reset()
+        at_depth(seed)
         t0 = time.perf_counter()
         model.eval(tokens)
         return n / (time.perf_counter() - t0)
 
     def tg(n: int, seed: int) -> float:
         tokens = np.random.default_rng(seed).integers(0, n_vocab, n).tolist()
-        model.reset()
+        at_depth(seed)
         t0 = time.perf_counter()
         for tok in tokens:
             model.eval([tok])
@@ -49,14 +55,15 @@ def llama_cpp_runner(path: str, n_ctx: int, threads: int):
     return pp, tg
 
 
-def edgeinfer_runner(path: str, n_ctx: int, threads: int):
+def edgeinfer_runner(path: str, n_ctx: int, threads: int, depth: int):
     from edgeinfer.bench import time_generation, time_prompt
     from edgeinfer.engine import Engine, EngineOptions
     from edgeinfer.loader import open_model
 
     engine = Engine(open_model(path), EngineOptions(n_ctx=n_ctx, threads=threads, prefill_chunk=512,
                                                      gpu_layers=0))
-    return (lambda n, seed: time_prompt(engine, n, seed)), (lambda n, seed: time_generation(engine, n, seed))
+    return ((lambda n, seed: time_prompt(engine, n, seed, depth)),
+            (lambda n, seed: time_generation(engine, n, seed, depth)))
 
 
 def decode_bytes_per_token(path: str) -> int:
@@ -89,14 +96,15 @@ def main() -> None:
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-d", "--n-depth", type=int, default=0, help="tokens in the context before each test")
     args = ap.parse_args()
 
     from edgeinfer.registry import resolve
 
     path = str(resolve(args.name, download=False))
-    n_ctx = max(args.n_prompt, args.n_gen) + 8
-    runners = {"edgeinfer": edgeinfer_runner(path, n_ctx, args.threads),
-               "llama.cpp": llama_cpp_runner(path, n_ctx, args.threads)}
+    n_ctx = args.n_depth + max(args.n_prompt, args.n_gen) + 8
+    runners = {"edgeinfer": edgeinfer_runner(path, n_ctx, args.threads, args.n_depth),
+               "llama.cpp": llama_cpp_runner(path, n_ctx, args.threads, args.n_depth)}
     results: dict[tuple[str, str], list[float]] = {}
     for test, n, which in (("pp", args.n_prompt, 0), ("tg", args.n_gen, 1)):
         if n <= 0:
@@ -118,7 +126,8 @@ def main() -> None:
             continue
         ours = statistics.median(results[("edgeinfer", test)])
         theirs = statistics.median(results[("llama.cpp", test)])
-        print(f"| {test}{n} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f}x |")
+        depth = f" @ d{args.n_depth}" if args.n_depth else ""
+        print(f"| {test}{n}{depth} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f}x |")
     for (name, test), samples in results.items():  # the spread shows how noisy the machine was
         print(f"{name} {test}: " + " ".join(f"{v:.1f}" for v in samples))
     if args.n_gen > 0:

@@ -31,4 +31,20 @@ def test_bench_table_and_skips(tiny_models, capsys):
 
 def test_bench_rejects_negative_counts(tiny_models, capsys):
     assert main(["bench", str(tiny_models["llama"]), "-p", "-1", "--backend", "reference"]) == 1
-    assert "-p and -n" in capsys.readouterr().err
+    assert "-p, -n and -d" in capsys.readouterr().err
+
+
+def test_bench_depth_fills_the_context_first(tiny_models, capsys, monkeypatch):
+    # -d D: each test starts from a cache holding D tokens (llama-bench's n_depth)
+    from edgeinfer import bench
+
+    depths = []
+    real = bench._cache_at_depth
+    monkeypatch.setattr(bench, "_cache_at_depth",
+                        lambda engine, depth, seed: depths.append((depth, (kv := real(engine, depth, seed)).n_used)) or kv)
+    assert main(["bench", str(tiny_models["llama"]), "-p", "8", "-n", "3", "-d", "20", "-r", "1", "-t", "1",
+                 "--backend", "reference", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["test"] for r in rows] == ["pp8 @ d20", "tg3 @ d20"]
+    assert all(r["n_depth"] == 20 for r in rows)
+    assert depths and all(d == (20, 20) for d in depths)   # warm-up and timed runs alike

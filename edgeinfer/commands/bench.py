@@ -1,4 +1,4 @@
-"""`edgeinfer bench NAME -p 512 -n 128 -r 3 [-t N] [--json]`: llama-bench's pp/tg table."""
+"""`edgeinfer bench NAME -p 512 -n 128 -r 3 [-d DEPTH] [-t N] [--json]`: llama-bench's pp/tg table."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ def register(sub) -> None:
     p.add_argument("name", help="model alias, hf.co/owner/repo[:quant] or path to a .gguf file")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (0 = skip pp)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (0 = skip tg)")
+    p.add_argument("-d", "--n-depth", type=int, default=0,
+                   help="tokens already in the context before each test (llama-bench's -d)")
     p.add_argument("-r", "--repetitions", type=_positive_int, default=3, help="timed runs per test")
     p.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads")
     p.add_argument("--backend", choices=("cpu", "reference"), default="cpu")
@@ -29,17 +31,18 @@ def run(args) -> int:
     from edgeinfer.model_info import describe, human_bytes, human_count
     from edgeinfer.registry import resolve
 
-    if args.n_prompt < 0 or args.n_gen < 0:
-        raise EdgeInferError("-p and -n must be >= 0")
+    if args.n_prompt < 0 or args.n_gen < 0 or args.n_depth < 0:
+        raise EdgeInferError("-p, -n and -d must be >= 0")
     mf = open_model(resolve(args.name, download=False))
-    n_ctx = max(args.n_prompt, args.n_gen) + 1
+    n_ctx = args.n_depth + max(args.n_prompt, args.n_gen) + 1
     engine = Engine(mf, EngineOptions(n_ctx=n_ctx, threads=args.threads, backend=args.backend,
                                       prefill_chunk=args.prefill_chunk))
     threads = args.threads or kernels_cpu.get_threads()
     info = describe(mf)
     model_type = f"{info.architecture} {human_count(info.parameters)} {info.quantization}"
     rows = run_bench(engine, n_prompt=args.n_prompt, n_gen=args.n_gen,
-                     repetitions=args.repetitions, n_threads=threads, model_type=model_type)
+                     repetitions=args.repetitions, n_threads=threads, model_type=model_type,
+                     n_depth=args.n_depth)
     if args.json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
         return 0
