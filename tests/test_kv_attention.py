@@ -44,6 +44,11 @@ def _float64_attention(q, k, v, kpos, qpos, scale, window):
     (6, 13, 8, 2, 64, 64, 4),        # prefill rows, sliding window
     (3, 40, 6, 3, 80, 48, 0),        # head size with leftovers past 64, hd_v != hd
     (2, 2, 2, 2, 32, 32, 0),
+    # the 16-key kernels: whole steps and leftovers, every head size they are built for
+    (1, 1000, 32, 8, 64, 64, 0),     # a Llama-1B decode deep in a context
+    (3, 600, 4, 1, 256, 256, 100),   # Gemma: a window inside a long cache
+    (2, 517, 16, 4, 128, 128, 0),
+    (1, 70, 4, 2, 32, 32, 0),
 ])
 def test_kernel_equals_reference_bit_for_bit(n, S, n_head, n_kv, hd, hdv, window):
     rng = np.random.default_rng(S + hd)
@@ -65,6 +70,25 @@ def test_masked_and_padded_keys_contribute_nothing():
     k2, v2 = k.copy(), v.copy()
     k2[10:], v2[10:] = 7.0, -3.0
     np.testing.assert_array_equal(kv_attention.attention(q, k2, v2, kpos, np.array([9]), 0.125), full)
+
+
+def test_decode_kernel_sees_keys_by_position_in_any_slot_order():
+    # after a context shift the cache's slots are not in position order: the kernel must
+    # mask by position (garbage in masked slots changes nothing) and keep slot j's place
+    # in the sums, as the reference does
+    rng = np.random.default_rng(11)
+    S = 300
+    q, k, v = _case(rng, 2, S, 8, 2, 64, 64)
+    kpos = rng.permutation(S) + 40
+    kpos[rng.choice(S, 30, replace=False)] = 10_000          # slots not yet visible
+    qpos = np.array([200, 330])
+    for window in (0, 64):
+        want = Backend(None).attention(q, _Cache(k, v, kpos), 0, qpos, 0.125, window)
+        np.testing.assert_array_equal(kv_attention.attention(q, k, v, kpos, qpos, 0.125, window), want)
+        k2, v2 = k.copy(), v.copy()
+        hidden = kpos > qpos.max()
+        k2[hidden], v2[hidden] = 9.0, -5.0
+        np.testing.assert_array_equal(kv_attention.attention(q, k2, v2, kpos, qpos, 0.125, window), want)
 
 
 def test_ggml_expf_is_exp():
