@@ -69,16 +69,6 @@ def _expf_parts(x):
     return n, j
 
 
-@njit(inline="always", **_JIT)
-def ggml_expf(x):
-    """ggml_v_expf for one float32 lane x <= 0 (softmax arguments); exp(-inf) = 0."""
-    n, j = _expf_parts(x)
-    if n < -126.0:  # below float32's normal range: ggml's result is < 2^-125, nothing downstream sees it
-        return np.float32(0.0)
-    # k = 2^n exactly; fma(j, k, k) = k * round(j + 1) since k is a power of two
-    return np.float32(np.float32(j + np.float32(1.0)) * np.float32(2.0 ** int(n)))
-
-
 @intrinsic
 def _pow2_f64(typingctx, n):
     """2.0 ** n for an int64 -1022 <= n <= 1023, from the exponent bits (vectorizes)."""
@@ -278,38 +268,22 @@ def _allowed(kp, qp, window):
 
 @njit(**_JIT)
 def _scores_and_weights(q16, k_bits, g, kpos, qp, window, kq_scale, w, n_slots=32):
-    """Fill w[:S] with the F16-rounded softmax weights of one query row (q16: F16 values)."""
-    n_keys = k_bits.shape[0]
+    """Fill w[:S] with the F16-rounded softmax weights of one query row (q16: F16 values),
+    a key at a time (CPUs without F16C, head sizes without the 16-key kernels)."""
     hd = q16.shape[0]
-    neg_inf = np.float32(-np.inf)
-    mx = neg_inf
     n_vec = hd - hd % 32
     acc = np.zeros(32, np.float32)
-    for j in range(n_keys):
+    for j in range(k_bits.shape[0]):
         if not _allowed(kpos[j], qp, window):
-            w[j] = neg_inf
-            continue
+            continue   # _softmax_f16 gives it weight 0 whatever w[j] holds
         if _VECTOR_F16:
             dot = np.float64(_dot_f16_32(k_bits[j, g], q16, n_vec))
         else:
             dot = np.float64(dot_f16_scalar(k_bits[j, g], q16, n_vec, acc, n_slots))
         for d in range(n_vec, hd):  # leftovers, in double
             dot += np.float64(_f16(k_bits[j, g, d])) * np.float64(q16[d])
-        s = np.float32(np.float32(dot) * kq_scale)
-        w[j] = s
-        if s > mx:
-            mx = s
-    total = 0.0  # float64, as ggml_float
-    for c in range(0, n_keys, 8):
-        e = np.zeros(8, np.float32)
-        for lane in range(min(8, n_keys - c)):
-            if w[c + lane] != neg_inf:
-                e[lane] = ggml_expf(np.float32(w[c + lane] - mx))
-            w[c + lane] = e[lane]
-        total += np.float64(_hsum8(e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]))
-    inv = np.float32(1.0 / total)
-    for j in range(n_keys):
-        w[j] = f16_round(np.float32(w[j] * inv))
+        w[j] = np.float32(dot)
+    _softmax_f16(w, kpos, qp, window, kq_scale)
 
 
 @njit(**_JIT)
@@ -324,7 +298,13 @@ def _weighted_values(w, v_bits, g, out):
             row = acc[j & 31]
             for d in range(hdv):
                 row[d] += _f16(v_bits[j, g, d]) * wj
-    # reduce32 for every dim at once (lane-wise over the dims, the same adds per dim)
+    _reduce_slots(acc, out)
+
+
+@njit(**_JIT)
+def _reduce_slots(acc, out):
+    """reduce32 of the 32 slot rows for every dim at once (lane-wise over the dims)."""
+    hdv = out.shape[0]
     x = np.empty((8, hdv), np.float32)
     for i in range(8):
         for d in range(hdv):
@@ -523,16 +503,17 @@ def _attend_one(q16, k_bits, v_bits, g, kpos, qp, window, kq_scale, w, out):
     _kq_blocks(q16, k_bits[lo:], g, nb, w[lo:])
     for j in range(lo + nb * KEYS, hi):
         w[j] = _dot_f16_32(k_bits[j, g], q16, q16.shape[0])
-    _softmax_f16_fast(w[lo:hi], kpos[lo:hi], qp, window, kq_scale)
+    _softmax_f16(w[lo:hi], kpos[lo:hi], qp, window, kq_scale)
     acc = np.zeros((32, v_bits.shape[2]), np.float32)
     _weighted_blocks(w, lo, hi, v_bits, g, acc)
     _reduce_slots(acc, out)
 
 
 @njit(**_JIT)
-def _softmax_f16_fast(w, kpos, qp, window, kq_scale):
-    """_scores_and_weights' steps after the dots, on w[j] = key j's dot: the same numbers,
-    in passes that vectorize (the exp branch-free; masked keys end up 0 either way)."""
+def _softmax_f16(w, kpos, qp, window, kq_scale):
+    """In place: w[j] = key j's dot (float32) -> its softmax weight rounded to F16, steps
+    2 and 3a of the module docstring, in passes that vectorize (the exp branch-free:
+    below 2^-126 it is 0, as ggml's). Masked keys get 0 whatever w[j] held."""
     n = w.shape[0]
     neg_inf = np.float32(-np.inf)
     mx = neg_inf
@@ -560,23 +541,10 @@ def _softmax_f16_fast(w, kpos, qp, window, kq_scale):
         total += np.float64(_hsum8(e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]))
     inv = np.float32(1.0 / total)
     for j in range(n):
-        w[j] = _via_f16(np.float32(w[j] * inv))
-
-
-@njit(**_JIT)
-def _reduce_slots(acc, out):
-    """reduce32 of the 32 slot rows for every dim at once (lane-wise over the dims)."""
-    hdv = out.shape[0]
-    x = np.empty((8, hdv), np.float32)
-    for i in range(8):
-        for d in range(hdv):
-            x[i, d] = np.float32(np.float32(acc[i, d] + acc[16 + i, d]) + np.float32(acc[8 + i, d] + acc[24 + i, d]))
-    for d in range(hdv):
-        t0 = np.float32(x[0, d] + x[4, d])
-        t1 = np.float32(x[1, d] + x[5, d])
-        t2 = np.float32(x[2, d] + x[6, d])
-        t3 = np.float32(x[3, d] + x[7, d])
-        out[d] = np.float32(np.float32(t0 + t1) + np.float32(t2 + t3))
+        if _VECTOR_F16:
+            w[j] = _via_f16(np.float32(w[j] * inv))
+        else:
+            w[j] = f16_round(np.float32(w[j] * inv))
 
 
 _SLOTS = 32  # ggml_vec_dot_f16's 4 x 8 accumulators, passed at run time (see the KQ loop)
