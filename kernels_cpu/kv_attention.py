@@ -372,6 +372,17 @@ def _reduce16_keys(b, ys):
     return rounds(w, list(range(0, 32, 2)), list(range(1, 32, 2)))[0]
 
 
+def _kv_head(context, b, ty, val, g):
+    """(i8* to KV head g of slot 0, the slot stride) of a (S, n_kv, d) F16-bits cache array."""
+    a = context.make_array(ty)(context, b, val)
+    strides = cgutils.unpack_tuple(b, a.strides)
+    return b.gep(b.bitcast(a.data, ir.IntType(8).as_pointer()), [b.mul(g, strides[1])]), strides[0]
+
+
+def _f32_ptr(context, b, ty, val):
+    return b.bitcast(context.make_array(ty)(context, b, val).data, ir.FloatType().as_pointer())
+
+
 def _make_kq_dots(n_chunks):
     @intrinsic
     def kq_dots(typingctx, q16, k_bits, g, n_blocks, w):
@@ -382,19 +393,15 @@ def _make_kq_dots(n_chunks):
 
         def codegen(context, b, sig, args):
             f32, i64 = ir.FloatType(), ir.IntType(64)
-            qa, ka, wa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 1, 4))
-            i8p = ir.IntType(8).as_pointer()
-            strides = cgutils.unpack_tuple(b, ka.strides)
-            kbase = b.gep(b.bitcast(ka.data, i8p), [b.mul(args[2], strides[1])])
+            kbase, kstride = _kv_head(context, b, sig.args[1], args[1], args[2])
             v32 = ir.VectorType(f32, 32)
-            qp = b.bitcast(qa.data, f32.as_pointer())
+            qp, wp = _f32_ptr(context, b, sig.args[0], args[0]), _f32_ptr(context, b, sig.args[4], args[4])
             qs = [b.load(b.bitcast(b.gep(qp, [ir.Constant(i64, 32 * c)]), v32.as_pointer()), align=4)
                   for c in range(n_chunks)]
-            wp = b.bitcast(wa.data, f32.as_pointer())
 
             def block(i, accs):
                 j0 = b.mul(i, ir.Constant(i64, KEYS))
-                ys = [_dot_lanes(b, b.gep(kbase, [b.mul(b.add(j0, ir.Constant(i64, k)), strides[0])]), qs)
+                ys = [_dot_lanes(b, b.gep(kbase, [b.mul(b.add(j0, ir.Constant(i64, k)), kstride)]), qs)
                       for k in range(KEYS)]
                 out = b.bitcast(b.gep(wp, [j0]), ir.VectorType(f32, KEYS).as_pointer())
                 b.store(_reduce16_keys(b, ys), out, align=4)
@@ -416,12 +423,10 @@ def _make_weighted_slots(n_vchunks):
 
         def codegen(context, b, sig, args):
             f32, i64 = ir.FloatType(), ir.IntType(64)
-            wa, va, aa = (context.make_array(sig.args[i])(context, b, args[i]) for i in (0, 3, 5))
-            i8p = ir.IntType(8).as_pointer()
-            vstr = cgutils.unpack_tuple(b, va.strides)
-            vbase = b.gep(b.bitcast(va.data, i8p), [b.mul(args[4], vstr[1])])
-            wp = b.bitcast(wa.data, f32.as_pointer())
-            abase = b.bitcast(aa.data, i8p)
+            vbase, vstride = _kv_head(context, b, sig.args[3], args[3], args[4])
+            wp = _f32_ptr(context, b, sig.args[0], args[0])
+            aa = context.make_array(sig.args[5])(context, b, args[5])
+            abase = b.bitcast(aa.data, ir.IntType(8).as_pointer())
             astride = cgutils.unpack_tuple(b, aa.strides)[0]
             v16 = ir.VectorType(f32, 16)
             lo, hi = args[1], args[2]
@@ -432,7 +437,7 @@ def _make_weighted_slots(n_vchunks):
                 with b.if_then(b.fcmp_unordered("!=", wj, ir.Constant(f32, 0.0))):
                     wv = b.shuffle_vector(b.insert_element(ir.Constant(v16, None), wj, ir.Constant(ir.IntType(32), 0)),
                                           ir.Constant(v16, None), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
-                    vrow = b.gep(vbase, [b.mul(j, vstr[0])])
+                    vrow = b.gep(vbase, [b.mul(j, vstride)])
                     arow = b.gep(abase, [b.mul(b.and_(j, ir.Constant(i64, 31)), astride)])
                     for c in range(n_vchunks):
                         ap = b.bitcast(b.gep(arow, [ir.Constant(i64, 64 * c)]), v16.as_pointer())
