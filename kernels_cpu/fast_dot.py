@@ -1098,6 +1098,14 @@ def _q4_k_rows4_block_512(h, wrows, xq, xd, xs, bi, acc, accm):
     return _q4_k_rows4_finish_512(h, sm, dm, _sum_rows4_512(h, isums), xd, xs, bi, acc, accm)
 
 
+def _lane_sums4(h, v):
+    """<16 x i32> -> <4 x i32> of each 128-bit lane's sum (exact): two swap-and-add rounds."""
+    b = h.b
+    v = b.add(v, b.shuffle_vector(v, v, _mask([4 * l + j for l in range(4) for j in (1, 0, 3, 2)])))
+    v = b.add(v, b.shuffle_vector(v, v, _mask([4 * l + j for l in range(4) for j in (2, 3, 0, 1)])))
+    return b.shuffle_vector(v, v, _mask([0, 4, 8, 12]))
+
+
 def _q4_k_rows4_finish_512(h, sm, dm, isum4, xd, xs, bi, acc, accm):
     """The float side of one block for 4 rows in 4 lanes: (acc, accm) + the block's terms,
     from the decoded heads (_q4_k_decode_heads4) and the rows' integer dots (<4 x i32>)."""
@@ -1110,9 +1118,7 @@ def _q4_k_rows4_finish_512(h, sm, dm, isum4, xd, xs, bi, acc, accm):
     bs16 = b.trunc(h.pairs(h.load(xs, b.mul(bi, _c64(64)), _vec(I32, 16))), _vec(I16, 8))
     bs16 = b.shuffle_vector(bs16, bs16, _mask(list(range(8)) * 4))
     mp = h._x86("llvm.x86.avx512.pmaddw.d.512", _vec(I32, 16), [mins16, bs16])   # 4 partials per lane
-    m1 = b.add(mp, b.shuffle_vector(mp, mp, _mask([4 * l + j for l in range(4) for j in (1, 0, 3, 2)])))
-    m2 = b.add(m1, b.shuffle_vector(m1, m1, _mask([4 * l + j for l in range(4) for j in (2, 3, 0, 1)])))
-    tot_m = b.sitofp(b.shuffle_vector(m2, m2, _mask([0, 4, 8, 12])), _vec(F32T, 4))
+    tot_m = b.sitofp(_lane_sums4(h, mp), _vec(F32T, 4))
     tot_i = b.sitofp(isum4, _vec(F32T, 4))
     dm16 = b.bitcast(dm, _vec(I16, 8))
     d = b.fpext(b.bitcast(b.shuffle_vector(dm16, dm16, _mask([0, 2, 4, 6])), _vec(F16T, 4)), _vec(F32T, 4))
@@ -1196,11 +1202,7 @@ def _q4_k_x8_block_512(h, gbase, xq, xd, xs, bi, acc, accm, half):
         for hi in range(2):
             sc = h._x86("llvm.x86.avx512.pshuf.b.512", v64, [sm, _const_vec(I8, 64, [2 * c + hi, -128] * 32)])
             isum = b.add(isum, h._x86("llvm.x86.avx512.pmaddw.d.512", v16i32, [s[hi], b.bitcast(sc, v32i16)]))
-    # each lane's 4 partial sums: two swap-and-add rounds, then lanes 0, 4, 8, 12
-    i1 = b.add(isum, b.shuffle_vector(isum, isum, _mask([4 * l + j for l in range(4) for j in (1, 0, 3, 2)])))
-    i2 = b.add(i1, b.shuffle_vector(i1, i1, _mask([4 * l + j for l in range(4) for j in (2, 3, 0, 1)])))
-    isum4 = b.shuffle_vector(i2, i2, _mask([0, 4, 8, 12]))
-    return _q4_k_rows4_finish_512(h, sm, dm, isum4, xd, xs, bi, acc, accm)
+    return _q4_k_rows4_finish_512(h, sm, dm, _lane_sums4(h, isum), xd, xs, bi, acc, accm)
 
 
 @intrinsic
