@@ -490,17 +490,25 @@ def _fast_sizes(hd, hdv):
 
 
 @njit(**_JIT)
-def _attend_one(q16, k_bits, v_bits, g, kpos, qp, window, kq_scale, w, out):
+def _seen_slots(kpos, qpos, window):
+    """(n_tok, 2): for each query, the slots from the first to the last key it sees, lo..hi
+    (a sliding window sees a short run of a long cache); lo = hi where it sees none."""
+    seen = np.zeros((qpos.shape[0], 2), np.int64)
+    for t in range(qpos.shape[0]):
+        lo, hi = kpos.shape[0], 0
+        for j in range(kpos.shape[0]):
+            if _allowed(kpos[j], qpos[t], window):
+                lo = min(lo, j)
+                hi = j + 1
+        seen[t, 0], seen[t, 1] = min(lo, hi), hi
+    return seen
+
+
+@njit(**_JIT)
+def _attend_one(q16, k_bits, v_bits, g, kpos, qp, window, kq_scale, lo, hi, w, out):
     """out = attention of one query row and head, the numbers of _scores_and_weights and
-    _weighted_values. Only keys from the first to the last one the query sees are computed
-    (a sliding window sees a short run of a long cache); w[j] = 0 outside them."""
-    n = k_bits.shape[0]
-    lo, hi = n, 0
-    for j in range(n):
-        if _allowed(kpos[j], qp, window):
-            lo = min(lo, j)
-            hi = j + 1
-    w[:] = 0.0
+    _weighted_values, computing only the slots lo..hi (_seen_slots): the others have weight
+    0. w: scratch for a weight per slot."""
     if hi <= lo:
         out[:] = 0.0
         return
@@ -561,12 +569,14 @@ def _attention_rows(q16, k_bits, v_bits, kpos, qpos, window, kq_scale, out, n_sl
     n_tok, n_head, _ = q16.shape
     group = n_head // k_bits.shape[1]
     fast = _VECTOR_F16 and _fast_sizes(q16.shape[2], v_bits.shape[2])
+    seen = _seen_slots(kpos, qpos, window)
     for job in prange(n_tok * n_head):
         t = job // n_head
         h = job % n_head
         w = np.empty(k_bits.shape[0], np.float32)
         if fast:
-            _attend_one(q16[t, h], k_bits, v_bits, h // group, kpos, qpos[t], window, kq_scale, w, out[t, h])
+            _attend_one(q16[t, h], k_bits, v_bits, h // group, kpos, qpos[t], window, kq_scale,
+                        seen[t, 0], seen[t, 1], w, out[t, h])
         else:
             _scores_and_weights(q16[t, h], k_bits, h // group, kpos, qpos[t], window, kq_scale, w, n_slots)
             _weighted_values(w, v_bits, h // group, out[t, h])
