@@ -13,7 +13,8 @@ from edgeinfer import kernels_cpu
 from edgeinfer.backend import Backend, _gelu_f16_table
 from edgeinfer.kernels_cpu import decode_blocks, kv_attention, ops
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
-from edgeinfer.kernels_cpu.repack import repack
+from edgeinfer.kernels_cpu.repack import repack, repacks
+from edgeinfer.kernels_cpu.threads import worker_pool
 from edgeinfer.models.base import ROPE_NEOX
 
 
@@ -48,6 +49,14 @@ class CpuBackend(Backend):
                 self.gguf.drop_pages(name)
             got = self._weights[name] = (w, qt)
         return got
+
+    def prepare_weights(self) -> None:
+        """Make every copy `weight` would make, now: at load rather than on the first prompt
+        (about 0.4 s for a 1B model's Q4_K). For a model computed wholly on this backend."""
+        names = [name for name, info in self.gguf.tensors.items()
+                 if info.n_rows > 1 and repacks(info.qtype, info.n_rows)]
+        # numpy copies without the GIL: the worker threads share the matrices out
+        list(worker_pool(kernels_cpu.get_threads()).map(self.weight, names))
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)

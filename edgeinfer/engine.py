@@ -49,6 +49,7 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
         plan = plan_for_model(mf.gguf, mf.config, options.n_ctx, gpu_layers=options.gpu_layers,
                               prefill_rows=options.prefill_chunk + options.prefill_chunk // 4)
         if not plan.on_gpu:
+            cpu.prepare_weights()   # a GPU plan leaves them to first use: offloaded layers never ask
             return cpu, plan
         from edgeinfer.backend_cuda import make_backend as make_hybrid
 

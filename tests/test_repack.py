@@ -132,4 +132,8 @@ def test_the_cpu_backend_gives_the_same_tokens_with_and_without_the_copy(host, t
         logits[on] = np.stack([np.asarray(o).reshape(-1) for o in out])
         kinds = {qt for _, qt in eng.backend._weights.values()}
         assert (X8 in kinds) == (on and host), kinds
+        if on and host:   # copied at load, every Q4_K matrix with rows in eights
+            fresh = Engine(open_model(path), EngineOptions(n_ctx=128, backend="cpu")).backend
+            want = {n for n, t in fresh.gguf.tensors.items() if t.qtype == T.Q4_K and t.n_rows % 8 == 0}
+            assert want and {n for n, (_, qt) in fresh._weights.items() if qt == X8} == want
     np.testing.assert_array_equal(logits[True], logits[False])
