@@ -53,8 +53,7 @@ class CpuBackend(Backend):
     def prepare_weights(self) -> None:
         """Make every copy `weight` would make, now: at load rather than on the first prompt
         (about 0.4 s for a 1B model's Q4_K). For a model computed wholly on this backend."""
-        names = [name for name, info in self.gguf.tensors.items()
-                 if info.n_rows > 1 and repacks(info.qtype, info.n_rows)]
+        names = [name for name, info in self.gguf.tensors.items() if repacks(info.qtype, info.n_rows)]
         # numpy copies without the GIL: the worker threads share the matrices out
         list(worker_pool(kernels_cpu.get_threads()).map(self.weight, names))
 
@@ -68,14 +67,18 @@ class CpuBackend(Backend):
         return kernels_cpu.matmul(*self.weight(name), x)
 
     def linear_many(self, names, x):
-        ws, qts = zip(*(self.weight(n) for n in names))
         if x.shape[0] != 1:  # prefill: one quantized input for all of them where they take it
-            return kernels_cpu.matmul_many(list(ws), list(qts), np.ascontiguousarray(x, dtype=np.float32))
+            return kernels_cpu.matmul_many(*self._weights_of(names), np.ascontiguousarray(x, dtype=np.float32))
         x0 = np.ascontiguousarray(x[0], np.float32)
         prepared = self._decode_group(tuple(names))
-        if prepared is not None:
+        if prepared is not None:   # every decoded token: no per-call weight lookups
             return [y[None, :] for y in matvec_prepared(prepared, x0)]
-        return [y[None, :] for y in kernels_cpu.matvec_many(list(ws), list(qts), x0)]
+        return [y[None, :] for y in kernels_cpu.matvec_many(*self._weights_of(names), x0)]
+
+    def _weights_of(self, names) -> tuple[list, list]:
+        """([blocks], [type ids]) of these matrices, as `weight` gives them."""
+        got = [self.weight(n) for n in names]
+        return [w for w, _ in got], [qt for _, qt in got]
 
     def norm_swiglu_residual(self, x, norm, eps, gate, up, down):
         if x.shape[0] == 1:  # decode: the whole block in one compiled call (decode_blocks)
@@ -89,8 +92,7 @@ class CpuBackend(Backend):
         """The decode matvec's prepared weights for these matrices (validated once), or
         None where they need the general path (see kernels_cpu.matvec.prepare_group)."""
         if names not in self._prepared:
-            ws, qts = zip(*(self.weight(n) for n in names))
-            self._prepared[names] = prepare_group(list(ws), list(qts))
+            self._prepared[names] = prepare_group(*self._weights_of(names))
         return self._prepared[names]
 
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:

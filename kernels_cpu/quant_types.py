@@ -9,6 +9,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from edgeinfer.errors import UnsupportedModelError
 
+from .quant_kernels import Q4_K_X8 as _Q4_K_X8_ID
+
 
 @dataclass(frozen=True)
 class QuantInfo:
@@ -29,11 +31,9 @@ QUANT_INFO: dict[T, QuantInfo] = {
 }
 
 
-
-
 class RepackedType(IntEnum):
     """Layouts the CPU backend copies weights into at load (not GGML types; repack.py)."""
-    Q4_K_X8 = 1012   # Q4_K, rows interleaved in eights (quant_kernels.Q4_K_X8)
+    Q4_K_X8 = _Q4_K_X8_ID   # Q4_K, rows interleaved in eights
 
 
 # same blocks as Q4_K, only placed differently
