@@ -492,7 +492,9 @@ def _fast_sizes(hd, hdv):
 @njit(**_JIT)
 def _seen_slots(kpos, qpos, window):
     """(n_tok, 2): for each query, the slots from the first to the last key it sees, lo..hi
-    (a sliding window sees a short run of a long cache); lo = hi where it sees none."""
+    (a sliding window sees a short run of a long cache); lo = hi where it sees none. lo is
+    rounded down to a multiple of 8: the softmax sums its weights in groups of 8 slots
+    counted from slot 0, and groups counted from elsewhere round differently."""
     seen = np.zeros((qpos.shape[0], 2), np.int64)
     for t in range(qpos.shape[0]):
         lo, hi = kpos.shape[0], 0
@@ -500,7 +502,8 @@ def _seen_slots(kpos, qpos, window):
             if _allowed(kpos[j], qpos[t], window):
                 lo = min(lo, j)
                 hi = j + 1
-        seen[t, 0], seen[t, 1] = min(lo, hi), hi
+        lo = min(lo, hi)
+        seen[t, 0], seen[t, 1] = lo - lo % 8, hi
     return seen
 
 

@@ -72,6 +72,21 @@ def test_masked_and_padded_keys_contribute_nothing():
     np.testing.assert_array_equal(kv_attention.attention(q, k2, v2, kpos, np.array([9]), 0.125), full)
 
 
+@pytest.mark.parametrize("seed", [178, 746, 954, 1039])
+def test_window_keeps_the_softmax_groups_of_eight_slots(seed):
+    # the softmax sums weights in groups of 8 slots counted from slot 0; a window that
+    # starts inside a group must not regroup them (these cases' last bits differ if it does)
+    rng = np.random.default_rng(seed)
+    S, window = 64, int(rng.integers(20, 50))
+    q = (rng.standard_normal((1, 4, 32)) * 1.5).astype(np.float32)
+    k = (rng.standard_normal((S, 1, 32)) * 1.5).astype(np.float16)
+    v = rng.standard_normal((S, 1, 32)).astype(np.float16)
+    kpos, qpos = np.arange(S), np.array([S - 1])
+    assert (S - window) % 8   # the window's first slot is inside a group
+    want = Backend(None).attention(q, _Cache(k, v, kpos), 0, qpos, 0.125, window)
+    np.testing.assert_array_equal(kv_attention.attention(q, k, v, kpos, qpos, 0.125, window), want)
+
+
 def test_decode_kernel_sees_keys_by_position_in_any_slot_order():
     # after a context shift the cache's slots are not in position order: the kernel must
     # mask by position (garbage in masked slots changes nothing) and keep slot j's place
