@@ -104,6 +104,7 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.name = name or "custom"
+        self.from_file = False  # True only for the model file's own template (for_model)
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as exc:
@@ -132,7 +133,9 @@ class ChatTemplate:
                                 f"({', '.join(BUILTIN_TEMPLATES)}) or Jinja source")
         source = metadata.get("tokenizer.chat_template")
         if isinstance(source, str) and source.strip():
-            return cls(source, bos, eos, name="model")
+            tmpl = cls(source, bos, eos, name="model")
+            tmpl.from_file = True
+            return tmpl
         arch = str(metadata.get("general.architecture", ""))
         return cls.builtin(_ARCH_TEMPLATE.get(arch, "chatml"), bos, eos)
 
