@@ -122,17 +122,43 @@ def run(args) -> int:
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
+    if prompt is not None and not prompt.strip():
+        print("edgeinfer: error: no prompt given", file=sys.stderr)
+        return 2
     model = load_with_spinner(args)
+    args.raw = completion_mode(model, args)
     system, history = args.system, []
     if session is not None:
         system, history = resume_session(model, session, params, args.system)
     if prompt is not None:
-        text = answer(model, _messages(system, history, prompt), params, args.raw, args.verbose)
+        one_shot = dict(params)
+        if one_shot["max_tokens"] < 0:
+            # The default -n stops where the window ends; only an explicit -n goes past it.
+            one_shot["context_shift"] = False
+        text = answer(model, _messages(system, history, prompt), one_shot, args.raw, args.verbose)
         if session is not None:
             history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]
             save_run_session(model, session, system, history, params, args.session_kv)
         return 0
     return interactive(model, args, params, system, history)
+
+
+def completion_mode(model, args) -> bool:
+    """Whether `run` completes plain text rather than chatting: --raw, or (as llama-cli) a
+    model whose file has no chat template, unless --chat-template or --session asks for chat."""
+    if args.raw:
+        return True
+    if args.chat_template is not None or model.template.from_file:
+        return False
+    if getattr(args, "session", None) is not None:
+        print(f"{args.name} has no chat template: the session chats through the built-in "
+              f"'{model.template.name}' template", file=sys.stderr)
+        return False
+    print(f"{args.name} has no chat template: running as plain completion "
+          f"(use --chat-template NAME to chat)", file=sys.stderr)
+    if args.system:
+        print("--system is not used in plain completion", file=sys.stderr)
+    return True
 
 
 def resume_session(model, name: str, params: dict, system: str | None) -> tuple[str | None, list[dict]]:
