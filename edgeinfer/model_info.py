@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from edgeinfer.loader import ModelFile
+from edgeinfer.units import human_bytes, human_count  # noqa: F401 - re-exported for show/bench
 
 # llama.cpp's `general.file_type` (LLAMA_FTYPE_*) names, for the ones users meet.
 FILE_TYPES = {
@@ -55,17 +56,3 @@ def describe(mf: ModelFile) -> ModelInfo:
         has_chat_template=bool(gf.get("tokenizer.chat_template")),
         license=gf.get("general.license"),
     )
-
-
-def human_count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
-
-
-def human_bytes(n: int) -> str:
-    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"

@@ -286,7 +286,8 @@ def test_cli_pull_list_rm(hub, payloads, capsys):
 def test_human_size_and_age():
     from datetime import datetime, timedelta
 
-    from edgeinfer.commands.store import human_age, human_size
+    from edgeinfer.commands.store import human_age
+    from edgeinfer.units import human_bytes as human_size
 
     assert human_size(4_920_000_000) == "4.9 GB" and human_size(815_000_000) == "815 MB" and human_size(12) == "12 B"
     now = datetime(2026, 1, 10)

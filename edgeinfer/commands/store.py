@@ -6,6 +6,7 @@ import argparse
 from datetime import datetime
 
 from edgeinfer import registry
+from edgeinfer.units import human_bytes
 
 
 def register(subparsers) -> None:
@@ -30,7 +31,7 @@ def pull_command(args: argparse.Namespace) -> int:
 
 
 def list_command(args: argparse.Namespace) -> int:
-    rows = [(m.name, human_size(m.size_bytes), human_age(m.modified)) for m in registry.list_local()]
+    rows = [(m.name, human_bytes(m.size_bytes), human_age(m.modified)) for m in registry.list_local()]
     header = ("NAME", "SIZE", "MODIFIED")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
     for row in [header, *rows]:
@@ -42,15 +43,6 @@ def rm_command(args: argparse.Namespace) -> int:
     registry.remove(args.name)
     print(f"deleted '{args.name}'")
     return 0
-
-
-def human_size(n: int) -> str:
-    """Decimal units, as `ollama list` shows them: 1.1 GB, 815 MB."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
-    return f"{n} B"
 
 
 def human_age(when: datetime, now: datetime | None = None) -> str:
