@@ -13,6 +13,10 @@ class GGUFError(EdgeInferError):
     """The file is not a GGUF edgeinfer can load (bad magic, truncated, unknown type...)."""
 
 
+class MetadataError(GGUFError):
+    """A metadata value of the wrong type or out of range; the line names the key and the file."""
+
+
 class UnsupportedModelError(EdgeInferError):
     """A valid GGUF whose architecture or tensor types edgeinfer does not run."""
 

@@ -5,7 +5,9 @@ for a 262k-token vocabulary. This parser walks the header once with `struct` and
 the tensor data as views into one read-only mmap, so opening a 250 MB file takes
 milliseconds once the OS cache is warm and nothing is dequantized or copied.
 
-Every problem ends in a `GGUFError` whose one line names the file and the problem.
+Every problem ends in a `GGUFError` whose one line names the file and the problem. Strings
+are decoded here, once, with invalid UTF-8 replaced by U+FFFD, so nothing downstream meets
+undecodable text; no claimed count is believed before it is checked against the bytes left.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from edgeinfer.errors import GGUFError
+from edgeinfer.metadata import Metadata, check_common_keys, meta_int, meta_str
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -30,6 +33,11 @@ DEFAULT_ALIGNMENT = 32
 MAX_TENSORS = 1 << 20
 MAX_KV = 1 << 20
 MAX_DIMS = 4
+MAX_ELEMENTS = (1 << 63) - 1  # a tensor's element count must fit in int64
+# Fewest header bytes one entry can take: key length + type + 1-byte value; name length +
+# n_dims + one dim + type + offset. A count the remaining bytes cannot hold is a lie.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
 
 # GGUF metadata value types -> (struct format, numpy dtype). 8 = string, 9 = array.
 _SCALAR_TYPES: dict[int, tuple[str, str]] = {
@@ -102,10 +110,16 @@ class _Cursor:
         self._need(n)
         raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
-        # surrogateescape keeps non-UTF-8 token bytes recoverable with .encode(..., "surrogateescape")
-        return raw.decode("utf-8", "surrogateescape")
+        # GGUF strings should be UTF-8; anything else is shown with U+FFFD everywhere
+        return raw.decode("utf-8", "replace")
 
-    def string_array(self, count: int) -> list[str]:
+    def remaining(self) -> int:
+        return len(self.buf) - self.pos
+
+    def string_array(self, count: int, key: str) -> list[str]:
+        if count * 8 > self.remaining():  # each string takes at least its 8-byte length
+            raise GGUFError(f"{self.path}: metadata key {key!r} claims {count} strings, more than "
+                            f"the {self.remaining()} bytes left in the file can hold")
         buf, pos, out = self.buf, self.pos, []
         end = len(buf)
         unpack = struct.Struct("<Q").unpack_from
@@ -119,7 +133,7 @@ class _Cursor:
             if pos + n > end:
                 self.pos = pos
                 self._need(n)
-            append(str(buf[pos : pos + n], "utf-8", "surrogateescape"))
+            append(str(buf[pos : pos + n], "utf-8", "replace"))
             pos += n
         self.pos = pos
         return out
@@ -131,12 +145,14 @@ class _Cursor:
             item_type = self.u32()
             count = self.u64()
             if item_type == _STRING:
-                return self.string_array(count)
+                return self.string_array(count, key)
             if item_type not in _SCALAR_TYPES:
                 raise GGUFError(f"{self.path}: metadata key {key!r} has an array of unknown type {item_type}")
             dtype = np.dtype(_SCALAR_TYPES[item_type][1])
             nbytes = count * dtype.itemsize
-            self._need(nbytes)
+            if nbytes > self.remaining():
+                raise GGUFError(f"{self.path}: metadata key {key!r} claims {count} values, more than "
+                                f"the {self.remaining()} bytes left in the file can hold")
             arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
             self.pos += nbytes
             return arr.astype(bool) if item_type == _BOOL else arr
@@ -148,7 +164,7 @@ class _Cursor:
 class GGUFFile:
     """A validated GGUF file: metadata dict, tensor table, and zero-copy tensor views."""
 
-    def __init__(self, path: Path, version: int, metadata: dict[str, Any],
+    def __init__(self, path: Path, version: int, metadata: Metadata,
                  tensors: dict[str, TensorInfo], data_offset: int, mapped: np.ndarray) -> None:
         self.path = path
         self.version = version
@@ -183,7 +199,7 @@ class GGUFFile:
     # -- access ----------------------------------------------------------------------
     @property
     def architecture(self) -> str:
-        return str(self.metadata.get("general.architecture", ""))
+        return meta_str(self.metadata, "general.architecture", "")
 
     @property
     def file_size(self) -> int:
@@ -229,7 +245,7 @@ class GGUFFile:
         return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
     def parameter_count(self) -> int:
-        return sum(int(np.prod(t.shape, dtype=np.int64)) for t in self.tensors.values())
+        return sum(math.prod(t.shape) for t in self.tensors.values())
 
 
 def _parse(path: Path, buf: memoryview, mapped: np.ndarray) -> GGUFFile:
@@ -245,18 +261,24 @@ def _parse(path: Path, buf: memoryview, mapped: np.ndarray) -> GGUFFile:
         raise GGUFError(f"{path}: GGUF version {version} is not supported (only 2 and 3)")
     n_tensors = cur.u64()
     n_kv = cur.u64()
-    if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
-        raise GGUFError(f"{path}: corrupt header ({n_tensors} tensors, {n_kv} metadata keys)")
+    if (n_tensors > MAX_TENSORS or n_kv > MAX_KV
+            or n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > cur.remaining()):
+        raise GGUFError(f"{path}: corrupt header ({n_tensors} tensors, {n_kv} metadata keys "
+                        f"in a {len(buf)}-byte file)")
 
-    metadata: dict[str, Any] = {}
+    metadata = Metadata(path)
     for _ in range(n_kv):
         key = cur.string()
         vtype = cur.u32()
-        metadata[key] = cur.value(vtype, key)
+        value = cur.value(vtype, key)
+        if key in metadata:
+            raise GGUFError(f"{path}: metadata key {key!r} appears twice")
+        metadata[key] = value
 
-    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+    alignment = meta_int(metadata, "general.alignment", 1, 1 << 30, DEFAULT_ALIGNMENT)
+    if alignment & (alignment - 1):
         raise GGUFError(f"{path}: general.alignment must be a power of two, got {alignment!r}")
+    check_common_keys(metadata)
 
     raw_infos = []
     for _ in range(n_tensors):
@@ -287,7 +309,10 @@ def _parse(path: Path, buf: memoryview, mapped: np.ndarray) -> GGUFFile:
                             f"the {qtype.name} block size {block_size}")
         if rel_offset % alignment:
             raise GGUFError(f"{path}: tensor {name!r} data is not aligned to {alignment} bytes")
-        n_elems = int(np.prod(shape, dtype=np.int64))
+        n_elems = math.prod(shape)  # Python ints: a hostile shape cannot wrap around
+        if n_elems > MAX_ELEMENTS:
+            raise GGUFError(f"{path}: tensor {name!r} has shape {list(shape)}, whose element count "
+                            f"overflows 64 bits")
         n_bytes = n_elems // block_size * type_size
         offset = data_offset + rel_offset
         if offset + n_bytes > file_size:

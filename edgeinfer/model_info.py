@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from edgeinfer.loader import ModelFile
+from edgeinfer.metadata import meta_int, meta_str
 from edgeinfer.units import human_bytes, human_count  # noqa: F401 - re-exported for show/bench
 
 # llama.cpp's `general.file_type` (LLAMA_FTYPE_*) names, for the ones users meet.
@@ -37,13 +38,13 @@ class ModelInfo:
 
 
 def describe(mf: ModelFile) -> ModelInfo:
-    gf, cfg = mf.gguf, mf.config
-    ftype = gf.get("general.file_type")
+    gf, cfg, md = mf.gguf, mf.config, mf.gguf.metadata
+    ftype = meta_int(md, "general.file_type", 0, (1 << 32) - 1, None)
     quant = FILE_TYPES.get(ftype, f"file type {ftype}") if ftype is not None else next(iter(gf.type_counts()), "?")
     return ModelInfo(
         path=str(gf.path),
         architecture=cfg.arch,
-        name=str(gf.get("general.name", gf.path.stem)),
+        name=meta_str(md, "general.name", "") or gf.path.stem,
         parameters=gf.parameter_count(),
         context_length=cfg.n_ctx_train,
         embedding_length=cfg.n_embd,
@@ -53,6 +54,6 @@ def describe(mf: ModelFile) -> ModelInfo:
         quantization=quant,
         tensor_types=gf.type_counts(),
         file_size=gf.file_size,
-        has_chat_template=bool(gf.get("tokenizer.chat_template")),
-        license=gf.get("general.license"),
+        has_chat_template=bool(meta_str(md, "tokenizer.chat_template", "")),
+        license=meta_str(md, "general.license", None),
     )

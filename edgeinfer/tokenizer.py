@@ -24,6 +24,7 @@ import numpy as np
 
 from edgeinfer.detokenize import StreamDecoder, clean_spaces
 from edgeinfer.errors import TokenizerError
+from edgeinfer.metadata import meta_bool, meta_float_array, meta_int, meta_int_array, meta_str, meta_str_array
 from edgeinfer.tokenizer_bpe import CHAR_TO_BYTE, BPEFast, BPEReference, pre_tokenizer_for
 from edgeinfer.tokenizer_spm import SPMSession
 
@@ -147,7 +148,8 @@ class Tokenizer:
         n = len(tokens)
         if n == 0:
             raise TokenizerError("tokenizer.ggml.tokens is empty")
-        # token text as llama.cpp stores it: raw bytes (GGUF strings are not always UTF-8)
+        # token text as bytes, as llama.cpp keeps it (the GGUF parser has already replaced
+        # invalid UTF-8 with U+FFFD, so this is plain UTF-8)
         texts = [t.encode("utf-8", "surrogateescape") for t in tokens]
         texts = [t if t else f"[EMPTY_{i}]".encode() for i, t in enumerate(texts)]
         self._texts = texts
@@ -163,8 +165,7 @@ class Tokenizer:
         self._scores = [float(s) for s in scores[:n]] if scores is not None else [0.0] * n
 
         def flag(key: str, default: bool) -> bool:
-            value = meta.get(f"tokenizer.ggml.{key}")
-            return default if value is None else bool(value)
+            return meta_bool(meta, f"tokenizer.ggml.{key}", default)
 
         if model == "llama":
             self.add_bos, self.add_eos = True, False
@@ -212,16 +213,17 @@ class Tokenizer:
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
         """Build from GGUF metadata (key -> value, as `GGUFFile.metadata`)."""
-        model = meta.get("tokenizer.ggml.model")
-        tokens = meta.get("tokenizer.ggml.tokens")
+        model = meta_str(meta, "tokenizer.ggml.model", None)
+        tokens = meta_str_array(meta, "tokenizer.ggml.tokens", None)
         if model is None or tokens is None:
             raise TokenizerError("the file has no tokenizer (tokenizer.ggml.model/tokens missing)")
-        types = meta.get("tokenizer.ggml.token_type")
-        scores = meta.get("tokenizer.ggml.scores")
-        return cls(str(model), list(tokens),
-                   None if types is None else [int(t) for t in types],
-                   None if scores is None else [float(s) for s in scores],
-                   meta.get("tokenizer.ggml.merges"), str(meta.get("tokenizer.ggml.pre") or ""),
+        types = meta_int_array(meta, "tokenizer.ggml.token_type", -(1 << 31), (1 << 32) - 1, None)
+        scores = meta_float_array(meta, "tokenizer.ggml.scores", None)
+        return cls(model, tokens,
+                   None if types is None else types.tolist(),
+                   None if scores is None else scores.tolist(),
+                   meta_str_array(meta, "tokenizer.ggml.merges", None),
+                   meta_str(meta, "tokenizer.ggml.pre", None) or "",
                    meta)
 
     def _init_special_ids(self, defaults: dict[str, int], meta: Mapping[str, Any]) -> None:
@@ -231,9 +233,9 @@ class Tokenizer:
             if tid is not None and tid >= n:
                 tid = None
             for key in keys:
-                value = meta.get(f"tokenizer.ggml.{key}")
-                if value is not None and 0 <= int(value) < n:
-                    tid = int(value)
+                value = meta_int(meta, f"tokenizer.ggml.{key}", -(1 << 63), 1 << 64, None)
+                if value is not None and 0 <= value < n:  # out-of-range ids are ignored, as llama.cpp does
+                    tid = value
             setattr(self, name, tid)
         # llama.cpp walks a hash map here, so with 2+ matches its pick is arbitrary; we take
         # the first text in its list (<|eot_id|> before <|end_of_text|>, <|im_end|> first)

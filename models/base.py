@@ -9,12 +9,16 @@ defaults, the tensors it needs, and its block (`layer`). Models see only a `Back
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from edgeinfer.errors import GGUFError, UnsupportedModelError
+from edgeinfer.errors import GGUFError, MetadataError, UnsupportedModelError
+from edgeinfer.metadata import (MAX_CTX, MAX_EMBD, MAX_FF, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS,
+                                MAX_ROPE_BASE, MAX_VOCAB, REQUIRED, meta_float, meta_int,
+                                meta_int_per_layer, meta_str, meta_str_array)
 
 if TYPE_CHECKING:
     from edgeinfer.backend import Backend
@@ -70,13 +74,12 @@ class ModelConfig:
         return self.rope_base
 
 
-def _key(gf: "GGUFFile", arch: str, name: str, default: Any = None, required: bool = False) -> Any:
-    key = f"{arch}.{name}"
-    if key in gf.metadata:
-        return gf.metadata[key]
-    if required:
-        raise GGUFError(f"{gf.path}: missing metadata key {key!r}")
-    return default
+_BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
+
+
+def blocks_in_file(gf: "GGUFFile") -> int:
+    """How many distinct `blk.N.` blocks the file has tensors for (bounded by its tensor count)."""
+    return len({m.group(1) for m in map(_BLOCK_INDEX.match, gf.tensors) if m})
 
 
 class Transformer:
@@ -95,30 +98,47 @@ class Transformer:
     # -- config and checks --------------------------------------------------------------
     @classmethod
     def read_config(cls, gf: "GGUFFile") -> ModelConfig:
-        arch = gf.architecture
-        n_embd = int(_key(gf, arch, "embedding_length", required=True))
-        n_layer = int(_key(gf, arch, "block_count", required=True))
-        n_head = _key(gf, arch, "attention.head_count", required=True)
-        n_head_kv = _key(gf, arch, "attention.head_count_kv", n_head)
-        n_ff = _key(gf, arch, "feed_forward_length", required=True)
+        md, arch = gf.metadata, gf.architecture
+
+        def key(name: str) -> str:
+            return f"{arch}.{name}"
+
+        n_embd = meta_int(md, key("embedding_length"), 1, MAX_EMBD)
+        n_layer = meta_int(md, key("block_count"), 1, MAX_LAYERS)
+        # Before anything is built per layer: the file must hold tensors for every block it claims.
+        present = blocks_in_file(gf)
+        if n_layer > present:
+            raise MetadataError(f"{gf.path}: metadata key {key('block_count')!r} claims {n_layer} "
+                                f"layers but the file has tensors for {present}")
+        n_head = meta_int_per_layer(md, key("attention.head_count"), 1, MAX_HEADS, n_layer)
+        n_head_kv = meta_int_per_layer(md, key("attention.head_count_kv"), 1, MAX_HEADS, n_layer, n_head)
+        n_ff = meta_int_per_layer(md, key("feed_forward_length"), 1, MAX_FF, n_layer)
         for label, value in (("attention.head_count", n_head), ("attention.head_count_kv", n_head_kv),
                              ("feed_forward_length", n_ff)):
             if isinstance(value, np.ndarray):  # per-layer arrays: supported only when uniform
                 if len(set(value.tolist())) != 1:
                     raise UnsupportedModelError(f"{gf.path}: per-layer {label} values are not supported")
         n_head, n_head_kv, n_ff = (int(np.asarray(v).ravel()[0]) for v in (n_head, n_head_kv, n_ff))
-        if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
-            raise GGUFError(f"{gf.path}: {n_head} attention heads cannot share {n_head_kv} KV heads")
-        head_dim = int(_key(gf, arch, "attention.key_length", n_embd // n_head))
-        head_dim_v = int(_key(gf, arch, "attention.value_length", head_dim))
+        if n_head % n_head_kv:
+            raise MetadataError(f"{gf.path}: {n_head} attention heads cannot share {n_head_kv} KV heads "
+                                f"({key('attention.head_count')!r}, {key('attention.head_count_kv')!r})")
+        head_dim = meta_int(md, key("attention.key_length"), 1, MAX_HEAD_DIM, n_embd // n_head)
+        if head_dim < 1:
+            raise MetadataError(f"{gf.path}: metadata key {key('attention.head_count')!r} is {n_head}, "
+                                f"more heads than {key('embedding_length')!r} ({n_embd}) has dimensions")
+        head_dim_v = meta_int(md, key("attention.value_length"), 1, MAX_HEAD_DIM, head_dim)
         n_vocab = _vocab_size(gf, arch)
-        scaling = _key(gf, arch, "rope.scaling.type", "none")
-        factor = float(_key(gf, arch, "rope.scaling.factor", 0.0) or 0.0)
+        scaling = meta_str(md, key("rope.scaling.type"), "none")
+        factor = meta_float(md, key("rope.scaling.factor"), 0.0, 1e6, 0.0)
         freq_scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0
+        rope_dims = meta_int(md, key("rope.dimension_count"), 1, head_dim, head_dim)
+        if rope_dims % 2:  # RoPE rotates pairs of dimensions
+            raise MetadataError(f"{gf.path}: metadata key {key('rope.dimension_count')!r} must be even, "
+                                f"got {rope_dims}")
         cfg = ModelConfig(
             arch=arch,
             n_vocab=n_vocab,
-            n_ctx_train=int(_key(gf, arch, "context_length", 2048)),
+            n_ctx_train=meta_int(md, key("context_length"), 1, MAX_CTX, 2048),
             n_embd=n_embd,
             n_layer=n_layer,
             n_head=n_head,
@@ -126,10 +146,11 @@ class Transformer:
             head_dim=head_dim,
             head_dim_v=head_dim_v,
             n_ff=n_ff,
-            norm_eps=float(_key(gf, arch, "attention.layer_norm_rms_epsilon", cls.DEFAULT_NORM_EPS)),
+            norm_eps=meta_float(md, key("attention.layer_norm_rms_epsilon"), 0.0, 1.0, cls.DEFAULT_NORM_EPS),
             rope_mode=cls.ROPE_MODE,
-            rope_dims=int(_key(gf, arch, "rope.dimension_count", head_dim)),
-            rope_base=float(_key(gf, arch, "rope.freq_base", cls.DEFAULT_ROPE_BASE)),
+            rope_dims=rope_dims,
+            rope_base=meta_float(md, key("rope.freq_base"), 0.0, MAX_ROPE_BASE, cls.DEFAULT_ROPE_BASE,
+                                 lo_exclusive=True),
             rope_freq_scale=freq_scale,
             tied_embeddings="output.weight" not in gf.tensors,
         )
@@ -143,15 +164,27 @@ class Transformer:
     @classmethod
     def expected_tensors(cls, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         """GGUF tensor name -> GGML shape (row length first) that the family needs."""
+        t = cls.global_tensors(cfg)
+        for i in range(cfg.n_layer):
+            t.update(cls.layer_tensors(cfg, i))
+        return t
+
+    @classmethod
+    def global_tensors(cls, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """The tensors outside the blocks."""
         t: dict[str, tuple[int, ...]] = {
             "token_embd.weight": (cfg.n_embd, cfg.n_vocab),
             "output_norm.weight": (cfg.n_embd,),
         }
         if not cfg.tied_embeddings:
             t["output.weight"] = (cfg.n_embd, cfg.n_vocab)
-        for i in range(cfg.n_layer):
-            p = f"blk.{i}."
-            t.update({
+        return t
+
+    @classmethod
+    def layer_tensors(cls, cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+        """The tensors of block `i`; families add theirs on top."""
+        p = f"blk.{i}."
+        return {
                 p + "attn_norm.weight": (cfg.n_embd,),
                 p + "attn_q.weight": (cfg.n_embd, cfg.q_dim),
                 p + "attn_k.weight": (cfg.n_embd, cfg.kv_dim),
@@ -161,8 +194,7 @@ class Transformer:
                 p + "ffn_gate.weight": (cfg.n_embd, cfg.n_ff),
                 p + "ffn_up.weight": (cfg.n_embd, cfg.n_ff),
                 p + "ffn_down.weight": (cfg.n_ff, cfg.n_embd),
-            })
-        return t
+        }
 
     @classmethod
     def optional_tensors(cls, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -171,10 +203,12 @@ class Transformer:
 
     @classmethod
     def validate(cls, cfg: ModelConfig, gf: "GGUFFile") -> None:
-        for name, shape in cls.expected_tensors(cfg).items():
-            if name not in gf.tensors:
-                raise GGUFError(f"{gf.path}: required tensor {name!r} is missing")
-            _check_shape(gf, name, shape)
+        # one block at a time: memory stays flat whatever the layer count
+        for part in (cls.global_tensors(cfg), *(cls.layer_tensors(cfg, i) for i in range(cfg.n_layer))):
+            for name, shape in part.items():
+                if name not in gf.tensors:
+                    raise GGUFError(f"{gf.path}: required tensor {name!r} is missing")
+                _check_shape(gf, name, shape)
         for name, shape in cls.optional_tensors(cfg).items():
             if name in gf.tensors:
                 _check_shape(gf, name, shape)
@@ -231,12 +265,22 @@ class Transformer:
 
 
 def _vocab_size(gf: "GGUFFile", arch: str) -> int:
-    tokens = gf.metadata.get("tokenizer.ggml.tokens")
-    if "token_embd.weight" in gf.tensors:
-        return gf.tensors["token_embd.weight"].shape[1]
-    if tokens is not None:
-        return len(tokens)
-    return int(_key(gf, arch, "vocab_size", required=True))
+    """The embedding's row count; the vocabulary must have exactly one token per row (as in
+    llama.cpp), or a token id could index past the embedding."""
+    md = gf.metadata
+    tokens = meta_str_array(md, "tokenizer.ggml.tokens", None)
+    claimed = meta_int(md, f"{arch}.vocab_size", 1, MAX_VOCAB, None)
+    embd = gf.tensors.get("token_embd.weight")
+    n_vocab = embd.shape[1] if embd is not None and len(embd.shape) == 2 else None
+    if n_vocab is None:
+        n_vocab = len(tokens) if tokens is not None else meta_int(md, f"{arch}.vocab_size", 1, MAX_VOCAB, REQUIRED)
+    if tokens is not None and len(tokens) != n_vocab:
+        raise MetadataError(f"{gf.path}: metadata key 'tokenizer.ggml.tokens' has {len(tokens)} tokens "
+                            f"but token_embd.weight has {n_vocab} rows")
+    if claimed is not None and claimed != n_vocab:
+        raise MetadataError(f"{gf.path}: metadata key {arch + '.vocab_size'!r} is {claimed} but "
+                            f"token_embd.weight has {n_vocab} rows")
+    return n_vocab
 
 
 def _check_shape(gf: "GGUFFile", name: str, shape: tuple[int, ...]) -> None:

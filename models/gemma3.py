@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from edgeinfer.metadata import MAX_CTX, meta_int
 from edgeinfer.models.base import ROPE_NEOX, Transformer
 
 SWA_PATTERN = 6  # layer i is global when (i + 1) % 6 == 0, as llama.cpp's set_swa_pattern(6)
@@ -25,7 +26,7 @@ class Gemma3(Transformer):
 
     @classmethod
     def adjust_config(cls, cfg, gf):
-        window = int(gf.get("gemma3.attention.sliding_window", 0) or 0)
+        window = meta_int(gf.metadata, "gemma3.attention.sliding_window", 0, MAX_CTX, 0)
         swa = tuple(bool(window) and (i % SWA_PATTERN) < SWA_PATTERN - 1 for i in range(cfg.n_layer))
         # gemma 27B scales by n_embd / n_head instead of the head size (llama.cpp does the same)
         big = cfg.n_layer == 62
@@ -34,14 +35,13 @@ class Gemma3(Transformer):
                        attn_scale=scale, embed_scale=math.sqrt(cfg.n_embd))
 
     @classmethod
-    def expected_tensors(cls, cfg):
-        t = super().expected_tensors(cfg)
-        for i in range(cfg.n_layer):
-            p = f"blk.{i}."
-            t[p + "attn_q_norm.weight"] = (cfg.head_dim,)
-            t[p + "attn_k_norm.weight"] = (cfg.head_dim,)
-            t[p + "post_attention_norm.weight"] = (cfg.n_embd,)
-            t[p + "post_ffw_norm.weight"] = (cfg.n_embd,)
+    def layer_tensors(cls, cfg, i):
+        t = super().layer_tensors(cfg, i)
+        p = f"blk.{i}."
+        t[p + "attn_q_norm.weight"] = (cfg.head_dim,)
+        t[p + "attn_k_norm.weight"] = (cfg.head_dim,)
+        t[p + "post_attention_norm.weight"] = (cfg.n_embd,)
+        t[p + "post_ffw_norm.weight"] = (cfg.n_embd,)
         return t
 
     def layer(self, i, x, positions, slots, kv):

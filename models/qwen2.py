@@ -12,11 +12,10 @@ class Qwen2(Llama):
     DEFAULT_ROPE_BASE = 1_000_000.0
 
     @classmethod
-    def expected_tensors(cls, cfg):
-        t = super().expected_tensors(cfg)
-        for i in range(cfg.n_layer):
-            p = f"blk.{i}."
-            t[p + "attn_q.bias"] = (cfg.q_dim,)
-            t[p + "attn_k.bias"] = (cfg.kv_dim,)
-            t[p + "attn_v.bias"] = (cfg.n_head_kv * cfg.head_dim_v,)
+    def layer_tensors(cls, cfg, i):
+        t = super().layer_tensors(cfg, i)
+        p = f"blk.{i}."
+        t[p + "attn_q.bias"] = (cfg.q_dim,)
+        t[p + "attn_k.bias"] = (cfg.kv_dim,)
+        t[p + "attn_v.bias"] = (cfg.n_head_kv * cfg.head_dim_v,)
         return t

@@ -12,11 +12,10 @@ class Qwen3(Llama):
     DEFAULT_ROPE_BASE = 1_000_000.0
 
     @classmethod
-    def expected_tensors(cls, cfg):
-        t = super().expected_tensors(cfg)
-        for i in range(cfg.n_layer):
-            t[f"blk.{i}.attn_q_norm.weight"] = (cfg.head_dim,)
-            t[f"blk.{i}.attn_k_norm.weight"] = (cfg.head_dim,)
+    def layer_tensors(cls, cfg, i):
+        t = super().layer_tensors(cfg, i)
+        t[f"blk.{i}.attn_q_norm.weight"] = (cfg.head_dim,)
+        t[f"blk.{i}.attn_k_norm.weight"] = (cfg.head_dim,)
         return t
 
     def qk_norm(self, i, q, k):

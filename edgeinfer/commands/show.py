@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 
 from edgeinfer.loader import open_model
 from edgeinfer.model_info import describe, human_bytes, human_count
+
+
+# Control characters in a file's text (terminal escapes, carriage returns) are shown as U+FFFD
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _printable(text: str) -> str:
+    return _CONTROL.sub("\ufffd", text)
 
 
 def register(sub) -> None:
@@ -29,6 +38,7 @@ def run(args) -> int:
         return 0
     rows = [
         ("architecture", info.architecture),
+        ("name", _printable(info.name)),
         ("parameters", human_count(info.parameters)),
         ("context length", info.context_length),
         ("embedding length", info.embedding_length),
@@ -43,11 +53,11 @@ def run(args) -> int:
     for qtype, count in info.tensor_types.items():
         print(f"    {qtype:<20}{count}")
     print("\n  File")
-    print(f"    {'path':<20}{info.path}")
+    print(f"    {'path':<20}{_printable(info.path)}")
     print(f"    {'size':<20}{human_bytes(info.file_size)}")
     print(f"    {'chat template':<20}{'yes' if info.has_chat_template else 'none (a built-in one is used)'}")
     plan = plan_for_model(mf.gguf, mf.config, args.ctx_size, gpu_layers=args.gpu_layers)
     print(f"\n  Placement (context {args.ctx_size})\n    {plan.describe()}")
     if info.license:
-        print(f"\n  License\n    {info.license}")
+        print(f"\n  License\n    {_printable(info.license)}")
     return 0
