@@ -14,6 +14,10 @@ from user text, so no title or message can steer a file path.
 The first store (one JSON file per conversation in `<data dir>/conversations`) is migrated:
 each readable file becomes a saved session and then moves to `conversations/migrated/`, so
 nothing is lost and nothing is migrated twice; a file that cannot be read stays where it is.
+
+Every file here is read through safe_open (only regular files inside the folder: a FIFO,
+device or link out is skipped with one line, never blocks a listing); creating the store
+removes the temp files of saves that were killed (atomic_file.remove_stale_temps).
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from edgeinfer.atomic_file import remove_stale_temps
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.safe_open import RefusedFile, open_regular
 from edgeinfer.sampling import SamplingParams
 from edgeinfer.saved_session import (SavedSession, SessionFileError, check_name, load_session,
                                      read_session_info, save_session, sessions_dir)
 
 FORMAT_VERSION = 1  # of the first store's JSON files (read for migration only)
+MAX_LEGACY_BYTES = 16 << 20  # one first-store JSON file
 TITLE_CHARS = 48
 _LEGACY_ID = re.compile(r"^[0-9a-f]{32}$")
 MIGRATED = "migrated"
@@ -118,6 +125,7 @@ class ConversationStore:
         `edgeinfer chat --data-dir` used to hold them, else legacy_dir())."""
         self.root = Path(root) if root is not None else default_dir()
         self.legacy = Path(legacy) if legacy is not None else (self.root if root is not None else legacy_dir())
+        remove_stale_temps(self.root)  # what saves killed mid-write left (never a save under way)
 
     def path_of(self, conv_id: str) -> Path:
         try:
@@ -149,10 +157,16 @@ class ConversationStore:
         """The conversation (its header: no tokens or K/V read, no model check)."""
         return self._read(self.path_of(conv_id))
 
-    def load_kv(self, conv: Conversation, identity: dict, n_layer: int) -> SavedSession | None:
+    def load_kv(self, conv: Conversation, identity: dict, n_layer: int, *, config=None,
+                n_ctx: int | None = None) -> SavedSession | None:
         """The saved K/V of `conv` for the model `identity` (None when the file holds none);
-        SessionFileError when the file is of another model or corrupt."""
-        saved = load_session(self.path_of(conv.id), identity, n_layer)
+        SessionFileError when the file is of another model or corrupt, or its K/V were refused
+        (NaN or Inf, positions out of range: the message says which). `config` and `n_ctx` (the
+        model's) make the size checks exact (saved_session.load_session)."""
+        saved = load_session(self.path_of(conv.id), identity, n_layer, config=config, n_ctx=n_ctx,
+                             warn=_quiet)
+        if saved.kv_refused:
+            raise SessionFileError(saved.kv_refused)
         return saved if saved.n_kv else None
 
     def _read(self, path: Path) -> Conversation:
@@ -193,7 +207,7 @@ class ConversationStore:
             sampling = {k: v for k, v in conv.settings.items() if k in SAMPLING_KEYS}
         if kv is None and keep_kv and conv.n_kv:
             try:
-                old = load_session(path, conv.identity)
+                old = load_session(path, conv.identity, warn=_quiet)  # refused K/V: not kept
                 if old.n_kv:
                     kv = (old.tokens, old.k, old.v, old.pos)
             except SessionFileError:
@@ -244,6 +258,10 @@ class ConversationStore:
         return problems
 
 
+def _quiet(message: str) -> None:
+    """Refused K/V are only a lost cache: the caller reports them (kv_refused) or not at all."""
+
+
 def _file_messages(conv: Conversation) -> list[dict]:
     """What the session file holds: the system prompt first (as `run` keeps it), then the
     messages with their extra keys (finish_reason)."""
@@ -278,8 +296,11 @@ def _reason(exc: Exception, path: Path) -> str:
 def _read_legacy(path: Path) -> Conversation:
     """Parse and check one of the first store's JSON files."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        with open_regular(path, path.parent, MAX_LEGACY_BYTES) as f:
+            data = json.loads(f.read().decode("utf-8"))
+    except RefusedFile as exc:
+        raise ConversationError(str(exc)) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ConversationError(f"unreadable ({type(exc).__name__})") from None
     if not isinstance(data, dict):
         raise ConversationError("not a JSON object")
