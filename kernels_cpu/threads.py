@@ -2,10 +2,13 @@
 
 numba.set_num_threads is per calling thread; edgeinfer runs the engine in a worker
 thread, so the count set here is kept module-wide and re-applied (cheaply) by every
-kernel entry point in whichever thread calls it.
+kernel entry point in whichever thread calls it. Without a count chosen, the kernels use
+one thread per physical core this process may run on (`default_threads`): a second thread
+on a busy SMT sibling slows every parallel region to that sibling's pace.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numba
@@ -23,14 +26,66 @@ def set_threads(n: int) -> None:
 
 
 def get_threads() -> int:
-    return _wanted if _wanted is not None else numba.get_num_threads()
+    """The kernels' thread count: the one chosen with set_threads, else default_threads()."""
+    if _wanted is None:
+        set_threads(default_threads())
+    return _wanted
 
 
 def apply_threads() -> None:
-    """Make the calling thread use the count chosen with set_threads (no-op if none chosen)."""
-    if _wanted is not None and getattr(_applied, "count", None) != _wanted:
+    """Make the calling thread use the count chosen with set_threads (or the default)."""
+    if _wanted is None:
+        set_threads(default_threads())
+    elif getattr(_applied, "count", None) != _wanted:
         numba.set_num_threads(_wanted)
         _applied.count = _wanted
+
+
+SYSFS_CPU = "/sys/devices/system/cpu"
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="ascii") as f:
+        return f.read().strip()
+
+
+def physical_cores(cpus=None, sysfs: str = SYSFS_CPU) -> int | None:
+    """How many physical cores the logical CPUs `cpus` (default: this process's affinity)
+    span, from sysfs topology: (physical_package_id, die_id, core_id) per CPU, else its
+    thread_siblings_list. None where the topology cannot be read."""
+    if cpus is None:
+        if not hasattr(os, "sched_getaffinity"):
+            return None
+        cpus = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in cpus:
+        topo = os.path.join(sysfs, f"cpu{int(cpu)}", "topology")
+        try:
+            package = _read(os.path.join(topo, "physical_package_id"))
+            core = _read(os.path.join(topo, "core_id"))
+            try:
+                die = _read(os.path.join(topo, "die_id"))
+            except OSError:
+                die = "0"
+            cores.add(("core", int(package), int(die), int(core)))
+        except (OSError, ValueError):
+            try:
+                cores.add(("siblings", _read(os.path.join(topo, "thread_siblings_list"))))
+            except OSError:
+                return None
+    return len(cores) or None
+
+
+def default_threads() -> int:
+    """Physical cores in this process's CPU affinity (os.cpu_count() where unknown),
+    at most NUMBA_NUM_THREADS; an explicit NUMBA_NUM_THREADS in the environment wins."""
+    limit = numba.config.NUMBA_NUM_THREADS
+    if os.environ.get("NUMBA_NUM_THREADS"):
+        return limit
+    n = physical_cores()
+    if n is None:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(n, limit))
 
 
 _POOL: dict[int, object] = {}
