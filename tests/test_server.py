@@ -503,5 +503,7 @@ def test_stop_seed_and_ollama_extras_pass_through(model, openai_client, ollama_c
     assert sampled[0] == sampled[1]
     r = ollama_client.generate(model=MODEL, prompt="hello", keep_alive="5m", options={"num_predict": 2})
     assert r.done and r.eval_count == 2
-    r = ollama_client.generate(model=MODEL, prompt="", keep_alive=0)  # Ollama's "load the model" call
+    r = ollama_client.generate(model=MODEL, prompt="")  # Ollama's "load the model" call
     assert r.done and r.done_reason == "load"
+    r = ollama_client.generate(model=MODEL, prompt="", keep_alive=0)  # `ollama stop`
+    assert r.done and r.done_reason == "unload"

@@ -1,12 +1,15 @@
 """`edgeinfer serve NAME`: the local REST API (OpenAI, Ollama and llama-server endpoints).
 
 The server listens at once and answers `/health` with 503 while the model loads on a
-thread; a model that fails to load stops the server with that one-line error.
+thread; a model that fails to load, for whatever reason, stops the server with that
+one-line error and exit status 1.
 """
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
+import logging
 import os
 import sys
 import threading
@@ -14,6 +17,29 @@ import threading
 from edgeinfer.commands.arg_types import non_negative_int, port_number, positive_int
 from edgeinfer.commands.run import add_model_options, add_sampling_options, model_kwargs, sampling_from_args
 from edgeinfer.errors import EdgeInferError
+
+log = logging.getLogger("edgeinfer.server")
+
+
+def seconds(text: str) -> float:
+    """argparse type: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 86400 seconds, got {text}")
+    return value
+
+
+def keep_alive_duration(text: str) -> float:
+    """argparse type: Ollama's keep_alive (\"5m\", \"1h30m\", seconds, 0, negative = for ever)."""
+    from edgeinfer.server.keep_alive import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(sub) -> None:
@@ -35,6 +61,15 @@ def register(sub) -> None:
                    help="cancel a request after S seconds, queue wait included (default: none)")
     p.add_argument("--max-body", type=positive_int, default=2 << 20, metavar="BYTES",
                    help="largest request body accepted (default 2 MiB)")
+    p.add_argument("--keep-alive", type=keep_alive_duration, default=-1.0, metavar="DURATION",
+                   help="unload the model after this long idle, as Ollama's keep_alive: '5m', '1h30m', "
+                        "seconds, 0 = after each request; requests may set their own (default: never)")
+    p.add_argument("--read-timeout", type=seconds, default=30.0, metavar="S",
+                   help="a request's headers and body must arrive within S seconds, else 408 (default 30)")
+    p.add_argument("--idle-timeout", type=seconds, default=5.0, metavar="S",
+                   help="close a kept-alive connection after S idle seconds (default 5)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="access log on stderr, one line per request: text (default) or json")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(func=serve)
@@ -43,7 +78,8 @@ def register(sub) -> None:
 def serve(args) -> int:
     import uvicorn
 
-    from edgeinfer.server import ServerConfig, create_app
+    from edgeinfer.server import ServerConfig, access_log, create_app
+    from edgeinfer.server.http_protocol import uvicorn_config
 
     if args.timeout is not None and args.timeout <= 0:
         raise EdgeInferError(f"--timeout must be positive, got {args.timeout}")
@@ -51,23 +87,33 @@ def serve(args) -> int:
         model_name=args.name, max_queue=args.max_queue, timeout_s=args.timeout,
         api_key=args.api_key or os.environ.get("EDGEINFER_API_KEY") or None,
         cors_origins=list(args.cors_origin), allowed_hosts=list(args.allowed_host) + _bind_names(args.host),
-        max_body_bytes=args.max_body, sampling=sampling_from_args(args))
+        max_body_bytes=args.max_body, sampling=sampling_from_args(args), keep_alive_s=args.keep_alive)
     if not _is_loopback(args.host):
         print(f"edgeinfer: warning: listening on {args.host} exposes the model to the network"
               + ("" if config.api_key else "; consider --api-key"), file=sys.stderr)
-    app = create_app(config)
-    state = app.state.server
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    kwargs = model_kwargs(args)
 
-    def load() -> None:
+    def load_model():
         import edgeinfer
 
+        return edgeinfer.load(args.name, **kwargs)
+
+    app = create_app(config, loader=load_model)
+    state = app.state.server
+    access_log.configure(args.log_format)
+    server = uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port,
+                                           read_timeout_s=args.read_timeout, idle_timeout_s=args.idle_timeout))
+
+    def load() -> None:
         try:
-            state.set_model(edgeinfer.load(args.name, **model_kwargs(args)))
+            state.set_model(load_model())
             print(f"edgeinfer: serving {args.name} on http://{_url_host(args.host)}:{args.port}", file=sys.stderr)
         except EdgeInferError as exc:
             state.load_error = str(exc)
+            server.should_exit = True
+        except BaseException as exc:  # noqa: BLE001 - any failure ends the server, never a 503 for ever
+            log.debug("loading failed", exc_info=exc)
+            state.load_error = f"failed to load {args.name}: {type(exc).__name__}: {exc}"
             server.should_exit = True
 
     print(f"edgeinfer: loading {args.name} ...", file=sys.stderr)

@@ -1,28 +1,36 @@
 """The FastAPI app: configuration, shared server state, and the plumbing every endpoint uses.
 
 The app exists before the model does: `/health` answers 503 until `set_model` is called
-(`edgeinfer serve` loads the model on a thread while uvicorn already listens).
+(`edgeinfer serve` loads the model on a thread while uvicorn already listens). After that
+the model may be unloaded (Ollama's `keep_alive`) and is loaded again by the next request
+that needs it; `/health` stays 200 meanwhile, as the server itself is up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from edgeinfer.errors import ContextOverflowError, EdgeInferError
 from edgeinfer.results import GenerationChunk
+from edgeinfer.server.access_log import AccessLogMiddleware, note_usage
 from edgeinfer.server.errors import APIError, error_body, error_response
+from edgeinfer.server.keep_alive import FOREVER
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.security import SecurityMiddleware
 from edgeinfer.server.worker import Job, QueueFullError, Worker
@@ -43,15 +51,24 @@ class ServerConfig:
     allowed_hosts: list[str] = field(default_factory=list)
     max_body_bytes: int = 2 << 20
     sampling: dict[str, Any] = field(default_factory=dict)  # server-wide defaults (CLI flags)
+    keep_alive_s: float = FOREVER           # idle seconds before the model is unloaded; <0 never
 
 
 class ServerState:
-    """What the endpoints share: the model (None while loading), the worker, the metrics."""
+    """What the endpoints share: the model (None while loading or unloaded), the worker,
+    the metrics, and the model's keep-alive (who uses it, when it goes)."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, loader: Callable[[], Any] | None = None) -> None:
         self.config = config
         self.model = None
+        self.loader = loader  # loads the model again after an unload (serve.py's edgeinfer.load)
         self.load_error: str | None = None
+        self.keep_alive_s = config.keep_alive_s  # this request's (the last one's) keep_alive
+        self.reloading = False
+        self._uses = 0                            # requests in flight that need the model
+        self._expiry: asyncio.TimerHandle | None = None
+        self._expires_at: float | None = None     # wall-clock unload time while idle
+        self._load_lock = asyncio.Lock()
         self.metrics = Metrics()
         self.worker = Worker(config.max_queue, on_job_done=lambda job, _s: self.metrics.record_generation(job.last))
         self.metrics.bind(queue_depth=lambda: self.worker.queue_depth,
@@ -61,7 +78,78 @@ class ServerState:
 
     def set_model(self, model) -> None:
         self.model = model
+        if self.loader is None:  # no way to load it again: an unload only forgets it
+            self.loader = lambda: model
         self.loaded.set()
+
+    # -- keep-alive ---------------------------------------------------------------------------
+    @property
+    def unloaded(self) -> bool:
+        """Loaded once and unloaded since (keep_alive), as opposed to still loading."""
+        return self.model is None and self.loaded.is_set()
+
+    def acquire(self) -> None:
+        """A request that needs the model starts: no unloading until it ends."""
+        self._uses += 1
+        self.keep_alive_s = self.config.keep_alive_s  # Ollama: a request without keep_alive gets the default
+        self._cancel_expiry()
+
+    def release(self) -> None:
+        """A request ends; the last one out starts the keep-alive clock."""
+        self._uses -= 1
+        if self._uses > 0 or self.model is None:
+            return
+        keep = self.keep_alive_s
+        if keep == 0:
+            self.unload()
+        elif keep > 0:
+            self._expiry = asyncio.get_running_loop().call_later(keep, self._expire)
+            self._expires_at = time.time() + keep
+
+    def expires_at(self) -> float | None:
+        """When the loaded model will be unloaded (wall clock), None for never."""
+        if self._expires_at is not None:
+            return self._expires_at
+        return None if self.keep_alive_s < 0 else time.time() + self.keep_alive_s
+
+    def _cancel_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry = self._expires_at = None
+
+    def _expire(self) -> None:
+        self._expiry = self._expires_at = None
+        if self._uses == 0:
+            self.unload()
+
+    def unload(self) -> None:
+        """Drop the model (the worker is idle: the last request using it has ended), so its
+        weights and mmap can go; the next request that needs it loads it again."""
+        self._cancel_expiry()
+        if self.model is None:
+            return
+        log.info("unloading %s (keep_alive)", self.config.model_name)
+        self.model = None
+        gc.collect()  # the model's KV pool and caches may sit in reference cycles
+
+    async def ensure_model(self):
+        """The model, loaded again (off the event loop, once for all waiters) if it was unloaded."""
+        if not self.unloaded or self.loader is None:
+            return self.require_model()
+        async with self._load_lock:
+            if self.model is None:
+                self.reloading = True
+                try:
+                    model = await anyio.to_thread.run_sync(self.loader)
+                except EdgeInferError as exc:
+                    raise APIError(503, f"failed to load the model again: {exc}") from None
+                except Exception as exc:  # noqa: BLE001 - the file changed under us, memory ran out...
+                    log.error("reloading the model failed", exc_info=exc)
+                    raise APIError(503, f"failed to load the model again: {type(exc).__name__}: {exc}") from None
+                finally:
+                    self.reloading = False
+                self.model = model
+        return self.require_model()
 
     def _kv_stats(self) -> dict:
         sessions = getattr(self.model, "sessions", None)
@@ -129,10 +217,15 @@ async def read_body(request: Request, schema: type[B]) -> B:
     """The JSON body, size-limited and validated; every problem is a one-line 400/413."""
     limit = request.app.state.server.config.max_body_bytes
     data = bytearray()
-    async for part in request.stream():
-        data += part
-        if len(data) > limit:
-            raise APIError(413, f"request body is larger than {limit} bytes")
+    try:
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise APIError(413, f"request body is larger than {limit} bytes")
+    except ClientDisconnect:
+        log.info("%s %s: the client disconnected while sending the request body",
+                 request.method, request.url.path)
+        raise APIError(499, "the client disconnected while sending the request body") from None
     if not data.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
@@ -168,12 +261,36 @@ def _fail(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+def watch_disconnect(job: Job, request: Request) -> None:
+    """Cancel the job as soon as the client goes away, whether or not chunks are flowing.
+
+    The body has been read, so the next ASGI message is `http.disconnect`; a task waits
+    for it beside the request (both the streamed and the whole-answer paths). The job
+    stops the task when it ends.
+    """
+    if job.watcher is not None:
+        return
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                job.cancel_job()
+                return
+
+    job.watcher = asyncio.ensure_future(watch())
+    scope = request.scope
+    job.on_last = lambda last: note_usage(scope, last.usage.prompt_tokens, last.usage.completion_tokens) \
+        if last.usage is not None else None
+
+
 async def _next_chunk(job: Job, request: Request) -> GenerationChunk | None:
     """The job's next chunk; on any failure the job is cancelled and errors become APIError."""
     try:
-        return await job.next(request.is_disconnected)
+        return await job.next()
     except BaseException as exc:
         job.cancel_job()
+        _finish(job)
         if isinstance(exc, asyncio.CancelledError):
             raise
         raise _fail(exc) from None
@@ -181,6 +298,7 @@ async def _next_chunk(job: Job, request: Request) -> GenerationChunk | None:
 
 async def first_chunk(job: Job, request: Request) -> GenerationChunk | None:
     """Wait (through the queue and the prefill) for the first chunk; errors become APIError."""
+    watch_disconnect(job, request)
     chunk = await _next_chunk(job, request)
     if chunk is None and job.timed_out:
         raise APIError(504, "the request timed out while waiting for the model", code="timeout")
@@ -196,7 +314,7 @@ async def collect(job: Job, request: Request) -> tuple[str, GenerationChunk]:
             parts.append(chunk.text)
             chunk = await _next_chunk(job, request)
     finally:
-        _stop_timer(job)
+        _finish(job)
     if job.timed_out:
         raise APIError(504, f"the request took longer than {request.app.state.server.config.timeout_s}s",
                        code="timeout")
@@ -206,8 +324,8 @@ async def collect(job: Job, request: Request) -> tuple[str, GenerationChunk]:
 
 
 async def stream_chunks(job: Job, first: GenerationChunk | None) -> AsyncIterator[GenerationChunk]:
-    """The rest of a streamed answer. If the client goes away, Starlette cancels this
-    generator and `finally` cancels the generation (it stops before its next token)."""
+    """The rest of a streamed answer. If the client goes away, the watcher (or Starlette
+    cancelling this generator) cancels the generation: it stops before its next token."""
     try:
         chunk = first
         while chunk is not None:
@@ -216,13 +334,15 @@ async def stream_chunks(job: Job, first: GenerationChunk | None) -> AsyncIterato
     except Exception as exc:  # noqa: BLE001 - headers are sent: the caller turns it into an error event
         raise _fail(exc) from None
     finally:
-        _stop_timer(job)
+        _finish(job)
         job.cancel_job()  # no-op when it finished
 
 
-def _stop_timer(job: Job) -> None:
+def _finish(job: Job) -> None:
     if job.timer is not None:
         job.timer.cancel()
+    if job.watcher is not None:
+        job.watcher.cancel()
 
 
 def usage_dict(last: GenerationChunk) -> dict:
@@ -245,11 +365,65 @@ def llama_timings(last: GenerationChunk) -> dict:
 
 # -- the app -----------------------------------------------------------------------------------
 
-def create_app(config: ServerConfig, model=None) -> FastAPI:
-    """Build the app; pass `model` now or later through `app.state.server.set_model`."""
+# Paths that answer without the model: they neither load it again nor hold it loaded.
+NO_MODEL_PATHS = frozenset({"/health", "/metrics", "/", "/api/version", "/api/ps"})
+# Paths that read keep_alive first and then call `ensure_model` themselves: an Ollama
+# unload request must not load an unloaded model just to drop it.
+SELF_LOADING_PATHS = frozenset({"/api/generate", "/api/chat"})
+
+
+class ModelGate:
+    """Pure ASGI middleware around the endpoints that use the model: holds the model
+    loaded for the whole request (a stream included), loads it again if keep_alive
+    unloaded it, and lets the keep-alive clock start once the answer is out."""
+
+    def __init__(self, app, state: ServerState, paths: set[str]) -> None:
+        self.app, self.state, self.paths = app, state, paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or path not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        state = self.state
+        state.acquire()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                state.release()
+
+        async def send_and_release(message) -> None:
+            # release before the last byte goes out: a client that has its answer (say to
+            # keep_alive 0) and asks /api/ps next must already see the model gone
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                release()
+            await send(message)
+
+        try:
+            needs_load = path not in SELF_LOADING_PATHS and not (
+                path == "/api/tags" and getattr(state, "_model_info", None) is not None)
+            if needs_load and state.unloaded:
+                try:
+                    await state.ensure_model()
+                except APIError as exc:
+                    await error_response(path, exc)(scope, receive, send_and_release)
+                    return
+            await self.app(scope, receive, send_and_release)
+        finally:
+            release()
+
+
+def create_app(config: ServerConfig, model=None, loader: Callable[[], Any] | None = None) -> FastAPI:
+    """Build the app; pass `model` now or later through `app.state.server.set_model`.
+
+    `loader` loads the model again after keep_alive unloaded it (without one, the model
+    given is kept referenced and handed back)."""
     from edgeinfer.server import llama_api, ollama_api, openai_api
 
-    state = ServerState(config)
+    state = ServerState(config, loader)
     if model is not None:
         state.set_model(model)
 
@@ -275,12 +449,16 @@ def create_app(config: ServerConfig, model=None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, ClientDisconnect):  # logged once, by the security middleware
+            return JSONResponse(error_body(request.url.path, 499, "the client disconnected"), status_code=499)
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return JSONResponse(error_body(request.url.path, 500, f"internal error: {type(exc).__name__}"),
                             status_code=500)
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if state.unloaded:  # keep_alive let it go; the next request loads it again
+            return JSONResponse({"status": "ok", "model": "loading" if state.reloading else "unloaded"})
         if state.model is None:
             status = "error" if state.load_error else "loading"
             return JSONResponse({"status": status}, status_code=503)
@@ -305,10 +483,12 @@ def create_app(config: ServerConfig, model=None) -> FastAPI:
     def count(path: str, status: int) -> None:
         state.metrics.requests.labels(endpoint=path if path in known else "other", status=str(status)).inc()
 
+    app.add_middleware(ModelGate, state=state, paths=known - NO_MODEL_PATHS)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])
     app.add_middleware(SecurityMiddleware, allowed_hosts=config.allowed_hosts, api_key=config.api_key,
                        cors_origins=config.cors_origins, max_body_bytes=config.max_body_bytes,
                        on_response=count)
+    app.add_middleware(AccessLogMiddleware)
     return app

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from edgeinfer import __version__
 from edgeinfer.server.app import APIError, collect, first_chunk, read_body, stream_chunks
 from edgeinfer.server.fim import fim_start
+from edgeinfer.server.keep_alive import apply_keep_alive
 from edgeinfer.server.schemas import (OllamaBase, OllamaChatRequest, OllamaGenerateRequest,
                                       OllamaShowRequest)
 
@@ -55,10 +56,11 @@ def final_stats(last, t_request: float) -> dict:
             "eval_count": u.completion_tokens, "eval_duration": int(t.gen_s * 1e9)}
 
 
-def load_response(state) -> JSONResponse:
-    """Ollama answers an empty prompt by loading the model: done_reason "load"."""
+def load_response(state, reason: str = "load") -> JSONResponse:
+    """Ollama answers an empty prompt by loading the model (done_reason "load"), or with
+    keep_alive 0 by unloading it ("unload", which is how `ollama stop` works)."""
     return JSONResponse({"model": state.config.model_name, "created_at": now_iso(), "response": "",
-                         "done": True, "done_reason": "load"})
+                         "done": True, "done_reason": reason})
 
 
 @router.post("/api/generate")
@@ -66,7 +68,11 @@ async def generate(request: Request):
     t0 = time.perf_counter()
     state = request.app.state.server
     req = await read_body(request, OllamaGenerateRequest)
-    model = state.require_model()
+    keep = apply_keep_alive(state, req.keep_alive)
+    if keep == 0 and not req.prompt and req.suffix is None:
+        state.check_model_name(req.model)
+        return load_response(state, "unload")  # the model goes as this answer does (ModelGate)
+    model = await state.ensure_model()
     state.check_model_name(req.model)
     if req.images:
         raise APIError(400, "images are not supported by this model")
@@ -98,7 +104,13 @@ async def chat(request: Request):
     t0 = time.perf_counter()
     state = request.app.state.server
     req = await read_body(request, OllamaChatRequest)
-    model = state.require_model()
+    keep = apply_keep_alive(state, req.keep_alive)
+    if keep == 0 and not req.messages:
+        state.check_model_name(req.model)
+        return JSONResponse({"model": state.config.model_name, "created_at": now_iso(),
+                             "message": {"role": "assistant", "content": ""}, "done": True,
+                             "done_reason": "unload"})
+    model = await state.ensure_model()
     state.check_model_name(req.model)
     if any(m.images for m in req.messages):
         raise APIError(400, "images are not supported by this model")
@@ -187,11 +199,17 @@ async def tags(request: Request) -> JSONResponse:
 @router.get("/api/ps")
 async def ps(request: Request) -> JSONResponse:
     state = request.app.state.server
+    if state.model is None:  # unloaded (keep_alive) or still loading: nothing is running
+        return JSONResponse({"models": []})
+    n_ctx = state.model.n_ctx
     info = await model_info(state)
     name = state.config.model_name
+    expires = state.expires_at()
+    expires_at = "9999-12-31T23:59:59Z" if expires is None else \
+        datetime.fromtimestamp(expires, timezone.utc).isoformat().replace("+00:00", "Z")
     return JSONResponse({"models": [{"name": name, "model": name, "size": info.file_size, "digest": "",
-                                     "details": details(info), "expires_at": "9999-12-31T23:59:59Z",
-                                     "size_vram": 0, "context_length": state.model.n_ctx}]})
+                                     "details": details(info), "expires_at": expires_at,
+                                     "size_vram": 0, "context_length": n_ctx}]})
 
 
 @router.post("/api/show")

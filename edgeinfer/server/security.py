@@ -2,6 +2,8 @@
 
 - Host allow-list against DNS rebinding (Ollama CVE-2024-28224): a page on evil.example
   that re-points its name at 127.0.0.1 still sends `Host: evil.example`, so it gets 403.
+  The header is parsed strictly (name or [IPv6], optional port 1-65535, nothing else):
+  a lenient split would let `localhost:80@evil.example` pass as "localhost".
 - Origin: browsers send it on cross-site requests; a page from a foreign origin may not
   even make "simple" POSTs (no preflight) unless `--cors-origin` allows that origin.
 - Optional Bearer API key; `/health` stays open so supervisors can probe it.
@@ -12,11 +14,18 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
+import logging
+import re
 from typing import Iterable
 from urllib.parse import urlsplit
 
+from starlette.requests import ClientDisconnect
+
 from edgeinfer.server.errors import error_body
+
+log = logging.getLogger("edgeinfer.server")
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # Origins of local apps and editor webviews, which Ollama also lets in.
@@ -24,15 +33,62 @@ LOCAL_ORIGIN_SCHEMES = ("app", "file", "tauri", "vscode-webview", "vscode-file")
 OPEN_PATHS = ("/health",)
 
 
-def host_name(host_header: str) -> str:
-    """`Host` header -> bare lower-case name: port and IPv6 brackets removed."""
-    h = host_header.strip().lower()
+_NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+class BadHost(ValueError):
+    """A Host header that is not `name[:port]` or `[IPv6][:port]`."""
+
+
+def parse_host(header: str) -> tuple[str, int | None]:
+    """`Host` header -> (lower-case name without brackets or trailing dot, port or None).
+
+    Raises BadHost for anything else: userinfo, paths, spaces, text after `]`, empty,
+    non-numeric or out-of-range ports.
+    """
+    h = header.lower()
     if h.startswith("["):
         end = h.find("]")
-        return h[1:end] if end > 0 else h
-    if h.count(":") == 1:
-        h = h.split(":", 1)[0]
-    return h.rstrip(".")
+        if end < 0:
+            raise BadHost("unclosed '[' in Host header")
+        name, rest = h[1:end], h[end + 1:]
+        try:
+            ipaddress.IPv6Address(name)
+        except ValueError:
+            raise BadHost(f"{name!r} in brackets is not an IPv6 address") from None
+        if rest and not rest.startswith(":"):
+            raise BadHost(f"unexpected {rest!r} after the IPv6 address")
+    else:
+        name, colon, port_text = h.partition(":")
+        rest = colon + port_text
+        if not _NAME.fullmatch(name):
+            raise BadHost(f"{header!r} is not a host name")
+        name = name.rstrip(".")
+    port = None
+    if rest:
+        port_text = rest[1:]
+        if not _PORT.fullmatch(port_text) or not 1 <= int(port_text) <= 65535:
+            raise BadHost(f"bad port {port_text!r} in Host header")
+        port = int(port_text)
+    return name, port
+
+
+def host_name(host_header: str) -> str:
+    """`Host` header -> bare lower-case name; BadHost when malformed."""
+    return parse_host(host_header.strip())[0]
+
+
+def allowed_name(value: str) -> str:
+    """An --allowed-host value (a name, an address, an IPv6 address with or without
+    brackets, '*') as the name parse_host gives."""
+    v = value.strip().lower()
+    if v == "*":
+        return v
+    try:
+        return str(ipaddress.ip_address(v.strip("[]")))
+    except ValueError:
+        return host_name(v)
 
 
 class SecurityMiddleware:
@@ -42,7 +98,7 @@ class SecurityMiddleware:
                  cors_origins: Iterable[str] = (), max_body_bytes: int = 2 << 20,
                  on_response=None) -> None:
         self.app = app
-        extra = {host_name(h) for h in allowed_hosts}
+        extra = {allowed_name(h) for h in allowed_hosts}
         self.any_host = "*" in extra
         self.allowed_hosts = set(LOOPBACK_HOSTS) | extra
         self.api_key = api_key.encode() if api_key else None
@@ -71,6 +127,10 @@ class SecurityMiddleware:
                 await _send_json(send_and_count, status, error_body(path, status, message), extra_headers)
             else:
                 await self.app(scope, receive, send_and_count)
+        except ClientDisconnect:
+            # the client left while sending its body: one line, not a traceback
+            log.info("%s %s: the client disconnected while sending the request body",
+                     scope.get("method", "?"), path)
         finally:
             if self.on_response is not None:
                 self.on_response(path, status_seen[0] if status_seen else 499)
@@ -80,9 +140,13 @@ class SecurityMiddleware:
         host = headers.get("host")
         if host is None:
             return 403, "missing Host header", {}
-        if not self.any_host and host_name(host) not in self.allowed_hosts:
-            return 403, (f"host {host_name(host)!r} is not allowed; start the server with "
-                         f"--allowed-host {host_name(host)} to allow it"), {}
+        try:
+            name, _port = parse_host(host)
+        except BadHost as exc:
+            return 400, f"malformed Host header: {exc}", {}
+        if not self.any_host and name not in self.allowed_hosts:
+            return 403, (f"host {name!r} is not allowed; start the server with "
+                         f"--allowed-host {name} to allow it"), {}
         origin = headers.get("origin")
         if origin is not None and not self.origin_allowed(origin):
             return 403, f"origin {origin!r} is not allowed; start the server with --cors-origin to allow it", {}

@@ -4,7 +4,8 @@ The event loop never touches the model: a request submits a `Job` (a function th
 starts a chunk iterator on the worker thread), then awaits the chunks the worker hands
 back through `loop.call_soon_threadsafe`. Cancelling a job (client gone, timeout) sets
 its Event: a running generation stops before its next token, a waiting one is taken
-out of the queue at once so its place frees up.
+out of the queue at once so its place frees up. Who notices a client leaving is the
+request's business (app.py's disconnect watcher); the job only offers `cancel_job`.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ import collections
 import math
 import threading
 import time
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from edgeinfer.results import GenerationChunk
 
 StartFn = Callable[[threading.Event], Iterator[GenerationChunk]]
 
 _END = object()       # the worker is done with a job
-POLL_S = 0.05         # how often a waiting request checks that its client is still there
 
 
 class QueueFullError(Exception):
@@ -44,6 +44,8 @@ class Job:
         self.started = False
         self.timer: asyncio.TimerHandle | None = None  # the request timeout, when one is set
         self.last: GenerationChunk | None = None  # the final chunk (usage, timings)
+        self.on_last: Callable[[GenerationChunk], None] | None = None  # told the final chunk (access log)
+        self.watcher: asyncio.Future | None = None  # the request's disconnect watcher, stopped at the end
         self._loop = loop
         self._chunks: asyncio.Queue = asyncio.Queue()
         self._ended = False
@@ -56,30 +58,27 @@ class Job:
             pass
 
     # -- request side -------------------------------------------------------------------
-    async def next(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None
-                   ) -> GenerationChunk | None:
-        """The next chunk, None at the end; raises the worker's exception if it failed.
-
-        With `is_disconnected`, a client that leaves while we wait cancels the job.
-        """
+    async def next(self) -> GenerationChunk | None:
+        """The next chunk, None at the end; raises the worker's exception if it failed."""
         if self._ended:
             return None
-        while True:
-            try:
-                item = await asyncio.wait_for(self._chunks.get(), POLL_S)
-            except asyncio.TimeoutError:
-                if is_disconnected is not None and await is_disconnected():
-                    self.cancel_job()
-                continue
-            if item is _END:
-                self._ended = True
-                return None
-            if isinstance(item, BaseException):
-                self._ended = True
-                raise item
-            if item.finish_reason is not None:
-                self.last = item
-            return item
+        item = await self._chunks.get()
+        if item is _END:
+            self._end()
+            return None
+        if isinstance(item, BaseException):
+            self._end()
+            raise item
+        if item.finish_reason is not None:
+            self.last = item
+            if self.on_last is not None:
+                self.on_last(item)
+        return item
+
+    def _end(self) -> None:
+        self._ended = True
+        if self.watcher is not None:
+            self.watcher.cancel()
 
     def cancel_job(self, timed_out: bool = False) -> None:
         """Stop this job (a no-op once its final chunk exists: a late timer changes nothing)."""
