@@ -17,6 +17,7 @@ import inspect
 import logging
 import os
 import re
+import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,9 @@ _TRUE = {"1", "ON", "YES", "TRUE"}
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _GIT_SHA1 = re.compile(r"^[0-9a-f]{40}$")
 _SAFE_COMPONENT = re.compile(r"^[\w.-]+$")  # one path component from the Hub's headers
+# An unreachable Hub must fail in seconds: huggingface_hub retries a failed connection five
+# times with 1-8 s pauses (about 25 s), so a TCP connect with this timeout goes first.
+CONNECT_TIMEOUT = 3.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,54 @@ def _hub_error(exc: BaseException, what: str) -> DownloadError:
     return DownloadError(f"{what}: {detail}")
 
 
+def _proxy_for(scheme: str) -> str | None:
+    for var in (f"{scheme}_proxy", "all_proxy"):
+        value = os.environ.get(var) or os.environ.get(var.upper())
+        if value:
+            return value
+    return None
+
+
+def _bypasses_proxy(host: str) -> bool:
+    rules = os.environ.get("no_proxy") or os.environ.get("NO_PROXY") or ""
+    for rule in (r.strip().lstrip(".") for r in rules.split(",")):
+        if rule == "*" or (rule and (host == rule or host.endswith("." + rule))):
+            return True
+    return False
+
+
+def check_reachable(what: str, timeout: float | None = None) -> None:
+    """Raise the one-line DownloadError at once when the Hub (or the proxy the environment
+    names for it) does not accept a TCP connection within `timeout` seconds (CONNECT_TIMEOUT)."""
+    from urllib.parse import urlsplit
+
+    timeout = CONNECT_TIMEOUT if timeout is None else timeout
+    endpoint = hub_endpoint()
+    parts = urlsplit(endpoint)
+    scheme = parts.scheme or "https"
+    target = parts
+    proxy = None if _bypasses_proxy(parts.hostname or "") else _proxy_for(scheme)
+    if proxy:
+        target = urlsplit(proxy if "://" in proxy else "http://" + proxy)
+    host = target.hostname
+    if not host:
+        return  # nothing we can probe: let huggingface_hub report it
+    try:
+        port = target.port or (443 if target.scheme == "https" else 80)
+    except ValueError:
+        return
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except socket.timeout:
+        raise DownloadError(f"{what}: cannot reach {endpoint} (no answer within {timeout:g} s); "
+                            "check your connection or set HF_HUB_OFFLINE=1") from None
+    except OSError as exc:
+        kind = "DNS lookup failed" if isinstance(exc, socket.gaierror) else (exc.strerror or type(exc).__name__)
+        raise DownloadError(f"{what}: cannot reach {endpoint} ({kind}); "
+                            "check your connection or set HF_HUB_OFFLINE=1") from None
+
+
 def _hub_call(what: str, fn, *args, **kwargs):
     """Run a huggingface_hub call, mapping its failures to DownloadError."""
     try:
@@ -175,6 +227,7 @@ def list_remote_files(repo_id: str, revision: str = DEFAULT_REVISION) -> list[Re
     """All files of a Hub repo (recursive), with sizes and LFS sha256."""
     if is_offline():
         raise DownloadError(f"cannot list hf.co/{repo_id}: HF_HUB_OFFLINE is set")
+    check_reachable(f"cannot list hf.co/{repo_id}")
     import huggingface_hub
 
     api = huggingface_hub.HfApi(endpoint=hub_endpoint())
@@ -206,6 +259,7 @@ def fetch(repo_id: str, filename: str, *, revision: str = DEFAULT_REVISION, prog
             return local
         raise DownloadError(f"{what}: not in the local cache and HF_HUB_OFFLINE is set")
 
+    check_reachable(what)
     import filelock
     import huggingface_hub
 

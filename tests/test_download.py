@@ -313,3 +313,93 @@ def test_file_names_that_leave_the_cache_are_refused(hub, bad):
     with pytest.raises(DownloadError, match="not a valid file name"):
         download.fetch(REPO, bad, progress=False)
     assert hub.requests == []
+
+
+# --- unreachable hosts fail fast ---------------------------------------------------------------
+
+
+@pytest.fixture
+def silent_port():
+    """A local port whose connection attempts hang, as an unroutable host's do: a listener
+    that never accepts, its backlog already full, so the kernel drops further SYNs."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    fillers = []
+    for _ in range(4):  # fill the accept queue (Linux keeps backlog + 1 pending connections)
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(server.getsockname())
+        fillers.append(s)
+    probe = socket.socket()
+    probe.settimeout(0.5)
+    try:
+        probe.connect(server.getsockname())
+        hangs = False
+    except (socket.timeout, BlockingIOError):
+        hangs = True
+    except OSError:
+        hangs = False
+    finally:
+        probe.close()
+    if not hangs:
+        pytest.skip("this kernel answers connections to a full backlog")
+    yield server.getsockname()[1]
+    for s in fillers:
+        s.close()
+    server.close()
+
+
+def _closed_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now: connection refused
+    return port
+
+
+@pytest.mark.parametrize("pull", [f"hf.co/{REPO}", f"hf.co/{REPO}:Q8_0"])
+def test_pull_from_a_closed_port_fails_at_once(hub, monkeypatch, pull):
+    import time
+
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    t0 = time.monotonic()
+    with pytest.raises(DownloadError, match="cannot reach http://127.0.0.1") as info:
+        registry.pull(pull, progress=False)
+    assert time.monotonic() - t0 < 2.0
+    assert "\n" not in str(info.value)
+
+
+def test_pull_from_a_host_that_never_answers_fails_within_the_connect_timeout(hub, monkeypatch, silent_port):
+    import time
+
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent_port}")
+    monkeypatch.setattr(download, "CONNECT_TIMEOUT", 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(DownloadError, match=r"cannot reach .* \(no answer within 1 s\)") as info:
+        registry.pull(f"hf.co/{REPO}", progress=False)
+    assert time.monotonic() - t0 < 2.5
+    assert "\n" not in str(info.value)
+
+
+def test_default_connect_timeout_is_three_seconds():
+    assert download.CONNECT_TIMEOUT == 3.0
+
+
+def test_the_proxy_is_probed_when_the_environment_names_one(hub, monkeypatch):
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{_closed_port()}")
+    with pytest.raises(DownloadError, match="cannot reach"):
+        download.check_reachable("probe", timeout=1.0)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    download.check_reachable("probe", timeout=1.0)  # the stand-in hub itself answers
+
+
+def test_cli_pull_unreachable_is_one_line(hub, monkeypatch, capsys):
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    assert main(["pull", f"hf.co/{REPO}"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach" in err and "Traceback" not in err and err.strip().count("\n") == 0
