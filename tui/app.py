@@ -10,35 +10,94 @@ loads that model, or says it is not on this machine and shows the messages anywa
 
 from __future__ import annotations
 
+import inspect
 import threading
+import time
+from pathlib import Path
 from typing import Any, Callable
 
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Footer, Header, Label, LoadingIndicator, Markdown, OptionList
+from textual import events
+from textual.widgets import Header, Label, Markdown, OptionList, ProgressBar
 from textual.widgets.option_list import Option
 
 from edgeinfer.conversations import (SAMPLING_KEYS, Conversation, ConversationStore, identify,
                                      same_model)
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.tui import controller
+from edgeinfer.tui.controller import SETTING_KEYS, Key
+from edgeinfer.tui.export import export_markdown, to_markdown
 from edgeinfer.tui.screens import (ConfirmScreen, HelpScreen, ModelPickerScreen, RenameScreen,
-                                   SettingsScreen)
-from edgeinfer.tui.widgets import AssistantMessage, PromptInput, Stats, StatusBar, UserMessage, code_blocks
+                                   SearchScreen, SettingsScreen)
+from edgeinfer.tui.widgets import (AssistantMessage, KeyBar, PromptInput, Stats, StatusBar, SystemMessage,
+                                   UserMessage, Welcome, code_blocks)
 
-# Settings edited per conversation (the rest of the sampling flags come from the command line,
-# or from the saved session when `edgeinfer run` made it). save_kv: also save the K/V cache.
-SETTING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "n_ctx", "save_kv")
-DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, max_tokens=-1)
+# Settings edited per conversation (controller.SETTING_FIELDS; the rest of the sampling flags
+# come from the command line, or from the saved session when `edgeinfer run` made it).
+DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=None,
+                        stop=[], max_tokens=-1)
 
-ModelLoader = Callable[[str, int], Any]  # (name or path, n_ctx) -> edgeinfer.api.Model
+# (name or path, n_ctx) -> edgeinfer.api.Model. A loader that also takes `progress=` gets a
+# callable progress(stage, fraction) to report stages of controller.LOAD_STAGES ("read",
+# "prepare", "compile", ...) with the share of the stage done (0..1, or None when unknown).
+ModelLoader = Callable[..., Any]
 
 
 def default_loader(name: str, n_ctx: int):
     import edgeinfer
 
     return edgeinfer.load(name, n_ctx=n_ctx)
+
+
+def accepts_progress(loader: Callable) -> bool:
+    """Whether `loader` takes a `progress=` keyword (then it reports its own stages)."""
+    try:
+        params = inspect.signature(loader).parameters
+    except (TypeError, ValueError):
+        return False
+    return "progress" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def pull_model(name: str, report: Callable[[int, int | None], None]) -> None:
+    """Download `name` (alias or hf.co/…) into the Hub cache, reporting bytes done while it runs."""
+    from edgeinfer.registry import pull
+
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch_download, args=(name, report, done), daemon=True)
+    watcher.start()
+    try:
+        pull(name, progress=False)  # a console bar would draw over the screen
+    finally:
+        done.set()
+        watcher.join(2)
+
+
+def _watch_download(name: str, report: Callable[[int, int | None], None], done: threading.Event) -> None:
+    """Report the size of the download's `.incomplete` file every 0.2 s (download.fetch writes it)."""
+    from edgeinfer import download, registry
+
+    try:
+        ref = registry.parse_hf_ref(name)
+        entry = registry._alias(name)
+        repo = ref.repo_id if ref else (entry.repo if entry else None)
+    except EdgeInferError:
+        repo = None
+    if repo is None:
+        return
+    blobs = download.repo_folder(repo) / "blobs"
+    total = None
+    if entry is not None and getattr(entry, "size", None):
+        total = entry.size
+    while not done.wait(0.2):
+        parts = list(blobs.glob("*.incomplete")) if blobs.is_dir() else []
+        if parts:
+            try:
+                report(max(p.stat().st_size for p in parts), total)
+            except (OSError, RuntimeError):
+                return
 
 
 def local_models() -> list[tuple[str, str]]:
@@ -74,19 +133,28 @@ class ChatApp(App):
     .message.user { border: round $secondary; }
     .message.assistant { border: round $primary; padding: 0 1 0 1; }
     .message.assistant > *:last-child { margin-bottom: 0; }
-    #loading { height: 3; display: none; }
+    .message.system { border: round $warning 60%; color: $text-muted; }
+    #welcome { margin: 1 0 0 0; padding: 0 1; height: auto; }
+    #loading { height: 2; display: none; padding: 0 1; }
     #loading.visible { display: block; }
-    #loading LoadingIndicator { width: 8; height: 3; }
-    #loading-label { padding: 1 1; }
+    #loading ProgressBar { width: auto; }
+    #loading-label { width: 1fr; }
     #prompt { height: auto; min-height: 3; max-height: 12; border: tall $accent; }
-    StatusBar { height: 1; background: $panel; color: $text; padding: 0 1; }
+    StatusBar { height: auto; background: $panel; color: $text; padding: 0 1; }
+    KeyBar { height: 1; background: $primary-background; color: $text; padding: 0 1; }
+    #session-hint { width: 100%; margin: 1 0 0 0; }
+    #pull-status { width: 100%; }
+    #hits { height: auto; max-height: 16; }
     .dialog { width: 80%; max-width: 100; height: auto; max-height: 90%; padding: 1 2;
               border: thick $primary; background: $surface; }
     ModalScreen { align: center middle; }
-    #settings-grid { grid-size: 2; grid-columns: 28 1fr; grid-rows: 3; height: auto; }
-    #settings-grid Label { padding: 1 0; }
-    .system-prompt { height: 6; }
-    .buttons { height: auto; align-horizontal: right; padding: 1 0 0 0; }
+    #settings-grid { grid-size: 2; grid-columns: 2fr 1fr; grid-rows: 1; grid-gutter: 0 1; height: auto;
+                     margin: 1 0 0 0; }
+    #settings-grid Input { border: none; height: 1; padding: 0 1; }
+    #settings-body { height: 90%; padding: 0 1; }
+    #settings-fields { height: 1fr; }
+    .system-prompt { height: 4; }
+    .buttons { height: auto; align-horizontal: right; padding: 0; }
     .buttons Button { margin: 0 0 0 2; }
     #help-body { height: 90%; }
     #models { height: auto; max-height: 20; }
@@ -94,7 +162,7 @@ class ChatApp(App):
 
     # Keys the focused prompt box (TextArea) already uses are avoided: Ctrl+E/K/Y/A/U/W/Z,
     # Ctrl+C/X/V, F5-F7.
-    BINDINGS = [  # in footer order: the footer cuts off the tail on narrow terminals
+    BINDINGS = [
         Binding("f1", "help", "Help"),
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+n", "new_conversation", "New"),
@@ -102,20 +170,37 @@ class ChatApp(App):
         Binding("ctrl+l", "edit_last", "Edit last"),
         Binding("ctrl+s", "settings", "Settings"),
         Binding("ctrl+o", "pick_model", "Model"),
+        Binding("ctrl+f", "search", "Search"),
         Binding("f3", "copy_answer", "Copy answer"),
         Binding("f4", "copy_code", "Copy code"),
+        Binding("f5", "copy_chat", "Copy chat"),
+        Binding("f9", "export", "Export"),
         Binding("ctrl+b", "toggle_sidebar", "Chats"),
         Binding("f2", "rename", "Rename"),
         Binding("f8", "delete", "Delete"),
         Binding("ctrl+t", "toggle_dark", "Theme"),
+        Binding("ctrl+left", "step_answer(-1)", "Previous answer", show=False),
+        Binding("ctrl+right", "step_answer(1)", "Next answer", show=False),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
+    # The key line, in priority order: what does not fit is behind "F1 help".
+    KEYS = [Key("Enter", "send"), Key("Esc", "stop"), Key("^N", "new"), Key("^R", "regenerate"),
+            Key("^S", "settings"), Key("^O", "model"), Key("^F", "search"), Key("^L", "edit last"),
+            Key("F3", "copy answer"), Key("F5", "copy chat"), Key("F9", "export"), Key("^B", "chats"),
+            Key("F2", "rename"), Key("F8", "delete"), Key("^T", "theme"), Key("^Q", "quit"),
+            Key("F1", "help")]
 
     def __init__(self, model_name: str | None = None, *, load_model: ModelLoader | None = None,
                  store: ConversationStore | None = None, sampling: dict | None = None,
                  system: str = "", n_ctx: int = 4096, warm_up: bool = True, save_kv: bool = False,
-                 list_models: Callable[[], list[tuple[str, str]]] | None = None) -> None:
+                 list_models: Callable[[], list[tuple[str, str]]] | None = None,
+                 pull: Callable[[str, Callable[[int, int | None], None]], None] | None = pull_model,
+                 export_dir: str | Path | None = None) -> None:
+        """`pull(name, report)`: downloads a model for the picker (None: no pulling).
+        `export_dir`: where F9 writes Markdown files (default: the current folder)."""
         super().__init__()
+        self.pull = pull
+        self.export_dir = Path(export_dir) if export_dir is not None else None
         self.model_name = model_name
         self.load_model = load_model or default_loader
         self.store = store or ConversationStore()
@@ -125,6 +210,7 @@ class ChatApp(App):
         self.base_params = {**DEFAULT_SAMPLING, **(sampling or {})}
         self.default_settings = {k: self.base_params[k] for k in SETTING_KEYS if k in SAMPLING_KEYS}
         self.default_settings.update(n_ctx=n_ctx, save_kv=bool(save_kv))
+        self.initial_settings = dict(self.default_settings)  # the command line's, for Ctrl+N's notice
         self.default_system = system or ""
         self.conv = self._fresh_conversation()
         # (tokens, k, v, pos) last exported for self.conv: written with it when save_kv is on.
@@ -141,6 +227,8 @@ class ChatApp(App):
         self._stream = None
         self._answer_widget: AssistantMessage | None = None
         self._warned: set[str] = set()  # corrupt-file notices already shown
+        self._previous_answer: dict | None = None  # the answer being regenerated
+        self._live: dict = {}  # the answer streaming now: start time, first-piece time, pieces, prompt tokens
 
     # -- layout ------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -152,21 +240,31 @@ class ChatApp(App):
             with Vertical(id="main"):
                 yield VerticalScroll(id="chat")
                 with Horizontal(id="loading"):
-                    yield LoadingIndicator()
-                    yield Label("", id="loading-label")
+                    yield ProgressBar(total=1.0, show_eta=False, id="load-progress")
+                    yield Label("", id="loading-label", markup=False)
                 yield PromptInput(id="prompt", placeholder="Message (Enter sends, Ctrl+J new line)")
         yield StatusBar(id="status")
-        yield Footer()
+        yield KeyBar(self.KEYS, id="keys")
 
-    def on_mount(self) -> None:
+    async def on_mount(self) -> None:
         self.sub_title = self.conv.display_title
         self._refresh_conversations()
         self._show_stats()
+        self._fit_sidebar(self.size.width)
+        await self._show_conversation()
         self.query_one("#prompt", PromptInput).focus()
         if self.model_name:
             self.start_loading(self.model_name, self.conv.settings["n_ctx"])
         else:
+            self.stats.state = "no model: Ctrl+O picks one"
+            self._show_stats()
             self.action_pick_model()
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._fit_sidebar(event.size.width)
+
+    def _fit_sidebar(self, columns: int) -> None:
+        self.query_one("#sidebar").styles.width = controller.sidebar_width(columns)
 
     # -- model loading ---------------------------------------------------------------------------
     def start_loading(self, name: str, n_ctx: int) -> None:
@@ -177,18 +275,26 @@ class ChatApp(App):
         self._resident_conv = None
         self._load_seq += 1
         self.stats = Stats(model=_short(name), n_ctx=n_ctx, state="loading…")
-        self._set_loading(f"loading {_short(name)}…")
+        self._set_loading(f"loading {_short(name)}…", 0.0)
         self._show_stats()
         self._load_worker(name, n_ctx, self._load_seq)
 
     @work(thread=True, group="model", exit_on_error=False)
     def _load_worker(self, name: str, n_ctx: int, seq: int) -> None:
+        def progress(stage: str, fraction: float | None = None) -> None:
+            done, label = controller.load_progress(stage, fraction)
+            self._ui(self._load_stage, seq, f"{_short(name)}: {label}…", done)
+
         try:
-            model = self.load_model(name, n_ctx)
+            if accepts_progress(self.load_model):
+                model = self.load_model(name, n_ctx, progress=progress)
+            else:
+                progress("read")
+                model = self.load_model(name, n_ctx)
             quant = quantization_of(model.path)
             if self.warm_up:
                 # The first forward pass compiles (or loads cached) kernels: say so, not freeze.
-                self._ui(self._set_loading, "compiling kernels… (slow only on the first start)")
+                progress("compile")
                 model.generate(model.tokenize("Hello"), max_tokens=1, temperature=0.0)
                 model.reset()
         except EdgeInferError as exc:
@@ -199,10 +305,16 @@ class ChatApp(App):
             return
         self._ui(self._loaded, model, quant, seq)
 
-    def _set_loading(self, text: str | None) -> None:
+    def _set_loading(self, text: str | None, done: float | None = None) -> None:
         box = self.query_one("#loading")
         box.set_class(text is not None, "visible")
         self.query_one("#loading-label", Label).update(text or "")
+        if done is not None:
+            self.query_one("#load-progress", ProgressBar).update(total=1.0, progress=done)
+
+    def _load_stage(self, seq: int, text: str, done: float) -> None:
+        if seq == self._load_seq and self.loading:
+            self._set_loading(text, done)
 
     def _loaded(self, model, quant: str, seq: int) -> None:
         if seq != self._load_seq:  # another model was asked for meanwhile
@@ -214,6 +326,7 @@ class ChatApp(App):
         self.stats.ctx_used = self._count_context()
         self._show_stats()
         self.notify(f"{_short(self.model_name)} ready", timeout=2)
+        self._refresh_welcome()
         self._restore_kv()
 
     def _load_failed(self, name: str, message: str, seq: int) -> None:
@@ -240,10 +353,14 @@ class ChatApp(App):
             return
         event.prompt.clear()
         self.conv.messages.append({"role": "user", "content": text})
+        await self.query("#welcome").remove()
         await self.query_one("#chat").mount(UserMessage(text))
         await self._start_answer()
 
-    async def _start_answer(self) -> None:
+    async def _start_answer(self, previous: dict | None = None) -> None:
+        """Stream an answer to the conversation; `previous`: the answer it regenerates (kept as an
+        alternative of the turn)."""
+        self._previous_answer = previous
         chat = self.query_one("#chat", VerticalScroll)
         widget = AssistantMessage(model=_short(self.model_name))
         await chat.mount(widget)
@@ -262,6 +379,7 @@ class ChatApp(App):
         self.stats.ctx_used = self._count_context()
         self.stats.ttft_s = self.stats.gen_tps = self.stats.cached = None
         self.stats.state = "answering… (Esc stops)"
+        self._live = {"start": time.monotonic(), "first": None, "pieces": 0, "prompt": self.stats.ctx_used}
         self._show_stats()
         self._generate(self.model, self.conv.chat_messages(), self._params(), widget, self._cancel)
 
@@ -296,6 +414,7 @@ class ChatApp(App):
         if widget is not self._answer_widget:  # the app is quitting
             return
         widget.text += text
+        self._live_stats()
         if self._stream is not None:
             await self._stream.write(text)
         chat = self.query_one("#chat", VerticalScroll)
@@ -310,6 +429,7 @@ class ChatApp(App):
             await self._stream.stop()
             self._stream = None
         self.generating = False
+        self._live = {}
         self.last_chunk = last
         if last is not None and self.model is not None and self.model is self._gen_model:
             self._resident_conv = self.conv.id  # the model's K/V now hold this conversation
@@ -318,13 +438,19 @@ class ChatApp(App):
             self.notify(error, title="error", severity="error", timeout=10)
         if widget.text:
             reason = last.finish_reason if last is not None and last.finish_reason else "error"
-            self.conv.messages.append({"role": "assistant", "content": widget.text, "finish_reason": reason})
+            message = controller.new_answer(self._previous_answer, widget.text, reason)
+            self.conv.messages.append(message)
+            widget.set_position(controller.answer_position(message))
             if reason == "cancelled":
                 self.stats.state = "stopped"
         else:
-            # Nothing was answered: take the question back into the prompt box to edit or resend.
+            # Nothing was answered: take the question back into the prompt box to edit or resend
+            # (a regenerated turn gets its earlier answer back instead).
             await widget.remove()
-            if self.conv.messages and self.conv.messages[-1]["role"] == "user":
+            if self._previous_answer is not None:
+                self.conv.messages.append(self._previous_answer)
+                await self._mount_answer(self._previous_answer)
+            elif self.conv.messages and self.conv.messages[-1]["role"] == "user":
                 question = self.conv.messages.pop()["content"]
                 await self._remove_last_widget(UserMessage)
                 prompt = self.query_one("#prompt", PromptInput)
@@ -353,9 +479,39 @@ class ChatApp(App):
         if not self.conv.messages or self.conv.messages[-1]["role"] != "assistant":
             self.notify("no answer to regenerate", severity="warning")
             return
-        self.conv.messages.pop()
+        previous = self.conv.messages.pop()
         await self._remove_last_widget(AssistantMessage)
-        await self._start_answer()
+        await self._start_answer(previous)
+
+    async def action_step_answer(self, delta: int) -> None:
+        """Show the previous or next answer of the last turn (kept by Ctrl+R)."""
+        if self.generating:
+            return
+        last = self.conv.messages[-1] if self.conv.messages else None
+        if last is None or last.get("role") != "assistant":
+            return
+        if not controller.step_answer(last, delta):
+            if len(controller.answers_of(last)) < 2:
+                self.notify("this answer has no alternatives: Ctrl+R makes one", timeout=3)
+            return
+        await self._remove_last_widget(AssistantMessage)
+        await self._mount_answer(last)
+        self.stats.ctx_used = self._count_context()
+        self._show_stats()
+        self._save()
+
+    @on(PromptInput.StepAnswer)
+    async def _on_step(self, event: PromptInput.StepAnswer) -> None:
+        await self.action_step_answer(event.delta)
+
+    async def _mount_answer(self, message: dict) -> None:
+        chat = self.query_one("#chat", VerticalScroll)
+        await chat.mount(self._answer_view(message))
+        chat.scroll_end(animate=False)
+
+    def _answer_view(self, message: dict) -> AssistantMessage:
+        model = _short(self.conv.model) if self.conv.model else ""
+        return AssistantMessage(message["content"], model=model, position=controller.answer_position(message))
 
     async def action_edit_last(self) -> None:
         if self.generating:
@@ -396,9 +552,11 @@ class ChatApp(App):
         if self.generating:
             self.notify("still answering: Esc stops it", severity="warning")
             return
-        self.conv = self._fresh_conversation(like=self.conv)
+        old = self.conv
+        self.conv = self._fresh_conversation(like=old)
         self.kv = None
         await self._show_conversation()
+        self.notify(controller.new_chat_notice(old.system, old.settings, self.initial_settings), timeout=5)
 
     @on(OptionList.OptionSelected, "#conversations")
     async def _on_pick_conversation(self, event: OptionList.OptionSelected) -> None:
@@ -524,21 +682,10 @@ class ChatApp(App):
             self.notify("still answering: Esc stops it", severity="warning")
             return
 
-        def apply(values: dict | None) -> None:
+        async def apply(values: dict | None) -> None:
             if values is None:
                 return
-            from edgeinfer.sampling import SamplingParams
-
-            settings = {k: values[k] for k in SETTING_KEYS}
-            try:
-                trial = {**self.base_params, **{k: v for k, v in self.conv.settings.items() if k in SAMPLING_KEYS},
-                         **{k: v for k, v in settings.items() if k in SAMPLING_KEYS}}
-                SamplingParams(**trial).validate()
-                if settings["n_ctx"] < 16:
-                    raise EdgeInferError(f"context size must be at least 16, got {settings['n_ctx']}")
-            except EdgeInferError as exc:
-                self.notify(str(exc), title="settings not saved", severity="error")
-                return
+            settings = {k: values[k] for k in SETTING_KEYS}  # checked by the screen (controller.parse_settings)
             self.conv.system = values["system"]
             self.conv.settings = {**self.conv.settings, **settings}
             self.default_settings = dict(settings)  # a new chat starts from these
@@ -546,9 +693,11 @@ class ChatApp(App):
             if self.conv.messages:
                 self._save()
             self.notify("settings saved", timeout=2)
+            await self._show_conversation()  # the system prompt is part of it
             self._apply_context_size()
 
-        self.push_screen(SettingsScreen(self.conv.system, self.conv.settings), apply)
+        base = {**self.base_params, **{k: v for k, v in self.conv.settings.items() if k in SAMPLING_KEYS}}
+        self.push_screen(SettingsScreen(self.conv.system, self.conv.settings, base), apply)
 
     def action_pick_model(self) -> None:
         if self.generating:
@@ -564,7 +713,35 @@ class ChatApp(App):
             if value:
                 self.start_loading(value, self.conv.settings["n_ctx"])
 
-        self.push_screen(ModelPickerScreen(models), picked)
+        self.push_screen(ModelPickerScreen(models, pull=self.pull), picked)
+
+    def action_search(self) -> None:
+        convs, _ = self.store.list()
+
+        async def picked(conv_id: str | None) -> None:
+            if conv_id and conv_id != self.conv.id:
+                await self.open_conversation(conv_id)
+
+        self.push_screen(SearchScreen(convs), picked)
+
+    def action_copy_chat(self) -> None:
+        if not self.conv.messages:
+            self.notify("nothing to copy yet", severity="warning")
+            return
+        text = to_markdown(self.conv)
+        self.copy_to_clipboard(text)  # OSC 52: reaches the clipboard of the terminal's machine
+        self.notify(f"copied the conversation as Markdown ({len(text)} characters)", timeout=3)
+
+    def action_export(self) -> None:
+        if not self.conv.messages:
+            self.notify("nothing to export yet", severity="warning")
+            return
+        try:
+            path = export_markdown(self.conv, self.export_dir or Path.cwd())
+        except OSError as exc:
+            self.notify(f"could not export: {exc.strerror or exc}", severity="error")
+            return
+        self.notify(f"exported to {path}", timeout=6)
 
     def action_toggle_sidebar(self) -> None:
         self.query_one("#sidebar").toggle_class("hidden")
@@ -605,8 +782,8 @@ class ChatApp(App):
         self._cancel.set()  # the worker stops at its next token
         if self.generating and self._answer_widget is not None and self._answer_widget.text:
             # Keep the part of the answer written so far, as Esc would.
-            self.conv.messages.append({"role": "assistant", "content": self._answer_widget.text,
-                                       "finish_reason": "cancelled"})
+            self.conv.messages.append(controller.new_answer(self._previous_answer, self._answer_widget.text,
+                                                            "cancelled"))
             self.generating = False
             self._save()
         self._answer_widget = None
@@ -642,9 +819,13 @@ class ChatApp(App):
     async def _show_conversation(self) -> None:
         chat = self.query_one("#chat", VerticalScroll)
         await chat.remove_children()
-        widgets = [UserMessage(m["content"]) if m["role"] == "user"
-                   else AssistantMessage(m["content"], model=_short(self.conv.model) if self.conv.model else "")
-                   for m in self.conv.messages]
+        widgets: list = []
+        if not self.conv.messages:
+            widgets.append(Welcome(self._welcome()))
+        if self.conv.system.strip():
+            widgets.append(SystemMessage(self.conv.system))
+        widgets += [UserMessage(m["content"]) if m["role"] == "user" else self._answer_view(m)
+                    for m in self.conv.messages]
         if widgets:
             await chat.mount_all(widgets)
         chat.scroll_end(animate=False)
@@ -653,6 +834,30 @@ class ChatApp(App):
         self.stats.ttft_s = self.stats.gen_tps = self.stats.cached = None
         self._show_stats()
         self._refresh_conversations()
+
+    def _welcome(self) -> str:
+        name = _short(self.model_name) if self.model_name else None
+        return controller.welcome_text(name)
+
+    def _refresh_welcome(self) -> None:
+        for welcome in self.query(Welcome):
+            welcome.update(self._welcome())
+
+    def _live_stats(self) -> None:
+        """Context used and tokens/s while the answer streams (each streamed piece is about a token);
+        the final chunk's usage and timings replace them when it ends."""
+        live = self._live
+        if not live:
+            return
+        now = time.monotonic()
+        live["pieces"] += 1
+        if live["first"] is None:
+            live["first"] = now
+            self.stats.ttft_s = now - live["start"]
+        elif now > live["first"]:
+            self.stats.gen_tps = (live["pieces"] - 1) / (now - live["first"])
+        self.stats.ctx_used = live["prompt"] + live["pieces"]
+        self._show_stats()
 
     async def _remove_last_widget(self, kind: type) -> None:
         found = self.query_one("#chat").query(kind)

@@ -1,15 +1,18 @@
-"""Modal screens: help, settings, model picker, rename and delete confirmation."""
+"""Modal screens: help, settings, model picker (and pull), search, rename and delete confirmation."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Checkbox, Input, Label, Markdown, OptionList, TextArea
+from textual.widgets import Button, Checkbox, Input, Label, Markdown, OptionList, ProgressBar, TextArea
 from textual.widgets.option_list import Option
+
+from edgeinfer.tui.controller import SETTING_FIELDS, SettingsError, format_setting, parse_settings, search
 
 HELP = """\
 # edgeinfer chat
@@ -24,13 +27,17 @@ the prompt box stays usable while the model writes.
 | Ctrl+J / Shift+Enter | new line in the message |
 | Esc | stop the current answer |
 | Ctrl+N | new conversation |
-| Ctrl+R | regenerate the last answer |
+| Ctrl+R | regenerate the last answer (the earlier answers are kept) |
+| ← / → | in an empty prompt box: previous / next answer of the last turn ("2/3") |
 | Ctrl+L | edit the last message (puts it back in the prompt box) |
 | F3 | copy the last answer to the clipboard |
 | F4 | copy the last code block of the last answer |
+| F5 | copy the whole conversation (Markdown) |
+| F9 | export the conversation to a Markdown file |
+| Ctrl+F | search all conversations (titles and text) |
 | Ctrl+C | copy the selected text |
-| Ctrl+S | settings: system prompt, temperature, top-p, top-k, max tokens, context size |
-| Ctrl+O | pick another local model |
+| Ctrl+S | settings: system prompt, temperature, top-p, top-k, min-p, repeat penalty, seed, stop strings, max tokens, context size |
+| Ctrl+O | pick another local model, or pull one by name |
 | Ctrl+B | show / hide the conversation list |
 | F2 | rename the conversation |
 | F8 | delete the conversation |
@@ -58,36 +65,30 @@ class HelpScreen(ModalScreen[None]):
             yield Markdown(HELP)
 
 
-# Settings fields: key, label, parser, and a hint shown as the input placeholder.
-SETTING_FIELDS: list[tuple[str, str, type]] = [
-    ("temperature", "Temperature (0 = greedy)", float),
-    ("top_p", "Top-p (1 = off)", float),
-    ("top_k", "Top-k (0 = off)", int),
-    ("max_tokens", "Max tokens (-1 = no limit)", int),
-    ("n_ctx", "Context size (tokens)", int),
-]
-
-
 class SettingsScreen(ModalScreen[dict | None]):
-    """Edit the conversation's system prompt and sampling settings; returns the new values."""
+    """Edit the conversation's system prompt and sampling settings; returns the checked values
+    (controller.parse_settings), or stays open with a one-line notice on a bad one."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, system: str, settings: dict[str, Any]) -> None:
+    def __init__(self, system: str, settings: dict[str, Any], base: dict | None = None) -> None:
+        """`base`: the sampling values the settings override (checked together with them)."""
         super().__init__()
         self.system = system
         self.settings = settings
+        self.base = base or {}
 
     def compose(self) -> ComposeResult:
         with Vertical(id="settings-body", classes="dialog"):
-            yield Label("System prompt")
-            yield TextArea(self.system, id="system", classes="system-prompt")
-            with Grid(id="settings-grid"):
-                for key, label, _ in SETTING_FIELDS:
-                    yield Label(label)
-                    yield Input(str(self.settings.get(key, "")), id=key)
-            yield Checkbox("Save the KV cache with the conversation (bigger file; resuming prefills nothing)",
-                           bool(self.settings.get("save_kv")), id="save_kv")
+            with VerticalScroll(id="settings-fields"):
+                yield Label("System prompt (shown at the top of the conversation)")
+                yield TextArea(self.system, id="system", classes="system-prompt")
+                with Grid(id="settings-grid"):
+                    for key, label, _ in SETTING_FIELDS:
+                        yield Label(label)
+                        yield Input(format_setting(key, self.settings.get(key)), id=key)
+                yield Checkbox("Save the KV cache with the conversation (bigger file; resuming prefills nothing)",
+                               bool(self.settings.get("save_kv")), id="save_kv")
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
@@ -102,28 +103,30 @@ class SettingsScreen(ModalScreen[dict | None]):
         self.dismiss(None)
 
     def action_save(self) -> None:
-        values: dict[str, Any] = {"system": self.query_one("#system", TextArea).text,
-                                  "save_kv": self.query_one("#save_kv", Checkbox).value}
-        for key, label, kind in SETTING_FIELDS:
-            raw = self.query_one(f"#{key}", Input).value.strip()
-            try:
-                values[key] = kind(raw)
-            except ValueError:
-                self.notify(f"{label}: expected a {'whole number' if kind is int else 'number'}, got {raw!r}",
-                            severity="error")
-                return
+        raw: dict[str, Any] = {key: self.query_one(f"#{key}", Input).value for key, _, _ in SETTING_FIELDS}
+        raw["save_kv"] = self.query_one("#save_kv", Checkbox).value
+        try:
+            values = parse_settings(raw, self.base)
+        except SettingsError as exc:
+            self.notify(str(exc), title="settings not saved", severity="error")
+            return
+        values["system"] = self.query_one("#system", TextArea).text
         self.dismiss(values)
 
 
 class ModelPickerScreen(ModalScreen[str | None]):
-    """Pick one of the local models; returns the value paired with its label (a name or path)."""
+    """Pick one of the local models, or pull one by name (alias or hf.co/…) with a progress bar;
+    returns the value to load (a name or path)."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, models: list[tuple[str, str]]) -> None:
-        """`models`: (label, value) pairs."""
+    def __init__(self, models: list[tuple[str, str]], pull=None) -> None:
+        """`models`: (label, value) pairs. `pull(name, report)`: downloads `name` (in a worker
+        thread), calling report(done_bytes, total_bytes or None); None when pulling is off."""
         super().__init__()
         self.models = models
+        self.pull = pull
+        self.pulling = False
 
     def compose(self) -> ComposeResult:
         with Vertical(id="picker-body", classes="dialog"):
@@ -132,11 +135,117 @@ class ModelPickerScreen(ModalScreen[str | None]):
                 yield OptionList(*[Option(label, id=str(i)) for i, (label, _) in enumerate(self.models)],
                                  id="models")
             else:
-                yield Label("No local models. Get one with `edgeinfer pull NAME`.")
+                yield Label("No local models yet: pull one below (gemma3-270m is small and quick).",
+                            id="no-models")
+            if self.pull is not None:
+                yield Label("Pull a model: an alias (e.g. gemma3-270m) or hf.co/OWNER/REPO[:QUANT], then Enter")
+                yield Input(placeholder="model name to download", id="pull-name")
+                yield ProgressBar(id="pull-progress", show_eta=False)
+                yield Label("", id="pull-status", markup=False)
+
+    def on_mount(self) -> None:
+        if self.pull is not None:
+            self.query_one("#pull-progress").display = False
+            if not self.models:
+                self.query_one("#pull-name", Input).focus()
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         event.stop()
-        self.dismiss(self.models[int(event.option.id)][1])
+        if not self.pulling:
+            self.dismiss(self.models[int(event.option.id)][1])
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        name = event.value.strip()
+        if not name or self.pulling:
+            return
+        self.pulling = True
+        bar = self.query_one("#pull-progress", ProgressBar)
+        bar.display = True
+        bar.update(total=None, progress=0)
+        self.query_one("#pull-status", Label).update(f"pulling {name}…")
+        self._pull_worker(name)
+
+    @work(thread=True, group="pull", exit_on_error=False)
+    def _pull_worker(self, name: str) -> None:
+        from edgeinfer.errors import EdgeInferError
+
+        def report(done: int, total: int | None) -> None:
+            self.app.call_from_thread(self._show_progress, name, done, total)
+
+        try:
+            self.pull(name, report)
+        except EdgeInferError as exc:
+            self.app.call_from_thread(self._pull_failed, str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - one line, never a traceback on the screen
+            self.app.call_from_thread(self._pull_failed, f"internal error: {type(exc).__name__}: {exc}")
+            return
+        self.app.call_from_thread(self._pulled, name)
+
+    def _show_progress(self, name: str, done: int, total: int | None) -> None:
+        from edgeinfer.tui.controller import human_size
+
+        bar = self.query_one("#pull-progress", ProgressBar)
+        bar.update(total=total or None, progress=done)
+        of = f" of {human_size(total)}" if total else ""
+        self.query_one("#pull-status", Label).update(f"pulling {name}: {human_size(done)}{of}")
+
+    def _pull_failed(self, message: str) -> None:
+        self.pulling = False
+        self.query_one("#pull-progress").display = False
+        self.query_one("#pull-status", Label).update(message)
+        self.notify(message, title="pull failed", severity="error")
+
+    def _pulled(self, name: str) -> None:
+        self.pulling = False
+        self.dismiss(name)
+
+    def action_cancel(self) -> None:
+        if self.pulling:
+            self.notify("still pulling: wait for it to finish", severity="warning")
+            return
+        self.dismiss(None)
+
+
+class SearchScreen(ModalScreen[str | None]):
+    """Search every conversation (titles and text); returns the id of the one picked."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, conversations: list) -> None:
+        super().__init__()
+        self.conversations = conversations
+        self.hits: list = []
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="search-body", classes="dialog"):
+            yield Label("Search conversations — type words, ↓ and Enter opens one, Esc closes")
+            yield Input(placeholder="words to find in titles and messages", id="query")
+            yield OptionList(id="hits")
+            yield Label("", id="search-count")
+
+    def on_mount(self) -> None:
+        self.query_one("#query", Input).focus()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        self.hits = search(self.conversations, event.value)
+        hits = self.query_one("#hits", OptionList)
+        hits.clear_options()
+        hits.add_options([Option(f"{h.title}" + (f"\n  {h.snippet}" if h.snippet else ""), id=h.conv_id)
+                          for h in self.hits])
+        count = len(self.hits)
+        self.query_one("#search-count", Label).update(
+            "" if not event.value.strip() else f"{count} conversation{'s' if count != 1 else ''}")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        if self.hits:
+            self.dismiss(self.hits[0].conv_id)
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        event.stop()
+        self.dismiss(event.option.id)
 
     def action_cancel(self) -> None:
         self.dismiss(None)

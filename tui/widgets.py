@@ -1,4 +1,4 @@
-"""Widgets of the chat screen: the prompt box, chat messages, the status bar."""
+"""Widgets of the chat screen: the prompt box, chat messages, the status bar and the key line."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from textual.widgets import Markdown, Static, TextArea
 # Keys that put a line break in the prompt instead of sending it. Ctrl+J works in every
 # terminal (it is the LF byte); Shift+Enter only where the terminal reports it (kitty protocol).
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "newline")
+# In an empty prompt box (nothing to move the cursor over) these step through the answers of the last turn.
+STEP_KEYS = {"left": -1, "right": 1, "ctrl+left": -1, "ctrl+right": 1}
 _FENCE = re.compile(r"^ {0,3}(```|~~~)[^\n]*\n(.*?)^ {0,3}\1[ \t]*$", re.MULTILINE | re.DOTALL)
 
 
@@ -24,7 +26,19 @@ class PromptInput(TextArea):
             self.prompt = prompt
             self.text = text
 
+    class StepAnswer(Message):
+        """←/→ in an empty prompt box: show the previous (-1) or next (+1) answer of the last turn."""
+
+        def __init__(self, delta: int) -> None:
+            super().__init__()
+            self.delta = delta
+
     async def _on_key(self, event: events.Key) -> None:
+        if not self.text and event.key in STEP_KEYS:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.StepAnswer(STEP_KEYS[event.key]))
+            return
         if event.key == "enter":
             event.stop()
             event.prevent_default()
@@ -48,13 +62,34 @@ class UserMessage(Static):
         self.text = text
 
 
-class AssistantMessage(Markdown):
-    """An answer, rendered as Markdown; `text` is the raw answer as streamed."""
+class SystemMessage(Static):
+    """The conversation's system prompt, shown first (plain text)."""
 
-    def __init__(self, text: str = "", model: str = "") -> None:
+    def __init__(self, text: str) -> None:
+        super().__init__(text, markup=False, classes="message system")
+        self.border_title = "System prompt (Ctrl+S edits)"
+        self.text = text
+
+
+class Welcome(Markdown):
+    """What an empty conversation shows: the model, how to start, where the keys are."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text, id="welcome")
+
+
+class AssistantMessage(Markdown):
+    """An answer, rendered as Markdown; `text` is the raw answer as streamed. `position` ("2/3")
+    shows, under the box, which of the turn's answers this is."""
+
+    def __init__(self, text: str = "", model: str = "", position: str = "") -> None:
         super().__init__(text, classes="message assistant")
         self.text = text
         self.border_title = model or "Assistant"
+        self.set_position(position)
+
+    def set_position(self, position: str) -> None:
+        self.border_subtitle = f"◀ {position} ▶ (←/→ in an empty prompt)" if position else ""
 
 
 def code_blocks(markdown: str) -> list[str]:
@@ -94,7 +129,23 @@ class Stats:
 
 
 class StatusBar(Static):
-    """One line: model · quantization │ context used/size │ TTFT │ tokens/s │ cached tokens."""
+    """One line (wrapped when narrow): model · quantization │ context used/size │ TTFT │ tokens/s │ cached."""
 
     def show(self, stats: Stats) -> None:
         self.update(stats.render())
+
+
+class KeyBar(Static):
+    """The key line: every key when they fit, else the first ones and "F1 help" (controller.footer_text)."""
+
+    def __init__(self, keys, **kwargs) -> None:
+        super().__init__("", markup=False, **kwargs)
+        self.keys = keys
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.refresh_keys()
+
+    def refresh_keys(self) -> None:
+        from edgeinfer.tui.controller import footer_text
+
+        self.update(footer_text(self.keys, self.size.width or 80))
