@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
 
 from edgeinfer.tokenizer_bpe import _bytes_to_unicode
 
@@ -215,7 +215,10 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
     if chat_template is not None:
         w.add_chat_template(chat_template)
     for key, value in (extra_metadata or {}).items():
-        _add_metadata(w, key, value)
+        for kv in w.kv_data:  # a key given here replaces the one written above (None: drops it)
+            kv.pop(key, None)
+        if value is not None:
+            _add_metadata(w, key, value)
 
     tensors: dict = {"token_embd.weight": (s.n_embd, n_vocab), "output_norm.weight": (s.n_embd,)}
     if not tie:
@@ -251,8 +254,29 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
     return path
 
 
+@dataclass(frozen=True)
+class Typed:
+    """A metadata value written with an explicit GGUF type (int32 -5, uint64 2**40, ...)."""
+
+    vtype: GGUFValueType
+    value: object
+    sub_type: GGUFValueType | None = None
+
+
+def replace_bytes(path: str | Path, old: bytes, new: bytes) -> None:
+    """Overwrite every `old` in the file with `new` (same length): text no writer would emit,
+    such as strings that are not UTF-8."""
+    assert len(old) == len(new), (old, new)
+    path = Path(path)
+    data = path.read_bytes()
+    assert old in data, old
+    path.write_bytes(data.replace(old, new))
+
+
 def _add_metadata(w: GGUFWriter, key: str, value) -> None:
-    if isinstance(value, bool):
+    if isinstance(value, Typed):
+        w.add_key_value(key, value.value, value.vtype, value.sub_type)
+    elif isinstance(value, bool):
         w.add_bool(key, value)
     elif isinstance(value, int):
         w.add_uint32(key, value)
