@@ -192,6 +192,26 @@ def test_claimed_layers_allocate_nothing(tmp_path, n_layer, fragment):
     assert peak < 20 << 20, f"peak {peak / 2**20:.1f} MiB"
 
 
+def test_serve_with_claimed_layers_is_one_line_and_small(tmp_path):
+    import os
+    import socket
+
+    path = write_tiny_model(tmp_path / "huge.gguf", "llama", extra_metadata={"llama.block_count": 65_000})
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = ("import resource, sys\nfrom edgeinfer.cli import main\nrc = main(sys.argv[1:])\n"
+            "print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, "serve", str(path), "--port", str(port)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "EDGEINFER_API_KEY": ""})
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("edgeinfer: error:")]
+    assert len(errors) == 1 and "claims 65000 layers" in errors[0] and "Traceback" not in proc.stderr
+    maxrss_kb = int(proc.stdout.split("maxrss")[-1])
+    assert maxrss_kb < 115 << 10  # building 65k layers of tensor dicts first took ~160 MiB
+
+
 def test_block_count_needs_every_block_present(tmp_path):
     # one block more than the file has: refused before the per-block tensor checks
     path = write_tiny_model(tmp_path / "m.gguf", "llama", extra_metadata={"llama.block_count": 3})
