@@ -84,10 +84,11 @@ def _read_until(fd, needle: bytes, timeout: float = 120) -> bytes:
     return buf
 
 
-def test_interactive_chat_in_a_terminal(tiny_models):
+def test_interactive_chat_in_a_terminal(tiny_models, tmp_path):
     """Drive the interactive mode through a pty: /set, a message, multi-line, /clear, /bye."""
     pid, fd = pty.fork()
-    if pid == 0:  # child: the CLI on a terminal
+    if pid == 0:  # child: the CLI on a terminal, its line history kept out of the real home
+        os.environ["EDGEINFER_HOME"] = str(tmp_path)
         os.execv(sys.executable, RUN + [str(tiny_models["gemma3"]), "-n", "4", "--temp", "0",
                                         "--backend", "reference", "-c", "512"])
     try:
@@ -108,6 +109,7 @@ def test_interactive_chat_in_a_terminal(tiny_models):
         os.write(fd, b"/bye\n")
         _, status = os.waitpid(pid, 0)
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        assert "hello world" in (tmp_path / "history").read_text().splitlines()
     finally:
         try:
             os.kill(pid, 9)

@@ -1,9 +1,5 @@
-"""`edgeinfer run NAME [PROMPT]`: one answer and exit, or an interactive chat like `ollama run`.
-
-Interactive commands: /bye, /clear, /set parameter NAME VALUE, /set system TEXT, /show,
-/help; a line of three double quotes starts and ends multi-line input; Ctrl-C stops the
-current answer (a second Ctrl-C at the prompt, or Ctrl-D, leaves).
-"""
+"""`edgeinfer run NAME [PROMPT]`: its flags, and the choice between one answer and exit or the
+interactive session (edgeinfer.commands.repl, like `ollama run`)."""
 
 from __future__ import annotations
 
@@ -12,17 +8,10 @@ import threading
 import time
 from contextlib import contextmanager
 
+from edgeinfer.commands.answer import answer, messages_for
 from edgeinfer.commands.arg_types import non_negative_int
+from edgeinfer.commands.run_session import resume_session, save_run_session
 from edgeinfer.errors import EdgeInferError
-
-# `/set parameter` names (Ollama's) -> SamplingParams fields.
-PARAMETERS = {
-    "temperature": ("temperature", float), "top_k": ("top_k", int), "top_p": ("top_p", float),
-    "min_p": ("min_p", float), "seed": ("seed", int), "num_predict": ("max_tokens", int),
-    "repeat_penalty": ("repeat_penalty", float), "repeat_last_n": ("repeat_last_n", int),
-    "presence_penalty": ("presence_penalty", float), "frequency_penalty": ("frequency_penalty", float),
-    "stop": ("stop", str),
-}
 
 
 def add_model_options(p) -> None:
@@ -126,7 +115,7 @@ def run(args) -> int:
         print("edgeinfer: error: no prompt given", file=sys.stderr)
         return 2
     model = load_with_spinner(args)
-    args.raw = completion_mode(model, args)
+    raw = completion_mode(model, args)
     system, history = args.system, []
     if session is not None:
         system, history = resume_session(model, session, params, args.system)
@@ -135,12 +124,14 @@ def run(args) -> int:
         if one_shot["max_tokens"] < 0:
             # The default -n stops where the window ends; only an explicit -n goes past it.
             one_shot["context_shift"] = False
-        text = answer(model, _messages(system, history, prompt), one_shot, args.raw, args.verbose)
+        text = answer(model, messages_for(system, history, prompt), one_shot, raw, args.verbose)
         if session is not None:
             history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]
             save_run_session(model, session, system, history, params, args.session_kv)
         return 0
-    return interactive(model, args, params, system, history)
+    from edgeinfer.commands.repl import Repl
+
+    return Repl(model, args, params, raw, system, history).loop()
 
 
 def completion_mode(model, args) -> bool:
@@ -159,188 +150,6 @@ def completion_mode(model, args) -> bool:
     if args.system:
         print("--system is not used in plain completion", file=sys.stderr)
     return True
-
-
-def resume_session(model, name: str, params: dict, system: str | None) -> tuple[str | None, list[dict]]:
-    """Load saved session `name` (if it exists): its sampling settings replace `params`,
-    its K/V (if saved) become the cached prefix. Returns (system prompt, history)."""
-    from edgeinfer.saved_session import SessionFileError, load_session, session_path
-
-    path = session_path(name)
-    if not path.exists():
-        return system, []
-    saved = load_session(path, model.identity, model.config.n_layer)
-    restored = {**params, **{k: v for k, v in saved.sampling.items() if k in params}}
-    try:
-        from edgeinfer.sampling import SamplingParams
-
-        SamplingParams(**restored).validate()
-    except (TypeError, ValueError, EdgeInferError):
-        raise SessionFileError(f"session file {path.name} has invalid sampling settings; not loaded") from None
-    params.update(restored)
-    messages = list(saved.messages)
-    if messages and messages[0]["role"] == "system":
-        saved_system = messages.pop(0)["content"]
-        system = system or saved_system  # --system given now replaces the saved one
-    if saved.n_kv:
-        model.sessions.import_kv(saved.tokens, saved.k, saved.v, saved.pos)
-    print(f"Resumed session '{name}' ({len(messages) // 2} turn(s)).", file=sys.stderr)
-    return system, messages
-
-
-def save_run_session(model, name: str, system: str | None, history: list[dict], params: dict,
-                     with_kv: bool) -> None:
-    from edgeinfer.saved_session import SavedSession, save_session, session_path
-
-    saved = SavedSession(messages=_messages_only(system, history), tokens=model.sessions.resident_tokens(),
-                         sampling=dict(params))
-    if with_kv:
-        kv = model.sessions.export_kv()
-        if kv is not None:
-            saved.tokens, saved.k, saved.v, saved.pos = kv
-    save_session(session_path(name), saved, model.identity)
-
-
-def _messages_only(system: str | None, history: list[dict]) -> list[dict]:
-    return ([{"role": "system", "content": system}] if system else []) + list(history)
-
-
-def answer(model, messages_or_prompt, params: dict, raw: bool, verbose: bool) -> str:
-    """Stream one answer to stdout; Ctrl-C stops it. Returns the text shown."""
-    cancel = threading.Event()
-    if raw:
-        prompt = messages_or_prompt if isinstance(messages_or_prompt, str) else messages_or_prompt[-1]["content"]
-        chunks = model.generate(prompt, stream=True, cancel=cancel, **params)
-    else:
-        chunks = model.chat(messages_or_prompt, stream=True, cancel=cancel, **params)
-    shown: list[str] = []
-    last = None
-    try:
-        for chunk in chunks:
-            if chunk.text:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                shown.append(chunk.text)
-            last = chunk
-    except KeyboardInterrupt:
-        cancel.set()
-        for chunk in chunks:  # let the loop see the cancel and release the model
-            last = chunk
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    if verbose and last is not None and last.timings is not None:
-        _print_timings(last)
-    return "".join(shown)
-
-
-def _print_timings(last) -> None:
-    t, u = last.timings, last.usage
-    lines = [
-        f"total duration:       {t.prompt_s + t.gen_s:.3f}s",
-        f"prompt eval count:    {u.prompt_tokens} token(s) ({u.cached_tokens} cached)",
-        f"prompt eval rate:     {t.prompt_tps:.2f} tokens/s",
-        f"time to first token:  {t.ttft_s * 1000:.1f}ms",
-        f"eval count:           {u.completion_tokens} token(s)",
-        f"eval rate:            {t.gen_tps:.2f} tokens/s",
-        f"finish reason:        {last.finish_reason}",
-    ]
-    print("\n".join(lines), file=sys.stderr)
-
-
-def _messages(system: str | None, history: list[dict], user: str) -> list[dict]:
-    msgs = [{"role": "system", "content": system}] if system else []
-    return msgs + history + [{"role": "user", "content": user}]
-
-
-def interactive(model, args, params: dict, system: str | None = None,
-                history: list[dict] | None = None) -> int:
-    session = getattr(args, "session", None)
-    system = system if system is not None else args.system
-    history = history if history is not None else []
-    print(f"{args.name} is ready. Send a message (/? for help, /bye to quit)", file=sys.stderr)
-    while True:
-        try:
-            line = read_message()
-        except (EOFError, KeyboardInterrupt):
-            print("", file=sys.stderr)
-            return 0
-        if line is None:
-            continue
-        cmd = line.strip()
-        if cmd in ("/bye", "/exit", "/quit"):
-            return 0
-        if cmd in ("/?", "/help"):
-            print(__doc__.split("\n\n", 1)[1].strip(), file=sys.stderr)
-            continue
-        if cmd == "/clear":
-            history.clear()
-            print("Cleared session context.", file=sys.stderr)
-            continue
-        if cmd.startswith("/set system"):
-            system = cmd[len("/set system"):].strip() or None
-            print("Set system message.", file=sys.stderr)
-            continue
-        if cmd.startswith("/set parameter"):
-            try:
-                set_parameter(params, cmd[len("/set parameter"):].split(maxsplit=1))
-            except EdgeInferError as exc:
-                print(f"error: {exc}", file=sys.stderr)
-            continue
-        if cmd == "/show":
-            print(f"model {args.name}, context {model.n_ctx}, parameters {params}", file=sys.stderr)
-            continue
-        if cmd.startswith("/"):
-            print(f"Unknown command '{cmd.split()[0]}'. Type /? for help", file=sys.stderr)
-            continue
-        if not cmd:
-            continue
-        messages = _messages(system, history, line)
-        try:
-            text = answer(model, messages if not args.raw else line, params, args.raw, args.verbose)
-        except EdgeInferError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            continue
-        history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
-        if session is not None:
-            try:
-                save_run_session(model, session, system, history, params, args.session_kv)
-            except (EdgeInferError, OSError) as exc:
-                print(f"error: session not saved: {exc}", file=sys.stderr)
-
-
-def set_parameter(params: dict, words: list[str]) -> None:
-    from edgeinfer.sampling import SamplingParams
-
-    if len(words) != 2:
-        raise EdgeInferError("usage: /set parameter NAME VALUE")
-    name, raw = words[0], words[1].strip()
-    if name not in PARAMETERS:
-        raise EdgeInferError(f"unknown parameter {name!r} (known: {', '.join(sorted(PARAMETERS))})")
-    field, kind = PARAMETERS[name]
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise EdgeInferError(f"{name} needs a {kind.__name__}, got {raw!r}") from None
-    trial = dict(params)
-    trial[field] = (params.get("stop", []) + [value]) if field == "stop" else value
-    SamplingParams(**trial).validate()
-    params.update(trial)
-    print(f"Set parameter '{name}' to '{raw}'", file=sys.stderr)
-
-
-def read_message() -> str | None:
-    """One message from the terminal; a line of \"\"\" opens and closes a multi-line message."""
-    line = input(">>> ")
-    if line.strip().startswith('"""'):
-        first = line.strip()[3:]
-        lines = [first] if first else []
-        while True:
-            more = input("... ")
-            if more.rstrip().endswith('"""'):
-                lines.append(more.rstrip()[:-3])
-                return "\n".join(lines).strip("\n")
-            lines.append(more)
-    return line
 
 
 @contextmanager

@@ -1,0 +1,57 @@
+"""Stream one answer of a loaded model to the terminal (Ctrl-C stops it), with `--verbose` timings."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+
+def answer(model, messages_or_prompt, params: dict, raw: bool, verbose: bool, out=None, err=None) -> str:
+    """Stream one answer to `out` (stdout); Ctrl-C stops it. `raw` completes the last user
+    text as it is; otherwise the messages go through the chat template. Returns the text shown."""
+    out = out if out is not None else sys.stdout
+    cancel = threading.Event()
+    if raw:
+        prompt = messages_or_prompt if isinstance(messages_or_prompt, str) else messages_or_prompt[-1]["content"]
+        chunks = model.generate(prompt, stream=True, cancel=cancel, **params)
+    else:
+        chunks = model.chat(messages_or_prompt, stream=True, cancel=cancel, **params)
+    shown: list[str] = []
+    last = None
+    try:
+        for chunk in chunks:
+            if chunk.text:
+                out.write(chunk.text)
+                out.flush()
+                shown.append(chunk.text)
+            last = chunk
+    except KeyboardInterrupt:
+        cancel.set()
+        for chunk in chunks:  # let the loop see the cancel and release the model
+            last = chunk
+    out.write("\n")
+    out.flush()
+    if verbose and last is not None and last.timings is not None:
+        print_timings(last, err if err is not None else sys.stderr)
+    return "".join(shown)
+
+
+def print_timings(last, err) -> None:
+    """What `ollama run --verbose` prints after an answer."""
+    t, u = last.timings, last.usage
+    lines = [
+        f"total duration:       {t.prompt_s + t.gen_s:.3f}s",
+        f"prompt eval count:    {u.prompt_tokens} token(s) ({u.cached_tokens} cached)",
+        f"prompt eval rate:     {t.prompt_tps:.2f} tokens/s",
+        f"time to first token:  {t.ttft_s * 1000:.1f}ms",
+        f"eval count:           {u.completion_tokens} token(s)",
+        f"eval rate:            {t.gen_tps:.2f} tokens/s",
+        f"finish reason:        {last.finish_reason}",
+    ]
+    print("\n".join(lines), file=err)
+
+
+def messages_for(system: str | None, history: list[dict], user: str) -> list[dict]:
+    """The conversation to send: system prompt (if any), earlier turns, the new user text."""
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + history + [{"role": "user", "content": user}]

@@ -1,0 +1,175 @@
+"""The interactive `edgeinfer run NAME`: read a message or a slash command, answer, repeat."""
+
+from __future__ import annotations
+
+import sys
+
+from edgeinfer.commands import repl_commands as rc
+from edgeinfer.commands.answer import answer, messages_for
+from edgeinfer.commands.line_input import LineReader
+from edgeinfer.errors import EdgeInferError
+
+
+class Repl:
+    """One interactive session: the model, its sampling parameters, system prompt and turns.
+    `raw` = plain completion (each line is completed on its own, no chat template)."""
+
+    def __init__(self, model, args, params: dict, raw: bool, system: str | None = None,
+                 history: list[dict] | None = None, reader: LineReader | None = None,
+                 out=None, err=None) -> None:
+        self.model = model
+        self.args = args
+        self.name = args.name
+        self.raw = raw
+        self.verbose = bool(args.verbose)
+        self.session = getattr(args, "session", None)
+        self.params = params
+        self.system = system if system is not None else args.system
+        self.history = history if history is not None else []
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self.reader = reader if reader is not None else LineReader(stdout=self.out)
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def error(self, text: str) -> None:
+        print(f"error: {text}", file=self.err, flush=True)
+
+    def loop(self) -> int:
+        print(f"{self.name} is ready. Send a message (/? for help, /bye to quit)", file=self.err)
+        while True:
+            try:
+                line = self.reader.read_message()
+            except (EOFError, KeyboardInterrupt):
+                print("", file=self.err)
+                return 0
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                try:
+                    if not self.command(text):
+                        return 0
+                except EdgeInferError as exc:
+                    self.error(str(exc))
+                continue
+            self.send(line)
+
+    def send(self, line: str) -> None:
+        """Answer one message, keep the turn, save the session if one is named."""
+        try:
+            if self.raw:
+                answer(self.model, line, self.params, True, self.verbose, self.out, self.err)
+                return  # completion: each line stands alone
+            messages = messages_for(self.system, self.history, line)
+            text = answer(self.model, messages, self.params, False, self.verbose, self.out, self.err)
+        except EdgeInferError as exc:
+            self.error(str(exc))
+            return
+        self.history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
+        if self.session is not None:
+            try:
+                self.save(self.session, quiet=True)
+            except (EdgeInferError, OSError) as exc:
+                self.error(f"session not saved: {exc}")
+
+    # -- slash commands ---------------------------------------------------------------------
+    def command(self, text: str) -> bool:
+        """Run one slash command; False = leave the REPL."""
+        word, _, rest = text.partition(" ")
+        rest = rest.strip()
+        if word in ("/bye", "/exit", "/quit"):
+            return False
+        if word in ("/?", "/help"):
+            self.say(rc.help_text(rest))
+        elif word == "/clear":
+            self.history.clear()
+            self.say("Cleared session context.")
+        elif word == "/set":
+            self.set(rest)
+        elif word == "/show":
+            self.say(rc.show(rest, self.model, self.params, self.system, self.raw))
+        elif word == "/load":
+            self.load(rest)
+        elif word == "/save":
+            if not rest:
+                raise EdgeInferError("usage: /save <name>")
+            self.save(rest)
+        else:
+            raise EdgeInferError(f"unknown command '{word}'. Type /? for help")
+        return True
+
+    def set(self, text: str) -> None:
+        what, _, rest = text.partition(" ")
+        if not what:
+            self.say(rc.USAGE_SET)
+        elif what == "parameter":
+            if not rest.strip():
+                self.say(rc.usage_parameters())
+            else:
+                self.say(rc.set_parameter(self.params, rest))
+        elif what == "system":
+            system = rc.parse_system(rest)
+            if not system:
+                raise EdgeInferError("usage: /set system <string>")
+            self.system = system
+            self.say("Set system message." + (" (unused: this model runs as plain completion)" if self.raw else ""))
+        elif what in ("verbose", "quiet"):
+            self.verbose = what == "verbose"
+            self.say(f"Set '{what}' mode.")
+        elif what in ("history", "nohistory"):
+            self.reader.history_enabled = what == "history"
+            self.say(f"Set '{what}' mode.")
+        elif what == "noformat":
+            self.say("Disabled format.")
+        elif what == "format":
+            raise EdgeInferError(f"/set format {rest or 'json'} is not supported yet")
+        elif what in ("wordwrap", "nowordwrap", "think", "nothink"):
+            raise EdgeInferError(f"/set {what} is not supported yet")
+        else:
+            raise EdgeInferError(f"unknown /set option {what!r} (try /? set)")
+
+    def load(self, name: str) -> None:
+        """`/load NAME`: a saved session of this model if one has that name, else another model."""
+        if not name:
+            raise EdgeInferError("usage: /load <model>")
+        from edgeinfer.saved_session import session_path
+
+        try:
+            saved = session_path(name).exists()
+        except EdgeInferError:  # not a session name (a path, hf.co/...): a model
+            saved = False
+        if saved:
+            if self.raw:
+                raise EdgeInferError(f"session '{name}' keeps a chat; this model runs as plain completion")
+            from edgeinfer.commands.run_session import resume_session
+
+            self.system, self.history = resume_session(self.model, name, self.params, self.system)
+            self.session = name
+            return
+        from edgeinfer.commands.run import completion_mode, load_with_spinner
+
+        previous = self.args.name
+        self.args.name = name
+        try:
+            model = load_with_spinner(self.args)
+            raw = completion_mode(model, self.args)
+        except BaseException:
+            self.args.name = previous
+            raise
+        self.model, self.name, self.raw = model, name, raw
+        self.history.clear()
+        self.say(f"Loaded model '{name}'.")
+
+    def save(self, name: str, quiet: bool = False) -> None:
+        from edgeinfer.commands.run_session import save_run_session
+        from edgeinfer.saved_session import check_name
+
+        check_name(name)
+        if self.raw:
+            raise EdgeInferError("/save keeps a chat; this model runs as plain completion")
+        save_run_session(self.model, name, self.system, self.history, self.params,
+                         getattr(self.args, "session_kv", False))
+        if not quiet:
+            self.say(f"Saved session '{name}' (resume it with: edgeinfer run {self.name} --session {name})")
