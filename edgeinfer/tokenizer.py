@@ -309,16 +309,33 @@ class Tokenizer:
     # -- text -> ids ----------------------------------------------------------------------
 
     def tokenize(self, text: str | bytes, add_special: bool = True,
-                 parse_special: bool = False) -> list[int]:
-        """llama_tokenize(text, add_special, parse_special)."""
+                 parse_special: bool = False, cancel: threading.Event | None = None) -> list[int]:
+        """llama_tokenize(text, add_special, parse_special).
+
+        With `cancel`, a set Event stops the work (checked every few thousand bytes) with a
+        TokenizerError: a long prompt of a cancelled request does not hold the worker."""
         data = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+        if cancel is not None and cancel.is_set():
+            raise TokenizerError("tokenizing stopped: the request was cancelled")
         fragments = self._partition(data, parse_special) if data else []
         out: list[int] = []
+        unchecked = 0  # bytes tokenized since cancel was last looked at
+
+        def check(frag: bytes | int) -> None:
+            nonlocal unchecked
+            unchecked += 1 if isinstance(frag, int) else len(frag)
+            if unchecked >= 4096:
+                unchecked = 0
+                if cancel.is_set():
+                    raise TokenizerError("tokenizing stopped: the request was cancelled")
+
         if self._spm is not None:
             if add_special and self.add_bos:
                 out.append(self._need(self.bos_id, "BOS"))
             prev_special = True
             for frag in fragments:
+                if cancel is not None:
+                    check(frag)
                 if isinstance(frag, int):
                     out.append(frag)
                     prev_special = True
@@ -338,6 +355,8 @@ class Tokenizer:
             if add_special and self.add_bos:
                 out.append(self._need(self.bos_id, "BOS"))
             for frag in fragments:
+                if cancel is not None:
+                    check(frag)
                 if isinstance(frag, int):
                     out.append(frag)
                     continue
