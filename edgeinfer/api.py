@@ -117,6 +117,15 @@ class Model:
 
     def _run(self, ids: list[int], params: dict[str, Any],
              cancel: threading.Event | None) -> Iterator[GenerationChunk]:
+        # Ollama's `context`: continue after these ids (they begin with their own BOS), and
+        # tell the caller the whole prompt so it can hand back prompt + answer.
+        context = params.pop("context", None)
+        if context:
+            bos = self.tokenizer.bos_id if self.tokenizer.add_bos else None
+            ids = list(context) + (ids[1:] if ids and bos is not None and ids[0] == bos else ids)
+        on_prompt = params.pop("on_prompt", None)
+        if on_prompt is not None:
+            on_prompt(list(ids))
         if not ids:
             raise EdgeInferError("the prompt is empty")
         # Per-request context-shift settings ride along with the sampling keywords.
