@@ -93,8 +93,11 @@ def test_schemas_are_strict():
     with pytest.raises(ValidationError):
         InfillRequest.model_validate_json('{"n_keep": -2}')
     req = ChatCompletionRequest.model_validate_json(
-        '{"messages": [{"role": "user", "content": "x"}], "temperature": 1, "unknown_field": 3}')
+        '{"messages": [{"role": "user", "content": "x"}], "temperature": 1}')
     assert req.temperature == 1.0
+    with pytest.raises(ValidationError):  # unknown fields are refused, never dropped
+        ChatCompletionRequest.model_validate_json(
+            '{"messages": [{"role": "user", "content": "x"}], "unknown_field": 3}')
 
 
 # -- the worker ------------------------------------------------------------------------------------

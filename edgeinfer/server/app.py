@@ -236,13 +236,17 @@ async def read_body(request: Request, schema: type[B]) -> B:
 
 
 def _describe(exc: ValidationError) -> tuple[str, str | None]:
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # an unknown field is the real problem even when a union's other members also failed
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     if err["type"] == "json_invalid":
         return f"malformed JSON: {err['msg'].removeprefix('Invalid JSON: ')}", None
     loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
     if err["type"] == "model_type":
         return "the request body must be a JSON object", None
-    return f"invalid field {loc!r}: {err['msg']}", loc or None
+    if err["type"] == "extra_forbidden":
+        return f"unsupported field {loc!r}: this server does not know it, so it cannot honour it", loc
+    return f"invalid field {loc!r}: {err['msg'].removeprefix('Value error, ')}", loc or None
 
 
 def _is_union_tag(part: Any) -> bool:

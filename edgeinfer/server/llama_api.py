@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+import time
+from dataclasses import replace
+from typing import AsyncIterator, Iterator
 
 import anyio
 from fastapi import APIRouter, Request
@@ -22,11 +24,96 @@ router = APIRouter()
 _STOP_TYPE = {"stop": "eos", "length": "limit", "cancelled": "none"}
 
 
+# edgeinfer's fixed chain, and the settings that take each sampler out of it
+CHAIN = ("penalties", "top_k", "top_p", "min_p", "temperature")
+_OFF = {"penalties": {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0},
+        "top_k": {"top_k": 0}, "top_p": {"top_p": 1.0}, "min_p": {"min_p": 0.0},
+        "temperature": {"temperature": 1.0}}  # no temperature sampler: the raw distribution
+
+
 def sampling_of(state, req: LlamaSampling) -> dict:
-    return state.sampling(max_tokens=req.n_predict, temperature=req.temperature, top_k=req.top_k,
-                          top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop,
-                          repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n,
-                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+    params = state.sampling(max_tokens=req.n_predict, temperature=req.temperature, top_k=req.top_k,
+                            top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop,
+                            repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n,
+                            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+    if req.samplers is not None:
+        params.update(sampler_chain(req.samplers))
+    if req.n_keep:
+        params["n_keep"] = req.n_keep  # what a context shift keeps (Model passes it on)
+    return params
+
+
+def sampler_chain(names: list[str]) -> dict:
+    """llama-server's `samplers`: a sampler left out of the list does not run. edgeinfer's
+    order is fixed, so the listed ones must come in that order. dry, top_n_sigma, typ_p and
+    xtc do nothing at their defaults (their settings are refused), so listing them is
+    harmless; llama.cpp's `infill` sampler (which editor plugins list) has no counterpart
+    here: FIM completions are sampled by the rest of the chain and end at EOG as usual."""
+    ours = [n for n in names if n in CHAIN]
+    if ours != sorted(ours, key=CHAIN.index) or len(set(ours)) != len(ours):
+        raise APIError(400, f"invalid field 'samplers': {names} cannot run in that order: this server runs "
+                            f"{', '.join(CHAIN)} in that order", param="samplers")
+    out: dict = {}
+    for name in CHAIN:
+        if name not in names:
+            out.update(_OFF[name])
+    return out
+
+
+class _Stop:
+    """The request's cancel flag, which a limit below can also raise."""
+
+    def __init__(self, cancel) -> None:
+        self.cancel, self.hit = cancel, False
+
+    def is_set(self) -> bool:
+        return self.hit or self.cancel.is_set()
+
+
+def limited(start, t_max_predict_ms: int | None, n_indent: int):
+    """llama-server's `t_max_predict_ms` (after a newline, stop once that long has passed
+    since the first token) and `n_indent` (stop at a line indented less than that, cutting
+    the line after its indentation) around a worker start function; both end "length"."""
+    if not t_max_predict_ms and not n_indent:
+        return start
+
+    def run(cancel) -> Iterator:
+        flag = _Stop(cancel)
+        text, sent, line, scan, t_first = "", 0, None, 0, None
+        for chunk in start(flag):
+            if flag.hit:  # the generator's closing chunk: its held-back text is past the limit
+                if chunk.finish_reason is not None:
+                    yield replace(chunk, text="", finish_reason="length")
+                continue
+            if chunk.finish_reason is None and t_first is None:
+                t_first = time.perf_counter()
+            text += chunk.text
+            cut = None
+            while n_indent and cut is None:
+                if line is None:
+                    nl = text.find("\n", scan)
+                    if nl < 0:
+                        scan = len(text)
+                        break
+                    line = nl + 1
+                i = line
+                while i < len(text) and text[i] in " \t":
+                    i += 1
+                if i == len(text):
+                    break  # only indentation so far
+                if i - line < n_indent:
+                    cut = i
+                scan, line = i, None
+            if cut is not None:
+                flag.hit = True
+                text = text[:cut]
+            elif t_max_predict_ms and t_first is not None and "\n" in text \
+                    and (time.perf_counter() - t_first) * 1e3 > t_max_predict_ms:
+                flag.hit = True
+            piece, sent = text[sent:], len(text)
+            yield replace(chunk, text=piece)  # (no early return: the generator must run to its end)
+
+    return run
 
 
 def final_body(state, text: str, last, params: dict) -> dict:
@@ -95,8 +182,9 @@ async def completion(request: Request):
     params = sampling_of(state, req)
     prompt = req.prompt
     check_ids(model, prompt if isinstance(prompt, list) else [])
-    return await _run(request, req, lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **params),
-                      params)
+    start = limited(lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **params),  # noqa: E731
+                    req.t_max_predict_ms, req.n_indent)
+    return await _run(request, req, start, params)
 
 
 @router.post("/infill")
@@ -108,7 +196,7 @@ async def infill(request: Request):
     extra = [(c.filename, c.text) for c in req.input_extra]
     start = fim_start(model, params, prefix=req.input_prefix, suffix=req.input_suffix, extra=extra,
                       prompt=req.prompt)
-    return await _run(request, req, start, params)
+    return await _run(request, req, limited(start, req.t_max_predict_ms, req.n_indent), params)
 
 
 @router.post("/tokenize")
@@ -143,12 +231,12 @@ async def detokenize(request: Request) -> JSONResponse:
 
 @router.post("/apply-template")
 async def apply_template(request: Request) -> JSONResponse:
-    from edgeinfer.server.openai_api import message_text
+    from edgeinfer.server.openai_api import chat_message
 
     state = request.app.state.server
     req = await read_body(request, ApplyTemplateRequest)
     model = state.require_model()
-    messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+    messages = [chat_message(m) for m in req.messages]
     return JSONResponse({"prompt": await _off_loop(request, lambda: model.apply_chat_template(messages))})
 
 
@@ -164,11 +252,13 @@ async def props(request: Request) -> JSONResponse:
         "build_info": "edgeinfer"})
 
 
-def check_ids(model, ids: list[int]) -> None:
+def check_ids(model, ids: list[int], field: str | None = None) -> None:
     n = model.tokenizer.vocab_size
     bad = next((i for i in ids if i >= n), None)
     if bad is not None:
-        raise APIError(400, f"token id {bad} is out of range (the vocabulary has {n} tokens)")
+        where = f"invalid field {field!r}: " if field else ""
+        raise APIError(400, f"{where}token id {bad} is out of range (the vocabulary has {n} tokens)",
+                       param=field)
 
 
 async def _off_loop(request: Request, fn):

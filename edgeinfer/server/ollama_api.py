@@ -33,7 +33,7 @@ def now_iso() -> str:
 
 def sampling_of(state, req: OllamaBase, n_ctx: int) -> dict:
     if req.format not in (None, ""):
-        raise APIError(400, "format (JSON mode / schemas) is not supported yet")
+        raise APIError(400, "invalid field 'format': JSON mode and schemas are not supported yet")
     o = req.options
     if o is None:
         return state.sampling()
@@ -42,10 +42,25 @@ def sampling_of(state, req: OllamaBase, n_ctx: int) -> dict:
                             f"restart the server with --ctx-size {o.num_ctx}")
     max_tokens = -1 if o.num_predict == -2 else o.num_predict
     stop = [o.stop] if isinstance(o.stop, str) else o.stop
-    return state.sampling(max_tokens=max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
-                          min_p=o.min_p, seed=o.seed, stop=stop, repeat_penalty=o.repeat_penalty,
-                          repeat_last_n=o.repeat_last_n, presence_penalty=o.presence_penalty,
-                          frequency_penalty=o.frequency_penalty)
+    params = state.sampling(max_tokens=max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
+                            min_p=o.min_p, seed=o.seed, stop=stop, repeat_penalty=o.repeat_penalty,
+                            repeat_last_n=o.repeat_last_n, presence_penalty=o.presence_penalty,
+                            frequency_penalty=o.frequency_penalty)
+    if o.num_keep is not None:
+        params["n_keep"] = o.num_keep  # what a context shift keeps (Model passes it on)
+    return params
+
+
+def check_think(model, think) -> None:
+    """`think: false` asks for nothing from a model that does not think, so it passes; a
+    thinking template would need it switched off, and separate thinking output is not made."""
+    if think is None:
+        return
+    source = (getattr(getattr(model, "template", None), "source", "") or "").lower()
+    if think is False and "think" not in source:
+        return
+    what = "switching thinking off for this model's template" if think is False else "thinking output"
+    raise APIError(400, f"invalid field 'think': {what} is not supported", param="think")
 
 
 def final_stats(last, t_request: float) -> dict:
@@ -75,28 +90,56 @@ async def generate(request: Request):
     model = await state.ensure_model()
     state.check_model_name(req.model)
     if req.images:
-        raise APIError(400, "images are not supported by this model")
+        raise APIError(400, "invalid field 'images': images are not supported by this model")
     if req.template:
-        raise APIError(400, "template overrides are not supported; start the server with --chat-template")
+        raise APIError(400, "invalid field 'template': template overrides are not supported; start the "
+                            "server with --chat-template")
     params = sampling_of(state, req, model.n_ctx)
-    if not req.prompt and req.suffix is None:
+    check_think(model, req.think)
+    if not req.prompt and req.suffix is None and not req.context:
         return load_response(state)
+    tokens: list[int] = []  # the prompt's ids, then the answer's: the `context` to hand back
     if req.suffix is not None:
+        if req.context:
+            raise APIError(400, "invalid field 'context': it cannot be combined with suffix "
+                                "(fill-in-the-middle)", param="context")
         start = fim_start(model, params, prefix=req.prompt, suffix=req.suffix)
-    elif req.raw:
-        start = lambda cancel: model.generate(req.prompt, stream=True, cancel=cancel, **params)  # noqa: E731
     else:
-        messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
-            [{"role": "user", "content": req.prompt}]
-        start = lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params)  # noqa: E731
+        if req.context:
+            from edgeinfer.server.llama_api import check_ids
+
+            check_ids(model, req.context, "context")
+        params.update(context=req.context, on_prompt=tokens.extend)
+        if req.raw:
+            start = lambda cancel: model.generate(req.prompt, stream=True, cancel=cancel, **params)  # noqa: E731
+        else:
+            messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
+                [{"role": "user", "content": req.prompt}]
+            start = lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params)  # noqa: E731
+        start = _recording(start, tokens)
     job = state.submit(start)
     head = {"model": state.config.model_name}
+
+    def context() -> dict:
+        return {"context": tokens} if req.suffix is None else {}
+
     if not req.stream:
         text, last = await collect(job, request)
-        return JSONResponse({**head, "created_at": now_iso(), "response": text, **final_stats(last, t0)})
+        return JSONResponse({**head, "created_at": now_iso(), "response": text, **final_stats(last, t0),
+                             **context()})
     first = await first_chunk(job, request)
-    return StreamingResponse(_ndjson(job, first, head, t0, lambda text: {"response": text}),
+    return StreamingResponse(_ndjson(job, first, head, t0, lambda text: {"response": text}, context),
                              media_type=NDJSON)
+
+
+def _recording(start, tokens: list[int]):
+    """A start function that also appends each generated token id to `tokens`."""
+    def run(cancel):
+        for chunk in start(cancel):
+            if chunk.token is not None:
+                tokens.append(chunk.token)
+            yield chunk
+    return run
 
 
 @router.post("/api/chat")
@@ -112,9 +155,11 @@ async def chat(request: Request):
                              "done_reason": "unload"})
     model = await state.ensure_model()
     state.check_model_name(req.model)
-    if any(m.images for m in req.messages):
-        raise APIError(400, "images are not supported by this model")
+    bad = next((i for i, m in enumerate(req.messages) if m.images), None)
+    if bad is not None:
+        raise APIError(400, f"invalid field 'messages.{bad}.images': images are not supported by this model")
     params = sampling_of(state, req, model.n_ctx)
+    check_think(model, req.think)
     if not req.messages:
         return JSONResponse({"model": state.config.model_name, "created_at": now_iso(),
                              "message": {"role": "assistant", "content": ""}, "done": True,
@@ -133,7 +178,7 @@ async def chat(request: Request):
     return StreamingResponse(_ndjson(job, first, head, t0, message), media_type=NDJSON)
 
 
-async def _ndjson(job, first, head: dict, t0: float, body) -> AsyncIterator[str]:
+async def _ndjson(job, first, head: dict, t0: float, body, tail=dict) -> AsyncIterator[str]:
     last = None
     try:
         async for chunk in stream_chunks(job, first):
@@ -147,7 +192,7 @@ async def _ndjson(job, first, head: dict, t0: float, body) -> AsyncIterator[str]
     if job.timed_out:
         yield _line({"error": "the request timed out"})
     elif last is not None:
-        yield _line({**head, "created_at": now_iso(), **body(""), **final_stats(last, t0)})
+        yield _line({**head, "created_at": now_iso(), **body(""), **final_stats(last, t0), **tail()})
 
 
 def _line(obj: dict) -> str:

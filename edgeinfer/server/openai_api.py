@@ -32,21 +32,32 @@ def message_text(m: OpenAIMessage) -> str:
     parts = []
     for part in m.content:
         if part.type != "text":
-            raise APIError(400, f"content part type {part.type!r} is not supported (text only)",
+            raise APIError(400, f"invalid field 'messages': content part type {part.type!r} is not supported "
+                                "(text only)",
                            param="messages")
         parts.append(part.text or "")
     return "".join(parts)
 
 
+def chat_message(m: OpenAIMessage) -> dict:
+    """The template's view of a message; `name` goes along for templates that use it."""
+    out = {"role": m.role, "content": message_text(m)}
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
 def sampling_of(state, req: OpenAISampling, max_tokens: int | None) -> dict:
     if req.n != 1:
-        raise APIError(400, f"n={req.n} is not supported: this server returns one choice (n=1)", param="n")
+        raise APIError(400, f"invalid field 'n': n={req.n} is not supported: this server returns one "
+                            "choice (n=1)", param="n")
     if req.logprobs:
-        raise APIError(400, "logprobs are not supported", param="logprobs")
+        raise APIError(400, "invalid field 'logprobs': log probabilities are not produced", param="logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     return state.sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-                          repeat_penalty=req.repeat_penalty, presence_penalty=req.presence_penalty,
+                          repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n,
+                          presence_penalty=req.presence_penalty,
                           frequency_penalty=req.frequency_penalty, stop=stop)
 
 
@@ -67,11 +78,12 @@ async def chat_completions(request: Request):
     model = state.require_model()
     state.check_model_name(req.model)
     if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format {req.response_format.type!r} is not supported",
+        raise APIError(400, f"invalid field 'response_format': type {req.response_format.type!r} is not "
+                            "supported (only 'text')",
                        param="response_format")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_of(state, req, max_tokens)
-    messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+    messages = [chat_message(m) for m in req.messages]
     job = state.submit(lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params))
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": ident, "created": created, "model": state.config.model_name, "system_fingerprint": "edgeinfer"}
@@ -108,7 +120,7 @@ async def completions(request: Request):
     model = state.require_model()
     state.check_model_name(req.model)
     if req.echo:
-        raise APIError(400, "echo is not supported", param="echo")
+        raise APIError(400, "invalid field 'echo': echoing the prompt is not supported", param="echo")
     params = sampling_of(state, req, req.max_tokens)
     prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
     if req.suffix is not None:

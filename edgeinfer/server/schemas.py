@@ -1,15 +1,16 @@
-"""Request bodies, validated strictly: types (no "5" for 5), ranges, bounded lists.
+"""Request bodies, validated strictly: types (no "5" for 5), ranges, bounded lists, no unknown fields.
 
-Unknown fields are ignored (clients send many we do not use); fields we cannot honour
-with a different meaning (n > 1, logprobs, images, JSON mode) are refused in the
-endpoint with a clear 400 rather than silently dropped.
+A field a client sends either works or is refused with a 400 naming it: unknown fields
+(a typo, a sampler we lack, tool calling) fail validation (`extra="forbid"`), and known
+fields we cannot honour accept only their do-nothing value (`Unsupported`). The few
+accepted fields that change nothing (metadata such as OpenAI `user`) say why where declared.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 MAX_TOKENS = 1 << 20          # upper bound for every token-count field
 MAX_STOPS = 16                # stop strings per request
@@ -21,21 +22,51 @@ TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 Seed = Annotated[int, Field(ge=-1, lt=1 << 63)]
 
 
+def Unsupported(why: str, *noop: Any) -> Any:  # noqa: N802 - used like a type
+    """A known field edgeinfer cannot honour: absent, null or one of `noop` (the values that
+    ask for nothing) pass; anything else is a 400 naming the field and saying `why`."""
+    allowed = (None, *noop)
+
+    def check(value: Any) -> Any:
+        if not any(_same(value, a) for a in allowed):
+            shown = " or ".join(repr(a) for a in noop)
+            raise ValueError(why + (f" (only {shown} is accepted)" if noop else ""))
+        return value
+
+    return Annotated[Any, AfterValidator(check)]
+
+
 class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    number = (int, float)
+    if isinstance(value, bool) or isinstance(allowed, bool) or not isinstance(value, number) \
+            or not isinstance(allowed, number):
+        return type(value) is type(allowed) and value == allowed
+    return value == allowed  # 1 and 1.0 are the same number in JSON
+
+
+TOOLS = "tool calling is not supported by this server"
 
 
 # -- OpenAI ---------------------------------------------------------------------------------
 
 class ContentPart(Body):
-    type: str
+    type: str            # only "text" (checked where the message is read)
     text: str | None = None
 
 
 class OpenAIMessage(Body):
     role: Annotated[str, StringConstraints(min_length=1, max_length=64)]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: Annotated[str, StringConstraints(max_length=256)] | None = None  # handed to the chat template
+    # what a client echoes back from an assistant message: empty values only
+    tool_calls: Unsupported(TOOLS, []) = None
+    function_call: Unsupported(TOOLS) = None
+    refusal: Unsupported("refusal messages are not supported") = None
+    audio: Unsupported("audio is not supported") = None
 
 
 class StreamOptions(Body):
@@ -43,7 +74,8 @@ class StreamOptions(Body):
 
 
 class ResponseFormat(Body):
-    type: str = "text"
+    type: str = "text"   # only "text" (checked in the endpoint, with a clearer message)
+    json_schema: dict | None = None
 
 
 class OpenAISampling(Body):
@@ -54,35 +86,60 @@ class OpenAISampling(Body):
     top_k: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None  # llama-server extension
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None          # llama-server extension
     repeat_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    repeat_last_n: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] | None = None  # llama-server extension
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: Seed | None = None
     stop: Stop = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
+    n: Annotated[int, Field(ge=1, le=128)] = 1   # > 1 refused in the endpoint
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | int | None = None
+    logprobs: bool | int | None = None            # refused in the endpoint unless false / 0
+    top_logprobs: Unsupported("log probabilities are not produced", 0) = None
+    logit_bias: Unsupported("logit_bias is not supported", {}) = None
+    # llama-server extension; the prefix cache is always on, and turning it off changes no output
+    cache_prompt: bool = True
+    # Metadata with no effect on the output: OpenAI uses them for abuse tracking and for
+    # tagging stored completions; nothing is stored here.
+    user: Annotated[str, StringConstraints(max_length=256)] | None = None
+    metadata: Annotated[dict[str, Annotated[str, StringConstraints(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    store: Unsupported("stored completions are not supported", False) = None
+    service_tier: Unsupported("service tiers are not offered", "auto", "default") = None
 
 
 class ChatCompletionRequest(OpenAISampling):
     messages: Annotated[list[OpenAIMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
     response_format: ResponseFormat | None = None
+    tools: Unsupported(TOOLS, []) = None
+    tool_choice: Unsupported(TOOLS, "none") = None
+    parallel_tool_calls: Unsupported(TOOLS) = None
+    functions: Unsupported(TOOLS, []) = None
+    function_call: Unsupported(TOOLS, "none") = None
+    reasoning_effort: Unsupported("reasoning effort is not supported") = None
+    modalities: Unsupported("only text output is supported", ["text"]) = None
+    audio: Unsupported("audio output is not supported") = None
+    prediction: Unsupported("predicted outputs are not supported") = None
 
 
 class CompletionRequest(OpenAISampling):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | \
         Annotated[list[TokenId], Field(min_length=1)]
     suffix: str | None = None
-    echo: bool = False
+    echo: bool = False                              # true refused in the endpoint
+    best_of: Unsupported("best_of is not supported", 1) = None
 
 
 # -- Ollama ---------------------------------------------------------------------------------
 
 class OllamaOptions(Body):
+    """Ollama's runtime options we honour; its load-time ones (num_gpu, num_thread, use_mmap...)
+    and samplers we lack are unknown fields, so they are refused by name."""
+
     num_ctx: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
     num_predict: Annotated[int, Field(ge=-2, le=MAX_TOKENS)] | None = None  # -1 infinite, -2 fill context
-    num_keep: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
+    num_keep: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None       # kept by a context shift
     temperature: Annotated[float, Field(ge=0, le=100)] | None = None
     top_k: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
@@ -93,6 +150,10 @@ class OllamaOptions(Body):
     repeat_last_n: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    # samplers we do not have, accepted at the value that switches them off
+    mirostat: Unsupported("mirostat sampling is not supported", 0) = None
+    typical_p: Unsupported("typical sampling is not supported", 1.0) = None
+    tfs_z: Unsupported("tail-free sampling is not supported", 1.0) = None
 
 
 KeepAlive = Union[str, int, float, None]
@@ -101,37 +162,53 @@ KeepAlive = Union[str, int, float, None]
 class OllamaMessage(Body):
     role: Annotated[str, StringConstraints(min_length=1, max_length=64)]
     content: str = ""
-    images: list[str] | None = None
+    images: list[str] | None = None   # non-empty refused in the endpoint
 
 
 class OllamaBase(Body):
     model: str | None = None
     stream: bool = True
-    format: str | dict | None = None
+    format: str | dict | None = None   # refused in the endpoint
     options: OllamaOptions | None = None
     keep_alive: KeepAlive = None
+    think: bool | str | None = None    # only false, for a model that does not think (the endpoint checks)
+    logprobs: Unsupported("log probabilities are not produced", False) = None
+    top_logprobs: Unsupported("log probabilities are not produced", 0) = None
 
 
 class OllamaGenerateRequest(OllamaBase):
     prompt: str = ""
     suffix: str | None = None
     system: str | None = None
-    template: str | None = None
+    template: str | None = None        # refused in the endpoint
     raw: bool = False
-    images: list[str] | None = None
+    images: list[str] | None = None    # refused in the endpoint
+    context: Annotated[list[TokenId], Field(max_length=MAX_TOKENS)] | None = None  # ids from a previous answer
 
 
 class OllamaChatRequest(OllamaBase):
     messages: Annotated[list[OllamaMessage], Field(max_length=MAX_MESSAGES)] = []
+    tools: Unsupported(TOOLS, []) = None   # the ollama client always sends a list, empty without tools
 
 
 class OllamaShowRequest(Body):
     model: str | None = None
     name: str | None = None  # older clients
-    verbose: bool = False
+    verbose: Unsupported("verbose model details are not available", False) = None
 
 
 # -- llama-server ---------------------------------------------------------------------------
+
+SAMPLER_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "typical_p", "top_p", "min_p",
+                 "xtc", "temperature", "infill")
+
+
+def _known_samplers(names: list[str]) -> list[str]:
+    bad = [n for n in names if n not in SAMPLER_NAMES]
+    if bad:
+        raise ValueError(f"unknown sampler {bad[0]!r}; known: {', '.join(SAMPLER_NAMES)}")
+    return names
+
 
 class LlamaSampling(Body):
     n_predict: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] = -1  # -1 = until stop / context end
@@ -146,10 +223,17 @@ class LlamaSampling(Body):
     repeat_last_n: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    samplers: Annotated[list[str], Field(max_length=16), AfterValidator(_known_samplers)] | None = None
     stream: bool = False
-    cache_prompt: bool = True  # always on: the prefix cache is how the model works
-    n_probs: Annotated[int, Field(ge=0, le=0)] = 0  # token probabilities are not produced
+    cache_prompt: bool = True  # always on: the prefix cache is how the model works; off changes no output
+    n_probs: Unsupported("token probabilities are not produced", 0) = None
+    return_tokens: Unsupported("token ids are not returned", False) = None
+    id_slot: Unsupported("this server has one slot", -1, 0) = None
     t_max_predict_ms: Annotated[int, Field(ge=0, le=1 << 31)] | None = None
+    # llama.vim sends it; llama-server does not implement it either (a prompt is always
+    # evaluated in full), so it changes nothing
+    t_max_prompt_ms: Annotated[int, Field(ge=-1, le=1 << 31)] | None = None
+    n_indent: Annotated[int, Field(ge=0, le=1 << 16)] = 0
     response_fields: Annotated[list[str], Field(max_length=64)] | None = None
 
 
@@ -160,6 +244,7 @@ class LlamaCompletionRequest(LlamaSampling):
 class InfillChunk(Body):
     filename: Annotated[str, StringConstraints(max_length=4096)] = "tmp"
     text: str = ""
+    time: int | float | None = None  # llama.vim's chunk age; llama-server does not use it either
 
 
 class InfillRequest(LlamaSampling):
@@ -182,5 +267,3 @@ class DetokenizeRequest(Body):
 
 class ApplyTemplateRequest(Body):
     messages: Annotated[list[OpenAIMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-
-
