@@ -283,6 +283,21 @@ def test_deeply_nested_json_header_is_one_line_error(tmp_path):
     assert "corrupt" in _one_line_error(_within(lambda: read_session_info(path), seconds=5))
 
 
+def test_no_memory_for_the_kv_drops_them_with_one_line(tmp_path, monkeypatch):
+    path = save_session(tmp_path / "s.npz", _kv_session(), IDENTITY)
+    real_empty = np.empty
+
+    def empty(shape, *args, **kwargs):
+        if len(np.atleast_1d(shape)) == 3:
+            raise MemoryError
+        return real_empty(shape, *args, **kwargs)
+
+    monkeypatch.setattr(np, "empty", empty)
+    warned: list[str] = []
+    saved = load_session(path, IDENTITY, 2, warn=warned.append)
+    assert saved.messages == MESSAGES and saved.n_kv == 0 and "no memory" in warned[0]
+
+
 # -- bad K/V values: dropped, messages kept, file untouched ---------------------------------------
 def _tamper(path: Path, **arrays) -> None:
     """Rewrite a session with some arrays replaced (header n_kv kept)."""
@@ -417,22 +432,27 @@ def test_a_save_holds_a_lock_on_its_temp_file(tmp_path):
 
 
 # -- through the CLI -----------------------------------------------------------------------------
-def test_run_with_a_fifo_session_is_one_line_and_does_not_hang(tiny_models, tmp_path):
+@pytest.mark.parametrize("kind, says", [("fifo", "is a FIFO"), ("dev_zero", "is a symbolic link pointing out")])
+def test_run_with_a_hostile_session_file_is_one_line_and_does_not_hang(tiny_models, tmp_path, kind, says):
     folder = tmp_path / "sessions"
     folder.mkdir()
-    os.mkfifo(folder / "trap.npz")
+    trap = folder / "trap.npz"
+    if kind == "fifo":
+        os.mkfifo(trap)
+    else:
+        trap.symlink_to("/dev/zero")
     env = {**os.environ, "EDGEINFER_HOME": str(tmp_path)}
     try:
         proc = subprocess.run(RUN + [str(tiny_models["llama"]), "hi", "-n", "2", "--backend", "reference",
                                      "-c", "64", "--session", "trap"],
                               capture_output=True, text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired:
-        fd = os.open(folder / "trap.npz", os.O_WRONLY | os.O_NONBLOCK)
-        os.close(fd)
-        pytest.fail("edgeinfer run blocked on a FIFO session")
+        if kind == "fifo":
+            os.close(os.open(trap, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"edgeinfer run blocked on a {kind} session")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and errors[0].startswith("edgeinfer: error: session file trap.npz is a FIFO")
+    assert len(errors) == 1 and errors[0].startswith("edgeinfer: error: session file trap.npz " + says)
 
 
 def test_run_with_nan_kv_warns_once_and_answers(tiny_models, tmp_path, monkeypatch, capsys):
