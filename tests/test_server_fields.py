@@ -282,3 +282,38 @@ def test_official_clients_still_work(fields_live):
 def test_ollama_refusals_name_the_field(client, path, body, field):
     r = client.post(path, json=body)
     assert r.status_code == 400 and f"'{field}'" in r.json()["error"]
+
+
+def test_t_max_predict_ms_stops_after_a_newline_once_the_time_is_up():
+    import threading
+    import time as _time
+
+    from edgeinfer.results import GenerationChunk, Usage
+    from edgeinfer.server.llama_api import limited
+
+    def start(cancel):
+        n = 0
+        for p in ["a", "b", "\n", "c", "d", "e", "f"]:
+            if cancel.is_set():
+                break
+            _time.sleep(0.03)
+            n += 1
+            yield GenerationChunk(p, n)
+        yield GenerationChunk("", None, "cancelled" if cancel.is_set() else "stop", Usage(1, n), None)
+
+    out = list(limited(start, 50, 0)(threading.Event()))
+    text = "".join(c.text for c in out)
+    assert "\n" in text and len(text) < 7 and out[-1].finish_reason == "length"
+    assert "".join(c.text for c in limited(start, None, 0)(threading.Event())) == "ab\ncdef"
+
+
+def test_num_keep_and_samplers_reach_the_generation(fields_live):
+    from edgeinfer.server import llama_api, ollama_api
+    from edgeinfer.server.schemas import LlamaCompletionRequest, OllamaGenerateRequest
+
+    state = fields_live.state
+    req = OllamaGenerateRequest.model_validate({"prompt": "x", "options": {"num_keep": 5}})
+    assert ollama_api.sampling_of(state, req, 256)["n_keep"] == 5
+    req = LlamaCompletionRequest.model_validate({"prompt": "x", "n_keep": 7, "samplers": ["top_k"]})
+    params = llama_api.sampling_of(state, req)
+    assert params["n_keep"] == 7 and (params["top_p"], params["min_p"], params["temperature"]) == (1.0, 0.0, 1.0)
