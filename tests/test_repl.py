@@ -287,3 +287,30 @@ def test_up_arrow_recalls_the_previous_line_in_a_terminal(models, tmp_path):
         assert "/set parameter seed 3" in (tmp_path / "history").read_text()
     finally:
         subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+
+
+class _Keys:
+    """A reader that replays typed lines and Ctrl-C presses (None)."""
+
+    def __init__(self, items):
+        self.items = list(items)
+        self.history_enabled = True
+
+    def read_message(self):
+        if not self.items:
+            raise EOFError
+        item = self.items.pop(0)
+        if item is None:
+            raise KeyboardInterrupt
+        return item
+
+
+@pytest.mark.parametrize("keys, explained, shown", [([None, "/show system", None, None, "/show system"], 2, 1),
+                                                    ([None, None, "/show system"], 1, 0)])
+def test_ctrl_c_at_the_prompt_explains_and_a_second_leaves(loaded, models, keys, explained, shown):
+    args = build_parser().parse_args(["run", str(models["chat"]), "--backend", "reference"])
+    out, err = io.StringIO(), io.StringIO()
+    repl = Repl(loaded["chat"], args, {}, False, reader=_Keys(keys), out=out, err=err)
+    assert repl.loop() == 0
+    assert err.getvalue().count("Use Ctrl + d or /bye to exit.") == explained
+    assert out.getvalue().count("No system message") == shown

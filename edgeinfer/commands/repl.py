@@ -38,12 +38,21 @@ class Repl:
 
     def loop(self) -> int:
         print(f"{self.name} is ready. Send a message (/? for help, /bye to quit)", file=self.err)
+        interrupted = False
         while True:
             try:
                 line = self.reader.read_message()
-            except (EOFError, KeyboardInterrupt):
+            except EOFError:
                 print("", file=self.err)
                 return 0
+            except KeyboardInterrupt:  # as Ollama: a first Ctrl-C at the prompt only explains
+                print("", file=self.err)
+                if interrupted:
+                    return 0
+                interrupted = True
+                print("Use Ctrl + d or /bye to exit.", file=self.err)
+                continue
+            interrupted = False
             text = line.strip()
             if not text:
                 continue
