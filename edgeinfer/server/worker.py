@@ -179,6 +179,7 @@ class Worker:
                     except Exception:  # noqa: BLE001 - metrics must never stop the worker
                         pass
                 job._put(_END)
+                del job  # an idle worker holds no model: keep_alive's unload must be able to free it
 
     @staticmethod
     def _run(job: Job) -> None:
