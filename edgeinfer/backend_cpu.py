@@ -57,6 +57,22 @@ class CpuBackend(Backend):
         # numpy copies without the GIL: the worker threads share the matrices out
         list(worker_pool(kernels_cpu.get_threads()).map(self.weight, names))
 
+    def forward_kernels(self, config) -> list:
+        """The Numba kernels a forward pass of this model compiles on its first tokens (a
+        short prompt, then decode): what kernels_cpu.compile_progress.warm_up checks."""
+        from edgeinfer.kernels_cpu import f16, fast_dot
+        from edgeinfer.kernels_cpu import quant_kernels as qk
+
+        kernels = [fast_dot._matvec_kernel, fast_dot._matmul_kernel, fast_dot._dequant_rows_kernel,
+                   qk.quantize_act, ops._rms_norm_kernel, ops._rope_kernel, ops._rope_cache_kernel,
+                   f16._round_f16_kernel, kv_attention.attention_kernel(config.head_dim, config.head_dim_v)]
+        blocks = {kernels_cpu.quant_info(t.qtype).act_block for t in self.gguf.tensors.values()
+                  if t.qtype in kernels_cpu.QUANT_INFO}
+        kernels += [qk.quantize_rows_q8_0] if 32 in blocks else []
+        kernels += [qk.quantize_rows_q8_k] if 256 in blocks else []
+        kernels += [ops._gelu_mul_kernel] if config.arch.startswith("gemma") else [ops._silu_mul_kernel]
+        return kernels
+
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.shape[0] == 1:

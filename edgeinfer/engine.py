@@ -68,6 +68,25 @@ class Engine:
         self.config = mf.config
         self.backend, self.offload = make_backend(mf, self.options)
         self.model = mf.family(mf.config, mf.gguf, self.backend)
+        self.warm_up()
+
+    def warm_up(self, report=None) -> int:
+        """On a cold Numba cache, compile the CPU kernels now, with a progress count
+        (kernels_cpu/compile_progress.py: stderr by default), rather than silently inside
+        the first request. Nothing happens when they are cached. Returns kernels compiled."""
+        from edgeinfer.backend_cpu import CpuBackend
+
+        if not isinstance(self.backend, CpuBackend) or self.n_ctx < 3:
+            return 0  # the reference backend compiles nothing; GPU plans keep their own warm-up
+        from edgeinfer.kernels_cpu import compile_progress
+
+        def forward() -> None:
+            kv = KVCache(self.config, 16)   # scratch: a short prompt, then one decoded token
+            top = self.config.n_vocab - 1
+            self.prefill([min(1, top), min(2, top)], kv)
+            self.decode(min(3, top), kv)
+
+        return compile_progress.warm_up(forward, self.backend.forward_kernels(self.config), report)
 
     @property
     def n_ctx(self) -> int:

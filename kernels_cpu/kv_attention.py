@@ -456,9 +456,8 @@ _wslots_2, _wslots_4, _wslots_8, _wslots_16 = (_make_weighted_slots(c) for c in 
 
 
 @njit(inline="always", **_JIT)
-def _kq_blocks(q16, k_bits, g, n_blocks, w):
-    """_make_kq_dots' kernel for the head sizes _fast_sizes allows."""
-    hd = q16.shape[0]
+def _kq_blocks(q16, k_bits, g, n_blocks, w, hd):
+    """_make_kq_dots' kernel for head size hd (a constant where inlined: one branch stays)."""
     if hd == 64:
         _kq_dots_2(q16, k_bits, g, n_blocks, w)
     elif hd == 128:
@@ -470,9 +469,8 @@ def _kq_blocks(q16, k_bits, g, n_blocks, w):
 
 
 @njit(inline="always", **_JIT)
-def _weighted_blocks(w, lo, hi, v_bits, g, acc):
-    """_make_weighted_slots' kernel for the value sizes _fast_sizes allows."""
-    hdv = v_bits.shape[2]
+def _weighted_blocks(w, lo, hi, v_bits, g, acc, hdv):
+    """_make_weighted_slots' kernel for value size hdv (a constant where inlined)."""
     if hdv == 64:
         _wslots_4(w, lo, hi, v_bits, g, acc)
     elif hdv == 128:
@@ -481,12 +479,6 @@ def _weighted_blocks(w, lo, hi, v_bits, g, acc):
         _wslots_16(w, lo, hi, v_bits, g, acc)
     else:
         _wslots_2(w, lo, hi, v_bits, g, acc)
-
-
-@njit(inline="always", **_JIT)
-def _fast_sizes(hd, hdv):
-    """Head sizes the 16-key kernels are built for (the others take the per-key loops)."""
-    return (hd == 32 or hd == 64 or hd == 128 or hd == 256) and (hdv == 32 or hdv == 64 or hdv == 128 or hdv == 256)
 
 
 @njit(**_JIT)
@@ -507,21 +499,22 @@ def _seen_slots(kpos, qpos, window):
     return seen
 
 
-@njit(**_JIT)
-def _attend_one(q16, k_bits, v_bits, g, kpos, qp, window, kq_scale, lo, hi, w, out):
+@njit(inline="always", **_JIT)
+def _attend_one(q16, k_bits, v_bits, g, kpos, qp, window, kq_scale, lo, hi, w, out, hd, hdv):
     """out = attention of one query row and head, the numbers of _scores_and_weights and
     _weighted_values, computing only the slots lo..hi (_seen_slots): the others have weight
-    0. w: scratch for a weight per slot."""
+    0. w: scratch for a weight per slot. hd, hdv: the head sizes, constants of the kernel
+    it is inlined into (only their 16-key kernels are compiled)."""
     if hi <= lo:
         out[:] = 0.0
         return
     nb = (hi - lo) // KEYS
-    _kq_blocks(q16, k_bits[lo:], g, nb, w[lo:])
+    _kq_blocks(q16, k_bits[lo:], g, nb, w[lo:], hd)
     for j in range(lo + nb * KEYS, hi):
         w[j] = _dot_f16_32(k_bits[j, g], q16, q16.shape[0])
     _softmax_f16(w[lo:hi], kpos[lo:hi], qp, window, kq_scale)
     acc = np.zeros((32, v_bits.shape[2]), np.float32)
-    _weighted_blocks(w, lo, hi, v_bits, g, acc)
+    _weighted_blocks(w, lo, hi, v_bits, g, acc, hdv)
     _reduce_slots(acc, out)
 
 
@@ -566,23 +559,44 @@ def _softmax_f16(w, kpos, qp, window, kq_scale):
 _SLOTS = 32  # ggml_vec_dot_f16's 4 x 8 accumulators, passed at run time (see the KQ loop)
 
 
-@njit(parallel=True, **_JIT)
-def _attention_rows(q16, k_bits, v_bits, kpos, qpos, window, kq_scale, out, n_slots):
-    """One job per (query row, head): many queries (prefill) keep every thread busy."""
-    n_tok, n_head, _ = q16.shape
-    group = n_head // k_bits.shape[1]
-    fast = _VECTOR_F16 and _fast_sizes(q16.shape[2], v_bits.shape[2])
-    seen = _seen_slots(kpos, qpos, window)
-    for job in prange(n_tok * n_head):
-        t = job // n_head
-        h = job % n_head
-        w = np.empty(k_bits.shape[0], np.float32)
-        if fast:
-            _attend_one(q16[t, h], k_bits, v_bits, h // group, kpos, qpos[t], window, kq_scale,
-                        seen[t, 0], seen[t, 1], w, out[t, h])
-        else:
-            _scores_and_weights(q16[t, h], k_bits, h // group, kpos, qpos[t], window, kq_scale, w, n_slots)
-            _weighted_values(w, v_bits, h // group, out[t, h])
+def _make_attention_rows(hd: int, hdv: int):
+    """The attention kernel for heads of hd (K) and hdv (V) elements: the 16-key kernels
+    for those sizes where they exist (32, 64, 128, 256; with F16C), else the per-key loops
+    (hd = hdv = 0). One kernel per head size, compiled on first use: a model compiles only
+    its own (hd, hdv are closure constants, so the other sizes' branches are pruned before
+    typing; Numba's cache keys a closure by their values)."""
+    HD, HDV = hd, hdv
+
+    @njit(parallel=True, **_JIT)
+    def attention_rows(q16, k_bits, v_bits, kpos, qpos, window, kq_scale, out, n_slots):
+        """One job per (query row, head): many queries (prefill) keep every thread busy."""
+        n_tok, n_head, _ = q16.shape
+        group = n_head // k_bits.shape[1]
+        seen = _seen_slots(kpos, qpos, window)
+        for job in prange(n_tok * n_head):
+            t = job // n_head
+            h = job % n_head
+            w = np.empty(k_bits.shape[0], np.float32)
+            if HD > 0:
+                _attend_one(q16[t, h], k_bits, v_bits, h // group, kpos, qpos[t], window, kq_scale,
+                            seen[t, 0], seen[t, 1], w, out[t, h], HD, HDV)
+            else:
+                _scores_and_weights(q16[t, h], k_bits, h // group, kpos, qpos[t], window, kq_scale, w, n_slots)
+                _weighted_values(w, v_bits, h // group, out[t, h])
+    return attention_rows
+
+
+_ROWS_KERNELS: dict = {}
+_FAST_HEAD_SIZES = (32, 64, 128, 256)
+
+
+def attention_kernel(hd: int, hdv: int):
+    """The compiled attention kernel for these head sizes (made on first use)."""
+    key = (hd, hdv) if _VECTOR_F16 and hd in _FAST_HEAD_SIZES and hdv in _FAST_HEAD_SIZES else (0, 0)
+    kernel = _ROWS_KERNELS.get(key)
+    if kernel is None:
+        kernel = _ROWS_KERNELS[key] = _make_attention_rows(*key)
+    return kernel
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpos: np.ndarray,
@@ -598,7 +612,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpo
     apply_threads()
     q16 = round_f16(q)
     out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
-    _attention_rows(q16, np.ascontiguousarray(k).view(np.uint16), np.ascontiguousarray(v).view(np.uint16),
+    attention_kernel(q.shape[2], v.shape[2])(q16, np.ascontiguousarray(k).view(np.uint16), np.ascontiguousarray(v).view(np.uint16),
                     np.ascontiguousarray(kpos, dtype=np.int64),
                     np.ascontiguousarray(qpos, dtype=np.int64), int(window), np.float32(kq_scale), out,
                     _SLOTS)

@@ -1,0 +1,136 @@
+"""Reports the first start's kernel compilation ("compiling kernels for this CPU ... 7/12").
+
+Numba compiles a kernel on its first call and keeps it in its on-disk cache; on a cold
+cache that takes seconds per kernel and the program looks hung. The CPU backend runs one
+tiny forward pass at load (`warm_up`) under `reporting`, which counts the top-level
+compilations (a kernel's callees compile inside it) and hands (done, total) to a callback:
+the default one writes one line to stderr, updated in place on a terminal, plain lines
+otherwise. A warm cache compiles nothing and prints nothing. A front end with its own
+screen (the TUI) installs its callback with `set_reporter`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterable
+
+MESSAGE = "compiling kernels for this CPU (first start only)"
+
+# report(done, total, finished): called when compiling starts, after each kernel, and once
+# with finished=True at the end (only where something was compiled)
+Reporter = Callable[[int, int, bool], None]
+
+
+def stderr_reporter(stream=None) -> Reporter:
+    """The default reporter: `MESSAGE: done/total` on `stream` (stderr), one line rewritten
+    with a carriage return on a terminal, one line per update otherwise."""
+    last = [None]
+
+    def report(done: int, total: int, finished: bool) -> None:
+        out = stream if stream is not None else sys.stderr
+        try:
+            tty = out.isatty()
+        except (AttributeError, ValueError):
+            tty = False
+        text = f"{MESSAGE}: {done}/{total}"
+        if tty:
+            out.write("\r\x1b[2K" + text + ("\n" if finished else ""))
+        elif text != last[0]:
+            out.write(text + "\n")
+        last[0] = text
+        out.flush()
+    return report
+
+
+_reporter: Reporter | None = stderr_reporter()
+
+
+def set_reporter(report: Reporter | None) -> Reporter | None:
+    """Install the callback later loads report to (None: silent); returns the previous one."""
+    global _reporter
+    previous, _reporter = _reporter, report
+    return previous
+
+
+def get_reporter() -> Reporter | None:
+    return _reporter
+
+
+def on_disk(dispatcher) -> bool:
+    """Whether Numba's cache holds an index for this kernel (some signature of it compiled
+    before) or this process already has it compiled."""
+    if getattr(dispatcher, "overloads", None):
+        return True
+    cache = getattr(dispatcher, "_cache", None)
+    index = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
+    return bool(index) and os.path.exists(index)
+
+
+class _Counter:
+    """A numba:compile listener counting top-level compilations (per thread depth)."""
+
+    def __init__(self, total: int, report: Reporter | None) -> None:
+        self.total, self.report = max(total, 1), report
+        self.done = 0
+        self.started = False
+        self._depth = threading.local()
+        self._lock = threading.Lock()
+
+    def on_start(self, _event) -> None:
+        depth = getattr(self._depth, "n", 0)
+        self._depth.n = depth + 1
+        if depth == 0 and not self.started:
+            self.started = True
+            self._emit(False)
+
+    def on_end(self, _event) -> None:
+        self._depth.n = getattr(self._depth, "n", 1) - 1
+        if self._depth.n == 0:
+            with self._lock:
+                self.done += 1
+                self.total = max(self.total, self.done)
+            self._emit(False)
+
+    def finish(self) -> None:
+        if self.started:
+            self.done = self.total
+            self._emit(True)
+
+    def _emit(self, finished: bool) -> None:
+        if self.report is not None:
+            try:
+                self.report(self.done, self.total, finished)
+            except Exception:  # noqa: BLE001 - a broken progress display must not stop a load
+                pass
+
+
+@contextmanager
+def reporting(total: int, report: Reporter | None = None):
+    """Count the Numba compilations inside the block (total: the expected number) and
+    report them; yields the counter (`.done`, `.started`)."""
+    from numba.core import event
+
+    counter = _Counter(total, report if report is not None else _reporter)
+    listener = type("_CompileListener", (event.Listener,), {
+        "on_start": lambda self, ev: counter.on_start(ev),
+        "on_end": lambda self, ev: counter.on_end(ev),
+    })()
+    event.register("numba:compile", listener)
+    try:
+        yield counter
+    finally:
+        event.unregister("numba:compile", listener)
+    counter.finish()
+
+
+def warm_up(run: Callable[[], object], kernels: Iterable, report: Reporter | None = None) -> int:
+    """Run `run` (a tiny forward pass) under `reporting` unless every one of `kernels` is
+    already compiled or cached on disk. Returns how many kernels it compiled."""
+    missing = [k for k in kernels if not on_disk(k)]
+    if not missing:
+        return 0
+    with reporting(len(missing), report) as counter:
+        run()
+    return counter.done if counter.started else 0
