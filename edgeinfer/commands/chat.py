@@ -29,15 +29,33 @@ def register(sub) -> None:
 def chat(args) -> int:
     params = sampling_from_args(args)  # bad flag values fail before the screen opens
 
+    import edgeinfer
     from edgeinfer.conversations import ConversationStore
+    from edgeinfer.errors import EdgeInferError
+    from edgeinfer.kernels_cpu import compile_progress
     from edgeinfer.tui.app import ChatApp
 
-    def load(name: str, n_ctx: int):
-        import edgeinfer
+    # The named model loads before the screen opens, so a first start's kernel compile
+    # count shows on stderr; a model that is not local yet is left to the app's download.
+    preloaded = {}
+    if args.name:
+        try:
+            preloaded[(args.name, args.ctx_size)] = edgeinfer.load(
+                args.name, download=False, **model_kwargs(args, context_shift=True))
+        except EdgeInferError:
+            pass
 
+    def load(name: str, n_ctx: int):
+        model = preloaded.pop((name, n_ctx), None)
+        if model is not None:
+            return model
         return edgeinfer.load(name, **{**model_kwargs(args, context_shift=True), "n_ctx": n_ctx})
 
     app = ChatApp(args.name, load_model=load, store=ConversationStore(args.data_dir),
                   sampling=params, system=args.system, n_ctx=args.ctx_size, save_kv=args.session_kv)
-    app.run()
+    previous = compile_progress.set_reporter(None)  # stderr lines would break the full screen
+    try:
+        app.run()
+    finally:
+        compile_progress.set_reporter(previous)
     return int(app.return_code or 0)
