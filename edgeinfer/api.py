@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import fields
 from typing import Any, Iterator
 
 from edgeinfer.engine import Engine, EngineOptions
-from edgeinfer.errors import EdgeInferError
+from edgeinfer.errors import EdgeInferError, TemplateError, TokenizerError
 from edgeinfer.generate import collect
 from edgeinfer.loader import open_model
-from edgeinfer.results import GenerationChunk, GenerationResult
+from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, Usage
 from edgeinfer.saved_session import model_identity
 from edgeinfer.sampling import SamplingParams
 from edgeinfer.session import SessionManager
@@ -99,8 +100,15 @@ class Model:
                  cancel: threading.Event | None = None, **params: Any
                  ) -> GenerationResult | Iterator[GenerationChunk]:
         """Complete `prompt` (text or token ids). Sampling keywords as in `SamplingParams`."""
-        ids = prompt if isinstance(prompt, list) else self.tokenize(prompt, add_special=True)
-        chunks = self._run(ids, params, cancel)
+        try:
+            ids = prompt if isinstance(prompt, list) else \
+                self.tokenizer.tokenize(prompt, add_special=True, cancel=cancel)
+        except TokenizerError:
+            if cancel is None or not cancel.is_set():
+                raise
+            chunks = _cancelled()
+        else:
+            chunks = self._run(ids, params, cancel)
         return chunks if stream else collect(chunks)
 
     def chat(self, messages: list[dict], *, stream: bool = False,
@@ -108,11 +116,19 @@ class Model:
              ) -> GenerationResult | Iterator[GenerationChunk]:
         """Answer the conversation `messages` ({"role", "content"} dicts) through the chat template."""
         # As llama.cpp: drop a BOS the template wrote (the tokenizer adds it), and parse the
-        # template's special-token text as special tokens.
-        text = self.template.render_prompt(messages, add_bos=self.tokenizer.add_bos,
-                                           add_generation_prompt=True)
-        ids = self.tokenizer.tokenize(text, add_special=True, parse_special=True)
-        chunks = self._run(ids, params, cancel)
+        # template's special-token text as special tokens. Rendering (bounded by the template
+        # budget) and tokenizing run here, in the caller: for the server that is the job on
+        # the worker thread, so its timeout's `cancel` stops them as it stops generation.
+        try:
+            text = self.template.render_prompt(messages, add_bos=self.tokenizer.add_bos,
+                                               add_generation_prompt=True, cancel=cancel)
+            ids = self.tokenizer.tokenize(text, add_special=True, parse_special=True, cancel=cancel)
+        except (TemplateError, TokenizerError):
+            if cancel is None or not cancel.is_set():
+                raise
+            chunks = _cancelled()  # ends like a generation cancelled before its first token
+        else:
+            chunks = self._run(ids, params, cancel)
         return chunks if stream else collect(chunks)
 
     def _run(self, ids: list[int], params: dict[str, Any],
@@ -140,6 +156,14 @@ class Model:
     def reset(self) -> None:
         """Forget every cached prefix."""
         self.sessions.reset()
+
+
+def _cancelled() -> Iterator[GenerationChunk]:
+    """The stream of a request cancelled while its prompt was rendered or tokenized."""
+    now = time.perf_counter()
+    yield GenerationChunk(text="", token=None, finish_reason=FinishReason.CANCELLED,
+                          usage=Usage(prompt_tokens=0, completion_tokens=0),
+                          timings=Timings.from_clock(now, None, now, 0, 0))
 
 
 def _sampling(params: dict[str, Any]) -> SamplingParams:
