@@ -250,6 +250,9 @@ def _read_kv(archive: "_Archive", n_kv: int, tokens: np.ndarray, n_layer: int | 
         raise _Bad(f"position {int(pos[-1])} outside the context of {n_ctx}")
     if np.any(tokens[:n_kv] < 0):
         raise _Bad("negative token ids")
+    n_vocab = int(getattr(config, "n_vocab", 0) or 0)
+    if n_vocab and n_kv and int(tokens[:n_kv].max()) >= n_vocab:
+        raise _Bad(f"token id {int(tokens[:n_kv].max())} outside the vocabulary of {n_vocab}")
     k, v = [], []
     for i in range(layers):
         ka, va = archive.read(members[2 * i]), archive.read(members[2 * i + 1])

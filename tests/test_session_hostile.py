@@ -498,3 +498,17 @@ def test_run_with_nan_kv_warns_once_and_answers(tiny_models, tmp_path, monkeypat
     warnings = [line for line in err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "s.npz" in warnings[0] and "NaN" in warnings[0], err
     assert "Resumed session 's' (1 turn(s))" in err and "Traceback" not in err
+
+
+def test_token_ids_outside_the_vocabulary_drop_the_kv(tmp_path):
+    from types import SimpleNamespace
+
+    session = _kv_session()
+    path = save_session(tmp_path / "s.npz", session, IDENTITY)
+    _tamper(path, tokens=np.array([5, 6, 1 << 40], dtype=np.int64))
+    shape = session.k[0].shape
+    config = SimpleNamespace(n_layer=2, n_head_kv=shape[1], head_dim=shape[2], head_dim_v=session.v[0].shape[2],
+                             n_vocab=1000)
+    warned: list[str] = []
+    saved = load_session(path, IDENTITY, config=config, warn=warned.append)
+    assert saved.messages == MESSAGES and saved.n_kv == 0 and "outside the vocabulary" in warned[0]

@@ -15,7 +15,7 @@ def resume_session(model, name: str, params: dict, system: str | None) -> tuple[
     path = session_path(name)
     if not path.exists():
         return system, []
-    saved = load_session(path, model.identity, model.config.n_layer)
+    saved = load_session(path, model.identity, config=model.config, n_ctx=model.n_ctx)
     restored = {**params, **{k: v for k, v in saved.sampling.items() if k in params}}
     try:
         from edgeinfer.sampling import SamplingParams
