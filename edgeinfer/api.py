@@ -21,6 +21,7 @@ from edgeinfer.engine import Engine, EngineOptions
 from edgeinfer.errors import EdgeInferError, TemplateError, TokenizerError
 from edgeinfer.generate import collect
 from edgeinfer.loader import open_model
+from edgeinfer.metadata import meta_str
 from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, Usage
 from edgeinfer.saved_session import model_identity
 from edgeinfer.sampling import SamplingParams
@@ -66,7 +67,7 @@ class Model:
         self.tokenizer = load_tokenizer(model_file.gguf)
         self.template = ChatTemplate.for_model(model_file.gguf.metadata, chat_template)
         self.engine = Engine(model_file, options)
-        general_name = str(model_file.gguf.metadata.get("general.name", "") or "")
+        general_name = meta_str(model_file.gguf.metadata, "general.name", "") or ""
         self.identity = model_identity(path, general_name)  # for saved sessions and cache keys
         self.sessions = SessionManager(self.engine, self.tokenizer, n_ctx=self.engine.n_ctx,
                                        model_id=self.identity["digest"], kv_pool_mb=kv_pool_mb,

@@ -165,8 +165,14 @@ def show_info(model) -> str:
     return "  Model\n" + "\n".join(f"    {k:<20}{v}" for k, v in rows)
 
 
+def _license(model) -> str | None:
+    from edgeinfer.metadata import meta_str
+
+    return meta_str(model.engine.model_file.gguf.metadata, "general.license", None)
+
+
 def show_license(model) -> str:
-    lic = model.engine.model_file.gguf.get("general.license")
+    lic = _license(model)
     return str(lic) if lic else "No license was specified for this model."
 
 
@@ -184,7 +190,7 @@ def show_modelfile(model, params: dict, system: str | None, raw: bool) -> str:
     if system:
         lines += [f'SYSTEM """{system}"""', ""]
     lines += [f"PARAMETER {line}" for line in parameter_lines(params)]
-    lic = model.engine.model_file.gguf.get("general.license")
+    lic = _license(model)
     if lic:
         lines += ["", f'LICENSE """{lic}"""']
     return "\n".join(lines).rstrip("\n")
