@@ -106,7 +106,10 @@ class _Budget:
 
     def charge_value(self, value: Any) -> Any:
         if isinstance(value, (str, bytes, list, tuple, dict)):
-            self.charge(len(value))
+            n = len(value)
+            if n > MAX_VALUE_CHARS:
+                self.allow(n, "a value")
+            self.charge(n)
         return value
 
 
@@ -334,9 +337,13 @@ def _check_method(b: _Budget, obj: Any, args: tuple, kwargs: dict) -> tuple:
     return args
 
 
+# filters whose output can outgrow their input even with default arguments
+_GROWING_FILTERS = frozenset({"center", "indent", "wordwrap", "tojson", "pprint", "urlize", "xmlattr"})
+
+
 def _check_filter(b: _Budget, name: str, value: Any, args: tuple, kwargs: dict) -> Any:
     """Checks a filter call before it runs; returns the (possibly materialized) value."""
-    if not args and not kwargs and isinstance(value, str):
+    if not args and not kwargs and isinstance(value, str) and name not in _GROWING_FILTERS:
         return value  # trim, upper, length...: nothing larger than what exists already
     what = f"the {name!r} filter"
     for a in list(args) + list(kwargs.values()):
@@ -447,6 +454,10 @@ class _BudgetCodeGenerator(CodeGenerator):
         return f"environment.budget_const({src})" if self._budget_buffered else src
 
 
+_SMALL_NUMBER_OPS = frozenset({"+", "%"})
+_NUMBERS = frozenset({int, float, bool})
+
+
 class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
     """The sandbox, with every way to build something big checked against the render budget."""
 
@@ -466,6 +477,8 @@ class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
                 b.work -= n
                 b.allow(n, "the '+' operator")
             return left + right
+        if operator in _SMALL_NUMBER_OPS and type(left) in _NUMBERS and type(right) in _NUMBERS:
+            return self.binop_table[operator](left, right)  # loop.index0 % 2: nothing grows
         b.tick()
         _check_binop(b, operator, left, right)
         return b.charge_value(self.binop_table[operator](left, right))
