@@ -6,6 +6,13 @@ Sandboxed Jinja2 (ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks, the
 (`edgeinfer/data/templates/<name>.jinja`: gemma, llama3, chatml). Any problem while
 parsing or rendering is a one-line `TemplateError` naming it (with the template line).
 
+A template is code from the model file, so each render runs under a budget (the MAX_*
+constants below): a deadline and the caller's `cancel` Event, checked on every loop
+iteration, call and filter; a cap on the output, counted as it is generated; and size
+checks before anything that can build a large value (`*`, `**`, `+`, `%`, `~`, range(),
+str methods, filters, printing). Past it: TemplateBudgetError / TemplateCancelled.
+Operators and filters that could be large are never folded into constants at compile time.
+
     tmpl = ChatTemplate.for_model(gguf.metadata, override=None)
     prompt = tmpl.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
 """
