@@ -7,6 +7,7 @@
 `edgeinfer serve NAME` (edgeinfer/commands/serve.py) does this with uvicorn.
 """
 
-from edgeinfer.server.app import ServerConfig, create_app
+from edgeinfer.server.app import create_app
+from edgeinfer.server.state import ServerConfig
 
 __all__ = ["ServerConfig", "create_app"]

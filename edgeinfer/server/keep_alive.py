@@ -52,17 +52,3 @@ def _parse_text(text: str) -> float:
         raise ValueError(f"{text!r} is not a duration (use a number of seconds or e.g. \"5m\", \"1h30m\")")
     return sign * total
 
-
-def apply_keep_alive(state, value) -> float | None:
-    """A request's keep_alive (None: the server default) checked and made the model's;
-    a bad value is a 400 naming the field."""
-    from edgeinfer.server.errors import APIError
-
-    if value is None:
-        return None
-    try:
-        seconds = parse_duration(value)
-    except ValueError as exc:
-        raise APIError(400, f"invalid keep_alive: {exc}", param="keep_alive") from None
-    state.keep_alive_s = seconds
-    return seconds

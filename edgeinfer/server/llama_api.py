@@ -3,22 +3,22 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
-from typing import AsyncIterator, Iterator
+from typing import Iterator
 
 import anyio
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.server.app import (APIError, collect, first_chunk, llama_timings, read_body,
-                                  stream_chunks)
-from edgeinfer.server.errors import error_body
+from edgeinfer.server.errors import APIError
 from edgeinfer.server.fim import fim_start
+from edgeinfer.server.requests import chat_message, check_ids, read_body
 from edgeinfer.server.schemas import (ApplyTemplateRequest, DetokenizeRequest, InfillRequest,
                                       LlamaCompletionRequest, LlamaSampling, TokenizeRequest)
+from edgeinfer.server.streaming import collect, first_chunk, sse, sse_response, stream_events
+from edgeinfer.server.usage import llama_timings
 
 router = APIRouter()
 _STOP_TYPE = {"stop": "eos", "length": "limit", "cancelled": "none"}
@@ -151,26 +151,13 @@ async def _run(request: Request, req: LlamaSampling, start, params: dict):
         return JSONResponse(pick_fields(final_body(state, text, last, params), req.response_fields))
     first = await first_chunk(job, request)
 
-    async def events() -> AsyncIterator[str]:
-        parts, last = [], None
-        try:
-            async for chunk in stream_chunks(job, first):
-                if chunk.text:
-                    parts.append(chunk.text)
-                    yield _sse({"index": 0, "content": chunk.text, "tokens": [], "stop": False, "id_slot": 0})
-                if chunk.finish_reason is not None:
-                    last = chunk
-        except APIError as exc:
-            yield _sse(error_body(request.url.path, exc.status, exc.message))
-            return
-        if job.timed_out:
-            yield _sse(error_body(request.url.path, 504, "the request timed out"))
-        elif last is not None:
-            body = final_body(state, "", last, params)
-            yield _sse(pick_fields(body, req.response_fields))
+    def piece(text: str) -> dict:
+        return {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": 0}
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    def closing(last) -> list[dict]:
+        return [pick_fields(final_body(state, "", last, params), req.response_fields)]
+
+    return sse_response(stream_events(job, first, request.url.path, sse, piece, closing))
 
 
 @router.post("/completion")
@@ -231,8 +218,6 @@ async def detokenize(request: Request) -> JSONResponse:
 
 @router.post("/apply-template")
 async def apply_template(request: Request) -> JSONResponse:
-    from edgeinfer.server.openai_api import chat_message
-
     state = request.app.state.server
     req = await read_body(request, ApplyTemplateRequest)
     model = state.require_model()
@@ -252,25 +237,13 @@ async def props(request: Request) -> JSONResponse:
         "build_info": "edgeinfer"})
 
 
-def check_ids(model, ids: list[int], field: str | None = None) -> None:
-    n = model.tokenizer.vocab_size
-    bad = next((i for i in ids if i >= n), None)
-    if bad is not None:
-        where = f"invalid field {field!r}: " if field else ""
-        raise APIError(400, f"{where}token id {bad} is out of range (the vocabulary has {n} tokens)",
-                       param=field)
-
-
 async def _off_loop(request: Request, fn):
     """Tokenizer work runs on (at most two) threads, never on the event loop."""
     state = request.app.state.server
-    if getattr(state, "tokenizer_limiter", None) is None:
+    if state.tokenizer_limiter is None:
         state.tokenizer_limiter = anyio.CapacityLimiter(2)
     try:
         return await anyio.to_thread.run_sync(fn, limiter=state.tokenizer_limiter)
     except EdgeInferError as exc:
         raise APIError(400, str(exc)) from None
 
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -7,6 +7,7 @@ Streaming is on by default (NDJSON, one object a line); the last object has `don
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import datetime, timezone
 from typing import AsyncIterator
@@ -16,19 +17,26 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from edgeinfer import __version__
-from edgeinfer.server.app import APIError, collect, first_chunk, read_body, stream_chunks
-from edgeinfer.server.fim import fim_start
-from edgeinfer.server.keep_alive import apply_keep_alive
+from edgeinfer.units import human_count
+from edgeinfer.server.errors import APIError
+from edgeinfer.server.fim import fim_start, has_fim
+from edgeinfer.server.requests import check_ids, read_body
 from edgeinfer.server.schemas import (OllamaBase, OllamaChatRequest, OllamaGenerateRequest,
                                       OllamaShowRequest)
+from edgeinfer.server.streaming import collect, first_chunk, stream_events
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
 _DONE_REASON = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
 
+def iso(ts: float) -> str:
+    """A wall-clock time as Ollama writes it (UTC, ending in Z)."""
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return iso(time.time())
 
 
 def sampling_of(state, req: OllamaBase, n_ctx: int) -> dict:
@@ -83,7 +91,7 @@ async def generate(request: Request):
     t0 = time.perf_counter()
     state = request.app.state.server
     req = await read_body(request, OllamaGenerateRequest)
-    keep = apply_keep_alive(state, req.keep_alive)
+    keep = state.apply_keep_alive(req.keep_alive)
     if keep == 0 and not req.prompt and req.suffix is None:
         state.check_model_name(req.model)
         return load_response(state, "unload")  # the model goes as this answer does (ModelGate)
@@ -106,8 +114,6 @@ async def generate(request: Request):
         start = fim_start(model, params, prefix=req.prompt, suffix=req.suffix)
     else:
         if req.context:
-            from edgeinfer.server.llama_api import check_ids
-
             check_ids(model, req.context, "context")
         params.update(context=req.context, on_prompt=tokens.extend)
         if req.raw:
@@ -128,8 +134,8 @@ async def generate(request: Request):
         return JSONResponse({**head, "created_at": now_iso(), "response": text, **final_stats(last, t0),
                              **context()})
     first = await first_chunk(job, request)
-    return StreamingResponse(_ndjson(job, first, head, t0, lambda text: {"response": text}, context),
-                             media_type=NDJSON)
+    events = _ndjson(job, first, request.url.path, head, t0, lambda text: {"response": text}, context)
+    return StreamingResponse(events, media_type=NDJSON)
 
 
 def _recording(start, tokens: list[int]):
@@ -147,7 +153,7 @@ async def chat(request: Request):
     t0 = time.perf_counter()
     state = request.app.state.server
     req = await read_body(request, OllamaChatRequest)
-    keep = apply_keep_alive(state, req.keep_alive)
+    keep = state.apply_keep_alive(req.keep_alive)
     if keep == 0 and not req.messages:
         state.check_model_name(req.model)
         return JSONResponse({"model": state.config.model_name, "created_at": now_iso(),
@@ -175,24 +181,16 @@ async def chat(request: Request):
         text, last = await collect(job, request)
         return JSONResponse({**head, "created_at": now_iso(), **message(text), **final_stats(last, t0)})
     first = await first_chunk(job, request)
-    return StreamingResponse(_ndjson(job, first, head, t0, message), media_type=NDJSON)
+    events = _ndjson(job, first, request.url.path, head, t0, message)
+    return StreamingResponse(events, media_type=NDJSON)
 
 
-async def _ndjson(job, first, head: dict, t0: float, body, tail=dict) -> AsyncIterator[str]:
-    last = None
-    try:
-        async for chunk in stream_chunks(job, first):
-            if chunk.text:
-                yield _line({**head, "created_at": now_iso(), **body(chunk.text), "done": False})
-            if chunk.finish_reason is not None:
-                last = chunk
-    except APIError as exc:
-        yield _line({"error": exc.message})
-        return
-    if job.timed_out:
-        yield _line({"error": "the request timed out"})
-    elif last is not None:
-        yield _line({**head, "created_at": now_iso(), **body(""), **final_stats(last, t0), **tail()})
+def _ndjson(job, first, path: str, head: dict, t0: float, body, tail=dict) -> AsyncIterator[str]:
+    """NDJSON lines for a streamed answer: a line a text piece, then the final one with the stats."""
+    return stream_events(job, first, path, _line,
+                         lambda text: {**head, "created_at": now_iso(), **body(text), "done": False},
+                         lambda last: [{**head, "created_at": now_iso(), **body(""), **final_stats(last, t0),
+                                        **tail()}])
 
 
 def _line(obj: dict) -> str:
@@ -203,33 +201,30 @@ def _line(obj: dict) -> str:
 
 async def model_info(state):
     """`edgeinfer.model_info.describe` of the loaded file, read once (off the event loop)."""
-    info = getattr(state, "_model_info", None)
+    info = state.file_info
     if info is None:
+        # the GGUF reader (gguf, numpy) loads only when a request asks for the file's facts
         from edgeinfer.loader import open_model
         from edgeinfer.model_info import describe
 
         model = state.require_model()
         info = await anyio.to_thread.run_sync(lambda: describe(open_model(model.path)))
-        state._model_info = info
+        state.file_info = info
     return info
 
 
 def details(info) -> dict:
-    from edgeinfer.model_info import human_count
-
     return {"parent_model": "", "format": "gguf", "family": info.architecture,
             "families": [info.architecture], "parameter_size": human_count(info.parameters),
             "quantization_level": info.quantization}
 
 
 def _modified_at(info) -> str:
-    import os
-
     try:
         ts = os.stat(info.path).st_mtime
     except OSError:
         ts = time.time()
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+    return iso(ts)
 
 
 @router.get("/api/tags")
@@ -250,8 +245,7 @@ async def ps(request: Request) -> JSONResponse:
     info = await model_info(state)
     name = state.config.model_name
     expires = state.expires_at()
-    expires_at = "9999-12-31T23:59:59Z" if expires is None else \
-        datetime.fromtimestamp(expires, timezone.utc).isoformat().replace("+00:00", "Z")
+    expires_at = "9999-12-31T23:59:59Z" if expires is None else iso(expires)
     return JSONResponse({"models": [{"name": name, "model": name, "size": info.file_size, "digest": "",
                                      "details": details(info), "expires_at": expires_at,
                                      "size_vram": 0, "context_length": n_ctx}]})
@@ -264,8 +258,6 @@ async def show(request: Request) -> JSONResponse:
     state.require_model()
     state.check_model_name(req.model if req.model is not None else req.name)
     info = await model_info(state)
-    from edgeinfer.server.fim import has_fim
-
     arch = info.architecture
     model_info_keys = {
         "general.architecture": arch, "general.name": info.name,

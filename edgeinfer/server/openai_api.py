@@ -2,49 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from edgeinfer.server.app import (APIError, collect, first_chunk, llama_timings, read_body,
-                                  stream_chunks, usage_dict)
-from edgeinfer.server.errors import error_body
+from edgeinfer.server.errors import APIError
 from edgeinfer.server.fim import fim_start
-from edgeinfer.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIMessage, OpenAISampling
+from edgeinfer.server.requests import chat_message, check_ids, read_body
+from edgeinfer.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
+from edgeinfer.server.streaming import collect, first_chunk, sse, sse_response, stream_events
+from edgeinfer.server.usage import llama_timings, usage_dict
 from edgeinfer.server.worker import Job
 
 router = APIRouter()
 
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
-
-
-def message_text(m: OpenAIMessage) -> str:
-    """OpenAI content may be a string or a list of parts; only text parts are supported."""
-    if m.content is None:
-        return ""
-    if isinstance(m.content, str):
-        return m.content
-    parts = []
-    for part in m.content:
-        if part.type != "text":
-            raise APIError(400, f"invalid field 'messages': content part type {part.type!r} is not supported "
-                                "(text only)",
-                           param="messages")
-        parts.append(part.text or "")
-    return "".join(parts)
-
-
-def chat_message(m: OpenAIMessage) -> dict:
-    """The template's view of a message; `name` goes along for templates that use it."""
-    out = {"role": m.role, "content": message_text(m)}
-    if m.name is not None:
-        out["name"] = m.name
-    return out
+_DONE = "data: [DONE]\n\n"
 
 
 def sampling_of(state, req: OpenAISampling, max_tokens: int | None) -> dict:
@@ -110,7 +86,7 @@ async def chat_completions(request: Request):
                                      lambda finish: delta({}, finish)):
             yield ev
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return sse_response(events())
 
 
 @router.post("/v1/completions")
@@ -128,8 +104,6 @@ async def completions(request: Request):
             raise APIError(400, "suffix needs a text prompt", param="suffix")
         start = fim_start(model, params, prefix=prompt, suffix=req.suffix)
     else:
-        from edgeinfer.server.llama_api import check_ids
-
         check_ids(model, prompt if isinstance(prompt, list) else [])
         start = lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **params)  # noqa: E731
     job = state.submit(start)
@@ -152,32 +126,16 @@ async def completions(request: Request):
 
     events = _stream_body(job, first, request.url.path, include_usage, head, "text_completion",
                           lambda text: piece(text, None), lambda finish: piece("", finish))
-    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    return sse_response(events)
 
 
-async def _stream_body(job: Job, first, path: str, include_usage: bool, head: dict, obj: str,
-                       on_text, on_finish) -> AsyncIterator[str]:
+def _stream_body(job: Job, first, path: str, include_usage: bool, head: dict, obj: str,
+                 on_text, on_finish) -> AsyncIterator[str]:
     """SSE events for a streamed answer: text pieces, the finish chunk, usage, [DONE]."""
-    last = None
-    try:
-        async for chunk in stream_chunks(job, first):
-            if chunk.text:
-                yield sse(on_text(chunk.text))
-            if chunk.finish_reason is not None:
-                last = chunk
-    except APIError as exc:
-        yield sse(error_body(path, exc.status, exc.message, code=exc.code))
-        return
-    if job.timed_out:
-        yield sse(error_body(path, 504, "the request timed out", code="timeout"))
-        return
-    if last is None:
-        return
-    yield sse(on_finish(_FINISH[last.finish_reason]))
-    if include_usage:
-        yield sse({**head, "object": obj, "choices": [], "usage": usage_dict(last)})
-    yield "data: [DONE]\n\n"
+    def closing(last) -> list[dict]:
+        out = [on_finish(_FINISH[last.finish_reason])]
+        if include_usage:
+            out.append({**head, "object": obj, "choices": [], "usage": usage_dict(last)})
+        return out
 
-
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return stream_events(job, first, path, sse, on_text, closing, done=_DONE)

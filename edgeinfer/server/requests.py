@@ -1,0 +1,93 @@
+"""What a request sends, read and checked: the JSON body (size-limited, validated into its
+schema, every problem a one-line 400/413), token ids and OpenAI-shaped chat messages."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
+
+from edgeinfer.server.errors import APIError
+from edgeinfer.server.schemas import OpenAIMessage
+
+log = logging.getLogger("edgeinfer.server")
+B = TypeVar("B", bound=BaseModel)
+
+
+async def read_body(request: Request, schema: type[B]) -> B:
+    """The JSON body, size-limited and validated; every problem is a one-line 400/413."""
+    limit = request.app.state.server.config.max_body_bytes
+    data = bytearray()
+    try:
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise APIError(413, f"request body is larger than {limit} bytes")
+    except ClientDisconnect:
+        log.info("%s %s: the client disconnected while sending the request body",
+                 request.method, request.url.path)
+        raise APIError(499, "the client disconnected while sending the request body") from None
+    if not data.strip():
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        return schema.model_validate_json(bytes(data))
+    except ValidationError as exc:
+        message, param = describe(exc)
+        raise APIError(400, message, param=param) from None
+
+
+def describe(exc: ValidationError) -> tuple[str, str | None]:
+    """One line for a validation failure, and the field it names (the OpenAI `param`)."""
+    errors = exc.errors(include_url=False)
+    # an unknown field is the real problem even when a union's other members also failed
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    if err["type"] == "json_invalid":
+        return f"malformed JSON: {err['msg'].removeprefix('Invalid JSON: ')}", None
+    loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
+    if err["type"] == "model_type":
+        return "the request body must be a JSON object", None
+    if err["type"] == "extra_forbidden":
+        return f"unsupported field {loc!r}: this server does not know it, so it cannot honour it", loc
+    return f"invalid field {loc!r}: {err['msg'].removeprefix('Value error, ')}", loc or None
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic puts the union member tried into loc ("list[str]", "function-after[...]")
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
+def check_ids(model, ids: list[int], field: str | None = None) -> None:
+    """Token ids a request sends must lie in the model's vocabulary."""
+    n = model.tokenizer.vocab_size
+    bad = next((i for i in ids if i >= n), None)
+    if bad is not None:
+        where = f"invalid field {field!r}: " if field else ""
+        raise APIError(400, f"{where}token id {bad} is out of range (the vocabulary has {n} tokens)",
+                       param=field)
+
+
+def message_text(m: OpenAIMessage) -> str:
+    """OpenAI content may be a string or a list of parts; only text parts are supported."""
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for part in m.content:
+        if part.type != "text":
+            raise APIError(400, f"invalid field 'messages': content part type {part.type!r} is not supported "
+                                "(text only)",
+                           param="messages")
+        parts.append(part.text or "")
+    return "".join(parts)
+
+
+def chat_message(m: OpenAIMessage) -> dict:
+    """The template's view of a message; `name` goes along for templates that use it."""
+    out = {"role": m.role, "content": message_text(m)}
+    if m.name is not None:
+        out["name"] = m.name
+    return out
