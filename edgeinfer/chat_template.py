@@ -39,6 +39,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace, _PassArg, pass_context
 
 from edgeinfer.errors import TemplateError
+from edgeinfer.metadata import MAX_VOCAB, meta_int, meta_str, meta_str_array
 
 BUILTIN_TEMPLATES = ("gemma", "llama3", "chatml")
 
@@ -691,12 +692,12 @@ class ChatTemplate:
                 return cls(override, bos, eos, name="override")
             raise TemplateError(f"unknown chat template {override!r}: give a built-in name "
                                 f"({', '.join(BUILTIN_TEMPLATES)}) or Jinja source")
-        source = metadata.get("tokenizer.chat_template")
-        if isinstance(source, str) and source.strip():
+        source = meta_str(metadata, "tokenizer.chat_template", None)
+        if source is not None and source.strip():
             tmpl = cls(source, bos, eos, name="model")
             tmpl.from_file = True
             return tmpl
-        arch = str(metadata.get("general.architecture", ""))
+        arch = meta_str(metadata, "general.architecture", "")
         return cls.builtin(_ARCH_TEMPLATE.get(arch, "chatml"), bos, eos)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
@@ -752,9 +753,9 @@ class ChatTemplate:
 
 
 def _special_text(metadata: Mapping[str, Any], which: str) -> str:
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    tid = metadata.get(f"tokenizer.ggml.{which}_token_id")
-    if tokens is None or tid is None or not 0 <= int(tid) < len(tokens):
+    tokens = meta_str_array(metadata, "tokenizer.ggml.tokens", None)
+    tid = meta_int(metadata, f"tokenizer.ggml.{which}_token_id", 0, MAX_VOCAB, None)
+    if tokens is None or tid is None or tid >= len(tokens):
         return ""
-    return str(tokens[int(tid)])
+    return tokens[tid]
 
