@@ -67,8 +67,9 @@ def test_chat_in_tmux_answers_like_the_api(gemma_path, tmp_path):
                         "--temp", "0", "-n", str(MAX_TOKENS), "; sleep 600"])
     _tmux(sock, "new-session", "-d", "-s", "chat", "-x", "120", "-y", "40", "env " + command)
     try:
-        _wait_for(sock, lambda p: "Q4_K_M" in p and "ctx 0/1024" in p and "loading" not in p
-                  and "compiling" not in p, 300, "the model to load")
+        ready = _wait_for(sock, lambda p: "Q4_K_M" in p and "ctx 0/1024" in p and "loading" not in p
+                          and "compiling" not in p, 300, "the model to load")
+        assert "Welcome to edgeinfer chat" in ready and "gemma3-270m" in ready and "F1 help" in ready
         _tmux(sock, "send-keys", "-t", "chat", "-l", QUESTION)
         _tmux(sock, "send-keys", "-t", "chat", "Enter")
         pane = _wait_for(sock, lambda p: "tok/s" in p, 300, "the answer to finish")

@@ -137,7 +137,6 @@ class ChatApp(App):
     #welcome { margin: 1 0 0 0; padding: 0 1; height: auto; }
     #loading { height: 2; display: none; padding: 0 1; }
     #loading.visible { display: block; }
-    #loading ProgressBar { width: auto; }
     #loading-label { width: 1fr; }
     #prompt { height: auto; min-height: 3; max-height: 12; border: tall $accent; }
     StatusBar { height: auto; background: $panel; color: $text; padding: 0 1; }
@@ -184,8 +183,8 @@ class ChatApp(App):
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
     # The key line, in priority order: what does not fit is behind "F1 help".
-    KEYS = [Key("Enter", "send"), Key("Esc", "stop"), Key("^N", "new"), Key("^R", "regenerate"),
-            Key("^S", "settings"), Key("^O", "model"), Key("^F", "search"), Key("^L", "edit last"),
+    KEYS = [Key("Enter", "send"), Key("Esc", "stop"), Key("^N", "new"), Key("^O", "model"),
+            Key("^S", "settings"), Key("^R", "regenerate"), Key("^F", "search"), Key("^L", "edit last"),
             Key("F3", "copy answer"), Key("F5", "copy chat"), Key("F9", "export"), Key("^B", "chats"),
             Key("F2", "rename"), Key("F8", "delete"), Key("^T", "theme"), Key("^Q", "quit"),
             Key("F1", "help")]
@@ -239,9 +238,9 @@ class ChatApp(App):
                 yield OptionList(id="conversations")
             with Vertical(id="main"):
                 yield VerticalScroll(id="chat")
-                with Horizontal(id="loading"):
-                    yield ProgressBar(total=1.0, show_eta=False, id="load-progress")
+                with Vertical(id="loading"):
                     yield Label("", id="loading-label", markup=False)
+                    yield ProgressBar(total=1.0, show_eta=False, id="load-progress")
                 yield PromptInput(id="prompt", placeholder="Message (Enter sends, Ctrl+J new line)")
         yield StatusBar(id="status")
         yield KeyBar(self.KEYS, id="keys")

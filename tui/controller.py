@@ -127,7 +127,7 @@ SETTING_FIELDS: list[tuple[str, str, str]] = [
     ("min_p", "Min-p (0 = off)", "float"),
     ("repeat_penalty", "Repeat penalty (1 = off)", "float"),
     ("seed", "Seed (empty = random)", "seed"),
-    ("stop", "Stop strings (comma-separated, \\n = newline)", "stop"),
+    ("stop", "Stop strings (comma-separated)", "stop"),
     ("max_tokens", "Max tokens (-1 = no limit)", "int"),
     ("n_ctx", "Context size (tokens)", "int"),
 ]
@@ -241,7 +241,7 @@ def footer_text(keys: list[Key], columns: int) -> str:
     full = sep.join(parts)
     if len(full) <= columns - 2:
         return full
-    tail = f"{HELP_KEY.key} {HELP_KEY.label}: all keys"
+    tail = f"{HELP_KEY.key} {HELP_KEY.label}"
     shown: list[str] = []
     for k, part in zip(keys, parts):
         if k.key == HELP_KEY.key:
@@ -250,7 +250,7 @@ def footer_text(keys: list[Key], columns: int) -> str:
             break
         shown.append(part)
     line = sep.join([*shown, tail])
-    return line if len(line) <= columns else f"{HELP_KEY.key} {HELP_KEY.label}"[:columns]
+    return line if len(line) <= columns else tail[:columns]
 
 
 # -- texts -------------------------------------------------------------------------------------

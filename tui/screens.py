@@ -65,6 +65,9 @@ class HelpScreen(ModalScreen[None]):
             yield Markdown(HELP)
 
 
+STOP_HINT = "e.g. User:, \\n\\n"
+
+
 class SettingsScreen(ModalScreen[dict | None]):
     """Edit the conversation's system prompt and sampling settings; returns the checked values
     (controller.parse_settings), or stays open with a one-line notice on a bad one."""
@@ -86,7 +89,8 @@ class SettingsScreen(ModalScreen[dict | None]):
                 with Grid(id="settings-grid"):
                     for key, label, _ in SETTING_FIELDS:
                         yield Label(label)
-                        yield Input(format_setting(key, self.settings.get(key)), id=key)
+                        yield Input(format_setting(key, self.settings.get(key)), id=key,
+                                    placeholder=STOP_HINT if key == "stop" else "")
                 yield Checkbox("Save the KV cache with the conversation (bigger file; resuming prefills nothing)",
                                bool(self.settings.get("save_kv")), id="save_kv")
             with Horizontal(classes="buttons"):
