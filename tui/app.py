@@ -137,7 +137,7 @@ class ChatApp(App):
     #welcome { margin: 1 0 0 0; padding: 0 1; height: auto; }
     #loading { height: 2; display: none; padding: 0 1; }
     #loading.visible { display: block; }
-    #loading-label { width: 1fr; }
+    #loading-label { width: 1fr; height: 1; text-wrap: nowrap; text-overflow: ellipsis; }
     #prompt { height: auto; min-height: 3; max-height: 12; border: tall $accent; }
     StatusBar { height: auto; background: $panel; color: $text; padding: 0 1; }
     KeyBar { height: 1; background: $primary-background; color: $text; padding: 0 1; }

@@ -281,7 +281,7 @@ def new_chat_notice(system: str, settings: dict, defaults: dict) -> str:
 LOAD_STAGES = {"resolve": (0.05, "finding the model file"),
                "read": (0.45, "reading the weights"),
                "prepare": (0.7, "preparing the weights"),
-               "compile": (0.95, "compiling kernels (slow only on the first start)"),
+               "compile": (0.95, "compiling kernels (first start only)"),
                "ready": (1.0, "ready")}
 
 
