@@ -49,7 +49,7 @@ class Session:
     """A Repl fed `lines` through the plain (non-terminal) reader; what it printed."""
 
     def __init__(self, model, path, lines: list[str], raw: bool = False, extra: tuple[str, ...] = ()) -> None:
-        from edgeinfer.commands.run import sampling_from_args
+        from edgeinfer.commands.model_flags import sampling_from_args
 
         self.args = build_parser().parse_args(["run", str(path), "-n", "3", "--temp", "0", "-c", "128",
                                                "--backend", "reference", *extra])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from edgeinfer.commands.arg_types import positive_int as _positive_int
+from edgeinfer.commands.arg_types import positive_int
 
 
 def register(sub) -> None:
@@ -14,10 +14,10 @@ def register(sub) -> None:
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (0 = skip tg)")
     p.add_argument("-d", "--n-depth", type=int, default=0,
                    help="tokens already in the context before each test (llama-bench's -d)")
-    p.add_argument("-r", "--repetitions", type=_positive_int, default=3, help="timed runs per test")
-    p.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads")
+    p.add_argument("-r", "--repetitions", type=positive_int, default=3, help="timed runs per test")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads")
     p.add_argument("--backend", choices=("cpu", "reference"), default="cpu")
-    p.add_argument("--prefill-chunk", type=_positive_int, default=512, help="prefill chunk size")
+    p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prefill chunk size")
     p.add_argument("--json", action="store_true", help="print a JSON list like llama-bench -o json")
     p.set_defaults(func=run)
 

@@ -7,7 +7,8 @@ sessions `run` saved.
 
 from __future__ import annotations
 
-from edgeinfer.commands.run import add_model_options, add_sampling_options, model_kwargs, sampling_from_args
+from edgeinfer.commands.model_flags import (add_model_options, add_sampling_options, model_kwargs,
+                                           sampling_from_args)
 
 
 def register(sub) -> None:

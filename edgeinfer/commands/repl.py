@@ -7,6 +7,7 @@ import sys
 from edgeinfer.commands import repl_commands as rc
 from edgeinfer.commands.answer import answer, messages_for
 from edgeinfer.commands.line_input import LineReader
+from edgeinfer.commands.run_model import completion_mode, load_with_spinner
 from edgeinfer.errors import EdgeInferError
 
 
@@ -157,8 +158,6 @@ class Repl:
             self.system, self.history = resume_session(self.model, name, self.params, self.system)
             self.session = name
             return
-        from edgeinfer.commands.run import completion_mode, load_with_spinner
-
         previous = self.args.name
         self.args.name = name
         try:

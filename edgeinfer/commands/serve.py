@@ -14,22 +14,13 @@ import os
 import sys
 import threading
 
-from edgeinfer.commands.arg_types import non_negative_int, port_number, positive_int
-from edgeinfer.commands.run import add_model_options, add_sampling_options, model_kwargs, sampling_from_args
+from edgeinfer.commands.arg_types import non_negative_int, port_number, positive_float, positive_int
+from edgeinfer.commands.model_flags import (add_model_options, add_sampling_options, model_kwargs,
+                                           sampling_from_args)
 from edgeinfer.errors import EdgeInferError
 
 log = logging.getLogger("edgeinfer.server")
-
-
-def seconds(text: str) -> float:
-    """argparse type: a positive number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 < value <= 86400:
-        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 86400 seconds, got {text}")
-    return value
+seconds = positive_float(86400, "a number of seconds", " seconds")  # --read-timeout, --idle-timeout
 
 
 def keep_alive_duration(text: str) -> float:

@@ -1,0 +1,65 @@
+"""The flags of the commands that load a model (run, chat, serve) and what they turn into:
+edgeinfer.load keywords and sampling parameters."""
+
+from __future__ import annotations
+
+from edgeinfer.commands.arg_types import non_negative_int, positive_float, positive_int
+from edgeinfer.errors import EdgeInferError
+
+
+def add_model_options(p) -> None:
+    """Flags shared by commands that load a model (run, chat, serve)."""
+    p.add_argument("-c", "--ctx-size", type=positive_int, default=4096, metavar="N",
+                   help="context size in tokens (default 4096)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N",
+                   help="CPU threads (default: all cores)")
+    p.add_argument("--backend", choices=("cpu", "reference"), default="cpu",
+                   help="compute backend (reference = slow numpy, for checking)")
+    p.add_argument("-ngl", "--gpu-layers", default="auto", metavar="N|auto",
+                   help="layers to offload to a CUDA GPU (default auto: as many as fit; 0 = CPU only)")
+    p.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
+                   help="built-in template name (gemma, llama3, chatml) or a Jinja template")
+    p.add_argument("--prefill-chunk", type=positive_int, default=256, metavar="N",
+                   help="prompt tokens evaluated per forward pass (default 256)")
+    p.add_argument("--kv-pool-mb", type=positive_float(), default=None, metavar="MB",
+                   help="cap the KV block pool (default: 2 x ctx-size tokens, to keep a cached prefix)")
+    p.add_argument("--context-shift", dest="context_shift", action="store_true", default=None,
+                   help="when the context fills, drop the oldest half after --keep tokens and go on")
+    p.add_argument("--no-context-shift", dest="context_shift", action="store_false",
+                   help="stop with finish reason 'length' when the context fills")
+    p.add_argument("--keep", type=non_negative_int, default=0, metavar="N",
+                   help="tokens at the start kept by a context shift (default 0)")
+
+
+def model_kwargs(args, context_shift: bool = False) -> dict:
+    """edgeinfer.load keywords from the add_model_options flags; `context_shift` = this
+    command's default when neither --context-shift nor --no-context-shift is given."""
+    if args.keep < 0:
+        raise EdgeInferError(f"--keep must be at least 0, got {args.keep}")
+    shift = context_shift if args.context_shift is None else args.context_shift
+    return dict(n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
+                chat_template=args.chat_template, gpu_layers=args.gpu_layers,
+                prefill_chunk=args.prefill_chunk, kv_pool_mb=args.kv_pool_mb,
+                context_shift=shift, n_keep=args.keep)
+
+
+def add_sampling_options(p) -> None:
+    p.add_argument("-n", "--max-tokens", type=int, default=-1, metavar="N",
+                   help="stop after N tokens (-1 = until the model stops or the context is full)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k (0 = off, default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p (1 = off, default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p (0 = off, default 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for a reproducible run")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+
+
+def sampling_from_args(args) -> dict:
+    params = dict(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k,
+                  top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                  seed=args.seed, stop=list(args.stop))
+    from edgeinfer.sampling import SamplingParams
+
+    SamplingParams(**params).validate()  # bad flag values fail before the model loads
+    return params
