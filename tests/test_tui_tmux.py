@@ -72,7 +72,8 @@ def test_chat_in_tmux_answers_like_the_api(gemma_path, tmp_path):
         assert "Welcome to edgeinfer chat" in ready and "gemma3-270m" in ready and "F1 help" in ready
         _tmux(sock, "send-keys", "-t", "chat", "-l", QUESTION)
         _tmux(sock, "send-keys", "-t", "chat", "Enter")
-        pane = _wait_for(sock, lambda p: "tok/s" in p, 300, "the answer to finish")
+        # tok/s shows while the answer streams too: finished means no longer "answering".
+        pane = _wait_for(sock, lambda p: "tok/s" in p and "answering" not in p, 300, "the answer to finish")
         shown = _answer_box(pane)
         assert shown == _squash(expected), f"answer on screen {shown!r} != API answer {expected!r}"
         _tmux(sock, "send-keys", "-t", "chat", "C-q")
