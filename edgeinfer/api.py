@@ -100,7 +100,9 @@ class Model:
     def generate(self, prompt: str | list[int], *, stream: bool = False, raw: bool = True,
                  cancel: threading.Event | None = None, **params: Any
                  ) -> GenerationResult | Iterator[GenerationChunk]:
-        """Complete `prompt` (text or token ids). Sampling keywords as in `SamplingParams`."""
+        """Complete `prompt` (text or token ids). Sampling keywords as in `SamplingParams`;
+        constrained output with one of json_schema=SCHEMA, json=True, grammar=GBNF, regex=RE
+        (edgeinfer.grammar): the answer ends with finish_reason "stop" once it is complete."""
         try:
             ids = prompt if isinstance(prompt, list) else \
                 self.tokenizer.tokenize(prompt, add_special=True, cancel=cancel)
@@ -147,6 +149,7 @@ class Model:
             raise EdgeInferError("the prompt is empty")
         # Per-request context-shift settings ride along with the sampling keywords.
         shift = params.pop("context_shift", None)
+        _constraint(params)
         n_keep = params.pop("n_keep", None)
         return self.sessions.generate(ids, _sampling(params), cancel, context_shift=shift, n_keep=n_keep)
 
@@ -165,6 +168,24 @@ def _cancelled() -> Iterator[GenerationChunk]:
     yield GenerationChunk(text="", token=None, finish_reason=FinishReason.CANCELLED,
                           usage=Usage(prompt_tokens=0, completion_tokens=0),
                           timings=Timings.from_clock(now, None, now, 0, 0))
+
+
+_CONSTRAINT_KEYS = ("json_schema", "grammar", "regex", "json")
+
+
+def _constraint(params: dict[str, Any]) -> None:
+    """Turn the constraint keywords into `params["constraint"]` (compiled; GrammarError if bad):
+    json_schema=SCHEMA (dict or JSON text), json=True (any JSON object), grammar=GBNF text,
+    regex=PATTERN; or constraint=edgeinfer.grammar.Constraint directly."""
+    given = {k: params.pop(k) for k in _CONSTRAINT_KEYS if k in params}
+    given = {k: v for k, v in given.items() if v is not None and v is not False}
+    if not given:
+        return
+    if params.get("constraint") is not None:
+        raise EdgeInferError(f"give either constraint or {', '.join(given)}, not both")
+    from edgeinfer import grammar
+
+    params["constraint"] = grammar.from_request(**given)
 
 
 def _sampling(params: dict[str, Any]) -> SamplingParams:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -56,6 +56,9 @@ class SamplingParams:
     repeat_last_n: int = 64    # 0 = no penalties, -1 = all previous tokens
     max_tokens: int = -1       # -1 = unlimited (until stop / context end)
     stop: list[str] = field(default_factory=list)
+    # A compiled edgeinfer.grammar.Constraint (JSON schema, GBNF, regex...): its mask is
+    # applied before the chain, per sequence (the decode loop makes the matcher).
+    constraint: Any = field(default=None, repr=False)
 
     def validate(self) -> "SamplingParams":
         """Raise InvalidParameterError on the first out-of-range field; return self."""
@@ -75,6 +78,9 @@ class SamplingParams:
             raise InvalidParameterError("stop must be a list of strings")
         if any(s == "" for s in self.stop):
             raise InvalidParameterError("stop strings must not be empty")
+        if self.constraint is not None and not hasattr(self.constraint, "matcher"):
+            raise InvalidParameterError("constraint must be an edgeinfer.grammar.Constraint "
+                                        "(edgeinfer.grammar.json_schema(...), gbnf(...), regex(...))")
         return self
 
     def make_sampler(self) -> Sampler:
