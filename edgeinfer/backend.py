@@ -7,21 +7,30 @@ faster backend (Numba CPU, CUDA) subclasses `Backend` and is tested against
 
 Shapes: activations are float32 (n_tokens, features); per-head tensors are
 (n_tokens, n_heads, head_dim).
+
+Beside the ops, the contract says where K/V live, as methods with host-memory defaults
+(a backend that keeps some layers' K/V elsewhere overrides them, as the hybrid CPU/GPU
+one does): `kv_layers` (layers whose K/V the backend keeps itself), `new_block_storage`
+(its blocks for the session manager's paged pool), `max_kv_blocks` (how many it has
+room for) and `new_cache` (a contiguous cache for one sequence). `at_layer` tells the
+backend which block the forward pass runs.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from edgeinfer.models.base import ROPE_NEOX
+from edgeinfer.kv.contiguous import KVCache
+from edgeinfer.rope import ROPE_NEOX
 
 if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
-    from edgeinfer.kv_cache import KVCache
+    from edgeinfer.kv.view import KVView
+    from edgeinfer.models.base import ModelConfig
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -34,6 +43,28 @@ class Backend:
     def __init__(self, gguf: "GGUFFile") -> None:
         self.gguf = gguf
         self._vectors: dict[str, np.ndarray] = {}
+
+    # -- where K/V live, and where a layer runs ----------------------------------------------
+    def kv_layers(self, config: "ModelConfig") -> list[int]:
+        """Layers whose K/V this backend keeps in its own storage (none: all in host memory)."""
+        return []
+
+    def new_block_storage(self, config: "ModelConfig", num_blocks: int, block_size: int) -> Any:
+        """Storage for the K/V of `kv_layers` in `num_blocks` blocks of the paged pool, with
+        the pool's block ids (edgeinfer.kv.device_storage), or None when there are none."""
+        return None
+
+    def max_kv_blocks(self, config: "ModelConfig", block_size: int) -> int | None:
+        """The most blocks of `kv_layers` the backend has room for (None: no limit of its own)."""
+        return None
+
+    def new_cache(self, config: "ModelConfig", n_ctx: int) -> "KVView":
+        """A contiguous cache for one sequence of up to n_ctx tokens."""
+        return KVCache(config, n_ctx)
+
+    def at_layer(self, layer: int | None) -> None:
+        """The forward pass is about to run block `layer` (None: the output head). A backend
+        that places layers on different devices notes where unnamed ops (`add`) now run."""
 
     # -- weights --------------------------------------------------------------------------
     def vector(self, name: str) -> np.ndarray:
@@ -119,7 +150,7 @@ class Backend:
         return out
 
     # -- attention ------------------------------------------------------------------------
-    def attention(self, q: np.ndarray, kv: "KVCache", layer: int, positions: np.ndarray,
+    def attention(self, q: np.ndarray, kv: "KVView", layer: int, positions: np.ndarray,
                   scale: float, window: int, q_scale: float = 1.0) -> np.ndarray:
         """Causal attention of q (n, n_head, hd) over the cached K/V of `layer`.
 

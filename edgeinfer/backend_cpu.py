@@ -15,7 +15,7 @@ from edgeinfer.kernels_cpu import decode_blocks, kv_attention, ops
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
 from edgeinfer.kernels_cpu.repack import repack, repacks
 from edgeinfer.kernels_cpu.threads import worker_pool
-from edgeinfer.models.base import ROPE_NEOX
+from edgeinfer.rope import ROPE_NEOX
 
 
 class CpuBackend(Backend):

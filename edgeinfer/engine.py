@@ -14,7 +14,8 @@ import numpy as np
 
 from edgeinfer.backend import Backend, ReferenceBackend
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.kv_cache import KVCache
+from edgeinfer.kv.contiguous import KVCache
+from edgeinfer.kv.view import KVView
 from edgeinfer.loader import ModelFile
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
         if not plan.on_gpu:
             cpu.prepare_weights()   # a GPU plan leaves them to first use: offloaded layers never ask
             return cpu, plan
-        from edgeinfer.backend_cuda import make_backend as make_hybrid
+        from edgeinfer.backend_hybrid import make_backend as make_hybrid
 
         return make_hybrid(mf.gguf, plan, cpu), plan
     raise EdgeInferError(f"unknown backend {options.backend!r} (choose from {', '.join(BACKENDS)})")
@@ -92,12 +93,11 @@ class Engine:
     def n_ctx(self) -> int:
         return self.options.n_ctx
 
-    def new_cache(self) -> KVCache:
-        if hasattr(self.backend, "new_cache"):  # GPU layers keep their K/V in VRAM
-            return self.backend.new_cache(self.config, self.n_ctx)
-        return KVCache(self.config, self.n_ctx)
+    def new_cache(self) -> KVView:
+        """A contiguous cache of n_ctx tokens, the backend's own (GPU layers keep K/V in VRAM)."""
+        return self.backend.new_cache(self.config, self.n_ctx)
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray, kv: KVCache,
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, kv: KVView,
                 logits_for: np.ndarray | None = None) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.n_vocab):
@@ -109,7 +109,7 @@ class Engine:
             kv.truncate(before)
             raise
 
-    def prefill(self, tokens: list[int] | np.ndarray, kv: KVCache, progress=None) -> np.ndarray:
+    def prefill(self, tokens: list[int] | np.ndarray, kv: KVView, progress=None) -> np.ndarray:
         """Append `tokens` after what `kv` holds, in chunks; logits of the last token (n_vocab,)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         start = kv.n_used
@@ -139,6 +139,6 @@ class Engine:
         """The most tokens one prefill forward pass takes (see chunk_bounds)."""
         return self.options.prefill_chunk + self.options.prefill_chunk // 4
 
-    def decode(self, token: int, kv: KVCache) -> np.ndarray:
+    def decode(self, token: int, kv: KVView) -> np.ndarray:
         """Evaluate one token after the cache; logits (n_vocab,)."""
         return self.forward(np.array([token]), np.array([kv.n_used]), kv)[0]

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.kernels_cuda.runtime import DeviceInfo  # what the device probe reports
+from edgeinfer.kv.pool_sizing import KV_BYTES_PER_VALUE, context_kv_bytes, kv_values_per_token
 
 if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
@@ -37,23 +39,12 @@ MiB = 1 << 20
 MARGIN_FRACTION = 0.05
 MARGIN_BYTES = 300 * MiB
 DEFAULT_PREFILL_ROWS = 512  # activation rows the scratch area is sized for (one prefill chunk)
-KV_BYTES_PER_VALUE = {"f16": 2.0, "f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32}
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 
 
 class OffloadError(EdgeInferError):
     """A --gpu-layers request that cannot be honoured (does not fit, bad value)."""
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """One GPU as the planner sees it. compute_capability is (major, minor), e.g. (8, 6)."""
-
-    name: str
-    total_vram: int
-    free_vram: int
-    compute_capability: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -93,6 +84,12 @@ class OffloadPlan:
     def layer_on_gpu(self, layer: int) -> bool:
         return layer in self.gpu_layers
 
+    @property
+    def placement(self) -> tuple[str, ...]:
+        """Where each block runs, "cuda" or "cpu", block 0 first (the hybrid backend's table)."""
+        on = set(self.gpu_layers)
+        return tuple("cuda" if i in on else "cpu" for i in range(max(self.n_layer, max(on, default=-1) + 1)))
+
     def describe(self) -> str:
         """One line for `edgeinfer show` / `--verbose`."""
         if not self.on_gpu or self.device is None:
@@ -115,10 +112,6 @@ def vram_budget(device: DeviceInfo) -> int:
 
 # -- model sizes --------------------------------------------------------------------------
 
-def _kv_values_per_token(cfg: "ModelConfig") -> int:
-    return cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v)
-
-
 def _scratch_values_per_row(cfg: "ModelConfig") -> int:
     """float32 values live at once for one token of a prefill chunk (x, h, q, k, v, attn, gate, up)."""
     return (3 * cfg.n_embd + 2 * cfg.q_dim + 2 * cfg.n_head_kv * cfg.head_dim
@@ -136,7 +129,7 @@ def model_sizes_from_gguf(gguf: "GGUFFile", cfg: "ModelConfig") -> ModelSizes:
     output = gguf.tensors[head].n_bytes
     if "output_norm.weight" in gguf.tensors:
         output += gguf.tensors["output_norm.weight"].n_bytes
-    return ModelSizes(tuple(layers), output, (_kv_values_per_token(cfg),) * cfg.n_layer,
+    return ModelSizes(tuple(layers), output, (kv_values_per_token(cfg),) * cfg.n_layer,
                       _scratch_values_per_row(cfg), cfg.n_vocab)
 
 
@@ -146,7 +139,7 @@ def estimate_model_sizes(cfg: "ModelConfig", bits_per_weight: float = 4.85) -> M
                         + cfg.n_head * cfg.head_dim_v * cfg.n_embd + 3 * cfg.n_embd * cfg.n_ff)
     layer = int(per_layer_params * bits_per_weight / 8) + 2 * cfg.n_embd * 4
     output = int(cfg.n_vocab * cfg.n_embd * bits_per_weight / 8) + cfg.n_embd * 4
-    return ModelSizes((layer,) * cfg.n_layer, output, (_kv_values_per_token(cfg),) * cfg.n_layer,
+    return ModelSizes((layer,) * cfg.n_layer, output, (kv_values_per_token(cfg),) * cfg.n_layer,
                       _scratch_values_per_row(cfg), cfg.n_vocab)
 
 
@@ -185,7 +178,7 @@ def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
     if request == 0:
         return cpu("--gpu-layers 0")
 
-    kv_per_layer = [int(v * KV_BYTES_PER_VALUE[kv_dtype] * n_ctx) for v in sizes.kv_values_per_token]
+    kv_per_layer = [context_kv_bytes(v, n_ctx, kv_dtype) for v in sizes.kv_values_per_token]
     rows = max(1, min(prefill_rows, n_ctx))
     scratch_layers = rows * sizes.scratch_values_per_row * 4
     scratch_head = rows * sizes.n_vocab * 4  # logits of a whole chunk (perplexity-style requests)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +57,18 @@ def context() -> Any:
     return ctx
 
 
-def device_info():
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One GPU as the offload planner sees it. compute_capability is (major, minor), e.g. (8, 6)."""
+
+    name: str
+    total_vram: int
+    free_vram: int
+    compute_capability: tuple[int, int]
+
+
+def device_info() -> DeviceInfo:
     """DeviceInfo of device 0 with its current free VRAM (after our context exists)."""
-    from edgeinfer.offload import DeviceInfo
     import pycuda.driver as cuda
 
     context()

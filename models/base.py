@@ -19,14 +19,12 @@ from edgeinfer.errors import GGUFError, MetadataError, UnsupportedModelError
 from edgeinfer.metadata import (MAX_CTX, MAX_EMBD, MAX_FF, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS,
                                 MAX_ROPE_BASE, MAX_VOCAB, REQUIRED, meta_float, meta_int,
                                 meta_int_per_layer, meta_str, meta_str_array)
+from edgeinfer.rope import ROPE_NORM, RopeArgs
 
 if TYPE_CHECKING:
     from edgeinfer.backend import Backend
     from edgeinfer.gguf_file import GGUFFile
-    from edgeinfer.kv_cache import KVCache
-
-ROPE_NORM = "norm"  # rotate adjacent pairs (x0, x1), (x2, x3): llama
-ROPE_NEOX = "neox"  # rotate halves (x0, x_{d/2}): qwen2, qwen3, gemma3
+    from edgeinfer.kv.view import KVView
 
 
 @dataclass(frozen=True)
@@ -214,7 +212,7 @@ class Transformer:
                 _check_shape(gf, name, shape)
 
     # -- forward --------------------------------------------------------------------------
-    def forward(self, tokens: np.ndarray, positions: np.ndarray, kv: "KVCache",
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, kv: "KVView",
                 logits_for: np.ndarray | None = None) -> np.ndarray:
         """Run `tokens` at `positions`, appending their K/V to `kv`.
 
@@ -230,7 +228,9 @@ class Transformer:
             x *= np.float32(cfg.embed_scale)
         slots = kv.append(positions)
         for i in range(cfg.n_layer):
+            be.at_layer(i)
             x = self.layer(i, x, positions, slots, kv)
+        be.at_layer(None)
         x = x[logits_for]
         x = be.rms_norm(x, "output_norm.weight", cfg.norm_eps)
         head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
@@ -241,19 +241,24 @@ class Transformer:
         return logits
 
     def layer(self, i: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-              kv: "KVCache") -> np.ndarray:
+              kv: "KVView") -> np.ndarray:
         raise NotImplementedError
 
     # Shared building blocks ----------------------------------------------------------------
+    def rope_args(self, i: int) -> RopeArgs:
+        """How layer i ropes Q and K: its attention and the context shift's re-rope use it."""
+        cfg = self.config
+        freq_factors = "rope_freqs.weight" if "rope_freqs.weight" in self.gguf.tensors else None
+        scale = 1.0 if cfg.is_swa(i) else cfg.rope_freq_scale
+        return RopeArgs(cfg.rope_dims, cfg.rope_base_for(i), scale, cfg.rope_mode, freq_factors)
+
     def attention(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                  positions: np.ndarray, slots: np.ndarray, kv: "KVCache") -> np.ndarray:
+                  positions: np.ndarray, slots: np.ndarray, kv: "KVView") -> np.ndarray:
         """RoPE q/k, store k/v in the cache, attend; q: (n, n_head, hd) -> (n, n_head*hd_v)."""
         cfg, be = self.config, self.backend
-        freq_factors = "rope_freqs.weight" if "rope_freqs.weight" in self.gguf.tensors else None
-        base = cfg.rope_base_for(i)
-        scale = 1.0 if cfg.is_swa(i) else cfg.rope_freq_scale
-        q = be.rope(q, positions, cfg.rope_dims, base, scale, cfg.rope_mode, freq_factors)
-        k = be.rope(k, positions, cfg.rope_dims, base, scale, cfg.rope_mode, freq_factors)
+        rope = self.rope_args(i)
+        q = be.rope(q, positions, *rope)
+        k = be.rope(k, positions, *rope)
         kv.store(i, slots, k, v)
         window = cfg.sliding_window if cfg.is_swa(i) else 0
         if cfg.attn_scale:  # Gemma scales Q itself before attention, as llama.cpp does
@@ -290,4 +295,4 @@ def _check_shape(gf: "GGUFFile", name: str, shape: tuple[int, ...]) -> None:
                         f"from the model's metadata")
 
 
-__all__ = ["ModelConfig", "Transformer", "ROPE_NORM", "ROPE_NEOX"]
+__all__ = ["ModelConfig", "Transformer"]

@@ -13,7 +13,8 @@ import math
 from dataclasses import replace
 
 from edgeinfer.metadata import MAX_CTX, meta_int
-from edgeinfer.models.base import ROPE_NEOX, Transformer
+from edgeinfer.models.base import Transformer
+from edgeinfer.rope import ROPE_NEOX
 
 SWA_PATTERN = 6  # layer i is global when (i + 1) % 6 == 0, as llama.cpp's set_swa_pattern(6)
 ROPE_BASE_SWA = 10_000.0

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeinfer.models.base import ROPE_NORM, Transformer
+from edgeinfer.models.base import Transformer
+from edgeinfer.rope import ROPE_NORM
 
 
 class Llama(Transformer):

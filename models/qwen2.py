@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from edgeinfer.models.base import ROPE_NEOX
 from edgeinfer.models.llama import Llama
+from edgeinfer.rope import ROPE_NEOX
 
 
 class Qwen2(Llama):

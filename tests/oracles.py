@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeinfer.kv_cache import KVCache
+from edgeinfer.kv.contiguous import KVCache
 
 
 def cold_run(engine, tokenizer, ids: list[int], max_tokens: int) -> tuple[list[int], np.ndarray]:

@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from edgeinfer.block_pool import (ROOT_HASH, BlockPool, KVPoolExhaustedError, compute_block_hashes,
+from edgeinfer.kv.block_pool import (ROOT_HASH, BlockPool, KVPoolExhaustedError, compute_block_hashes,
                                   hash_block)
 from edgeinfer.errors import EdgeInferError
 
@@ -65,7 +65,7 @@ def test_block_hashes_cover_full_blocks_and_chain_on_the_parent():
 
 
 def test_block_hashes_are_stable_across_processes():
-    code = ("from edgeinfer.block_pool import compute_block_hashes as c;"
+    code = ("from edgeinfer.kv.block_pool import compute_block_hashes as c;"
             "print(c(list(range(40)), 8, ('gemma3', 'float16'))[-1].hex())")
     outs = set()
     for seed in ("1", "2"):

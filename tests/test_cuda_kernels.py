@@ -21,11 +21,12 @@ if not _OK:
 from pycuda import gpuarray  # noqa: E402
 
 from edgeinfer.backend import Backend, ReferenceBackend  # noqa: E402
-from edgeinfer.backend_cuda import CudaKVCache, HybridBackend  # noqa: E402
+from edgeinfer.backend_hybrid import HybridBackend
+from edgeinfer.kv.device_storage import CudaKVCache  # noqa: E402
 from edgeinfer.kernels_cuda import launch, runtime  # noqa: E402
-from edgeinfer.kv_cache import KVCache  # noqa: E402
+from edgeinfer.kv.contiguous import KVCache  # noqa: E402
 from edgeinfer.loader import open_model  # noqa: E402
-from edgeinfer.models.base import ROPE_NEOX, ROPE_NORM  # noqa: E402
+from edgeinfer.rope import ROPE_NEOX, ROPE_NORM  # noqa: E402
 from edgeinfer.offload import OffloadPlan  # noqa: E402
 
 TYPES = list(launch.QTYPE_SUFFIX)
@@ -238,7 +239,7 @@ def test_session_manager_paged_vram_kv_matches_cpu(tmp_path):
     the logits of a CPU-only session manager (to the kernels' float tolerance), reuse the same
     cached prefixes, and keep the pool's accounting exact."""
     import edgeinfer
-    from edgeinfer.backend_cuda import DeviceBlockStorage
+    from edgeinfer.kv.device_storage import DeviceBlockStorage
     from edgeinfer.generate import collect
     from edgeinfer.sampling import SamplingParams
     from edgeinfer.session import SessionManager

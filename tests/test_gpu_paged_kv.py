@@ -1,5 +1,5 @@
 """The session manager's paged KV with GPU layers: their K/V live in VRAM blocks of the same
-pool (edgeinfer.backend_cuda.DeviceBlockStorage), written by kv_store and read by the paged
+pool (edgeinfer.kv.device_storage.DeviceBlockStorage), written by kv_store and read by the paged
 attention kernel through each sequence's block table.
 
 No GPU needed: pycuda and the launchers are the numpy fake of tests/test_offload_plan.py, which
@@ -21,7 +21,7 @@ import edgeinfer
 from edgeinfer.backend import ReferenceBackend
 from edgeinfer.engine import Engine, EngineOptions
 from edgeinfer.generate import collect
-from edgeinfer.kv_cache import KVCache
+from edgeinfer.kv.contiguous import KVCache
 from edgeinfer.loader import open_model
 from edgeinfer.offload import GiB, DeviceInfo, OffloadPlan
 from edgeinfer.results import FinishReason
@@ -45,7 +45,7 @@ def _cpu(path, n_ctx: int = N_CTX) -> edgeinfer.Model:
 
 def _gpu_engine(path, k: int, head: bool = False, n_ctx: int = N_CTX, vram_kv: int = 0) -> Engine:
     """An engine whose layers 0..k-1 (and the head) run on the simulated GPU."""
-    from edgeinfer.backend_cuda import HybridBackend
+    from edgeinfer.backend_hybrid import HybridBackend
 
     mf = open_model(path)
     engine = Engine(mf, EngineOptions(n_ctx=n_ctx, backend="reference", prefill_chunk=5))
@@ -90,7 +90,7 @@ def _cold_logits(engine, ids: list[int]) -> np.ndarray:
 
 
 def test_conversations_sharing_a_prefix_share_device_blocks(tiny_models, device):
-    from edgeinfer.backend_cuda import DeviceBlockStorage
+    from edgeinfer.kv.device_storage import DeviceBlockStorage
 
     path = tiny_models["llama"]
     cpu = _cpu(path)
@@ -347,7 +347,7 @@ def test_head_dims_the_kernels_lack_keep_kv_on_the_host(tiny_models, device, mon
     cpu = _cpu(path)
     engine = _gpu_engine(path, k=2)
     mgr = _manager(engine, cpu.tokenizer)
-    assert mgr.paged and mgr.cache.device is None
+    assert mgr.cache.device is None
     prompt = _ids(np.random.default_rng(7), 11, cpu.config.n_vocab)
     result = collect(mgr.generate(prompt, _greedy(3)))
     assert result.tokens == cold_greedy(cpu.engine, cpu.tokenizer, prompt, 3)

@@ -9,7 +9,7 @@ import pytest
 from edgeinfer.backend import Backend, _gelu_f16_table
 from edgeinfer.kernels_cpu import ops
 from edgeinfer.kernels_cpu.reference import reference_rms_norm, reference_rope
-from edgeinfer.models.base import ROPE_NEOX, ROPE_NORM
+from edgeinfer.rope import ROPE_NEOX, ROPE_NORM
 
 
 class _Vectors(Backend):

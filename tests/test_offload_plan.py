@@ -8,7 +8,8 @@ import types
 import numpy as np
 import pytest
 
-from edgeinfer.models.base import ROPE_NORM, ModelConfig
+from edgeinfer.models.base import ModelConfig
+from edgeinfer.rope import ROPE_NORM
 from edgeinfer.offload import (GiB, MiB, DeviceInfo, OffloadError, estimate_model_sizes,
                                model_sizes_from_gguf, plan_offload, vram_budget)
 
@@ -327,8 +328,10 @@ def test_hybrid_backend_on_a_simulated_device(tiny_models, monkeypatch, arch):
     """The layer split, boundary transfers and GPU-side KV of HybridBackend, with numpy standing in
     for the kernels: logits equal the reference backend's for every --gpu-layers value."""
     from edgeinfer.backend import ReferenceBackend
-    from edgeinfer.backend_cuda import CudaKVCache, DeviceTensor, HybridBackend
-    from edgeinfer.kv_cache import KVCache
+    from edgeinfer.backend_cuda import DeviceTensor
+    from edgeinfer.backend_hybrid import HybridBackend
+    from edgeinfer.kv.device_storage import CudaKVCache
+    from edgeinfer.kv.contiguous import KVCache
     from edgeinfer.loader import open_model
     from edgeinfer.offload import OffloadPlan
 

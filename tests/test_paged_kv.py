@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from edgeinfer.backend import Backend
-from edgeinfer.block_pool import KVPoolExhaustedError
+from edgeinfer.kv.block_pool import KVPoolExhaustedError
 from edgeinfer.errors import ContextOverflowError, EdgeInferError
-from edgeinfer.kv_cache import KVCache
+from edgeinfer.kv.contiguous import KVCache
 from edgeinfer.models.base import ModelConfig
-from edgeinfer.paged_kv import PagedKVCache, SequenceKV
+from edgeinfer.kv.paged import PagedKVCache
+from edgeinfer.kv.sequence import SequenceKV
 
 CFG = ModelConfig(arch="test", n_vocab=16, n_ctx_train=64, n_embd=8, n_layer=2, n_head=4, n_head_kv=2,
                   head_dim=4, head_dim_v=3, n_ff=8, norm_eps=1e-5, rope_mode="neox", rope_dims=4,

@@ -12,14 +12,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import edgeinfer
-from edgeinfer import context_shift
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.generate import collect
-from edgeinfer.kv_cache import KVCache
-from edgeinfer.paged_kv import PagedKVCache
+from edgeinfer.kv import context_shift
+from edgeinfer.kv.contiguous import KVCache
+from edgeinfer.kv.paged import PagedKVCache
+from edgeinfer.kv.pool_sizing import pool_blocks
 from edgeinfer.results import FinishReason
 from edgeinfer.sampling import SamplingParams
-from edgeinfer.session import SessionManager, pool_blocks
+from edgeinfer.session import SessionManager
 from gguf_factory import TinyShape, bpe_vocab, spm_vocab, write_tiny_model
 from oracles import cold_run
 
@@ -276,7 +277,7 @@ def test_context_shift_without_rerope_would_be_caught(one_layer_models, monkeypa
     """The oracle above can fail: skip the key rotation and the logits differ."""
     m = one_layer_models["llama"]
     engine = m.engine
-    monkeypatch.setattr(context_shift, "rope_shift", lambda backend, cfg, gguf, layer, k, delta: k)
+    monkeypatch.setattr(context_shift, "rope_shift", lambda backend, model, layer, k, delta: k)
     toks = _ids(np.random.default_rng(7), 40, m.config.n_vocab)
     cache = PagedKVCache(engine.config, 8, 8, dtype=np.float32)
     seq = cache.new_sequence(40)
@@ -327,24 +328,3 @@ def test_bad_n_keep_is_a_one_line_error(model):
     with pytest.raises(EdgeInferError) as err:
         collect(mgr.generate([3, 4, 5], _greedy(2), n_keep=-1))
     assert "\n" not in str(err.value)
-
-
-def test_offloaded_backend_uses_one_contiguous_slot(tiny_models):
-    """With GPU layers the backend owns a contiguous cache: token-level reuse only."""
-    m = edgeinfer.load(str(tiny_models["llama"]), backend="reference", n_ctx=N_CTX)
-    m.engine.backend.new_cache = lambda cfg, n: KVCache(cfg, n)  # what HybridBackend offers
-    mgr = SessionManager(m.engine, m.tokenizer, n_ctx=N_CTX)
-    assert not mgr.paged
-    rng = np.random.default_rng(9)
-    history = _ids(rng, 7, m.config.n_vocab)
-    for turn in range(2):
-        result = collect(mgr.generate(history, _greedy(3)))
-        assert result.tokens == cold_run(m.engine, m.tokenizer, history, 3)[0]
-        if turn:
-            assert result.usage.cached_tokens == len(history) - 3
-        history = history + result.tokens + _ids(rng, 2, m.config.n_vocab)
-    tokens, k, v, pos = mgr.export_kv()
-    mgr.reset()
-    assert mgr.stats()["used"] == 0
-    assert mgr.import_kv(tokens, k, v, pos) == len(tokens)
-    assert mgr.resident_tokens() == tokens and mgr.stats()["resident_tokens"] == len(tokens)

@@ -16,14 +16,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import edgeinfer
-from edgeinfer import context_shift
+from edgeinfer.kv import context_shift
 from edgeinfer.generate import collect
-from edgeinfer.kv_cache import KVCache
-from edgeinfer.paged_kv import DROPPED, PagedKVCache, layer_groups
+from edgeinfer.kv.contiguous import KVCache
+from edgeinfer.kv.groups import DROPPED, layer_groups
+from edgeinfer.kv.paged import PagedKVCache
 from edgeinfer.results import FinishReason
 from edgeinfer.sampling import SamplingParams
 from edgeinfer.saved_session import SavedSession, load_session, save_session
-from edgeinfer.session import SessionManager, group_pool_blocks
+from edgeinfer.kv.pool_sizing import group_pool_blocks
+from edgeinfer.session import SessionManager
 from gguf_factory import TinyShape, spm_vocab, write_tiny_model
 from oracles import cold_greedy
 

@@ -68,8 +68,8 @@ class BlockPool:
         # gives O(1) append, pop-head and remove-from-middle (a cache hit on a free block).
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}  # hash -> the block holding that content
-        self.hits = 0  # full blocks found by find_cached_prefix
-        self.queries = 0  # full blocks asked for by find_cached_prefix
+        self.hits = 0  # full blocks reused by prefix lookups (record_lookup)
+        self.queries = 0  # full blocks asked for by prefix lookups
 
     # -- allocation -------------------------------------------------------------------------
     @property
@@ -145,19 +145,26 @@ class BlockPool:
 
         Does not take references; call `touch(blocks)` to keep them. Updates hit stats.
         """
-        bs = self.block_size
-        n_full = len(token_ids) // bs
+        hashes = compute_block_hashes(token_ids, self.block_size, extra_keys)
+        blocks = self.cached_chain(hashes)
+        self.record_lookup(len(hashes), len(blocks))
+        return blocks, len(blocks) * self.block_size
+
+    def cached_chain(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The blocks cached under the leading `hashes` (a chain from compute_block_hashes),
+        up to the first one not cached. Takes no references and counts nothing."""
         blocks: list[int] = []
-        parent = ROOT_HASH
-        for i in range(n_full):
-            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], extra_keys)
-            block = self._cached.get(parent)
+        for h in hashes:
+            block = self._cached.get(h)
             if block is None:
                 break
             blocks.append(block)
-        self.queries += n_full
-        self.hits += len(blocks)
-        return blocks, len(blocks) * bs
+        return blocks
+
+    def record_lookup(self, queries: int, hits: int) -> None:
+        """Count a prefix lookup: `queries` full blocks asked for, the first `hits` reused."""
+        self.queries += queries
+        self.hits += hits
 
     def _evict(self, block: int) -> None:
         h = self._hash[block]

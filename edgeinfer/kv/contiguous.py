@@ -1,4 +1,4 @@
-"""The KV cache of one sequence: per layer, K and V for every cached token, plus its position.
+"""The contiguous KV cache of one sequence: per layer, K and V for every cached token, plus its position.
 
 Slots are handed out in order; each slot remembers the position of the token it holds,
 so attention masks by position, not slot (which is what lets a context shift or a
@@ -10,13 +10,18 @@ match it closely and the cache takes half the memory.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from edgeinfer.errors import ContextOverflowError
-from edgeinfer.models.base import ModelConfig
+from edgeinfer.kv.view import KVView
+
+if TYPE_CHECKING:
+    from edgeinfer.models.base import ModelConfig
 
 
-class KVCache:
+class KVCache(KVView):
     def __init__(self, config: ModelConfig, n_ctx: int, dtype: np.dtype = np.float16) -> None:
         self.n_ctx = n_ctx
         kv_heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v

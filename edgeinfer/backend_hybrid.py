@@ -1,0 +1,191 @@
+"""The hybrid CPU/GPU dispatcher: each layer's ops run where the offload plan's table puts it.
+
+`HybridBackend` is what a model talks to when anything is offloaded. `placement` is the
+explicit per-layer table from the OffloadPlan ("cuda" or "cpu" for every block, and
+`head_placement` for the output head). Named ops (`linear`, `rms_norm`, `attention`) run
+on their tensor's or layer's side; unnamed ones (`silu_mul`, `gelu_mul`, `rope`) follow
+their input, and an `add` (the residual, `x + y` in the family files) runs on the side of
+the layer being run, which the forward pass names with `at_layer`. The hidden state moves
+only when the layer side changes (one upload before the first GPU layer, one download after
+the last), through pinned host buffers.
+
+The engine wires it with `make_backend(gguf, plan, cpu_backend)`; the session manager asks
+`new_block_storage(config, num_blocks, block_size)` for VRAM blocks of the paged pool
+(edgeinfer.kv.device_storage), direct users `new_cache(config, n_ctx)`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edgeinfer.backend import Backend
+from edgeinfer.backend_cuda import HEAD_NAMES, CudaBackend, DeviceTensor, layer_of
+from edgeinfer.kernels_cuda import launch
+from edgeinfer.kv.device_storage import CudaKVCache, DeviceBlockStorage, device_kv
+from edgeinfer.kv.pool_sizing import vram_kv_blocks
+from edgeinfer.kv.view import KVView
+from edgeinfer.rope import ROPE_NEOX
+
+if TYPE_CHECKING:
+    from edgeinfer.gguf_file import GGUFFile
+    from edgeinfer.models.base import ModelConfig
+    from edgeinfer.offload import OffloadPlan
+
+CUDA, CPU = "cuda", "cpu"
+
+
+class HybridBackend(Backend):
+    """Each block on the side `placement` names ("cuda" or "cpu"), the head on `head_placement`."""
+
+    name = "hybrid"
+
+    def __init__(self, gguf: "GGUFFile", plan: "OffloadPlan", cpu: Backend, cuda: CudaBackend | None = None) -> None:
+        super().__init__(gguf)
+        self.plan, self.cpu = plan, cpu
+        self.cuda = cuda or CudaBackend(gguf, plan)
+        self.placement: tuple[str, ...] = plan.placement  # per layer: CUDA or CPU
+        self.head_placement = CUDA if plan.output_on_gpu else CPU
+        self._side = CPU  # the side of the block being run (at_layer): where an add runs
+        self._up: tuple[np.ndarray, DeviceTensor] | None = None  # last upload, by identity
+        self._down: tuple[DeviceTensor, np.ndarray] | None = None  # last download, by identity
+        self._pinned: np.ndarray | None = None
+        self._int_cache: tuple[np.ndarray, Any] | None = None
+
+    def new_cache(self, config: "ModelConfig", n_ctx: int) -> CudaKVCache:
+        return CudaKVCache(config, n_ctx, self.plan.gpu_layers)
+
+    def kv_layers(self, config: "ModelConfig") -> list[int]:
+        """GPU layers whose K/V live in VRAM: those the CUDA attention kernels can read (a head
+        dim they lack keeps that layer's K/V on the host, where its CPU attention runs)."""
+        if not launch.attention_supports(config.head_dim, config.head_dim_v):
+            return []
+        return [i for i in range(config.n_layer) if self._layer_side(i) == CUDA]
+
+    def new_block_storage(self, config: "ModelConfig", num_blocks: int, block_size: int
+                          ) -> DeviceBlockStorage | None:
+        """VRAM blocks for the session manager's paged pool (None when no layer keeps K/V there)."""
+        layers = self.kv_layers(config)
+        return DeviceBlockStorage(config, num_blocks, block_size, layers) if layers else None
+
+    def max_kv_blocks(self, config: "ModelConfig", block_size: int) -> int | None:
+        """Blocks of the paged pool the plan reserved VRAM for (its KV bytes for n_ctx tokens),
+        or None when the plan gives no KV budget (a hand-made plan)."""
+        return vram_kv_blocks(self.plan.vram_kv, config, len(self.kv_layers(config)), block_size)
+
+    def vector(self, name: str) -> np.ndarray:
+        return self.cpu.vector(name)
+
+    # -- placement and transfers ------------------------------------------------------------
+    def at_layer(self, layer: int | None) -> None:
+        self._side = self.head_placement if layer is None else self._layer_side(layer)
+
+    def _layer_side(self, layer: int) -> str:
+        return self.placement[layer] if layer < len(self.placement) else CPU
+
+    def _gpu_for(self, name: str) -> bool:
+        """Whether the op on tensor `name` runs on the GPU: its layer's side, or the head's."""
+        layer = layer_of(name)
+        if layer is not None:
+            return self._layer_side(layer) == CUDA
+        return self.head_placement == CUDA and name in HEAD_NAMES + ("token_embd.weight",)
+
+    def _pinned_view(self, shape: tuple[int, ...]) -> np.ndarray:
+        import pycuda.driver as drv
+
+        size = int(np.prod(shape))
+        if self._pinned is None or self._pinned.size < size:
+            self._pinned = drv.pagelocked_empty(max(size, 1 << 16), np.float32)
+        return self._pinned[:size].reshape(shape)
+
+    def to_device(self, x: Any) -> DeviceTensor:
+        if isinstance(x, DeviceTensor):
+            return x
+        if self._up is not None and self._up[0] is x:
+            return self._up[1]
+        from pycuda import gpuarray
+
+        staged = self._pinned_view(x.shape)
+        staged[...] = x
+        dev = DeviceTensor(gpuarray.to_gpu(staged), self)
+        self._up = (x, dev)
+        return dev
+
+    def to_host(self, x: Any) -> np.ndarray:
+        if not isinstance(x, DeviceTensor):
+            return x
+        if self._down is not None and self._down[0] is x:
+            return self._down[1]
+        host = x.array.get(ary=self._pinned_view(x.shape)).copy()
+        self._down = (x, host)
+        return host
+
+    def _ints(self, values: np.ndarray) -> Any:
+        """positions as int32 in VRAM, reused across the layers of one step."""
+        if self._int_cache is not None and self._int_cache[0] is values:
+            return self._int_cache[1]
+        from pycuda import gpuarray
+
+        dev = gpuarray.to_gpu(np.asarray(values, np.int32))
+        self._int_cache = (values, dev)
+        return dev
+
+    def add(self, a: Any, b: Any) -> Any:
+        """`a + b` with a DeviceTensor among them, on the side of the block being run."""
+        if self._side == CUDA:
+            return DeviceTensor(launch.add(self.to_device(a).array, self.to_device(b).array), self)
+        return self.to_host(a) + self.to_host(b)
+
+    # -- ops ----------------------------------------------------------------------------------
+    def linear(self, name: str, x: Any) -> Any:
+        on_gpu, is_head = self._gpu_for(name), layer_of(name) is None
+        if on_gpu and self.cuda.has_matrix(name):
+            y = self.cuda.linear_gpu(name, self.to_device(x).array)
+            return y.get() if is_head else DeviceTensor(y, self)  # logits always end on the host
+        # a type the CUDA kernels lack: this one matrix runs on the CPU, the layer stays on the GPU
+        y = self.cpu.linear(name, self.to_host(x))
+        return self.to_device(y) if on_gpu and not is_head else y
+
+    def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        return self.cpu.get_rows(name, ids)
+
+    def rms_norm(self, x: Any, weight: str, eps: float) -> Any:
+        if self._gpu_for(weight):
+            return DeviceTensor(launch.rms_norm(self.to_device(x).array, self.cuda.vector_gpu(weight), eps), self)
+        return self.cpu.rms_norm(self.to_host(x), weight, eps)
+
+    def silu_mul(self, gate: Any, up: Any) -> Any:
+        if isinstance(gate, DeviceTensor):
+            return DeviceTensor(launch.silu_mul(gate.array, self.to_device(up).array), self)
+        return self.cpu.silu_mul(gate, self.to_host(up))
+
+    def gelu_mul(self, gate: Any, up: Any) -> Any:
+        if isinstance(gate, DeviceTensor):
+            return DeviceTensor(launch.gelu_mul(gate.array, self.to_device(up).array), self)
+        return self.cpu.gelu_mul(gate, self.to_host(up))
+
+    def rope(self, x: Any, positions: np.ndarray, n_dims: int, base: float, freq_scale: float, mode: str,
+             freq_factors: str | None) -> Any:
+        if isinstance(x, DeviceTensor):
+            ff = self.cuda.vector_gpu(freq_factors) if freq_factors else None
+            out = launch.rope(x.array, self._ints(positions), n_dims, base, freq_scale, mode == ROPE_NEOX, ff)
+            return DeviceTensor(out, self)
+        return self.cpu.rope(x, positions, n_dims, base, freq_scale, mode, freq_factors)
+
+    def attention(self, q: Any, kv: KVView, layer: int, positions: np.ndarray, scale: float,
+                  window: int, q_scale: float = 1.0) -> Any:
+        on_gpu = self._layer_side(layer) == CUDA
+        d = device_kv(kv, layer) if on_gpu else None
+        if d is not None and launch.attention_supports(d.k.shape[2], d.v.shape[2]):
+            out = launch.attention(self.to_device(q).array, d.k, d.v, d.block_table, d.kpos, self._ints(positions),
+                                   d.n_keys, d.block_size, d.k.shape[1], d.v.shape[2], scale * q_scale, window)
+            return DeviceTensor(out, self)
+        out = self.cpu.attention(self.to_host(q), kv, layer, positions, scale, window, q_scale=q_scale)
+        return self.to_device(out) if on_gpu else out
+
+
+def make_backend(gguf: "GGUFFile", plan: "OffloadPlan", cpu: Backend) -> Backend:
+    """The hybrid backend when the plan puts anything on the GPU, else `cpu` unchanged."""
+    return HybridBackend(gguf, plan, cpu) if plan.on_gpu else cpu
+

@@ -1,0 +1,244 @@
+"""VRAM K/V: the paged pool's device blocks, and the contiguous cache with VRAM layers.
+
+- `DeviceBlockStorage`: the VRAM side of the session manager's paged KV pool
+  (edgeinfer.kv.paged.PagedKVCache): per GPU layer a pool of f16 K/V blocks with the same
+  block ids as the host pool, plus the position of every slot. The kv_store kernel writes
+  a sequence's new tokens through its block table, the paged attention kernels read them
+  through it; copy-on-write copies device blocks too. Shared prefix blocks are shared in
+  VRAM exactly as in the host pool (one ref count, one copy).
+- `CudaKVCache`: one contiguous sequence (bench, direct Engine use): GPU layers keep K/V
+  in VRAM (f16, read by the paged attention kernels with a one-block table); CPU layers
+  keep the host arrays. A KVView, as KVCache.
+- `device_kv(kv, layer)`: a layer's VRAM K/V as the attention kernels read them, or None.
+
+pycuda is imported inside the functions (an optional dependency): importing this module
+never needs it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edgeinfer.backend_cuda import DeviceTensor
+from edgeinfer.kernels_cuda import launch
+from edgeinfer.kv.contiguous import KVCache
+
+if TYPE_CHECKING:
+    from edgeinfer.kv.sequence import SequenceKV
+    from edgeinfer.models.base import ModelConfig
+
+
+class CudaKVCache(KVCache):
+    """K/V of GPU layers live in VRAM (n_ctx, n_kv, hd) f16; the rest as in KVCache."""
+
+    def __init__(self, config: "ModelConfig", n_ctx: int, gpu_layers: list[int]) -> None:
+        super().__init__(config, n_ctx)
+        from pycuda import gpuarray
+
+        self.gpu_layers = set(gpu_layers)
+        kv_heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v
+        self.k_dev = {i: gpuarray.zeros((n_ctx, kv_heads, hd), np.float16) for i in self.gpu_layers}
+        self.v_dev = {i: gpuarray.zeros((n_ctx, kv_heads, hd_v), np.float16) for i in self.gpu_layers}
+        for i in self.gpu_layers:  # their host copies are filled on demand only (layer_view)
+            self.k[i] = np.zeros((0, kv_heads, hd), np.float16)
+            self.v[i] = np.zeros((0, kv_heads, hd_v), np.float16)
+        self.block_table = gpuarray.to_gpu(np.zeros(1, np.int32))  # one block of n_ctx slots
+        self.pos_dev = gpuarray.zeros(n_ctx, np.int32)
+
+    def append(self, positions: np.ndarray) -> np.ndarray:
+        slots = super().append(positions)
+        if len(slots):
+            lo = int(slots[0])
+            self.pos_dev[lo:lo + len(slots)].set(np.asarray(positions, np.int32))
+        return slots
+
+    def store(self, layer: int, slots: np.ndarray, k: Any, v: Any) -> None:
+        if layer not in self.gpu_layers:
+            super().store(layer, slots, _host(k), _host(v))
+            return
+        from pycuda import gpuarray
+        launch.kv_store(_device_f32(k), _device_f32(v), self.k_dev[layer], self.v_dev[layer], self.block_table,
+                        gpuarray.to_gpu(np.asarray(slots, np.int32)), self.n_ctx)
+
+    def layer_view(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if layer not in self.gpu_layers:
+            return super().layer_view(layer)
+        n = self.n_used
+        return self.k_dev[layer][:n].get(), self.v_dev[layer][:n].get(), self.pos[:n]
+
+    def device_view(self, layer: int) -> "DevicePagedKV | None":
+        if layer not in self.gpu_layers:
+            return None
+        return DevicePagedKV(self.k_dev[layer], self.v_dev[layer], self.block_table, self.pos_dev, self.n_used,
+                             self.n_ctx)
+
+
+def _host(a: Any) -> np.ndarray:
+    return a.owner.to_host(a) if isinstance(a, DeviceTensor) else a
+
+
+def _device_f32(a: Any) -> Any:
+    """K or V rows for kv_store: a DeviceTensor's GPUArray, or a host array uploaded as f32."""
+    if isinstance(a, DeviceTensor):
+        return a.array
+    from pycuda import gpuarray
+
+    return gpuarray.to_gpu(np.ascontiguousarray(a, np.float32))
+
+
+def _runs(values: np.ndarray) -> list[tuple[int, int]]:
+    """[(first, last + 1)] of the runs of consecutive integers in `values` (block ids or slots),
+    in order: one device copy per run instead of one per element."""
+    if not len(values):
+        return []
+    cuts = np.flatnonzero(np.diff(values) != 1) + 1
+    starts = np.concatenate([[0], cuts])
+    ends = np.concatenate([cuts, [len(values)]])
+    return [(int(values[a]), int(values[b - 1]) + 1) for a, b in zip(starts, ends)]
+
+
+class _SeqState:
+    """What DeviceBlockStorage keeps per sequence."""
+
+    def __init__(self) -> None:
+        self.table = None  # GPUArray int32 (capacity,): the kept block ids
+        self.kept = None  # the seq.kept_blocks() array the table was checked against (identity)
+        self.table_host = np.zeros(0, np.int64)  # what the device table holds
+        self.new_slots: np.ndarray | None = None  # global slots returned by the latest append
+        self.new_first = 0  # token index (0 = the sequence's first token) of the first of them
+        self.new_dev = None  # their logical indices as int32 in VRAM (uploaded at the first store)
+        self.new_dev_first = -1  # the logical index new_dev starts at
+
+
+@dataclass(frozen=True)
+class DevicePagedKV:
+    """One layer's K/V as the CUDA attention kernels read them: f16 pools, a block table,
+    positions per physical slot; the first n_keys logical slots are the keys."""
+
+    k: Any  # (n_phys_slots, n_kv, hd) f16
+    v: Any  # (n_phys_slots, n_kv, hd_v) f16
+    block_table: Any  # int32 (>= ceil(n_keys / block_size),)
+    kpos: Any  # int32 (n_phys_slots,)
+    n_keys: int
+    block_size: int
+
+
+class DeviceBlockStorage:
+    """VRAM K/V of `layers` for a PagedKVCache, block for block (see edgeinfer.kv.paged).
+
+    k[layer]: (num_blocks, block_size, n_head_kv, head_dim) f16, v[layer]: (..., head_dim_v);
+    pos: (num_blocks * block_size,) int32, the position of the token in each slot (shared by
+    the layers, stored with its block). Per sequence: its kept block ids as int32 in VRAM,
+    re-uploaded only when they change, and the logical slots of its latest append, uploaded
+    once and used by every layer's kv_store.
+    """
+
+    def __init__(self, config: "ModelConfig", num_blocks: int, block_size: int, layers: list[int]) -> None:
+        from pycuda import gpuarray
+
+        self.layers = frozenset(layers)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        kv_heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v
+        self.k = {i: gpuarray.zeros((num_blocks, block_size, kv_heads, hd), np.float16) for i in sorted(self.layers)}
+        self.v = {i: gpuarray.zeros((num_blocks, block_size, kv_heads, hd_v), np.float16) for i in sorted(self.layers)}
+        # flat views (num_blocks * block_size, n_kv, hd): what the kernels index by physical slot
+        self.k_flat = {i: a.reshape(num_blocks * block_size, kv_heads, hd) for i, a in self.k.items()}
+        self.v_flat = {i: a.reshape(num_blocks * block_size, kv_heads, hd_v) for i, a in self.v.items()}
+        self.pos = gpuarray.zeros(num_blocks * block_size, np.int32)
+        self._seqs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k.values()) + sum(a.nbytes for a in self.v.values()) + self.pos.nbytes
+
+    def _state(self, seq: "SequenceKV") -> _SeqState:
+        st = self._seqs.get(seq)
+        if st is None:
+            st = self._seqs[seq] = _SeqState()
+        return st
+
+    # -- PagedKVCache notifications -----------------------------------------------------------
+    def on_append(self, seq: "SequenceKV", slots: np.ndarray, positions: np.ndarray) -> None:
+        """New tokens got `slots` (global): write their positions, note their logical indices."""
+        positions = np.asarray(positions, np.int32)
+        start = 0
+        for lo, hi in _runs(np.asarray(slots)):  # one copy per run of consecutive slots
+            self.pos[lo:hi].set(positions[start:start + hi - lo])
+            start += hi - lo
+        st = self._state(seq)
+        st.new_slots, st.new_first, st.new_dev = slots, seq.n_used - len(slots), None
+
+    def store(self, seq: "SequenceKV", layer: int, slots: np.ndarray, k: Any, v: Any) -> None:
+        """K/V rows (n, n_kv, hd) of the tokens in `slots` -> this layer's device blocks."""
+        launch.kv_store(_device_f32(k), _device_f32(v), self.k[layer], self.v[layer], self.block_table(seq),
+                        self._logical_slots(seq, slots), self.block_size)
+
+    def copy_rows(self, src: int, dst: int, n: int) -> None:
+        """The first n rows of block src -> block dst, every layer and the positions (copy-on-write)."""
+        bs = self.block_size
+        for flat in (*self.k_flat.values(), *self.v_flat.values(), self.pos):
+            launch.copy_rows(flat, src * bs, dst * bs, n)
+
+    def layer_view(self, seq: "SequenceKV", layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies (n_held, n_kv, hd) / (..., hd_v) of the sequence's K/V, in token order."""
+        bs, held = self.block_size, seq.n_held
+        runs = _runs(seq.kept_blocks())
+        k = [self.k_flat[layer][lo * bs:hi * bs].get() for lo, hi in runs]
+        v = [self.v_flat[layer][lo * bs:hi * bs].get() for lo, hi in runs]
+        if not runs:
+            return self.k_flat[layer][:0].get(), self.v_flat[layer][:0].get()
+        return np.concatenate(k)[:held], np.concatenate(v)[:held]
+
+    # -- what the kernels read ----------------------------------------------------------------
+    def block_table(self, seq: "SequenceKV") -> Any:
+        """The sequence's kept block ids as int32 in VRAM; uploaded only when they changed."""
+        st = self._state(seq)
+        kept = seq.kept_blocks()
+        if kept is st.kept:  # the same cached array: the table has not changed
+            return st.table
+        if st.table is None:
+            from pycuda import gpuarray
+
+            st.table = gpuarray.zeros(max(1, -(-seq.n_ctx // self.block_size)), np.int32)
+        if not np.array_equal(kept, st.table_host):
+            st.table[:len(kept)].set(kept.astype(np.int32))
+            st.table_host = np.array(kept)
+        st.kept = kept
+        return st.table
+
+    def _logical_slots(self, seq: "SequenceKV", slots: np.ndarray) -> Any:
+        """Logical indices (int32, VRAM) of global `slots`: the kv_store kernel maps them back
+        through the block table. The latest append's slots (every model store) are uploaded once."""
+        from pycuda import gpuarray
+
+        st = self._state(seq)
+        bs = self.block_size
+        if slots is st.new_slots:
+            first = st.new_first - seq.n_dropped * bs  # logical = token index less the dropped blocks
+            if st.new_dev is None or st.new_dev_first != first:
+                st.new_dev = gpuarray.to_gpu(np.arange(first, first + len(slots), dtype=np.int32))
+                st.new_dev_first = first
+            return st.new_dev
+        index = {int(b): i for i, b in enumerate(seq.kept_blocks())}
+        slots = np.asarray(slots, np.int64)
+        logical = [index[int(s) // bs] * bs + int(s) % bs for s in slots]
+        return gpuarray.to_gpu(np.asarray(logical, np.int32))
+
+    def view(self, seq: "SequenceKV", layer: int) -> DevicePagedKV:
+        return DevicePagedKV(self.k_flat[layer], self.v_flat[layer], self.block_table(seq), self.pos,
+                             seq.n_held, self.block_size)
+
+
+def device_kv(kv: Any, layer: int) -> DevicePagedKV | None:
+    """`layer`'s K/V in VRAM for the attention kernels, or None where they are on the host."""
+    if isinstance(kv, CudaKVCache):
+        return kv.device_view(layer)
+    cache = getattr(kv, "cache", None)
+    device = getattr(cache, "device", None)
+    if isinstance(device, DeviceBlockStorage) and layer in device.layers:
+        return device.view(kv, layer)
+    return None

@@ -1,0 +1,126 @@
+"""How much K/V memory each cache gets: every block-count and byte computation in one place.
+
+- `kv_values_per_token` / `layer_block_bytes`: K + V of one layer, per token and per block.
+- `context_kv_bytes`: one layer's K/V for a whole context in VRAM (the offload plan's budget).
+- `vram_kv_blocks`: how many paged blocks that budget holds (the backend's `max_kv_blocks`).
+- `group_pool_blocks` / `plan_pools`: the session manager's pools, one per layer group.
+
+Pool size, per layer group. Full-attention group: by default 2 x n_ctx tokens
+(`pool_tokens` to change it), so one conversation can run at full context while another's
+cached prefix survives beside it. A sliding-window group gives back what falls out of its
+window, so one sequence needs only window + prefill chunk tokens there (plus the drop
+alignment and a copy-on-write block): it gets twice that, never more than the full group.
+`kv_pool_mb` caps the sum by memory, shrinking every group in proportion, but never below
+what one full sequence needs (n_ctx + one block in the full group). Gemma 3 270M at n_ctx
+4096 (3 global + 15 sliding-window-512 layers, 1 KiB of f16 K/V per layer and token):
+8192 x 3 KiB + 1632 x 15 KiB = 48 MiB, where one pool for all layers took
+2 x 4096 x 18 KiB = 144 MiB.
+
+The group holding GPU-offloaded layers is capped at the blocks the offload plan reserved
+VRAM for (n_ctx tokens, like llama.cpp's unified KV), again never below n_ctx + one block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from edgeinfer.kv.groups import DROP_ALIGN, drop_quantum, layer_groups
+
+if TYPE_CHECKING:
+    from edgeinfer.models.base import ModelConfig
+
+KV_BYTES_PER_VALUE = {"f16": 2.0, "f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32}
+F16_BYTES = 2  # the paged pools and VRAM blocks hold f16 K/V
+
+
+def kv_values_per_token(config: "ModelConfig") -> int:
+    """K + V values one layer stores per token."""
+    return config.n_head_kv * (config.head_dim + config.head_dim_v)
+
+
+def layer_block_bytes(config: "ModelConfig", block_size: int, itemsize: int = F16_BYTES) -> int:
+    """Bytes of one layer's K + V in one block of `block_size` tokens."""
+    return block_size * kv_values_per_token(config) * itemsize
+
+
+def context_kv_bytes(values_per_token: int, n_ctx: int, kv_dtype: str = "f16") -> int:
+    """Bytes of one layer's K/V for `n_ctx` tokens stored as `kv_dtype`."""
+    return int(values_per_token * KV_BYTES_PER_VALUE[kv_dtype] * n_ctx)
+
+
+def vram_kv_blocks(vram_kv: int, config: "ModelConfig", n_layers: int, block_size: int) -> int | None:
+    """Blocks of `n_layers` layers that `vram_kv` bytes hold, or None without a budget (a
+    hand-made plan) or without layers."""
+    per_block = n_layers * layer_block_bytes(config, block_size)
+    if not vram_kv or not per_block:
+        return None
+    return vram_kv // per_block
+
+
+def pool_blocks(n_ctx: int, block_size: int, bytes_per_token: int, pool_tokens: int | None = None,
+                kv_pool_mb: float | None = None) -> int:
+    """Number of blocks for a pool of one group holding every layer (see the module docstring)."""
+    minimum = -(-n_ctx // block_size) + 1  # one full sequence + a copy-on-write block
+    tokens = 2 * n_ctx if pool_tokens is None else pool_tokens
+    blocks = -(-tokens // block_size)
+    if kv_pool_mb is not None:
+        blocks = min(blocks, int(kv_pool_mb * 2**20) // max(1, bytes_per_token * block_size))
+    return max(minimum, blocks)
+
+
+def group_pool_blocks(n_ctx: int, block_size: int, groups: Sequence[tuple[int, int]],
+                      pool_tokens: int | None = None, kv_pool_mb: float | None = None,
+                      prefill_chunk: int = 256, drop_align: int = DROP_ALIGN) -> list[int]:
+    """Blocks for each layer group's pool; `groups`: (window, bytes per token) of each.
+
+    Full-attention group (window 0): `pool_blocks`'s policy. Sliding-window group: one
+    sequence needs the blocks spanning window - 1 + prefill_chunk tokens (+1 for their
+    alignment to blocks, + the drop quantum - 1, +1 for a copy-on-write): it gets twice
+    that, at most the full group's count. A `kv_pool_mb` budget shrinks every group in
+    proportion, never below one sequence's need.
+    """
+    bs = block_size
+    full_min = -(-n_ctx // bs) + 1
+    full_want = max(full_min, -(-(2 * n_ctx if pool_tokens is None else pool_tokens) // bs))
+    mins, wants = [], []
+    for window, _ in groups:
+        if window and window < n_ctx:
+            need = -(-(window - 1 + prefill_chunk) // bs) + 1 + drop_quantum(bs, window, drop_align)
+            mins.append(min(full_min, need))
+            wants.append(max(mins[-1], min(full_want, 2 * need)))
+        else:
+            mins.append(full_min)
+            wants.append(full_want)
+    if kv_pool_mb is not None:
+        budget = int(kv_pool_mb * 2**20)
+        total = sum(w * max(1, per_token * bs) for w, (_, per_token) in zip(wants, groups))
+        if total > budget:
+            wants = [w * budget // total for w in wants]
+    return [max(lo, w) for lo, w in zip(mins, wants)]
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """The session manager's pools: blocks per group window, and the device group's count."""
+
+    blocks: dict[int, int]  # window (0 = full attention) -> blocks of that group's pool
+    device_blocks: int | None  # blocks of the group holding the device layers (None: no such group)
+
+
+def plan_pools(config: "ModelConfig", n_ctx: int, block_size: int, device_layers: Sequence[int] = (), *,
+               pool_tokens: int | None = None, kv_pool_mb: float | None = None, prefill_chunk: int = 256,
+               vram_blocks: int | None = None) -> PoolPlan:
+    """Blocks of every layer group's pool (`group_pool_blocks`, f16 K/V); the group holding
+    `device_layers` is capped at `vram_blocks`, never below one sequence's need."""
+    groups = layer_groups(config, device_layers)
+    per_layer = layer_block_bytes(config, 1)
+    sizes = [(w, len(layers) * per_layer) for w, layers in groups]
+    blocks = group_pool_blocks(n_ctx, block_size, sizes, pool_tokens, kv_pool_mb, prefill_chunk)
+    on_device = next((i for i, (_, layers) in enumerate(groups) if set(layers) & set(device_layers)), None)
+    if on_device is not None and vram_blocks is not None:
+        floor = group_pool_blocks(n_ctx, block_size, sizes, pool_tokens, 0, prefill_chunk)[on_device]
+        blocks[on_device] = max(floor, min(blocks[on_device], vram_blocks))
+    return PoolPlan({w: b for (w, _), b in zip(groups, blocks)},
+                    None if on_device is None else blocks[on_device])

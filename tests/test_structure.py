@@ -1,0 +1,163 @@
+"""The code's shape: no import cycles between edgeinfer's modules, no source file over 700 lines.
+
+The import graph is read with `ast` from every module under edgeinfer/ and the packages
+installed inside it (kernels_cpu, kernels_cuda, models, tui): top-level and function-level
+imports of `edgeinfer.*` names, relative ones resolved. Imports under `if TYPE_CHECKING:`
+never run, so they are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# package name -> folder, as [tool.setuptools.package-dir] maps them
+PACKAGES = {
+    "edgeinfer": ROOT / "edgeinfer",
+    "edgeinfer.kernels_cpu": ROOT / "kernels_cpu",
+    "edgeinfer.kernels_cuda": ROOT / "kernels_cuda",
+    "edgeinfer.models": ROOT / "models",
+    "edgeinfer.tui": ROOT / "tui",
+}
+MAX_LINES = 700
+# Files still over MAX_LINES, outside the KV / backend restructuring: documented, not hidden.
+KNOWN_LONG = {"kernels_cpu/fast_dot.py", "kernels_cpu/kv_attention.py", "tui/app.py", "edgeinfer/chat_template.py"}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> source file, for every .py file of the mapped packages."""
+    out: dict[str, Path] = {}
+    for pkg, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([pkg, *parts])
+            if any(name.startswith(other + ".") or name == other
+                   for other in PACKAGES if other != pkg and other.startswith(pkg + ".")):
+                continue  # a folder mapped as its own package wins
+            out[name] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    """Absolute `edgeinfer.*` names imported anywhere in `tree` except TYPE_CHECKING blocks."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            # `from pkg import module` imports pkg.module; `from module import name`, module
+            found.update(f"{prefix}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {name for name in found if name == "edgeinfer" or name.startswith("edgeinfer.")}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        targets = set()
+        for imported in _imports(tree, name, path.name == "__init__.py"):
+            # the module itself, else the longest known module it lies in (`pkg.function`)
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return out
+
+
+def test_the_graph_sees_relative_and_function_level_imports():
+    tree = ast.parse("from . import a\nfrom .b import c\ndef f():\n    import edgeinfer.d\n"
+                     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import edgeinfer.e\n")
+    # `from .b import c` names edgeinfer.kv.b.c, which _graph resolves to the module kv.b
+    assert _imports(tree, "edgeinfer.kv.x", False) == {"edgeinfer.kv.a", "edgeinfer.kv.b.c", "edgeinfer.d"}
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    graph = _graph()
+    assert "edgeinfer.kv.paged" in graph and "edgeinfer.models.base" in graph
+    assert "edgeinfer.kv.sequence" in graph["edgeinfer.kv.paged"]
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_graph())
+    assert not cycles, "modules importing each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def _long_files() -> dict[str, int]:
+    out = {}
+    for folder in PACKAGES.values():
+        for path in folder.rglob("*.py"):
+            n = len(path.read_text(encoding="utf-8").splitlines())
+            if n > MAX_LINES:
+                out[path.relative_to(ROOT).as_posix()] = n
+    return out
+
+
+def test_no_source_file_over_700_lines_in_the_restructured_parts():
+    long = {p: n for p, n in _long_files().items() if p not in KNOWN_LONG}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+@pytest.mark.xfail(strict=False, reason="still over 700 lines: " + ", ".join(sorted(KNOWN_LONG)))
+def test_no_source_file_over_700_lines():
+    long = _long_files()
+    assert not long, f"files over {MAX_LINES} lines: {long}"
