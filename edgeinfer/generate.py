@@ -45,6 +45,8 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
     n_cached = kv.n_used
     assert n_cached < len(prompt), "at least one prompt token must be evaluated for its logits"
     sample = make_token_sampler(params)
+    # A grammar's matcher is per sequence: masks before the sampler, consumes each token.
+    matcher = params.constraint.matcher(tokenizer) if params.constraint is not None else None
     decoder = StreamDecoder(tokenizer, skip_special=True, as_pieces=True)  # as llama-server streams
     stopper = StopStringMatcher(params.stop)
 
@@ -62,6 +64,8 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
         if cancel is not None and cancel.is_set():
             finish = FinishReason.CANCELLED
             break
+        if matcher is not None:
+            logits = matcher.mask(logits)
         token = sample(logits, history)
         if t_first is None:
             t_first = time.perf_counter()
@@ -70,10 +74,12 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
             break
         generated.append(token)
         history.append(token)
+        if matcher is not None:
+            matcher.advance(token)
         text, stopped = stopper.push(decoder.push(token))
         yield GenerationChunk(text=text, token=token)  # text may be "" while bytes/stops are held
-        if stopped:
-            finish = FinishReason.STOP
+        if stopped or (matcher is not None and matcher.is_stopped()):
+            finish = FinishReason.STOP  # a stop string, or the grammar is complete
             break
         if len(generated) >= max_tokens:
             break
