@@ -507,3 +507,19 @@ def test_stop_seed_and_ollama_extras_pass_through(model, openai_client, ollama_c
     assert r.done and r.done_reason == "load"
     r = ollama_client.generate(model=MODEL, prompt="", keep_alive=0)  # `ollama stop`
     assert r.done and r.done_reason == "unload"
+
+
+def test_prefix_cache_hit_ratio_moves_with_requests_sharing_a_prefix(model, live, http):
+    """Two requests sharing a long prefix: the second reuses the first's blocks, and /metrics and
+    the pools' own lookup counts (the session stats) both show it."""
+    sessions = model.sessions
+    before = sessions.stats()
+    shared = "one two three four five six seven eight nine ten " * 2
+    for tail in ("eleven", "twelve"):
+        r = http.post("/v1/completions", json={"prompt": shared + tail, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    assert metric(http, "edgeinfer_prefix_cache_hit_ratio") > 0
+    after = sessions.stats()
+    assert after["hits"] > before["hits"] and after["queries"] > before["queries"]
+    assert 0 < after["hit_rate"] <= 1
+    assert all(g.pool.hits > 0 for g in sessions.cache.groups)  # each pool counts its own lookups
