@@ -75,6 +75,19 @@ class Model:
         self._lock = self.sessions.lock  # held while a generation runs (one at a time)
 
     @property
+    def tool_format(self) -> str:
+        """How this model writes tool calls: "hermes", "llama3", "mistral" or "generic"."""
+        from edgeinfer.tool_calls import detect_format
+
+        return detect_format(self.template.source)
+
+    @property
+    def supports_tools(self) -> bool:
+        from edgeinfer.tool_calls import supports_tools
+
+        return supports_tools(self.template.source)
+
+    @property
     def n_ctx(self) -> int:
         return self.engine.n_ctx
 
@@ -117,14 +130,36 @@ class Model:
     def chat(self, messages: list[dict], *, stream: bool = False,
              cancel: threading.Event | None = None, **params: Any
              ) -> GenerationResult | Iterator[GenerationChunk]:
-        """Answer the conversation `messages` ({"role", "content"} dicts) through the chat template."""
+        """Answer the conversation `messages` ({"role", "content"} dicts) through the chat template.
+
+        `tools` (OpenAI's list of functions) go to the template's `tools` variable
+        (ToolsNotSupportedError if it has none); `tool_choice` "required" or a named function
+        constrains the answer to calls whose arguments validate, "auto" (default) only once a
+        call begins; `enable_thinking` is passed to the template. Read calls and reasoning out
+        of the text with `edgeinfer.tool_calls.parse_output(text, model.tool_format, ...)`."""
         # As llama.cpp: drop a BOS the template wrote (the tokenizer adds it), and parse the
         # template's special-token text as special tokens. Rendering (bounded by the template
         # budget) and tokenizing run here, in the caller: for the server that is the job on
         # the worker thread, so its timeout's `cancel` stops them as it stops generation.
+        tools, tool_choice = params.pop("tools", None), params.pop("tool_choice", None)
+        parallel = params.pop("parallel_tool_calls", True)
+        thinking = params.pop("enable_thinking", None)
+        if tools:  # the template renders them; tool_choice may constrain the answer
+            from edgeinfer import tool_calls
+
+            constraint = tool_calls.tool_constraint(tools, tool_choice, self.tool_format,
+                                                    self.tokenizer, parallel=parallel)
+            if constraint is not None and not any(params.get(k) for k in ("constraint", *_CONSTRAINT_KEYS)):
+                params["constraint"] = constraint
         try:
-            text = self.template.render_prompt(messages, add_bos=self.tokenizer.add_bos,
-                                               add_generation_prompt=True, cancel=cancel)
+            if tools or thinking is not None:
+                from edgeinfer.tool_calls import render_with_tools
+
+                text = render_with_tools(self.template, messages, tools, add_bos=self.tokenizer.add_bos,
+                                         enable_thinking=thinking, cancel=cancel)
+            else:
+                text = self.template.render_prompt(messages, add_bos=self.tokenizer.add_bos,
+                                                   add_generation_prompt=True, cancel=cancel)
             ids = self.tokenizer.tokenize(text, add_special=True, parse_special=True, cancel=cancel)
         except (TemplateError, TokenizerError):
             if cancel is None or not cancel.is_set():

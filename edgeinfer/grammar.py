@@ -52,7 +52,7 @@ def _llg():
 # small or uncertain model can fill forever. As llama.cpp's schema grammars: one space, or a
 # newline and an indent of up to 20 (what pretty-printing needs). A schema's "x-guidance"
 # options may change it.
-_JSON_DEFAULTS = {"whitespace_pattern": r"( |\n[ \t]{0,20})?"}
+JSON_LAYOUT = {"whitespace_pattern": r"( |\n[ \t]{0,20})?"}
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def json_schema(schema: Mapping[str, Any] | str | bool) -> Constraint:
     except (TypeError, ValueError) as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from None
     try:
-        grammar = _llg().LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+        grammar = _llg().LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"invalid JSON schema: {_one_line(str(exc))}") from None
     return _validated("json_schema", text, grammar)
@@ -113,7 +113,7 @@ def json_schema(schema: Mapping[str, Any] | str | bool) -> Constraint:
 
 def any_json() -> Constraint:
     """Output must be one JSON object (OpenAI's json_object mode, Ollama's format: "json")."""
-    grammar = _llg().LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_DEFAULTS)
+    grammar = _llg().LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
     return _validated("json", "json", grammar)
 
 

@@ -1,0 +1,516 @@
+"""Tool calling, the model side: render tools through the chat template, parse each family's calls.
+
+Families (`detect_format(template_source)`):
+- "hermes": Qwen 2.5 / Qwen 3 / Hermes, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+  one block per call, content around them allowed;
+- "llama3": Llama 3.1 / 3.2, the answer is `{"name": ..., "parameters": {...}}` (after an
+  optional `<|python_tag|>`; several calls separated by `;`);
+- "mistral": `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (the control token may be
+  missing from decoded text: a leading JSON array of calls reads the same);
+- "generic": the documented fallback for any other template: an answer that is exactly a
+  JSON object {"name", "arguments"} (or a list of them, or {"tool_calls": [...]}) is a call.
+
+Text the parser cannot read as a call stays content: nothing is ever dropped.
+`ToolCallStream` does the same incrementally: it holds back text that may begin a call and
+emits each call once complete (the server's `delta.tool_calls`). `split_reasoning` moves
+Qwen 3's `<think>...</think>` to a separate field. `tool_constraint` builds the grammar that
+makes a call's arguments validate against the function's schema (tool_choice "required" or
+a named function), or a lazy one for "auto" (free text until the family's trigger).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from edgeinfer.errors import EdgeInferError
+
+__all__ = ["ToolCall", "ParsedOutput", "ToolsNotSupportedError", "ToolCallError", "detect_format",
+           "supports_tools", "normalize_tools", "normalize_messages", "render_with_tools",
+           "parse_tool_calls", "split_reasoning", "parse_output", "ToolCallStream", "tool_constraint"]
+
+FORMATS = ("hermes", "llama3", "mistral", "generic")
+
+
+class ToolsNotSupportedError(EdgeInferError):
+    """The model's chat template has no `tools` variable: it cannot be given tools (HTTP 400)."""
+
+
+class ToolCallError(EdgeInferError):
+    """Bad `tools` / `tool_choice` / tool messages in a request (HTTP 400)."""
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+    @property
+    def arguments_json(self) -> str:
+        """OpenAI's `function.arguments` (a JSON string)."""
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+    def openai(self, index: int | None = None) -> dict:
+        d = {"id": self.id, "type": "function",
+             "function": {"name": self.name, "arguments": self.arguments_json}}
+        if index is not None:
+            d["index"] = index
+        return d
+
+    def ollama(self) -> dict:
+        return {"function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ParsedOutput:
+    content: str
+    tool_calls: list[ToolCall]
+    reasoning: str | None = None
+
+
+# ---------------------------------------------------------------------------
+# Templates
+# ---------------------------------------------------------------------------
+
+def supports_tools(template_source: str) -> bool:
+    """Whether the template reads the `tools` variable (HF convention)."""
+    return re.search(r"\btools\b", template_source or "") is not None
+
+
+def detect_format(template_source: str) -> str:
+    src = template_source or ""
+    if "<tool_call>" in src:
+        return "hermes"
+    if "[TOOL_CALLS]" in src:
+        return "mistral"
+    if "<|python_tag|>" in src or ('"parameters"' in src and "ipython" in src):
+        return "llama3"
+    return "generic"
+
+
+def normalize_tools(tools: Any) -> list[dict]:
+    """Check OpenAI-style tools ({"type": "function", "function": {name, description, parameters}});
+    a bare {name, parameters} is wrapped. ToolCallError names the first bad entry."""
+    if tools is None:
+        return []
+    if not isinstance(tools, (list, tuple)):
+        raise ToolCallError("tools must be a list")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise ToolCallError(f"tools[{i}] must be an object")
+        fn = tool.get("function") if "function" in tool else tool
+        if tool.get("type", "function") != "function" or not isinstance(fn, Mapping):
+            raise ToolCallError(f"tools[{i}]: only type 'function' tools are supported")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise ToolCallError(f"tools[{i}]: function name must be 1-64 letters, digits, _ . -")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, Mapping):
+            raise ToolCallError(f"tools[{i}] ({name}): parameters must be a JSON schema object")
+        out.append({"type": "function", "function": {**fn, "name": name, "parameters": dict(params)}})
+    return out
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """OpenAI messages as templates expect them: a tool call's `arguments` as a dict
+    (OpenAI sends a JSON string; templates apply `tojson`)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if calls:
+            fixed = []
+            for c in calls:
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        fn["arguments"] = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        pass  # keep the text: the template writes it as it is
+                c["function"] = fn
+                fixed.append(c)
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out
+
+
+def render_with_tools(template, messages: Sequence[Mapping[str, Any]], tools: Any = None, *,
+                      add_bos: bool, enable_thinking: bool | None = None, cancel=None,
+                      **kwargs: Any) -> str:
+    """The prompt for `messages` (+ `tools`) through the model's own template
+    (edgeinfer.chat_template.ChatTemplate.render_prompt: its budget applies)."""
+    tools = normalize_tools(tools)
+    if tools and not supports_tools(template.source):
+        raise ToolsNotSupportedError("this model's chat template does not support tools")
+    if enable_thinking is not None:
+        kwargs["enable_thinking"] = bool(enable_thinking)
+    return template.render_prompt(normalize_messages(messages), add_bos=add_bos,
+                                  add_generation_prompt=True, tools=tools or None,
+                                  cancel=cancel, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------
+
+_DECODER = json.JSONDecoder()
+
+
+def _call_from(obj: Any, args_key: str | None = None) -> ToolCall | None:
+    """A ToolCall from {"name", "arguments"|"parameters"} (arguments as object or JSON text)."""
+    if not isinstance(obj, dict):
+        return None
+    if "function" in obj and isinstance(obj["function"], dict) and "name" not in obj:
+        obj = {**obj["function"], **({"id": obj["id"]} if "id" in obj else {})}
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    keys = (args_key,) if args_key else ("arguments", "parameters")
+    args: Any = None
+    for k in keys:
+        if k in obj:
+            args = obj[k]
+            break
+    else:
+        return None
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    call = ToolCall(name, args)
+    if isinstance(obj.get("id"), str) and obj["id"]:
+        call.id = obj["id"]
+    return call
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """All of `text` as JSON values separated by whitespace or ';', or None."""
+    values, i, n = [], 0, len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n;":
+            i += 1
+        if i >= n:
+            return values
+        try:
+            value, i = _DECODER.raw_decode(text, i)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def _calls_of(values: list[Any]) -> list[ToolCall] | None:
+    calls = []
+    for v in values:
+        items = v if isinstance(v, list) else (v["tool_calls"] if isinstance(v, dict) and
+                                               isinstance(v.get("tool_calls"), list) else [v])
+        for item in items:
+            c = _call_from(item)
+            if c is None:
+                return None
+            calls.append(c)
+    return calls or None
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
+
+
+def parse_tool_calls(text: str, fmt: str) -> ParsedOutput:
+    """Calls and the remaining content of one generated answer (no reasoning handling)."""
+    if fmt == "hermes":
+        content, calls, pos = [], [], 0
+        for m in _HERMES.finditer(text):
+            call = None
+            values = _json_values(m.group(1))
+            if values and len(values) == 1:
+                call = _call_from(values[0])
+            if call is None:
+                continue  # not a call: the block stays in the content
+            content.append(text[pos:m.start()])
+            calls.append(call)
+            pos = m.end()
+        content.append(text[pos:])
+        joined = "".join(content)
+        return ParsedOutput(joined.strip() if calls else text, calls)
+    if fmt == "mistral":
+        at = text.find("[TOOL_CALLS]")
+        head, body = (text[:at], text[at + len("[TOOL_CALLS]"):]) if at >= 0 else ("", text)
+        if at < 0 and not body.lstrip().startswith("["):
+            return ParsedOutput(text, [])
+        m = re.match(r"\s*([A-Za-z0-9_.\-]+)\[ARGS\](.*)\Z", body, re.S)  # the v11+ layout
+        if m:
+            values = _json_values(m.group(2))
+            call = _call_from({"name": m.group(1), "arguments": values[0]}) if values and len(values) == 1 else None
+            return ParsedOutput(head.strip(), [call]) if call else ParsedOutput(text, [])
+        values = _json_values(body)
+        calls = _calls_of(values) if values else None
+        return ParsedOutput(head.strip(), calls) if calls else ParsedOutput(text, [])
+    if fmt in ("llama3", "generic"):
+        body = text.strip()
+        if fmt == "llama3" and body.startswith("<|python_tag|>"):
+            body = body[len("<|python_tag|>"):]
+        if not body.startswith(("{", "[")):
+            return ParsedOutput(text, [])
+        values = _json_values(body)
+        calls = _calls_of(values) if values else None
+        return ParsedOutput("", calls) if calls else ParsedOutput(text, [])
+    raise ToolCallError(f"unknown tool-call format {fmt!r} (known: {', '.join(FORMATS)})")
+
+
+def split_reasoning(text: str, started: bool = False) -> tuple[str | None, str]:
+    """(reasoning, content) of a `<think>...</think>` answer; `started`: the prompt opened
+    the block (the answer then begins inside it). An unclosed block is all reasoning."""
+    stripped = text.lstrip()
+    if not started and not stripped.startswith("<think>"):
+        return None, text
+    body = stripped[len("<think>"):] if stripped.startswith("<think>") else text
+    end = body.find("</think>")
+    if end < 0:
+        return body.strip(), ""
+    return body[:end].strip(), body[end + len("</think>"):].lstrip()
+
+
+def parse_output(text: str, fmt: str, *, reasoning: bool = False, think_started: bool = False,
+                 tools: bool = True) -> ParsedOutput:
+    """Reasoning (when asked), then tool calls (when the request had tools), then content."""
+    thought = None
+    if reasoning:
+        thought, text = split_reasoning(text, think_started)
+    out = parse_tool_calls(text, fmt) if tools else ParsedOutput(text, [])
+    out.reasoning = thought
+    return out
+
+
+class ToolCallStream:
+    """Incremental `parse_output`: push text pieces, get events back.
+
+    Events: ("reasoning", text), ("content", text), ("tool_call", ToolCall). Text that may
+    be the start of a call is held until it is known; `flush()` at the end releases the
+    rest. The content, reasoning and calls of all events equal `parse_output` of the whole
+    text (the content may differ by surrounding whitespace).
+    """
+
+    def __init__(self, fmt: str, *, reasoning: bool = False, think_started: bool = False,
+                 tools: bool = True) -> None:
+        if fmt not in FORMATS:
+            raise ToolCallError(f"unknown tool-call format {fmt!r}")
+        self.fmt = fmt
+        self.tools = tools
+        self._buf = ""
+        self._state = "think?" if reasoning else "content"
+        self._think_started = think_started
+        self._seen_content = False  # anything but whitespace emitted as content
+        self._after_think = False
+
+    def push(self, text: str) -> list[tuple[str, Any]]:
+        self._buf += text
+        return self._drain(final=False)
+
+    def flush(self) -> list[tuple[str, Any]]:
+        return self._drain(final=True)
+
+    # -- internals -------------------------------------------------------------------------
+    def _drain(self, final: bool) -> list[tuple[str, Any]]:
+        events: list[tuple[str, Any]] = []
+        while True:
+            before = (self._state, len(self._buf))
+            getattr(self, "_step_" + self._state.replace("?", "_q"))(events, final)
+            if (self._state, len(self._buf)) == before:
+                break
+        return [e for e in events if e[0] == "tool_call" or e[1]]
+
+    def _step_think_q(self, events, final) -> None:
+        s = self._buf.lstrip()
+        if self._think_started:
+            self._buf, self._state = s, "think"
+        elif s.startswith("<think>"):
+            self._buf, self._state = s[len("<think>"):], "think"
+        elif s and not "<think>".startswith(s):
+            self._state = "content"
+        elif final:
+            self._state = "content"
+
+    def _step_think(self, events, final) -> None:
+        end = self._buf.find("</think>")
+        if end >= 0:
+            events.append(("reasoning", self._buf[:end]))
+            self._buf, self._state = self._buf[end + len("</think>"):].lstrip(), "content"
+            self._after_think = True  # the blank line after </think> is not content
+            return
+        keep = 0 if final else _partial_suffix(self._buf, "</think>")
+        events.append(("reasoning", self._buf[:len(self._buf) - keep]))
+        self._buf = self._buf[len(self._buf) - keep:]
+
+    def _step_content(self, events, final) -> None:
+        if not self.tools:
+            events.append(("content", self._buf))
+            self._buf = ""
+            return
+        if self.fmt == "hermes":
+            at = self._buf.find("<tool_call>")
+            if at >= 0:
+                self._emit_content(events, self._buf[:at])
+                self._buf, self._state = self._buf[at:], "call"
+                return
+            keep = 0 if final else _partial_suffix(self._buf, "<tool_call>")
+        else:
+            at = self._buf.find("[TOOL_CALLS]") if self.fmt == "mistral" else -1
+            if at >= 0:
+                self._emit_content(events, self._buf[:at])
+                self._buf, self._state = self._buf[at:], "held"
+                return
+            head = self._buf.lstrip()
+            if not self._seen_content and (head.startswith(("{", "[")) or
+                                           (self.fmt == "llama3" and head.startswith("<|python_tag|>"))):
+                self._state = "held"  # a whole-answer call: known only at the end
+                return
+            if not self._seen_content and not head and not final:
+                return  # leading whitespace: wait for the first character
+            if not self._seen_content and self.fmt == "llama3" and "<|python_tag|>".startswith(head) and not final:
+                return
+            keep = 0 if final or self.fmt != "mistral" else _partial_suffix(self._buf, "[TOOL_CALLS]")
+        self._emit_content(events, self._buf[:len(self._buf) - keep])
+        self._buf = self._buf[len(self._buf) - keep:]
+
+    def _step_call(self, events, final) -> None:  # hermes, from "<tool_call>"
+        end = self._buf.find("</tool_call>")
+        if end < 0 and not final:
+            return
+        block = self._buf if end < 0 else self._buf[:end + len("</tool_call>")]
+        parsed = parse_tool_calls(block, "hermes")
+        if parsed.tool_calls:
+            events.extend(("tool_call", c) for c in parsed.tool_calls)
+        else:
+            self._emit_content(events, block)
+        self._buf, self._state = self._buf[len(block):], "content"
+        if not parsed.tool_calls:
+            return
+        self._buf = self._buf.lstrip() if not self._buf.strip() or self._buf.startswith("\n") else self._buf
+
+    def _step_held(self, events, final) -> None:
+        if not final:
+            return
+        parsed = parse_tool_calls(self._buf, self.fmt)
+        if parsed.tool_calls:
+            self._emit_content(events, parsed.content)
+            events.extend(("tool_call", c) for c in parsed.tool_calls)
+        else:
+            self._emit_content(events, self._buf)
+        self._buf, self._state = "", "content"
+
+    def _emit_content(self, events, text: str) -> None:
+        if self._after_think and not self._seen_content:
+            text = text.lstrip()
+        if text.strip():
+            self._seen_content = True
+        events.append(("content", text))
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# Constraints
+# ---------------------------------------------------------------------------
+
+def _call_schema(tool: dict, args_key: str) -> dict:
+    fn = tool["function"]
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: fn["parameters"]},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def _token_ref(tokenizer, text: str) -> str:
+    """Lark for `text`: the special token by id when the vocabulary has it, else the literal."""
+    tid = tokenizer.token_id(text) if tokenizer is not None else None
+    if tid is not None:
+        from edgeinfer.grammar import _special
+
+        if _special(tokenizer, tid, text.encode()):
+            return f"<[{tid}]>"
+    return json.dumps(text)
+
+
+def select_tools(tools: list[dict], tool_choice: Any) -> tuple[str, list[dict]]:
+    """("none"|"auto"|"required", the tools a call may use) from OpenAI's tool_choice."""
+    if tool_choice is None or tool_choice == "auto":
+        return ("auto" if tools else "none"), tools
+    if tool_choice == "none":
+        return "none", []
+    if tool_choice == "required":
+        if not tools:
+            raise ToolCallError('tool_choice "required" needs tools')
+        return "required", tools
+    if isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name") if "function" in tool_choice else tool_choice.get("name")
+        chosen = [t for t in tools if t["function"]["name"] == name]
+        if not chosen:
+            raise ToolCallError(f"tool_choice names {name!r}, which is not among the tools")
+        return "required", chosen
+    raise ToolCallError(f'tool_choice must be "none", "auto", "required" or a function, got {tool_choice!r}')
+
+
+def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
+                    parallel: bool = True):
+    """The grammar for a tool request, or None (unconstrained).
+
+    "required" / a named function: the answer is one call (more with `parallel`) in the
+    family's syntax, its arguments valid against the function's parameter schema.
+    "auto": free text, and a valid call once the family's trigger appears (hermes
+    `<tool_call>`, mistral `[TOOL_CALLS]`, llama3 `<|python_tag|>`); "generic" answers stay
+    unconstrained under "auto". "none" or no tools: None.
+    """
+    from edgeinfer import grammar
+
+    mode, chosen = select_tools(normalize_tools(tools), tool_choice)
+    if mode == "none" or not chosen:
+        return None
+    args_key = "parameters" if fmt == "llama3" else "arguments"
+    schemas = [_call_schema(t, args_key) for t in chosen]
+    any_call = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
+    any_call["x-guidance"] = dict(grammar.JSON_LAYOUT)  # %json does not get the defaults
+    if mode == "auto":
+        if fmt == "hermes":
+            tags = [{"trigger": "<tool_call>", "begin": "<tool_call>\n", "grammar": any_call,
+                     "end": "\n</tool_call>"}]
+        elif fmt == "mistral":
+            tags = [{"trigger": "[TOOL_CALLS]", "begin": "[TOOL_CALLS]",
+                     "grammar": {"type": "array", "items": any_call, "minItems": 1}, "end": ""}]
+        elif fmt == "llama3":
+            tags = [{"trigger": "<|python_tag|>", "begin": "<|python_tag|>", "grammar": any_call, "end": ""}]
+        else:
+            return None
+        trig = tags[0]["trigger"]
+        if tokenizer is not None and tokenizer.token_id(trig) is None and trig.startswith("<"):
+            return None  # the vocabulary cannot emit the trigger as one token: leave auto free
+        return grammar.lazy_tags(tags)
+    call_rule = "%json " + json.dumps(any_call, ensure_ascii=False)
+    if fmt == "hermes":
+        open_tag, close_tag = _token_ref(tokenizer, "<tool_call>"), _token_ref(tokenizer, "</tool_call>")
+        one = f'{open_tag} "\\n" {call_rule} "\\n" {close_tag}'
+        sep = '"\\n"'
+    elif fmt == "mistral":
+        head = _token_ref(tokenizer, "[TOOL_CALLS]")
+        arr = {"type": "array", "items": any_call, "minItems": 1}
+        if not parallel:
+            arr["maxItems"] = 1
+        return grammar.lark(f"start: {head} %json {json.dumps(arr, ensure_ascii=False)}\n")
+    elif fmt == "llama3":
+        one, sep = call_rule, '"; "'
+    else:
+        one, sep = call_rule, '"\\n"'
+    body = f"call ({sep} call)*" if parallel else "call"
+    return grammar.lark(f"start: {body}\ncall: {one}\n")

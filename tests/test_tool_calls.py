@@ -1,0 +1,195 @@
+"""Tool calls: rendering through real templates, parsing each family's format, constrained calls."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+import edgeinfer
+from edgeinfer import tool_calls as tc
+from edgeinfer.chat_template import ChatTemplate
+from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
+
+DATA = Path(__file__).parent / "data"
+CASES = json.loads((DATA / "tool_outputs" / "cases.json").read_text())
+TEMPLATES = {name: (DATA / "templates" / f"{name}.jinja").read_text()
+             for name in ("qwen2.5-instruct", "llama-3.1-instruct", "qwen3", "gemma-3-it")}
+SMALL = TinyShape(n_embd=64, n_layer=1, n_head=2, n_head_kv=1, head_dim=32, n_ff=128, n_ctx=4096)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},
+                           "unit": {"enum": ["celsius", "fahrenheit"]},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+SEARCH = {"type": "function", "function": {
+    "name": "search", "description": "Web search",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string", "maxLength": 20}},
+                   "required": ["query"], "additionalProperties": False}}}
+
+
+def _check(case, parsed):
+    assert [[c.name, c.arguments] for c in parsed.tool_calls] == case["calls"], case["name"]
+    assert parsed.content.strip() == case["content"].strip(), case["name"]
+    assert parsed.reasoning == case.get("reasoning_text"), case["name"]
+    if "ids" in case:
+        assert [c.id for c in parsed.tool_calls] == case["ids"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_parse_recorded_outputs(case):
+    parsed = tc.parse_output(case["text"], case["format"], reasoning=case.get("reasoning", False))
+    _check(case, parsed)
+    if not case["calls"] and not case.get("reasoning"):
+        assert parsed.content == case["text"]  # unreadable text is kept whole, never dropped
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_streaming_parser_matches(case):
+    rng = random.Random(case["name"])
+    for pieces in ([ch for ch in case["text"]], _random_split(case["text"], rng), [case["text"]]):
+        stream = tc.ToolCallStream(case["format"], reasoning=case.get("reasoning", False))
+        events = []
+        for p in pieces:
+            events += stream.push(p)
+        events += stream.flush()
+        content = "".join(v for k, v in events if k == "content")
+        reasoning = "".join(v for k, v in events if k == "reasoning")
+        calls = [v for k, v in events if k == "tool_call"]
+        parsed = tc.ParsedOutput(content, calls, reasoning.strip() if "reasoning_text" in case else None)
+        _check(case, parsed)
+
+
+def test_streaming_holds_back_a_possible_call():
+    s = tc.ToolCallStream("hermes")
+    assert s.push("Checking <tool") == [("content", "Checking ")]
+    assert s.push('_call>\n{"name": "search", "arguments": {"query": "a"}}') == []
+    events = s.push("\n</tool_call>")
+    assert [e[0] for e in events] == ["tool_call"] and events[0][1].name == "search"
+    s = tc.ToolCallStream("hermes")
+    assert s.push("a <tool") == [("content", "a ")]
+    assert s.push("box> b") == [("content", "<toolbox> b")]  # not a call after all: released
+    s = tc.ToolCallStream("llama3")
+    assert s.push('{"name": "search", ') == []
+    assert s.push('"parameters": {"query": "q"}}') == []
+    assert [e[0] for e in s.flush()] == ["tool_call"]
+
+
+def _random_split(text, rng):
+    cuts = sorted(rng.sample(range(1, len(text)), min(6, len(text) - 1))) if len(text) > 1 else []
+    return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+HISTORY = [
+    {"role": "system", "content": "You are helpful."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 18}"},
+]
+
+
+@pytest.mark.parametrize("name, fmt", [("qwen2.5-instruct", "hermes"), ("llama-3.1-instruct", "llama3"),
+                                       ("qwen3", "hermes")])
+def test_render_tools_through_real_templates(name, fmt):
+    tmpl = ChatTemplate(TEMPLATES[name], bos_token="<|begin_of_text|>" if "llama" in name else "")
+    assert tc.supports_tools(tmpl.source) and tc.detect_format(tmpl.source) == fmt
+    text = tc.render_with_tools(tmpl, HISTORY, [WEATHER], add_bos=True)
+    assert '"name": "get_weather"' in text and "Current weather in a city" in text
+    assert '"city": "Paris"' in text  # the call's JSON-string arguments rendered as an object
+    assert "\\\"city\\\"" not in text  # ... not as an escaped string
+    assert "temp" in text and "18" in text  # the tool result (Llama 3.1's template applies tojson)
+    if fmt == "hermes":
+        assert "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"" in text
+        assert "<tool_response>\n{\"temp\": 18}\n</tool_response>" in text
+
+
+def test_thinking_switch_and_no_tool_support():
+    tmpl = ChatTemplate(TEMPLATES["qwen3"])
+    msgs = [{"role": "user", "content": "hi"}]
+    off = tc.render_with_tools(tmpl, msgs, None, add_bos=False, enable_thinking=False)
+    on = tc.render_with_tools(tmpl, msgs, None, add_bos=False, enable_thinking=True)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert on.endswith("<|im_start|>assistant\n")
+    gemma = ChatTemplate(TEMPLATES["gemma-3-it"])
+    with pytest.raises(tc.ToolsNotSupportedError, match="does not support tools"):
+        tc.render_with_tools(gemma, msgs, [WEATHER], add_bos=True)
+    with pytest.raises(tc.ToolCallError, match=r"tools\[0\]"):
+        tc.normalize_tools([{"type": "function", "function": {"name": "bad name!"}}])
+    with pytest.raises(tc.ToolCallError, match="not among the tools"):
+        tc.select_tools(tc.normalize_tools([WEATHER]), {"type": "function", "function": {"name": "nope"}})
+
+
+# -- constrained calls on tiny models ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tool_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tools")
+    vocab = bpe_vocab("qwen2")
+    n = len(vocab["tokens"])
+    vocab["tokens"] = vocab["tokens"] + ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                                         "<|python_tag|>"]
+    vocab["types"] = vocab["types"] + [3, 3, 4, 4, 3]
+    qwen = write_tiny_model(root / "qwen.gguf", "qwen2", "F32", vocab=vocab, shape=SMALL, seed=5,
+                            chat_template=TEMPLATES["qwen2.5-instruct"], extra_metadata={
+                                "tokenizer.ggml.eos_token_id": n + 1})
+    llama = write_tiny_model(root / "llama.gguf", "llama", "F32", vocab=vocab, shape=SMALL, seed=6,
+                             chat_template=TEMPLATES["llama-3.1-instruct"])
+    return {"hermes": edgeinfer.load(str(qwen), n_ctx=4096, threads=1, download=False),
+            "llama3": edgeinfer.load(str(llama), n_ctx=4096, threads=1, download=False)}
+
+
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, SEARCH)}
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3"])
+def test_required_tool_calls_always_validate(tool_models, fmt):
+    model = tool_models[fmt]
+    assert model.tool_format == fmt and model.supports_tools
+    msgs = [{"role": "user", "content": "weather?"}]
+    for seed in range(12):
+        choice = "required" if seed % 2 else {"type": "function", "function": {"name": "get_weather"}}
+        r = model.chat(msgs, tools=[WEATHER, SEARCH], tool_choice=choice, temperature=1.0, top_k=0,
+                       top_p=1.0, min_p=0.0, seed=seed, max_tokens=300, parallel_tool_calls=False)
+        assert r.finish_reason == "stop", r.text
+        parsed = tc.parse_output(r.text, fmt)
+        assert len(parsed.tool_calls) == 1 and parsed.content == "", r.text
+        call = parsed.tool_calls[0]
+        if isinstance(choice, dict):
+            assert call.name == "get_weather"
+        jsonschema.validate(call.arguments, SCHEMAS[call.name])
+
+
+def test_auto_is_free_text_until_the_trigger(tool_models):
+    model = tool_models["hermes"]
+    c = tc.tool_constraint([WEATHER], "auto", "hermes", model.tokenizer)
+    assert c is not None and c.kind == "tools"
+    m = c.matcher(model.tokenizer)
+    tid = model.tokenizer.token_id("<tool_call>")
+    hello = model.tokenizer.tokenize(" hello", add_special=False)
+    for t in hello:
+        m.advance(t)  # free text is allowed before a call
+    m.advance(tid)
+    allowed = [i for i, ok in enumerate(m.allowed()) if ok]
+    assert [model.tokenizer.detokenize([i]) for i in allowed] == ["\n"]  # the call's syntax follows
+    assert tc.tool_constraint([WEATHER], "none", "hermes", model.tokenizer) is None
+    assert tc.tool_constraint([WEATHER], "auto", "generic", model.tokenizer) is None
+    r = model.chat([{"role": "user", "content": "hi"}], tools=[WEATHER], temperature=1.0, seed=1,
+                   max_tokens=40)
+    tc.parse_output(r.text, "hermes")  # any text parses (calls or content)
