@@ -233,3 +233,22 @@ def test_mask_cost_on_a_large_vocabulary():
             break
         m.advance(token)
     assert np.median(times) < 0.02  # generous for a shared CI machine; measured ~0.3 ms
+
+
+def test_run_format_and_grammar_file(tmp_path, models, capsys):
+    from edgeinfer.cli import main
+
+    path = str(models["qwen2"].path)
+    schema = tmp_path / "items.schema.json"
+    schema.write_text(json.dumps(ITEMS))
+    assert main(["run", path, "data:", "--raw", "--format", str(schema), "-n", "400", "--seed", "2",
+                 "-c", "1024", "-t", "1"]) == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), ITEMS)
+    gbnf = tmp_path / "yes.gbnf"
+    gbnf.write_text('root ::= ("yes" | "no") "!"\n')
+    assert main(["run", path, "q", "--raw", "--grammar-file", str(gbnf), "-n", "20", "-c", "1024"]) == 0
+    assert capsys.readouterr().out.strip() in ("yes!", "no!")
+    bad = tmp_path / "bad.schema.json"
+    bad.write_text('{"type": "object", "if": {}}')
+    assert main(["run", path, "x", "--raw", "--format", str(bad)]) != 0
+    assert "Unimplemented keys" in capsys.readouterr().err

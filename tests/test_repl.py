@@ -96,7 +96,7 @@ def test_numbers_are_set(loaded, models):
     ("/set parameter temperature", "usage: /set parameter temperature"),
     ('/set parameter stop "unclosed', "cannot parse"),
     ("/set parameter num_ctx 8192", "restart with -c/--ctx-size"),
-    ("/set format json", "not supported yet"),
+    ("/set format /no/such.schema.json", "cannot read"),
     ("/set colour on", "unknown /set option"),
     ("/show everything", "unknown /show topic"),
     ("/frobnicate", "unknown command '/frobnicate'"),

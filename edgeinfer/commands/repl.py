@@ -25,6 +25,7 @@ class Repl:
         self.verbose = bool(args.verbose)
         self.session = getattr(args, "session", None)
         self.params = params
+        self.constraint = rc.constraint_from_args(args)  # --format / --grammar-file, /set format
         self.system = system if system is not None else args.system
         self.history = history if history is not None else []
         self.out = out if out is not None else sys.stdout
@@ -69,11 +70,12 @@ class Repl:
     def send(self, line: str) -> None:
         """Answer one message, keep the turn, save the session if one is named."""
         try:
+            params = self.params if self.constraint is None else {**self.params, "constraint": self.constraint}
             if self.raw:
-                answer(self.model, line, self.params, True, self.verbose, self.out, self.err)
+                answer(self.model, line, params, True, self.verbose, self.out, self.err)
                 return  # completion: each line stands alone
             messages = messages_for(self.system, self.history, line)
-            text = answer(self.model, messages, self.params, False, self.verbose, self.out, self.err)
+            text = answer(self.model, messages, params, False, self.verbose, self.out, self.err)
         except EdgeInferError as exc:
             self.error(str(exc))
             return
@@ -132,9 +134,13 @@ class Repl:
             self.reader.history_enabled = what == "history"
             self.say(f"Set '{what}' mode.")
         elif what == "noformat":
+            self.constraint = None
             self.say("Disabled format.")
         elif what == "format":
-            raise EdgeInferError(f"/set format {rest or 'json'} is not supported yet")
+            if not rest.strip():
+                raise EdgeInferError("usage: /set format json|FILE.schema.json")
+            self.constraint = rc.constraint_for_format(rest)
+            self.say(f"Set format to '{rest.strip()}' mode.")
         elif what in ("wordwrap", "nowordwrap", "think", "nothink"):
             raise EdgeInferError(f"/set {what} is not supported yet")
         else:

@@ -7,6 +7,44 @@ import shlex
 
 from edgeinfer.errors import EdgeInferError
 
+def constraint_for_format(value: str):
+    """`--format` / `/set format`: "json" (any JSON object) or a JSON-schema file's path."""
+    from edgeinfer import grammar
+
+    value = value.strip()
+    if value == "json":
+        return grammar.any_json()
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except OSError as exc:
+        raise EdgeInferError(f"format must be 'json' or a JSON schema file; cannot read {value!r}: "
+                             f"{exc.strerror or exc}") from None
+    return grammar.json_schema(text)
+
+
+def constraint_for_grammar_file(path: str):
+    """`--grammar-file FILE.gbnf`: a llama.cpp GBNF grammar."""
+    from edgeinfer import grammar
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except OSError as exc:
+        raise EdgeInferError(f"cannot read grammar file {path!r}: {exc.strerror or exc}") from None
+    return grammar.gbnf(text)
+
+
+def constraint_from_args(args):
+    """The constraint `run`'s --format / --grammar-file ask for, or None."""
+    fmt, gfile = getattr(args, "format", None), getattr(args, "grammar_file", None)
+    if fmt and gfile:
+        raise EdgeInferError("give --format or --grammar-file, not both")
+    if fmt:
+        return constraint_for_format(fmt)
+    return constraint_for_grammar_file(gfile) if gfile else None
+
+
 # `/set parameter` names (Ollama's) -> (SamplingParams field, value type, help).
 PARAMETERS = {
     "seed": ("seed", int, "Random number seed"),
@@ -41,7 +79,7 @@ USAGE_SET = '''Available Commands:
   /set system <string>   Set system message
   /set history           Enable history
   /set nohistory         Disable history
-  /set format json       Enable JSON mode (not supported yet)
+  /set format json       Enable JSON mode (or a FILE.schema.json: answers follow the schema)
   /set noformat          Disable formatting
   /set verbose           Show LLM stats
   /set quiet             Disable LLM stats'''

@@ -24,6 +24,10 @@ def register(sub) -> None:
                    help="resume the saved session S (created if new) and save it after each answer")
     p.add_argument("--session-kv", action="store_true",
                    help="also save the session's KV cache, so resuming needs no prefill")
+    p.add_argument("--format", default=None, metavar="json|FILE",
+                   help="answer in JSON: 'json' (any object) or a JSON schema file the answer must follow")
+    p.add_argument("--grammar-file", default=None, metavar="FILE",
+                   help="answer following a llama.cpp GBNF grammar")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(func=run)
@@ -31,6 +35,9 @@ def register(sub) -> None:
 
 def run(args) -> int:
     params = sampling_from_args(args)
+    from edgeinfer.commands.repl_commands import constraint_from_args
+
+    constraint = constraint_from_args(args)  # a bad schema or grammar fails before the model loads
     session = getattr(args, "session", None)
     if session is not None:
         from edgeinfer.saved_session import check_name
@@ -50,7 +57,7 @@ def run(args) -> int:
     if session is not None:
         system, history = resume_session(model, session, params, args.system)
     if prompt is not None:
-        one_shot = dict(params)
+        one_shot = dict(params, constraint=constraint)
         if one_shot["max_tokens"] < 0:
             # The default -n stops where the window ends; only an explicit -n goes past it.
             one_shot["context_shift"] = False
