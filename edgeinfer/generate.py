@@ -16,8 +16,8 @@ import numpy as np
 from edgeinfer.engine import Engine
 from edgeinfer.errors import ContextOverflowError
 from edgeinfer.kv.view import KVView
-from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, Usage
-from edgeinfer.sampling import SamplingParams, make_token_sampler
+from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, TokenLogprob, Usage
+from edgeinfer.sampling import SamplingParams, make_token_sampler, post_sampling_probs, token_logprobs
 from edgeinfer.stopping import StopStringMatcher
 
 
@@ -64,6 +64,7 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
         if cancel is not None and cancel.is_set():
             finish = FinishReason.CANCELLED
             break
+        raw = logits  # the model's distribution, for logprobs (the mask makes a copy)
         if matcher is not None:
             logits = matcher.mask(logits)
         token = sample(logits, history)
@@ -72,12 +73,13 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
         if tokenizer.is_eog(token):
             finish = FinishReason.STOP
             break
+        lp = _logprobs(raw, logits, history, token, params) if params.logprobs is not None else None
         generated.append(token)
         history.append(token)
         if matcher is not None:
             matcher.advance(token)
         text, stopped = stopper.push(decoder.push(token))
-        yield GenerationChunk(text=text, token=token)  # text may be "" while bytes/stops are held
+        yield GenerationChunk(text=text, token=token, logprobs=lp)  # text may be "" while bytes/stops are held
         if stopped or (matcher is not None and matcher.is_stopped()):
             finish = FinishReason.STOP  # a stop string, or the grammar is complete
             break
@@ -101,19 +103,48 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
     yield GenerationChunk(text=tail, token=None, finish_reason=finish, usage=usage, timings=timings)
 
 
+def _logprobs(raw: np.ndarray, masked: np.ndarray, history: list[int], token: int,
+              params: SamplingParams) -> TokenLogprob:
+    """The chosen token's log-probability: of the model (raw logits), or with
+    post_sampling_probs of the sampler chain (after the grammar's mask)."""
+    if params.post_sampling_probs:
+        return post_sampling_probs(masked, history, token, params, params.logprobs)
+    return token_logprobs(raw, token, params.logprobs)
+
+
+def prompt_logprobs(engine: Engine, prompt: Sequence[int], top_n: int) -> list[TokenLogprob | None]:
+    """Each prompt token's log-probability given the tokens before it (None for the first,
+    which follows nothing): one pass over the prompt on a scratch cache of its own length,
+    logits for every row, a prefill chunk at a time. The generation's cache is untouched."""
+    ids = np.asarray(list(prompt), dtype=np.int64)
+    check_prompt_fits(len(ids), engine.n_ctx)
+    kv = engine.backend.new_cache(engine.config, max(len(ids), 1))
+    out: list[TokenLogprob | None] = [None]
+    cuts = engine.chunk_bounds(len(ids))
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        rows = engine.forward(ids[lo:hi], np.arange(lo, hi), kv, logits_for=np.arange(hi - lo))
+        for j in range(hi - lo):
+            if lo + j + 1 < len(ids):  # row j predicts the token after it
+                out.append(token_logprobs(rows[j], int(ids[lo + j + 1]), top_n))
+    return out
+
+
 def collect(chunks: Iterator[GenerationChunk]) -> GenerationResult:
     """Drain a stream into one result."""
     parts: list[str] = []
     tokens: list[int] = []
+    logprobs: list[TokenLogprob] = []
     last = None
     for chunk in chunks:
         parts.append(chunk.text)
         if chunk.token is not None:
             tokens.append(chunk.token)
+        if chunk.logprobs is not None:
+            logprobs.append(chunk.logprobs)
         last = chunk
     assert last is not None and last.finish_reason is not None
     return GenerationResult(text="".join(parts), tokens=tokens, finish_reason=last.finish_reason,
-                            usage=last.usage, timings=last.timings)
+                            usage=last.usage, timings=last.timings, logprobs=logprobs or None)
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

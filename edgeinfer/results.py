@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class FinishReason:
@@ -66,15 +67,29 @@ class Timings:
                    prompt_s=prompt_s, gen_s=gen_s, tpot_s=tpot_s)
 
 
+class TokenLogprob(NamedTuple):
+    """One generated token's log-probability and the most likely alternatives
+    (edgeinfer.sampling.token_logprobs says which distribution)."""
+
+    token: int
+    logprob: float                  # natural log
+    top: list[tuple[int, float]]    # (token id, logprob), most likely first, ties by lower id
+
+
 @dataclass
 class GenerationChunk:
-    """One streamed piece; the last chunk carries finish_reason, usage and timings."""
+    """One streamed piece; the last chunk carries finish_reason, usage and timings.
+
+    `logprobs` rides on a token's chunk when the request asked for them; `index` is the
+    choice a chunk belongs to when one request asks for several (OpenAI's n)."""
 
     text: str
     token: int | None
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    logprobs: TokenLogprob | None = None
+    index: int = 0
 
 
 @dataclass
@@ -86,3 +101,4 @@ class GenerationResult:
     finish_reason: str
     usage: Usage
     timings: Timings
+    logprobs: list[TokenLogprob] | None = None   # one per token, when asked for

@@ -28,9 +28,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.results import TokenLogprob
 
 LogitsProcessor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
 Sampler = Callable[[np.ndarray], int]
+
+
+MAX_LOGPROBS = 100   # alternatives per token; OpenAI allows 20, llama-server's n_probs more
 
 
 class InvalidParameterError(EdgeInferError, ValueError):
@@ -59,6 +63,11 @@ class SamplingParams:
     # A compiled edgeinfer.grammar.Constraint (JSON schema, GBNF, regex...): its mask is
     # applied before the chain, per sequence (the decode loop makes the matcher).
     constraint: Any = field(default=None, repr=False)
+    # Log-probabilities carried on each chunk: None = off, N = the chosen token's and the N
+    # most likely alternatives (see token_logprobs). post_sampling_probs: llama-server's
+    # variant, probabilities after the sampler chain instead (see post_sampling_probs).
+    logprobs: int | None = None
+    post_sampling_probs: bool = False
 
     def validate(self) -> "SamplingParams":
         """Raise InvalidParameterError on the first out-of-range field; return self."""
@@ -78,6 +87,8 @@ class SamplingParams:
             raise InvalidParameterError("stop must be a list of strings")
         if any(s == "" for s in self.stop):
             raise InvalidParameterError("stop strings must not be empty")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
         if self.constraint is not None and not hasattr(self.constraint, "matcher"):
             raise InvalidParameterError("constraint must be an edgeinfer.grammar.Constraint "
                                         "(edgeinfer.grammar.json_schema(...), gbnf(...), regex(...))")
@@ -323,3 +334,63 @@ def make_token_sampler(params: SamplingParams) -> Callable[[np.ndarray, Sequence
         return sampler(logits)
 
     return sample
+
+
+# ---------------------------------------------------------------------------
+# Log-probabilities and per-choice seeds
+# ---------------------------------------------------------------------------
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-softmax; -inf entries stay -inf."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    m = np.max(x)
+    return x - (m + math.log(np.exp(x - m).sum()))
+
+
+def token_logprobs(logits: np.ndarray, token: int, top_n: int) -> TokenLogprob:
+    """The model's log-probability of `token` and its `top_n` most likely tokens.
+
+    Taken on the raw logits, before penalties, grammar masks, top-k/p/min-p and temperature,
+    as OpenAI defines them and as llama-server's `n_probs` reports them (a plain softmax of
+    the logits, whatever the sampler settings): the values describe the model, not the
+    sampler, so they sum to at most 1 over any subset and do not change with temperature.
+    """
+    lp = log_softmax(logits)
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        n = lp.shape[0]
+        k = min(top_n, n)
+        part = np.argpartition(-lp, k - 1)[:k] if k < n else np.arange(n)
+        order = part[np.lexsort((part, -lp[part]))]   # descending, ties by the lower id
+        top = [(int(i), float(lp[i])) for i in order]
+    return TokenLogprob(int(token), float(lp[int(token)]), top)
+
+
+def post_sampling_probs(logits: np.ndarray, previous_token_ids: Sequence[int], token: int,
+                        params: SamplingParams, top_n: int) -> TokenLogprob:
+    """llama-server's `post_sampling_probs`: probabilities over the candidates the chain left
+    (penalties, top-k, top-p, min-p, then temperature), as the last sampler drew from them;
+    greedy leaves only the chosen token, at probability 1. Values are natural logs here;
+    tokens the chain cut have probability 0 and are not listed."""
+    for proc in params.make_logits_processors():
+        logits = proc(logits, previous_token_ids)
+    logits = np.asarray(logits).reshape(-1)
+    if params.temperature <= 0:
+        return TokenLogprob(int(token), 0.0, [(int(token), 0.0)] if top_n > 0 else [])
+    c = filter_candidates(logits, params.top_k, params.top_p, params.min_p)
+    lp = log_softmax(c.logits / params.temperature)
+    where = np.flatnonzero(c.ids == token)
+    chosen = float(lp[where[0]]) if where.size else -math.inf
+    order = np.lexsort((c.ids, -lp))[:top_n]
+    return TokenLogprob(int(token), chosen, [(int(c.ids[i]), float(lp[i])) for i in order])
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request seeded with `seed` (OpenAI's n > 1): choice 0
+    keeps it, so it answers as the same request with n = 1 does; the others derive theirs
+    from (seed, index) through numpy's SeedSequence, the same on every machine and run.
+    An unseeded request stays unseeded: every choice draws fresh entropy."""
+    if seed is None or seed == -1 or index == 0:
+        return seed
+    state = np.random.SeedSequence(int(seed), spawn_key=(int(index),)).generate_state(2, np.uint32)
+    return int(state[0]) | (int(state[1]) & 0x7FFFFFFF) << 32   # below 2^63, as Seed fields are
