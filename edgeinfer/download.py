@@ -246,9 +246,10 @@ def list_remote_files(repo_id: str, revision: str = DEFAULT_REVISION) -> list[Re
 # --- download ----------------------------------------------------------------------------
 
 
-def fetch(repo_id: str, filename: str, *, revision: str = DEFAULT_REVISION, progress: bool = True) -> Path:
+def fetch(repo_id: str, filename: str, *, revision: str = DEFAULT_REVISION, progress=True) -> Path:
     """Download `filename` of `repo_id` into the Hub cache (resuming a partial download) and
-    return its snapshot path. Contacts the Hub even when cached, to pick up a newer revision."""
+    return its snapshot path. Contacts the Hub even when cached, to pick up a newer revision.
+    `progress`: True for a console bar, False for none, or a callable(bytes_done, total)."""
     what = f"cannot download {filename} from hf.co/{repo_id}"
     parts = filename.split("/")
     if filename.startswith("/") or "\\" in filename or any(p in ("", ".", "..") for p in parts):
@@ -297,7 +298,7 @@ def fetch(repo_id: str, filename: str, *, revision: str = DEFAULT_REVISION, prog
 
 
 def _download_blob(url: str, blob: Path, *, expected_size: int | None, etag: str, filename: str,
-                   progress: bool, what: str) -> None:
+                   progress, what: str) -> None:
     """GET `url` into `blob.incomplete` (appending to what an earlier attempt left), check size
     and hash against the Hub's metadata, then move it to `blob`."""
     partial = blob.with_name(blob.name + ".incomplete")
@@ -310,8 +311,8 @@ def _download_blob(url: str, blob: Path, *, expected_size: int | None, etag: str
 
     kwargs = {"resume_size": resume, "headers": huggingface_hub.utils.build_hf_headers(),
               "expected_size": expected_size, "displayed_filename": filename}
-    if not progress and "tqdm_class" in inspect.signature(hf_http_get).parameters:
-        kwargs["tqdm_class"] = _silent_tqdm_class()
+    if progress is not True and "tqdm_class" in inspect.signature(hf_http_get).parameters:
+        kwargs["tqdm_class"] = _silent_tqdm_class(progress if callable(progress) else None)
     try:
         with partial.open("ab") as out, _quiet_hub_logs():
             http_get(url, out, **kwargs)
@@ -327,13 +328,24 @@ def _download_blob(url: str, blob: Path, *, expected_size: int | None, etag: str
     os.replace(partial, blob)
 
 
-def _silent_tqdm_class():
+def _silent_tqdm_class(report=None):
+    """A bar that draws nothing; with `report`, it calls report(bytes_done, total) as bytes
+    arrive (an exception it raises stops the download, keeping the partial file)."""
     from huggingface_hub.utils import tqdm
 
     class SilentTqdm(tqdm):
         def __init__(self, *args, **kwargs):
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
+            self.done = kwargs.get("initial") or 0  # a disabled bar does not count self.n
+            if report is not None:
+                report(self.done, self.total)
+
+        def update(self, n=1):
+            self.done += n or 0
+            if report is not None:
+                report(self.done, self.total)
+            return super().update(n)
 
     return SilentTqdm
 

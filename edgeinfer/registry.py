@@ -24,7 +24,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from edgeinfer import download
+from edgeinfer import download, model_names
 from edgeinfer.errors import DownloadError, ModelNotFoundError
 
 DEFAULT_QUANT = "Q4_K_M"
@@ -184,6 +184,9 @@ def _resolve(name: str, *, allow_download: bool, progress: bool, refresh: bool) 
             return embedded_path(entry)
         return _fetch_file(entry.repo, entry.file, name, allow_download=allow_download,
                            progress=progress, refresh=refresh)
+    named = model_names.lookup(name)
+    if named is not None:
+        return _named_path(named)
     path = Path(name).expanduser()
     if path.is_file():
         return path.resolve()
@@ -192,6 +195,27 @@ def _resolve(name: str, *, allow_download: bool, progress: bool, refresh: bool) 
     if name.lower().endswith(".gguf") or "/" in name or "\\" in name:
         raise ModelNotFoundError(f"no such file: {name}")
     raise ModelNotFoundError(_unknown_name_message(name))
+
+
+def resolve_stored(name: str) -> Path | None:
+    """The local file a store name means (alias, hf.co reference, or a name made by copy or
+    create), None if it is not on this machine. Never reads `name` as a path, never downloads:
+    this is how the server looks up names that arrive in requests."""
+    name = name.strip()
+    try:
+        if parse_hf_ref(name) is None and _alias(name) is None:
+            named = model_names.lookup(name)
+            return _named_path(named) if named is not None else None
+        return _resolve(name, allow_download=False, progress=False, refresh=False)
+    except (ModelNotFoundError, DownloadError):
+        return None
+
+
+def _named_path(named) -> Path:
+    path = Path(named.path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"model {named.name!r} points at {path}, which is gone")
+    return path
 
 
 def _unknown_name_message(name: str) -> str:
@@ -340,6 +364,12 @@ def list_local() -> list[LocalModel]:
         name = _display_name(repo.repo_id, rel, by_repo[repo.repo_id])
         models.append(LocalModel(name, f.file_path, f.size_on_disk, datetime.fromtimestamp(f.blob_last_modified)))
     models.extend(_embedded_local())
+    for named in model_names.all_names():  # names made by /api/copy and /api/create
+        try:
+            st = Path(named.path).stat()
+        except OSError:
+            continue
+        models.append(LocalModel(named.name, Path(named.path), st.st_size, datetime.fromtimestamp(named.modified)))
     return sorted(models, key=lambda m: m.name)
 
 
@@ -347,6 +377,9 @@ def remove(name: str) -> list[Path]:
     """Delete the cached files of model `name`; returns the paths removed."""
     name = name.strip()
     target = _store_target(name)
+    if target is None and model_names.lookup(name) is not None:
+        model_names.delete(name)  # only the name: the file may be another model's or the user's own
+        return []
     if target is None:
         raise ModelNotFoundError(_not_local_message(name))
     if target == "embedded":

@@ -19,9 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
-from edgeinfer.server import llama_api, ollama_api, openai_api
+from edgeinfer.server import llama_api, models_api, ollama_api, openai_api
 from edgeinfer.server.access_log import AccessLogMiddleware
 from edgeinfer.server.errors import APIError, error_body, error_response
+from edgeinfer.server.model_gate import ModelGate
 from edgeinfer.server.security import SecurityMiddleware
 from edgeinfer.server.state import ServerConfig, ServerState
 
@@ -29,55 +30,9 @@ __all__ = ["ServerConfig", "create_app"]
 
 log = logging.getLogger("edgeinfer.server")
 
-# Paths that answer without the model: they neither load it again nor hold it loaded.
-NO_MODEL_PATHS = frozenset({"/health", "/metrics", "/", "/api/version", "/api/ps"})
-# Paths that read keep_alive first and then call `ensure_model` themselves: an Ollama
-# unload request must not load an unloaded model just to drop it.
-SELF_LOADING_PATHS = frozenset({"/api/generate", "/api/chat"})
-
-
-class ModelGate:
-    """Pure ASGI middleware around the endpoints that use the model: holds the model
-    loaded for the whole request (a stream included), loads it again if keep_alive
-    unloaded it, and lets the keep-alive clock start once the answer is out."""
-
-    def __init__(self, app, state: ServerState, paths: set[str]) -> None:
-        self.app, self.state, self.paths = app, state, paths
-
-    async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or path not in self.paths:
-            await self.app(scope, receive, send)
-            return
-        state = self.state
-        state.acquire()
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                state.release()
-
-        async def send_and_release(message) -> None:
-            # release before the last byte goes out: a client that has its answer (say to
-            # keep_alive 0) and asks /api/ps next must already see the model gone
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                release()
-            await send(message)
-
-        try:
-            needs_load = path not in SELF_LOADING_PATHS and not (
-                path == "/api/tags" and state.file_info is not None)
-            if needs_load and state.unloaded:
-                try:
-                    await state.ensure_model()
-                except APIError as exc:
-                    await error_response(path, exc)(scope, receive, send_and_release)
-                    return
-            await self.app(scope, receive, send_and_release)
-        finally:
-            release()
+# Paths that answer without loading a model: they neither load it again nor hold it loaded.
+NO_MODEL_PATHS = frozenset({"/health", "/metrics", "/", "/api/version", "/api/ps", "/api/tags", "/v1/models",
+                            "/api/pull", "/api/delete", "/api/copy", "/api/create"})
 
 
 def create_app(config: ServerConfig, model=None, loader: Callable[[], Any] | None = None) -> FastAPI:
@@ -134,13 +89,12 @@ def create_app(config: ServerConfig, model=None, loader: Callable[[], Any] | Non
     async def root() -> PlainTextResponse:
         return PlainTextResponse("edgeinfer is running")
 
-    app.include_router(openai_api.router)
-    app.include_router(ollama_api.router)
-    app.include_router(llama_api.router)
+    routers = (models_api.router, openai_api.router, ollama_api.router, llama_api.router)
+    for router in routers:  # models_api first: its model listings answer for every dialect
+        app.include_router(router)
 
     # bounded label values for the request counter: the paths we serve, else "other"
-    known = {getattr(r, "path", None) for router in (app.router, openai_api.router, ollama_api.router,
-                                                      llama_api.router) for r in router.routes} - {None}
+    known = {getattr(r, "path", None) for router in (app.router, *routers) for r in router.routes} - {None}
 
     def count(path: str, status: int) -> None:
         state.metrics.requests.labels(endpoint=path if path in known else "other", status=str(status)).inc()
@@ -148,7 +102,7 @@ def create_app(config: ServerConfig, model=None, loader: Callable[[], Any] | Non
     app.add_middleware(ModelGate, state=state, paths=known - NO_MODEL_PATHS)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
-                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])
+                           allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"])
     app.add_middleware(SecurityMiddleware, allowed_hosts=config.allowed_hosts, api_key=config.api_key,
                        cors_origins=config.cors_origins, max_body_bytes=config.max_body_bytes,
                        on_response=count)

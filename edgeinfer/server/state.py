@@ -1,14 +1,18 @@
-"""What every endpoint shares: the server's configuration and state (the model, the worker,
-the metrics, and the model's keep-alive).
+"""What every endpoint shares: the server's configuration and state (the models, the worker,
+the metrics, and each model's keep-alive).
 
-The state exists before the model does: `set_model` hands it over once loaded. After that
-the model may be unloaded (Ollama's `keep_alive`) and `ensure_model` loads it again.
+The state exists before the model does: `set_model` hands the served model over once loaded.
+After that it may be unloaded (Ollama's `keep_alive`) and `ensure_model` loads it again. A
+request naming another local model gets it loaded in its own slot (slots.py); the model a
+request uses is its slot's, set by the model gate for the request (`use_slot`), the served
+model's otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import threading
 import time
@@ -23,6 +27,7 @@ from edgeinfer.results import GenerationChunk
 from edgeinfer.server.errors import APIError
 from edgeinfer.server.keep_alive import FOREVER, parse_duration
 from edgeinfer.server.metrics import Metrics
+from edgeinfer.server.slots import Slot, current_slot
 from edgeinfer.server.worker import Job, QueueFullError, Worker
 
 log = logging.getLogger("edgeinfer.server")
@@ -41,61 +46,111 @@ class ServerConfig:
     max_body_bytes: int = 2 << 20
     sampling: dict[str, Any] = field(default_factory=dict)  # server-wide defaults (CLI flags)
     keep_alive_s: float = FOREVER           # idle seconds before the model is unloaded; <0 never
+    max_models: int = 1                     # models resident at once (least recently used goes)
+    bind_host: str = "127.0.0.1"            # where the server listens (store changes need loopback or a key)
+    load_wait_s: float = 60.0               # how long a request waits for its model to load, else 503
+    model_options: dict[str, Any] = field(default_factory=dict)  # edgeinfer.load keywords for other models
+
+    @property
+    def exposed(self) -> bool:
+        """Listening beyond loopback."""
+        import ipaddress
+
+        host = self.bind_host.strip("[]")
+        if host == "localhost":
+            return False
+        try:
+            return not ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return True
 
 
 class ServerState:
-    """What the endpoints share: the model (None while loading or unloaded), the worker,
-    the metrics, and the model's keep-alive (who uses it, when it goes)."""
+    """What the endpoints share: the model slots (the served one first), the worker, the
+    metrics. `model`, `file_info`, `keep_alive_s` and the keep-alive methods act on the
+    request's slot (`slot`)."""
 
     def __init__(self, config: ServerConfig, loader: Callable[[], Any] | None = None) -> None:
         self.config = config
-        self.model = None
-        self.loader = loader  # loads the model again after an unload (serve.py's edgeinfer.load)
+        self.default = Slot(config.model_name, loader)
+        self.default.keep_alive_s = config.keep_alive_s
+        self.slots: list[Slot] = [self.default]
         self.load_error: str | None = None
-        self.keep_alive_s = config.keep_alive_s  # this request's (the last one's) keep_alive
-        self.reloading = False
-        self._uses = 0                            # requests in flight that need the model
-        self._expiry: asyncio.TimerHandle | None = None
-        self._expires_at: float | None = None     # wall-clock unload time while idle
-        self._load_lock = asyncio.Lock()
         self.metrics = Metrics()
         self.worker = Worker(config.max_queue, on_job_done=lambda job, _s: self.metrics.record_generation(job.last))
         self.metrics.bind(queue_depth=lambda: self.worker.queue_depth,
                           running=lambda: 1 if self.worker.busy else 0,
                           kv_used=self._kv_used, kv_capacity=self._kv_capacity)
-        self.loaded = threading.Event()
-        self.file_info = None            # the model file's facts, read once (ollama_api.model_info)
         self.tokenizer_limiter = None    # threads for tokenizer endpoints (llama_api), made in the loop
+        self.file_facts: dict[tuple, Any] = {}  # (path, size, mtime) -> model_info.describe(...)
 
-    def set_model(self, model) -> None:
-        self.model = model
-        if self.loader is None:  # no way to load it again: an unload only forgets it
-            self.loader = lambda: model
-        self.loaded.set()
+    # -- the request's slot -------------------------------------------------------------------
+    @property
+    def slot(self) -> Slot:
+        return current_slot.get() or self.default
 
-    # -- keep-alive ---------------------------------------------------------------------------
+    @property
+    def model(self):
+        return self.slot.model
+
+    @model.setter
+    def model(self, value) -> None:
+        self.slot.model = value
+
+    @property
+    def file_info(self):
+        return self.slot.file_info
+
+    @file_info.setter
+    def file_info(self, value) -> None:
+        self.slot.file_info = value
+
+    @property
+    def keep_alive_s(self) -> float:
+        return self.slot.keep_alive_s
+
+    @keep_alive_s.setter
+    def keep_alive_s(self, value: float) -> None:
+        self.slot.keep_alive_s = value
+
+    @property
+    def loader(self):
+        return self.default.loader
+
+    @property
+    def loaded(self) -> threading.Event:
+        return self.default.loaded
+
+    @property
+    def reloading(self) -> bool:
+        return self.slot.loading is not None
+
     @property
     def unloaded(self) -> bool:
-        """Loaded once and unloaded since (keep_alive), as opposed to still loading."""
-        return self.model is None and self.loaded.is_set()
+        """Loaded once and unloaded since (keep_alive, or replaced), as opposed to still loading."""
+        return self.slot.unloaded
 
+    def set_model(self, model) -> None:
+        """The served model, loaded (serve.py's thread, or given to create_app)."""
+        slot = self.default
+        slot.model = model
+        if slot.loader is None:  # no way to load it again: an unload only forgets it
+            slot.loader = lambda: model
+        slot.path = str(getattr(model, "path", "") or "")
+        slot.last_used = time.monotonic()
+        slot.loaded.set()
+
+    def resident(self) -> list[Slot]:
+        return [s for s in self.slots if s.model is not None]
+
+    # -- keep-alive -----------------------------------------------------------------------------
     def acquire(self) -> None:
         """A request that needs the model starts: no unloading until it ends."""
-        self._uses += 1
-        self.keep_alive_s = self.config.keep_alive_s  # Ollama: a request without keep_alive gets the default
-        self._cancel_expiry()
+        self.slot.acquire(self.config.keep_alive_s)
 
     def release(self) -> None:
         """A request ends; the last one out starts the keep-alive clock."""
-        self._uses -= 1
-        if self._uses > 0 or self.model is None:
-            return
-        keep = self.keep_alive_s
-        if keep == 0:
-            self.unload()
-        elif keep > 0:
-            self._expiry = asyncio.get_running_loop().call_later(keep, self._expire)
-            self._expires_at = time.time() + keep
+        self.slot.release()
 
     def apply_keep_alive(self, value) -> float | None:
         """A request's keep_alive (None: the server default) checked and made the model's;
@@ -106,53 +161,118 @@ class ServerState:
             seconds = parse_duration(value)
         except ValueError as exc:
             raise APIError(400, f"invalid keep_alive: {exc}", param="keep_alive") from None
-        self.keep_alive_s = seconds
+        self.slot.keep_alive_s = seconds
         return seconds
 
     def expires_at(self) -> float | None:
-        """When the loaded model will be unloaded (wall clock), None for never."""
-        if self._expires_at is not None:
-            return self._expires_at
-        return None if self.keep_alive_s < 0 else time.time() + self.keep_alive_s
-
-    def _cancel_expiry(self) -> None:
-        if self._expiry is not None:
-            self._expiry.cancel()
-        self._expiry = self._expires_at = None
-
-    def _expire(self) -> None:
-        self._expiry = self._expires_at = None
-        if self._uses == 0:
-            self.unload()
+        """When the request's model will be unloaded (wall clock), None for never."""
+        return self.slot.expires_at()
 
     def unload(self) -> None:
-        """Drop the model (the worker is idle: the last request using it has ended), so its
-        weights and mmap can go; the next request that needs it loads it again."""
-        self._cancel_expiry()
-        if self.model is None:
-            return
-        log.info("unloading %s (keep_alive)", self.config.model_name)
-        self.model = None
-        gc.collect()  # the model's KV pool and caches may sit in reference cycles
+        self.slot.unload()
 
+    # -- loading --------------------------------------------------------------------------------
     async def ensure_model(self):
-        """The model, loaded again (off the event loop, once for all waiters) if it was unloaded."""
-        if not self.unloaded or self.loader is None:
-            return self.require_model()
-        async with self._load_lock:
-            if self.model is None:
-                self.reloading = True
-                try:
-                    model = await anyio.to_thread.run_sync(self.loader)
-                except EdgeInferError as exc:
-                    raise APIError(503, f"failed to load the model again: {exc}") from None
-                except Exception as exc:  # noqa: BLE001 - the file changed under us, memory ran out...
-                    log.error("reloading the model failed", exc_info=exc)
-                    raise APIError(503, f"failed to load the model again: {type(exc).__name__}: {exc}") from None
-                finally:
-                    self.reloading = False
-                self.model = model
+        """The request's model, loaded (off the event loop, once for all waiters) if it is not
+        resident; other models make room for it (least recently used first)."""
+        slot = self.slot
+        if slot.model is not None or slot.loader is None or not (slot.loaded.is_set() or slot is not self.default):
+            return self.require_model()  # resident, or the served model's first load is under way
+        if slot.loading is None:
+            slot.loading = asyncio.ensure_future(self._load(slot))
+        try:
+            await asyncio.wait_for(asyncio.shield(slot.loading), self.config.load_wait_s)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"model {slot.name!r} is still loading; retry shortly",
+                           headers={"retry-after": "5"}) from None
         return self.require_model()
+
+    async def _load(self, slot: Slot) -> None:
+        try:
+            await self._make_room(slot)
+            again = "again " if slot is self.default else ""
+            log.info("loading %s", slot.name)
+            try:
+                model = await anyio.to_thread.run_sync(slot.loader)
+            except EdgeInferError as exc:
+                raise APIError(503, f"failed to load the model {again}({slot.name}): {exc}") from None
+            except Exception as exc:  # noqa: BLE001 - the file changed under us, memory ran out...
+                log.error("loading %s failed", slot.name, exc_info=exc)
+                raise APIError(503, f"failed to load the model {again}({slot.name}): "
+                                    f"{type(exc).__name__}: {exc}") from None
+            slot.model = model
+            slot.path = str(getattr(model, "path", "") or slot.path or "")
+            slot.last_used = time.monotonic()
+            slot.loaded.set()
+        finally:
+            slot.loading = None
+
+    async def _make_room(self, slot: Slot) -> None:
+        """Unload the least recently used idle models until `slot` fits in max_models; models
+        in use are waited for (bounded), then 503."""
+        deadline = time.monotonic() + self.config.load_wait_s
+        while True:
+            others = [s for s in self.slots if s is not slot and (s.model is not None or s.loading is not None)]
+            if len(others) < max(1, self.config.max_models):
+                return
+            idle = [s for s in others if s.model is not None and s.loading is None and s.uses == 0]
+            if idle:
+                victim = min(idle, key=lambda s: s.last_used)
+                log.info("unloading %s to load %s", victim.name, slot.name)
+                victim.unload()
+                continue
+            if time.monotonic() > deadline:
+                raise APIError(503, f"cannot load {slot.name!r} now: {', '.join(s.name for s in others)} "
+                                    "in use; retry shortly", headers={"retry-after": "5"})
+            await asyncio.sleep(0.05)
+
+    # -- other local models ---------------------------------------------------------------------
+    def find_slot(self, name: str | None) -> Slot | None:
+        """The slot a request's model name means among those known, without touching the disk."""
+        if name is None or name in MODEL_ALIASES:
+            return self.default
+        for slot in self.slots:
+            if name in self.names_of(slot):
+                return slot
+        return None
+
+    def slot_for_file(self, name: str, path, named=None) -> Slot:
+        """The slot serving local model `name` (file `path`, made by copy/create when `named`):
+        an existing slot with the same file and settings answers to the name too."""
+        from edgeinfer.server.slots import model_loader
+
+        settings = _settings(named)
+        for slot in self.slots:
+            if slot.path and slot.path == str(path) and slot.settings == settings:
+                slot.aliases.add(name)
+                return slot
+        slot = Slot(name, model_loader(path, self.config.model_options, named), path=str(path), named=named)
+        slot.settings = settings
+        slot.keep_alive_s = self.config.keep_alive_s
+        self.slots.append(slot)
+        return slot
+
+    def forget(self, name: str) -> None:
+        """A deleted model: its slot goes (unloaded when idle), or the name leaves a shared slot."""
+        for slot in list(self.slots):
+            if slot is self.default:
+                continue
+            if name in slot.aliases:
+                slot.aliases.discard(name)
+            elif slot.name == name or slot.name + ":latest" == name:
+                if slot.uses == 0:
+                    slot.unload()
+                    self.slots.remove(slot)
+
+    def names_of(self, slot: Slot) -> set[str]:
+        names = {slot.name, slot.name + ":latest"} | slot.aliases | {a + ":latest" for a in slot.aliases}
+        if slot is self.default and slot.model is not None:
+            p = Path(str(slot.model.path))
+            names |= {p.name, p.stem, p.stem + ":latest"}
+        return names
+
+    def display_name(self, slot: Slot | None = None) -> str:
+        return (slot or self.slot).name
 
     def _kv_stats(self) -> dict:
         sessions = getattr(self.model, "sessions", None)
@@ -175,24 +295,21 @@ class ServerState:
         return self.model
 
     def model_names(self) -> set[str]:
-        names = {self.config.model_name, self.config.model_name + ":latest"}
-        if self.model is not None:
-            p = Path(str(self.model.path))
-            names |= {p.name, p.stem, p.stem + ":latest"}
-        return names
+        return self.names_of(self.slot)
 
     def check_model_name(self, name: str | None) -> None:
-        """Requests name the model; the loaded one (or "default"/empty) is the only one here."""
+        """Requests name the model: the request's slot (the served one for "default"/empty)."""
         if name is None or name in MODEL_ALIASES or name in self.model_names():
             return
-        raise APIError(404, f"model {name!r} not found; this server runs {self.config.model_name!r}",
-                       param="model", code="model_not_found")
+        raise APIError(404, f"model {name!r} not found; this server runs {self.config.model_name!r} "
+                            "and the models in its local store", param="model", code="model_not_found")
 
     def sampling(self, **request_values: Any) -> dict[str, Any]:
         """Server defaults overridden by the request's non-None values, checked."""
         from edgeinfer.sampling import SamplingParams  # (numpy: loaded on the first request, not at start-up)
 
         params = dict(self.config.sampling)
+        params.update(self.slot.sampling)  # a created model's PARAMETER lines
         params.update({k: v for k, v in request_values.items() if v is not None})
         try:
             SamplingParams(**params).validate()
@@ -214,3 +331,11 @@ class ServerState:
         if self.config.timeout_s:
             job.timer = loop.call_later(self.config.timeout_s, job.cancel_job, True)
         return job
+
+
+def _settings(named) -> str:
+    """What besides the file makes a loaded model differ: a created model's template, system
+    prompt and parameters."""
+    if named is None:
+        return ""
+    return json.dumps([named.template, named.system, named.parameters], sort_keys=True)
