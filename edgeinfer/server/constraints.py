@@ -1,0 +1,174 @@
+"""Request fields that shape an answer, read into Model keywords: structured output, tools, thinking.
+
+Every dialect's way of asking for constrained output ends here as one compiled
+`edgeinfer.grammar.Constraint` (built in the endpoint, so a bad schema or grammar is a
+400 naming the field before anything runs):
+
+- OpenAI `response_format`: {"type": "text"}, {"type": "json_object"} (any JSON object),
+  {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
+- Ollama `format`: "json" or a JSON schema;
+- llama-server `grammar` (GBNF), `json_schema`, and `response_format` as OpenAI's.
+
+Tools (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`; Ollama's `tools`) are
+checked here and handed to `Model.chat`, which renders them through the model's template
+and constrains the calls (edgeinfer.tool_calls). Thinking: Ollama's `think`, or a
+`/think` / `/no_think` in the last user message, sets the template's `enable_thinking`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from edgeinfer.errors import EdgeInferError
+from edgeinfer.server.errors import APIError
+
+
+def _bad(field: str, exc: Exception | str) -> APIError:
+    return APIError(400, f"invalid field {field!r}: {exc}", param=field)
+
+
+def compile_constraint(field: str, **request: Any):
+    """`edgeinfer.grammar.from_request(**request)`, its GrammarError a 400 naming `field`."""
+    from edgeinfer import grammar
+
+    try:
+        return grammar.from_request(**request)
+    except EdgeInferError as exc:
+        raise _bad(field, exc) from None
+
+
+def response_format(rf: Any, field: str = "response_format"):
+    """The Constraint for OpenAI's `response_format` (a ResponseFormat or its dict), or None."""
+    if rf is None:
+        return None
+    if not isinstance(rf, Mapping):
+        rf = rf.model_dump(exclude_none=True)
+    kind = rf.get("type", "text")
+    if kind == "text":
+        if rf.get("json_schema") is not None:
+            raise _bad(field, "json_schema is only read with type 'json_schema'")
+        return None
+    if kind == "json_object":
+        return compile_constraint(field, json=True)
+    if kind != "json_schema":
+        raise _bad(field, f"type {kind!r} is not supported (text, json_object or json_schema)")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise _bad(field + ".json_schema", "it must be an object with a 'schema'")
+    if "schema" not in spec:
+        # llama-server also takes the schema itself here
+        schema = {k: v for k, v in spec.items() if k not in ("name", "strict", "description")}
+        if not schema:
+            raise _bad(field + ".json_schema", "it has no 'schema'")
+    else:
+        schema = spec["schema"]
+    return compile_constraint(field + ".json_schema", json_schema=schema)
+
+
+def ollama_format(fmt: Any, field: str = "format"):
+    """The Constraint for Ollama's `format`: "json", a JSON schema (object), or nothing."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return compile_constraint(field, json=True)
+    if isinstance(fmt, Mapping):
+        return compile_constraint(field, json_schema=dict(fmt))
+    raise _bad(field, f'expected "json" or a JSON schema object, got {fmt!r}')
+
+
+def llama_constraint(grammar: str | None, json_schema: Any, rf: Any):
+    """llama-server's `grammar`, `json_schema` and `response_format`: at most one."""
+    given = [n for n, v in (("grammar", grammar), ("json_schema", json_schema), ("response_format", rf))
+             if v is not None and not (n == "response_format" and _is_text(rf))]
+    if len(given) > 1:
+        raise _bad(given[1], f"give only one of grammar, json_schema and response_format (got {', '.join(given)})")
+    if grammar is not None:
+        return compile_constraint("grammar", grammar=grammar)
+    if json_schema is not None:
+        return compile_constraint("json_schema", json_schema=json_schema)
+    return response_format(rf)
+
+
+def _is_text(rf: Any) -> bool:
+    kind = rf.get("type", "text") if isinstance(rf, Mapping) else getattr(rf, "type", "text")
+    return kind == "text"
+
+
+def add_constraint(params: dict, constraint) -> dict:
+    """`params` with the constraint for the Model call (the shown settings keep its kind only)."""
+    if constraint is None:
+        return params
+    return {**params, "constraint": constraint}
+
+
+# -- tools ------------------------------------------------------------------------------------
+
+def tool_keywords(model, tools: list | None, tool_choice: Any = None,
+                  parallel_tool_calls: bool | None = None) -> dict:
+    """Model.chat keywords for a request's tools, checked: a 400 naming the field for a bad
+    tool or choice, or for a model whose template cannot take tools."""
+    from edgeinfer.tool_calls import ToolCallError, normalize_tools, select_tools
+
+    try:
+        normalized = normalize_tools(tools)
+    except ToolCallError as exc:
+        raise _bad("tools", exc) from None
+    if tool_choice is not None and not normalized and tool_choice != "none":
+        raise _bad("tool_choice", "it needs tools")
+    if not normalized:
+        return {}
+    try:
+        mode, _ = select_tools(normalized, tool_choice)
+    except ToolCallError as exc:
+        raise _bad("tool_choice", exc) from None
+    if not model.supports_tools:
+        raise _bad("tools", "this model does not support tools (its chat template does not render them)")
+    out: dict = {"tools": normalized}
+    if tool_choice is not None:
+        out["tool_choice"] = tool_choice
+    if parallel_tool_calls is not None:
+        out["parallel_tool_calls"] = parallel_tool_calls
+    if mode == "none":
+        out["tool_choice"] = "none"
+    return out
+
+
+# -- thinking ---------------------------------------------------------------------------------
+
+def thinks(model) -> bool:
+    """Whether the model's template writes `<think>` blocks (Qwen 3, DeepSeek R1, QwQ...)."""
+    source = getattr(getattr(model, "template", None), "source", "") or ""
+    return "<think>" in source or "enable_thinking" in source
+
+
+def thinking_switch(messages: list[dict], think: bool | None) -> bool | None:
+    """The template's `enable_thinking`: the request's own choice, else a `/no_think` or
+    `/think` at the end of the last user message (Qwen 3's soft switch), else None."""
+    if think is not None:
+        return think
+    for m in reversed(messages):
+        if m.get("role") == "user":
+            text = m.get("content") if isinstance(m.get("content"), str) else ""
+            tail = text.rstrip()
+            if tail.endswith("/no_think"):
+                return False
+            if tail.endswith("/think"):
+                return True
+            return None
+    return None
+
+
+def ollama_think(model, think: Any, raw: bool = False) -> bool | None:
+    """Ollama's `think`: true or false (a 400 for levels, and true for a model that does not
+    think); false for such a model asks for nothing."""
+    if think is None:
+        return None
+    if isinstance(think, str):
+        raise _bad("think", f"thinking levels ({think!r}) are not supported; use true or false")
+    if not thinks(model):
+        if think:
+            raise _bad("think", "this model does not support thinking")
+        return None
+    if raw and think:
+        raise _bad("think", "it needs the chat template (raw is true)")
+    return None if raw else think
