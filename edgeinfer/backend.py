@@ -125,6 +125,34 @@ class Backend:
         y = np.where(gate >= 10.0, gate, np.where(gate <= -10.0, np.float32(0.0), g)) * up
         return y.astype(np.float32)
 
+    def layer_norm(self, x: np.ndarray, weight: str, bias: str | None, eps: float) -> np.ndarray:
+        """LayerNorm over the last axis (encoders: BERT), times the weight plus the bias;
+        ggml_norm's order: mean and variance summed in double, 1/sqrt in float32."""
+        x64 = x.astype(np.float64)
+        centred = (x64 - x64.mean(axis=-1, keepdims=True)).astype(np.float32)
+        var = np.square(centred.astype(np.float64)).mean(axis=-1, keepdims=True).astype(np.float32)
+        out = centred * (np.float32(1.0) / np.sqrt(var + np.float32(eps)))
+        out = out * self.vector(weight)
+        return out + self.vector(bias) if bias is not None else out
+
+    def gelu(self, x: np.ndarray) -> np.ndarray:
+        """GELU (tanh approximation) as ggml's CPU gelu: the F16 table of `gelu_mul`."""
+        x = np.asarray(x, np.float32)
+        return Backend.gelu_mul(self, x, np.ones_like(x))
+
+    def attention_full(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+        """Non-causal attention of one sequence (encoders): every query sees every key.
+        q: (n, n_head, hd), k/v: (n, n_kv, hd|hd_v) -> (n, n_head, hd_v); softmax in double."""
+        n, n_head, hd = q.shape
+        n_kv = k.shape[1]
+        qg = q.astype(np.float64).reshape(n, n_kv, n_head // n_kv, hd)
+        scores = np.einsum("tkgd,skd->kgts", qg, k.astype(np.float64)) * scale
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        out = np.einsum("kgts,skd->tkgd", p, v.astype(np.float64))
+        return out.reshape(n, n_head, -1).astype(np.float32)
+
     def rope(self, x: np.ndarray, positions: np.ndarray, n_dims: int, base: float,
              freq_scale: float, mode: str, freq_factors: str | None) -> np.ndarray:
         """Rotary embedding of the first n_dims of each head; x: (n, heads, head_dim).

@@ -77,7 +77,7 @@ class Engine:
         the first request. Nothing happens when they are cached. Returns kernels compiled."""
         from edgeinfer.backend_cpu import CpuBackend
 
-        if not isinstance(self.backend, CpuBackend) or self.n_ctx < 3:
+        if not isinstance(self.backend, CpuBackend) or self.n_ctx < 3 or not self.model.GENERATES:
             return 0  # the reference backend compiles nothing; GPU plans keep their own warm-up
         from edgeinfer.kernels_cpu import compile_progress
 

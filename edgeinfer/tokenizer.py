@@ -27,6 +27,7 @@ from edgeinfer.errors import TokenizerError
 from edgeinfer.metadata import meta_bool, meta_float_array, meta_int, meta_int_array, meta_str, meta_str_array
 from edgeinfer.tokenizer_bpe import CHAR_TO_BYTE, BPEFast, BPEReference, pre_tokenizer_for
 from edgeinfer.tokenizer_spm import SPMSession
+from edgeinfer.tokenizer_wpm import WordPiece
 
 __all__ = ["Tokenizer", "StreamDecoder", "load_tokenizer", "TokenAttr"]
 
@@ -189,12 +190,19 @@ class Tokenizer:
                 self._bpe_fast: BPEFast | None = BPEFast(list(tokens), list(merges), spec)
             except Exception:  # noqa: BLE001 - a vocabulary HF rejects still works, slower
                 self._bpe_fast = None
+        elif model == "bert":  # WordPiece: [CLS] text [SEP]
+            self.add_bos, self.add_eos = True, False
+            self.add_space_prefix, self.clean_spaces = False, False
+            defaults = {"bos_id": 101, "unk_id": 100, "sep_id": 102, "pad_id": 0, "mask_id": 103}
+            self._spm = self._bpe_ref = self._bpe_fast = None
         else:
             raise TokenizerError(f"unsupported tokenizer model tokenizer.ggml.model={model!r} "
-                                 f"(edgeinfer supports 'llama' and 'gpt2')")
+                                 f"(edgeinfer supports 'llama', 'gpt2' and 'bert')")
+        self.add_sep = model == "bert" and flag("add_sep_token", True)
         self.add_bos = flag("add_bos_token", self.add_bos)
         self.add_eos = flag("add_eos_token", self.add_eos)
         self._init_special_ids(defaults, meta)
+        self._wpm = WordPiece(self._id_of, self.unk_id) if model == "bert" else None
         self._init_eog()
         self._special_order = sorted(
             (i for i in range(n) if self._attrs[i] & (TokenAttr.CONTROL | TokenAttr.USER_DEFINED
@@ -329,7 +337,19 @@ class Tokenizer:
                 if cancel.is_set():
                     raise TokenizerError("tokenizing stopped: the request was cancelled")
 
-        if self._spm is not None:
+        if self._wpm is not None:
+            if add_special and self.add_bos:
+                out.append(self._need(self.bos_id, "BOS"))
+            for frag in fragments:
+                if cancel is not None:
+                    check(frag)
+                if isinstance(frag, int):
+                    out.append(frag)
+                else:
+                    self._wpm.encode(frag, out)
+            if add_special and self.add_sep:
+                out.append(self._need(self.sep_id, "SEP"))
+        elif self._spm is not None:
             if add_special and self.add_bos:
                 out.append(self._need(self.bos_id, "BOS"))
             prev_special = True
@@ -443,7 +463,7 @@ class Tokenizer:
         if attr & (TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED):
             return text
         if attr & TokenAttr.NORMAL:
-            if self.model == "llama":
+            if self.model in ("llama", "bert"):
                 return text.replace(_ESCAPED_SPACE, _SPACE)
             return _decode_byte_level(text)
         if attr & TokenAttr.BYTE:

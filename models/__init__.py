@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from edgeinfer.models.base import ModelConfig, Transformer
+from edgeinfer.models.bert import Bert
 from edgeinfer.models.gemma3 import Gemma3
 from edgeinfer.models.llama import Llama
+from edgeinfer.models.nomic_bert import NomicBert
 from edgeinfer.models.qwen2 import Qwen2
 from edgeinfer.models.qwen3 import Qwen3
 
@@ -13,6 +15,8 @@ ARCHITECTURES: dict[str, type[Transformer]] = {
     "qwen2": Qwen2,
     "qwen3": Qwen3,
     "gemma3": Gemma3,
+    "bert": Bert,
+    "nomic-bert": NomicBert,
 }
 # Architectures that are the same graph under another name (mlx-lm keeps the same remap).
 ALIASES = {"mistral": "llama"}

@@ -87,6 +87,7 @@ class Transformer:
     ROPE_MODE: ClassVar[str] = ROPE_NORM
     DEFAULT_NORM_EPS: ClassVar[float] = 1e-5
     DEFAULT_ROPE_BASE: ClassVar[float] = 10000.0
+    GENERATES: ClassVar[bool] = True  # False for encoders: they only embed
 
     def __init__(self, config: ModelConfig, gguf: "GGUFFile", backend: "Backend") -> None:
         self.config = config
@@ -223,6 +224,19 @@ class Transformer:
         if logits_for is None:
             logits_for = np.array([len(tokens) - 1])
         be = self.backend
+        x = self.hidden(tokens, positions, kv, logits_for)
+        head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+        logits = be.linear(head, x)
+        if cfg.final_logit_softcap:
+            cap = np.float32(cfg.final_logit_softcap)
+            logits = np.tanh(logits / cap) * cap
+        return logits
+
+    def hidden(self, tokens: np.ndarray, positions: np.ndarray, kv: "KVView",
+               rows: np.ndarray) -> np.ndarray:
+        """The final normed hidden states (len(rows), n_embd) of the given rows: what the
+        output head reads, and what embeddings pool (llama.cpp's `t_embd`)."""
+        cfg, be = self.config, self.backend
         x = be.get_rows("token_embd.weight", tokens)
         if cfg.embed_scale != 1.0:
             x *= np.float32(cfg.embed_scale)
@@ -231,14 +245,7 @@ class Transformer:
             be.at_layer(i)
             x = self.layer(i, x, positions, slots, kv)
         be.at_layer(None)
-        x = x[logits_for]
-        x = be.rms_norm(x, "output_norm.weight", cfg.norm_eps)
-        head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-        logits = be.linear(head, x)
-        if cfg.final_logit_softcap:
-            cap = np.float32(cfg.final_logit_softcap)
-            logits = np.tanh(logits / cap) * cap
-        return logits
+        return be.rms_norm(x[rows], "output_norm.weight", cfg.norm_eps)
 
     def layer(self, i: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray,
               kv: "KVView") -> np.ndarray:

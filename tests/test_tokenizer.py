@@ -231,7 +231,7 @@ def test_tiny_vocabularies_from_factory(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"tokenizer.ggml.pre": "made-up"}, "unsupported pre-tokenizer tokenizer.ggml.pre='made-up'"),
-    ({"tokenizer.ggml.model": "bert"}, "unsupported tokenizer model"),
+    ({"tokenizer.ggml.model": "rwkv"}, "unsupported tokenizer model"),
     ({"tokenizer.ggml.tokens": None}, "has no tokenizer"),
     ({"tokenizer.ggml.merges": None}, "without tokenizer.ggml.merges"),
     ({"tokenizer.ggml.token_type": [1]}, "token_type has 1 entries"),
