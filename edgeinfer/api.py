@@ -188,6 +188,15 @@ class Model:
         n_keep = params.pop("n_keep", None)
         return self.sessions.generate(ids, _sampling(params), cancel, context_shift=shift, n_keep=n_keep)
 
+    def embed(self, inputs, *, truncate: bool = False, dimensions: int | None = None,
+              normalize: bool = True) -> list[list[float]]:
+        """Embedding vectors of texts (or token ids), pooled as the file says and L2-normalised
+        (edgeinfer.embedding); an input past the context is an error unless `truncate`."""
+        from edgeinfer.embedding import embed
+
+        return embed(self, inputs, truncate=truncate, dimensions=dimensions,
+                     normalize=2 if normalize else -1).vectors
+
     def stats(self) -> dict:
         """KV pool and prefix-cache figures (blocks used/free/cached, hit rates)."""
         return self.sessions.stats()

@@ -1,0 +1,178 @@
+"""Embeddings: texts or token ids -> pooled, normalised vectors, as llama.cpp computes them.
+
+Pooling follows the file's `{arch}.pooling_type` (llama.cpp's enum: 0 none, 1 mean, 2 cls,
+3 last, 4 rank) over the final hidden state: an encoder's last block (`bert`, `nomic-bert`),
+a decoder's normed output (`t_embd`). A file that declares no pooling (a generation model)
+takes its last token, the state Ollama returns for such models. Vectors are L2-normalised
+by default (llama-server's `embd_normalize` 2; `normalize_vector` has its other modes).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from edgeinfer.errors import ContextOverflowError, EdgeInferError
+from edgeinfer.metadata import meta_int
+
+if TYPE_CHECKING:
+    from edgeinfer.api import Model
+
+POOLING_NONE, POOLING_MEAN, POOLING_CLS, POOLING_LAST, POOLING_RANK = range(5)
+POOLING_NAMES = {POOLING_NONE: "none", POOLING_MEAN: "mean", POOLING_CLS: "cls",
+                 POOLING_LAST: "last", POOLING_RANK: "rank"}
+BATCH_TOKENS = 512  # encoder tokens per forward pass: several short inputs share one
+
+
+@dataclass
+class Embeddings:
+    vectors: list[list[float]]
+    token_counts: list[int]  # tokens each input was embedded from (after truncation)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.token_counts)
+
+
+def pooling_of(model: "Model") -> int:
+    """The pooling this model's embeddings use (see the module docstring)."""
+    md = model.engine.model_file.gguf.metadata
+    declared = meta_int(md, f"{model.config.arch}.pooling_type", 0, 4, None)
+    if declared == POOLING_RANK:
+        raise EdgeInferError(f"{model.name}: rank pooling (a reranker) is not supported for embeddings")
+    if declared in (None, POOLING_NONE):
+        return POOLING_LAST if model.engine.model.GENERATES else POOLING_MEAN
+    return declared
+
+
+def normalize_vector(v: np.ndarray, mode: int = 2) -> np.ndarray:
+    """llama.cpp's common_embd_normalize: -1 none, 0 max-abs scaled to int16, 1 taxicab,
+    2 euclidean, p > 2 the p-norm."""
+    v = np.asarray(v, np.float32)
+    if mode < 0:
+        return v
+    if mode == 0:
+        total = float(np.abs(v).max(initial=0.0)) / 32760.0
+    elif mode == 2:
+        total = float(np.sqrt(np.sum(np.square(v.astype(np.float64)))))
+    else:
+        total = float(np.sum(np.abs(v.astype(np.float64)) ** mode) ** (1.0 / mode))
+    return (v * np.float32(1.0 / total if total > 0 else 0.0)).astype(np.float32)
+
+
+def embed(model: "Model", inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
+          truncate: bool = False, dimensions: int | None = None, normalize: int = 2,
+          cancel: threading.Event | None = None) -> Embeddings:
+    """Embed one input or a list of them: texts, one list of token ids, or lists of ids.
+
+    A longer input than the model takes is cut to its first tokens (keeping a final [SEP] /
+    EOS the tokenizer adds) with `truncate`, and otherwise is a ContextOverflowError.
+    `dimensions` keeps the first N values (Matryoshka models), normalised after the cut."""
+    items = _as_items(inputs)
+    n_embd = model.config.n_embd
+    if dimensions is not None and not 1 <= dimensions <= n_embd:
+        raise EdgeInferError(f"dimensions must be between 1 and {n_embd}, got {dimensions}")
+    limit = _max_tokens(model)
+    seqs = []
+    for k, item in enumerate(items):
+        ids = list(item) if not isinstance(item, str) else \
+            model.tokenizer.tokenize(item, add_special=True, parse_special=True, cancel=cancel)
+        if not ids:
+            raise EdgeInferError(f"input {k} is empty: nothing to embed")
+        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < model.config.n_vocab]
+        if bad:
+            raise EdgeInferError(f"input {k}: token id {bad[0]!r} is out of range 0..{model.config.n_vocab - 1}")
+        if len(ids) > limit:
+            if not truncate:
+                raise ContextOverflowError(f"input {k} has {len(ids)} tokens, more than the {limit} "
+                                           f"this model embeds at once (truncate to cut it)")
+            ids = _truncated(model, ids, limit)
+        seqs.append([int(t) for t in ids])
+    pooling = pooling_of(model)
+    with model._lock:  # one forward pass at a time, as generation
+        pooled = _run(model, seqs, pooling, cancel)
+    vectors = []
+    for v in pooled:
+        if dimensions is not None:
+            v = v[:dimensions]
+        vectors.append(normalize_vector(v, normalize).tolist())
+    return Embeddings(vectors, [len(s) for s in seqs])
+
+
+def _as_items(inputs) -> list:
+    if isinstance(inputs, str):
+        return [inputs]
+    items = list(inputs)
+    if items and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
+        return [items]  # one list of token ids
+    for k, item in enumerate(items):
+        if not isinstance(item, str) and not (isinstance(item, (list, tuple)) and
+                                              all(isinstance(t, (int, np.integer)) for t in item)):
+            raise EdgeInferError(f"input {k} must be a string or a list of token ids")
+    return items
+
+
+def _max_tokens(model: "Model") -> int:
+    family = model.engine.model
+    return family.max_tokens(model.n_ctx) if hasattr(family, "max_tokens") else model.n_ctx
+
+
+def _truncated(model: "Model", ids: list[int], limit: int) -> list[int]:
+    tok = model.tokenizer
+    closing = {t for t in (tok.sep_id if getattr(tok, "add_sep", False) else None,
+                           tok.eos_id if tok.add_eos else None) if t is not None}
+    if ids[-1] in closing and limit > 1:
+        return ids[:limit - 1] + [ids[-1]]
+    return ids[:limit]
+
+
+def _pool(hidden: np.ndarray, pooling: int) -> np.ndarray:
+    if pooling == POOLING_MEAN:
+        return hidden.astype(np.float64).mean(axis=0).astype(np.float32)
+    if pooling == POOLING_CLS:
+        return hidden[0]
+    return hidden[-1]
+
+
+def _run(model: "Model", seqs: list[list[int]], pooling: int,
+         cancel: threading.Event | None) -> list[np.ndarray]:
+    family = model.engine.model
+    out: list[np.ndarray] = []
+    if not family.GENERATES:  # encoders: several inputs share a pass, attention kept apart
+        batch: list[list[int]] = []
+
+        def flush() -> None:
+            if batch:
+                lens = [len(s) for s in batch]
+                hidden = family.encode(np.array([t for s in batch for t in s], np.int64), lens)
+                bounds = np.cumsum([0] + lens)
+                out.extend(_pool(hidden[a:b], pooling) for a, b in zip(bounds[:-1], bounds[1:]))
+                batch.clear()
+
+        for s in seqs:
+            if batch and sum(map(len, batch)) + len(s) > BATCH_TOKENS:
+                flush()
+            _check_cancel(cancel)
+            batch.append(s)
+        flush()
+        return out
+    engine = model.engine
+    for s in seqs:  # decoders: each input through a fresh cache, in prefill chunks
+        tokens = np.array(s, np.int64)
+        kv = engine.backend.new_cache(model.config, len(s))
+        cuts = engine.chunk_bounds(len(s))
+        rows = []
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            _check_cancel(cancel)
+            want = np.arange(hi - lo) if pooling != POOLING_LAST else np.array([hi - lo - 1])
+            rows.append(family.hidden(tokens[lo:hi], np.arange(lo, hi), kv, want))
+        out.append(_pool(np.concatenate(rows), pooling))
+    return out
+
+
+def _check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise EdgeInferError("embedding stopped: the request was cancelled")
