@@ -59,6 +59,9 @@ def register(sub) -> None:
                    help="a request's headers and body must arrive within S seconds, else 408 (default 30)")
     p.add_argument("--idle-timeout", type=seconds, default=5.0, metavar="S",
                    help="close a kept-alive connection after S idle seconds (default 5)")
+    p.add_argument("--max-models", type=positive_int, default=1, metavar="N",
+                   help="models kept loaded at once: a request naming another local model loads it and the "
+                        "least recently used one goes (default 1)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="access log on stderr, one line per request: text (default) or json")
     add_model_options(p)
@@ -78,10 +81,14 @@ def serve(args) -> int:
         model_name=args.name, max_queue=args.max_queue, timeout_s=args.timeout,
         api_key=args.api_key or os.environ.get("EDGEINFER_API_KEY") or None,
         cors_origins=list(args.cors_origin), allowed_hosts=list(args.allowed_host) + _bind_names(args.host),
-        max_body_bytes=args.max_body, sampling=sampling_from_args(args), keep_alive_s=args.keep_alive)
+        max_body_bytes=args.max_body, sampling=sampling_from_args(args), keep_alive_s=args.keep_alive,
+        max_models=args.max_models, bind_host=args.host,
+        # other local models load with the same options, but their own chat templates
+        model_options={k: v for k, v in model_kwargs(args).items() if k != "chat_template"})
     if not _is_loopback(args.host):
         print(f"edgeinfer: warning: listening on {args.host} exposes the model to the network"
-              + ("" if config.api_key else "; consider --api-key"), file=sys.stderr)
+              + ("" if config.api_key else "; consider --api-key (without one, pull, delete, copy "
+                 "and create are refused)"), file=sys.stderr)
     kwargs = model_kwargs(args)
 
     def load_model():
