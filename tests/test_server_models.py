@@ -283,3 +283,27 @@ def test_modelfile_parser():
     for bad in ('SYSTEM """never closed', "ADAPTER x.bin", "WHAT x", "PARAMETER top_k"):
         with pytest.raises(ModelfileError):
             parse(bad)
+
+
+def test_a_request_for_a_model_still_loading_gets_503_with_retry_after(store, fim_model_path, other_model,
+                                                                        monkeypatch):
+    import edgeinfer
+    from test_server import load_tiny
+
+    real = edgeinfer.load
+
+    def slow_load(*args, **kwargs):
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    model_names.save(model_names.NamedModel("other", str(other_model)))
+    srv = start_server(load_tiny(fim_model_path), model_options=OPTIONS, load_wait_s=0.2)
+    monkeypatch.setattr(edgeinfer, "load", slow_load)
+    try:
+        body = {"model": "other", "prompt": "hi", "stream": False, "options": {"num_predict": 1}}
+        r = httpx.post(srv.url + "/api/generate", json=body, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] and "loading" in r.json()["error"]
+        time.sleep(1.5)  # the load went on without the request
+        assert httpx.post(srv.url + "/api/generate", json=body, timeout=30).status_code == 200
+    finally:
+        srv.stop()
