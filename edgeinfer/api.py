@@ -22,7 +22,7 @@ from edgeinfer.errors import EdgeInferError, TemplateError, TokenizerError
 from edgeinfer.generate import collect
 from edgeinfer.loader import open_model
 from edgeinfer.metadata import meta_str
-from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, Usage
+from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, TokenLogprob, Usage
 from edgeinfer.saved_session import model_identity
 from edgeinfer.sampling import SamplingParams
 from edgeinfer.session import SessionManager
@@ -113,7 +113,8 @@ class Model:
     def generate(self, prompt: str | list[int], *, stream: bool = False, raw: bool = True,
                  cancel: threading.Event | None = None, **params: Any
                  ) -> GenerationResult | Iterator[GenerationChunk]:
-        """Complete `prompt` (text or token ids). Sampling keywords as in `SamplingParams`;
+        """Complete `prompt` (text or token ids). Sampling keywords as in `SamplingParams`
+        (`logprobs=N` puts each token's log-probability and N alternatives on its chunk);
         constrained output with one of json_schema=SCHEMA, json=True, grammar=GBNF, regex=RE
         (edgeinfer.grammar): the answer ends with finish_reason "stop" once it is complete."""
         try:
@@ -196,6 +197,20 @@ class Model:
 
         return embed(self, inputs, truncate=truncate, dimensions=dimensions,
                      normalize=2 if normalize else -1).vectors
+
+    def prompt_logprobs(self, prompt: str | list[int], top_n: int = 0
+                        ) -> list[tuple[int, TokenLogprob | None]]:
+        """(token id, log-probability given the tokens before it) for each prompt token as
+        `generate` tokenizes it (None for the first, which follows nothing), with `top_n`
+        alternatives: what OpenAI's echo + logprobs returns. A pass over the prompt on a
+        scratch cache (the prefix cache is untouched)."""
+        from edgeinfer.generate import prompt_logprobs
+
+        ids = prompt if isinstance(prompt, list) else self.tokenizer.tokenize(prompt, add_special=True)
+        if not ids:
+            raise EdgeInferError("the prompt is empty")
+        with self._lock:
+            return list(zip(ids, prompt_logprobs(self.engine, ids, top_n)))
 
     def stats(self) -> dict:
         """KV pool and prefix-cache figures (blocks used/free/cached, hit rates)."""

@@ -208,7 +208,7 @@ def test_openai_client_sees_errors(openai_client):
         openai_client.completions.create(model="gpt-4o", prompt="x")
     assert "gpt-4o" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError):
-        openai_client.completions.create(model=MODEL, prompt="x", n=2)
+        openai_client.completions.create(model=MODEL, prompt="x", n=17)
 
 
 # -- the official Ollama client -------------------------------------------------------------------
@@ -335,7 +335,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=2"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "'n'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 10**6}, 400, "'n'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "gpt-4"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),

@@ -17,7 +17,8 @@ from edgeinfer.server.fim import fim_start
 from edgeinfer.server.requests import chat_message, check_ids, read_body
 from edgeinfer.server.schemas import (ApplyTemplateRequest, DetokenizeRequest, InfillRequest,
                                       LlamaCompletionRequest, LlamaSampling, TokenizeRequest)
-from edgeinfer.server.streaming import collect, first_chunk, sse, sse_response, stream_events
+from edgeinfer.server import logprobs as lp_format
+from edgeinfer.server.streaming import collect_chunks, first_chunk, sse, sse_response, stream_events
 from edgeinfer.server.usage import llama_timings
 
 router = APIRouter()
@@ -40,6 +41,8 @@ def sampling_of(state, req: LlamaSampling) -> dict:
         params.update(sampler_chain(req.samplers))
     if req.n_keep:
         params["n_keep"] = req.n_keep  # what a context shift keeps (Model passes it on)
+    if req.n_probs:
+        params.update(logprobs=req.n_probs, post_sampling_probs=req.post_sampling_probs)
     return params
 
 
@@ -146,18 +149,36 @@ def pick_fields(body: dict, fields: list[str] | None) -> dict:
 async def _run(request: Request, req: LlamaSampling, start, params: dict):
     state = request.app.state.server
     job = state.submit(start)
-    if not req.stream:
-        text, last = await collect(job, request)
-        return JSONResponse(pick_fields(final_body(state, text, last, params), req.response_fields))
-    first = await first_chunk(job, request)
+    pieces = lp_format.Pieces(state.model.tokenizer)
 
-    def piece(text: str) -> dict:
-        return {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": 0}
+    def probs(lps: list) -> dict:
+        """llama-server's completion_probabilities, when n_probs asked for them."""
+        if not req.n_probs:
+            return {}
+        return {"completion_probabilities": lp_format.llama_server(pieces, lps, req.post_sampling_probs)}
+
+    if not req.stream:
+        chunks, last = await collect_chunks(job, request)
+        text = "".join(c.text for c in chunks)
+        body = {**final_body(state, text, last, params), **probs([c.logprobs for c in chunks if c.logprobs])}
+        return JSONResponse(pick_fields(body, req.response_fields))
+    first = await first_chunk(job, request)
+    held: list = []  # probabilities of tokens whose text is still held back (a stop string's start)
+
+    def on_chunk(chunk) -> list[dict]:
+        if chunk.logprobs is not None:
+            held.append(chunk.logprobs)
+        if not chunk.text:
+            return []
+        body = {"index": 0, "content": chunk.text, "tokens": [], "stop": False, "id_slot": 0, **probs(held[:])}
+        held.clear()
+        return [body]
 
     def closing(last) -> list[dict]:
-        return [pick_fields(final_body(state, "", last, params), req.response_fields)]
+        tail = probs(held) if held else {}
+        return [pick_fields({**final_body(state, "", last, params), **tail}, req.response_fields)]
 
-    return sse_response(stream_events(job, first, request.url.path, sse, piece, closing))
+    return sse_response(stream_events(job, first, request.url.path, sse, None, closing, on_chunk=on_chunk))
 
 
 @router.post("/completion")

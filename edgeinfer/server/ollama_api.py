@@ -23,7 +23,8 @@ from edgeinfer.server.fim import fim_start, has_fim
 from edgeinfer.server.requests import check_ids, read_body
 from edgeinfer.server.schemas import (OllamaBase, OllamaChatRequest, OllamaGenerateRequest,
                                       OllamaShowRequest)
-from edgeinfer.server.streaming import collect, first_chunk, stream_events
+from edgeinfer.server import logprobs as lp_format
+from edgeinfer.server.streaming import collect_chunks, first_chunk, stream_events
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
@@ -42,9 +43,12 @@ def now_iso() -> str:
 def sampling_of(state, req: OllamaBase, n_ctx: int) -> dict:
     if req.format not in (None, ""):
         raise APIError(400, "invalid field 'format': JSON mode and schemas are not supported yet")
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "invalid field 'top_logprobs': it needs logprobs: true", param="top_logprobs")
+    asked = {"logprobs": req.top_logprobs or 0} if req.logprobs else {}
     o = req.options
     if o is None:
-        return state.sampling()
+        return state.sampling(**asked)
     if o.num_ctx is not None and o.num_ctx > n_ctx:
         raise APIError(400, f"num_ctx {o.num_ctx} is larger than the loaded context of {n_ctx} tokens; "
                             f"restart the server with --ctx-size {o.num_ctx}")
@@ -53,7 +57,7 @@ def sampling_of(state, req: OllamaBase, n_ctx: int) -> dict:
     params = state.sampling(max_tokens=max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
                             min_p=o.min_p, seed=o.seed, stop=stop, repeat_penalty=o.repeat_penalty,
                             repeat_last_n=o.repeat_last_n, presence_penalty=o.presence_penalty,
-                            frequency_penalty=o.frequency_penalty)
+                            frequency_penalty=o.frequency_penalty, **asked)
     if o.num_keep is not None:
         params["n_keep"] = o.num_keep  # what a context shift keeps (Model passes it on)
     return params
@@ -129,12 +133,13 @@ async def generate(request: Request):
     def context() -> dict:
         return {"context": tokens} if req.suffix is None else {}
 
+    lps = _logprobs_of(req, model)
     if not req.stream:
-        text, last = await collect(job, request)
-        return JSONResponse({**head, "created_at": now_iso(), "response": text, **final_stats(last, t0),
+        text, last, got = await _collect(job, request, lps)
+        return JSONResponse({**head, "created_at": now_iso(), "response": text, **got, **final_stats(last, t0),
                              **context()})
     first = await first_chunk(job, request)
-    events = _ndjson(job, first, request.url.path, head, t0, lambda text: {"response": text}, context)
+    events = _ndjson(job, first, request.url.path, head, t0, lambda text: {"response": text}, context, lps)
     return StreamingResponse(events, media_type=NDJSON)
 
 
@@ -177,20 +182,50 @@ async def chat(request: Request):
     def message(text: str) -> dict:
         return {"message": {"role": "assistant", "content": text}}
 
+    lps = _logprobs_of(req, model)
     if not req.stream:
-        text, last = await collect(job, request)
-        return JSONResponse({**head, "created_at": now_iso(), **message(text), **final_stats(last, t0)})
+        text, last, got = await _collect(job, request, lps)
+        return JSONResponse({**head, "created_at": now_iso(), **message(text), **got, **final_stats(last, t0)})
     first = await first_chunk(job, request)
-    events = _ndjson(job, first, request.url.path, head, t0, message)
+    events = _ndjson(job, first, request.url.path, head, t0, message, lps=lps)
     return StreamingResponse(events, media_type=NDJSON)
 
 
-def _ndjson(job, first, path: str, head: dict, t0: float, body, tail=dict) -> AsyncIterator[str]:
-    """NDJSON lines for a streamed answer: a line a text piece, then the final one with the stats."""
+def _logprobs_of(req: OllamaBase, model):
+    """Ollama's `logprobs` field for a list of token logprobs, or None when not asked for."""
+    if not req.logprobs:
+        return None
+    pieces = lp_format.Pieces(model.tokenizer)
+    return lambda lps: {"logprobs": lp_format.ollama(pieces, lps)}
+
+
+async def _collect(job, request: Request, lps) -> tuple[str, object, dict]:
+    """A whole answer: its text, the final chunk, and the `logprobs` field when asked for."""
+    chunks, last = await collect_chunks(job, request)
+    got = lps([c.logprobs for c in chunks if c.logprobs is not None]) if lps is not None else {}
+    return "".join(c.text for c in chunks), last, got
+
+
+def _ndjson(job, first, path: str, head: dict, t0: float, body, tail=dict, lps=None) -> AsyncIterator[str]:
+    """NDJSON lines for a streamed answer: a line a text piece (with its tokens' logprobs when
+    asked for), then the final one with the stats."""
+    held: list = []  # logprobs of tokens whose text is still held back
+
+    def on_chunk(chunk) -> list[dict]:
+        if chunk.logprobs is not None:
+            held.append(chunk.logprobs)
+        if not chunk.text:
+            return []
+        line = {**head, "created_at": now_iso(), **body(chunk.text), **lps(held[:]), "done": False}
+        held.clear()
+        return [line]
+
     return stream_events(job, first, path, _line,
                          lambda text: {**head, "created_at": now_iso(), **body(text), "done": False},
-                         lambda last: [{**head, "created_at": now_iso(), **body(""), **final_stats(last, t0),
-                                        **tail()}])
+                         lambda last: [{**head, "created_at": now_iso(), **body(""),
+                                        **(lps(held) if lps is not None and held else {}),
+                                        **final_stats(last, t0), **tail()}],
+                         on_chunk=on_chunk if lps is not None else None)
 
 
 def _line(obj: dict) -> str:

@@ -13,7 +13,9 @@ from edgeinfer.server.errors import APIError
 from edgeinfer.server.fim import fim_start
 from edgeinfer.server.requests import chat_message, check_ids, read_body
 from edgeinfer.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
-from edgeinfer.server.streaming import collect, first_chunk, sse, sse_response, stream_events
+from edgeinfer.server import logprobs as lp_format
+from edgeinfer.server.choices import gather, several
+from edgeinfer.server.streaming import collect_chunks, first_chunk, sse, sse_response, stream_events
 from edgeinfer.server.usage import llama_timings, usage_dict
 from edgeinfer.server.worker import Job
 
@@ -23,18 +25,13 @@ _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 _DONE = "data: [DONE]\n\n"
 
 
-def sampling_of(state, req: OpenAISampling, max_tokens: int | None) -> dict:
-    if req.n != 1:
-        raise APIError(400, f"invalid field 'n': n={req.n} is not supported: this server returns one "
-                            "choice (n=1)", param="n")
-    if req.logprobs:
-        raise APIError(400, "invalid field 'logprobs': log probabilities are not produced", param="logprobs")
+def sampling_of(state, req: OpenAISampling, max_tokens: int | None, logprobs: int | None = None) -> dict:
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     return state.sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, min_p=req.min_p, seed=req.seed,
                           repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n,
                           presence_penalty=req.presence_penalty,
-                          frequency_penalty=req.frequency_penalty, stop=stop)
+                          frequency_penalty=req.frequency_penalty, stop=stop, logprobs=logprobs)
 
 
 @router.get("/v1/models")
@@ -57,36 +54,59 @@ async def chat_completions(request: Request):
         raise APIError(400, f"invalid field 'response_format': type {req.response_format.type!r} is not "
                             "supported (only 'text')",
                        param="response_format")
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "invalid field 'top_logprobs': it needs logprobs: true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_of(state, req, max_tokens)
+    params = sampling_of(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     messages = [chat_message(m) for m in req.messages]
-    job = state.submit(lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params))
+    job = state.submit(several(lambda p: lambda cancel: model.chat(messages, stream=True, cancel=cancel, **p),
+                               req.n, params))
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": ident, "created": created, "model": state.config.model_name, "system_fingerprint": "edgeinfer"}
+    pieces = lp_format.Pieces(model.tokenizer)
+
+    def logprobs(lps: list) -> dict | None:
+        return {"content": lp_format.openai_chat(pieces, lps), "refusal": None} if req.logprobs else None
+
     if not req.stream:
-        text, last = await collect(job, request)
+        chunks, last = await collect_chunks(job, request)
         return JSONResponse({**head, "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": _FINISH[last.finish_reason]}],
+            "index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": logprobs(c.logprobs), "finish_reason": _FINISH[c.finish_reason]}
+            for c in gather(chunks, req.n)],
             "usage": usage_dict(last), "timings": llama_timings(last)})
     first = await first_chunk(job, request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def delta(d: dict, finish: str | None) -> dict:
-        body = {**head, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}
+    def delta(index: int, d: dict, finish: str | None, lps: list) -> dict:
+        body = {**head, "object": "chat.completion.chunk", "choices": [
+            {"index": index, "delta": d, "logprobs": logprobs(lps) if lps else None, "finish_reason": finish}]}
         if include_usage:
             body["usage"] = None
         return body
 
-    async def events() -> AsyncIterator[str]:
-        yield sse(delta({"role": "assistant", "content": ""}, None))
-        async for ev in _stream_body(job, first, request.url.path, include_usage, head, "chat.completion.chunk",
-                                     lambda text: delta({"content": text}, None),
-                                     lambda finish: delta({}, finish)):
-            yield ev
+    pending: dict[int, list] = {}  # logprobs of tokens whose text is still held back
 
-    return sse_response(events())
+    def on_chunk(chunk) -> list[dict]:
+        if chunk.index < 0:
+            return []  # the total of several choices: its usage closes the stream
+        out = []
+        if chunk.index not in pending:
+            pending[chunk.index] = []
+            out.append(delta(chunk.index, {"role": "assistant", "content": ""}, None, []))
+        held = pending[chunk.index]
+        if chunk.logprobs is not None:
+            held.append(chunk.logprobs)
+        if chunk.text:
+            out.append(delta(chunk.index, {"content": chunk.text}, None, held[:]))
+            held.clear()
+        if chunk.finish_reason is not None:
+            out.append(delta(chunk.index, {}, _FINISH[chunk.finish_reason], held[:]))
+            held.clear()
+        return out
+
+    return sse_response(_stream_body(job, first, request.url.path, include_usage, head, "chat.completion.chunk",
+                                     on_chunk))
 
 
 @router.post("/v1/completions")
@@ -95,47 +115,107 @@ async def completions(request: Request):
     req = await read_body(request, CompletionRequest)
     model = state.require_model()
     state.check_model_name(req.model)
-    if req.echo:
-        raise APIError(400, "invalid field 'echo': echoing the prompt is not supported", param="echo")
-    params = sampling_of(state, req, req.max_tokens)
+    params = sampling_of(state, req, req.max_tokens, req.logprobs)
     prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
     if req.suffix is not None:
         if not isinstance(prompt, str):
             raise APIError(400, "suffix needs a text prompt", param="suffix")
-        start = fim_start(model, params, prefix=prompt, suffix=req.suffix)
+        if req.echo:
+            raise APIError(400, "invalid field 'echo': it cannot be combined with suffix (fill-in-the-middle)",
+                           param="echo")
+        start_for = lambda p: fim_start(model, p, prefix=prompt, suffix=req.suffix)  # noqa: E731
     else:
         check_ids(model, prompt if isinstance(prompt, list) else [])
-        start = lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **params)  # noqa: E731
+        start_for = lambda p: lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **p)  # noqa: E731
+    echoed = (prompt if isinstance(prompt, str) else model.tokenizer.detokenize(prompt, skip_special=True)) \
+        if req.echo else ""
+    prompt_lps: list = []  # with echo and logprobs: (token, logprob) of the prompt, made on the worker
+    start = several(start_for, req.n, params)
+    if req.echo and req.logprobs is not None:
+        start = _with_prompt_logprobs(start, model, prompt, req.logprobs, prompt_lps)
     job = state.submit(start)
     ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": ident, "created": created, "model": state.config.model_name, "system_fingerprint": "edgeinfer"}
+    pieces = lp_format.Pieces(model.tokenizer)
+    prompt_len = len(echoed) if req.echo else \
+        len(prompt if isinstance(prompt, str) else model.tokenizer.detokenize(prompt, skip_special=True))
+
+    def text_start() -> int:
+        """text_offset of the first token listed: 0 echoing the prompt, else the prompt's length.
+        Echoed, a leading space the tokenizer added (SPM) is in the pieces, not in the text:
+        offsets start that much below 0 and are clamped."""
+        if not prompt_lps:
+            return 0 if req.echo else prompt_len
+        return prompt_len - sum(len(pieces(t)[0]) for t, _ in prompt_lps)
+
+    def logprobs(items: list, offset: int) -> dict | None:
+        return lp_format.openai_completion(pieces, items, offset) if req.logprobs is not None else None
+
     if not req.stream:
-        text, last = await collect(job, request)
-        return JSONResponse({**head, "object": "text_completion", "choices": [{
-            "text": text, "index": 0, "logprobs": None, "finish_reason": _FINISH[last.finish_reason]}],
-            "usage": usage_dict(last), "timings": llama_timings(last)})
+        chunks, last = await collect_chunks(job, request)
+        choices = []
+        for c in gather(chunks, req.n):
+            items = prompt_lps + [(x.token, x) for x in c.logprobs]
+            choices.append({"text": echoed + c.text, "index": c.index, "logprobs": logprobs(items, text_start()),
+                            "finish_reason": _FINISH[c.finish_reason]})
+        return JSONResponse({**head, "object": "text_completion", "choices": choices,
+                             "usage": usage_dict(last), "timings": llama_timings(last)})
     first = await first_chunk(job, request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def piece(text: str, finish: str | None) -> dict:
-        body = {**head, "object": "text_completion",
-                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+    def piece(index: int, text: str, finish: str | None, items: list, offset: int) -> dict:
+        body = {**head, "object": "text_completion", "choices": [{
+            "text": text, "index": index, "logprobs": logprobs(items, offset) if items else None,
+            "finish_reason": finish}]}
         if include_usage:
             body["usage"] = None
         return body
 
-    events = _stream_body(job, first, request.url.path, include_usage, head, "text_completion",
-                          lambda text: piece(text, None), lambda finish: piece("", finish))
-    return sse_response(events)
+    held: dict[int, list] = {}     # (token, logprob) pairs whose text is still held back
+    offsets: dict[int, int] = {}   # characters sent so far (text_offset), per choice
+
+    def on_chunk(chunk) -> list[dict]:
+        i = chunk.index
+        if i < 0:
+            return []
+        out = []
+        if i not in held:
+            held[i], offsets[i] = [], text_start()
+            if req.echo:
+                out.append(piece(i, echoed, None, prompt_lps, offsets[i]))
+                offsets[i] = prompt_len
+        if chunk.logprobs is not None:
+            held[i].append((chunk.token, chunk.logprobs))
+        if chunk.text or chunk.finish_reason is not None:
+            if chunk.text or held[i]:
+                out.append(piece(i, chunk.text, None, held[i][:], offsets[i]))
+                offsets[i] += sum(len(pieces(t)[0]) for t, _ in held[i])
+                held[i].clear()
+            if chunk.finish_reason is not None:
+                out.append(piece(i, "", _FINISH[chunk.finish_reason], [], offsets[i]))
+        return out
+
+    return sse_response(_stream_body(job, first, request.url.path, include_usage, head, "text_completion",
+                                     on_chunk))
+
+
+def _with_prompt_logprobs(start, model, prompt, top_n: int, out: list):
+    """A start function that first fills `out` with the prompt's (token, logprob) pairs
+    (a leading control token such as BOS, which has no text, left out)."""
+    def run(cancel):
+        pairs = model.prompt_logprobs(prompt, top_n)
+        if pairs and model.tokenizer.token_to_piece(pairs[0][0], special=False) == b"":
+            pairs = pairs[1:]
+        out.extend(pairs)
+        yield from start(cancel)
+    return run
 
 
 def _stream_body(job: Job, first, path: str, include_usage: bool, head: dict, obj: str,
-                 on_text, on_finish) -> AsyncIterator[str]:
-    """SSE events for a streamed answer: text pieces, the finish chunk, usage, [DONE]."""
+                 on_chunk) -> AsyncIterator[str]:
+    """SSE events for a streamed answer: what `on_chunk` makes of each chunk (pieces, each
+    choice's finish), then the usage (all choices together), then [DONE]."""
     def closing(last) -> list[dict]:
-        out = [on_finish(_FINISH[last.finish_reason])]
-        if include_usage:
-            out.append({**head, "object": obj, "choices": [], "usage": usage_dict(last)})
-        return out
+        return [{**head, "object": obj, "choices": [], "usage": usage_dict(last)}] if include_usage else []
 
-    return stream_events(job, first, path, sse, on_text, closing, done=_DONE)
+    return stream_events(job, first, path, sse, None, closing, done=_DONE, on_chunk=on_chunk)

@@ -20,6 +20,8 @@ StopText = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 Stop = Union[StopText, Annotated[list[StopText], Field(max_length=MAX_STOPS)], None]
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 Seed = Annotated[int, Field(ge=-1, lt=1 << 63)]
+MAX_CHOICES = 16              # OpenAI `n`: choices run one after another on the one worker
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]   # alternatives per token (OpenAI's and Ollama's bound)
 
 
 def Unsupported(why: str, *noop: Any) -> Any:  # noqa: N802 - used like a type
@@ -91,11 +93,9 @@ class OpenAISampling(Body):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: Seed | None = None
     stop: Stop = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1   # > 1 refused in the endpoint
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | int | None = None            # refused in the endpoint unless false / 0
-    top_logprobs: Unsupported("log probabilities are not produced", 0) = None
     logit_bias: Unsupported("logit_bias is not supported", {}) = None
     # llama-server extension; the prefix cache is always on, and turning it off changes no output
     cache_prompt: bool = True
@@ -112,6 +112,8 @@ class ChatCompletionRequest(OpenAISampling):
     messages: Annotated[list[OpenAIMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
     response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None       # needs logprobs: true (checked in the endpoint)
     tools: Unsupported(TOOLS, []) = None
     tool_choice: Unsupported(TOOLS, "none") = None
     parallel_tool_calls: Unsupported(TOOLS) = None
@@ -127,7 +129,8 @@ class CompletionRequest(OpenAISampling):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | \
         Annotated[list[TokenId], Field(min_length=1)]
     suffix: str | None = None
-    echo: bool = False                              # true refused in the endpoint
+    echo: bool = False                              # the prompt's text (and logprobs) before the answer
+    logprobs: TopLogprobs | None = None             # alternatives per token; 0 = the chosen token's only
     best_of: Unsupported("best_of is not supported", 1) = None
 
 
@@ -172,8 +175,8 @@ class OllamaBase(Body):
     options: OllamaOptions | None = None
     keep_alive: KeepAlive = None
     think: bool | str | None = None    # only false, for a model that does not think (the endpoint checks)
-    logprobs: Unsupported("log probabilities are not produced", False) = None
-    top_logprobs: Unsupported("log probabilities are not produced", 0) = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None         # alternatives per token, with logprobs: true
 
 
 class OllamaGenerateRequest(OllamaBase):
@@ -226,7 +229,8 @@ class LlamaSampling(Body):
     samplers: Annotated[list[str], Field(max_length=16), AfterValidator(_known_samplers)] | None = None
     stream: bool = False
     cache_prompt: bool = True  # always on: the prefix cache is how the model works; off changes no output
-    n_probs: Unsupported("token probabilities are not produced", 0) = None
+    n_probs: Annotated[int, Field(ge=0, le=100)] = 0   # completion_probabilities: this many alternatives
+    post_sampling_probs: bool = False                   # the sampler chain's probabilities instead
     return_tokens: Unsupported("token ids are not returned", False) = None
     id_slot: Unsupported("this server has one slot", -1, 0) = None
     t_max_predict_ms: Annotated[int, Field(ge=0, le=1 << 31)] | None = None

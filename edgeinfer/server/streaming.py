@@ -83,11 +83,17 @@ async def first_chunk(job: Job, request: Request) -> GenerationChunk | None:
 
 async def collect(job: Job, request: Request) -> tuple[str, GenerationChunk]:
     """A whole non-streamed answer: (text, final chunk)."""
-    parts: list[str] = []
+    chunks, last = await collect_chunks(job, request)
+    return "".join(c.text for c in chunks), last
+
+
+async def collect_chunks(job: Job, request: Request) -> tuple[list[GenerationChunk], GenerationChunk]:
+    """A whole non-streamed answer: (every chunk, final chunk)."""
+    parts: list[GenerationChunk] = []
     chunk = await first_chunk(job, request)
     try:
         while chunk is not None:
-            parts.append(chunk.text)
+            parts.append(chunk)
             chunk = await _next_chunk(job, request)
     finally:
         _finish(job)
@@ -96,7 +102,7 @@ async def collect(job: Job, request: Request) -> tuple[str, GenerationChunk]:
                        code="timeout")
     if job.last is None:  # cancelled before it started
         raise APIError(499, "the request was cancelled")
-    return "".join(parts), job.last
+    return parts, job.last
 
 
 async def stream_chunks(job: Job, first: GenerationChunk | None) -> AsyncIterator[GenerationChunk]:
@@ -124,14 +130,20 @@ def _finish(job: Job) -> None:
 async def stream_events(job: Job, first: GenerationChunk | None, path: str, encode: Callable[[dict], str],
                         on_text: Callable[[str], dict],
                         on_last: Callable[[GenerationChunk], Iterable[dict]],
-                        done: str = "") -> AsyncIterator[str]:
-    """A streamed answer as encoded events: one a text piece, then those `on_last` builds
-    from the final chunk, then `done` (OpenAI's `[DONE]` line). A failure or a timeout once
-    the headers are out ends the stream with one error event in the path's dialect."""
+                        done: str = "",
+                        on_chunk: Callable[[GenerationChunk], Iterable[dict]] | None = None
+                        ) -> AsyncIterator[str]:
+    """A streamed answer as encoded events: one a text piece (or, with `on_chunk`, those it
+    builds from each chunk: logprobs, several choices), then those `on_last` builds from the
+    final chunk, then `done` (OpenAI's `[DONE]` line). A failure or a timeout once the
+    headers are out ends the stream with one error event in the path's dialect."""
     last = None
     try:
         async for chunk in stream_chunks(job, first):
-            if chunk.text:
+            if on_chunk is not None:
+                for body in on_chunk(chunk):
+                    yield encode(body)
+            elif chunk.text:
                 yield encode(on_text(chunk.text))
             if chunk.finish_reason is not None:
                 last = chunk
