@@ -44,7 +44,7 @@ def split_words(text: str) -> list[str]:
                 words.append("")
             continue
         cat = unicodedata.category(ch)
-        if cp == 0xFFFD or cat[0] in "CM":  # controls, format characters, combining marks
+        if cp == 0xFFFD or cat[0] == "M" or cat in ("Cc", "Cf", "Co", "Cs"):  # controls, marks; not unassigned
             continue
         low = _lower(ch)
         if _is_punctuation(cp) or (cp < 0x7F and cat[0] == "S") or any(a <= cp <= b for a, b in _CJK):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter
 
-from tests.gguf_factory import TinyShape, qtype_of, random_blocks
+from gguf_factory import TinyShape, qtype_of, random_blocks
 
 ENCODERS = ("bert", "nomic-bert")
 
