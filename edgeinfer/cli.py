@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "edgeinfer.commands.store",
     "edgeinfer.commands.show",
     "edgeinfer.commands.tokenize",
+    "edgeinfer.commands.embed",
     "edgeinfer.commands.bench",
 ]
 

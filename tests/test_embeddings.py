@@ -135,3 +135,19 @@ def test_normalize_modes():
     assert normalize_vector(v, -1).tolist() == [3.0, -4.0]
     assert normalize_vector(v, 0).tolist() == pytest.approx([3 * 32760 / 4, -32760])
     assert normalize_vector(np.zeros(2), 2).tolist() == [0.0, 0.0]
+
+
+def test_cli_embed_prints_one_json_line_per_text(files, capsys, monkeypatch):
+    import io
+
+    from edgeinfer.cli import main
+
+    path = str(files[("bert", 1)])
+    assert main(["embed", path, "hello world", "the code", "--backend", "reference", "--dimensions", "4"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [d["text"] for d in lines] == ["hello world", "the code"] and len(lines[0]["embedding"]) == 4
+    monkeypatch.setattr("sys.stdin", io.StringIO("a\n\nb\n"))
+    assert main(["embed", path, "--backend", "reference"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    assert main(["embed", path, "--backend", "reference", "hello " * 200]) != 0
+    assert "truncate" in capsys.readouterr().err
