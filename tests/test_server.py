@@ -354,7 +354,7 @@ BAD_REQUESTS = [
     ("/api/generate", {"prompt": "hi", "options": {"top_k": -1}}, 400, "top_k"),
     ("/api/generate", {"prompt": "hi", "options": {"num_predict": -3}}, 400, "num_predict"),
     ("/api/generate", {"prompt": "hi", "options": {"temperature": "warm"}}, 400, "temperature"),
-    ("/api/generate", {"prompt": "hi", "format": "json"}, 400, "format"),
+    ("/api/generate", {"prompt": "hi", "format": "yaml"}, 400, "format"),
     ("/api/chat", {"messages": [{"role": "user", "content": "hi", "images": ["abc"]}]}, 400, "images"),
     ("/api/show", {"model": "../../etc/passwd"}, 404, "not found"),
     ("/completion", {"prompt": "hi", "n_keep": -5}, 400, "n_keep"),

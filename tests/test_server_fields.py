@@ -56,11 +56,11 @@ REFUSED = [
     ("/api/generate", opts(GEN, penalize_newline=True), "options.penalize_newline"),
     ("/api/generate", opts(GEN, temprature=0.1), "options.temprature"),
     ("/api/chat", opts(OCHAT, num_gpu=99), "options.num_gpu"),
-    ("/api/chat", with_(OCHAT, messages=[{**MSG, "tool_calls": []}]), "messages.0.tool_calls"),
-    ("/api/chat", with_(OCHAT, messages=[{**MSG, "thinking": "hm"}]), "messages.0.thinking"),
+    ("/api/chat", with_(OCHAT, messages=[{**MSG, "tool_calls": [{"function": {"name": "f"}, "x": 1}]}]),
+     "messages.0.tool_calls.0.x"),
     ("/v1/chat/completions", with_(CHAT, stream=True, stream_options={"include_usage": True, "x": 1}),
      "stream_options.x"),
-    ("/v1/chat/completions", with_(CHAT, messages=[{**MSG, "tool_call_id": "a"}]), "messages.0.tool_call_id"),
+    ("/v1/chat/completions", with_(CHAT, messages=[{**MSG, "tool_call_ids": "a"}]), "messages.0.tool_call_ids"),
     ("/v1/chat/completions", with_(CHAT, messages=[{"role": "user", "content": [
         {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]), "messages.0.content.0.cache_control"),
     ("/v1/chat/completions", with_(CHAT, messages=[{"role": "user", "content": [
@@ -74,7 +74,8 @@ REFUSED = [
     ("/v1/chat/completions", with_(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ("/v1/chat/completions", with_(CHAT, tool_choice="auto"), "tool_choice"),
     ("/v1/chat/completions", with_(CHAT, tool_choice="required"), "tool_choice"),
-    ("/v1/chat/completions", with_(CHAT, parallel_tool_calls=False), "parallel_tool_calls"),
+    ("/v1/chat/completions", with_(CHAT, tool_choice="sometimes", tools=[{"type": "function", "function": {
+        "name": "f"}}]), "tool_choice"),
     ("/v1/chat/completions", with_(CHAT, functions=[{"name": "f"}]), "functions"),
     ("/v1/chat/completions", with_(CHAT, function_call="auto"), "function_call"),
     ("/v1/chat/completions", with_(CHAT, logit_bias={"1": 5}), "logit_bias"),
@@ -88,9 +89,13 @@ REFUSED = [
     ("/v1/chat/completions", with_(CHAT, modalities=["text", "audio"]), "modalities"),
     ("/v1/chat/completions", with_(CHAT, audio={"voice": "alloy", "format": "wav"}), "audio"),
     ("/v1/chat/completions", with_(CHAT, prediction={"type": "content", "content": "x"}), "prediction"),
-    ("/v1/chat/completions", with_(CHAT, response_format={"type": "json_object"}), "response_format"),
-    ("/v1/chat/completions", with_(CHAT, messages=[{"role": "assistant", "content": "x", "tool_calls": [
-        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), "messages.0.tool_calls"),
+    ("/v1/chat/completions", with_(CHAT, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "foo"}}}), "response_format.json_schema"),
+    ("/v1/chat/completions", with_(CHAT, response_format={"type": "xml"}), "response_format"),
+    ("/api/chat", with_(OCHAT, format={"type": "object", "if": {}, "then": {}}), "format"),
+    ("/completion", with_(LCMPL, grammar="root ::= ("), "grammar"),
+    ("/completion", with_(LCMPL, json_schema={"type": "string", "format": "weird"}), "json_schema"),
+    ("/completion", with_(LCMPL, grammar='root ::= "a"', json_schema={}), "json_schema"),
     ("/v1/completions", with_(CMPL, echo=True, suffix="x"), "echo"),
     ("/v1/completions", with_(CMPL, best_of=2), "best_of"),
     ("/v1/completions", with_(CMPL, logprobs=21), "logprobs"),
@@ -148,8 +153,8 @@ def test_a_field_we_cannot_honour_is_a_400_naming_it(client, path, body, field):
 def test_unknown_field_message_names_the_path(client):
     r = client.post("/api/generate", json=opts(GEN, mirostat_eta=0.1))
     assert r.json()["error"].startswith("unsupported field 'options.mirostat_eta'")
-    r = client.post("/v1/chat/completions", json=with_(CHAT, parallel_tool_calls=True)).json()
-    assert r["error"]["param"] == "parallel_tool_calls" and "tool calling" in r["error"]["message"]
+    r = client.post("/v1/chat/completions", json=with_(CHAT, functions=[{"name": "f"}])).json()
+    assert r["error"]["param"] == "functions" and "tool calling" in r["error"]["message"]
 
 
 # (path, body): fields that ask for nothing, or are metadata with no effect on the output
@@ -165,6 +170,13 @@ ACCEPTED = [
     ("/api/generate", with_(GEN, think=False, keep_alive="5m", logprobs=False, images=[])),
     ("/api/generate", opts(GEN, mirostat=0, typical_p=1.0, tfs_z=1, num_keep=4, num_ctx=128)),
     ("/api/chat", with_(OCHAT, tools=[], think=False)),
+    ("/v1/chat/completions", with_(CHAT, parallel_tool_calls=False, response_format={"type": "json_object"},
+                                   messages=[{"role": "assistant", "content": None, "tool_calls": [
+                                       {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                                       {"role": "tool", "tool_call_id": "1", "content": "42"}, MSG])),
+    ("/api/chat", with_(OCHAT, format="json", messages=[
+        {"role": "assistant", "content": "", "thinking": "hm", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+        {"role": "tool", "tool_name": "f", "content": "42"}, MSG])),
     ("/api/show", {"model": MODEL, "verbose": False}),
     ("/completion", with_(LCMPL, n_probs=0, id_slot=-1, cache_prompt=False, n_keep=4, return_tokens=False,
                           samplers=["penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"])),
@@ -180,12 +192,15 @@ def test_fields_that_ask_for_nothing_are_accepted(client, path, body):
     assert r.status_code == 200, r.text
 
 
-def test_think_false_is_refused_for_a_thinking_template(fim_model_path):
+def test_think_switches_a_thinking_template(fim_model_path):
     model = load_tiny(fim_model_path)
     model.template.source = "{% if enable_thinking %}<think>{% endif %}" + (model.template.source or "")
     srv = start_server(model)
     try:
-        r = httpx.post(srv.url + "/api/chat", json=with_(OCHAT, think=False))
+        for think in (False, True):
+            r = httpx.post(srv.url + "/api/chat", json=with_(OCHAT, think=think))
+            assert r.status_code == 200, r.text
+        r = httpx.post(srv.url + "/api/chat", json=with_(OCHAT, think="high"))
         assert r.status_code == 400 and "'think'" in r.json()["error"]
     finally:
         srv.stop()
@@ -279,7 +294,7 @@ def test_official_clients_still_work(fields_live):
 
 
 @pytest.mark.parametrize("path,body,field", [
-    ("/api/generate", with_(GEN, format="json"), "format"),
+    ("/api/generate", with_(GEN, format="yaml"), "format"),
     ("/api/generate", with_(GEN, images=["aGk="]), "images"),
     ("/api/generate", with_(GEN, template="{{ .Prompt }}"), "template"),
     ("/api/chat", with_(OCHAT, messages=[MSG, {**MSG, "images": ["aGk="]}]), "messages.1.images"),

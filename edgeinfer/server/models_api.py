@@ -25,6 +25,7 @@ from pydantic import Field, ValidationError
 
 from edgeinfer import model_names, registry
 from edgeinfer.errors import DownloadError, EdgeInferError, ModelNotFoundError
+from edgeinfer.server.constraints import thinks
 from edgeinfer.server.errors import APIError
 from edgeinfer.server.fim import has_fim
 from edgeinfer.server.requests import describe, read_body
@@ -212,7 +213,8 @@ async def show(request: Request) -> JSONResponse:
         f"{arch}.attention.head_count_kv": info.head_count_kv}
     named = state.slot.named
     template = getattr(getattr(model, "template", None), "source", "") or ""
-    capabilities = ["completion"] + (["insert"] if has_fim(model.tokenizer) else [])
+    capabilities = ["completion"] + (["insert"] if has_fim(model.tokenizer) else []) + \
+        (["tools"] if getattr(model, "supports_tools", False) else []) + (["thinking"] if thinks(model) else [])
     params = "\n".join(f"{k} {json.dumps(v) if isinstance(v, str) else v}"
                        for k, vs in (named.parameters.items() if named else [])
                        for v in (vs if isinstance(vs, list) else [vs]))

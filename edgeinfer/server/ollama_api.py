@@ -24,6 +24,8 @@ from edgeinfer.server.requests import check_ids, read_body
 from edgeinfer.server.schemas import (OllamaBase, OllamaChatRequest, OllamaGenerateRequest,
                                       OllamaShowRequest)
 from edgeinfer.server import logprobs as lp_format
+from edgeinfer.server.constraints import add_constraint, ollama_format, ollama_think
+from edgeinfer.server.tool_output import OllamaPieces, chat_plan, ollama_history, ollama_message
 from edgeinfer.server.streaming import collect_chunks, first_chunk, stream_events
 
 router = APIRouter()
@@ -41,8 +43,10 @@ def now_iso() -> str:
 
 
 def sampling_of(state, req: OllamaBase, n_ctx: int) -> dict:
-    if req.format not in (None, ""):
-        raise APIError(400, "invalid field 'format': JSON mode and schemas are not supported yet")
+    return add_constraint(_sampling_of(state, req, n_ctx), ollama_format(req.format))
+
+
+def _sampling_of(state, req: OllamaBase, n_ctx: int) -> dict:
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "invalid field 'top_logprobs': it needs logprobs: true", param="top_logprobs")
     asked = {"logprobs": req.top_logprobs or 0} if req.logprobs else {}
@@ -61,18 +65,6 @@ def sampling_of(state, req: OllamaBase, n_ctx: int) -> dict:
     if o.num_keep is not None:
         params["n_keep"] = o.num_keep  # what a context shift keeps (Model passes it on)
     return params
-
-
-def check_think(model, think) -> None:
-    """`think: false` asks for nothing from a model that does not think, so it passes; a
-    thinking template would need it switched off, and separate thinking output is not made."""
-    if think is None:
-        return
-    source = (getattr(getattr(model, "template", None), "source", "") or "").lower()
-    if think is False and "think" not in source:
-        return
-    what = "switching thinking off for this model's template" if think is False else "thinking output"
-    raise APIError(400, f"invalid field 'think': {what} is not supported", param="think")
 
 
 def final_stats(last, t_request: float) -> dict:
@@ -107,7 +99,8 @@ async def generate(request: Request):
         raise APIError(400, "invalid field 'template': template overrides are not supported; start the "
                             "server with --chat-template")
     params = sampling_of(state, req, model.n_ctx)
-    check_think(model, req.think)
+    thinking = ollama_think(model, req.think, raw=req.raw or req.suffix is not None)
+    reader = None  # a thinking template's answer: its <think> block goes to `thinking`
     if not req.prompt and req.suffix is None and not req.context:
         return load_response(state)
     tokens: list[int] = []  # the prompt's ids, then the answer's: the `context` to hand back
@@ -125,7 +118,8 @@ async def generate(request: Request):
         else:
             messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
                 [{"role": "user", "content": req.prompt}]
-            start = lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params)  # noqa: E731
+            extra, reader = chat_plan(model, messages, think=thinking)
+            start = lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params, **extra)  # noqa: E731
         start = _recording(start, tokens)
     job = state.submit(start)
     head = {"model": state.config.model_name}
@@ -136,11 +130,17 @@ async def generate(request: Request):
     lps = _logprobs_of(req, model)
     if not req.stream:
         text, last, got = await _collect(job, request, lps)
-        return JSONResponse({**head, "created_at": now_iso(), "response": text, **got, **final_stats(last, t0),
-                             **context()})
+        return JSONResponse({**head, "created_at": now_iso(), **_response(ollama_message(reader, text)), **got,
+                             **final_stats(last, t0), **context()})
     first = await first_chunk(job, request)
-    events = _ndjson(job, first, request.url.path, head, t0, lambda text: {"response": text}, context, lps)
+    events = _ndjson(job, first, request.url.path, head, t0, lambda text: {"response": text}, context, lps,
+                     split=(OllamaPieces(reader), _response) if reader is not None else None)
     return StreamingResponse(events, media_type=NDJSON)
+
+
+def _response(message: dict) -> dict:
+    """/api/generate's fields for a message: `response`, and `thinking` when there is some."""
+    return {"response": message["content"], **({"thinking": message["thinking"]} if "thinking" in message else {})}
 
 
 def _recording(start, tokens: list[int]):
@@ -170,13 +170,14 @@ async def chat(request: Request):
     if bad is not None:
         raise APIError(400, f"invalid field 'messages.{bad}.images': images are not supported by this model")
     params = sampling_of(state, req, model.n_ctx)
-    check_think(model, req.think)
+    thinking = ollama_think(model, req.think)
     if not req.messages:
         return JSONResponse({"model": state.config.model_name, "created_at": now_iso(),
                              "message": {"role": "assistant", "content": ""}, "done": True,
                              "done_reason": "load"})
-    messages = [{"role": m.role, "content": m.content} for m in req.messages]
-    job = state.submit(lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params))
+    messages = ollama_history(req.messages)
+    extra, reader = chat_plan(model, messages, tools=req.tools, think=thinking)
+    job = state.submit(lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params, **extra))
     head = {"model": state.config.model_name}
 
     def message(text: str) -> dict:
@@ -185,9 +186,11 @@ async def chat(request: Request):
     lps = _logprobs_of(req, model)
     if not req.stream:
         text, last, got = await _collect(job, request, lps)
-        return JSONResponse({**head, "created_at": now_iso(), **message(text), **got, **final_stats(last, t0)})
+        return JSONResponse({**head, "created_at": now_iso(), "message": ollama_message(reader, text), **got,
+                             **final_stats(last, t0)})
     first = await first_chunk(job, request)
-    events = _ndjson(job, first, request.url.path, head, t0, message, lps=lps)
+    events = _ndjson(job, first, request.url.path, head, t0, message, lps=lps,
+                     split=(OllamaPieces(reader), lambda m: {"message": m}) if reader is not None else None)
     return StreamingResponse(events, media_type=NDJSON)
 
 
@@ -206,26 +209,35 @@ async def _collect(job, request: Request, lps) -> tuple[str, object, dict]:
     return "".join(c.text for c in chunks), last, got
 
 
-def _ndjson(job, first, path: str, head: dict, t0: float, body, tail=dict, lps=None) -> AsyncIterator[str]:
+def _ndjson(job, first, path: str, head: dict, t0: float, body, tail=dict, lps=None,
+           split=None) -> AsyncIterator[str]:
     """NDJSON lines for a streamed answer: a line a text piece (with its tokens' logprobs when
-    asked for), then the final one with the stats."""
+    asked for), then the final one with the stats. `split`: (OllamaPieces, the line's fields
+    for one of its messages) when thinking or tool calls are read out of the text."""
     held: list = []  # logprobs of tokens whose text is still held back
 
     def on_chunk(chunk) -> list[dict]:
         if chunk.logprobs is not None:
             held.append(chunk.logprobs)
-        if not chunk.text:
-            return []
-        line = {**head, "created_at": now_iso(), **body(chunk.text), **lps(held[:]), "done": False}
-        held.clear()
-        return [line]
+        if split is None:
+            bodies = [body(chunk.text)] if chunk.text else []
+        else:
+            pieces, shape = split
+            found = pieces.push(chunk.text) + (pieces.finish() if chunk.finish_reason is not None else [])
+            bodies = [shape(m) for m in found]
+        lines = []
+        for b in bodies:
+            lines.append({**head, "created_at": now_iso(), **b, **(lps(held[:]) if lps is not None else {}),
+                          "done": False})
+            held.clear()
+        return lines
 
     return stream_events(job, first, path, _line,
                          lambda text: {**head, "created_at": now_iso(), **body(text), "done": False},
                          lambda last: [{**head, "created_at": now_iso(), **body(""),
                                         **(lps(held) if lps is not None and held else {}),
                                         **final_stats(last, t0), **tail()}],
-                         on_chunk=on_chunk if lps is not None else None)
+                         on_chunk=on_chunk if lps is not None or split is not None else None)
 
 
 def _line(obj: dict) -> str:

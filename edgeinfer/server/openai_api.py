@@ -15,6 +15,8 @@ from edgeinfer.server.requests import chat_message, check_ids, read_body
 from edgeinfer.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from edgeinfer.server import logprobs as lp_format
 from edgeinfer.server.choices import gather, several
+from edgeinfer.server.constraints import response_format
+from edgeinfer.server.tool_output import OpenAIDeltas, chat_plan, openai_message
 from edgeinfer.server.streaming import collect_chunks, first_chunk, sse, sse_response, stream_events
 from edgeinfer.server.usage import llama_timings, usage_dict
 from edgeinfer.server.worker import Job
@@ -50,17 +52,16 @@ async def chat_completions(request: Request):
     req = await read_body(request, ChatCompletionRequest)
     model = state.require_model()
     state.check_model_name(req.model)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"invalid field 'response_format': type {req.response_format.type!r} is not "
-                            "supported (only 'text')",
-                       param="response_format")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "invalid field 'top_logprobs': it needs logprobs: true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_of(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     messages = [chat_message(m) for m in req.messages]
-    job = state.submit(several(lambda p: lambda cancel: model.chat(messages, stream=True, cancel=cancel, **p),
-                               req.n, params))
+    extra, reader = chat_plan(model, messages, tools=req.tools, tool_choice=req.tool_choice,
+                              parallel_tool_calls=req.parallel_tool_calls,
+                              constraint=response_format(req.response_format))
+    job = state.submit(several(lambda p: lambda cancel: model.chat(messages, stream=True, cancel=cancel,
+                                                                   **p, **extra), req.n, params))
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": ident, "created": created, "model": state.config.model_name, "system_fingerprint": "edgeinfer"}
     pieces = lp_format.Pieces(model.tokenizer)
@@ -70,10 +71,10 @@ async def chat_completions(request: Request):
 
     if not req.stream:
         chunks, last = await collect_chunks(job, request)
+        answers = [(c, *openai_message(reader, c.text, _FINISH[c.finish_reason])) for c in gather(chunks, req.n)]
         return JSONResponse({**head, "object": "chat.completion", "choices": [{
-            "index": c.index, "message": {"role": "assistant", "content": c.text},
-            "logprobs": logprobs(c.logprobs), "finish_reason": _FINISH[c.finish_reason]}
-            for c in gather(chunks, req.n)],
+            "index": c.index, "message": message, "logprobs": logprobs(c.logprobs), "finish_reason": finish}
+            for c, message, finish in answers],
             "usage": usage_dict(last), "timings": llama_timings(last)})
     first = await first_chunk(job, request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -86,6 +87,7 @@ async def chat_completions(request: Request):
         return body
 
     pending: dict[int, list] = {}  # logprobs of tokens whose text is still held back
+    deltas = OpenAIDeltas(reader) if reader is not None else None
 
     def on_chunk(chunk) -> list[dict]:
         if chunk.index < 0:
@@ -97,11 +99,17 @@ async def chat_completions(request: Request):
         held = pending[chunk.index]
         if chunk.logprobs is not None:
             held.append(chunk.logprobs)
-        if chunk.text:
-            out.append(delta(chunk.index, {"content": chunk.text}, None, held[:]))
+        parts = ([{"content": chunk.text}] if chunk.text else []) if deltas is None else \
+            deltas.push(chunk.index, chunk.text)
+        if chunk.finish_reason is not None and deltas is not None:
+            parts += deltas.finish(chunk.index)
+        for d in parts:  # content, reasoning_content or tool_calls (edgeinfer.server.tool_output)
+            out.append(delta(chunk.index, d, None, held[:]))
             held.clear()
         if chunk.finish_reason is not None:
-            out.append(delta(chunk.index, {}, _FINISH[chunk.finish_reason], held[:]))
+            finish = _FINISH[chunk.finish_reason]
+            out.append(delta(chunk.index, {}, deltas.finish_reason(chunk.index, finish) if deltas else finish,
+                             held[:]))
             held.clear()
         return out
 

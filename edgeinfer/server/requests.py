@@ -86,8 +86,16 @@ def message_text(m: OpenAIMessage) -> str:
 
 
 def chat_message(m: OpenAIMessage) -> dict:
-    """The template's view of a message; `name` goes along for templates that use it."""
-    out = {"role": m.role, "content": message_text(m)}
+    """The template's view of a message; `name`, an assistant's `tool_calls` and
+    `reasoning_content`, a tool message's `tool_call_id` go along for templates that use them."""
+    out: dict = {"role": m.role, "content": message_text(m)}
     if m.name is not None:
         out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump(exclude_none=True, exclude={"index": True, "function": {"parsed_arguments"}})
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
     return out

@@ -1,7 +1,7 @@
 """Request bodies, validated strictly: types (no "5" for 5), ranges, bounded lists, no unknown fields.
 
 A field a client sends either works or is refused with a 400 naming it: unknown fields
-(a typo, a sampler we lack, tool calling) fail validation (`extra="forbid"`), and known
+(a typo, a sampler we lack) fail validation (`extra="forbid"`), and known
 fields we cannot honour accept only their do-nothing value (`Unsupported`). The few
 accepted fields that change nothing (metadata such as OpenAI `user`) say why where declared.
 """
@@ -60,12 +60,34 @@ class ContentPart(Body):
     text: str | None = None
 
 
+class FunctionCall(Body):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    arguments: str | dict = "{}"   # OpenAI sends JSON text; an object is taken too
+    parsed_arguments: Any = None   # what the openai client's stream/parse helpers add; not read
+
+
+class ToolCallIn(Body):
+    """A call an assistant message made (the client echoes the answer back)."""
+
+    id: Annotated[str, StringConstraints(max_length=256)] | None = None
+    type: Annotated[str, StringConstraints(pattern="^function$")] = "function"
+    function: FunctionCall
+    index: Annotated[int, Field(ge=0)] | None = None   # kept by the openai client's stream accumulator
+
+
+MAX_TOOLS = 256
+Tools = Annotated[list[dict], Field(max_length=MAX_TOOLS)]   # checked by edgeinfer.tool_calls
+
+
 class OpenAIMessage(Body):
     role: Annotated[str, StringConstraints(min_length=1, max_length=64)]
     content: str | list[ContentPart] | None = None
     name: Annotated[str, StringConstraints(max_length=256)] | None = None  # handed to the chat template
-    # what a client echoes back from an assistant message: empty values only
-    tool_calls: Unsupported(TOOLS, []) = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[str, StringConstraints(max_length=256)] | None = None   # a tool message's call
+    reasoning_content: str | None = None   # an answer's reasoning, echoed back (thinking templates read it)
+    parsed: Any = None                     # the openai client's parse helpers add it; not read
+    annotations: Annotated[list, Field(max_length=0)] | None = None   # echoed by the stream helpers: empty
     function_call: Unsupported(TOOLS) = None
     refusal: Unsupported("refusal messages are not supported") = None
     audio: Unsupported("audio is not supported") = None
@@ -76,8 +98,8 @@ class StreamOptions(Body):
 
 
 class ResponseFormat(Body):
-    type: str = "text"   # only "text" (checked in the endpoint, with a clearer message)
-    json_schema: dict | None = None
+    type: str = "text"   # text, json_object or json_schema (edgeinfer.server.constraints)
+    json_schema: dict | None = None   # {"name", "schema", "strict"}
 
 
 class OpenAISampling(Body):
@@ -114,9 +136,9 @@ class ChatCompletionRequest(OpenAISampling):
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None       # needs logprobs: true (checked in the endpoint)
-    tools: Unsupported(TOOLS, []) = None
-    tool_choice: Unsupported(TOOLS, "none") = None
-    parallel_tool_calls: Unsupported(TOOLS) = None
+    tools: Tools | None = None
+    tool_choice: str | dict | None = None    # "none", "auto", "required" or {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
     functions: Unsupported(TOOLS, []) = None
     function_call: Unsupported(TOOLS, "none") = None
     reasoning_effort: Unsupported("reasoning effort is not supported") = None
@@ -162,19 +184,33 @@ class OllamaOptions(Body):
 KeepAlive = Union[str, int, float, None]
 
 
+class OllamaFunctionCall(Body):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    arguments: dict = {}
+    index: int | None = None
+
+
+class OllamaToolCall(Body):
+    function: OllamaFunctionCall
+    id: Annotated[str, StringConstraints(max_length=256)] | None = None
+
+
 class OllamaMessage(Body):
     role: Annotated[str, StringConstraints(min_length=1, max_length=64)]
     content: str = ""
+    thinking: str | None = None        # an answer's thinking, echoed back
+    tool_calls: Annotated[list[OllamaToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_name: Annotated[str, StringConstraints(max_length=256)] | None = None   # a tool message's tool
     images: list[str] | None = None   # non-empty refused in the endpoint
 
 
 class OllamaBase(Body):
     model: str | None = None
     stream: bool = True
-    format: str | dict | None = None   # refused in the endpoint
+    format: str | dict | None = None   # "json" or a JSON schema (edgeinfer.server.constraints)
     options: OllamaOptions | None = None
     keep_alive: KeepAlive = None
-    think: bool | str | None = None    # only false, for a model that does not think (the endpoint checks)
+    think: bool | str | None = None    # the template's enable_thinking (levels are refused in the endpoint)
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None         # alternatives per token, with logprobs: true
 
@@ -191,7 +227,7 @@ class OllamaGenerateRequest(OllamaBase):
 
 class OllamaChatRequest(OllamaBase):
     messages: Annotated[list[OllamaMessage], Field(max_length=MAX_MESSAGES)] = []
-    tools: Unsupported(TOOLS, []) = None   # the ollama client always sends a list, empty without tools
+    tools: Tools | None = None         # the ollama client always sends a list, empty without tools
 
 
 class OllamaShowRequest(Body):
@@ -239,10 +275,13 @@ class LlamaSampling(Body):
     t_max_prompt_ms: Annotated[int, Field(ge=-1, le=1 << 31)] | None = None
     n_indent: Annotated[int, Field(ge=0, le=1 << 16)] = 0
     response_fields: Annotated[list[str], Field(max_length=64)] | None = None
+    grammar: str | None = None               # GBNF (edgeinfer.grammar)
+    json_schema: dict | None = None          # the answer is JSON valid against it
 
 
 class LlamaCompletionRequest(LlamaSampling):
     prompt: str | Annotated[list[TokenId], Field(min_length=1)]
+    response_format: ResponseFormat | None = None   # as OpenAI's; one of it, grammar, json_schema
 
 
 class InfillChunk(Body):
