@@ -324,6 +324,9 @@ def test_thinking_switches(scripted):
         o = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK)
         assert o.choices[0].message.content == "Hello!" and o.choices[0].finish_reason == "stop"
         assert o.choices[0].message.model_extra["reasoning_content"] == "hm"
+        openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, extra_body={
+            "chat_template_kwargs": {"enable_thinking": False}})
+        assert fake.calls[-1]["enable_thinking"] is False
         # the echoed reasoning goes back to the template
         back = ASK + [{"role": "assistant", "content": "Hello!", "reasoning_content": "hm"}, ASK[0]]
         openai_client(srv).chat.completions.create(model=MODEL, messages=back)

@@ -59,6 +59,7 @@ async def chat_completions(request: Request):
     messages = [chat_message(m) for m in req.messages]
     extra, reader = chat_plan(model, messages, tools=req.tools, tool_choice=req.tool_choice,
                               parallel_tool_calls=req.parallel_tool_calls,
+                              think=req.chat_template_kwargs.enable_thinking if req.chat_template_kwargs else None,
                               constraint=response_format(req.response_format))
     job = state.submit(several(lambda p: lambda cancel: model.chat(messages, stream=True, cancel=cancel,
                                                                    **p, **extra), req.n, params))

@@ -130,6 +130,12 @@ class OpenAISampling(Body):
     service_tier: Unsupported("service tiers are not offered", "auto", "default") = None
 
 
+class ChatTemplateKwargs(Body):
+    """llama-server's `chat_template_kwargs`: the template switches edgeinfer honours."""
+
+    enable_thinking: bool | None = None
+
+
 class ChatCompletionRequest(OpenAISampling):
     messages: Annotated[list[OpenAIMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
@@ -139,6 +145,7 @@ class ChatCompletionRequest(OpenAISampling):
     tools: Tools | None = None
     tool_choice: str | dict | None = None    # "none", "auto", "required" or {"type": "function", ...}
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None   # llama-server extension
     functions: Unsupported(TOOLS, []) = None
     function_call: Unsupported(TOOLS, "none") = None
     reasoning_effort: Unsupported("reasoning effort is not supported") = None
