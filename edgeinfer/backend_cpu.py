@@ -32,6 +32,8 @@ class CpuBackend(Backend):
 
         threadpool_limits(1, user_api="blas")
         self._rope_angles: dict = {}
+        # one kernel set for the model's types: only their code compiles
+        self._type_kernels = kernels_cpu.use_model_types(gguf.tensors.values())
         self._prepared: dict = {}
         self._weights: dict = {}
 
@@ -60,11 +62,10 @@ class CpuBackend(Backend):
     def forward_kernels(self, config) -> list:
         """The Numba kernels a forward pass of this model compiles on its first tokens (a
         short prompt, then decode): what kernels_cpu.compile_progress.warm_up checks."""
-        from edgeinfer.kernels_cpu import f16, fast_dot
+        from edgeinfer.kernels_cpu import f16
         from edgeinfer.kernels_cpu import quant_kernels as qk
 
-        kernels = [fast_dot._matvec_kernel, fast_dot._matmul_kernel, fast_dot._dequant_rows_kernel,
-                   qk.quantize_act, ops._rms_norm_kernel, ops._rope_kernel, ops._rope_cache_kernel,
+        kernels = [*self._type_kernels, qk.quantize_act, ops._rms_norm_kernel, ops._rope_kernel, ops._rope_cache_kernel,
                    f16._round_f16_kernel, kv_attention.attention_kernel(config.head_dim, config.head_dim_v)]
         blocks = {kernels_cpu.quant_info(t.qtype).act_block for t in self.gguf.tensors.values()
                   if t.qtype in kernels_cpu.QUANT_INFO}

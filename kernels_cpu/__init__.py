@@ -9,10 +9,11 @@ or a Q4_K matrix interleaved in eights (repack.py, type id Q4_K_X8), the CPU bac
     get_rows(w_raw, qtype, n_cols, ids)        -> (len(ids), n_cols) f32                 embeddings
     dequantize_rows(w_raw, qtype, n_cols, start, stop, out=None) -> (stop-start, n_cols) f32
     set_threads(n) / get_threads(), supported_types(), quant_info(qtype), row_bytes(qtype, n_cols)
+    use_model_types(tensors)                   one kernel set for a model's types (only their code compiles)
 Float ops: rms_norm, rope_inplace, gelu_mul (ops.py); attention (kv_attention.py).
 """
 from .matvec import (dequantize_rows, get_rows, matmul, matmul_many, matmul_uses_int8, matvec, matvec_many,
-                     quantize_activation_rows, quantize_activations)
+                     quantize_activation_rows, quantize_activations, use_model_types)
 from .kv_attention import attention
 from .ops import gelu_mul, rms_norm, rope_inplace
 from .quant_types import QUANT_INFO, QuantInfo, quant_info, row_bytes, supported_types
@@ -21,7 +22,7 @@ from .threads import get_threads, set_threads
 
 __all__ = [
     "matvec", "matvec_many", "matmul", "matmul_many", "get_rows", "dequantize_rows", "quantize_activations", "quantize_activation_rows",
-    "matmul_uses_int8", "supported_types", "quant_info", "row_bytes", "QuantInfo", "QUANT_INFO",
+    "matmul_uses_int8", "use_model_types", "supported_types", "quant_info", "row_bytes", "QuantInfo", "QUANT_INFO",
     "set_threads", "get_threads", "rms_norm", "rope_inplace", "gelu_mul", "attention",
     "reference_dequantize", "reference_matvec", "reference_matmul",
 ]

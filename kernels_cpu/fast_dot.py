@@ -19,6 +19,8 @@ function's own file.
 """
 from __future__ import annotations
 
+from types import FunctionType
+
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
@@ -982,6 +984,16 @@ FAST_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 
 _JIT = dict(cache=True, nogil=True)
 
+# Which types the dispatching functions below (_dot_rows, _quartered_rows, _deq_row) and
+# the kernels calling them handle: every one in these definitions; `kernels_for` copies
+# them with some of the flags False, and Numba prunes those branches before typing, so a
+# model compiles only its own types' code (see "Kernels per type set" below).
+_HAS_Q8_0 = _HAS_Q4_0 = _HAS_Q4_1 = _HAS_Q5_0 = _HAS_Q5_1 = _HAS_IQ4_NL = True
+_HAS_Q2_K = _HAS_Q3_K = _HAS_Q4_K = _HAS_Q5_K = _HAS_Q6_K = _HAS_IQ4_XS = _HAS_Q4_K_X8 = True
+_TYPE_NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", IQ4_NL: "IQ4_NL",
+               Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS",
+               Q4_K_X8: "Q4_K_X8"}
+
 
 # ----------------------------------------------------------------------------- Q4_K, 4 rows in lanes
 
@@ -1271,60 +1283,69 @@ def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
     v = r0
     while v + ROWS <= min(r1, ROWS * q):   # r0 is a multiple of CHUNK, so of ROWS
         i = v // ROWS
-        if qt == Q8_0:
+        if _HAS_Q8_0 and qt == Q8_0:
             a, b, c, d = _rows_q8_0(w, i, xq, xd, xs, q)
-        elif qt == Q6_K:
+        elif _HAS_Q6_K and qt == Q6_K:
             a, b, c, d = _rows_q6_k(w, i, xq, xd, xs, q)
-        else:
+        elif _HAS_Q4_K:
             a, b, c, d = _rows4_q4_k(w, i, xq, xd, xs, q)
+        else:   # not reached: the callers pass only these three types
+            a = b = c = d = np.float32(0.0)
         out[i] = a
         out[i + q] = b
         out[i + 2 * q] = c
         out[i + 3 * q] = d
         v += ROWS
     for r in range(max(v, ROWS * q), r1):   # never for Q4_K (rows % 8 == 0)
-        out[r] = _row_q8_0(w, r, xq, xd, xs) if qt == Q8_0 else _row_q6_k(w, r, xq, xd, xs)
+        if _HAS_Q8_0 and qt == Q8_0:
+            out[r] = _row_q8_0(w, r, xq, xd, xs)
+        elif _HAS_Q6_K:
+            out[r] = _row_q6_k(w, r, xq, xd, xs)
 
 
 @njit(**_JIT)
 def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
     """out[r] = row r of w . 8-bit activations for r0 <= r < r1, dispatched on the GGML
     type id once (the row intrinsics inline into each branch's loop)."""
-    if qt == Q4_K_X8:   # r0 and r1 are multiples of 8 (CHUNK and the row count are)
+    if _HAS_Q4_K_X8 and qt == Q4_K_X8:   # r0 and r1 are multiples of 8 (CHUNK and the row count are)
         for g in range(r0 // X8_ROWS, r1 // X8_ROWS):
             vals = _rows8_q4_k_x8(w, g, xq, xd, xs)
             for k in range(X8_ROWS):
                 out[X8_ROWS * g + k] = vals[k]
-    elif qt == Q6_K or qt == Q8_0 or (qt == Q4_K and w.shape[0] % 8 == 0):
+    elif _HAS_Q6_K and qt == Q6_K:
         _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
-    elif qt == Q4_K:   # llama.cpp repacks only matrices with rows % 8 == 0
+    elif _HAS_Q8_0 and qt == Q8_0:
+        _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
+    elif _HAS_Q4_K and qt == Q4_K and w.shape[0] % 8 == 0:
+        _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
+    elif _HAS_Q4_K and qt == Q4_K:   # llama.cpp repacks only matrices with rows % 8 == 0
         for r in range(r0, r1):
             out[r] = _row_q4_k(w, r, xq, xd, xs)
-    elif qt == Q5_0:
+    elif _HAS_Q5_0 and qt == Q5_0:
         for r in range(r0, r1):
             out[r] = _row_q5_0(w, r, xq, xd, xs)
-    elif qt == Q5_K:
+    elif _HAS_Q5_K and qt == Q5_K:
         for r in range(r0, r1):
             out[r] = _row_q5_k(w, r, xq, xd, xs)
-    elif qt == Q4_0:
+    elif _HAS_Q4_0 and qt == Q4_0:
         for r in range(r0, r1):
             out[r] = _row_q4_0(w, r, xq, xd, xs)
-    elif qt == Q4_1:
+    elif _HAS_Q4_1 and qt == Q4_1:
         for r in range(r0, r1):
             out[r] = _row_q4_1(w, r, xq, xd, xs)
-    elif qt == Q5_1:
+    elif _HAS_Q5_1 and qt == Q5_1:
         for r in range(r0, r1):
             out[r] = _row_q5_1(w, r, xq, xd, xs)
-    elif qt == IQ4_NL:
+    elif _HAS_IQ4_NL and qt == IQ4_NL:
         for r in range(r0, r1):
             out[r] = _row_iq4_nl(w, r, xq, xd, xs)
-    elif qt == Q3_K:
+    elif _HAS_Q3_K and qt == Q3_K:
         for r in range(r0, r1):
             out[r] = _row_q3_k(w, r, xq, xd, xs)
-    elif qt == Q2_K:
+    elif _HAS_Q2_K and qt == Q2_K:
         for r in range(r0, r1):
             out[r] = _row_q2_k(w, r, xq, xd, xs)
-    else:
+    elif _HAS_IQ4_XS and qt == IQ4_XS:
         for r in range(r0, r1):
             out[r] = _row_iq4_xs(w, r, xq, xd, xs)
 
@@ -1344,31 +1365,31 @@ def _matvec_item(w, qt, xq, xd, xs, out, g):
 @njit(**_JIT)
 def _deq_row(w, qt, r, y, i):
     """y[i] = dequantized row r of w, dispatched on the GGML type id."""
-    if qt == Q4_K:
+    if _HAS_Q4_K and qt == Q4_K:
         _deq_row_q4_k(w, r, y, i)
-    elif qt == Q4_K_X8:
+    elif _HAS_Q4_K_X8 and qt == Q4_K_X8:
         _deq_row_q4_k_x8(w, r, y, i)
-    elif qt == Q6_K:
+    elif _HAS_Q6_K and qt == Q6_K:
         _deq_row_q6_k(w, r, y, i)
-    elif qt == Q8_0:
+    elif _HAS_Q8_0 and qt == Q8_0:
         _deq_row_q8_0(w, r, y, i)
-    elif qt == Q5_0:
+    elif _HAS_Q5_0 and qt == Q5_0:
         _deq_row_q5_0(w, r, y, i)
-    elif qt == Q5_K:
+    elif _HAS_Q5_K and qt == Q5_K:
         _deq_row_q5_k(w, r, y, i)
-    elif qt == Q4_0:
+    elif _HAS_Q4_0 and qt == Q4_0:
         _deq_row_q4_0(w, r, y, i)
-    elif qt == Q4_1:
+    elif _HAS_Q4_1 and qt == Q4_1:
         _deq_row_q4_1(w, r, y, i)
-    elif qt == Q5_1:
+    elif _HAS_Q5_1 and qt == Q5_1:
         _deq_row_q5_1(w, r, y, i)
-    elif qt == IQ4_NL:
+    elif _HAS_IQ4_NL and qt == IQ4_NL:
         _deq_row_iq4_nl(w, r, y, i)
-    elif qt == Q3_K:
+    elif _HAS_Q3_K and qt == Q3_K:
         _deq_row_q3_k(w, r, y, i)
-    elif qt == Q2_K:
+    elif _HAS_Q2_K and qt == Q2_K:
         _deq_row_q2_k(w, r, y, i)
-    else:
+    elif _HAS_IQ4_XS and qt == IQ4_XS:
         _deq_row_iq4_xs(w, r, y, i)
 
 
@@ -1448,43 +1469,119 @@ def _dequant_rows_kernel(w, qt, rows, y):
         _deq_row(w, qt, rows[i], y, i)
 
 
+# ----------------------------------------------------------------------------- kernels per type set
+# A kernel dispatching on the type id at run time compiles every type's code: ~14 s of a
+# first start for all of them, where a model uses 3-5. `kernels_for(types)` copies the
+# dispatching functions and the kernels above with the flags of the other types False
+# (Python function copies reading their own globals; each named after its types, so each
+# has its own file in Numba's on-disk cache), made once per type set and process. The
+# code of a type is the one definition above, whichever copies contain it: the same bits.
+
+_SPECIALISED = ("_quartered_rows", "_dot_rows", "_deq_row", "_matvec_item", "_claimed_rows",
+                "_claimed_items", "_matvec_kernel", "_matmul_kernel", "_dequant_kernel",
+                "_dequant_kernel_serial", "_dequant_rows_kernel")   # callees before callers
+_SETS: dict = {}         # type set (sorted tuple) -> its kernels
+_MODEL_SETS: list = []   # sets registered by use_types, the latest first
+_FOR_CALL: dict = {}     # the types of one call -> the kernels that serve it
+
+
+class KernelSet:
+    """The kernels of fast_dot for a set of type ids (attributes named as the generic ones)."""
+
+    def __init__(self, qts: tuple) -> None:
+        self.types = qts
+        g = dict(globals())
+        g.update({f"_HAS_{name}": qt in qts for qt, name in _TYPE_NAMES.items()})
+        suffix = "_" + "_".join(_TYPE_NAMES[qt] for qt in qts)
+        for name in _SPECIALISED:
+            generic = globals()[name]
+            f = generic.py_func
+            copy = FunctionType(f.__code__, g, name + suffix, f.__defaults__, f.__closure__)
+            copy.__qualname__, copy.__module__, copy.__doc__ = name + suffix, f.__module__, f.__doc__
+            opts = {k: v for k, v in generic.targetoptions.items() if k in ("parallel", "nogil")}
+            g[name] = njit(cache=True, **opts)(copy)
+            setattr(self, name, g[name])
+
+    def forward_kernels(self) -> list:
+        """The kernels a short prompt and a decoded token compile (matvec, the 8-bit
+        matmul, the row lookup), for compile_progress.warm_up's check."""
+        return [self._matvec_kernel, self._matmul_kernel, self._dequant_rows_kernel]
+
+
+def kernel_set(qts) -> KernelSet:
+    """The kernels for exactly these type ids (made on first use)."""
+    key = tuple(sorted({int(t) for t in qts}))
+    if not all(has_fast_path(t) for t in key):
+        raise ValueError(f"no fast path for type ids {key}")
+    got = _SETS.get(key)
+    if got is None:
+        got = _SETS[key] = KernelSet(key)
+    return got
+
+
+def use_types(qts) -> KernelSet | None:
+    """Register the fast-path types of a model (as the kernels see them: repacked ids):
+    calls on these types use one kernel set for all of them. Returns it (None when the
+    model has no fast-path type)."""
+    key = tuple(sorted({int(t) for t in qts if has_fast_path(int(t))}))
+    if not key:
+        return None
+    if key in _MODEL_SETS:
+        _MODEL_SETS.remove(key)
+    _MODEL_SETS.insert(0, key)
+    _FOR_CALL.clear()
+    return kernel_set(key)
+
+
+def kernels_for(*qts: int) -> KernelSet:
+    """The kernel set serving a call on these types: the latest registered model set that
+    holds them all, else the set of exactly these types."""
+    got = _FOR_CALL.get(qts)
+    if got is None:
+        need = set(qts)
+        key = next((s for s in _MODEL_SETS if need <= set(s)), tuple(sorted(need)))
+        got = _FOR_CALL[qts] = kernel_set(key)
+    return got
+
+
 def has_fast_path(qt: int) -> bool:
     return qt in FAST_TYPES or qt == Q4_K_X8
 
 
 def matvec_fast(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
     """out[r] = row r . activations (quantized by matvec.quantize_activations) for a fast-path type."""
-    _matvec_kernel(w_raw, qt, w_raw, qt, w_raw, qt, xq, xd, xs, out, _NO_OUT, _NO_OUT, get_threads())
+    kernels_for(qt)._matvec_kernel(w_raw, qt, w_raw, qt, w_raw, qt, xq, xd, xs, out, _NO_OUT, _NO_OUT,
+                                   get_threads())
 
 
 def matmul_int(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
     """out[t, r] = row r . token t's 8-bit activations (xq/xd/xs with one row per token)."""
-    _matmul_kernel(w_raw, qt, xq, xd, xs, out)
+    kernels_for(qt)._matmul_kernel(w_raw, qt, xq, xd, xs, out)
 
 
 def dequantize_fast(w_raw: np.ndarray, qt: int, start: int, y: np.ndarray) -> None:
     """y[i] = dequantized row start + i of w, for a fast-path type; y float32 (n, n_cols) C-contiguous."""
-    _dequant_kernel(w_raw, qt, start, y)
+    kernels_for(qt)._dequant_kernel(w_raw, qt, start, y)
 
 
 def dequantize_fast_serial(w_raw: np.ndarray, qt: int, start: int, y: np.ndarray) -> None:
     """dequantize_fast on the calling thread only (no parallel region; releases the GIL)."""
-    _dequant_kernel_serial(w_raw, qt, start, y)
+    kernels_for(qt)._dequant_kernel_serial(w_raw, qt, start, y)
 
 
 def dequantize_rows_fast(w_raw: np.ndarray, qt: int, rows: np.ndarray, y: np.ndarray) -> None:
     """y[i] = dequantized row rows[i] of w (int64 ids, validated by the caller)."""
-    _dequant_rows_kernel(w_raw, qt, rows, y)
+    kernels_for(qt)._dequant_rows_kernel(w_raw, qt, rows, y)
 
 
 def matvec_fast_many(ws: list, qts: list, xq, xd, xs, outs: list) -> None:
     """matvec_fast for 2 or 3 matrices sharing the quantized activations, in one call."""
     if len(ws) == 2:
-        _matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[1], qts[1], xq, xd, xs, outs[0], outs[1], _NO_OUT,
-                       get_threads())
+        kernels_for(*qts)._matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[1], qts[1], xq, xd, xs, outs[0], outs[1],
+                                         _NO_OUT, get_threads())
     elif len(ws) == 3:
-        _matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[2], qts[2], xq, xd, xs, outs[0], outs[1], outs[2],
-                       get_threads())
+        kernels_for(*qts)._matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[2], qts[2], xq, xd, xs, outs[0], outs[1],
+                                         outs[2], get_threads())
     else:
         for w, qt, out in zip(ws, qts, outs):
             matvec_fast(w, qt, xq, xd, xs, out)

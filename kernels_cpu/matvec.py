@@ -30,6 +30,17 @@ _PREFILL_TILE_ROWS = 64        # rows dequantized at once for the BLAS GEMM (mea
 _INT8_MATMUL_MAX_TOKENS = 64   # up to here the 8-bit row kernels beat dequantize + BLAS (measured)
 
 
+def use_model_types(tensors) -> list:
+    """Register the types of a model's matrices (`tensors`: objects with .qtype and .n_rows;
+    repacked ids as `repack` will give them) so that one kernel set serves all of them
+    and only their code compiles (fast_dot.use_types). Returns the kernels its first
+    tokens compile."""
+    from .repack import repacks
+
+    ks = fast_dot.use_types(qk.Q4_K_X8 if repacks(t.qtype, t.n_rows) else int(t.qtype) for t in tensors)
+    return ks.forward_kernels() if ks is not None else []
+
+
 def _f32_vec(x: np.ndarray, n: int, what: str) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.shape != (n,):
