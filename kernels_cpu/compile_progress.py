@@ -7,10 +7,17 @@ compilations (a kernel's callees compile inside it) and hands (done, total) to a
 the default one writes one line to stderr, updated in place on a terminal, plain lines
 otherwise. A warm cache compiles nothing and prints nothing. A front end with its own
 screen (the TUI) installs its callback with `set_reporter`.
+
+Numba compiles under one lock per process, so a cold start compiles one kernel at a time.
+A kernel registered with `compile_elsewhere` (the attention kernel, the largest) is given
+to a second Python process at a cold start, which writes it into the shared on-disk cache
+while this one compiles the rest; the first call that needs it waits for that process
+(`wait_for`) and loads it from the cache. A warm cache starts no process.
 """
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 from contextlib import contextmanager
@@ -125,12 +132,51 @@ def reporting(total: int, report: Reporter | None = None):
     counter.finish()
 
 
+_elsewhere: dict = {}   # id(kernel) -> [kernel, starts a process compiling it into the cache]
+_pending: dict = {}     # id(kernel) -> that process, until a call waits for it
+
+
+def compile_elsewhere(kernel, start: Callable[[], subprocess.Popen]) -> None:
+    """Let a cold start give `kernel` to the process `start()` launches (see the module
+    docstring); the process must compile it with the signature this process calls."""
+    _elsewhere[id(kernel)] = [kernel, start]
+
+
+def wait_for(kernel) -> None:
+    """Before `kernel`'s first call: wait for the process compiling it, if there is one."""
+    proc = _pending.pop(id(kernel), None)
+    if proc is not None:
+        proc.wait()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _start_elsewhere(missing: list) -> None:
+    if len(missing) < 2 or _cores() < 2:
+        return   # nothing to share the work with, or no second core to share it on
+    for k in missing:
+        entry = _elsewhere.get(id(k))
+        if entry is not None and entry[0] is k and id(k) not in _pending:
+            try:
+                _pending[id(k)] = entry[1]()
+            except OSError:
+                pass   # this process compiles it, as without the helper process
+
+
 def warm_up(run: Callable[[], object], kernels: Iterable, report: Reporter | None = None) -> int:
     """Run `run` (a tiny forward pass) under `reporting` unless every one of `kernels` is
-    already compiled or cached on disk. Returns how many kernels it compiled."""
+    already compiled or cached on disk; at a cold start, kernels registered with
+    `compile_elsewhere` compile in a second process meanwhile. Returns how many kernels
+    were compiled."""
     missing = [k for k in kernels if not on_disk(k)]
     if not missing:
         return 0
+    _start_elsewhere(missing)
     with reporting(len(missing), report) as counter:
         run()
     return counter.done if counter.started else 0

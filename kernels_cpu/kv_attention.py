@@ -24,6 +24,9 @@ the two to agree bit for bit.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 from llvmlite import ir
@@ -31,6 +34,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import compile_progress
 from .f16 import f16_round, f16_to_f32, round_f16
 from .f16 import f16_value as _f16
 from .fast_dot import _IR, _counted_loop, _target_features
@@ -611,7 +615,30 @@ def attention_kernel(hd: int, hdv: int):
     kernel = _ROWS_KERNELS.get(key)
     if kernel is None:
         kernel = _ROWS_KERNELS[key] = _make_attention_rows(*key)
+        compile_progress.compile_elsewhere(kernel, lambda: _compile_in_process(hd, hdv))
     return kernel
+
+
+def _compile_in_process(hd: int, hdv: int) -> subprocess.Popen:
+    """Start a Python process that compiles the attention kernel for these head sizes into
+    Numba's on-disk cache (compile_progress: a cold start's second process)."""
+    from numba.core import config
+
+    env = dict(os.environ)
+    if config.CACHE_DIR:
+        env["NUMBA_CACHE_DIR"] = config.CACHE_DIR
+    code = f"from edgeinfer.kernels_cpu import kv_attention; kv_attention.compile_here({int(hd)}, {int(hdv)})"
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def compile_here(hd: int, hdv: int) -> None:
+    """Compile (or load) the attention kernel for these head sizes with the signature
+    `attention` calls it with, on a few dummy rows."""
+    n_slots = 32
+    q = np.ones((2, 2, hd), np.float32)
+    k, v = np.ones((n_slots, 1, hd), np.float16), np.ones((n_slots, 1, hdv), np.float16)
+    attention(q, k, v, np.arange(n_slots), np.array([n_slots - 2, n_slots - 1]), 1.0, 0)
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpos: np.ndarray,
@@ -627,10 +654,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpo
     apply_threads()
     q16 = round_f16(q)
     out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
-    attention_kernel(q.shape[2], v.shape[2])(q16, np.ascontiguousarray(k).view(np.uint16), np.ascontiguousarray(v).view(np.uint16),
-                    np.ascontiguousarray(kpos, dtype=np.int64),
-                    np.ascontiguousarray(qpos, dtype=np.int64), int(window), np.float32(kq_scale), out,
-                    _SLOTS)
+    kernel = attention_kernel(q.shape[2], v.shape[2])
+    if compile_progress._pending:
+        compile_progress.wait_for(kernel)
+    kernel(q16, np.ascontiguousarray(k).view(np.uint16), np.ascontiguousarray(v).view(np.uint16),
+           np.ascontiguousarray(kpos, dtype=np.int64), np.ascontiguousarray(qpos, dtype=np.int64), int(window),
+           np.float32(kq_scale), out, _SLOTS)
     return out
 
 
