@@ -12,7 +12,12 @@ or a Q4_K matrix interleaved in eights (repack.py, type id Q4_K_X8), the CPU bac
     use_model_types(tensors)                   one kernel set for a model's types (only their code compiles)
 Float ops: rms_norm, rope_inplace, gelu_mul (ops.py); attention (kv_attention.py).
 """
-from .matvec import (dequantize_rows, get_rows, matmul, matmul_many, matmul_uses_int8, matvec, matvec_many,
+from . import cache_dir as _cache_dir
+
+_cache_dir.configure()   # before any kernel is defined: Numba's cache keyed to these sources
+
+from .matvec import (  # noqa: E402
+                     dequantize_rows, get_rows, matmul, matmul_many, matmul_uses_int8, matvec, matvec_many,
                      quantize_activation_rows, quantize_activations, use_model_types)
 from .kv_attention import attention
 from .ops import gelu_mul, rms_norm, rope_inplace
