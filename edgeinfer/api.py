@@ -23,9 +23,9 @@ from edgeinfer.generate import collect
 from edgeinfer.loader import open_model
 from edgeinfer.metadata import meta_str
 from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, TokenLogprob, Usage
-from edgeinfer.saved_session import model_identity
 from edgeinfer.sampling import SamplingParams
-from edgeinfer.session import SessionManager
+from edgeinfer.session_file import model_identity
+from edgeinfer.session_manager import SessionManager
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
@@ -36,7 +36,7 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
          context_shift: bool = False, n_keep: int = 0) -> "Model":
     """Resolve a model name (alias, hf.co/..., or path), open and check it, build the engine.
 
-    `kv_pool_mb` caps the paged KV pool (default 2 x n_ctx tokens, see edgeinfer.session);
+    `kv_pool_mb` caps the paged KV pool (default 2 x n_ctx tokens, see edgeinfer.session_manager);
     `context_shift` drops the oldest half of the context after `n_keep` tokens when a
     generation fills the window; off by default for the library and the server (a full
     window ends with finish_reason "length", predictable for API clients), on in

@@ -1,4 +1,4 @@
-"""Chat conversations of `edgeinfer chat`, stored as saved sessions (edgeinfer.saved_session).
+"""Chat conversations of `edgeinfer chat`, stored as saved sessions (edgeinfer.session_file).
 
 A conversation IS a saved session: `<data dir>/sessions/<id>.npz`, the file that
 `edgeinfer run NAME --session <id>` resumes (and writes), so a chat started in the TUI goes
@@ -35,7 +35,7 @@ from edgeinfer.atomic_file import remove_stale_temps
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.safe_open import RefusedFile, open_regular
 from edgeinfer.sampling import SamplingParams
-from edgeinfer.saved_session import (SavedSession, SessionFileError, check_name, load_session,
+from edgeinfer.session_file import (SavedSession, SessionFileError, check_name, load_session,
                                      read_session_info, save_session, sessions_dir)
 
 FORMAT_VERSION = 1  # of the first store's JSON files (read for migration only)
@@ -76,7 +76,7 @@ def default_title(messages: list[dict]) -> str:
 
 
 def same_model(a: dict | None, b: dict | None) -> bool:
-    """Two model identities (saved_session.model_identity) name the same file."""
+    """Two model identities (session_file.model_identity) name the same file."""
     return bool(a and b and a.get("digest") and a.get("digest") == b.get("digest")
                 and a.get("size") == b.get("size"))
 
@@ -120,7 +120,7 @@ class ConversationStore:
 
     def __init__(self, root: str | os.PathLike[str] | None = None,
                  legacy: str | os.PathLike[str] | None = None) -> None:
-        """`root`: the sessions folder (default saved_session.sessions_dir()). `legacy`: where
+        """`root`: the sessions folder (default session_file.sessions_dir()). `legacy`: where
         first-store JSON files are looked for (default: `root` itself when given, as
         `edgeinfer chat --data-dir` used to hold them, else legacy_dir())."""
         self.root = Path(root) if root is not None else default_dir()
@@ -162,7 +162,7 @@ class ConversationStore:
         """The saved K/V of `conv` for the model `identity` (None when the file holds none);
         SessionFileError when the file is of another model or corrupt, or its K/V were refused
         (NaN or Inf, positions out of range: the message says which). `config` and `n_ctx` (the
-        model's) make the size checks exact (saved_session.load_session)."""
+        model's) make the size checks exact (session_file.load_session)."""
         saved = load_session(self.path_of(conv.id), identity, n_layer, config=config, n_ctx=n_ctx,
                              warn=_quiet)
         if saved.kv_refused:
@@ -275,7 +275,7 @@ def identify(name: str, size: int | None = None) -> dict | None:
     if not name:
         return None
     from edgeinfer.registry import resolve
-    from edgeinfer.saved_session import model_identity
+    from edgeinfer.session_file import model_identity
 
     try:
         path = resolve(name, download=False, progress=False)

@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from edgeinfer import saved_session
+from edgeinfer import session_file
 from edgeinfer.conversations import (Conversation, ConversationError, ConversationStore, default_dir,
                                      default_title, legacy_dir, same_model)
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.saved_session import (SavedSession, load_session, model_identity, read_session_info,
+from edgeinfer.session_file import (SavedSession, load_session, model_identity, read_session_info,
                                      save_session)
 
 IDENTITY = {"name": "tiny", "size": 1234, "digest": "ab" * 32}
@@ -226,7 +226,7 @@ def test_chat_messages_put_the_system_prompt_first_and_drop_extra_keys():
 
 def test_data_dir_follows_edgeinfer_home(monkeypatch, tmp_path):
     monkeypatch.setenv("EDGEINFER_HOME", str(tmp_path))
-    assert default_dir() == tmp_path / "sessions" == saved_session.sessions_dir()
+    assert default_dir() == tmp_path / "sessions" == session_file.sessions_dir()
     assert legacy_dir() == tmp_path / "conversations"
     store = ConversationStore()
     assert (store.root, store.legacy) == (tmp_path / "sessions", tmp_path / "conversations")

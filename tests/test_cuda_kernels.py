@@ -242,7 +242,7 @@ def test_session_manager_paged_vram_kv_matches_cpu(tmp_path):
     from edgeinfer.kv.device_storage import DeviceBlockStorage
     from edgeinfer.generate import collect
     from edgeinfer.sampling import SamplingParams
-    from edgeinfer.session import SessionManager
+    from edgeinfer.session_manager import SessionManager
 
     path = write_tiny_model(tmp_path / "m.gguf", "llama", "Q8_0", shape=TinyShape(n_layer=3))
     cpu = edgeinfer.load(str(path), backend="reference", n_ctx=64, prefill_chunk=5)

@@ -26,7 +26,7 @@ from edgeinfer.loader import open_model
 from edgeinfer.offload import GiB, DeviceInfo, OffloadPlan
 from edgeinfer.results import FinishReason
 from edgeinfer.sampling import SamplingParams
-from edgeinfer.session import SessionManager
+from edgeinfer.session_manager import SessionManager
 
 N_CTX = 64
 BS = 4

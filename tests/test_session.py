@@ -20,7 +20,7 @@ from edgeinfer.kv.paged import PagedKVCache
 from edgeinfer.kv.pool_sizing import pool_blocks
 from edgeinfer.results import FinishReason
 from edgeinfer.sampling import SamplingParams
-from edgeinfer.session import SessionManager
+from edgeinfer.session_manager import SessionManager
 from gguf_factory import TinyShape, bpe_vocab, spm_vocab, write_tiny_model
 from oracles import cold_run
 

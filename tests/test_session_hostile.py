@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeinfer import atomic_file, saved_session
+from edgeinfer import atomic_file, session_file
 from edgeinfer.conversations import ConversationError, ConversationStore
-from edgeinfer.saved_session import (SavedSession, SessionFileError, load_session, read_session_info,
+from edgeinfer.session_file import (SavedSession, SessionFileError, load_session, read_session_info,
                                      save_session)
 
 IDENTITY = {"name": "tiny", "size": 1234, "digest": "ab" * 32}
@@ -35,7 +35,7 @@ RUN = [sys.executable, "-m", "edgeinfer.cli", "run"]
 @pytest.fixture(autouse=True)
 def _fresh_sweep(monkeypatch):
     """Each test is a fresh process as far as the once-per-folder sweep is concerned."""
-    monkeypatch.setattr(saved_session, "_swept", set())
+    monkeypatch.setattr(session_file, "_swept", set())
 
 
 def _kv_session(n: int = 3, layers: int = 2, tokens: int | None = None) -> SavedSession:
@@ -116,7 +116,7 @@ def _memory_limited() -> None:
 DEV_ZERO_SCRIPT = textwrap.dedent("""
     import json, sys
     from edgeinfer.conversations import ConversationStore
-    from edgeinfer.saved_session import load_session, read_session_info
+    from edgeinfer.session_file import load_session, read_session_info
     out = []
     for read in (lambda: load_session(sys.argv[1], {}), lambda: read_session_info(sys.argv[1])):
         try:
@@ -215,7 +215,7 @@ def _deflated_zeros_member(name: str, prefix: bytes, zeros: int) -> tuple:
 
 BOMB_SCRIPT = textwrap.dedent("""
     import json, resource, sys
-    from edgeinfer.saved_session import load_session
+    from edgeinfer.session_file import load_session
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out = {}
     try:
@@ -429,7 +429,7 @@ def test_leftover_temp_files_are_removed_on_start_fresh_and_locked_ones_kept(tmp
 
 def test_first_load_in_a_folder_sweeps_it(tmp_path):
     path = save_session(tmp_path / "s.npz", _kv_session(), IDENTITY)
-    saved_session._swept.clear()
+    session_file._swept.clear()
     old = _temp(tmp_path, ".s.abcdefgh.tmp", 3600)
     load_session(path, IDENTITY)
     assert not old.exists() and path.exists()

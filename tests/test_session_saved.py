@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from edgeinfer import saved_session
+from edgeinfer import session_file
 from edgeinfer.cli import main
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.saved_session import (SavedSession, SessionFileError, check_name, load_session,
+from edgeinfer.session_file import (SavedSession, SessionFileError, check_name, load_session,
                                      model_identity, save_session, session_path)
 
 
@@ -107,7 +107,7 @@ def test_crash_mid_save_leaves_the_old_file_intact(model, home, monkeypatch):
     def crash(*a, **kw):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(saved_session.os, "replace", crash)  # dies after writing the temp file
+    monkeypatch.setattr(session_file.os, "replace", crash)  # dies after writing the temp file
     newer = _session(model)
     newer.tokens = list(range(100))
     with pytest.raises(SessionFileError):
@@ -204,7 +204,7 @@ def test_read_session_info_reads_the_header_of_any_models_session(model, tiny_mo
     saved.tokens, saved.k, saved.v, saved.pos = tokens, k, v, pos
     saved.meta = {"title": "t"}
     path = save_session(session_path("info"), saved, model.identity)
-    info = saved_session.read_session_info(path)
+    info = session_file.read_session_info(path)
     assert info.name == "info" and info.model == model.identity and info.n_kv == len(tokens)
     assert info.messages == saved.messages and info.sampling == saved.sampling and info.meta == {"title": "t"}
     assert info.mtime == path.stat().st_mtime
@@ -213,5 +213,5 @@ def test_read_session_info_reads_the_header_of_any_models_session(model, tiny_mo
         load_session(path, model_identity(tiny_models["qwen3"]))
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(SessionFileError) as err:
-        saved_session.read_session_info(path)
+        session_file.read_session_info(path)
     assert "corrupt" in str(err.value) and "\n" not in str(err.value)

@@ -23,9 +23,9 @@ from edgeinfer.kv.groups import DROPPED, layer_groups
 from edgeinfer.kv.paged import PagedKVCache
 from edgeinfer.results import FinishReason
 from edgeinfer.sampling import SamplingParams
-from edgeinfer.saved_session import SavedSession, load_session, save_session
+from edgeinfer.session_file import SavedSession, load_session, save_session
 from edgeinfer.kv.pool_sizing import group_pool_blocks
-from edgeinfer.session import SessionManager
+from edgeinfer.session_manager import SessionManager
 from gguf_factory import TinyShape, spm_vocab, write_tiny_model
 from oracles import cold_greedy
 
