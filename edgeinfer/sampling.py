@@ -284,18 +284,6 @@ def make_rng(seed: int | None) -> np.random.Generator:
     return np.random.default_rng(None if seed is None or seed == -1 else int(seed))
 
 
-def sample_top_k(logits: np.ndarray, k: int, temperature: float, rng: np.random.Generator) -> int:
-    return sample_dist(top_k_candidates(logits, k), temperature, rng)
-
-
-def sample_top_p(logits: np.ndarray, p: float, temperature: float, rng: np.random.Generator) -> int:
-    return sample_dist(top_p_filter(all_candidates(logits), p), temperature, rng)
-
-
-def sample_min_p(logits: np.ndarray, p: float, temperature: float, rng: np.random.Generator) -> int:
-    return sample_dist(min_p_filter(all_candidates(logits), p), temperature, rng)
-
-
 def filter_candidates(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> Candidates:
     """top_k -> top_p -> min_p, as llama.cpp's default chain orders them."""
     c = top_k_candidates(logits, top_k)

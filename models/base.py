@@ -52,7 +52,6 @@ class ModelConfig:
     attn_scale: float = 0.0  # multiplies Q before attention (Gemma); 0 = 1/sqrt(head_dim) on Q K^T
     embed_scale: float = 1.0  # gemma multiplies embeddings by sqrt(n_embd)
     tied_embeddings: bool = False
-    final_logit_softcap: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -226,11 +225,7 @@ class Transformer:
         be = self.backend
         x = self.hidden(tokens, positions, kv, logits_for)
         head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-        logits = be.linear(head, x)
-        if cfg.final_logit_softcap:
-            cap = np.float32(cfg.final_logit_softcap)
-            logits = np.tanh(logits / cap) * cap
-        return logits
+        return be.linear(head, x)
 
     def hidden(self, tokens: np.ndarray, positions: np.ndarray, kv: "KVView",
                rows: np.ndarray) -> np.ndarray:

@@ -265,18 +265,18 @@ def _attention(kv, layer: int, positions: np.ndarray, window: int = CFG_SWA.slid
     return Backend(None).attention(q.astype(np.float32), kv, layer, positions, 0.5, window)
 
 
-def test_drop_out_of_window_frees_blocks_no_later_query_sees():
+def test_append_drops_blocks_no_later_query_sees():
     cache = PagedKVCache(CFG_SWA, num_blocks=8, block_size=BS, drop_align=1)
     a = cache.new_sequence(64)
     ref = KVCache(CFG_SWA, 64)
     write(cache, a, list(range(14)), ref)  # blocks hold positions 0-3, 4-7, 8-11, 12-13
-    assert cache.drop_out_of_window(a) == 2  # next position 14, window 6: keys <= 8 are masked
-    assert cache.stats()["used"] == 2 and a.n_used == 14 and a.n_dropped == 2
+    assert cache.stats()["used"] == 4 and a.n_dropped == 0
+    write(cache, a, [5, 6, 7], ref)  # first new position 14, window 6: keys <= 8 are masked
+    assert cache.stats()["used"] == 3 and a.n_used == 17 and a.n_dropped == 2
     for layer in range(CFG.n_layer):
         k, v, pos = a.layer_view(layer)
         np.testing.assert_array_equal(k, ref.layer_view(layer)[0][8:])
-        np.testing.assert_array_equal(pos, np.arange(8, 14))
-    write(cache, a, [5, 6, 7], ref)
+        np.testing.assert_array_equal(pos, np.arange(8, 17))
     future = np.array([17, 18, 21])  # each sees some key; 22+ would see none
     for layer in range(CFG.n_layer):
         np.testing.assert_allclose(_attention(a, layer, future), _attention(ref, layer, future), atol=1e-6)
@@ -503,14 +503,9 @@ class PagedKVMachine(RuleBasedStateMachine):
 
 class PagedKVSlidingWindowMachine(PagedKVMachine):
     """The same operations on an all-sliding-window model: appends drop blocks out of the
-    window, truncates take them back from the prefix cache (or shorten), explicit drops too."""
+    window, truncates take them back from the prefix cache (or shorten)."""
 
     config = CFG_SWA
-
-    @precondition(lambda self: self.live)
-    @rule(i=st.integers(0, MAX_SEQS))
-    def drop(self, i: int) -> None:
-        self.cache.drop_out_of_window(self._pick(i).seq)
 
 
 class PagedKVMixedMachine(PagedKVSlidingWindowMachine):

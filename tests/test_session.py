@@ -17,7 +17,7 @@ from edgeinfer.generate import collect
 from edgeinfer.kv import context_shift
 from edgeinfer.kv.contiguous import KVCache
 from edgeinfer.kv.paged import PagedKVCache
-from edgeinfer.kv.pool_sizing import pool_blocks
+from edgeinfer.kv.pool_sizing import group_pool_blocks
 from edgeinfer.results import FinishReason
 from edgeinfer.sampling import SamplingParams
 from edgeinfer.session_manager import SessionManager
@@ -167,9 +167,9 @@ def test_model_api_goes_through_the_manager(model):
 
 
 def test_pool_size_policy():
-    assert pool_blocks(4096, 16, 1000) == 512  # 2 x n_ctx
-    assert pool_blocks(4096, 16, 1000, kv_pool_mb=1) == 257  # capped, but one full context fits
-    assert pool_blocks(100, 16, 1000, pool_tokens=1000) == 63
+    assert group_pool_blocks(4096, 16, [(0, 1000)]) == [512]  # 2 x n_ctx
+    assert group_pool_blocks(4096, 16, [(0, 1000)], kv_pool_mb=1) == [257]  # capped, but one full context fits
+    assert group_pool_blocks(100, 16, [(0, 1000)], pool_tokens=1000) == [63]
 
 
 # -- property test: random operation sequences ------------------------------------------------

@@ -144,25 +144,6 @@ class PagedKVCache:
         """Full blocks asked for by reuse_prefix."""
         return self.groups[0].pool.queries
 
-    def drop_out_of_window(self, seq: SequenceKV) -> int:
-        """Give back the sliding-window blocks the next token can no longer see; returns how
-        many (append does this by itself before every write). Dropped blocks keep their
-        prefix-cache hash, so they stay findable until reused."""
-        if not seq.n_used:
-            return 0
-        dropped = 0
-        for t in seq.tables:
-            if not t.group.window:
-                continue
-            drop_to = min(seq._needed_from(t.group, seq.n_used), len(t.blocks))
-            if drop_to > t.n_dropped:
-                freed = t.blocks[t.n_dropped:drop_to]
-                t.blocks[t.n_dropped:drop_to] = [DROPPED] * len(freed)
-                t.n_dropped, t._kept = drop_to, None
-                t.group.pool.free(freed[::-1])  # oldest first
-                dropped += len(freed)
-        return dropped
-
     # -- accounting -------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Blocks used/free/cached/total summed over the groups (and per group under

@@ -59,23 +59,13 @@ def vram_kv_blocks(vram_kv: int, config: "ModelConfig", n_layers: int, block_siz
     return vram_kv // per_block
 
 
-def pool_blocks(n_ctx: int, block_size: int, bytes_per_token: int, pool_tokens: int | None = None,
-                kv_pool_mb: float | None = None) -> int:
-    """Number of blocks for a pool of one group holding every layer (see the module docstring)."""
-    minimum = -(-n_ctx // block_size) + 1  # one full sequence + a copy-on-write block
-    tokens = 2 * n_ctx if pool_tokens is None else pool_tokens
-    blocks = -(-tokens // block_size)
-    if kv_pool_mb is not None:
-        blocks = min(blocks, int(kv_pool_mb * 2**20) // max(1, bytes_per_token * block_size))
-    return max(minimum, blocks)
-
-
 def group_pool_blocks(n_ctx: int, block_size: int, groups: Sequence[tuple[int, int]],
                       pool_tokens: int | None = None, kv_pool_mb: float | None = None,
                       prefill_chunk: int = 256, drop_align: int = DROP_ALIGN) -> list[int]:
     """Blocks for each layer group's pool; `groups`: (window, bytes per token) of each.
 
-    Full-attention group (window 0): `pool_blocks`'s policy. Sliding-window group: one
+    Full-attention group (window 0): 2 x n_ctx tokens (or `pool_tokens`), at least one full
+    sequence + a copy-on-write block (n_ctx / block_size + 1). Sliding-window group: one
     sequence needs the blocks spanning window - 1 + prefill_chunk tokens (+1 for their
     alignment to blocks, + the drop quantum - 1, +1 for a copy-on-write): it gets twice
     that, at most the full group's count. A `kv_pool_mb` budget shrinks every group in

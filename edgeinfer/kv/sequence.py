@@ -92,11 +92,6 @@ class SequenceKV(KVView):
         paged attention kernel takes instead of the gathered layer_view)."""
         return self.primary.kept()
 
-    def slot_index(self) -> np.ndarray:
-        """Slot index (in the primary group) of each token it holds, in order."""
-        bs = self.cache.block_size
-        return (self.kept_blocks()[:, None] * bs + np.arange(bs)).ravel()[:self.n_held]
-
     @property
     def positions(self) -> np.ndarray:
         """Position of each token, index 0 .. n_used-1."""
