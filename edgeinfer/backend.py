@@ -188,7 +188,7 @@ class Backend:
         multiplies Q K^T. Returns (n, n_head, hd_v).
 
         This is the readable numpy form of llama.cpp's exact rounding order, which
-        kernels_cpu/attention.py explains and the CPU backend runs compiled.
+        kernels_cpu/kv_attention.py explains and the CPU backend runs compiled.
         """
         k, v, kpos = kv.layer_view(layer)  # (S, n_kv, hd), (S, n_kv, hd_v), (S,) in slot order
         if q_scale != 1.0:

@@ -4,8 +4,8 @@ the metrics, and each model's keep-alive).
 The state exists before the model does: `set_model` hands the served model over once loaded.
 After that it may be unloaded (Ollama's `keep_alive`) and `ensure_model` loads it again. A
 request naming another local model gets it loaded in its own slot (slots.py); the model a
-request uses is its slot's, set by the model gate for the request (`use_slot`), the served
-model's otherwise.
+request uses is its slot's, set by the model gate for the request (`current_slot`), the
+served model's otherwise.
 """
 
 from __future__ import annotations
