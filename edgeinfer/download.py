@@ -203,7 +203,7 @@ def check_reachable(what: str, timeout: float | None = None) -> None:
 def _hub_call(what: str, fn, *args, **kwargs):
     """Run a huggingface_hub call, mapping its failures to DownloadError."""
     try:
-        with _quiet_hub_logs():
+        with _quiet_hub_logs(), _hub_offline_from_environment():
             return fn(*args, **kwargs)
     except DownloadError:
         raise
@@ -211,6 +211,20 @@ def _hub_call(what: str, fn, *args, **kwargs):
         if _is_transport_or_hub_error(exc):
             raise _hub_error(exc, what) from exc
         raise
+
+
+@contextmanager
+def _hub_offline_from_environment():
+    """huggingface_hub reads HF_HUB_OFFLINE once, at its import; this call follows the
+    environment as it is now (a server started offline may be told the Hub is reachable)."""
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = is_offline()
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
 
 
 def _is_transport_or_hub_error(exc: BaseException) -> bool:
