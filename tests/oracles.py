@@ -1,9 +1,17 @@
-"""Cache-free oracles the session and paged-KV tests compare against."""
+"""Cache-free oracles the session and paged-KV tests compare against, and the drivers they share."""
 from __future__ import annotations
 
-import numpy as np
+import threading
+from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+from edgeinfer.generate import collect
 from edgeinfer.kv.contiguous import KVCache
+from edgeinfer.results import FinishReason
+from edgeinfer.sampling import SamplingParams
 
 
 def cold_run(engine, tokenizer, ids: list[int], max_tokens: int) -> tuple[list[int], np.ndarray]:
@@ -26,3 +34,134 @@ def cold_run(engine, tokenizer, ids: list[int], max_tokens: int) -> tuple[list[i
 def cold_greedy(engine, tokenizer, ids: list[int], max_tokens: int) -> list[int]:
     """The greedy tokens of cold_run."""
     return cold_run(engine, tokenizer, ids, max_tokens)[0]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+def random_ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    """n token ids, none of the first three (special) ones."""
+    return [int(t) for t in rng.integers(3, vocab, n)]
+
+
+def record_logits(engine) -> list[np.ndarray]:
+    """Every logits array engine.forward returns from now on, in order."""
+    out: list[np.ndarray] = []
+    forward = engine.forward
+
+    def recording(*args, **kw):
+        logits = forward(*args, **kw)
+        out.append(np.array(logits))
+        return logits
+
+    engine.forward = recording
+    return out
+
+
+# -- two managers on the same requests ------------------------------------------------------------
+
+def branching_prompts(rng: np.random.Generator, vocab: int, length: int, branch_at: int,
+                      edit_at: int) -> tuple[list[int], ...]:
+    """A conversation `a`, then regenerate it, branch off it at `branch_at`, edit it at
+    `edit_at`, grow the branch: the requests a chat front end makes."""
+    a = random_ids(rng, length, vocab)
+    b = a[:branch_at] + random_ids(rng, 6, vocab)
+    return a, a, b, a[:edit_at] + [5], b + random_ids(rng, 7, vocab)
+
+
+def compare_managers(managers: Sequence, engines: Sequence, prompts: Iterable[list[int]], *,
+                     same_cached: bool = True, max_tokens: int = 4) -> None:
+    """Each prompt through the oracle manager `managers[0]` and `managers[1]`: the same greedy
+    tokens (and cached-token counts unless `same_cached` is off), the second's invariants hold,
+    and every forward pass of `engines[1]` gives the logits `engines[0]` gives (1e-5)."""
+    logs = [record_logits(e) for e in engines]
+    for prompt in prompts:
+        results = [collect(m.generate(prompt, greedy(max_tokens))) for m in managers]
+        assert results[1].tokens == results[0].tokens
+        if same_cached:
+            assert results[1].usage.cached_tokens == results[0].usage.cached_tokens
+        managers[1].check_invariants()
+    assert len(logs[1]) == len(logs[0])
+    for got, want in zip(*logs):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# -- random operation sequences on one manager ------------------------------------------------------
+
+OPERATIONS = ("new", "extend", "fork", "regenerate", "edit", "cancel", "fail", "delete", "reset")
+
+
+def operations(max_n: int) -> st.SearchStrategy:
+    """Up to six (operation, n, seed) steps for run_operations; n in 1..max_n."""
+    return st.lists(st.tuples(st.sampled_from(OPERATIONS), st.integers(1, max_n), st.integers(0, 1000)),
+                    min_size=1, max_size=6)
+
+
+def run_operations(mgr, ops: Iterable[tuple[str, int, int]], engine, tokenizer, *, n_ctx: int,
+                   new_min: int = 0, fail_at: int = 0,
+                   after_answer: Callable[[object], None] | None = None) -> list:
+    """Drive `mgr` through (operation, n, seed) steps, as a chat front end would: start a
+    conversation of `new_min` + n tokens, extend / fork / regenerate / edit one (the seed picks
+    which), cancel one mid-answer, fail one mid-prefill (after `fail_at` prompt tokens),
+    forget one, or reset the manager. Every answer must equal a cache-free greedy run on
+    `engine` and reuse less than its prompt; a cancelled or failed request leaves no block
+    used. `after_answer(mgr)` checks more after each answer; the invariants are checked
+    after every step. Returns each step's finish reason (None where nothing ran)."""
+    vocab = engine.config.n_vocab
+    convs: list[list[int]] = []  # conversations so far (prompt + answer)
+    outcomes: list = []
+    for op, n, seed in ops:
+        rng = np.random.default_rng(seed)
+        base = convs[seed % len(convs)] if convs else []
+        if op == "new" or not convs:
+            prompt = random_ids(rng, new_min + n, vocab)
+        elif op in ("extend", "cancel", "fail"):
+            prompt = base + random_ids(rng, n, vocab)
+        elif op == "fork":  # branch off the middle of an earlier conversation
+            prompt = base[:max(1, len(base) // 2)] + random_ids(rng, n, vocab)
+        elif op == "regenerate":
+            prompt = base[:max(1, len(base) - 3)]
+        elif op == "edit":
+            prompt = base[:max(1, len(base) - n)] + random_ids(rng, 2, vocab)
+        elif op == "delete":
+            convs.remove(base)
+            outcomes.append(None)
+            continue
+        else:  # reset
+            mgr.reset()
+            assert mgr.stats()["used"] == 0
+            outcomes.append(None)
+            continue
+        prompt = prompt[-(n_ctx - 10):]  # keep room for the answer
+        if op == "cancel":
+            cancel = threading.Event()
+            chunks = mgr.generate(prompt, greedy(8), cancel)
+            last = None
+            for i, last in enumerate(chunks):
+                if i == n % 3:
+                    cancel.set()
+            if last.finish_reason == FinishReason.CANCELLED:
+                assert mgr.stats()["used"] == 0
+            else:  # it ended (end of text) before the cancel took effect: it stays resident
+                assert mgr.resident_tokens() and mgr.stats()["used"] > 0
+            outcomes.append(last.finish_reason)
+        elif op == "fail":
+            def boom(done, total):
+                if done >= min(fail_at, total):
+                    raise RuntimeError("failure mid-prefill")
+
+            with pytest.raises(RuntimeError):
+                collect(mgr.generate(prompt, greedy(4), progress=boom))
+            assert mgr.stats()["used"] == 0
+            outcomes.append(None)
+        else:
+            result = collect(mgr.generate(prompt, greedy(4)))
+            assert result.tokens == cold_greedy(engine, tokenizer, prompt, 4), op
+            assert result.usage.cached_tokens < len(prompt)
+            convs.append(prompt + result.tokens)
+            if after_answer is not None:
+                after_answer(mgr)
+            outcomes.append(result.finish_reason)
+        mgr.check_invariants()
+    return outcomes

@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 import pytest
-from oracles import cold_greedy
+from oracles import branching_prompts, cold_greedy, compare_managers, greedy, random_ids, run_operations
 from test_offload_plan import install_fake_device
 
 import edgeinfer
@@ -25,7 +25,6 @@ from edgeinfer.kv.contiguous import KVCache
 from edgeinfer.loader import open_model
 from edgeinfer.offload import GiB, DeviceInfo, OffloadPlan
 from edgeinfer.results import FinishReason
-from edgeinfer.sampling import SamplingParams
 from edgeinfer.session_manager import SessionManager
 
 N_CTX = 64
@@ -61,28 +60,6 @@ def _manager(engine, tokenizer, **kw) -> SessionManager:
     return SessionManager(engine, tokenizer, model_id="tiny", **kw)
 
 
-def _record_logits(engine) -> list[np.ndarray]:
-    """Every logits array engine.forward returns from now on, in order."""
-    out: list[np.ndarray] = []
-    forward = engine.forward
-
-    def recording(*args, **kw):
-        logits = forward(*args, **kw)
-        out.append(np.array(logits))
-        return logits
-
-    engine.forward = recording
-    return out
-
-
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n)
-
-
-def _ids(rng, n: int, vocab: int) -> list[int]:
-    return [int(t) for t in rng.integers(3, vocab, n)]
-
-
 def _cold_logits(engine, ids: list[int]) -> np.ndarray:
     """Logits after `ids` from a fresh contiguous cache (no prefix reuse, no blocks). Prefilled
     in other chunks than a warm run, so equal to ~2e-5 (BLAS rounding), as on the CPU path."""
@@ -103,8 +80,8 @@ def test_conversations_sharing_a_prefix_share_device_blocks(tiny_models, device)
     assert dev.k[0].shape == (cache.num_blocks, BS, cpu.config.n_head_kv, cpu.config.head_dim)
 
     rng = np.random.default_rng(1)
-    a = _ids(rng, 18, cpu.config.n_vocab)
-    b = a[:16] + _ids(rng, 5, cpu.config.n_vocab)
+    a = random_ids(rng, 18, cpu.config.n_vocab)
+    b = a[:16] + random_ids(rng, 5, cpu.config.n_vocab)
     seq_a = cache.new_sequence(N_CTX)
     engine.prefill(a, seq_a)
     seq_a.record_tokens(a)
@@ -141,16 +118,16 @@ def test_second_conversation_prefills_only_its_new_tokens(tiny_models, device):
     mgr = _manager(engine, cpu.tokenizer)
     rng = np.random.default_rng(2)
     vocab = cpu.config.n_vocab
-    a = _ids(rng, 17, vocab)
-    collect(mgr.generate(a, _greedy(2)))
-    collect(mgr.generate(_ids(rng, 9, vocab), _greedy(2)))  # a is no longer resident
-    b = a[:16] + _ids(rng, 3, vocab)
+    a = random_ids(rng, 17, vocab)
+    collect(mgr.generate(a, greedy(2)))
+    collect(mgr.generate(random_ids(rng, 9, vocab), greedy(2)))  # a is no longer resident
+    b = a[:16] + random_ids(rng, 3, vocab)
     positions: list[int] = []
     forward = engine.forward
     engine.forward = lambda tokens, pos, kv, logits_for=None: (positions.extend(int(p) for p in pos),
                                                               forward(tokens, pos, kv, logits_for))[1]
     device.clear()
-    result = collect(mgr.generate(b, _greedy(3)))
+    result = collect(mgr.generate(b, greedy(3)))
     assert result.usage.cached_tokens == 16  # a's four full blocks, from the prefix cache (in VRAM)
     assert positions[0] == 16  # prefill started after the cached blocks
     assert device["kv_store_tokens"] == len(positions) * cpu.config.n_layer
@@ -168,20 +145,9 @@ def test_session_logits_equal_cpu_only(tiny_models, device, arch, k, head):
     engine = _gpu_engine(path, k=k, head=head)
     mgrs = [_manager(cpu.engine, cpu.tokenizer), _manager(engine, cpu.tokenizer)]
     assert mgrs[0].cache.device is None and mgrs[1].cache.device.layers == set(range(k))
-    logs = [_record_logits(cpu.engine), _record_logits(engine)]
-    rng = np.random.default_rng(3)
-    vocab = cpu.config.n_vocab
-    a = _ids(rng, 14, vocab)
-    b = a[:9] + _ids(rng, 6, vocab)
-    for prompt in (a, a, b, a[:13] + [5], b + _ids(rng, 7, vocab)):  # regenerate, branch, edit, grow
-        results = [collect(m.generate(prompt, _greedy(4))) for m in mgrs]
-        assert results[1].tokens == results[0].tokens
-        assert results[1].usage.cached_tokens == results[0].usage.cached_tokens
-        mgrs[1].check_invariants()
+    prompts = branching_prompts(np.random.default_rng(3), cpu.config.n_vocab, 14, branch_at=9, edit_at=13)
+    compare_managers(mgrs, [cpu.engine, engine], prompts)
     assert device["attention"] > 0 and device["kv_store"] > 0  # the GPU layers read VRAM blocks
-    assert len(logs[1]) == len(logs[0])
-    for got, want in zip(*logs):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 # -- (3) fork / regenerate: copy-on-write copies device blocks -----------------------------------
@@ -193,7 +159,7 @@ def test_fork_copies_the_shared_partial_device_block_on_write(tiny_models, devic
     mgr = _manager(engine, cpu.tokenizer)
     cache, dev = mgr.cache, mgr.cache.device
     rng = np.random.default_rng(4)
-    a = _ids(rng, 10, cpu.config.n_vocab)  # 2 full blocks + 2 rows of a third
+    a = random_ids(rng, 10, cpu.config.n_vocab)  # 2 full blocks + 2 rows of a third
     seq_a = cache.new_sequence(N_CTX)
     engine.prefill(a, seq_a)
     seq_b = cache.fork(seq_a)
@@ -227,19 +193,19 @@ def test_regenerate_and_edit_copy_device_blocks_and_match_cold_runs(tiny_models,
     mgr = _manager(engine, cpu.tokenizer)
     rng = np.random.default_rng(5)
     vocab = cpu.config.n_vocab
-    prompt = _ids(rng, 14, vocab)
-    first = collect(mgr.generate(prompt, _greedy(4)))
+    prompt = random_ids(rng, 14, vocab)
+    first = collect(mgr.generate(prompt, greedy(4)))
     assert first.tokens == cold_greedy(cpu.engine, cpu.tokenizer, prompt, 4)
     device.clear()
-    again = collect(mgr.generate(prompt, _greedy(4)))  # regenerate: resume at token 13, mid-block
+    again = collect(mgr.generate(prompt, greedy(4)))  # regenerate: resume at token 13, mid-block
     assert again.tokens == first.tokens and again.usage.cached_tokens == 13
     assert device.get("copy_rows", 0) > 0  # the cached block holding token 13 was copied, not overwritten
-    edited = prompt[:6] + _ids(rng, 5, vocab)  # edit inside the second block
-    result = collect(mgr.generate(edited, _greedy(4)))
+    edited = prompt[:6] + random_ids(rng, 5, vocab)  # edit inside the second block
+    result = collect(mgr.generate(edited, greedy(4)))
     assert result.usage.cached_tokens == 6
     assert result.tokens == cold_greedy(cpu.engine, cpu.tokenizer, edited, 4)
     # the original conversation's cached blocks survived both copies intact
-    back = collect(mgr.generate(prompt, _greedy(4)))
+    back = collect(mgr.generate(prompt, greedy(4)))
     assert back.tokens == first.tokens and back.usage.cached_tokens == 12
     mgr.check_invariants()
 
@@ -252,48 +218,12 @@ def test_random_operations_on_vram_blocks_match_cache_free_runs(tiny_models, dev
     cpu = _cpu(path)
     engine = _gpu_engine(path, k=1, head=True)
     mgr = _manager(engine, cpu.tokenizer, pool_tokens=N_CTX)
-    vocab = cpu.config.n_vocab
     ops = ["new", "extend", "fork", "regenerate", "cancel", "edit", "extend", "fail", "new", "fork",
            "reset", "new", "extend", "regenerate"]
-    convs: list[list[int]] = []
-    for step, op in enumerate(ops):
-        rng = np.random.default_rng(100 + step)
-        n = int(rng.integers(1, 12))
-        base = convs[step % len(convs)] if convs else []
-        if op == "new" or not convs:
-            prompt = _ids(rng, n, vocab)
-        elif op in ("extend", "cancel", "fail"):
-            prompt = base + _ids(rng, n, vocab)
-        elif op == "fork":
-            prompt = base[:max(1, len(base) // 2)] + _ids(rng, n, vocab)
-        elif op == "regenerate":
-            prompt = base[:max(1, len(base) - 3)]
-        elif op == "edit":
-            prompt = base[:max(1, len(base) - n)] + _ids(rng, 2, vocab)
-        else:  # reset
-            mgr.reset()
-            assert mgr.cache.device is not None and mgr.stats()["used"] == 0
-            continue
-        prompt = prompt[-(N_CTX - 10):]
-        if op == "cancel":
-            cancel = threading.Event()
-            chunks = mgr.generate(prompt, _greedy(8), cancel)
-            for i, _ in enumerate(chunks):
-                if i == 1:
-                    cancel.set()
-            assert mgr.stats()["used"] == 0
-        elif op == "fail":
-            def boom(done, total):
-                raise RuntimeError("failure mid-prefill")
-
-            with pytest.raises(RuntimeError):
-                collect(mgr.generate(prompt, _greedy(4), progress=boom))
-            assert mgr.stats()["used"] == 0
-        else:
-            result = collect(mgr.generate(prompt, _greedy(4)))
-            assert result.tokens == cold_greedy(cpu.engine, cpu.tokenizer, prompt, 4), (step, op)
-            convs.append(prompt + result.tokens)
-        mgr.check_invariants()
+    steps = [(op, int(np.random.default_rng(100 + i).integers(1, 12)), 100 + i) for i, op in enumerate(ops)]
+    outcomes = run_operations(mgr, steps, cpu.engine, cpu.tokenizer, n_ctx=N_CTX)
+    assert outcomes[ops.index("cancel")] == FinishReason.CANCELLED
+    assert mgr.cache.device is not None
 
 
 # -- the rest of the manager on VRAM blocks ------------------------------------------------------
@@ -306,14 +236,14 @@ def test_context_shift_and_saved_kv_with_vram_layers(tmp_path, device):
     engine = _gpu_engine(path, k=1, n_ctx=40)
     mgrs = [SessionManager(e, cpu.tokenizer, n_ctx=40, block_size=8, context_shift=True, n_keep=4)
             for e in (cpu.engine, engine)]
-    prompt = _ids(np.random.default_rng(6), 30, cpu.config.n_vocab)
-    results = [collect(m.generate(prompt, _greedy(20))) for m in mgrs]
+    prompt = random_ids(np.random.default_rng(6), 30, cpu.config.n_vocab)
+    results = [collect(m.generate(prompt, greedy(20))) for m in mgrs]
     assert results[1].tokens == results[0].tokens  # the shift re-ropes keys downloaded from VRAM
     assert mgrs[1].stats()["context_shifts"] == mgrs[0].stats()["context_shifts"]
     # save / restore: K/V come down from VRAM and go back up; the next turn reuses all of it
     short = prompt[:13]
     for m in mgrs:
-        collect(m.generate(short, _greedy(3)))
+        collect(m.generate(short, greedy(3)))
     saved = [m.export_kv() for m in mgrs]
     assert saved[1][0] == saved[0][0]
     for got, want in zip(saved[1][1] + saved[1][2], saved[0][1] + saved[0][2]):
@@ -321,7 +251,7 @@ def test_context_shift_and_saved_kv_with_vram_layers(tmp_path, device):
     mgrs[1].reset()
     assert mgrs[1].import_kv(*saved[1]) == len(saved[1][0])
     follow = saved[1][0] + [5, 6]
-    again = collect(mgrs[1].generate(follow, _greedy(3)))
+    again = collect(mgrs[1].generate(follow, greedy(3)))
     assert again.usage.cached_tokens == len(saved[1][0])
     assert again.tokens == cold_greedy(cpu.engine, cpu.tokenizer, follow, 3)
     mgrs[1].check_invariants()
@@ -348,8 +278,8 @@ def test_head_dims_the_kernels_lack_keep_kv_on_the_host(tiny_models, device, mon
     engine = _gpu_engine(path, k=2)
     mgr = _manager(engine, cpu.tokenizer)
     assert mgr.cache.device is None
-    prompt = _ids(np.random.default_rng(7), 11, cpu.config.n_vocab)
-    result = collect(mgr.generate(prompt, _greedy(3)))
+    prompt = random_ids(np.random.default_rng(7), 11, cpu.config.n_vocab)
+    result = collect(mgr.generate(prompt, greedy(3)))
     assert result.tokens == cold_greedy(cpu.engine, cpu.tokenizer, prompt, 3)
     assert "attention" not in device and "kv_store" not in device
 
@@ -359,7 +289,7 @@ def test_cancelled_request_on_vram_blocks_returns_them(tiny_models, device):
     cpu = _cpu(path)
     mgr = _manager(_gpu_engine(path, k=2), cpu.tokenizer)
     cancel = threading.Event()
-    chunks = mgr.generate(_ids(np.random.default_rng(8), 10, cpu.config.n_vocab), _greedy(30), cancel)
+    chunks = mgr.generate(random_ids(np.random.default_rng(8), 10, cpu.config.n_vocab), greedy(30), cancel)
     next(chunks)
     assert mgr.stats()["used"] > 0
     cancel.set()

@@ -9,7 +9,6 @@ import threading
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import edgeinfer
 from edgeinfer.errors import EdgeInferError
@@ -19,10 +18,9 @@ from edgeinfer.kv.contiguous import KVCache
 from edgeinfer.kv.paged import PagedKVCache
 from edgeinfer.kv.pool_sizing import group_pool_blocks
 from edgeinfer.results import FinishReason
-from edgeinfer.sampling import SamplingParams
 from edgeinfer.session_manager import SessionManager
 from gguf_factory import TinyShape, bpe_vocab, spm_vocab, write_tiny_model
-from oracles import cold_run
+from oracles import cold_run, greedy, operations, random_ids, run_operations
 
 N_CTX = 64
 
@@ -38,14 +36,6 @@ def _manager(model, **kw) -> SessionManager:
     return SessionManager(model.engine, model.tokenizer, n_ctx=N_CTX, model_id="tiny", **kw)
 
 
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens)
-
-
-def _ids(rng, n: int, vocab: int) -> list[int]:
-    return [int(t) for t in rng.integers(3, vocab, n)]
-
-
 def _used_blocks(mgr: SessionManager) -> int:
     return mgr.stats()["used"]
 
@@ -55,11 +45,11 @@ def _used_blocks(mgr: SessionManager) -> int:
 def test_cached_and_uncached_runs_give_the_same_logits(model):
     mgr = _manager(model)
     rng = np.random.default_rng(1)
-    prompt = _ids(rng, 23, model.config.n_vocab)
-    collect(mgr.generate(prompt, _greedy(3)))
+    prompt = random_ids(rng, 23, model.config.n_vocab)
+    collect(mgr.generate(prompt, greedy(3)))
     # A new sequence reusing the cached full blocks, prefilling only the rest.
     seq = mgr.cache.new_sequence(N_CTX)
-    longer = prompt + _ids(rng, 6, model.config.n_vocab)
+    longer = prompt + random_ids(rng, 6, model.config.n_vocab)
     n = mgr.cache.reuse_prefix(seq, longer[:-1])
     assert n == 20  # 5 full blocks of 4 of the 23-token prompt
     warm = model.engine.prefill(longer[n:], seq)
@@ -72,14 +62,14 @@ def test_cached_and_uncached_runs_give_the_same_logits(model):
 def test_growing_conversation_reuses_everything_before(model):
     mgr = _manager(model)
     rng = np.random.default_rng(2)
-    history = _ids(rng, 9, model.config.n_vocab)
+    history = random_ids(rng, 9, model.config.n_vocab)
     for turn in range(3):
-        result = collect(mgr.generate(history, _greedy(4)))
+        result = collect(mgr.generate(history, greedy(4)))
         expect, _ = cold_run(model.engine, model.tokenizer, history, 4)
         assert result.tokens == expect
         if turn:  # everything but the last prompt token was cached by the previous turn
             assert result.usage.cached_tokens == len(history) - 1 - len(new)
-        new = _ids(rng, 5, model.config.n_vocab)
+        new = random_ids(rng, 5, model.config.n_vocab)
         history = history + result.tokens + new
         mgr.check_invariants()
 
@@ -87,14 +77,14 @@ def test_growing_conversation_reuses_everything_before(model):
 def test_regenerate_and_edit_last_reuse_the_prefix(model):
     mgr = _manager(model)
     rng = np.random.default_rng(3)
-    before = _ids(rng, 14, model.config.n_vocab)
-    last = _ids(rng, 5, model.config.n_vocab)
-    first = collect(mgr.generate(before + last, _greedy(4)))
-    again = collect(mgr.generate(before + last, _greedy(4)))  # regenerate
+    before = random_ids(rng, 14, model.config.n_vocab)
+    last = random_ids(rng, 5, model.config.n_vocab)
+    first = collect(mgr.generate(before + last, greedy(4)))
+    again = collect(mgr.generate(before + last, greedy(4)))  # regenerate
     assert again.tokens == first.tokens
     assert again.usage.cached_tokens == len(before + last) - 1
-    edited = before + _ids(rng, 6, model.config.n_vocab)  # edit the last message
-    result = collect(mgr.generate(edited, _greedy(4)))
+    edited = before + random_ids(rng, 6, model.config.n_vocab)  # edit the last message
+    result = collect(mgr.generate(edited, greedy(4)))
     assert result.usage.cached_tokens >= len(before)
     assert result.tokens == cold_run(model.engine, model.tokenizer, edited, 4)[0]
     mgr.check_invariants()
@@ -103,11 +93,11 @@ def test_regenerate_and_edit_last_reuse_the_prefix(model):
 def test_other_conversations_prefix_survives_in_the_block_cache(model):
     mgr = _manager(model)
     rng = np.random.default_rng(4)
-    a = _ids(rng, 17, model.config.n_vocab)
-    b = _ids(rng, 17, model.config.n_vocab)
-    collect(mgr.generate(a, _greedy(2)))
-    collect(mgr.generate(b, _greedy(2)))  # conversation a is no longer resident
-    result = collect(mgr.generate(a + [5, 6], _greedy(2)))
+    a = random_ids(rng, 17, model.config.n_vocab)
+    b = random_ids(rng, 17, model.config.n_vocab)
+    collect(mgr.generate(a, greedy(2)))
+    collect(mgr.generate(b, greedy(2)))  # conversation a is no longer resident
+    result = collect(mgr.generate(a + [5, 6], greedy(2)))
     assert result.usage.cached_tokens == 16  # a's full blocks, from the prefix cache
     stats = mgr.stats()
     assert stats["hits"] > 0 and 0 < stats["hit_rate"] <= 1
@@ -117,7 +107,7 @@ def test_cancelled_generation_returns_its_blocks(model):
     mgr = _manager(model)
     rng = np.random.default_rng(5)
     cancel = threading.Event()
-    chunks = mgr.generate(_ids(rng, 10, model.config.n_vocab), _greedy(30), cancel)
+    chunks = mgr.generate(random_ids(rng, 10, model.config.n_vocab), greedy(30), cancel)
     next(chunks)
     assert _used_blocks(mgr) > 0
     cancel.set()
@@ -136,11 +126,11 @@ def test_failed_generation_returns_its_blocks(model):
             raise RuntimeError("disk on fire")
 
     with pytest.raises(RuntimeError):
-        collect(mgr.generate(_ids(rng, 20, model.config.n_vocab), _greedy(3), progress=boom))
+        collect(mgr.generate(random_ids(rng, 20, model.config.n_vocab), greedy(3), progress=boom))
     assert _used_blocks(mgr) == 0
     mgr.check_invariants()
     # An abandoned stream (a client that went away) gives its blocks back too.
-    chunks = mgr.generate(_ids(rng, 12, model.config.n_vocab), _greedy(20))
+    chunks = mgr.generate(random_ids(rng, 12, model.config.n_vocab), greedy(20))
     next(chunks)
     chunks.close()
     assert _used_blocks(mgr) == 0
@@ -150,7 +140,7 @@ def test_failed_generation_returns_its_blocks(model):
 def test_chunked_prefill_reports_progress(model):
     mgr = _manager(model)
     seen = []
-    collect(mgr.generate(list(range(3, 21)), _greedy(1), progress=lambda d, t: seen.append((d, t))))
+    collect(mgr.generate(list(range(3, 21)), greedy(1), progress=lambda d, t: seen.append((d, t))))
     assert seen == [(5, 18), (10, 18), (15, 18), (18, 18)]
 
 
@@ -174,67 +164,17 @@ def test_pool_size_policy():
 
 # -- property test: random operation sequences ------------------------------------------------
 
-OPS = st.lists(st.tuples(st.sampled_from(["new", "extend", "fork", "regenerate", "edit", "cancel",
-                                          "fail", "delete", "reset"]),
-                         st.integers(1, 12), st.integers(0, 1000)), min_size=1, max_size=6)
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=OPS)
+@given(ops=operations(12))
 def test_random_operations_keep_accounting_exact_and_outputs_cache_free(model, ops):
     # A pool of exactly one context (+1 block) forces evictions of cached blocks.
     mgr = _manager(model, pool_tokens=N_CTX)
-    vocab = model.config.n_vocab
-    convs: list[list[int]] = []  # conversations so far (prompt + answer)
-    for op, n, seed in ops:
-        rng = np.random.default_rng(seed)
-        base = convs[seed % len(convs)] if convs else []
-        if op == "new" or not convs:
-            prompt = _ids(rng, n, vocab)
-        elif op == "extend":
-            prompt = base + _ids(rng, n, vocab)
-        elif op == "fork":  # branch off the middle of an earlier conversation
-            prompt = base[:max(1, len(base) // 2)] + _ids(rng, n, vocab)
-        elif op == "regenerate":
-            prompt = base[:max(1, len(base) - 3)]
-        elif op == "edit":
-            prompt = base[:max(1, len(base) - n)] + _ids(rng, 2, vocab)
-        elif op == "delete":
-            convs.remove(base)
-            continue
-        elif op == "reset":
-            mgr.reset()
-            continue
-        else:
-            prompt = base + _ids(rng, n, vocab)
-        prompt = prompt[-(N_CTX - 10):]  # keep room for the answer
-        if op == "cancel":
-            cancel = threading.Event()
-            chunks = mgr.generate(prompt, _greedy(8), cancel)
-            last = None
-            for i, last in enumerate(chunks):
-                if i == n % 3:
-                    cancel.set()
-            if last.finish_reason == FinishReason.CANCELLED:
-                assert _used_blocks(mgr) == 0
-            else:  # it ended (end of text) before the cancel took effect: it stays resident
-                assert mgr.resident_tokens() and _used_blocks(mgr) > 0
-        elif op == "fail":
-            def boom(done, total):
-                raise RuntimeError("failure mid-prefill")
-            with pytest.raises(RuntimeError):
-                collect(mgr.generate(prompt, _greedy(4), progress=boom))
-            assert _used_blocks(mgr) == 0
-        else:
-            result = collect(mgr.generate(prompt, _greedy(4)))
-            expect, _ = cold_run(model.engine, model.tokenizer, prompt, 4)
-            assert result.tokens == expect, op
-            assert result.usage.cached_tokens < len(prompt)
-            convs.append(prompt + result.tokens)
-            # Only the resident sequence holds blocks between requests.
-            resident = mgr.stats()["resident_tokens"]
-            assert _used_blocks(mgr) == -(-resident // mgr.block_size)
-        mgr.check_invariants()
+
+    def only_the_resident_holds_blocks(mgr):
+        assert _used_blocks(mgr) == -(-mgr.stats()["resident_tokens"] // mgr.block_size)
+
+    run_operations(mgr, ops, model.engine, model.tokenizer, n_ctx=N_CTX,
+                   after_answer=only_the_resident_holds_blocks)
 
 
 # -- context shift -------------------------------------------------------------------------------
@@ -257,7 +197,7 @@ def one_layer_models(tmp_path_factory):
 def test_context_shift_equals_cold_run_over_shifted_tokens(one_layer_models, arch, dtype, atol):
     m = one_layer_models[arch]
     engine = m.engine
-    toks = _ids(np.random.default_rng(7), 40, m.config.n_vocab)
+    toks = random_ids(np.random.default_rng(7), 40, m.config.n_vocab)
     cache = PagedKVCache(engine.config, 8, 8, dtype=dtype)
     seq = cache.new_sequence(40)
     engine.prefill(toks, seq)
@@ -278,7 +218,7 @@ def test_context_shift_without_rerope_would_be_caught(one_layer_models, monkeypa
     m = one_layer_models["llama"]
     engine = m.engine
     monkeypatch.setattr(context_shift, "rope_shift", lambda backend, model, layer, k, delta: k)
-    toks = _ids(np.random.default_rng(7), 40, m.config.n_vocab)
+    toks = random_ids(np.random.default_rng(7), 40, m.config.n_vocab)
     cache = PagedKVCache(engine.config, 8, 8, dtype=np.float32)
     seq = cache.new_sequence(40)
     engine.prefill(toks, seq)
@@ -292,8 +232,8 @@ def test_context_shift_without_rerope_would_be_caught(one_layer_models, monkeypa
 def test_generation_through_a_shift_matches_cold_runs(one_layer_models):
     m = one_layer_models["llama"]
     mgr = SessionManager(m.engine, m.tokenizer, n_ctx=40, block_size=8, context_shift=True, n_keep=4)
-    prompt = _ids(np.random.default_rng(8), 30, m.config.n_vocab)
-    result = collect(mgr.generate(prompt, _greedy(25)))
+    prompt = random_ids(np.random.default_rng(8), 30, m.config.n_vocab)
+    result = collect(mgr.generate(prompt, greedy(25)))
     if len(result.tokens) < 25:
         pytest.skip("the random model ended early")  # eog sampled before reaching the shift
     assert mgr.stats()["context_shifts"] == 1
@@ -314,8 +254,8 @@ def test_generation_through_a_shift_matches_cold_runs(one_layer_models):
 def test_full_context_without_shift_stops_with_length(one_layer_models):
     m = one_layer_models["llama"]
     mgr = SessionManager(m.engine, m.tokenizer, n_ctx=40, block_size=8)
-    prompt = _ids(np.random.default_rng(8), 30, m.config.n_vocab)
-    result = collect(mgr.generate(prompt, _greedy(25)))
+    prompt = random_ids(np.random.default_rng(8), 30, m.config.n_vocab)
+    result = collect(mgr.generate(prompt, greedy(25)))
     if result.finish_reason == FinishReason.STOP:
         pytest.skip("the random model ended early")
     assert result.finish_reason == FinishReason.LENGTH
@@ -326,5 +266,5 @@ def test_full_context_without_shift_stops_with_length(one_layer_models):
 def test_bad_n_keep_is_a_one_line_error(model):
     mgr = _manager(model)
     with pytest.raises(EdgeInferError) as err:
-        collect(mgr.generate([3, 4, 5], _greedy(2), n_keep=-1))
+        collect(mgr.generate([3, 4, 5], greedy(2), n_keep=-1))
     assert "\n" not in str(err.value)

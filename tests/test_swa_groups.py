@@ -13,7 +13,6 @@ import threading
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import edgeinfer
 from edgeinfer.kv import context_shift
@@ -22,12 +21,12 @@ from edgeinfer.kv.contiguous import KVCache
 from edgeinfer.kv.groups import DROPPED, layer_groups
 from edgeinfer.kv.paged import PagedKVCache
 from edgeinfer.results import FinishReason
-from edgeinfer.sampling import SamplingParams
 from edgeinfer.session_file import SavedSession, load_session, save_session
 from edgeinfer.kv.pool_sizing import group_pool_blocks
 from edgeinfer.session_manager import SessionManager
 from gguf_factory import TinyShape, spm_vocab, write_tiny_model
-from oracles import cold_greedy
+from oracles import (branching_prompts, cold_greedy, compare_managers, greedy, operations, random_ids,
+                     run_operations)
 
 WINDOW = 8
 N_CTX = 96
@@ -51,14 +50,6 @@ def _manager(model, **kw) -> SessionManager:
     kw.setdefault("block_size", BS)
     kw.setdefault("n_ctx", model.engine.n_ctx)
     return SessionManager(model.engine, model.tokenizer, model_id="mixed", **kw)
-
-
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n)
-
-
-def _ids(rng, n: int, vocab: int) -> list[int]:
-    return [int(t) for t in rng.integers(3, vocab, n)]
 
 
 def _group_used(mgr: SessionManager) -> tuple[int, int]:
@@ -121,9 +112,9 @@ def test_sliding_window_blocks_go_back_as_a_conversation_grows(mixed):
     history: list[int] = []
     peak_swa = 0
     for turn in range(6):
-        history = history + _ids(rng, 40, vocab)
+        history = history + random_ids(rng, 40, vocab)
         result = None
-        for chunk in mgr.generate(history, _greedy(8)):
+        for chunk in mgr.generate(history, greedy(8)):
             peak_swa = max(peak_swa, _group_used(mgr)[1])
             if chunk.finish_reason is not None:
                 result = chunk
@@ -148,7 +139,7 @@ def test_sliding_window_blocks_go_back_as_a_conversation_grows(mixed):
 def test_dropping_keeps_logits_bit_identical_to_the_contiguous_cache(mixed):
     engine = mixed.engine
     rng = np.random.default_rng(12)
-    prompt = _ids(rng, 70, mixed.config.n_vocab)
+    prompt = random_ids(rng, 70, mixed.config.n_vocab)
     cache = PagedKVCache(engine.config, {0: 32, WINDOW: 16}, block_size=BS)
     seq = cache.new_sequence(N_CTX)
     ref = KVCache(engine.config, N_CTX)
@@ -167,84 +158,34 @@ def test_regenerate_edit_and_branch_reuse_what_the_window_needs(mixed):
     mgr = _manager(mixed)
     rng = np.random.default_rng(13)
     vocab = mixed.config.n_vocab
-    prompt = _ids(rng, 60, vocab)
-    first = collect(mgr.generate(prompt, _greedy(6)))
+    prompt = random_ids(rng, 60, vocab)
+    first = collect(mgr.generate(prompt, greedy(6)))
     assert mgr._resident.tables[1].n_dropped > 0
-    again = collect(mgr.generate(prompt, _greedy(6)))  # regenerate: its window blocks come back
+    again = collect(mgr.generate(prompt, greedy(6)))  # regenerate: its window blocks come back
     assert again.tokens == first.tokens and again.usage.cached_tokens == len(prompt) - 1
-    edited = prompt[:50] + _ids(rng, 4, vocab)
-    result = collect(mgr.generate(edited, _greedy(6)))
+    edited = prompt[:50] + random_ids(rng, 4, vocab)
+    result = collect(mgr.generate(edited, greedy(6)))
     assert result.usage.cached_tokens == 50
     assert result.tokens == cold_greedy(mixed.engine, mixed.tokenizer, edited, 6)
     # back to the first conversation: its blocks come from the prefix cache (global: all of
     # them; window: the last ones before the hit point)
-    back = collect(mgr.generate(prompt + first.tokens + [7, 8], _greedy(6)))
+    back = collect(mgr.generate(prompt + first.tokens + [7, 8], greedy(6)))
     assert back.usage.cached_tokens >= 60
     assert back.tokens == cold_greedy(mixed.engine, mixed.tokenizer, prompt + first.tokens + [7, 8], 6)
     _check_resident_accounting(mgr)
     mgr.check_invariants()
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["new", "extend", "fork", "regenerate", "edit", "cancel",
-                                          "fail", "delete", "reset"]),
-                         st.integers(1, 30), st.integers(0, 1000)), min_size=1, max_size=6)
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=OPS)
+@given(ops=operations(30))
 def test_random_operations_keep_group_accounting_exact_and_outputs_cache_free(mixed, ops):
     # Pools at their minimum (one context + 1 block; one window + chunk) force evictions of
     # cached blocks; prompts run far past the window, so sliding-window blocks are dropped,
     # taken back, and lost (then the reuse is shorter and the rest recomputed).
     mgr = _manager(mixed, kv_pool_mb=0.001)
     assert [g.num_blocks for g in mgr.cache.groups] == [N_CTX // BS + 1, 13]
-    vocab = mixed.config.n_vocab
-    convs: list[list[int]] = []
-    for op, n, seed in ops:
-        rng = np.random.default_rng(seed)
-        base = convs[seed % len(convs)] if convs else []
-        if op == "new" or not convs:
-            prompt = _ids(rng, n + 20, vocab)
-        elif op in ("extend", "cancel", "fail"):
-            prompt = base + _ids(rng, n, vocab)
-        elif op == "fork":
-            prompt = base[:max(1, len(base) // 2)] + _ids(rng, n, vocab)
-        elif op == "regenerate":
-            prompt = base[:max(1, len(base) - 3)]
-        elif op == "edit":
-            prompt = base[:max(1, len(base) - n)] + _ids(rng, 2, vocab)
-        elif op == "delete":
-            convs.remove(base)
-            continue
-        else:
-            mgr.reset()
-            continue
-        prompt = prompt[-(N_CTX - 10):]
-        if op == "cancel":
-            cancel = threading.Event()
-            chunks = mgr.generate(prompt, _greedy(8), cancel)
-            last = None
-            for i, last in enumerate(chunks):
-                if i == n % 3:
-                    cancel.set()
-            if last.finish_reason == FinishReason.CANCELLED:
-                assert mgr.stats()["used"] == 0
-            else:  # it ended (end of text) before the cancel took effect: it stays resident
-                assert mgr.resident_tokens() and mgr.stats()["used"] > 0
-        elif op == "fail":
-            def boom(done, total):
-                if done >= min(10, total):  # after a chunk or two were written
-                    raise RuntimeError("failure mid-prefill")
-            with pytest.raises(RuntimeError):
-                collect(mgr.generate(prompt, _greedy(4), progress=boom))
-            assert mgr.stats()["used"] == 0
-        else:
-            result = collect(mgr.generate(prompt, _greedy(4)))
-            assert result.tokens == cold_greedy(mixed.engine, mixed.tokenizer, prompt, 4), op
-            assert result.usage.cached_tokens < len(prompt)
-            convs.append(prompt + result.tokens)
-            _check_resident_accounting(mgr)
-        mgr.check_invariants()
+    run_operations(mgr, ops, mixed.engine, mixed.tokenizer, n_ctx=N_CTX, new_min=20, fail_at=10,
+                   after_answer=_check_resident_accounting)
 
 
 def test_context_shift_through_a_dropped_window(mixed):
@@ -252,8 +193,8 @@ def test_context_shift_through_a_dropped_window(mixed):
     accounting stays exact and the shifted sequence is not kept for reuse."""
     model = edgeinfer.load(str(mixed.path), backend="reference", n_ctx=64, prefill_chunk=8)
     mgr = _manager(model, n_ctx=64, context_shift=True, n_keep=4)
-    prompt = _ids(np.random.default_rng(14), 60, model.config.n_vocab)
-    result = collect(mgr.generate(prompt, _greedy(40)))
+    prompt = random_ids(np.random.default_rng(14), 60, model.config.n_vocab)
+    result = collect(mgr.generate(prompt, greedy(40)))
     if len(result.tokens) < 40:
         pytest.skip("the random model ended early")
     assert mgr.stats()["context_shifts"] >= 1 and mgr.stats()["used"] == 0
@@ -270,7 +211,7 @@ def test_shift_with_dropped_blocks_equals_a_cold_run_on_one_layer(tmp_path, n_ke
                                             n_ff=128, extra={"sliding_window": WINDOW}))
     m = edgeinfer.load(str(path), backend="reference", n_ctx=40, prefill_chunk=4)
     engine = m.engine
-    toks = _ids(np.random.default_rng(7), 40, m.config.n_vocab)
+    toks = random_ids(np.random.default_rng(7), 40, m.config.n_vocab)
     cache = PagedKVCache(engine.config, 16, BS, dtype=np.float32, drop_align=BS)
     seq = cache.new_sequence(40)
     engine.prefill(toks, seq)
@@ -290,8 +231,8 @@ def test_shift_with_dropped_blocks_equals_a_cold_run_on_one_layer(tmp_path, n_ke
 def test_saved_kv_round_trip_with_dropped_window_rows(mixed, tmp_path):
     mgr = _manager(mixed)
     rng = np.random.default_rng(15)
-    prompt = _ids(rng, 70, mixed.config.n_vocab)
-    first = collect(mgr.generate(prompt, _greedy(5)))
+    prompt = random_ids(rng, 70, mixed.config.n_vocab)
+    first = collect(mgr.generate(prompt, greedy(5)))
     tokens, k, v, pos = mgr.export_kv()
     assert len(tokens) == len(pos) == len(prompt) + len(first.tokens) - 1
     gone = mgr._resident.tables[1].n_dropped * BS
@@ -305,7 +246,7 @@ def test_saved_kv_round_trip_with_dropped_window_rows(mixed, tmp_path):
     assert mgr.resident_tokens() == tokens
     _check_resident_accounting(mgr)
     follow = tokens + [5, 6, 7]
-    again = collect(mgr.generate(follow, _greedy(5)))
+    again = collect(mgr.generate(follow, greedy(5)))
     assert again.usage.cached_tokens == len(tokens)
     assert again.tokens == cold_greedy(mixed.engine, mixed.tokenizer, follow, 5)
     # exporting the imported sequence gives the same K/V (NaN where the window lets go)
@@ -324,7 +265,7 @@ def test_saved_kv_round_trip_with_dropped_window_rows(mixed, tmp_path):
 def test_device_layers_with_a_window_group_match_cpu_only(mixed_path, monkeypatch, k):
     """k=2: the device layers all slide, so the device holds the window group (which drops);
     k=6: the device layers mix, so they all sit in the full-attention group (no window group)."""
-    from test_gpu_paged_kv import _gpu_engine, _record_logits
+    from test_gpu_paged_kv import _gpu_engine
     from test_offload_plan import install_fake_device
 
     device = install_fake_device(monkeypatch)
@@ -334,22 +275,14 @@ def test_device_layers_with_a_window_group_match_cpu_only(mixed_path, monkeypatc
     dev_group = mgrs[1].cache.primary
     assert dev_group.device is not None and dev_group.window == (WINDOW if k == 2 else 0)
     assert len(mgrs[1].cache.groups) == (2 if k == 2 else 1)
-    logs = [_record_logits(cpu.engine), _record_logits(engine)]
     rng = np.random.default_rng(16)
     vocab = cpu.config.n_vocab
-    a = _ids(rng, 60, vocab)
-    b = a[:40] + _ids(rng, 6, vocab)
-    for prompt in (a, a, b, a[:53] + [5], b + _ids(rng, 7, vocab)):  # regenerate, branch, edit, grow
-        results = [collect(m.generate(prompt, _greedy(4))) for m in mgrs]
-        assert results[1].tokens == results[0].tokens
-        mgrs[1].check_invariants()
+    compare_managers(mgrs, [cpu.engine, engine], branching_prompts(rng, vocab, 60, branch_at=40, edit_at=53))
     if k == 2:
         assert any(s.tables[dev_group.index].n_dropped for s in mgrs[1].cache._live)
     assert device["attention"] > 0 and device["kv_store"] > 0
-    for got, want in zip(*logs):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     cancel = threading.Event()
-    chunks = mgrs[1].generate(_ids(rng, 30, vocab), _greedy(30), cancel)
+    chunks = mgrs[1].generate(random_ids(rng, 30, vocab), greedy(30), cancel)
     next(chunks)
     cancel.set()
     assert list(chunks)[-1].finish_reason == FinishReason.CANCELLED
@@ -369,8 +302,8 @@ def test_context_shift_with_a_device_window_group_matches_cpu_only(mixed_path, m
     mgrs = [SessionManager(e, cpu.tokenizer, n_ctx=64, block_size=BS, context_shift=True, n_keep=4)
             for e in (cpu.engine, engine)]
     assert mgrs[1].cache.primary.window == WINDOW and mgrs[1].cache.primary.device is not None
-    prompt = _ids(np.random.default_rng(17), 60, cpu.config.n_vocab)
-    results = [collect(m.generate(prompt, _greedy(30))) for m in mgrs]
+    prompt = random_ids(np.random.default_rng(17), 60, cpu.config.n_vocab)
+    results = [collect(m.generate(prompt, greedy(30))) for m in mgrs]
     assert results[1].tokens == results[0].tokens
     shifts = [m.stats()["context_shifts"] for m in mgrs]
     assert shifts[0] == shifts[1]
