@@ -328,7 +328,7 @@ def _download_blob(url: str, blob: Path, *, expected_size: int | None, etag: str
     if progress is not True and "tqdm_class" in inspect.signature(hf_http_get).parameters:
         kwargs["tqdm_class"] = _silent_tqdm_class(progress if callable(progress) else None)
     try:
-        with partial.open("ab") as out, _quiet_hub_logs():
+        with partial.open("ab") as out, _quiet_hub_logs(), _hub_offline_from_environment():
             http_get(url, out, **kwargs)
     except Exception as exc:  # noqa: BLE001
         if not _is_transport_or_hub_error(exc):

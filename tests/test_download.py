@@ -71,6 +71,17 @@ def test_pull_default_quant_into_the_hub_cache_layout(hub, payloads, tmp_path):
     assert [f.file_name for r in info.repos for rev in r.revisions for f in rev.files] == [Q4]
 
 
+def test_pull_follows_the_environment_not_huggingface_hubs_import_time_offline_flag(hub, payloads, monkeypatch):
+    """huggingface_hub reads HF_HUB_OFFLINE once at import; a process that imported it offline
+    (as every test process does) must still pull once the environment allows it."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    path = registry.pull(f"hf.co/{REPO}:q8_0", progress=False)
+    assert path.read_bytes() == payloads[Q8]
+    assert constants.HF_HUB_OFFLINE is True  # put back as it was
+
+
 def test_resolve_cached_model_makes_no_request(hub, payloads):
     first = registry.resolve(f"hf.co/{REPO}:q8_0", progress=False)
     hub.requests.clear()
