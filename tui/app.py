@@ -1,20 +1,20 @@
-"""The Textual chat app behind `edgeinfer chat`.
+"""The Textual chat app behind `edgeinfer chat`: the view over tui/session_policy.py and tui/controller.py.
 
 All model work (loading, warm-up, generation, restoring saved K/V) runs in worker threads
 and reports back with `call_from_thread`, so the screen keeps answering keys while the model
-computes. Conversations are saved sessions (edgeinfer.conversations over
-edgeinfer.saved_session), written atomically after each message and each answer, so
-`edgeinfer run NAME --session ID` continues them; resuming one made with another model file
-loads that model, or says it is not on this machine and shows the messages anyway.
+computes. What to load, restore and save is decided by the ChatSession (session_policy.py);
+conversations are saved sessions (edgeinfer.conversations over edgeinfer.session_file),
+written atomically after each message and each answer, so `edgeinfer run NAME --session ID`
+continues them; resuming one made with another model file loads that model, or says it is not
+on this machine and shows the messages anyway.
 """
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -24,98 +24,18 @@ from textual import events
 from textual.widgets import Header, Label, Markdown, OptionList, ProgressBar
 from textual.widgets.option_list import Option
 
-from edgeinfer.conversations import (SAMPLING_KEYS, Conversation, ConversationStore, identify,
-                                     same_model)
+from edgeinfer.conversations import Conversation, ConversationStore
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.tui import controller
-from edgeinfer.tui.controller import SETTING_KEYS, Key
+from edgeinfer.tui.controller import Key
 from edgeinfer.tui.export import export_markdown, to_markdown
+from edgeinfer.tui.loading import (ModelLoader, accepts_progress, default_loader, local_models,  # noqa: F401
+                                   open_model, pull_model, quantization_of, short_name as _short)
 from edgeinfer.tui.screens import (ConfirmScreen, HelpScreen, ModelPickerScreen, RenameScreen,
                                    SearchScreen, SettingsScreen)
+from edgeinfer.tui.session_policy import DEFAULT_SAMPLING, ChatSession  # noqa: F401
 from edgeinfer.tui.widgets import (AssistantMessage, KeyBar, PromptInput, Stats, StatusBar, SystemMessage,
                                    UserMessage, Welcome, code_blocks)
-
-# Settings edited per conversation (controller.SETTING_FIELDS; the rest of the sampling flags
-# come from the command line, or from the saved session when `edgeinfer run` made it).
-DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=None,
-                        stop=[], max_tokens=-1)
-
-# (name or path, n_ctx) -> edgeinfer.api.Model. A loader that also takes `progress=` gets a
-# callable progress(stage, fraction) to report stages of controller.LOAD_STAGES ("read",
-# "prepare", "compile", ...) with the share of the stage done (0..1, or None when unknown).
-ModelLoader = Callable[..., Any]
-
-
-def default_loader(name: str, n_ctx: int):
-    import edgeinfer
-
-    return edgeinfer.load(name, n_ctx=n_ctx)
-
-
-def accepts_progress(loader: Callable) -> bool:
-    """Whether `loader` takes a `progress=` keyword (then it reports its own stages)."""
-    try:
-        params = inspect.signature(loader).parameters
-    except (TypeError, ValueError):
-        return False
-    return "progress" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def pull_model(name: str, report: Callable[[int, int | None], None]) -> None:
-    """Download `name` (alias or hf.co/…) into the Hub cache, reporting bytes done while it runs."""
-    from edgeinfer.registry import pull
-
-    done = threading.Event()
-    watcher = threading.Thread(target=_watch_download, args=(name, report, done), daemon=True)
-    watcher.start()
-    try:
-        pull(name, progress=False)  # a console bar would draw over the screen
-    finally:
-        done.set()
-        watcher.join(2)
-
-
-def _watch_download(name: str, report: Callable[[int, int | None], None], done: threading.Event) -> None:
-    """Report the size of the download's `.incomplete` file every 0.2 s (download.fetch writes it)."""
-    from edgeinfer import download, registry
-
-    try:
-        ref = registry.parse_hf_ref(name)
-        entry = registry._alias(name)
-        repo = ref.repo_id if ref else (entry.repo if entry else None)
-    except EdgeInferError:
-        repo = None
-    if repo is None:
-        return
-    blobs = download.repo_folder(repo) / "blobs"
-    total = None
-    if entry is not None and getattr(entry, "size", None):
-        total = entry.size
-    while not done.wait(0.2):
-        parts = list(blobs.glob("*.incomplete")) if blobs.is_dir() else []
-        if parts:
-            try:
-                report(max(p.stat().st_size for p in parts), total)
-            except (OSError, RuntimeError):
-                return
-
-
-def local_models() -> list[tuple[str, str]]:
-    """(label, name) for every model `edgeinfer list` shows; its names resolve offline."""
-    from edgeinfer.model_info import human_bytes
-    from edgeinfer.registry import list_local
-
-    return [(f"{m.name}  ({human_bytes(m.size_bytes)})", m.name) for m in list_local()]
-
-
-def quantization_of(path) -> str:
-    from edgeinfer.loader import open_model
-    from edgeinfer.model_info import describe
-
-    try:
-        return describe(open_model(path)).quantization
-    except EdgeInferError:
-        return ""
 
 
 class ChatApp(App):
@@ -205,16 +125,7 @@ class ChatApp(App):
         self.store = store or ConversationStore()
         self.list_models = list_models or local_models
         self.warm_up = warm_up
-        # Sampling flags from the command line; the per-conversation settings override them.
-        self.base_params = {**DEFAULT_SAMPLING, **(sampling or {})}
-        self.default_settings = {k: self.base_params[k] for k in SETTING_KEYS if k in SAMPLING_KEYS}
-        self.default_settings.update(n_ctx=n_ctx, save_kv=bool(save_kv))
-        self.initial_settings = dict(self.default_settings)  # the command line's, for Ctrl+N's notice
-        self.default_system = system or ""
-        self.conv = self._fresh_conversation()
-        # (tokens, k, v, pos) last exported for self.conv: written with it when save_kv is on.
-        self.kv: tuple | None = None
-        self._resident_conv: str | None = None  # the conversation whose tokens the model's K/V hold
+        self.session = ChatSession(self.store, sampling=sampling, system=system, n_ctx=n_ctx, save_kv=save_kv)
         self._load_seq = 0  # the latest load; results of earlier ones are dropped
         self._gen_model = None  # the model the current (or last) answer came from
         self.model = None
@@ -227,7 +138,16 @@ class ChatApp(App):
         self._answer_widget: AssistantMessage | None = None
         self._warned: set[str] = set()  # corrupt-file notices already shown
         self._previous_answer: dict | None = None  # the answer being regenerated
-        self._live: dict = {}  # the answer streaming now: start time, first-piece time, pieces, prompt tokens
+        self._live: controller.LiveRate | None = None  # the answer streaming now
+
+    @property
+    def conv(self) -> Conversation:
+        """The open conversation (the session's)."""
+        return self.session.conv
+
+    @conv.setter
+    def conv(self, conv: Conversation) -> None:
+        self.session.conv = conv
 
     # -- layout ------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -271,7 +191,7 @@ class ChatApp(App):
         self.loading = True
         self.model = None
         self.model_name = name
-        self._resident_conv = None
+        self.session.model_loading()
         self._load_seq += 1
         self.stats = Stats(model=_short(name), n_ctx=n_ctx, state="loading…")
         self._set_loading(f"loading {_short(name)}…", 0.0)
@@ -280,22 +200,13 @@ class ChatApp(App):
 
     @work(thread=True, group="model", exit_on_error=False)
     def _load_worker(self, name: str, n_ctx: int, seq: int) -> None:
-        def progress(stage: str, fraction: float | None = None) -> None:
-            done, label = controller.load_progress(stage, fraction)
+        def progress(stage: str, fraction: float | None = None, count: tuple[int, int] | None = None) -> None:
+            done, label = controller.load_progress(stage, fraction, count)
             self._ui(self._load_stage, seq, f"{_short(name)}: {label}…", done)
 
         try:
-            if accepts_progress(self.load_model):
-                model = self.load_model(name, n_ctx, progress=progress)
-            else:
-                progress("read")
-                model = self.load_model(name, n_ctx)
+            model = open_model(self.load_model, name, n_ctx, progress, warm_up=self.warm_up)
             quant = quantization_of(model.path)
-            if self.warm_up:
-                # The first forward pass compiles (or loads cached) kernels: say so, not freeze.
-                progress("compile")
-                model.generate(model.tokenize("Hello"), max_tokens=1, temperature=0.0)
-                model.reset()
         except EdgeInferError as exc:
             self._ui(self._load_failed, name, str(exc), seq)
             return
@@ -322,7 +233,7 @@ class ChatApp(App):
         self.loading = False
         self._set_loading(None)
         self.stats = Stats(model=_short(self.model_name or model.name), quant=quant, n_ctx=model.n_ctx)
-        self.stats.ctx_used = self._count_context()
+        self.stats.ctx_used = self.session.count_context(self.model)
         self._show_stats()
         self.notify(f"{_short(self.model_name)} ready", timeout=2)
         self._refresh_welcome()
@@ -367,25 +278,16 @@ class ChatApp(App):
         self._stream = Markdown.get_stream(widget)
         self._cancel = threading.Event()
         self.generating = True
-        if not same_model(self.conv.identity, self.model.identity):
-            self.kv = None  # K/V of another model's tokens: useless from now on
-        self.conv.model = self.model_name or ""
-        self.conv.identity = dict(self.model.identity)
-        self.conv.model_path = str(self.model.path)
+        self.session.begin_answer(self.model, self.model_name)
         self._gen_model = self.model
         self._answer_widget = widget
         self._save()  # the question survives a crash during the answer
-        self.stats.ctx_used = self._count_context()
+        self.stats.ctx_used = self.session.count_context(self.model)
         self.stats.ttft_s = self.stats.gen_tps = self.stats.cached = None
         self.stats.state = "answering… (Esc stops)"
-        self._live = {"start": time.monotonic(), "first": None, "pieces": 0, "prompt": self.stats.ctx_used}
+        self._live = controller.LiveRate(self.stats.ctx_used, time.monotonic())
         self._show_stats()
-        self._generate(self.model, self.conv.chat_messages(), self._params(), widget, self._cancel)
-
-    def _params(self) -> dict:
-        params = dict(self.base_params)
-        params.update({k: v for k, v in self.conv.settings.items() if k in SAMPLING_KEYS})
-        return params
+        self._generate(self.model, self.conv.chat_messages(), self.session.params(), widget, self._cancel)
 
     @work(thread=True, group="generate", exit_on_error=False)
     def _generate(self, model, messages: list[dict], params: dict, widget: AssistantMessage,
@@ -428,10 +330,10 @@ class ChatApp(App):
             await self._stream.stop()
             self._stream = None
         self.generating = False
-        self._live = {}
+        self._live = None
         self.last_chunk = last
         if last is not None and self.model is not None and self.model is self._gen_model:
-            self._resident_conv = self.conv.id  # the model's K/V now hold this conversation
+            self.session.answered()  # the model's K/V now hold this conversation
         self.stats.state = ""
         if error:
             self.notify(error, title="error", severity="error", timeout=10)
@@ -495,7 +397,7 @@ class ChatApp(App):
             return
         await self._remove_last_widget(AssistantMessage)
         await self._mount_answer(last)
-        self.stats.ctx_used = self._count_context()
+        self.stats.ctx_used = self.session.count_context(self.model)
         self._show_stats()
         self._save()
 
@@ -532,7 +434,7 @@ class ChatApp(App):
         self._save()
 
     def action_copy_answer(self) -> None:
-        answer = self._last_answer()
+        answer = self.session.last_answer()
         if answer is None:
             self.notify("no answer to copy yet", severity="warning")
             return
@@ -540,7 +442,7 @@ class ChatApp(App):
         self.notify(f"copied the answer ({len(answer)} characters)", timeout=2)
 
     def action_copy_code(self) -> None:
-        blocks = code_blocks(self._last_answer() or "")
+        blocks = code_blocks(self.session.last_answer() or "")
         if not blocks:
             self.notify("the last answer has no code block", severity="warning")
             return
@@ -551,11 +453,9 @@ class ChatApp(App):
         if self.generating:
             self.notify("still answering: Esc stops it", severity="warning")
             return
-        old = self.conv
-        self.conv = self._fresh_conversation(like=old)
-        self.kv = None
+        old = self.session.start_new(self.model, self.model_name)
         await self._show_conversation()
-        self.notify(controller.new_chat_notice(old.system, old.settings, self.initial_settings), timeout=5)
+        self.notify(controller.new_chat_notice(old.system, old.settings, self.session.initial_settings), timeout=5)
 
     @on(OptionList.OptionSelected, "#conversations")
     async def _on_pick_conversation(self, event: OptionList.OptionSelected) -> None:
@@ -567,62 +467,38 @@ class ChatApp(App):
             self.notify("still answering: Esc stops it", severity="warning")
             return
         try:
-            conv = self.store.load(conv_id)
+            valid = self.session.open(conv_id)
         except EdgeInferError as exc:
             self.notify(str(exc), title="cannot open conversation", severity="error")
             self._refresh_conversations()
             return
-        conv.settings = self._checked_settings(conv)
-        self.conv = conv
-        self.kv = None
+        if not valid:
+            self.notify("its saved settings are invalid; the defaults apply", title=self.conv.display_title,
+                        severity="warning")
         await self._show_conversation()
         self._follow_model()
         self.query_one("#prompt", PromptInput).focus()
 
-    def _checked_settings(self, conv: Conversation) -> dict:
-        """The conversation's settings over the defaults; invalid saved values fall back to them."""
-        settings = {**self.default_settings, **conv.settings}
-        if "save_kv" not in conv.settings:  # made by `edgeinfer run`: keep its K/V if it saved them
-            settings["save_kv"] = bool(conv.n_kv) or self.default_settings["save_kv"]
-        from edgeinfer.sampling import SamplingParams
-
-        try:
-            SamplingParams(**{**self.base_params,
-                              **{k: v for k, v in settings.items() if k in SAMPLING_KEYS}}).validate()
-            if not isinstance(settings["n_ctx"], int) or settings["n_ctx"] < 16:
-                raise ValueError("n_ctx")
-        except (EdgeInferError, TypeError, ValueError):
-            self.notify("its saved settings are invalid; the defaults apply", title=conv.display_title,
-                        severity="warning")
-            settings = {**self.default_settings, "save_kv": settings.get("save_kv") is True}
-        settings["save_kv"] = settings.get("save_kv") is True
-        return settings
-
     def _follow_model(self) -> None:
         """Load the model the conversation was made with (or say it is missing), and restore its K/V."""
-        conv = self.conv
-        want = conv.identity if conv.identity.get("digest") else identify(conv.model)
-        if not conv.messages or (want is None and not conv.model):  # nothing to follow: keep the loaded one
-            self._apply_context_size()
+        follow = self.session.follow_model(self.model, self.model_name, self.loading, self._local_names)
+        if follow.action == "wait":  # on its way: the K/V are restored once it is loaded
             return
-        if want is None:  # known only by a name that is not on this machine (an early conversation)
-            if conv.model != self.model_name:
-                self._model_missing(conv)
-            self._apply_context_size()
+        if follow.action == "load":
+            self.notify(f"loading {_short(follow.target)}, the model this conversation was made with", timeout=4)
+            self.start_loading(follow.target, self.conv.settings["n_ctx"])
             return
-        if self.model is not None and same_model(self.model.identity, want):
-            self._apply_context_size()  # a reload restores the K/V when it is done
+        if follow.action == "missing":
+            self._model_missing(self.conv)
+        self._apply_context_size()  # a reload restores the K/V when it is done
+        if follow.action == "restore":
             self._restore_kv()
-            return
-        if self.model is None and self.loading and same_model(identify(self.model_name or ""), want):
-            return  # on its way: the K/V are restored once it is loaded
-        target = self._locate(conv, want)
-        if target is None:
-            self._model_missing(conv)
-            self._apply_context_size()
-            return
-        self.notify(f"loading {_short(target)}, the model this conversation was made with", timeout=4)
-        self.start_loading(target, conv.settings["n_ctx"])
+
+    def _local_names(self) -> list[str]:
+        try:
+            return [value for _, value in self.list_models()]
+        except EdgeInferError:
+            return []
 
     def _model_missing(self, conv: Conversation) -> None:
         now = f"continues it with {_short(self.model_name)}" if self.model_name else "needs a model (Ctrl+O)"
@@ -630,34 +506,15 @@ class ChatApp(App):
                     f"are shown; a new message {now}.", title="model not available",
                     severity="warning", timeout=12)
 
-    def _locate(self, conv: Conversation, want: dict) -> str | None:
-        """A local model name (or path) whose file is the one `want` identifies, or None."""
-        try:
-            listed = [value for _, value in self.list_models()]
-        except EdgeInferError:
-            listed = []
-        seen: set[str] = set()
-        for name in [conv.model, conv.model_path, *listed]:
-            if not name or name in seen:
-                continue
-            seen.add(name)
-            if same_model(identify(name, size=want.get("size")), want):
-                return name
-        return None
-
     def _restore_kv(self) -> None:
         """Import the conversation's saved K/V into the loaded model, so nothing is prefilled again."""
-        conv = self.conv
-        if (self.model is None or self.loading or not conv.n_kv or self._resident_conv == conv.id
-                or not same_model(self.model.identity, conv.identity)):
-            return
-        self._kv_worker(self.model, conv)
+        if self.session.restore_kv(self.model, self.loading):
+            self._kv_worker(self.model, self.conv)
 
     @work(thread=True, group="kv", exit_on_error=False)
     def _kv_worker(self, model, conv: Conversation) -> None:
         try:
-            saved = self.store.load_kv(conv, model.identity, model.config.n_layer)
-            n = model.sessions.import_kv(saved.tokens, saved.k, saved.v, saved.pos) if saved else 0
+            saved, n = self.session.import_kv(model, conv)
         except Exception as exc:  # noqa: BLE001 - only a cache: say so and go on
             message = str(exc) if isinstance(exc, EdgeInferError) else f"{type(exc).__name__}: {exc}"
             self._ui(self._kv_failed, message)
@@ -665,12 +522,8 @@ class ChatApp(App):
         self._ui(self._kv_restored, model, conv.id, saved, n)
 
     def _kv_restored(self, model, conv_id: str, saved, n: int) -> None:
-        if not n or self.model is not model or self.conv.id != conv_id:
-            return
-        self._resident_conv = conv_id
-        if self.conv.settings.get("save_kv"):
-            self.kv = (saved.tokens, saved.k, saved.v, saved.pos)
-        self.notify(f"restored the saved KV cache ({n} tokens): nothing to prefill again", timeout=3)
+        if self.model is model and self.session.kv_restored(conv_id, saved, n):
+            self.notify(f"restored the saved KV cache ({n} tokens): nothing to prefill again", timeout=3)
 
     def _kv_failed(self, message: str) -> None:
         self.notify(f"{message}; the next answer reads the conversation again",
@@ -684,19 +537,13 @@ class ChatApp(App):
         async def apply(values: dict | None) -> None:
             if values is None:
                 return
-            settings = {k: values[k] for k in SETTING_KEYS}  # checked by the screen (controller.parse_settings)
-            self.conv.system = values["system"]
-            self.conv.settings = {**self.conv.settings, **settings}
-            self.default_settings = dict(settings)  # a new chat starts from these
-            self.default_system = self.conv.system
-            if self.conv.messages:
+            if self.session.apply_settings(values):  # checked by the screen (controller.parse_settings)
                 self._save()
             self.notify("settings saved", timeout=2)
             await self._show_conversation()  # the system prompt is part of it
             self._apply_context_size()
 
-        base = {**self.base_params, **{k: v for k, v in self.conv.settings.items() if k in SAMPLING_KEYS}}
-        self.push_screen(SettingsScreen(self.conv.system, self.conv.settings, base), apply)
+        self.push_screen(SettingsScreen(self.conv.system, self.conv.settings, self.session.params()), apply)
 
     def action_pick_model(self) -> None:
         if self.generating:
@@ -767,8 +614,7 @@ class ChatApp(App):
             if not yes:
                 return
             self.store.delete(self.conv.id)
-            self.conv = self._fresh_conversation(like=self.conv)
-            self.kv = None
+            self.session.start_new(self.model, self.model_name)
             await self._show_conversation()
             self.notify("conversation deleted", timeout=2)
 
@@ -781,22 +627,13 @@ class ChatApp(App):
         self._cancel.set()  # the worker stops at its next token
         if self.generating and self._answer_widget is not None and self._answer_widget.text:
             # Keep the part of the answer written so far, as Esc would.
-            self.conv.messages.append(controller.new_answer(self._previous_answer, self._answer_widget.text,
-                                                            "cancelled"))
+            self.session.keep_partial(self._previous_answer, self._answer_widget.text)
             self.generating = False
             self._save()
         self._answer_widget = None
         self.exit()
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _fresh_conversation(self, like: Conversation | None = None) -> Conversation:
-        settings = dict(like.settings) if like else dict(self.default_settings)
-        system = like.system if like else self.default_system
-        conv = Conversation(id=self.store.new_id(), model=self.model_name or "", system=system, settings=settings)
-        if getattr(self, "model", None) is not None:
-            conv.identity, conv.model_path = dict(self.model.identity), str(self.model.path)
-        return conv
-
     def _idle_with_model(self) -> bool:
         if self.generating:
             self.notify("still answering: Esc stops it", severity="warning")
@@ -808,11 +645,11 @@ class ChatApp(App):
 
     def _apply_context_size(self) -> None:
         """A different context size means the model is loaded again with it."""
-        n_ctx = self.conv.settings.get("n_ctx")
-        if self.model is not None and n_ctx and n_ctx != self.model.n_ctx and self.model_name:
+        n_ctx = self.session.context_to_load(self.model)
+        if n_ctx and self.model_name:
             self.start_loading(self.model_name, n_ctx)
         elif self.model is None and not self.loading:
-            self.stats.n_ctx = n_ctx or 0
+            self.stats.n_ctx = self.conv.settings.get("n_ctx") or 0
             self._show_stats()
 
     async def _show_conversation(self) -> None:
@@ -829,7 +666,7 @@ class ChatApp(App):
             await chat.mount_all(widgets)
         chat.scroll_end(animate=False)
         self.sub_title = self.conv.display_title
-        self.stats.ctx_used = self._count_context()
+        self.stats.ctx_used = self.session.count_context(self.model)
         self.stats.ttft_s = self.stats.gen_tps = self.stats.cached = None
         self._show_stats()
         self._refresh_conversations()
@@ -843,19 +680,12 @@ class ChatApp(App):
             welcome.update(self._welcome())
 
     def _live_stats(self) -> None:
-        """Context used and tokens/s while the answer streams (each streamed piece is about a token);
-        the final chunk's usage and timings replace them when it ends."""
-        live = self._live
-        if not live:
+        """Context used and tokens/s while the answer streams; the final chunk's replace them."""
+        if self._live is None:
             return
-        now = time.monotonic()
-        live["pieces"] += 1
-        if live["first"] is None:
-            live["first"] = now
-            self.stats.ttft_s = now - live["start"]
-        elif now > live["first"]:
-            self.stats.gen_tps = (live["pieces"] - 1) / (now - live["first"])
-        self.stats.ctx_used = live["prompt"] + live["pieces"]
+        self._live.piece(time.monotonic())
+        self.stats.ttft_s, self.stats.gen_tps = self._live.ttft_s, self._live.gen_tps
+        self.stats.ctx_used = self._live.ctx_used
         self._show_stats()
 
     async def _remove_last_widget(self, kind: type) -> None:
@@ -863,37 +693,9 @@ class ChatApp(App):
         if found:
             await found.last().remove()
 
-    def _last_answer(self) -> str | None:
-        for m in reversed(self.conv.messages):
-            if m["role"] == "assistant":
-                return m["content"]
-        return None
-
-    def _count_context(self) -> int:
-        """Tokens the conversation would take now (for the status bar)."""
-        if self.model is None or not self.conv.messages:
-            return 0
-        try:
-            text = self.model.apply_chat_template(self.conv.chat_messages(), add_generation_prompt=False)
-            return len(self.model.tokenize(text, parse_special=True))
-        except EdgeInferError:
-            return 0
-
-    def _kv_for_save(self) -> tuple | None:
-        """The K/V to write with the conversation (None when its save_kv setting is off)."""
-        if not self.conv.settings.get("save_kv"):
-            return None
-        if (self.model is not None and not self.generating and self._resident_conv == self.conv.id
-                and same_model(self.model.identity, self.conv.identity)):
-            kv = self.model.sessions.export_kv()
-            if kv is not None:
-                self.kv = kv
-        return self.kv
-
     def _save(self) -> None:
         try:
-            save_kv = bool(self.conv.settings.get("save_kv"))
-            self.store.save(self.conv, sampling=self._params(), kv=self._kv_for_save(), keep_kv=save_kv)
+            self.session.save(self.model, self.generating)
         except (OSError, EdgeInferError) as exc:
             self.notify(f"could not save the conversation: {exc}", severity="error")
             return
@@ -916,11 +718,3 @@ class ChatApp(App):
     def _show_stats(self) -> None:
         self.query_one("#status", StatusBar).show(self.stats)
 
-
-def _short(name: str | None) -> str:
-    """A model path shown by its file name; a model name as is."""
-    if not name:
-        return "no model"
-    from pathlib import Path
-
-    return Path(name).name if ("/" in name or name.endswith(".gguf")) and not name.startswith("hf.co/") else name

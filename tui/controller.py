@@ -285,12 +285,16 @@ LOAD_STAGES = {"resolve": (0.05, "finding the model file"),
                "ready": (1.0, "ready")}
 
 
-def load_progress(stage: str, fraction: float | None = None) -> tuple[float, str]:
-    """(overall fraction 0..1, label) for a stage of loading, `fraction` done within it."""
+def load_progress(stage: str, fraction: float | None = None,
+                  count: tuple[int, int] | None = None) -> tuple[float, str]:
+    """(overall fraction 0..1, label) for a stage of loading, `fraction` done within it;
+    `count` (done, total) ends the label ("compiling kernels (first start only) 3/12")."""
     names = list(LOAD_STAGES)
     end, label = LOAD_STAGES.get(stage, (None, stage))
+    if count is not None:
+        label = f"{label} {count[0]}/{count[1]}"
     if end is None:
-        return 0.0, stage
+        return 0.0, label
     start = LOAD_STAGES[names[names.index(stage) - 1]][0] if names.index(stage) else 0.0
     inside = 0.0 if fraction is None else min(1.0, max(0.0, fraction))
     return start + (end - start) * inside, label
@@ -302,3 +306,27 @@ def human_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
+
+
+class LiveRate:
+    """Time to the first piece, pieces per second and context used while an answer streams
+    (each streamed piece is about a token); the final chunk's usage and timings replace them."""
+
+    def __init__(self, prompt_tokens: int, start: float) -> None:
+        self.prompt_tokens, self.start = prompt_tokens, start
+        self.first: float | None = None  # when the first piece came
+        self.pieces = 0
+        self.ttft_s: float | None = None
+        self.gen_tps: float | None = None
+
+    def piece(self, now: float) -> None:
+        self.pieces += 1
+        if self.first is None:
+            self.first = now
+            self.ttft_s = now - self.start
+        elif now > self.first:
+            self.gen_tps = (self.pieces - 1) / (now - self.first)
+
+    @property
+    def ctx_used(self) -> int:
+        return self.prompt_tokens + self.pieces
