@@ -154,3 +154,217 @@ def test_markdown_export_holds_every_part_and_is_written_atomically(tmp_path):
     path.write_text("old")
     export_markdown(chat, tmp_path)
     assert path.read_text(encoding="utf-8") == text
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+def test_load_progress_names_the_kernel_count():
+    done, label = c.load_progress("compile", 0.25, count=(3, 12))
+    assert label == "compiling kernels (first start only) 3/12"
+    assert c.load_progress("prepare", 1)[0] <= done <= c.load_progress("compile", 1)[0]
+
+
+def test_the_first_starts_compile_count_reaches_the_loading_stage():
+    from edgeinfer.kernels_cpu import compile_progress
+    from edgeinfer.tui.loading import open_model
+
+    before = compile_progress.get_reporter()
+    seen = []
+
+    def progress(stage, fraction=None, count=None):
+        seen.append((stage, count))
+
+    class Model:
+        path = "m.gguf"
+
+    def loader(name, n_ctx):  # edgeinfer.load warms up under the installed reporter
+        report = compile_progress.get_reporter()
+        report(0, 2, False), report(1, 2, False), report(2, 2, True)
+        return Model()
+
+    assert isinstance(open_model(loader, "m", 64, progress, warm_up=False), Model)
+    assert seen == [("read", None), ("compile", (0, 2)), ("compile", (1, 2)), ("compile", (2, 2))]
+    assert compile_progress.get_reporter() is before  # put back after the load
+    with pytest.raises(RuntimeError):
+        open_model(lambda name, n_ctx: (_ for _ in ()).throw(RuntimeError("x")), "m", 64, progress,
+                   warm_up=False)
+    assert compile_progress.get_reporter() is before
+
+
+def test_live_rate_times_the_first_piece_then_counts_pieces_per_second():
+    live = c.LiveRate(prompt_tokens=10, start=100.0)
+    live.piece(100.5)
+    assert live.ttft_s == 0.5 and live.gen_tps is None and live.ctx_used == 11
+    live.piece(101.0), live.piece(101.5)
+    assert live.gen_tps == 2.0 and live.ctx_used == 13
+
+
+# -- conversation, model and K/V policy (tui/session_policy.py) -----------------------------------
+
+from types import SimpleNamespace  # noqa: E402
+
+from edgeinfer.tui import session_policy as sp  # noqa: E402
+
+A = {"name": "a", "size": 100, "digest": "aa" * 32}
+B = {"name": "b", "size": 200, "digest": "bb" * 32}
+
+
+@pytest.fixture
+def files(monkeypatch):
+    """Model names on this machine -> their file identities (conversations.identify, offline)."""
+    local = {"a": A, "/models/a.gguf": A, "b": B}
+    asked = []
+
+    def identify(name, size=None):
+        asked.append(name)
+        ident = local.get(name)
+        return ident if ident and (size is None or ident["size"] == size) else None
+
+    monkeypatch.setattr(sp, "identify", identify)
+    return asked
+
+
+def said(model="", identity=None, path="", n_kv=0, save_kv=False, cid="chat-1"):
+    return Conversation(id=cid, model=model, identity=dict(identity or {}), model_path=path, n_kv=n_kv,
+                        settings={"n_ctx": 64, "save_kv": save_kv},
+                        messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+
+
+def follow(conv, loaded=None, loading=None, model_name=None, candidates=("a", "b")):
+    return sp.follow_model(conv, loaded=loaded, loading=loading, model_name=model_name,
+                           candidates=lambda: list(candidates))
+
+
+def test_opening_a_conversation_follows_its_model(files):
+    assert follow(Conversation()) == sp.Follow("keep")  # empty: nothing to follow
+    assert follow(said("b", B), loaded=B, model_name="b") == sp.Follow("restore")
+    assert follow(said("b", B), loaded=A, model_name="a") == sp.Follow("load", "b")
+    assert follow(said("b", B), loading="b", model_name="b") == sp.Follow("wait")
+    assert follow(said("b", B), loading="a", model_name="a") == sp.Follow("load", "b")
+    # Known by its file only: found among the local models under another name.
+    assert follow(said("renamed-b", B), loaded=A, model_name="a") == sp.Follow("load", "b")
+    # Its file is not on this machine (or has another size): the messages show with the loaded model.
+    assert follow(said("c", {"name": "c", "size": 1, "digest": "cc" * 32}), loaded=A) == sp.Follow("missing")
+    assert follow(said("b", {**B, "size": 201}), loaded=A) == sp.Follow("missing")
+    # An early conversation, known only by a name: missing unless it is the loaded name.
+    assert follow(said("old-name"), loaded=A, model_name="a") == sp.Follow("missing")
+    assert follow(said("old-name"), loaded=A, model_name="old-name") == sp.Follow("keep")
+    # With no identity saved, the name it was loaded by says which file it means.
+    assert follow(said("a"), loaded=A, model_name="a") == sp.Follow("restore")
+
+
+def test_locating_a_model_file_tries_its_name_its_path_then_the_local_models(files):
+    conv = said("gone", A, path="/models/a.gguf")
+    assert sp.locate(conv, A, lambda: ["b", "a"]) == "/models/a.gguf"
+    assert files[:2] == ["gone", "/models/a.gguf"]
+    files.clear()
+    assert sp.locate(said("b", A), A, lambda: ["b", "b", "a"]) == "a"
+    assert files == ["b", "a"]  # each name tried once
+    assert sp.locate(said("x", A), {**A, "size": 5}, lambda: ["a"]) is None  # the size must match too
+
+
+def test_settings_saved_with_a_conversation_are_checked():
+    defaults = {"temperature": 0.8, "top_k": 40, "n_ctx": 4096, "save_kv": False}
+    base = dict(sp.DEFAULT_SAMPLING)
+    good, ok = sp.checked_settings({"temperature": 0.2, "n_ctx": 512, "save_kv": True}, 0, defaults, base)
+    assert ok and good == {**defaults, "temperature": 0.2, "n_ctx": 512, "save_kv": True}
+    for bad in ({"temperature": -1.0}, {"n_ctx": 8}, {"n_ctx": "big"}, {"top_k": "x"}):
+        settings, ok = sp.checked_settings({**bad, "save_kv": True}, 0, defaults, base)
+        assert not ok and settings == {**defaults, "save_kv": True}
+    # Made by `edgeinfer run` (no save_kv setting): keeps saving K/V when its file holds some.
+    assert sp.checked_settings({}, 12, defaults, base)[0]["save_kv"] is True
+    assert sp.checked_settings({}, 0, defaults, base)[0]["save_kv"] is False
+    assert sp.checked_settings({"save_kv": "yes"}, 0, defaults, base)[0]["save_kv"] is False
+
+
+class FakeStore:
+    """What ChatSession asks of a ConversationStore, recorded."""
+
+    def __init__(self, convs=()):
+        self.convs = {cv.id: cv for cv in convs}
+        self.saved = []
+        self.n = 0
+
+    def new_id(self):
+        self.n += 1
+        return f"chat-{self.n}"
+
+    def load(self, conv_id):
+        return self.convs[conv_id]
+
+    def save(self, conv, *, sampling=None, kv=None, keep_kv=False):
+        self.saved.append(dict(id=conv.id, sampling=sampling, kv=kv, keep_kv=keep_kv))
+
+    def load_kv(self, conv, identity, n_layer):
+        return SimpleNamespace(tokens=[1, 2, 3], k="K", v="V", pos=3)
+
+
+def model(identity=A, exported=None, n_ctx=64):
+    imported = []
+    return SimpleNamespace(identity=identity, path="/models/a.gguf", n_ctx=n_ctx, imported=imported,
+                           config=SimpleNamespace(n_layer=1),
+                           sessions=SimpleNamespace(export_kv=lambda: exported,
+                                                    import_kv=lambda *kv: imported.append(kv) or len(kv[0])))
+
+
+def test_saved_kv_is_restored_once_into_the_model_that_made_it():
+    store = FakeStore([said("a", A, n_kv=3, save_kv=True), said("a", A, cid="chat-2")])
+    s = sp.ChatSession(store)
+    assert s.open("chat-1")
+    m = model()
+    assert not s.restore_kv(None, False) and not s.restore_kv(m, True)  # no model yet, or loading
+    assert not s.restore_kv(model(B), False)  # K/V of another model's tokens
+    assert s.restore_kv(m, False)
+    saved, n = s.import_kv(m, s.conv)
+    assert n == 3 and m.imported == [([1, 2, 3], "K", "V", 3)]
+    assert not s.kv_restored("chat-2", saved, n)  # another conversation was opened meanwhile
+    assert s.kv_restored("chat-1", saved, n) and s.kv == ([1, 2, 3], "K", "V", 3)  # kept for the next save
+    assert not s.restore_kv(m, False)  # the model holds them now
+    s.model_loading()
+    assert s.restore_kv(m, False)  # a reloaded model does not
+    s.open("chat-2")
+    assert not s.restore_kv(m, False)  # its file holds no K/V
+
+
+def test_what_a_save_writes():
+    store = FakeStore()
+    s = sp.ChatSession(store, sampling={"temperature": 0.3, "seed": 7}, n_ctx=64)
+    m = model(exported=("toks", "k", "v", 2))
+    s.conv.messages.append({"role": "user", "content": "hi"})
+    s.begin_answer(m, "a")
+    assert s.conv.model == "a" and s.conv.identity == A and s.conv.model_path == "/models/a.gguf"
+    s.save(m, generating=True)  # the question, before the answer
+    assert store.saved[-1]["kv"] is None and store.saved[-1]["keep_kv"] is False  # save_kv off
+    assert store.saved[-1]["sampling"]["temperature"] == 0.3 and store.saved[-1]["sampling"]["seed"] == 7
+    s.conv.settings["save_kv"] = True
+    s.save(m, generating=True)
+    assert store.saved[-1]["kv"] is None and store.saved[-1]["keep_kv"]  # mid-answer: keep the file's K/V
+    s.answered()
+    s.save(m, generating=False)
+    assert store.saved[-1]["kv"] == ("toks", "k", "v", 2)  # idle and holding this conversation: export
+    s.begin_answer(model(B), "b")  # the same conversation goes on with another model
+    assert s.kv is None
+    s.save(model(B, exported=("other",)), generating=False)
+    assert store.saved[-1]["kv"] == ("other",)  # it answered for this conversation (resident)
+    s.model_loading()
+    s.save(model(B, exported=("stale",)), generating=False)
+    assert store.saved[-1]["kv"] == ("other",)  # reloaded: what was exported last
+
+
+def test_settings_apply_to_the_conversation_and_the_next_new_ones():
+    store = FakeStore()
+    s = sp.ChatSession(store, sampling={"top_k": 5}, system="Be brief", n_ctx=64)
+    assert s.conv.system == "Be brief" and s.conv.settings["top_k"] == 5 and s.conv.settings["n_ctx"] == 64
+    values = {**s.conv.settings, "temperature": 0.1, "n_ctx": 128, "system": "Be kind"}
+    assert not s.apply_settings(values)  # nothing to save yet
+    assert s.params()["temperature"] == 0.1 and s.context_to_load(model(n_ctx=64)) == 128
+    assert s.context_to_load(model(n_ctx=128)) is None and s.context_to_load(None) is None
+    s.conv.messages.append({"role": "user", "content": "hi"})
+    assert s.apply_settings(values)
+    old = s.start_new(model(), "a")
+    assert s.conv.id != old.id and s.conv.system == "Be kind" and s.conv.settings["temperature"] == 0.1
+    assert s.conv.identity == A and s.conv.messages == []
+    assert s.initial_settings["temperature"] == 0.8 and s.fresh(None, None).settings["n_ctx"] == 128
+    s.keep_partial(None, "half an ans")
+    assert s.conv.messages[-1] == {"role": "assistant", "content": "half an ans", "finish_reason": "cancelled"}
+    assert s.last_answer() == "half an ans"
