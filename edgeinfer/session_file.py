@@ -16,8 +16,8 @@ atomic (temp file in the same folder, fsync, os.replace, fsync of the folder): a
 mid-save leaves the previous file intact; the temp files of a save that was killed are
 removed the first time a process uses the folder (atomic_file.remove_stale_temps).
 
-Every file is someone else's input (DESIGN.md, "Hostile input"). Only a regular file inside
-the sessions folder is opened (safe_open: no FIFO, device or link out). The zip directory is
+Every file is someone else's input (docs/architecture.md, "Hostile input"). Only a regular
+file inside the sessions folder is opened (safe_open: no FIFO, device or link out). The zip directory is
 bounded before it is parsed; each member's .npy header is checked against the member's real
 size, its dtype and caps (16 MiB of JSON header, 4M tokens, compressed K/V that expand at
 most 32x, K/V of the model's shape when the caller gives it) before its data are read, in
@@ -56,7 +56,7 @@ VERSION = 1
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _EDGE = 1 << 20  # bytes hashed at each end of the model file
 
-# Bounds on what a session file may make us read (DESIGN.md, "Hostile input").
+# Bounds on what a session file may make us read (docs/architecture.md, "Hostile input").
 MAX_FILE_BYTES = 1 << 40
 MAX_HEADER_BYTES = 16 << 20  # the JSON header: messages, sampling, meta
 MAX_TOKENS = 1 << 22
