@@ -45,10 +45,14 @@ def load_tiny(path):
 
 @dataclass
 class LiveServer:
-    url: str
     app: object
     server: object
     thread: threading.Thread
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     @property
     def state(self):
@@ -59,25 +63,32 @@ class LiveServer:
         self.thread.join(10)
 
 
-def start_server(model, **config) -> LiveServer:
+def serve(app, uvicorn_config) -> LiveServer:
     """uvicorn in a thread on a free loopback port; returns once it accepts connections."""
     import uvicorn
 
-    config.setdefault("model_name", MODEL)
-    config.setdefault("sampling", {"temperature": 0.0, "max_tokens": 8})
-    app = create_app(ServerConfig(**config), model)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn_config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.01)
-    return LiveServer(f"http://127.0.0.1:{port}", app, server, thread)
+    return LiveServer(app, server, thread, port)
+
+
+def start_server(model, **config) -> LiveServer:
+    """The app for `model` (greedy, 8 tokens by default), served by `serve`."""
+    import uvicorn
+
+    config.setdefault("model_name", MODEL)
+    config.setdefault("sampling", {"temperature": 0.0, "max_tokens": 8})
+    app = create_app(ServerConfig(**config), model)
+    return serve(app, uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from edgeinfer.server import ServerConfig, access_log, create_app
 from edgeinfer.server.http_protocol import uvicorn_config
 from edgeinfer.server.keep_alive import FOREVER, parse_duration
 from edgeinfer.server.security import BadHost, SecurityMiddleware, parse_host
-from test_server import fim_model_path, load_tiny  # noqa: F401 - a fixture
+from test_server import LiveServer, fim_model_path, load_tiny, serve  # noqa: F401 - a fixture
 
 MODEL = "tiny"
 
@@ -73,37 +73,10 @@ class FakeModel:
 
 # -- servers -------------------------------------------------------------------------------------
 
-class Live:
-    def __init__(self, app, server, thread, port) -> None:
-        self.app, self.server, self.thread, self.port = app, server, thread, port
-        self.url = f"http://127.0.0.1:{port}"
-
-    @property
-    def state(self):
-        return self.app.state.server
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-def serve_app(app, **limits) -> Live:
+def serve_app(app, **limits) -> LiveServer:
     """uvicorn with edgeinfer's protocol on a free loopback port (log_config=None: uvicorn's
     records reach pytest's caplog)."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, log_config=None, **limits))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    return Live(app, server, thread, port)
+    return serve(app, uvicorn_config(app, log_config=None, **limits))
 
 
 def fake_app(model=None, **config):
