@@ -368,3 +368,22 @@ def test_settings_apply_to_the_conversation_and_the_next_new_ones():
     s.keep_partial(None, "half an ans")
     assert s.conv.messages[-1] == {"role": "assistant", "content": "half an ans", "finish_reason": "cancelled"}
     assert s.last_answer() == "half an ans"
+
+
+def test_an_answer_that_ends_settles_the_turn():
+    s = sp.ChatSession(FakeStore())
+    s.conv.messages.append({"role": "user", "content": "q"})
+    end = s.end_answer(None, "A", "stop")
+    assert end.kind == "answer" and s.conv.messages[-1] == end.message == \
+        {"role": "assistant", "content": "A", "finish_reason": "stop"}
+    previous = s.conv.messages.pop()
+    end = s.end_answer(previous, "B", None)  # regenerated; no final chunk came
+    assert end.message["finish_reason"] == "error" and c.answers_of(end.message) == ["A", "B"]
+    previous = s.conv.messages.pop()
+    assert s.end_answer(previous, "", "cancelled") == sp.AnswerEnd("previous", message=previous)
+    assert s.conv.messages[-1] is previous  # nothing streamed: the earlier answers are back
+    s.conv.messages.append({"role": "user", "content": "again"})
+    assert s.end_answer(None, "", "cancelled") == sp.AnswerEnd("question", question="again")
+    assert s.conv.messages[-1] is previous  # the question went back to the prompt box
+    assert s.take_back_last_message() == (1, "q") and s.conv.messages == []
+    assert s.take_back_last_message() == (0, None) and s.end_answer(None, "", "stop").kind == "nothing"

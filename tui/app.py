@@ -18,7 +18,6 @@ from typing import Callable
 
 from textual import on, work
 from textual.app import App, ComposeResult
-from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual import events
 from textual.widgets import Header, Label, Markdown, OptionList, ProgressBar
@@ -26,8 +25,7 @@ from textual.widgets.option_list import Option
 
 from edgeinfer.conversations import Conversation, ConversationStore
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.tui import controller
-from edgeinfer.tui.controller import Key
+from edgeinfer.tui import controller, layout
 from edgeinfer.tui.export import export_markdown, to_markdown
 from edgeinfer.tui.loading import (ModelLoader, accepts_progress, default_loader, local_models,  # noqa: F401
                                    open_model, pull_model, quantization_of, short_name as _short)
@@ -42,72 +40,9 @@ class ChatApp(App):
     """Chat with a local model; conversations in a side panel, settings per conversation."""
 
     TITLE = "edgeinfer chat"
-    CSS = """
-    #sidebar { width: 30; border-right: vkey $primary 50%; padding: 0 1; }
-    #sidebar.hidden { display: none; }
-    #sidebar-title { text-style: bold; color: $text-accent; padding: 0 0 1 0; }
-    #conversations { height: 1fr; border: none; background: $surface; }
-    #main { width: 1fr; }
-    #chat { height: 1fr; padding: 0 1; scrollbar-gutter: stable; }
-    .message { margin: 1 0 0 0; padding: 0 1; border: round $primary 40%; height: auto; }
-    .message.user { border: round $secondary; }
-    .message.assistant { border: round $primary; padding: 0 1 0 1; }
-    .message.assistant > *:last-child { margin-bottom: 0; }
-    .message.system { border: round $warning 60%; color: $text-muted; }
-    #welcome { margin: 1 0 0 0; padding: 0 1; height: auto; }
-    #loading { height: 2; display: none; padding: 0 1; }
-    #loading.visible { display: block; }
-    #loading-label { width: 1fr; height: 1; text-wrap: nowrap; text-overflow: ellipsis; }
-    #prompt { height: auto; min-height: 3; max-height: 12; border: tall $accent; }
-    StatusBar { height: auto; background: $panel; color: $text; padding: 0 1; }
-    KeyBar { height: 1; background: $primary-background; color: $text; padding: 0 1; }
-    #session-hint { width: 100%; margin: 1 0 0 0; }
-    #pull-status { width: 100%; }
-    #hits { height: auto; max-height: 16; }
-    .dialog { width: 80%; max-width: 100; height: auto; max-height: 90%; padding: 1 2;
-              border: thick $primary; background: $surface; }
-    ModalScreen { align: center middle; }
-    #settings-grid { grid-size: 2; grid-columns: 2fr 1fr; grid-rows: 1; grid-gutter: 0 1; height: auto;
-                     margin: 1 0 0 0; }
-    #settings-grid Input { border: none; height: 1; padding: 0 1; }
-    #settings-body { height: 90%; padding: 0 1; }
-    #settings-fields { height: 1fr; }
-    .system-prompt { height: 4; }
-    .buttons { height: auto; align-horizontal: right; padding: 0; }
-    .buttons Button { margin: 0 0 0 2; }
-    #help-body { height: 90%; }
-    #models { height: auto; max-height: 20; }
-    """
-
-    # Keys the focused prompt box (TextArea) already uses are avoided: Ctrl+E/K/Y/A/U/W/Z,
-    # Ctrl+C/X/V, F5-F7.
-    BINDINGS = [
-        Binding("f1", "help", "Help"),
-        Binding("escape", "stop", "Stop"),
-        Binding("ctrl+n", "new_conversation", "New"),
-        Binding("ctrl+r", "regenerate", "Regenerate"),
-        Binding("ctrl+l", "edit_last", "Edit last"),
-        Binding("ctrl+s", "settings", "Settings"),
-        Binding("ctrl+o", "pick_model", "Model"),
-        Binding("ctrl+f", "search", "Search"),
-        Binding("f3", "copy_answer", "Copy answer"),
-        Binding("f4", "copy_code", "Copy code"),
-        Binding("f5", "copy_chat", "Copy chat"),
-        Binding("f9", "export", "Export"),
-        Binding("ctrl+b", "toggle_sidebar", "Chats"),
-        Binding("f2", "rename", "Rename"),
-        Binding("f8", "delete", "Delete"),
-        Binding("ctrl+t", "toggle_dark", "Theme"),
-        Binding("ctrl+left", "step_answer(-1)", "Previous answer", show=False),
-        Binding("ctrl+right", "step_answer(1)", "Next answer", show=False),
-        Binding("ctrl+q", "quit", "Quit", priority=True),
-    ]
-    # The key line, in priority order: what does not fit is behind "F1 help".
-    KEYS = [Key("Enter", "send"), Key("Esc", "stop"), Key("^N", "new"), Key("^O", "model"),
-            Key("^S", "settings"), Key("^R", "regenerate"), Key("^F", "search"), Key("^L", "edit last"),
-            Key("F3", "copy answer"), Key("F5", "copy chat"), Key("F9", "export"), Key("^B", "chats"),
-            Key("F2", "rename"), Key("F8", "delete"), Key("^T", "theme"), Key("^Q", "quit"),
-            Key("F1", "help")]
+    CSS = layout.CSS
+    BINDINGS = layout.BINDINGS
+    KEYS = layout.KEYS
 
     def __init__(self, model_name: str | None = None, *, load_model: ModelLoader | None = None,
                  store: ConversationStore | None = None, sampling: dict | None = None,
@@ -258,8 +193,7 @@ class ChatApp(App):
             self.notify("the model is still loading" if self.loading else "no model loaded: Ctrl+O picks one",
                         severity="warning")
             return
-        if self.generating:
-            self.notify("still answering: Esc stops it", severity="warning")
+        if self._busy():
             return
         event.prompt.clear()
         self.conv.messages.append({"role": "user", "content": text})
@@ -337,26 +271,21 @@ class ChatApp(App):
         self.stats.state = ""
         if error:
             self.notify(error, title="error", severity="error", timeout=10)
-        if widget.text:
-            reason = last.finish_reason if last is not None and last.finish_reason else "error"
-            message = controller.new_answer(self._previous_answer, widget.text, reason)
-            self.conv.messages.append(message)
-            widget.set_position(controller.answer_position(message))
-            if reason == "cancelled":
+        end = self.session.end_answer(self._previous_answer, widget.text,
+                                      last.finish_reason if last is not None else None)
+        if end.kind == "answer":
+            widget.set_position(controller.answer_position(end.message))
+            if end.message["finish_reason"] == "cancelled":
                 self.stats.state = "stopped"
         else:
-            # Nothing was answered: take the question back into the prompt box to edit or resend
-            # (a regenerated turn gets its earlier answer back instead).
             await widget.remove()
-            if self._previous_answer is not None:
-                self.conv.messages.append(self._previous_answer)
-                await self._mount_answer(self._previous_answer)
-            elif self.conv.messages and self.conv.messages[-1]["role"] == "user":
-                question = self.conv.messages.pop()["content"]
-                await self._remove_last_widget(UserMessage)
-                prompt = self.query_one("#prompt", PromptInput)
-                if not prompt.text:
-                    prompt.text = question
+        if end.kind == "previous":
+            await self._mount_answer(end.message)
+        elif end.kind == "question":
+            await self._remove_last_widget(UserMessage)
+            prompt = self.query_one("#prompt", PromptInput)
+            if not prompt.text:
+                prompt.text = end.question
         if last is not None and last.usage is not None:
             u, t = last.usage, last.timings
             self.stats.ctx_used = u.prompt_tokens + u.completion_tokens
@@ -415,17 +344,14 @@ class ChatApp(App):
         return AssistantMessage(message["content"], model=model, position=controller.answer_position(message))
 
     async def action_edit_last(self) -> None:
-        if self.generating:
-            self.notify("still answering: Esc stops it", severity="warning")
+        if self._busy():
             return
-        msgs = self.conv.messages
-        while msgs and msgs[-1]["role"] == "assistant":
-            msgs.pop()
+        answers, text = self.session.take_back_last_message()
+        for _ in range(answers):
             await self._remove_last_widget(AssistantMessage)
-        if not msgs:
+        if text is None:
             self.notify("no message to edit", severity="warning")
             return
-        text = msgs.pop()["content"]
         await self._remove_last_widget(UserMessage)
         prompt = self.query_one("#prompt", PromptInput)
         prompt.text = text
@@ -450,8 +376,7 @@ class ChatApp(App):
         self.notify(f"copied a code block ({len(blocks[-1].splitlines())} lines)", timeout=2)
 
     async def action_new_conversation(self) -> None:
-        if self.generating:
-            self.notify("still answering: Esc stops it", severity="warning")
+        if self._busy():
             return
         old = self.session.start_new(self.model, self.model_name)
         await self._show_conversation()
@@ -463,8 +388,7 @@ class ChatApp(App):
 
     async def open_conversation(self, conv_id: str) -> None:
         """Resume a saved conversation: show it, then make sure its model is the loaded one."""
-        if self.generating:
-            self.notify("still answering: Esc stops it", severity="warning")
+        if self._busy():
             return
         try:
             valid = self.session.open(conv_id)
@@ -530,8 +454,7 @@ class ChatApp(App):
                     title="KV cache not restored", severity="warning")
 
     def action_settings(self) -> None:
-        if self.generating:
-            self.notify("still answering: Esc stops it", severity="warning")
+        if self._busy():
             return
 
         async def apply(values: dict | None) -> None:
@@ -546,8 +469,7 @@ class ChatApp(App):
         self.push_screen(SettingsScreen(self.conv.system, self.conv.settings, self.session.params()), apply)
 
     def action_pick_model(self) -> None:
-        if self.generating:
-            self.notify("still answering: Esc stops it", severity="warning")
+        if self._busy():
             return
         try:
             models = self.list_models()
@@ -606,8 +528,7 @@ class ChatApp(App):
         self.push_screen(RenameScreen(self.conv.display_title, hint), renamed)
 
     def action_delete(self) -> None:
-        if self.generating:
-            self.notify("still answering: Esc stops it", severity="warning")
+        if self._busy():
             return
 
         async def answered(yes: bool | None) -> None:
@@ -634,9 +555,14 @@ class ChatApp(App):
         self.exit()
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _idle_with_model(self) -> bool:
+    def _busy(self) -> bool:
+        """Whether an answer is streaming (then say so)."""
         if self.generating:
             self.notify("still answering: Esc stops it", severity="warning")
+        return self.generating
+
+    def _idle_with_model(self) -> bool:
+        if self._busy():
             return False
         if self.model is None:
             self.notify("no model loaded", severity="warning")

@@ -103,6 +103,16 @@ def follow_model(conv: Conversation, *, loaded: dict | None, loading: str | None
     return Follow("load", target) if target is not None else Follow("missing")
 
 
+@dataclass(frozen=True)
+class AnswerEnd:
+    """How an answer ended for the conversation: "answer" (`message` appended), "previous" (the
+    regenerated `message` is back), "question" (`question` taken back) or "nothing"."""
+
+    kind: str
+    message: dict | None = None
+    question: str | None = None
+
+
 class ChatSession:
     """The open conversation, the settings new ones start from, and the model's K/V for it."""
 
@@ -223,6 +233,33 @@ class ChatSession:
     def answered(self) -> None:
         """The loaded model's K/V now hold the open conversation."""
         self.resident = self.conv.id
+
+    def end_answer(self, previous: dict | None, text: str, finish_reason: str | None) -> AnswerEnd:
+        """Settle the conversation when an answer ends: a streamed text becomes the turn's answer
+        (`previous`, the one it regenerates, kept as an alternative); with nothing streamed, a
+        regenerated turn gets its earlier answer back, else the question is taken back (to the
+        prompt box, to edit or send again)."""
+        messages = self.conv.messages
+        if text:
+            message = new_answer(previous, text, finish_reason or "error")
+            messages.append(message)
+            return AnswerEnd("answer", message=message)
+        if previous is not None:
+            messages.append(previous)
+            return AnswerEnd("previous", message=previous)
+        if messages and messages[-1]["role"] == "user":
+            return AnswerEnd("question", question=messages.pop()["content"])
+        return AnswerEnd("nothing")
+
+    def take_back_last_message(self) -> tuple[int, str | None]:
+        """Ctrl+L: drop the last turn's answers and take its message back to edit; (answers
+        dropped, the message's text or None when there is none)."""
+        messages = self.conv.messages
+        answers = 0
+        while messages and messages[-1]["role"] == "assistant":
+            messages.pop()
+            answers += 1
+        return answers, (messages.pop()["content"] if messages else None)
 
     def keep_partial(self, previous: dict | None, text: str) -> None:
         """Keep the part of an answer written so far (quitting mid-answer, as Esc would)."""
