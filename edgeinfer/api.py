@@ -33,7 +33,8 @@ _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None,
          backend: str = "cpu", chat_template: str | None = None, download: bool = True,
          prefill_chunk: int = 256, gpu_layers: int | str = "auto", kv_pool_mb: float | None = None,
-         context_shift: bool = False, n_keep: int = 0) -> "Model":
+         context_shift: bool = False, n_keep: int = 0, draft: str | None = None, draft_max: int = 16,
+         draft_min: int = 0, draft_p_min: float = 0.75) -> "Model":
     """Resolve a model name (alias, hf.co/..., or path), open and check it, build the engine.
 
     `kv_pool_mb` caps the paged KV pool (default 2 x n_ctx tokens, see edgeinfer.session_manager);
@@ -41,6 +42,11 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
     generation fills the window; off by default for the library and the server (a full
     window ends with finish_reason "length", predictable for API clients), on in
     `edgeinfer run` / `chat` (as llama-cli), off there with --no-context-shift.
+
+    `draft` turns on speculative decoding (edgeinfer.speculative): "lookup" drafts from
+    n-grams of the prompt and the answer so far, any other value names a draft model with
+    the same vocabulary; `draft_max` / `draft_min` / `draft_p_min` are the defaults of the
+    per-request `draft_max` / `draft_min` / `draft_p_min` keywords (draft_max=0: off).
     """
     from edgeinfer.registry import resolve
 
@@ -48,7 +54,8 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
     return Model(str(name_or_path), path, EngineOptions(
         n_ctx=n_ctx, threads=threads, backend=backend, prefill_chunk=prefill_chunk,
         gpu_layers=gpu_layers),
-        chat_template=chat_template, kv_pool_mb=kv_pool_mb, context_shift=context_shift, n_keep=n_keep)
+        chat_template=chat_template, kv_pool_mb=kv_pool_mb, context_shift=context_shift, n_keep=n_keep,
+        draft=draft, draft_defaults=dict(draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min))
 
 
 class Model:
@@ -56,7 +63,8 @@ class Model:
     longest cached prefix (a growing conversation prefills only its new tokens)."""
 
     def __init__(self, name: str, path, options: EngineOptions, chat_template: str | None = None, *,
-                 kv_pool_mb: float | None = None, context_shift: bool = False, n_keep: int = 0) -> None:
+                 kv_pool_mb: float | None = None, context_shift: bool = False, n_keep: int = 0,
+                 draft: str | None = None, draft_defaults: dict | None = None) -> None:
         from edgeinfer.chat_template import ChatTemplate
         from edgeinfer.tokenizer import load_tokenizer
 
@@ -73,6 +81,10 @@ class Model:
                                        model_id=self.identity["digest"], kv_pool_mb=kv_pool_mb,
                                        context_shift=context_shift, n_keep=n_keep)
         self._lock = self.sessions.lock  # held while a generation runs (one at a time)
+        from edgeinfer.speculative.setup import make_drafter
+
+        self.draft_defaults = {"draft_max": 16, "draft_min": 0, "draft_p_min": 0.75, **(draft_defaults or {})}
+        self.drafter = make_drafter(self, draft, options) if draft else None
 
     @property
     def tool_format(self) -> str:
@@ -187,7 +199,11 @@ class Model:
         shift = params.pop("context_shift", None)
         _constraint(params)
         n_keep = params.pop("n_keep", None)
-        return self.sessions.generate(ids, _sampling(params), cancel, context_shift=shift, n_keep=n_keep)
+        from edgeinfer.speculative.setup import speculation_for
+
+        spec = speculation_for(self.drafter, self.draft_defaults, params)
+        return self.sessions.generate(ids, _sampling(params), cancel, context_shift=shift, n_keep=n_keep,
+                                      speculation=spec)
 
     def embed(self, inputs, *, truncate: bool = False, dimensions: int | None = None,
               normalize: bool = True) -> list[list[float]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from edgeinfer.kv.view import KVView
 from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, TokenLogprob, Usage
 from edgeinfer.sampling import SamplingParams, make_token_sampler, post_sampling_probs, token_logprobs
 from edgeinfer.stopping import StopStringMatcher
+
+if TYPE_CHECKING:
+    from edgeinfer.speculative import Speculation
 
 
 def check_prompt_fits(n_prompt: int, n_ctx: int) -> None:
@@ -30,12 +33,19 @@ def check_prompt_fits(n_prompt: int, n_ctx: int) -> None:
 
 def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int],
                     params: SamplingParams, *, cancel: threading.Event | None = None,
-                    progress=None, make_room: Callable[[], bool] | None = None
-                    ) -> Iterator[GenerationChunk]:
+                    progress=None, make_room: Callable[[], bool] | None = None,
+                    speculation: "Speculation | None" = None) -> Iterator[GenerationChunk]:
     """Generate after `prompt`; `kv` must already hold exactly the prompt's first kv.n_used tokens.
 
     When the window is full, `make_room()` (a context shift) may free space and return True
     to go on; without it, or when it returns False, generation ends with finish_reason length.
+
+    With `speculation` (edgeinfer.speculative), a step runs the sampled token and a drafted
+    continuation in one forward pass; each next token is still sampled from its own logits
+    row as without it, and a row is used only while the sampled tokens equal the drafted
+    ones (greedy output is the same token for token; sampling keeps its distribution and
+    its random draws). K/V of drafted tokens not taken are truncated off before anything
+    else touches `kv` (a context shift, the next step, the end of the request).
     """
     from edgeinfer.tokenizer import StreamDecoder
 
@@ -59,36 +69,76 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
     # -1 = until the model stops; with a context shift that could be forever, so cap it at
     # n_ctx tokens as before (llama.cpp's n_predict=-1 is unbounded; ours stays finite).
     max_tokens = params.max_tokens if params.max_tokens >= 0 else engine.n_ctx
+    spec = speculation
+    drafts: list[tuple[int, np.ndarray]] = []  # (drafted token, logits after it), K/V written
+    if spec is not None:
+        spec.begin(prompt)
 
-    while len(generated) < max_tokens:
-        if cancel is not None and cancel.is_set():
-            finish = FinishReason.CANCELLED
-            break
-        raw = logits  # the model's distribution, for logprobs (the mask makes a copy)
-        if matcher is not None:
-            logits = matcher.mask(logits)
-        token = sample(logits, history)
-        if t_first is None:
-            t_first = time.perf_counter()
-        if tokenizer.is_eog(token):
-            finish = FinishReason.STOP
-            break
-        lp = _logprobs(raw, logits, history, token, params) if params.logprobs is not None else None
-        generated.append(token)
-        history.append(token)
-        if matcher is not None:
-            matcher.advance(token)
-        text, stopped = stopper.push(decoder.push(token))
-        yield GenerationChunk(text=text, token=token, logprobs=lp)  # text may be "" while bytes/stops are held
-        if stopped or (matcher is not None and matcher.is_stopped()):
-            finish = FinishReason.STOP  # a stop string, or the grammar is complete
-            break
-        if len(generated) >= max_tokens:
-            break
-        if kv.n_used >= kv.n_ctx and (make_room is None or not make_room()):
-            finish = FinishReason.LENGTH  # no room for this token's K/V: the window is full
-            break
-        logits = engine.decode(token, kv)
+    try:
+        while len(generated) < max_tokens:
+            if cancel is not None and cancel.is_set():
+                finish = FinishReason.CANCELLED
+                break
+            raw = logits  # the model's distribution, for logprobs (the mask makes a copy)
+            if matcher is not None:
+                logits = matcher.mask(logits)
+            token = sample(logits, history)
+            if t_first is None:
+                t_first = time.perf_counter()
+            if tokenizer.is_eog(token):
+                finish = FinishReason.STOP
+                break
+            ahead = None  # the logits after `token` when the draft guessed it (K/V written)
+            if drafts:
+                if drafts[0][0] == token:
+                    ahead = drafts.pop(0)[1]
+                    spec.hit()
+                else:  # the rest of the draft is wrong: cut it before the token is recorded
+                    kv.truncate(kv.n_used - len(drafts))
+                    drafts.clear()
+            lp = _logprobs(raw, logits, history, token, params) if params.logprobs is not None else None
+            generated.append(token)
+            history.append(token)
+            if matcher is not None:
+                matcher.advance(token)
+            text, stopped = stopper.push(decoder.push(token))
+            yield GenerationChunk(text=text, token=token, logprobs=lp)  # text may be "" while bytes/stops are held
+            if stopped or (matcher is not None and matcher.is_stopped()):
+                finish = FinishReason.STOP  # a stop string, or the grammar is complete
+                break
+            if len(generated) >= max_tokens:
+                break
+            if ahead is not None:
+                logits = ahead
+                continue
+            if spec is not None:
+                spec.end_round()
+            if kv.n_used >= kv.n_ctx and (make_room is None or not make_room()):
+                finish = FinishReason.LENGTH  # no room for this token's K/V: the window is full
+                break
+            if spec is None:
+                logits = engine.decode(token, kv)
+                continue
+            # room for the token, the draft and one more sample after the draft
+            limit = min(kv.n_ctx - kv.n_used - 1, max_tokens - len(generated) - 1)
+            proposal, draft_s = spec.draft(history, limit)
+            t = time.perf_counter()
+            if not proposal:
+                logits = engine.decode(token, kv)
+                spec.plain_step(time.perf_counter() - t)
+                continue
+            n = 1 + len(proposal)
+            rows = engine.forward(np.array([token, *proposal]), np.arange(kv.n_used, kv.n_used + n), kv,
+                                  logits_for=np.arange(n))
+            spec.start_round(len(proposal), time.perf_counter() - t, draft_s)
+            logits = rows[0]
+            drafts = list(zip(proposal, rows[1:]))
+    finally:
+        if drafts:  # drafted tokens never sampled: their K/V go before the sequence is kept
+            kv.truncate(kv.n_used - len(drafts))
+            drafts.clear()
+        if spec is not None:
+            spec.end_round()
 
     tail = ""
     if not stopper.stopped:  # bytes held by the decoder may still complete a stop string
@@ -100,6 +150,8 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
     t_end = time.perf_counter()
     usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated), cached_tokens=n_cached)
     timings = Timings.from_clock(t_start, t_first, t_end, len(prompt) - n_cached, len(generated))
+    if spec is not None:
+        timings.draft_n, timings.draft_n_accepted = spec.drafted, spec.accepted
     yield GenerationChunk(text=tail, token=None, finish_reason=finish, usage=usage, timings=timings)
 
 

@@ -39,6 +39,12 @@ class Timings:
     prompt_s: float    # prefill time (= ttft_s: prefill ends with the first sample)
     gen_s: float       # first token -> last token
     tpot_s: float      # time per output token after the first (mean inter-token latency)
+    draft_n: int = 0           # speculative decoding: tokens drafted and verified
+    draft_n_accepted: int = 0  # of those, the ones kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
 
     @classmethod
     def from_clock(

@@ -76,8 +76,12 @@ class SessionManager:
     # -- generation ---------------------------------------------------------------------------
     def generate(self, ids: Sequence[int], params: SamplingParams, cancel: threading.Event | None = None,
                  progress: Callable[[int, int], None] | None = None, *, context_shift: bool | None = None,
-                 n_keep: int | None = None) -> Iterator[GenerationChunk]:
+                 n_keep: int | None = None, speculation=None) -> Iterator[GenerationChunk]:
         """Stream a completion of `ids`, reusing the longest cached prefix.
+
+        `speculation` (edgeinfer.speculative.Speculation) drafts and verifies several tokens
+        per step; only tokens the stream yields are recorded, so only their blocks are
+        committed to the prefix cache.
 
         The engine runs one request at a time: the lock is held while the stream is consumed.
         """
@@ -109,7 +113,8 @@ class SessionManager:
             try:
                 last = None
                 for chunk in stream_generate(self.engine, seq, self.tokenizer, ids, params, cancel=cancel,
-                                             progress=on_progress, make_room=make_room):
+                                             progress=on_progress, make_room=make_room,
+                                             speculation=speculation):
                     if chunk.token is not None:
                         seq.record_tokens([chunk.token])  # K/V written by the next decode
                         if not state["shifted"]:

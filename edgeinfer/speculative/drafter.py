@@ -1,0 +1,193 @@
+"""The drafter interface and the per-request state of speculative decoding.
+
+A drafter proposes the tokens it expects to follow a context; the decode loop
+(edgeinfer.generate) runs the last sampled token and the proposal through the model in one
+forward pass, then samples each position in turn as plain decoding would and keeps the
+proposal's logits only while the sampled token equals the drafted one. Rejected tokens'
+K/V are cut off with the sequence's truncate.
+
+Our drafters draft deterministically (prompt lookup, a draft model's argmax): their
+proposal distribution q is a point mass. Standard speculative sampling then accepts a
+drafted token d with probability min(1, p(d)/q(d)) = p(d) and otherwise resamples from the
+residual max(0, p - q), which is p without d, renormalised. Sampling x ~ p and accepting d
+iff x == d is that same rule: P(x = d) = p(d); for y != d, P(y) = (1 - p(d)) p(y)/(1 - p(d))
+= p(y). So the loop samples every token from the target's own sampler chain (penalties,
+grammar mask, top-k/p, temperature), one random draw per token as without speculation: a
+seeded run gives the same tokens with and without a drafter. `accept_speculative` is the
+general rule, for a drafter that reports a proposal distribution (`probs`).
+
+A third drafter (an on-disk n-gram cache, as llama.cpp's lookup builds) implements
+`Drafter`: `begin(prompt)` when a request starts, `propose(context, k)`, `accept(n_drafted,
+n_accepted)` as feedback.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from edgeinfer.sampling import InvalidParameterError
+
+MAX_DRAFT = 63  # verify batches of up to 64 rows take the decode path's arithmetic
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes tokens; one instance serves one request at a time."""
+
+    name: str
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        """A new request whose context starts with `prompt`."""
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens expected after `context` (the whole history so far, which only
+        grows during a request); [] when there is nothing worth proposing."""
+
+    def accept(self, n_drafted: int, n_accepted: int) -> None:
+        """Feedback: of the last proposal's first n_drafted tokens, n_accepted were kept."""
+
+
+@dataclass(frozen=True)
+class SpeculativeParams:
+    """llama.cpp's --draft-max / --draft-min / --draft-p-min (server: speculative.n_max, ...)."""
+
+    n_max: int = 16     # at most this many drafted tokens per verification
+    n_min: int = 0      # a shorter proposal is not verified (plain decode instead)
+    p_min: float = 0.75  # a draft model stops drafting below this probability of its argmax
+
+    def validate(self) -> "SpeculativeParams":
+        if not 0 <= self.n_max <= MAX_DRAFT:
+            raise InvalidParameterError(f"draft-max must be in [0, {MAX_DRAFT}], got {self.n_max}")
+        if not 0 <= self.n_min <= self.n_max:
+            raise InvalidParameterError(f"draft-min must be in [0, draft-max={self.n_max}], got {self.n_min}")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise InvalidParameterError(f"draft-p-min must be in [0, 1], got {self.p_min}")
+        return self
+
+
+class DraftLength:
+    """How many tokens to draft next: the k that maximises expected tokens per second.
+
+    Each drafted token is taken to be accepted with probability alpha (independently, given
+    the ones before it were), so a draft of k yields E(k) = (1 - alpha^(k+1)) / (1 - alpha)
+    tokens for one verification of k + 1 rows costing t1 + (b + d) k, where t1 is a plain
+    decode step, b each extra verified row and d each drafted token, all measured as the
+    request runs. k = 0 (plain decode) wins whenever drafting does not pay; alpha drifts
+    back towards its prior while nothing is drafted, so drafting is tried again now and then.
+    """
+
+    PRIOR = 0.6   # alpha before any evidence, and what it drifts back to
+    DECAY = 0.7   # weight of the old estimate per verification
+    DRIFT = 0.03  # per plain step, towards PRIOR
+
+    def __init__(self, params: SpeculativeParams) -> None:
+        self.params = params
+        self.alpha = self.PRIOR
+        self.t1: float | None = None   # seconds per plain decode step
+        self.b: float | None = None    # seconds per extra verified row
+        self.d = 0.0                   # seconds per drafted token
+
+    def next_k(self, limit: int) -> int:
+        """Draft length to ask for (0 = decode plainly), at most `limit`."""
+        kmax = min(self.params.n_max, limit)
+        if kmax <= 0 or kmax < self.params.n_min:
+            return 0
+        if self.t1 is None:
+            return 0  # time one plain step first: the cost model needs it
+        b = self.b if self.b is not None else 0.5 * self.t1
+        a = min(self.alpha, 0.999)
+        best, best_rate = 0, 1.0 / self.t1
+        for k in range(max(1, self.params.n_min), kmax + 1):
+            rate = (1 - a ** (k + 1)) / (1 - a) / (self.t1 + (b + self.d) * k)
+            if rate > best_rate * 1.0001:
+                best, best_rate = k, rate
+        return best
+
+    def plain_step(self, seconds: float) -> None:
+        self.t1 = seconds if self.t1 is None else 0.8 * self.t1 + 0.2 * seconds
+        self.alpha += (self.PRIOR - self.alpha) * self.DRIFT if self.alpha < self.PRIOR else 0.0
+
+    def verified(self, k: int, n_accepted: int, seconds: float, draft_seconds: float) -> None:
+        if self.t1 is not None and k > 0:
+            extra = max(seconds - self.t1, 0.0) / k
+            self.b = extra if self.b is None else 0.7 * self.b + 0.3 * extra
+        if k > 0:
+            self.d = 0.7 * self.d + 0.3 * (draft_seconds / k)
+        # evidence: n_accepted successes, and one failure unless all were accepted
+        fails = 0 if n_accepted >= k else 1
+        est = n_accepted / (n_accepted + fails) if n_accepted + fails else self.alpha
+        self.alpha = self.DECAY * self.alpha + (1 - self.DECAY) * est
+
+
+class Speculation:
+    """One request's speculative state: the drafter, the draft length, the counts."""
+
+    def __init__(self, drafter: Drafter, params: SpeculativeParams) -> None:
+        self.drafter = drafter
+        self.params = params.validate()
+        self.length = DraftLength(self.params)
+        self.drafted = 0   # tokens proposed and verified (llama-server's draft_n)
+        self.accepted = 0  # of those, kept (draft_n_accepted)
+        self._round: tuple[int, float, float] | None = None  # (k, verify s, draft s)
+        self._hits = 0
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self.drafter.begin(prompt)
+
+    def draft(self, context: Sequence[int], limit: int) -> tuple[list[int], float]:
+        """(proposal, seconds spent drafting) for the next step; [] = decode plainly."""
+        k = self.length.next_k(limit)
+        if k <= 0:
+            return [], 0.0
+        t = time.perf_counter()
+        got = list(self.drafter.propose(context, k))[:k]
+        if len(got) < max(self.params.n_min, 1):
+            return [], 0.0
+        return got, time.perf_counter() - t
+
+    def plain_step(self, seconds: float) -> None:
+        self.length.plain_step(seconds)
+
+    def start_round(self, k: int, verify_s: float, draft_s: float) -> None:
+        self._round, self._hits = (k, verify_s, draft_s), 0
+
+    def hit(self) -> None:
+        self._hits += 1
+
+    def end_round(self) -> None:
+        """The last verification is settled: `hit()` was called for each kept token."""
+        if self._round is None:
+            return
+        k, verify_s, draft_s = self._round
+        self._round = None
+        self.drafted += k
+        self.accepted += self._hits
+        self.length.verified(k, self._hits, verify_s, draft_s)
+        self.drafter.accept(k, self._hits)
+
+
+def accept_speculative(p: np.ndarray, q: np.ndarray | None, drafted: int,
+                       rng: np.random.Generator) -> tuple[bool, int]:
+    """Standard speculative sampling for one position: (accepted, token).
+
+    `p` the target's probabilities, `q` the drafter's (None = a point mass on `drafted`).
+    Accept with probability min(1, p/q); otherwise draw from max(0, p - q), normalised.
+    """
+    p = np.asarray(p, dtype=np.float64)
+    if q is None:
+        q = np.zeros_like(p)
+        q[drafted] = 1.0
+    q = np.asarray(q, dtype=np.float64)
+    pd, qd = float(p[drafted]), float(q[drafted])
+    if qd > 0 and rng.random() < min(1.0, pd / qd):
+        return True, drafted
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    if not math.isfinite(total) or total <= 0:
+        residual, total = p, p.sum()
+    return False, int(rng.choice(len(p), p=residual / total))

@@ -1,0 +1,227 @@
+"""Speculative decoding: greedy output identical to plain decoding, sampling unchanged,
+K/V and prefix cache consistent after rejected drafts, vocabulary checks, request fields."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from edgeinfer.errors import EdgeInferError
+from edgeinfer.speculative import PromptLookup, Speculation, SpeculativeParams
+from edgeinfer.speculative.drafter import DraftLength, accept_speculative
+from edgeinfer.speculative.draft_model import DraftModel
+from tests.gguf_factory import bpe_vocab, spm_vocab, write_tiny_model
+
+PROMPTS = [
+    "a b c d a b c d a b c d a b",
+    "hello world hello world hello world hello",
+    "one two three four five one two three four five one two",
+    "the cat sat on the mat. the cat sat on the mat. the cat",
+    "x y z",
+    "zebra quantum yellow lamp",
+]
+
+
+class OracleDrafter:
+    """Proposes a known continuation, corrupted every `every`-th token: exercises every
+    acceptance length, including full acceptance and immediate rejection."""
+
+    name = "oracle"
+
+    def __init__(self, truth: list[int], n_prompt: int, every: int, n_vocab: int) -> None:
+        self.truth, self.n_prompt, self.every, self.n_vocab = truth, n_prompt, every, n_vocab
+        self.calls = 0
+
+    def begin(self, prompt):
+        pass
+
+    def propose(self, context, k):
+        self.calls += 1
+        i = len(context) - self.n_prompt
+        out = list(self.truth[i:i + k])
+        if self.every and out and self.calls % self.every == 0:
+            j = self.calls % len(out)
+            out[j] = (out[j] + 1) % self.n_vocab
+        return out
+
+    def accept(self, n_drafted, n_accepted):
+        pass
+
+
+def _eager(length: DraftLength) -> None:
+    """Always draft as much as allowed (the tests want drafts, not the cost model's choice)."""
+    length.next_k = lambda limit: min(length.params.n_max, limit)
+
+
+def _spec(drafter, n_max=8, eager=True) -> Speculation:
+    s = Speculation(drafter, SpeculativeParams(n_max=n_max))
+    if eager:
+        _eager(s.length)
+    return s
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return edgeinfer.load(str(tiny_models["llama"]), backend="reference", n_ctx=128)
+
+
+def _plain(model, ids, **kw):
+    return list(model.sessions.generate(ids, edgeinfer.sampling.SamplingParams(**kw)))
+
+
+def _tokens(chunks):
+    return [c.token for c in chunks if c.token is not None]
+
+
+def _run(model, ids, spec, **kw):
+    return list(model.sessions.generate(ids, edgeinfer.sampling.SamplingParams(**kw), speculation=spec))
+
+
+@pytest.mark.parametrize("n_max", [1, 2, 3, 5, 8, 16])
+def test_greedy_lookup_is_identical(model, n_max):
+    for text in PROMPTS:
+        ids = model.tokenize(text)
+        want = _tokens(_plain(model, ids, temperature=0, max_tokens=40))
+        model.reset()
+        spec = _spec(PromptLookup(), n_max=n_max)
+        got = _run(model, ids, spec, temperature=0, max_tokens=40)
+        assert _tokens(got) == want, text
+        model.sessions.check_invariants()
+        seq = model.sessions._resident
+        assert seq is not None and seq.tokens[:seq.n_used] == (ids + want)[:seq.n_used]
+        assert seq.n_used >= len(ids) + len(want) - 1
+
+
+@pytest.mark.parametrize("every", [0, 1, 2, 3, 7])
+@pytest.mark.parametrize("n_max", [1, 4, 9])
+def test_greedy_with_oracle_drafts_is_identical(model, every, n_max):
+    for text in PROMPTS[:4]:
+        ids = model.tokenize(text)
+        want = _tokens(_plain(model, ids, temperature=0, max_tokens=30))
+        spec = _spec(OracleDrafter(want, len(ids), every, model.config.n_vocab), n_max=n_max)
+        got = _run(model, ids, spec, temperature=0, max_tokens=30)
+        assert _tokens(got) == want
+        last = got[-1]
+        assert last.timings.draft_n == spec.drafted and spec.accepted <= spec.drafted
+        if every == 0 and len(want) > 1:
+            assert spec.accepted > 0 and spec.accepted == spec.drafted
+        model.sessions.check_invariants()
+
+
+def test_seeded_sampling_draws_the_same_tokens(model):
+    ids = model.tokenize(PROMPTS[0])
+    for seed in range(4):
+        kw = dict(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=seed, max_tokens=30)
+        want = _tokens(_plain(model, ids, **kw))
+        spec = _spec(OracleDrafter(want, len(ids), 3, model.config.n_vocab), n_max=4)
+        assert _tokens(_run(model, ids, spec, **kw)) == want
+        assert _tokens(_run(model, ids, _spec(PromptLookup(), n_max=6), **kw)) == want
+
+
+def test_prefix_cache_after_speculation_matches_a_fresh_prefill(model):
+    ids = model.tokenize(PROMPTS[3])
+    model.reset()
+    got = _tokens(_run(model, ids, _spec(PromptLookup(), n_max=8), temperature=0, max_tokens=60))
+    full = ids + got
+    # the committed blocks give the same continuation as a cache-free run
+    model.reset()
+    want = _tokens(_plain(model, full, temperature=0, max_tokens=10))
+    _run(model, ids, _spec(PromptLookup(), n_max=8), temperature=0, max_tokens=60)
+    again = _plain(model, full, temperature=0, max_tokens=10)
+    assert _tokens(again) == want
+    assert again[-1].usage.cached_tokens > 0
+
+
+def test_context_shift_with_speculation(tiny_models):
+    m = edgeinfer.load(str(tiny_models["llama"]), backend="reference", n_ctx=48, context_shift=True,
+                       n_keep=4)
+    ids = m.tokenize(PROMPTS[2])
+    want = _tokens(_plain(m, ids, temperature=0, max_tokens=120))
+    m.reset()
+    spec = _spec(PromptLookup(), n_max=6)
+    assert _tokens(_run(m, ids, spec, temperature=0, max_tokens=120)) == want
+    m.sessions.check_invariants()
+
+
+def test_draft_model_same_file_accepts_everything(tiny_models):
+    m = edgeinfer.load(str(tiny_models["llama"]), backend="reference", n_ctx=128,
+                       draft=str(tiny_models["llama"]), draft_p_min=0.0)
+    for text in PROMPTS[:3]:
+        want = m.generate(text, temperature=0, max_tokens=30, draft_max=0).tokens
+        got = m.generate(text, temperature=0, max_tokens=30, draft_max=6)
+        assert got.tokens == want
+    spec = _spec(m.drafter, n_max=6)
+    ids = m.tokenize(PROMPTS[4])
+    want = _tokens(_plain(m, ids, temperature=0, max_tokens=30))
+    assert _tokens(_run(m, ids, spec, temperature=0, max_tokens=30)) == want
+    assert spec.drafted > 0 and spec.accepted == spec.drafted
+
+
+def test_draft_model_other_weights_is_identical(tiny_models, tmp_path):
+    other = write_tiny_model(tmp_path / "other.gguf", "llama", "F32", vocab=spm_vocab(), seed=5)
+    m = edgeinfer.load(str(tiny_models["llama"]), backend="reference", n_ctx=128)
+    from edgeinfer.engine import Engine, EngineOptions
+    from edgeinfer.loader import open_model
+
+    drafter = DraftModel(Engine(open_model(other), EngineOptions(n_ctx=128, backend="reference")), p_min=0.0)
+    for n_max in (1, 3, 7):
+        for text in PROMPTS:
+            ids = m.tokenize(text)
+            want = _tokens(_plain(m, ids, temperature=0, max_tokens=25))
+            assert _tokens(_run(m, ids, _spec(drafter, n_max=n_max), temperature=0, max_tokens=25)) == want
+
+
+def test_draft_model_vocabulary_mismatch_is_one_clear_error(tiny_models, tmp_path):
+    with pytest.raises(EdgeInferError, match="same vocabulary"):
+        edgeinfer.load(str(tiny_models["llama"]), backend="reference", n_ctx=64, draft=str(tiny_models["qwen2"]))
+    vocab = spm_vocab()
+    vocab = dict(vocab, tokens=list(vocab["tokens"]))
+    vocab["tokens"][40] = "zzzz-not-the-same"
+    odd = write_tiny_model(tmp_path / "odd.gguf", "llama", "F32", vocab=vocab)
+    with pytest.raises(EdgeInferError, match="token 40") as e:
+        edgeinfer.load(str(tiny_models["llama"]), backend="reference", n_ctx=64, draft=str(odd))
+    assert "\n" not in str(e.value)
+
+
+def test_lookup_proposals():
+    lk = PromptLookup()
+    lk.begin([1, 2, 3, 4, 5, 1, 2])
+    assert lk.propose([1, 2, 3, 4, 5, 1, 2], 3) == [3, 4, 5]
+    assert lk.propose([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 9], 2) == []
+    lk.begin([7, 8, 7])
+    assert lk.propose([7, 8, 7], 5) == [8, 7, 8, 7, 8]  # a loop drafts its next periods
+    lk.begin([])
+    assert lk.propose([5, 6, 7], 4) == []
+
+
+def test_draft_length_backs_off_when_drafts_fail():
+    dl = DraftLength(SpeculativeParams(n_max=16))
+    dl.plain_step(0.01)
+    assert dl.next_k(16) > 0
+    for _ in range(10):
+        dl.verified(dl.next_k(16) or 1, 0, 0.02, 0.0)
+    assert dl.next_k(16) == 0
+    for _ in range(10):
+        dl.verified(4, 4, 0.012, 0.0)
+    assert dl.next_k(16) >= 4
+
+
+def test_speculative_params_are_checked():
+    with pytest.raises(ValueError):
+        SpeculativeParams(n_max=100).validate()
+    with pytest.raises(ValueError):
+        SpeculativeParams(n_max=4, n_min=5).validate()
+
+
+def test_accept_speculative_keeps_the_target_distribution():
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    q = np.array([0.1, 0.6, 0.2, 0.1])
+    for qq in (q, None):
+        counts = np.zeros(4)
+        n = 20000
+        for _ in range(n):
+            d = int(rng.choice(4, p=q)) if qq is not None else 1
+            counts[accept_speculative(p, qq, d, rng)[1]] += 1
+        assert 0.5 * np.abs(counts / n - p).sum() < 0.02
