@@ -225,3 +225,38 @@ def test_accept_speculative_keeps_the_target_distribution():
             d = int(rng.choice(4, p=q)) if qq is not None else 1
             counts[accept_speculative(p, qq, d, rng)[1]] += 1
         assert 0.5 * np.abs(counts / n - p).sum() < 0.02
+
+
+def test_completion_speculative_fields_and_timings(tiny_models):
+    import httpx
+
+    from test_server import start_server
+
+    m = edgeinfer.load(str(tiny_models["llama"]), backend="reference", n_ctx=128, draft="lookup")
+    live = start_server(m)
+    try:
+        body = {"prompt": PROMPTS[0], "n_predict": 24, "temperature": 0}
+        plain = httpx.post(live.url + "/completion", json={**body, "speculative.n_max": 0}).json()
+        spec = httpx.post(live.url + "/completion", json={**body, "speculative.n_max": 8,
+                                                          "speculative.n_min": 1, "speculative.p_min": 0.5}).json()
+        assert spec["content"] == plain["content"]
+        assert "draft_n" not in plain["timings"]
+        t = spec["timings"]
+        assert t.get("draft_n", 0) >= t.get("draft_n_accepted", 0) >= 0
+        bad = httpx.post(live.url + "/completion", json={**body, "speculative.n_max": 99})
+        assert bad.status_code == 400 and "speculative.n_max" in bad.text
+    finally:
+        live.stop()
+
+
+def test_cli_draft_flags():
+    import argparse
+
+    from edgeinfer.commands.model_flags import add_model_options, model_kwargs
+
+    p = argparse.ArgumentParser()
+    add_model_options(p)
+    kw = model_kwargs(p.parse_args(["--draft", "lookup", "--draft-max", "8", "--draft-min", "2"]))
+    assert kw["draft"] == "lookup" and kw["draft_max"] == 8 and kw["draft_min"] == 2
+    with pytest.raises(ValueError):
+        model_kwargs(p.parse_args(["--draft-max", "64"]))

@@ -48,6 +48,8 @@ def print_timings(last, err) -> None:
         f"eval rate:            {t.gen_tps:.2f} tokens/s",
         f"finish reason:        {last.finish_reason}",
     ]
+    if t.draft_n:
+        lines.append(f"draft acceptance:     {t.acceptance_rate:.1%} ({t.draft_n_accepted} of {t.draft_n} drafted)")
     print("\n".join(lines), file=err)
 
 

@@ -29,6 +29,15 @@ def add_model_options(p) -> None:
                    help="stop with finish reason 'length' when the context fills")
     p.add_argument("--keep", type=non_negative_int, default=0, metavar="N",
                    help="tokens at the start kept by a context shift (default 0)")
+    p.add_argument("--draft", default=None, metavar="lookup|NAME",
+                   help="speculative decoding: 'lookup' drafts from n-grams of the prompt and answer, "
+                        "NAME is a draft model with the same vocabulary")
+    p.add_argument("--draft-max", type=non_negative_int, default=16, metavar="N",
+                   help="most tokens drafted per step (default 16; 0 = off)")
+    p.add_argument("--draft-min", type=non_negative_int, default=0, metavar="N",
+                   help="fewer drafted tokens than this are not verified (default 0)")
+    p.add_argument("--draft-p-min", type=float, default=0.75, metavar="P",
+                   help="a draft model stops drafting below this probability (default 0.75)")
 
 
 def model_kwargs(args, context_shift: bool = False) -> dict:
@@ -40,7 +49,18 @@ def model_kwargs(args, context_shift: bool = False) -> dict:
     return dict(n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
                 chat_template=args.chat_template, gpu_layers=args.gpu_layers,
                 prefill_chunk=args.prefill_chunk, kv_pool_mb=args.kv_pool_mb,
-                context_shift=shift, n_keep=args.keep)
+                context_shift=shift, n_keep=args.keep, **draft_kwargs(args))
+
+
+def draft_kwargs(args) -> dict:
+    """edgeinfer.load's draft keywords from --draft / --draft-max / --draft-min / --draft-p-min
+    (checked here, so a bad value fails before the model loads)."""
+    from edgeinfer.speculative import SpeculativeParams
+
+    SpeculativeParams(n_max=args.draft_max, n_min=min(args.draft_min, args.draft_max),
+                      p_min=args.draft_p_min).validate()
+    return dict(draft=args.draft, draft_max=args.draft_max, draft_min=args.draft_min,
+                draft_p_min=args.draft_p_min)
 
 
 def add_sampling_options(p) -> None:

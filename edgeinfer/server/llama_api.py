@@ -44,6 +44,10 @@ def sampling_of(state, req: LlamaSampling) -> dict:
         params["n_keep"] = req.n_keep  # what a context shift keeps (Model passes it on)
     if req.n_probs:
         params.update(logprobs=req.n_probs, post_sampling_probs=req.post_sampling_probs)
+    for key, value in (("draft_max", req.speculative_n_max), ("draft_min", req.speculative_n_min),
+                       ("draft_p_min", req.speculative_p_min)):
+        if value is not None:
+            params[key] = value  # Model turns them into the request's Speculation
     return params
 
 

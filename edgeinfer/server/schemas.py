@@ -284,6 +284,10 @@ class LlamaSampling(Body):
     response_fields: Annotated[list[str], Field(max_length=64)] | None = None
     grammar: str | None = None               # GBNF (edgeinfer.grammar)
     json_schema: dict | None = None          # the answer is JSON valid against it
+    # speculative decoding, when the server runs with --draft (llama-server's dotted keys)
+    speculative_n_max: int | None = Field(None, ge=0, le=63, alias="speculative.n_max")
+    speculative_n_min: int | None = Field(None, ge=0, le=63, alias="speculative.n_min")
+    speculative_p_min: float | None = Field(None, ge=0, le=1, alias="speculative.p_min")
 
 
 class LlamaCompletionRequest(LlamaSampling):

@@ -20,4 +20,5 @@ def llama_timings(last: GenerationChunk) -> dict:
             "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
             "prompt_per_second": t.prompt_tps,
             "predicted_n": u.completion_tokens, "predicted_ms": pred_ms,
-            "predicted_per_token_ms": t.tpot_s * 1e3, "predicted_per_second": t.gen_tps}
+            "predicted_per_token_ms": t.tpot_s * 1e3, "predicted_per_second": t.gen_tps,
+            **({"draft_n": t.draft_n, "draft_n_accepted": t.draft_n_accepted} if t.draft_n else {})}
