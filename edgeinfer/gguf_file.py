@@ -120,10 +120,14 @@ class _Cursor:
         if count * 8 > self.remaining():  # each string takes at least its 8-byte length
             raise GGUFError(f"{self.path}: metadata key {key!r} claims {count} strings, more than "
                             f"the {self.remaining()} bytes left in the file can hold")
-        buf, pos, out = self.buf, self.pos, []
+        # Two passes: walk the length prefixes (each checked against the bytes left), then
+        # decode slices of one bytes copy of the array, which is about twice as fast as
+        # decoding memoryview slices one by one (262k tokens: the bulk of opening a file).
+        buf, start, pos = self.buf, self.pos, self.pos
         end = len(buf)
         unpack = struct.Struct("<Q").unpack_from
-        append = out.append
+        starts: list[int] = []
+        append = starts.append
         for _ in range(count):
             if pos + 8 > end:
                 self.pos = pos
@@ -133,10 +137,14 @@ class _Cursor:
             if pos + n > end:
                 self.pos = pos
                 self._need(n)
-            append(str(buf[pos : pos + n], "utf-8", "replace"))
+            append(pos - start)
             pos += n
         self.pos = pos
-        return out
+        data = bytes(buf[start:pos])
+        # string k ends 8 bytes (the next length) before string k+1 starts
+        ends = [s - 8 for s in starts[1:]]
+        ends.append(pos - start)
+        return [data[s:e].decode("utf-8", "replace") for s, e in zip(starts, ends)]
 
     def value(self, vtype: int, key: str) -> Any:
         if vtype == _STRING:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from itertools import repeat
 from typing import Any, Mapping
 
 import numpy as np
@@ -151,19 +152,20 @@ class Tokenizer:
             raise TokenizerError("tokenizer.ggml.tokens is empty")
         # token text as bytes, as llama.cpp keeps it (the GGUF parser has already replaced
         # invalid UTF-8 with U+FFFD, so this is plain UTF-8)
-        texts = [t.encode("utf-8", "surrogateescape") for t in tokens]
-        texts = [t if t else f"[EMPTY_{i}]".encode() for i, t in enumerate(texts)]
+        # (per-token work below runs in C where it can: a vocabulary has up to 262k tokens)
+        texts = list(map(str.encode, tokens, repeat("utf-8", n), repeat("surrogateescape", n)))
+        if not all(texts):
+            texts = [t if t else f"[EMPTY_{i}]".encode() for i, t in enumerate(texts)]
         self._texts = texts
-        self._id_of: dict[bytes, int] = {}
-        for i, t in enumerate(texts):
-            self._id_of[t] = i  # last one wins, as llama.cpp's token_to_id
+        # last one wins, as llama.cpp's token_to_id
+        self._id_of: dict[bytes, int] = dict(zip(texts, range(n)))
         if types is not None and len(types) < n:
             raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
         if scores is not None and len(scores) < n:
             raise TokenizerError(f"tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
-        self._attrs = ([_TYPE_TO_ATTR.get(int(t), TokenAttr.UNDEFINED) for t in types[:n]]
+        self._attrs = (list(map(_TYPE_TO_ATTR.get, map(int, types[:n]), repeat(TokenAttr.UNDEFINED, n)))
                        if types is not None else [TokenAttr.NORMAL] * n)
-        self._scores = [float(s) for s in scores[:n]] if scores is not None else [0.0] * n
+        self._scores = list(map(float, scores[:n])) if scores is not None else [0.0] * n
 
         def flag(key: str, default: bool) -> bool:
             return meta_bool(meta, f"tokenizer.ggml.{key}", default)
@@ -204,9 +206,9 @@ class Tokenizer:
         self._init_special_ids(defaults, meta)
         self._wpm = WordPiece(self._id_of, self.unk_id) if model == "bert" else None
         self._init_eog()
-        self._special_order = sorted(
-            (i for i in range(n) if self._attrs[i] & (TokenAttr.CONTROL | TokenAttr.USER_DEFINED
-                                                      | TokenAttr.UNKNOWN)),
+        special_mask = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN
+        self._special_order = sorted(  # stable: equal lengths stay in id order
+            np.flatnonzero(np.array(self._attrs, dtype=np.int64) & special_mask).tolist(),
             key=lambda i: -len(texts[i]))
         # first 4 bytes of each special token of 4+ bytes, as little-endian uint32, in
         # _special_order: _partition skips the tokens whose prefix is not in the text
@@ -256,23 +258,22 @@ class Tokenizer:
                     setattr(self, name, tid)
                     self._attrs[tid] |= TokenAttr.CONTROL
                     break
-        for tid, text in enumerate(self._texts):  # control tokens named "unused..."
-            if self._attrs[tid] & TokenAttr.CONTROL and b"unused" in text:
+        attrs = np.array(self._attrs, dtype=np.int64)
+        for tid in np.flatnonzero(attrs & TokenAttr.CONTROL).tolist():  # control tokens named "unused..."
+            if b"unused" in self._texts[tid]:
                 self._attrs[tid] |= TokenAttr.UNUSED
 
     def _init_eog(self) -> None:
         eog = {t for t in (self.fim_pad_id, self.fim_rep_id, self.fim_sep_id) if t is not None}
-        for tid, text in enumerate(self._texts):
-            if self._id_of[text] != tid:
-                continue
-            try:
-                s = text.decode()
-            except UnicodeDecodeError:
-                continue
-            if s in _EOG_TEXTS:
+        # the token each of these texts maps to (the last of duplicates, as token_to_id)
+        for s in _EOG_TEXTS:
+            tid = self._id_of.get(s.encode())
+            if tid is not None:
                 eog.add(tid)
                 self._attrs[tid] |= TokenAttr.CONTROL
-            if s in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):  # gpt-oss
+        for s in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):  # gpt-oss
+            tid = self._id_of.get(s.encode())
+            if tid is not None:
                 self._attrs[tid] = TokenAttr.USER_DEFINED
         eog |= {t for t in (self.eos_id, self.eot_id, self.eom_id) if t is not None}
         texts = {self._texts[t]: t for t in eog}
