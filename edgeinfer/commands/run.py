@@ -7,7 +7,6 @@ import sys
 
 from edgeinfer.commands.answer import answer, messages_for
 from edgeinfer.commands.model_flags import add_model_options, add_sampling_options, sampling_from_args
-from edgeinfer.commands.repl import Repl
 from edgeinfer.commands.run_model import completion_mode, load_with_spinner
 from edgeinfer.commands.run_session import resume_session, save_run_session
 from edgeinfer.errors import EdgeInferError
@@ -66,4 +65,6 @@ def run(args) -> int:
             history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]
             save_run_session(model, session, system, history, params, args.session_kv)
         return 0
+    from edgeinfer.commands.repl import Repl  # the interactive session only
+
     return Repl(model, args, params, raw, system, history).loop()

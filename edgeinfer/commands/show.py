@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import re
 
-from edgeinfer.loader import open_model
-from edgeinfer.model_info import describe, human_bytes, human_count
-
 
 # Control characters in a file's text (terminal escapes, carriage returns) are shown as U+FFFD
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -27,6 +24,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    # numpy and gguf: only when the command runs, not for every `edgeinfer --help`
+    from edgeinfer.loader import open_model
+    from edgeinfer.model_info import describe, human_bytes, human_count
     from edgeinfer.registry import resolve
 
     from edgeinfer.offload import plan_for_model

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from datetime import datetime
 
-from edgeinfer import registry
 from edgeinfer.units import human_bytes
 
 
@@ -25,12 +24,16 @@ def register(subparsers) -> None:
 
 
 def pull_command(args: argparse.Namespace) -> int:
+    from edgeinfer import registry
+
     path = registry.pull(args.name, progress=not args.quiet)
     print(f"pulled {args.name}: {path}")
     return 0
 
 
 def list_command(args: argparse.Namespace) -> int:
+    from edgeinfer import registry
+
     rows = [(m.name, human_bytes(m.size_bytes), human_age(m.modified)) for m in registry.list_local()]
     header = ("NAME", "SIZE", "MODIFIED")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
@@ -40,6 +43,8 @@ def list_command(args: argparse.Namespace) -> int:
 
 
 def rm_command(args: argparse.Namespace) -> int:
+    from edgeinfer import registry
+
     registry.remove(args.name)
     print(f"deleted '{args.name}'")
     return 0
