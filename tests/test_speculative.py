@@ -80,6 +80,7 @@ def _run(model, ids, spec, **kw):
 
 @pytest.mark.parametrize("n_max", [1, 2, 3, 5, 8, 16])
 def test_greedy_lookup_is_identical(model, n_max):
+    accepted = rejected = 0
     for text in PROMPTS:
         ids = model.tokenize(text)
         want = _tokens(_plain(model, ids, temperature=0, max_tokens=40))
@@ -91,6 +92,8 @@ def test_greedy_lookup_is_identical(model, n_max):
         seq = model.sessions._resident
         assert seq is not None and seq.tokens[:seq.n_used] == (ids + want)[:seq.n_used]
         assert seq.n_used >= len(ids) + len(want) - 1
+        accepted, rejected = accepted + spec.accepted, rejected + spec.drafted - spec.accepted
+    assert accepted > 0 and rejected > 0  # both paths ran
 
 
 @pytest.mark.parametrize("every", [0, 1, 2, 3, 7])
@@ -260,3 +263,68 @@ def test_cli_draft_flags():
     assert kw["draft"] == "lookup" and kw["draft_max"] == 8 and kw["draft_min"] == 2
     with pytest.raises(ValueError):
         model_kwargs(p.parse_args(["--draft-max", "64"]))
+
+
+def test_sampled_distribution_matches_plain_sampling(model):
+    """Independent seeds on both sides: the first three tokens' joint distribution under
+    speculation (drafting the greedy path, so drafts are partly accepted) matches plain
+    sampling's, by total variation distance over 300 draws each."""
+    from collections import Counter
+
+    ids = model.tokenize(PROMPTS[1])
+    greedy = _tokens(_plain(model, ids, temperature=0, max_tokens=3))
+    kw = dict(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0, max_tokens=3)
+    n = 300
+    plain = Counter(tuple(_tokens(_plain(model, ids, seed=s, **kw))) for s in range(n))
+    spec_counts = Counter()
+    drafted = accepted = 0
+    for s in range(n):
+        spec = _spec(OracleDrafter(greedy, len(ids), 0, model.config.n_vocab), n_max=2)
+        spec_counts[tuple(_tokens(_run(model, ids, spec, seed=10_000 + s, **kw)))] += 1
+        drafted, accepted = drafted + spec.drafted, accepted + spec.accepted
+    assert 0 < accepted < drafted
+    keys = set(plain) | set(spec_counts)
+    tv = 0.5 * sum(abs(plain[k] - spec_counts[k]) for k in keys) / n
+    # two samples of one distribution over <= 64 outcomes: TV about 0.1-0.2 at n=300
+    same = Counter(tuple(_tokens(_plain(model, ids, seed=20_000 + s, **kw))) for s in range(n))
+    tv_same = 0.5 * sum(abs(plain[k] - same[k]) for k in set(plain) | set(same)) / n
+    assert tv < max(0.25, 1.6 * tv_same), (tv, tv_same)
+
+
+def test_grammar_and_logprobs_work_with_speculation(model):
+    """The grammar's mask and the logprobs are taken per sampled row, as without speculation."""
+    from edgeinfer import grammar
+
+    ids = model.tokenize(PROMPTS[0])
+    for extra in (dict(constraint=grammar.from_request(regex="(a b )+c")), dict(logprobs=3),
+                  dict(logprobs=2, post_sampling_probs=True)):
+        kw = dict(temperature=0, max_tokens=20, **extra)
+        want = _plain(model, ids, **kw)
+        spec = _spec(PromptLookup(), n_max=5)
+        got = _run(model, ids, spec, **kw)
+        assert _tokens(got) == _tokens(want)
+        assert [c.logprobs for c in got] == [c.logprobs for c in want]
+        assert "".join(c.text for c in got) == "".join(c.text for c in want)
+
+
+@pytest.mark.slow
+def test_gemma_greedy_lookup_and_self_draft_are_identical(gemma_path):
+    m = edgeinfer.load(str(gemma_path), n_ctx=512, draft="lookup")
+    prompts = ["def add(a, b):\n    return a + b\n\n# the same function again:\ndef add(a, b):\n",
+               "Roses are red, violets are blue. Roses are red, violets are",
+               "The capital of France is"]
+    for text in prompts:
+        ids = m.tokenize(text)
+        want = _tokens(_plain(m, ids, temperature=0, max_tokens=24))
+        for n_max in (3, 8):
+            spec = _spec(PromptLookup(), n_max=n_max)
+            assert _tokens(_run(m, ids, spec, temperature=0, max_tokens=24)) == want, (text, n_max)
+    from edgeinfer.speculative.setup import make_drafter
+
+    drafter = make_drafter(m, str(gemma_path), m.engine.options)
+    drafter.p_min = 0.0
+    ids = m.tokenize(prompts[2])
+    want = _tokens(_plain(m, ids, temperature=0, max_tokens=16))
+    spec = _spec(drafter, n_max=4)
+    assert _tokens(_run(m, ids, spec, temperature=0, max_tokens=16)) == want
+    assert spec.accepted == spec.drafted > 0

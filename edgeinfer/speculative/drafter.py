@@ -59,6 +59,7 @@ class SpeculativeParams:
     n_max: int = 16     # at most this many drafted tokens per verification
     n_min: int = 0      # a shorter proposal is not verified (plain decode instead)
     p_min: float = 0.75  # a draft model stops drafting below this probability of its argmax
+    adaptive: bool = True  # False: always ask for n_max tokens (llama.cpp's behaviour)
 
     def validate(self) -> "SpeculativeParams":
         if not 0 <= self.n_max <= MAX_DRAFT:
@@ -78,7 +79,8 @@ class DraftLength:
     tokens for one verification of k + 1 rows costing t1 + (b + d) k, where t1 is a plain
     decode step, b each extra verified row and d each drafted token, all measured as the
     request runs. k = 0 (plain decode) wins whenever drafting does not pay; alpha drifts
-    back towards its prior while nothing is drafted, so drafting is tried again now and then.
+    back towards its prior while nothing is drafted, so drafting is tried again now and then
+    (more and more rarely while those tries keep failing: the drift halves after each).
     """
 
     PRIOR = 0.6   # alpha before any evidence, and what it drifts back to
@@ -91,12 +93,15 @@ class DraftLength:
         self.t1: float | None = None   # seconds per plain decode step
         self.b: float | None = None    # seconds per extra verified row
         self.d = 0.0                   # seconds per drafted token
+        self.drift = self.DRIFT
 
     def next_k(self, limit: int) -> int:
         """Draft length to ask for (0 = decode plainly), at most `limit`."""
         kmax = min(self.params.n_max, limit)
         if kmax <= 0 or kmax < self.params.n_min:
             return 0
+        if not self.params.adaptive:
+            return kmax
         if self.t1 is None:
             return 0  # time one plain step first: the cost model needs it
         b = self.b if self.b is not None else 0.5 * self.t1
@@ -110,7 +115,7 @@ class DraftLength:
 
     def plain_step(self, seconds: float) -> None:
         self.t1 = seconds if self.t1 is None else 0.8 * self.t1 + 0.2 * seconds
-        self.alpha += (self.PRIOR - self.alpha) * self.DRIFT if self.alpha < self.PRIOR else 0.0
+        self.alpha += (self.PRIOR - self.alpha) * self.drift if self.alpha < self.PRIOR else 0.0
 
     def verified(self, k: int, n_accepted: int, seconds: float, draft_seconds: float) -> None:
         if self.t1 is not None and k > 0:
@@ -119,6 +124,7 @@ class DraftLength:
         if k > 0:
             self.d = 0.7 * self.d + 0.3 * (draft_seconds / k)
         # evidence: n_accepted successes, and one failure unless all were accepted
+        self.drift = self.DRIFT if n_accepted else max(self.drift / 2, self.DRIFT / 64)
         fails = 0 if n_accepted >= k else 1
         est = n_accepted / (n_accepted + fails) if n_accepted + fails else self.alpha
         self.alpha = self.DECAY * self.alpha + (1 - self.DECAY) * est

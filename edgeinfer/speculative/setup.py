@@ -8,7 +8,7 @@ from edgeinfer.errors import EdgeInferError
 from edgeinfer.speculative.drafter import Speculation, SpeculativeParams
 from edgeinfer.speculative.lookup import PromptLookup
 
-DRAFT_KEYS = ("draft_max", "draft_min", "draft_p_min")
+DRAFT_KEYS = ("draft_max", "draft_min", "draft_p_min", "draft_adaptive")
 
 
 def make_drafter(model, draft: str, options):
@@ -39,7 +39,8 @@ def speculation_for(drafter, defaults: dict, params: dict[str, Any]) -> Speculat
     given = {k: v for k, v in given.items() if v is not None}
     merged = {**defaults, **given}
     sp = SpeculativeParams(n_max=int(merged["draft_max"]), n_min=min(int(merged["draft_min"]), int(merged["draft_max"])),
-                           p_min=float(merged["draft_p_min"])).validate()
+                           p_min=float(merged["draft_p_min"]),
+                           adaptive=bool(merged.get("draft_adaptive", True))).validate()
     if drafter is None or sp.n_max == 0:
         return None
     if hasattr(drafter, "p_min"):
