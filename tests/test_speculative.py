@@ -328,3 +328,13 @@ def test_gemma_greedy_lookup_and_self_draft_are_identical(gemma_path):
     spec = _spec(drafter, n_max=4)
     assert _tokens(_run(m, ids, spec, temperature=0, max_tokens=16)) == want
     assert spec.accepted == spec.drafted > 0
+
+
+def test_draft_length_recovers_from_one_noisy_measurement():
+    dl = DraftLength(SpeculativeParams(n_max=16))
+    dl.plain_step(0.01)
+    dl.verified(1, 1, 0.05, 0.0)  # one slow verification (a busy machine)
+    assert dl.next_k(16) == 0
+    for _ in range(200):
+        dl.plain_step(0.01)
+    assert dl.next_k(16) > 0

@@ -78,14 +78,15 @@ class DraftLength:
     the ones before it were), so a draft of k yields E(k) = (1 - alpha^(k+1)) / (1 - alpha)
     tokens for one verification of k + 1 rows costing t1 + (b + d) k, where t1 is a plain
     decode step, b each extra verified row and d each drafted token, all measured as the
-    request runs. k = 0 (plain decode) wins whenever drafting does not pay; alpha drifts
-    back towards its prior while nothing is drafted, so drafting is tried again now and then
-    (more and more rarely while those tries keep failing: the drift halves after each).
+    request runs. k = 0 (plain decode) wins whenever drafting does not pay; alpha and b drift
+    back towards their priors while nothing is drafted, so drafting is tried again now and
+    then (more and more rarely while those tries keep failing: the drift halves after each).
     """
 
     PRIOR = 0.6   # alpha before any evidence, and what it drifts back to
     DECAY = 0.7   # weight of the old estimate per verification
     DRIFT = 0.03  # per plain step, towards PRIOR
+    B_PRIOR = 0.5  # an extra verified row's cost before any evidence, in plain steps
 
     def __init__(self, params: SpeculativeParams) -> None:
         self.params = params
@@ -104,7 +105,7 @@ class DraftLength:
             return kmax
         if self.t1 is None:
             return 0  # time one plain step first: the cost model needs it
-        b = self.b if self.b is not None else 0.5 * self.t1
+        b = self.b if self.b is not None else self.B_PRIOR * self.t1
         a = min(self.alpha, 0.999)
         best, best_rate = 0, 1.0 / self.t1
         for k in range(max(1, self.params.n_min), kmax + 1):
@@ -115,7 +116,12 @@ class DraftLength:
 
     def plain_step(self, seconds: float) -> None:
         self.t1 = seconds if self.t1 is None else 0.8 * self.t1 + 0.2 * seconds
-        self.alpha += (self.PRIOR - self.alpha) * self.drift if self.alpha < self.PRIOR else 0.0
+        # no evidence while decoding plainly: the estimates drift back to their priors (a
+        # noisy measurement must not stop drafting for good)
+        if self.alpha < self.PRIOR:
+            self.alpha += (self.PRIOR - self.alpha) * self.drift
+        if self.b is not None and self.b > self.B_PRIOR * self.t1:
+            self.b += (self.B_PRIOR * self.t1 - self.b) * self.drift
 
     def verified(self, k: int, n_accepted: int, seconds: float, draft_seconds: float) -> None:
         if self.t1 is not None and k > 0:
