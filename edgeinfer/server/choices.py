@@ -55,7 +55,8 @@ def total(finals: list[GenerationChunk]) -> GenerationChunk:
         n_after_first = sum(max(x.completion_tokens - 1, 0) for x in u)
         timings = Timings(ttft_s=t[0].ttft_s, prompt_tps=t[0].prompt_tps, prompt_s=t[0].prompt_s,
                           gen_s=gen_s, gen_tps=n_after_first / gen_s if gen_s > 0 else 0.0,
-                          tpot_s=gen_s / n_after_first if n_after_first else 0.0)
+                          tpot_s=gen_s / n_after_first if n_after_first else 0.0,
+                          draft_n=sum(x.draft_n for x in t), draft_n_accepted=sum(x.draft_n_accepted for x in t))
     reasons = [c.finish_reason for c in finals]
     finish = FinishReason.CANCELLED if FinishReason.CANCELLED in reasons or not reasons else reasons[-1]
     return GenerationChunk(text="", token=None, finish_reason=finish, usage=usage, timings=timings,
