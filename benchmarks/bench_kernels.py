@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from quant_blocks import random_blocks  # noqa: E402
 
 import edgeinfer.kernels_cpu as K  # noqa: E402
-from edgeinfer.kernels_cpu import fast_dot, quant_kernels, repack  # noqa: E402
+from edgeinfer.kernels_cpu import dispatch, quant_kernels, repack  # noqa: E402
 from edgeinfer.kernels_cpu.quant_types import RepackedType  # noqa: E402
 from read_bandwidth import big_array, prange_sum as _prange_sum  # noqa: E402
 
@@ -114,7 +114,7 @@ def main(argv=None) -> None:
             mv_t, bw_t = _paired_times(mv, lambda: _prange_sum(big), args.repeat)
             cells.append(_cell(w.nbytes, mv_t))
             pcts.append(f"{(w.nbytes / mv_t[0]) / (big.nbytes / bw_t[0]):.0%} of {big.nbytes / bw_t[0] / 1e9:.1f}")
-            if fast_dot.has_fast_path(int(qtype)):
+            if dispatch.has_fast_path(int(qtype)):
                 # the same kernel on ~384 KiB of rows a thread, which stay in L2, activations
                 # quantized beforehand: the compute alone. Far above the DRAM figure, the
                 # matvec waits on memory; close to it, on compute.
@@ -122,9 +122,9 @@ def main(argv=None) -> None:
                 small = np.ascontiguousarray(w[:per_thread * t])   # whole 8-row groups
                 out_small = np.empty(small.shape[0], np.float32)
                 cached.append(_cell(small.nbytes * 50, _times(
-                    lambda: [fast_dot.matvec_fast(small, int(qtype), xq, xd, xs, out_small) for _ in range(50)],
+                    lambda: [dispatch.matvec_fast(small, int(qtype), xq, xd, xs, out_small) for _ in range(50)],
                     max(5, args.repeat // 3))))
-            if fast_dot.has_fast_path(int(qtype)) and not args.no_plain and isinstance(qtype, T):
+            if dispatch.has_fast_path(int(qtype)) and not args.no_plain and isinstance(qtype, T):
                 plain.append(_cell(w.nbytes, _times(lambda: quant_kernels.matvec_q_kernel(
                     w, w.view(np.int8), int(qtype), xq, xd, xs, out, 16, 32), max(3, args.repeat // 5))))
             if args.prefill_tokens:

@@ -275,18 +275,18 @@ def _hsum8(lanes: np.ndarray) -> np.ndarray:
 
 def _ggml_expf_parts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """ggml_v_expf's exponent n and polynomial j for float32 x: exp(x) ~ 2^n * (1 + j)."""
-    from edgeinfer.kernels_cpu import kv_attention as kern
+    from edgeinfer.kernels_cpu import ggml_math as gm
 
     def fma(a, b, c):  # exact product in float64, then the roundings
         return (np.asarray(a, np.float64) * b + c).astype(np.float32)
 
     with np.errstate(invalid="ignore", over="ignore"):
-        z = fma(x, kern._LOG2E, kern._R)
-        n = (z - kern._R).astype(np.float32)
-        b = fma(-n, kern._LN2_LO, fma(-n, kern._LN2_HI, x))
+        z = fma(x, gm.LOG2E, gm.R)
+        n = (z - gm.R).astype(np.float32)
+        b = fma(-n, gm.LN2_LO, fma(-n, gm.LN2_HI, x))
         u = (b * b).astype(np.float32)
-        j = fma(fma(fma(kern._C5, b, kern._C4), u, fma(kern._C3, b, kern._C2)), u,
-                (kern._C1 * b).astype(np.float32))
+        j = fma(fma(fma(gm.C5, b, gm.C4), u, fma(gm.C3, b, gm.C2)), u,
+                (gm.C1 * b).astype(np.float32))
     return n, j
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from edgeinfer import kernels_cpu
 from edgeinfer.backend import Backend, _gelu_f16_table
-from edgeinfer.kernels_cpu import decode_blocks, kv_attention, ops
+from edgeinfer.kernels_cpu import fused_layer, kv_attention, ops
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
 from edgeinfer.kernels_cpu.repack import repack, repacks
 from edgeinfer.kernels_cpu.threads import worker_pool
@@ -98,11 +98,11 @@ class CpuBackend(Backend):
         return [w for w, _ in got], [qt for _, qt in got]
 
     def norm_swiglu_residual(self, x, norm, eps, gate, up, down):
-        if x.shape[0] == 1:  # decode: the whole block in one compiled call (decode_blocks)
+        if x.shape[0] == 1:  # decode: norm, MLP and residual in one compiled call (fused_layer)
             gate_up, down_w = self._decode_group((gate, up)), self._decode_group((down,))
             if gate_up is not None and down_w is not None:
                 x0 = np.ascontiguousarray(x[0], np.float32)
-                return decode_blocks.norm_swiglu_residual(x0, self.vector(norm), eps, gate_up, down_w[0])[None, :]
+                return fused_layer.norm_swiglu_residual(x0, self.vector(norm), eps, gate_up, down_w[0])[None, :]
         return super().norm_swiglu_residual(x, norm, eps, gate, up, down)
 
     def _decode_group(self, names: tuple[str, ...]):

@@ -11,6 +11,12 @@ or a Q4_K matrix interleaved in eights (repack.py, type id Q4_K_X8), the CPU bac
     set_threads(n) / get_threads(), supported_types(), quant_info(qtype), row_bytes(qtype, n_cols)
     use_model_types(tensors)                   one kernel set for a model's types (only their code compiles)
 Float ops: rms_norm, rope_inplace, gelu_mul (ops.py); attention (kv_attention.py).
+
+Files: quant_types (the type registry); matvec (entry points) -> dispatch (type dispatch,
+kernel sets, claims) -> dot_q32 / dot_kquant / dot_q4k_x8 (IR row dots and dequantization,
+built with ir_helpers); quant_kernels (plain Numba kernels); tile_gemm (8-bit prefill
+tiles); repack (Q4_K_X8); kv_attention (+ kv_attention_ir, ggml_math); ops, f16,
+fused_layer (one decode MLP a call); threads, cache_dir, compile_progress.
 """
 from . import cache_dir as _cache_dir
 

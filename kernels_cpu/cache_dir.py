@@ -1,7 +1,7 @@
 """Numba's on-disk cache keyed to the kernel sources: one folder per hash of kernels_cpu/*.py.
 
 `cache=True` checks only the cached function's own file, so a kernel built from IR helpers
-in another file (fast_dot's value extraction in tile_gemm, kv_attention, decode_blocks) would
+in another file (ir_helpers.py, dot_q32.py and dot_kquant.py under tile_gemm, dispatch, fused_layer) would
 load stale code after the helper changed. The kernels' cache therefore lives in a folder
 named by a hash of every source file here and the Numba and llvmlite versions:
 `<base>/kernels-<hash>`, where base is $NUMBA_CACHE_DIR when set, else the user cache

@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .fast_dot import _IR, _target_features
+from .ir_helpers import IRHelpers, target_features
 
 _JIT = dict(cache=True, nogil=True)
 
@@ -24,7 +24,7 @@ def f16_value(typingctx, bits):
     sig = types.float32(bits)
 
     def codegen(context, builder, sig, args):
-        h = _IR(builder, _target_features(context))
+        h = IRHelpers(builder, target_features(context))
         i16 = ir.IntType(16)
         return h.f16_value(builder.trunc(args[0], i16) if args[0].type != i16 else args[0])
     return sig, codegen

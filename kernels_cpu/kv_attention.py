@@ -29,84 +29,17 @@ import subprocess
 import sys
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from . import compile_progress
 from .f16 import f16_round, f16_to_f32, round_f16
 from .f16 import f16_value as _f16
-from .fast_dot import _IR, _counted_loop, _target_features
+from .ggml_math import expf_parts, hsum8, pow2_f64
+from .kv_attention_ir import (KEYS, dot_f16_32, kq_dots_1, kq_dots_2, kq_dots_4, kq_dots_8, via_f16,
+                              wslots_2, wslots_4, wslots_8, wslots_16)
 from .threads import apply_threads, get_threads, worker_pool
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
-
-# ggml_v_expf's constants, as written there in hexadecimal
-_R = np.float32(float.fromhex("0x1.8p23"))
-_LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
-_LN2_HI = np.float32(float.fromhex("0x1.62e4p-1"))
-_LN2_LO = np.float32(float.fromhex("0x1.7f7d1cp-20"))
-_C5 = np.float32(float.fromhex("0x1.0e4020p-7"))
-_C4 = np.float32(float.fromhex("0x1.573e2ep-5"))
-_C3 = np.float32(float.fromhex("0x1.555e66p-3"))
-_C2 = np.float32(float.fromhex("0x1.fffdb6p-2"))
-_C1 = np.float32(float.fromhex("0x1.ffffecp-1"))
-
-
-
-@njit(inline="always", **_JIT)
-def _fma(a, b, c):
-    # float32 FMA: a*b of two float32 is exact in float64, so only the final roundings
-    # remain (float64 then float32; they differ from one rounding with probability ~2^-29)
-    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
-
-
-@njit(inline="always", **_JIT)
-def _expf_parts(x):
-    """ggml_v_expf's exponent n and polynomial j: exp(x) ~ 2^n * (1 + j)."""
-    z = _fma(x, _LOG2E, _R)
-    n = np.float32(z - _R)
-    b = _fma(-n, _LN2_LO, _fma(-n, _LN2_HI, x))
-    u = np.float32(b * b)
-    j = _fma(_fma(_fma(_C5, b, _C4), u, _fma(_C3, b, _C2)), u, np.float32(_C1 * b))
-    return n, j
-
-
-@intrinsic
-def _pow2_f64(typingctx, n):
-    """2.0 ** n for an int64 -1022 <= n <= 1023, from the exponent bits (vectorizes)."""
-    sig = types.float64(types.int64)
-
-    def codegen(context, builder, sig, args):
-        i64 = ir.IntType(64)
-        e = builder.shl(builder.add(args[0], ir.Constant(i64, 1023)), ir.Constant(i64, 52))
-        return builder.bitcast(e, ir.DoubleType())
-    return sig, codegen
-
-
-@njit(inline="always", **_JIT)
-def ggml_expf_any(x):
-    """ggml_v_expf (AVX2) for any finite float32 x, its three ranges: |n| <= 126,
-    fma(j, k, k) with k = 2^n, one rounding of 2^n * (1 + j) (exact in float64);
-    126 < |n| <= 192, two power-of-two factors, 1 + j rounded to float32 first and the
-    last product rounding again (to a subnormal, or to inf); beyond, 0 or inf.
-    Branch-free, so loops over it vectorize."""
-    n, j = _expf_parts(x)
-    one_j = np.float64(j) + 1.0 if abs(n) <= 126.0 else np.float64(np.float32(j + np.float32(1.0)))
-    k = _pow2_f64(np.int64(min(max(n, np.float32(-193.0)), np.float32(193.0))))
-    r = np.float32(one_j * k)
-    return np.float32(0.0) if n < -192.0 else (np.float32(np.inf) if n > 192.0 else r)
-
-
-@njit(inline="always", **_JIT)
-def _hsum8(a0, a1, a2, a3, a4, a5, a6, a7):
-    # _mm256 -> _mm_add_ps(hi, lo) -> movehl add -> movehdup add_ss
-    t0 = np.float32(a0 + a4)
-    t1 = np.float32(a1 + a5)
-    t2 = np.float32(a2 + a6)
-    t3 = np.float32(a3 + a7)
-    return np.float32(np.float32(t0 + t2) + np.float32(t1 + t3))
 
 
 def _has_f16c() -> bool:
@@ -123,52 +56,6 @@ def _has_f16c() -> bool:
 
 
 _VECTOR_F16 = _has_f16c()
-
-
-@intrinsic
-def _dot_f16_32(typingctx, k_row, q, n):
-    """ggml_vec_dot_f16 of F16 bits k_row (1-D uint16, C) with float32 q over the first n
-    elements (a multiple of 32), in its exact order: four <8 x float> accumulators fed in
-    turn, then GGML_F32x8_REDUCE. Emitted only where the CPU has F16C (vcvtph2ps)."""
-    sig = types.float32(k_row, q, n)
-
-    def codegen(context, builder, sig, args):
-        f32, i64 = ir.FloatType(), ir.IntType(64)
-        v8f = ir.VectorType(f32, 8)
-        ka = context.make_array(sig.args[0])(context, builder, args[0])
-        qa = context.make_array(sig.args[1])(context, builder, args[1])
-        kp = builder.bitcast(ka.data, ir.IntType(16).as_pointer())
-        qp = builder.bitcast(qa.data, f32.as_pointer())
-        n = args[2]
-        zero = ir.Constant(v8f, [0.0] * 8)
-
-        def step(i, accs):
-            new = []
-            for j, a in enumerate(accs):
-                off = builder.add(i, ir.Constant(i64, 8 * j))
-                kv = builder.load(builder.bitcast(builder.gep(kp, [off]), ir.VectorType(ir.IntType(16), 8).as_pointer()), align=2)
-                kf = builder.fpext(builder.bitcast(kv, ir.VectorType(ir.HalfType(), 8)), v8f)
-                qv = builder.load(builder.bitcast(builder.gep(qp, [off]), v8f.as_pointer()), align=4)
-                new.append(builder.fadd(a, builder.fmul(kf, qv)))  # F16 x F16 products are exact: = fma
-            return new
-        fin = _counted_loop(builder, n, 32, [zero] * 4, step, "dot16")
-        x0 = builder.fadd(builder.fadd(fin[0], fin[2]), builder.fadd(fin[1], fin[3]))
-
-        def lane(v, k):
-            return builder.extract_element(v, ir.Constant(ir.IntType(32), k))
-        t = [builder.fadd(lane(x0, k), lane(x0, k + 4)) for k in range(4)]
-        return builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))
-    return sig, codegen
-
-
-@intrinsic
-def _via_f16(typingctx, x):
-    """float32 -> nearest F16 -> float32 (vcvtps2ph, round to nearest even; F16C only)."""
-    sig = types.float32(x)
-
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
-    return sig, codegen
 
 
 # The softmax passes below run serially: attention_blas parallelises over query blocks
@@ -205,7 +92,7 @@ def _normalize_f16(probs):
         inv = np.float32(1.0 / total)
         for j in range(row.shape[0]):
             if _VECTOR_F16:
-                row[j] = _via_f16(np.float32(row[j] * inv))
+                row[j] = via_f16(np.float32(row[j] * inv))
             else:
                 row[j] = _round_f16(np.float32(row[j] * inv))
 
@@ -221,7 +108,7 @@ def _softmax_rows_f16(scores, kpos, qpos, window):
 
 @njit(**_JIT)
 def dot_f16_scalar(k_row, q16, n_vec, acc, n_slots):
-    """_dot_f16_32 without F16C: the same order, element by element."""
+    """dot_f16_32 without F16C: the same order, element by element."""
     acc[:] = 0.0
     for c in range(0, n_vec, n_slots):
         for lane in range(n_slots):
@@ -231,7 +118,7 @@ def dot_f16_scalar(k_row, q16, n_vec, acc, n_slots):
 
 @njit(**_JIT)
 def dot_f16_vector(k_row, q16, n_vec):
-    return _dot_f16_32(k_row, q16, n_vec)
+    return dot_f16_32(k_row, q16, n_vec)
 
 
 @njit(inline="always", **_JIT)
@@ -281,7 +168,7 @@ def _scores_and_weights(q16, k_bits, g, kpos, qp, window, kq_scale, w, n_slots=3
         if not _allowed(kpos[j], qp, window):
             continue   # _softmax_f16 gives it weight 0 whatever w[j] holds
         if _VECTOR_F16:
-            dot = np.float64(_dot_f16_32(k_bits[j, g], q16, n_vec))
+            dot = np.float64(dot_f16_32(k_bits[j, g], q16, n_vec))
         else:
             dot = np.float64(dot_f16_scalar(k_bits[j, g], q16, n_vec, acc, n_slots))
         for d in range(n_vec, hd):  # leftovers, in double
@@ -324,180 +211,30 @@ def _reduce_slots(acc, out):
         out[d] = np.float32(np.float32(t0 + t1) + np.float32(t2 + t3))
 
 
-# ----------------------------------------------------------------------------- decode, 16 keys a step
-# The same numbers as _scores_and_weights / _weighted_values (which stay for CPUs without
-# F16C and other head sizes), without their per-key scalar work: each key's dot ends in
-# reduce32, a horizontal sum, done here for 16 keys at once by shuffles that also
-# transpose (key k in lane k); the softmax passes are branch-free loops that vectorize;
-# the weighted values convert and fma 16 dims an instruction. One head of a Llama-1B
-# shape (hd 64, 1024 keys), one thread: KQ + softmax 19 -> 7.2 ns a key, weighted values
-# 10.7 -> 3.7 ns. A whole decode call (32 heads, 1024 keys, 2 threads): 694 -> 260 us.
-
-KEYS = 16   # keys a step of _kq_dots
-KEY_STEP = 4   # of which are written out at once: a loop over the 16 keys, 4 a turn, keeps
-#                the IR (compile time) a quarter of sixteen copies and four dots in flight
-
-
-def _f16_vec(b, ptr, n):
-    """n F16 values at ptr (i8*) as <n x float> (vcvtph2ps with F16C)."""
-    i16v = ir.VectorType(ir.IntType(16), n)
-    raw = b.load(b.bitcast(ptr, i16v.as_pointer()), align=2)
-    return b.fpext(b.bitcast(raw, ir.VectorType(ir.HalfType(), n)), ir.VectorType(ir.FloatType(), n))
-
-
-def _fma_ir(b, x, y, acc):
-    fn = b.module.globals.get(f"llvm.fma.v{acc.type.count}f32") or ir.Function(
-        b.module, ir.FunctionType(acc.type, [acc.type] * 3), f"llvm.fma.v{acc.type.count}f32")
-    return b.call(fn, [x, y, acc])
-
-
-def _shuf(b, x, y, idx):
-    return b.shuffle_vector(x, y, ir.Constant(ir.VectorType(ir.IntType(32), len(idx)), list(idx)))
-
-
-def _dot_lanes(b, kptr, qs):
-    """One key's ggml_vec_dot_f16 with q (hd/32 vectors <32 x float>) up to its last step:
-    the 32 slots summed over the chunks in order, then slots l and 16 + l added: the
-    <16 x float> whose lanes reduce32 finishes (_reduce16_keys)."""
-    f32 = ir.FloatType()
-    acc = ir.Constant(ir.VectorType(f32, 32), [0.0] * 32)
-    for c, qc in enumerate(qs):
-        kf = _f16_vec(b, b.gep(kptr, [ir.Constant(ir.IntType(64), 64 * c)]), 32)
-        # F16 x F16 products are exact in float32, so an fma rounds as the add alone; the
-        # first add from zero stays (0 + -0 is +0)
-        acc = b.fadd(acc, b.fmul(kf, qc)) if c == 0 else _fma_ir(b, kf, qc, acc)
-    return b.fadd(_shuf(b, acc, acc, range(16)), _shuf(b, acc, acc, range(16, 32)))
-
-
-def _reduce16_keys(b, ys):
-    """16 keys' _dot_lanes vectors -> <16 x float> of their dots, key k in lane k, each
-    lane by reduce32's own adds: x_i = y_i + y_{8+i}, t_k = x_k + x_{k+4},
-    (t0 + t1) + (t2 + t3). Each round pairs two vectors, so it also transposes."""
-    def rounds(vs, lo, hi):
-        return [b.fadd(_shuf(b, x, y, lo), _shuf(b, x, y, hi)) for x, y in zip(vs[0::2], vs[1::2])]
-    u = rounds(ys, [*range(8), *range(16, 24)], [*range(8, 16), *range(24, 32)])        # x of 2 keys
-    v = rounds(u, [i + 8 * q for q in range(4) for i in range(4)], [i + 4 + 8 * q for q in range(4) for i in range(4)])
-    w = rounds(v, list(range(0, 32, 2)), list(range(1, 32, 2)))                          # t0+t1, t2+t3
-    return rounds(w, list(range(0, 32, 2)), list(range(1, 32, 2)))[0]
-
-
-def _kv_head(context, b, ty, val, g):
-    """(i8* to KV head g of slot 0, the slot stride) of a (S, n_kv, d) F16-bits cache array."""
-    a = context.make_array(ty)(context, b, val)
-    strides = cgutils.unpack_tuple(b, a.strides)
-    return b.gep(b.bitcast(a.data, ir.IntType(8).as_pointer()), [b.mul(g, strides[1])]), strides[0]
-
-
-def _f32_ptr(context, b, ty, val):
-    return b.bitcast(context.make_array(ty)(context, b, val).data, ir.FloatType().as_pointer())
-
-
-def _make_kq_dots(n_chunks):
-    @intrinsic
-    def kq_dots(typingctx, q16, k_bits, g, n_blocks, w):
-        """w[j] = the reduce32 dot of key j (KV head g of k_bits, (S, n_kv, 32 * n_chunks)
-        F16 bits) with q16 (F16 values as float32) for j < KEYS * n_blocks: for each key
-        exactly what _dot_f16_32 returns, 16 keys a step."""
-        sig = types.void(q16, k_bits, g, n_blocks, w)
-
-        def codegen(context, b, sig, args):
-            f32, i64 = ir.FloatType(), ir.IntType(64)
-            kbase, kstride = _kv_head(context, b, sig.args[1], args[1], args[2])
-            v32 = ir.VectorType(f32, 32)
-            qp, wp = _f32_ptr(context, b, sig.args[0], args[0]), _f32_ptr(context, b, sig.args[4], args[4])
-            qs = [b.load(b.bitcast(b.gep(qp, [ir.Constant(i64, 32 * c)]), v32.as_pointer()), align=4)
-                  for c in range(n_chunks)]
-
-            v16 = ir.VectorType(f32, 16)
-            ybuf = cgutils.alloca_once(b, v16, size=KEYS)   # the 16 keys' _dot_lanes vectors
-
-            def block(i, accs):
-                j0 = b.mul(i, ir.Constant(i64, KEYS))
-
-                def keys(m, _):
-                    for k in range(KEY_STEP):
-                        mk = b.add(m, ir.Constant(i64, k))
-                        b.store(_dot_lanes(b, b.gep(kbase, [b.mul(b.add(j0, mk), kstride)]), qs),
-                                b.gep(ybuf, [mk]), align=4)
-                    return []
-                _counted_loop(b, ir.Constant(i64, KEYS), KEY_STEP, [], keys, "kqkeys")
-                ys = [b.load(b.gep(ybuf, [ir.Constant(i64, k)]), align=4) for k in range(KEYS)]
-                out = b.bitcast(b.gep(wp, [j0]), ir.VectorType(f32, KEYS).as_pointer())
-                b.store(_reduce16_keys(b, ys), out, align=4)
-                return []
-            _counted_loop(b, args[3], 1, [], block, "kq")
-            return context.get_dummy_value()
-        return sig, codegen
-    return kq_dots
-
-
-def _make_weighted_slots(n_vchunks):
-    @intrinsic
-    def weighted_slots(typingctx, w, lo, hi, v_bits, g, acc):
-        """acc[j % 32, :] += w[j] * V[j] for keys lo <= j < hi in order (KV head g of v_bits,
-        (S, n_kv, 16 * n_vchunks) F16 bits), zero weights skipped: the 32 slots of
-        _weighted_values, whose other keys have weight 0. acc (32, hd_v) starts zeroed.
-        Keys in order: V streams from memory in order (slot by slot it was 32 rows apart)."""
-        sig = types.void(w, lo, hi, v_bits, g, acc)
-
-        def codegen(context, b, sig, args):
-            f32, i64 = ir.FloatType(), ir.IntType(64)
-            vbase, vstride = _kv_head(context, b, sig.args[3], args[3], args[4])
-            wp = _f32_ptr(context, b, sig.args[0], args[0])
-            aa = context.make_array(sig.args[5])(context, b, args[5])
-            abase = b.bitcast(aa.data, ir.IntType(8).as_pointer())
-            astride = cgutils.unpack_tuple(b, aa.strides)[0]
-            v16 = ir.VectorType(f32, 16)
-            lo, hi = args[1], args[2]
-
-            def key(m, accs):
-                j = b.add(lo, m)
-                wj = b.load(b.gep(wp, [j]), align=4)
-                with b.if_then(b.fcmp_unordered("!=", wj, ir.Constant(f32, 0.0))):
-                    wv = b.shuffle_vector(b.insert_element(ir.Constant(v16, None), wj, ir.Constant(ir.IntType(32), 0)),
-                                          ir.Constant(v16, None), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
-                    vrow = b.gep(vbase, [b.mul(j, vstride)])
-                    arow = b.gep(abase, [b.mul(b.and_(j, ir.Constant(i64, 31)), astride)])
-                    for c in range(n_vchunks):
-                        ap = b.bitcast(b.gep(arow, [ir.Constant(i64, 64 * c)]), v16.as_pointer())
-                        vf = _f16_vec(b, b.gep(vrow, [ir.Constant(i64, 32 * c)]), 16)
-                        # the product of two F16 values is exact: fma rounds as the add alone
-                        b.store(_fma_ir(b, vf, wv, b.load(ap, align=4)), ap, align=4)
-                return []
-            _counted_loop(b, b.sub(hi, lo), 1, [], key, "vkey")
-            return context.get_dummy_value()
-        return sig, codegen
-    return weighted_slots
-
-
-_kq_dots_1, _kq_dots_2, _kq_dots_4, _kq_dots_8 = (_make_kq_dots(c) for c in (1, 2, 4, 8))
-_wslots_2, _wslots_4, _wslots_8, _wslots_16 = (_make_weighted_slots(c) for c in (2, 4, 8, 16))
-
-
 @njit(inline="always", **_JIT)
 def _kq_blocks(q16, k_bits, g, n_blocks, w, hd):
     """_make_kq_dots' kernel for head size hd (a constant where inlined: one branch stays)."""
     if hd == 64:
-        _kq_dots_2(q16, k_bits, g, n_blocks, w)
+        kq_dots_2(q16, k_bits, g, n_blocks, w)
     elif hd == 128:
-        _kq_dots_4(q16, k_bits, g, n_blocks, w)
+        kq_dots_4(q16, k_bits, g, n_blocks, w)
     elif hd == 256:
-        _kq_dots_8(q16, k_bits, g, n_blocks, w)
+        kq_dots_8(q16, k_bits, g, n_blocks, w)
     else:
-        _kq_dots_1(q16, k_bits, g, n_blocks, w)
+        kq_dots_1(q16, k_bits, g, n_blocks, w)
 
 
 @njit(inline="always", **_JIT)
 def _weighted_blocks(w, lo, hi, v_bits, g, acc, hdv):
     """_make_weighted_slots' kernel for value size hdv (a constant where inlined)."""
     if hdv == 64:
-        _wslots_4(w, lo, hi, v_bits, g, acc)
+        wslots_4(w, lo, hi, v_bits, g, acc)
     elif hdv == 128:
-        _wslots_8(w, lo, hi, v_bits, g, acc)
+        wslots_8(w, lo, hi, v_bits, g, acc)
     elif hdv == 256:
-        _wslots_16(w, lo, hi, v_bits, g, acc)
+        wslots_16(w, lo, hi, v_bits, g, acc)
     else:
-        _wslots_2(w, lo, hi, v_bits, g, acc)
+        wslots_2(w, lo, hi, v_bits, g, acc)
 
 
 @njit(**_JIT)
@@ -530,7 +267,7 @@ def _attend_one(q16, k_bits, v_bits, g, kpos, qp, window, kq_scale, lo, hi, w, o
     nb = (hi - lo) // KEYS
     _kq_blocks(q16, k_bits[lo:], g, nb, w[lo:], hd)
     for j in range(lo + nb * KEYS, hi):
-        w[j] = _dot_f16_32(k_bits[j, g], q16, q16.shape[0])
+        w[j] = dot_f16_32(k_bits[j, g], q16, q16.shape[0])
     _softmax_f16(w[lo:hi], kpos[lo:hi], qp, window, kq_scale)
     acc = np.zeros((32, v_bits.shape[2]), np.float32)
     _weighted_blocks(w, lo, hi, v_bits, g, acc, hdv)
@@ -554,23 +291,23 @@ def _softmax_f16(w, kpos, qp, window, kq_scale):
         else:
             w[j] = neg_inf
     for j in range(n):
-        nn, jj = _expf_parts(np.float32(w[j] - mx))
-        k = _pow2_f64(np.int64(max(nn, np.float32(-127.0))))
+        nn, jj = expf_parts(np.float32(w[j] - mx))
+        k = pow2_f64(np.int64(max(nn, np.float32(-127.0))))
         e = np.float32(np.float64(np.float32(jj + np.float32(1.0))) * k)
         w[j] = np.float32(0.0) if nn < -126.0 else e
     total = 0.0
     n8 = n - n % 8
     for c in range(0, n8, 8):
-        total += np.float64(_hsum8(w[c], w[c + 1], w[c + 2], w[c + 3], w[c + 4], w[c + 5], w[c + 6], w[c + 7]))
+        total += np.float64(hsum8(w[c], w[c + 1], w[c + 2], w[c + 3], w[c + 4], w[c + 5], w[c + 6], w[c + 7]))
     if n8 < n:
         e = np.zeros(8, np.float32)
         for lane in range(n - n8):
             e[lane] = w[n8 + lane]
-        total += np.float64(_hsum8(e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]))
+        total += np.float64(hsum8(e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]))
     inv = np.float32(1.0 / total)
     for j in range(n):
         if _VECTOR_F16:
-            w[j] = _via_f16(np.float32(w[j] * inv))
+            w[j] = via_f16(np.float32(w[j] * inv))
         else:
             w[j] = f16_round(np.float32(w[j] * inv))
 
@@ -751,3 +488,4 @@ def _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window):
                       np.ascontiguousarray(qpos, dtype=np.int64), int(window))
     out = (scores @ v).reshape(n_head, n, -1)  # rows were (KV head, head in group, query)
     return np.ascontiguousarray(out.transpose(1, 0, 2), dtype=np.float32)
+

@@ -17,14 +17,14 @@ from . import quant_kernels as qk
 from .quant_types import QuantInfo, check_weight
 from .threads import apply_threads, get_threads, worker_pool
 
-from . import fast_dot, tile_gemm
+from . import dispatch, tile_gemm
 
 # EDGEINFER_PLAIN_KERNELS=1 routes every type through the plain Numba kernels (debugging).
 _FAST = not os.environ.get("EDGEINFER_PLAIN_KERNELS")
 
 
 def _fast(qt: int) -> bool:
-    return _FAST and fast_dot.has_fast_path(qt)
+    return _FAST and dispatch.has_fast_path(qt)
 
 _PREFILL_TILE_ROWS = 64        # rows dequantized at once for the BLAS GEMM (measured: 32-64 best)
 _INT8_MATMUL_MAX_TOKENS = 64   # up to here the 8-bit row kernels beat dequantize + BLAS (measured)
@@ -33,11 +33,11 @@ _INT8_MATMUL_MAX_TOKENS = 64   # up to here the 8-bit row kernels beat dequantiz
 def use_model_types(tensors) -> list:
     """Register the types of a model's matrices (`tensors`: objects with .qtype and .n_rows;
     repacked ids as `repack` will give them) so that one kernel set serves all of them
-    and only their code compiles (fast_dot.use_types). Returns the kernels its first
+    and only their code compiles (dispatch.use_types). Returns the kernels its first
     tokens compile."""
     from .repack import repacks
 
-    ks = fast_dot.use_types(qk.Q4_K_X8 if repacks(t.qtype, t.n_rows) else int(t.qtype) for t in tensors)
+    ks = dispatch.use_types(qk.Q4_K_X8 if repacks(t.qtype, t.n_rows) else int(t.qtype) for t in tensors)
     return ks.forward_kernels() if ks is not None else []
 
 
@@ -96,7 +96,7 @@ def matvec(w_raw: np.ndarray, qtype: T, x: np.ndarray, out: np.ndarray | None = 
         return out
     xq, xd, xs = quantize_activations(x, info)
     if _fast(qt):
-        fast_dot.matvec_fast(w_raw, qt, xq, xd, xs, out)
+        dispatch.matvec_fast(w_raw, qt, xq, xd, xs, out)
     else:
         qk.matvec_q_kernel(w_raw, w_raw.view(np.int8), qt, xq, xd, xs, out, 16, 32)
     return out
@@ -152,9 +152,9 @@ def matvec_prepared(prepared: list[PreparedWeight], x: np.ndarray) -> list[np.nd
     xq, xd, xs = quantize_activations(x, prepared[0].info)
     outs = [np.empty(p.w.shape[0], np.float32) for p in prepared]
     if len(prepared) == 1:
-        fast_dot.matvec_fast(prepared[0].w, prepared[0].qt, xq, xd, xs, outs[0])
+        dispatch.matvec_fast(prepared[0].w, prepared[0].qt, xq, xd, xs, outs[0])
     else:
-        fast_dot.matvec_fast_many([p.w for p in prepared], [p.qt for p in prepared], xq, xd, xs, outs)
+        dispatch.matvec_fast_many([p.w for p in prepared], [p.qt for p in prepared], xq, xd, xs, outs)
     return outs
 
 
@@ -235,7 +235,7 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
     # pieces of all rows, which the threads take in turn as the decode matvecs claim theirs
     # (about CLAIMS_PER_THREAD each): a core slowed by another process takes fewer
     step = tile_gemm.TILE_ROWS
-    n_pieces = fast_dot.CLAIMS_PER_THREAD * n_threads
+    n_pieces = dispatch.CLAIMS_PER_THREAD * n_threads
     size = max(step, sum(w.shape[0] for w in ws) // n_pieces // step * step)
     pieces = queue.SimpleQueue()
     for w, qt, out in zip(ws, qts, outs):
@@ -283,7 +283,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         return out
     if matmul_uses_rows(info.qtype, n_tok):
         xq, xd, xs = quantize_activation_rows(X, info)
-        fast_dot.matmul_int(w_raw, qt, xq, xd, xs, out)
+        dispatch.matmul_int(w_raw, qt, xq, xd, xs, out)
         return out
     if _uses_tiles(qt):
         matmul_many([w_raw], [qt], X, [out])
@@ -310,7 +310,7 @@ def _tiled_gemm(X: np.ndarray, w_raw: np.ndarray, qt: int, r0: int, r1: int, out
         b = min(a + _PREFILL_TILE_ROWS, r1)
         t = tile[: b - a]
         if serial:
-            fast_dot.dequantize_fast_serial(w_raw, qt, a, t)
+            dispatch.dequantize_fast_serial(w_raw, qt, a, t)
         else:
             _dequant_into(w_raw, qt, a, t)
         # Into a fresh contiguous block: numpy only calls BLAS when `out` is contiguous,
@@ -321,7 +321,7 @@ def _tiled_gemm(X: np.ndarray, w_raw: np.ndarray, qt: int, r0: int, r1: int, out
 def _dequant_into(w_raw: np.ndarray, qt: int, start: int, out: np.ndarray) -> None:
     """out[i] = row start + i as float32 (fast IR kernel where there is one)."""
     if _fast(qt):
-        fast_dot.dequantize_fast(w_raw, qt, start, out)
+        dispatch.dequantize_fast(w_raw, qt, start, out)
     else:
         _dequant_rows_into(w_raw, qt, np.arange(start, start + out.shape[0]), out)
 
@@ -329,7 +329,7 @@ def _dequant_into(w_raw: np.ndarray, qt: int, start: int, out: np.ndarray) -> No
 def _dequant_rows_into(w_raw: np.ndarray, qt: int, ids: np.ndarray, out: np.ndarray) -> None:
     """out[i] = row ids[i] as float32: fast IR kernel, small F16/BF16 kernel, or the plain one."""
     if _fast(qt):
-        fast_dot.dequantize_rows_fast(w_raw, qt, ids, out)
+        dispatch.dequantize_rows_fast(w_raw, qt, ids, out)
     elif _FAST and qt in (qk.F16, qk.BF16):
         qk.dequantize_half_rows_kernel(w_raw.view(np.uint16), qt == qk.BF16, ids, out)
     else:

@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from .f16 import f16_bits_of
-from .kv_attention import ggml_expf_any
+from .ggml_math import ggml_expf_any
 from .threads import apply_threads, get_threads, worker_pool
 
 _JIT = dict(cache=True, nogil=True)

@@ -3,7 +3,7 @@ dequantization and per-row integer dot products for every type.
 
 The activation quantizers and the F32/F16/BF16 matvecs are used directly; the
 quantized dots and dequantization are the straightforward second implementation
-that fast_dot.py's IR kernels are tested against (and what EDGEINFER_PLAIN_KERNELS=1
+that the IR kernels (dispatch.py) are tested against (and what EDGEINFER_PLAIN_KERNELS=1
 runs).
 
 Layouts follow ggml-quants.c. Inner loops take their length at run time (`n16`,

@@ -1,4 +1,13 @@
-"""GGML tensor types the CPU kernels read directly: block geometry and validation."""
+"""The quant-type registry: each tensor type's geometry, reference dequantization and kernels.
+
+One row per type: block size and type size (gguf's GGML_QUANT_SIZES), the 8-bit
+activation block the CPU decode dots with, whether the IR kernels (dispatch.py) and the
+8-bit prefill tiles (tile_gemm.py) take it, and its CUDA kernels' suffix in
+kernels_cuda/quant.cu. Every GGML type listed runs on the CPU: decode through the IR
+kernels where `fast`, else the plain Numba or float kernels; prefill through dequantize +
+BLAS, or the tiles where `tile`. The loader, the CPU backend and the CUDA launcher ask
+this registry; none keeps its own list.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,17 +27,9 @@ class QuantInfo:
     block_size: int   # elements per block
     type_size: int    # bytes per block
     act_block: int    # block of the 8-bit activation it dots with: 32 (Q8_0) or 256 (Q8_K); 0 = float path
-
-
-_ACT = {
-    T.F32: 0, T.F16: 0, T.BF16: 0,
-    T.Q4_0: 32, T.Q4_1: 32, T.Q5_0: 32, T.Q5_1: 32, T.Q8_0: 32, T.IQ4_NL: 32,
-    T.Q2_K: 256, T.Q3_K: 256, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256, T.IQ4_XS: 256,
-}
-
-QUANT_INFO: dict[T, QuantInfo] = {
-    t: QuantInfo(t, GGML_QUANT_SIZES[t][0], GGML_QUANT_SIZES[t][1], a) for t, a in _ACT.items()
-}
+    fast: bool = False   # IR row dots and dequantization (dispatch.py)
+    tile: bool = False   # 8-bit prefill tiles on VNNI CPUs (tile_gemm.py)
+    cuda: str = ""       # kernel suffix in kernels_cuda/quant.cu (matvec_<s>, gemm_<s>, dequant_<s>); "" = none
 
 
 class RepackedType(IntEnum):
@@ -36,13 +37,60 @@ class RepackedType(IntEnum):
     Q4_K_X8 = _Q4_K_X8_ID   # Q4_K, rows interleaved in eights
 
 
+#         type      act  fast   tile   cuda
+_TABLE = (
+    (T.F32,       0, False, False, "f32"),
+    (T.F16,       0, False, False, "f16"),
+    (T.BF16,      0, False, False, ""),
+    (T.Q4_0,     32, True,  True,  "q4_0"),
+    (T.Q4_1,     32, True,  False, "q4_1"),
+    (T.Q5_0,     32, True,  True,  "q5_0"),
+    (T.Q5_1,     32, True,  False, "q5_1"),
+    (T.Q8_0,     32, True,  True,  "q8_0"),
+    (T.IQ4_NL,   32, True,  False, ""),
+    (T.Q2_K,    256, True,  False, ""),
+    (T.Q3_K,    256, True,  False, ""),
+    (T.Q4_K,    256, True,  True,  "q4_k"),
+    (T.Q5_K,    256, True,  False, "q5_k"),
+    (T.Q6_K,    256, True,  True,  "q6_k"),
+    (T.IQ4_XS,  256, True,  False, ""),
+)
+
+QUANT_INFO: dict = {
+    t: QuantInfo(t, GGML_QUANT_SIZES[t][0], GGML_QUANT_SIZES[t][1], act, fast, tile, cuda)
+    for t, act, fast, tile, cuda in _TABLE
+}
 # same blocks as Q4_K, only placed differently
-QUANT_INFO[RepackedType.Q4_K_X8] = QuantInfo(RepackedType.Q4_K_X8, 256, 144, 256)
+QUANT_INFO[RepackedType.Q4_K_X8] = QuantInfo(RepackedType.Q4_K_X8, 256, 144, 256, fast=True, tile=True)
+
+# the registry's answers as sets of plain ints, for checks on every call
+FAST_IDS = frozenset(int(t) for t, i in QUANT_INFO.items() if i.fast)
+TILE_IDS = frozenset(int(t) for t, i in QUANT_INFO.items() if i.tile)
 
 
 def supported_types() -> tuple[T, ...]:
-    """The GGML types matvec / matmul / get_rows accept (and repacked layouts, not listed)."""
+    """The GGML types the loader accepts and the CPU kernels run (matvec / matmul / get_rows)."""
     return tuple(t for t in QUANT_INFO if isinstance(t, T))
+
+
+def is_supported(qtype) -> bool:
+    """Whether a model may hold tensors of this GGML type."""
+    return isinstance(qtype, T) and qtype in QUANT_INFO
+
+
+def fast_types() -> tuple[T, ...]:
+    """The GGML types the IR kernels (dispatch.py) compute on."""
+    return tuple(t for t in supported_types() if QUANT_INFO[t].fast)
+
+
+def tile_types() -> tuple[T, ...]:
+    """The GGML types the 8-bit prefill tiles (tile_gemm.py) compute on."""
+    return tuple(t for t in supported_types() if QUANT_INFO[t].tile)
+
+
+def cuda_types() -> dict:
+    """GGML type -> its CUDA kernels' suffix, for the types kernels_cuda computes on."""
+    return {t: QUANT_INFO[t].cuda for t in supported_types() if QUANT_INFO[t].cuda}
 
 
 def quant_info(qtype: T | int) -> QuantInfo:
@@ -63,10 +111,19 @@ def row_bytes(qtype: T | int, n_cols: int) -> int:
     return n_cols // info.block_size * info.type_size
 
 
-def n_cols_of(qtype: T | int, w_raw: np.ndarray) -> int:
-    """Elements per row of a raw weight array of shape (n_rows, row_bytes)."""
+def reference_dequantize(w_raw: np.ndarray, qtype: T) -> np.ndarray:
+    """(n_rows, row_bytes) raw -> (n_rows, n_cols) float32 through gguf.quants (tests and
+    debugging: slow)."""
+    from gguf.quants import dequantize
+
     info = quant_info(qtype)
-    return w_raw.shape[1] // info.type_size * info.block_size
+    if not isinstance(info.qtype, T):
+        raise ValueError(f"{info.qtype.name} is a repacked layout: no reference dequantization")
+    if info.qtype == T.F32:
+        return w_raw.view(np.float32).copy()
+    if info.qtype == T.F16:
+        return w_raw.view(np.float16).astype(np.float32)
+    return np.asarray(dequantize(w_raw, info.qtype), dtype=np.float32).reshape(w_raw.shape[0], -1)
 
 
 def check_weight(w_raw: np.ndarray, qtype: T | int) -> QuantInfo:

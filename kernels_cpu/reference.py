@@ -3,19 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize
 
-from .quant_types import quant_info
+from .quant_types import reference_dequantize
 
-
-def reference_dequantize(w_raw: np.ndarray, qtype: T) -> np.ndarray:
-    """(n_rows, row_bytes) raw -> (n_rows, n_cols) float32 through gguf.quants."""
-    info = quant_info(qtype)
-    if info.qtype == T.F32:
-        return w_raw.view(np.float32).copy()
-    if info.qtype == T.F16:
-        return w_raw.view(np.float16).astype(np.float32)
-    return np.asarray(dequantize(w_raw, info.qtype), dtype=np.float32).reshape(w_raw.shape[0], -1)
+__all__ = ["reference_dequantize"]   # the registry's (quant_types), with the other references here
 
 
 def reference_matvec(w_raw: np.ndarray, qtype: T, x: np.ndarray) -> np.ndarray:

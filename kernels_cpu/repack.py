@@ -10,7 +10,7 @@ same reason ("CPU_REPACK"). Measured on a 4096 x 14336 matrix, 2 threads, interl
 A/B: 22.5-23.6 -> 26.8-28.2 GB/s from memory (80-92% of the read bandwidth), 36-39 ->
 50-54 GB/s L2-resident.
 
-The layout (fast_dot.X8_BLOCK bytes a block, the array keeps the (n_rows, row_bytes)
+The layout (ir_helpers.X8_BLOCK bytes a block, the array keeps the (n_rows, row_bytes)
 shape): for each group of 8 rows and each block, the 8 rows' 16-byte heads (d, dmin, 12
 scale bytes), then 8 pieces of 128 bytes, piece t holding qs bytes 16t..16t+16 of each of
 the 8 rows. Every kernel that reads Q4_K reads Q4_K_X8 too (decode, the <= 64-token row
@@ -26,7 +26,7 @@ import os
 import numpy as np
 from numba.core.registry import cpu_target
 
-from .fast_dot import X8_ROWS, _target_features
+from .ir_helpers import X8_ROWS, target_features
 from .quant_kernels import Q4_K, Q4_K_X8
 
 # EDGEINFER_NO_REPACK=1 keeps every weight in the file's layout (A/B benchmarks, debugging).
@@ -37,7 +37,7 @@ _PIECES = 144 // _PIECE   # a Q4_K block: its head, then 8 pieces of qs
 
 def host_repacks() -> bool:
     """Whether the CPU the kernels are compiled for runs Q4_K_X8 faster than Q4_K."""
-    feats = _target_features(cpu_target.target_context)
+    feats = target_features(cpu_target.target_context)
     return _ENABLED and {"+avx512bw", "+f16c"} <= feats
 
 

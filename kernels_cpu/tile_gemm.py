@@ -20,8 +20,8 @@ Measured on Gemma 3 270M's Q5_0 2048 x 640 with 512 tokens, 2 threads: 3.3 ms ag
 6.5 ms for dequantize + BLAS (~400 against ~205 GFLOP/s). Without VNNI the same IR runs a
 portable emulation (exact, slow), so `matvec.matmul` takes the tiles only on VNNI CPUs.
 
-The intrinsics build on fast_dot's IR helpers; Numba's cache tracks this file only, so
-after editing fast_dot's value extraction clear __pycache__ (as for decode_blocks).
+The intrinsics build on the IR helpers (ir_helpers.py) and the value extraction of
+dot_q32.py and dot_kquant.py; Numba's cache is keyed to all of them (cache_dir.py).
 """
 from __future__ import annotations
 
@@ -34,22 +34,24 @@ from numba.core import cgutils
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
-from .fast_dot import (F32T, I8, I32, _IR, _Q32, _c64, _const_vec, _counted_loop,
-                       _mask, _q32_values, _q4k_block_bytes, _q4k_qs32, _q4k_scales_vec,
-                       _target_features, _vec, _x8_row_ptr, has_vnni_features)
 from . import quant_kernels as qk
+from .dot_kquant import q4k_block_bytes, q4k_qs32, q4k_scales_vec
+from .dot_q32 import Q32, q32_values
+from .ir_helpers import (F32T, I8, I32, IRHelpers, c64, const_vec, counted_loop, has_vnni_features, mask,
+                         target_features, vec, x8_row_ptr)
 from .quant_kernels import Q4_0, Q4_K, Q4_K_X8, Q5_0, Q6_K, Q8_0
+from .quant_types import TILE_IDS, tile_types
 
 TILE_ROWS = 4     # weight rows a tile (adjacent; in a Q4_K_X8 matrix, half a group)
-TILE_TYPES = (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K)
-TILE_LAYOUTS = TILE_TYPES + (Q4_K_X8,)   # and the repacked layouts (repack.py)
+TILE_TYPES = tuple(int(t) for t in tile_types())   # the registry's `tile` types (quant_types)
+TILE_LAYOUTS = TILE_IDS                            # and the repacked layouts (repack.py)
 _JIT = dict(cache=True, nogil=True)
 
 
 @functools.cache
 def has_vnni() -> bool:
     """Whether the CPU Numba compiles for has 256-bit vpdpbusd (AVX512-VNNI with VL, or AVX-VNNI)."""
-    return has_vnni_features(_target_features(cpu_target.target_context))
+    return has_vnni_features(target_features(cpu_target.target_context))
 
 
 def _dpbusd(h, acc, a_u8, b_s8):
@@ -59,8 +61,8 @@ def _dpbusd(h, acc, a_u8, b_s8):
     b = h.b
     if h.vnni:
         return h.dpbusd(acc, a_u8, b_s8)
-    p = b.mul(b.zext(a_u8, _vec(I32, 32)), b.sext(b_s8, _vec(I32, 32)))
-    quads = [b.shuffle_vector(p, p, _mask(range(k, 32, 4))) for k in range(4)]
+    p = b.mul(b.zext(a_u8, vec(I32, 32)), b.sext(b_s8, vec(I32, 32)))
+    quads = [b.shuffle_vector(p, p, mask(range(k, 32, 4))) for k in range(4)]
     return b.add(acc, b.add(b.add(quads[0], quads[1]), b.add(quads[2], quads[3])))
 
 
@@ -72,15 +74,15 @@ _OFFSET = {Q8_0: 128, Q4_0: 8, Q5_0: 16}   # weight = code - offset (Q8_0: its b
 def _codes(h, wrow, wo, qt):
     """Block at byte wo of a row as <32 x i8> unsigned codes (value = code - _OFFSET[qt])."""
     if qt == Q8_0:
-        return h.b.xor(h.load(wrow, h.b.add(wo, _c64(2)), _vec(I8, 32)), _const_vec(I8, 32, -128))
-    return _q32_values(h, wrow, wo, qt)
+        return h.b.xor(h.load(wrow, h.b.add(wo, c64(2)), vec(I8, 32)), const_vec(I8, 32, -128))
+    return q32_values(h, wrow, wo, qt)
 
 
 def _lane(h, v, i):
     """Lane i of <8 x i32> v in every lane (vpermd: one instruction, any lane)."""
     if h.avx2:
-        return h._x86("llvm.x86.avx2.permd", _vec(I32, 8), [v, _const_vec(I32, 8, i)])
-    return h.b.shuffle_vector(v, v, _mask([i] * 8))
+        return h.x86("llvm.x86.avx2.permd", vec(I32, 8), [v, const_vec(I32, 8, i)])
+    return h.b.shuffle_vector(v, v, mask([i] * 8))
 
 
 def _dots(h, isums, codes, xgs, act, steps=range(8)):
@@ -90,9 +92,9 @@ def _dots(h, isums, codes, xgs, act, steps=range(8)):
     b = h.b
     isums = [list(row) for row in isums]
     for i in steps:
-        xvs = [h.load(xg, b.add(b.mul(act, _c64(256)), _c64(32 * i)), _vec(I8, 32)) for xg in xgs]
+        xvs = [h.load(xg, b.add(b.mul(act, c64(256)), c64(32 * i)), vec(I8, 32)) for xg in xgs]
         for k, c in enumerate(codes):
-            bc = b.bitcast(_lane(h, c, i), _vec(I8, 32))
+            bc = b.bitcast(_lane(h, c, i), vec(I8, 32))
             for gi, xv in enumerate(xvs):
                 isums[k][gi] = _dpbusd(h, isums[k][gi], bc, xv)
     return isums
@@ -101,20 +103,20 @@ def _dots(h, isums, codes, xgs, act, steps=range(8)):
 def _q32_block(h, qt, wrows, xgs, dgs, sgs, bi, accs):
     """One 32-element block (Q8_0, Q4_0, Q5_0) of the tile: the new accumulators."""
     b = h.b
-    wo = b.mul(bi, _c64(34 if qt == Q8_0 else _Q32[qt][0]))
+    wo = b.mul(bi, c64(34 if qt == Q8_0 else Q32[qt][0]))
     shift = _OFFSET[qt].bit_length() - 1          # offsets are powers of two
-    codes = [b.bitcast(_codes(h, wrow, wo, qt), _vec(I32, 8)) for wrow in wrows]
+    codes = [b.bitcast(_codes(h, wrow, wo, qt), vec(I32, 8)) for wrow in wrows]
     dw = [h.splat(h.load_f16(wrow, wo), 8) for wrow in wrows]
     # -offset * each token's block sum starts the integer sums, so the dots leave
     # code . x - offset * sum(x): the block's exact integer dot
-    starts = [b.shl(h.load(sg, b.mul(bi, _c64(32)), _vec(I32, 8)), _const_vec(I32, 8, shift)) for sg in sgs]
+    starts = [b.shl(h.load(sg, b.mul(bi, c64(32)), vec(I32, 8)), const_vec(I32, 8, shift)) for sg in sgs]
     isums = _dots(h, [list(starts) for _ in wrows], codes, xgs, bi)
     new = list(accs)
     for gi, dg in enumerate(dgs):
-        dx = h.load(dg, b.mul(bi, _c64(32)), _vec(F32T, 8))
+        dx = h.load(dg, b.mul(bi, c64(32)), vec(F32T, 8))
         for k in range(len(wrows)):
             n = TILE_GROUPS * k + gi
-            new[n] = h.fma(b.fmul(dw[k], dx), b.sitofp(isums[k][gi], _vec(F32T, 8)), accs[n])
+            new[n] = h.fma(b.fmul(dw[k], dx), b.sitofp(isums[k][gi], vec(F32T, 8)), accs[n])
     return new
 
 
@@ -123,31 +125,31 @@ def _q4_k_block(h, wrows, xgs, dgs, sgs, bi, accs, x8=False):
     block; value = d * sc_j * q - dmin * m_j, so per sub-block and token
     acc += dx * (d sc_j * (q . x) - dmin m_j * sum(x)). x8: Q4_K_X8 row pointers."""
     b = h.b
-    wo = b.mul(bi, _c64(_q4k_block_bytes(x8)))
-    izero = ir.Constant(_vec(I32, 8), [0] * 8)
+    wo = b.mul(bi, c64(q4k_block_bytes(x8)))
+    izero = ir.Constant(vec(I32, 8), [0] * 8)
     scs, mns = [], []
     for wrow in wrows:       # the row's 8 scales times d and 8 mins times dmin, as floats
-        sm = _q4k_scales_vec(h, wrow, wo)
-        as_f = [b.uitofp(b.zext(b.shuffle_vector(sm, sm, _mask(range(o, o + 8))), _vec(I32, 8)), _vec(F32T, 8))
+        sm = q4k_scales_vec(h, wrow, wo)
+        as_f = [b.uitofp(b.zext(b.shuffle_vector(sm, sm, mask(range(o, o + 8))), vec(I32, 8)), vec(F32T, 8))
                 for o in (0, 8)]
-        scs.append(b.bitcast(b.fmul(h.splat(h.load_f16(wrow, wo), 8), as_f[0]), _vec(I32, 8)))
-        mns.append(b.bitcast(b.fmul(h.splat(h.load_f16(wrow, b.add(wo, _c64(2))), 8), as_f[1]), _vec(I32, 8)))
+        scs.append(b.bitcast(b.fmul(h.splat(h.load_f16(wrow, wo), 8), as_f[0]), vec(I32, 8)))
+        mns.append(b.bitcast(b.fmul(h.splat(h.load_f16(wrow, b.add(wo, c64(2))), 8), as_f[1]), vec(I32, 8)))
     new = list(accs)
     for j in range(8):
-        act = b.add(b.mul(bi, _c64(8)), _c64(j))
+        act = b.add(b.mul(bi, c64(8)), c64(j))
         codes = []
         for wrow in wrows:   # sub-block j: low nibbles of qs[32 c ..] for j = 2c, high for 2c + 1
-            q = _q4k_qs32(h, wrow, wo, j // 2, x8)
-            q = b.and_(q, _const_vec(I8, 32, 15)) if j % 2 == 0 else b.lshr(q, _const_vec(I8, 32, 4))
-            codes.append(b.bitcast(q, _vec(I32, 8)))
+            q = q4k_qs32(h, wrow, wo, j // 2, x8)
+            q = b.and_(q, const_vec(I8, 32, 15)) if j % 2 == 0 else b.lshr(q, const_vec(I8, 32, 4))
+            codes.append(b.bitcast(q, vec(I32, 8)))
         isums = _dots(h, [[izero] * len(xgs) for _ in wrows], codes, xgs, act)
         for gi in range(len(xgs)):
-            dx = h.load(dgs[gi], b.mul(act, _c64(32)), _vec(F32T, 8))
-            neg_sum = b.sitofp(h.load(sgs[gi], b.mul(act, _c64(32)), _vec(I32, 8)), _vec(F32T, 8))
+            dx = h.load(dgs[gi], b.mul(act, c64(32)), vec(F32T, 8))
+            neg_sum = b.sitofp(h.load(sgs[gi], b.mul(act, c64(32)), vec(I32, 8)), vec(F32T, 8))
             for k in range(len(wrows)):
-                sc = b.bitcast(_lane(h, scs[k], j), _vec(F32T, 8))
-                mn = b.bitcast(_lane(h, mns[k], j), _vec(F32T, 8))
-                t = h.fma(sc, b.sitofp(isums[k][gi], _vec(F32T, 8)), b.fmul(mn, neg_sum))
+                sc = b.bitcast(_lane(h, scs[k], j), vec(F32T, 8))
+                mn = b.bitcast(_lane(h, mns[k], j), vec(F32T, 8))
+                t = h.fma(sc, b.sitofp(isums[k][gi], vec(F32T, 8)), b.fmul(mn, neg_sum))
                 n = TILE_GROUPS * k + gi
                 new[n] = h.fma(dx, t, new[n])
     return new
@@ -159,26 +161,26 @@ def _q6_k_block(h, wrows, xgs, dgs, sgs, hgs, bi, accs):
     scale for each 16 elements: steps 0-3 and 4-7 of the dots sum apart, each from -32
     times its half's activation sum, then acc += (d dx) * (scA * IA + scB * IB)."""
     b = h.b
-    wo = b.mul(bi, _c64(210))
+    wo = b.mul(bi, c64(210))
     scales = []
     for wrow in wrows:   # 16 int8 scales as two <8 x i32>
-        sc = b.sext(h.load(wrow, b.add(wo, _c64(192)), _vec(I8, 16)), _vec(I32, 16))
-        scales.append([b.shuffle_vector(sc, sc, _mask(range(o, o + 8))) for o in (0, 8)])
-    dws = [h.splat(h.load_f16(wrow, b.add(wo, _c64(208))), 8) for wrow in wrows]
+        sc = b.sext(h.load(wrow, b.add(wo, c64(192)), vec(I8, 16)), vec(I32, 16))
+        scales.append([b.shuffle_vector(sc, sc, mask(range(o, o + 8))) for o in (0, 8)])
+    dws = [h.splat(h.load_f16(wrow, b.add(wo, c64(208))), 8) for wrow in wrows]
     new = list(accs)
     for a in range(8):
         half, part = divmod(a, 4)
-        act = b.add(b.mul(bi, _c64(8)), _c64(a))
+        act = b.add(b.mul(bi, c64(8)), c64(a))
         codes = []
         for wrow in wrows:
-            ql = h.load(wrow, b.add(wo, _c64(64 * half + 32 * (part % 2))), _vec(I8, 32))
-            ql = b.and_(ql, _const_vec(I8, 32, 15)) if part < 2 else b.lshr(ql, _const_vec(I8, 32, 4))
-            qh = h.load(wrow, b.add(wo, _c64(128 + 32 * half)), _vec(I8, 32))
-            qh = b.shl(b.and_(b.lshr(qh, _const_vec(I8, 32, 2 * part)), _const_vec(I8, 32, 3)), _const_vec(I8, 32, 4))
-            codes.append(b.bitcast(b.or_(ql, qh), _vec(I32, 8)))
-        neg_all = [h.load(sg, b.mul(act, _c64(32)), _vec(I32, 8)) for sg in sgs]
-        neg_a = [h.load(hg, b.mul(act, _c64(32)), _vec(I32, 8)) for hg in hgs]
-        five = _const_vec(I32, 8, 5)
+            ql = h.load(wrow, b.add(wo, c64(64 * half + 32 * (part % 2))), vec(I8, 32))
+            ql = b.and_(ql, const_vec(I8, 32, 15)) if part < 2 else b.lshr(ql, const_vec(I8, 32, 4))
+            qh = h.load(wrow, b.add(wo, c64(128 + 32 * half)), vec(I8, 32))
+            qh = b.shl(b.and_(b.lshr(qh, const_vec(I8, 32, 2 * part)), const_vec(I8, 32, 3)), const_vec(I8, 32, 4))
+            codes.append(b.bitcast(b.or_(ql, qh), vec(I32, 8)))
+        neg_all = [h.load(sg, b.mul(act, c64(32)), vec(I32, 8)) for sg in sgs]
+        neg_a = [h.load(hg, b.mul(act, c64(32)), vec(I32, 8)) for hg in hgs]
+        five = const_vec(I32, 8, 5)
         starts_a = [b.shl(v, five) for v in neg_a]
         starts_b = [b.shl(b.sub(t, v), five) for t, v in zip(neg_all, neg_a)]
         ia = _dots(h, [list(starts_a) for _ in wrows], codes, xgs, act, steps=range(4))
@@ -188,10 +190,10 @@ def _q6_k_block(h, wrows, xgs, dgs, sgs, hgs, bi, accs):
             sca = _lane(h, scales[k][s_idx // 8], s_idx % 8)
             scb = _lane(h, scales[k][(s_idx + 1) // 8], (s_idx + 1) % 8)
             for gi, dg in enumerate(dgs):
-                dx = h.load(dg, b.mul(act, _c64(32)), _vec(F32T, 8))
+                dx = h.load(dg, b.mul(act, c64(32)), vec(F32T, 8))
                 tot = b.add(b.mul(sca, ia[k][gi]), b.mul(scb, ib[k][gi]))
                 n = TILE_GROUPS * k + gi
-                new[n] = h.fma(b.fmul(dws[k], dx), b.sitofp(tot, _vec(F32T, 8)), new[n])
+                new[n] = h.fma(b.fmul(dws[k], dx), b.sitofp(tot, vec(F32T, 8)), new[n])
     return new
 
 
@@ -204,7 +206,7 @@ def _tile_codegen(qt, n_rows):
                 zip((w_ty, xp_ty, dxp_ty, xsp_ty, xhp_ty, tmp_ty), (args[0], args[2], args[3], args[4], args[5], args[7]))]
         w, xp, dxp, xsp, xhp, tmp = arrs
         r, g = args[1], args[6]
-        h = _IR(builder, _target_features(context))
+        h = IRHelpers(builder, target_features(context))
         b = builder
         i8p = I8.as_pointer()
 
@@ -212,31 +214,31 @@ def _tile_codegen(qt, n_rows):
             stride = cgutils.unpack_tuple(b, arr.strides)[0]
             base = b.bitcast(arr.data, i8p)
             if x8:
-                return [_x8_row_ptr(b, base, stride, b.add(first, _c64(k))) for k in range(n)]
-            return [b.gep(base, [b.mul(b.add(first, _c64(k)), stride)]) for k in range(n)]
+                return [x8_row_ptr(b, base, stride, b.add(first, c64(k))) for k in range(n)]
+            return [b.gep(base, [b.mul(b.add(first, c64(k)), stride)]) for k in range(n)]
         wrows = rows_of(w, r, n_rows, qt == Q4_K_X8)
         xgs, dgs, sgs, hgs = (rows_of(a, g, TILE_GROUPS) for a in (xp, dxp, xsp, xhp))
-        n_act = b.sdiv(cgutils.unpack_tuple(b, dxp.shape)[1], _c64(GROUP))   # dxp: (groups, blocks * GROUP)
-        zero = ir.Constant(_vec(F32T, 8), [0.0] * 8)
+        n_act = b.sdiv(cgutils.unpack_tuple(b, dxp.shape)[1], c64(GROUP))   # dxp: (groups, blocks * GROUP)
+        zero = ir.Constant(vec(F32T, 8), [0.0] * 8)
         if qt in (Q4_K, Q4_K_X8):
             def block(bi, accs):
                 return _q4_k_block(h, wrows, xgs, dgs, sgs, bi, accs, qt == Q4_K_X8)
-            n_blocks = b.sdiv(n_act, _c64(8))
+            n_blocks = b.sdiv(n_act, c64(8))
         elif qt == Q6_K:
             def block(bi, accs):
                 return _q6_k_block(h, wrows, xgs, dgs, sgs, hgs, bi, accs)
-            n_blocks = b.sdiv(n_act, _c64(8))
+            n_blocks = b.sdiv(n_act, c64(8))
         else:
             def block(bi, accs):
                 return _q32_block(h, qt, wrows, xgs, dgs, sgs, bi, accs)
             n_blocks = n_act
-        fin = _counted_loop(b, n_blocks, 1, [zero] * (n_rows * TILE_GROUPS), block, "tile")
+        fin = counted_loop(b, n_blocks, 1, [zero] * (n_rows * TILE_GROUPS), block, "tile")
         tstride = cgutils.unpack_tuple(b, tmp.strides)[0]
         tbase = b.bitcast(tmp.data, i8p)
         for k in range(n_rows):
             for gi in range(TILE_GROUPS):
-                p = b.gep(tbase, [b.add(b.mul(_c64(k), tstride), _c64(4 * GROUP * gi))])
-                b.store(fin[TILE_GROUPS * k + gi], b.bitcast(p, _vec(F32T, 8).as_pointer()), align=4)
+                p = b.gep(tbase, [b.add(b.mul(c64(k), tstride), c64(4 * GROUP * gi))])
+                b.store(fin[TILE_GROUPS * k + gi], b.bitcast(p, vec(F32T, 8).as_pointer()), align=4)
         return context.get_dummy_value()
     return codegen
 

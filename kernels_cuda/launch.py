@@ -12,11 +12,12 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from edgeinfer.kernels_cpu.quant_types import cuda_types
 from edgeinfer.kernels_cuda.runtime import allocator, kernel
 
-# GGUF type -> kernel name suffix (matvec_<s>, gemm_<s>, dequant_<s> in quant.cu)
-QTYPE_SUFFIX = {Q.F32: "f32", Q.F16: "f16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q5_0: "q5_0",
-                Q.Q5_1: "q5_1", Q.Q8_0: "q8_0", Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
+# GGUF type -> kernel name suffix (matvec_<s>, gemm_<s>, dequant_<s> in quant.cu): the
+# quant-type registry's `cuda` column
+QTYPE_SUFFIX = cuda_types()
 KERNEL_NAMES = {
     "quant.cu": [f"{op}_{s}" for s in QTYPE_SUFFIX.values() for op in ("matvec", "gemm", "dequant")],
     "attention.cu": ["kv_store", "flash_attention_prefill", "paged_decode_attention"],

@@ -21,9 +21,17 @@ def test_editing_a_helper_module_changes_the_key(tmp_path):
     folder = _copy_sources(tmp_path)
     before = cache_dir.source_key(folder, ("0.1", "0.2"))
     assert cache_dir.source_key(folder, ("0.1", "0.2")) == before   # stable
-    helper = folder / "fast_dot.py"   # IR helpers other files' kernels are built from
-    helper.write_text(helper.read_text() + "\n# an edit\n")
-    assert cache_dir.source_key(folder, ("0.1", "0.2")) != before
+    # the modules other files' kernels are built from, and every other source
+    assert {"ir_helpers.py", "dot_q32.py", "dot_kquant.py", "ggml_math.py", "kv_attention_ir.py"} <= {
+        p.name for p in folder.glob("*.py")}
+    keys = {before}
+    for path in sorted(folder.glob("*.py")):
+        text = path.read_text()
+        path.write_text(text + "\n# an edit\n")
+        keys.add(cache_dir.source_key(folder, ("0.1", "0.2")))
+        path.write_text(text)
+    assert len(keys) == 1 + len(list(folder.glob("*.py")))
+    assert cache_dir.source_key(folder, ("0.1", "0.2")) == before
     (folder / "new_helper.py").write_text('"""A new module."""\n')
     assert len({before, cache_dir.source_key(folder, ("0.1", "0.2"))}) == 2
 

@@ -159,9 +159,9 @@ def test_matvec_many_equals_separate_matvecs():
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_claimed_work_items_cover_every_row_once(threads):
     """Rows of up to three matrices share one numbering of work items that threads claim
-    in runs (fast_dot._claimed_items): every output row is written, once, with the bits of
+    in runs (dispatch._claimed_items): every output row is written, once, with the bits of
     one matrix at a time, whatever the thread count and however the runs fall."""
-    from edgeinfer.kernels_cpu import fast_dot
+    from edgeinfer.kernels_cpu import dispatch
 
     rng = np.random.default_rng(9)
     # 19 + 1 + 63 work items; types that take the same 8-bit activations
@@ -175,7 +175,7 @@ def test_claimed_work_items_cover_every_row_once(threads):
     try:
         for k in (1, 2, 3):
             outs = [np.full(r, np.nan, np.float32) for _, r in shapes[:k]]
-            fast_dot.matvec_fast_many(ws[:k], [int(t) for t, _ in shapes[:k]], xq, xd, xs, outs)
+            dispatch.matvec_fast_many(ws[:k], [int(t) for t, _ in shapes[:k]], xq, xd, xs, outs)
             for got, want in zip(outs, alone):
                 np.testing.assert_array_equal(got, want)
     finally:

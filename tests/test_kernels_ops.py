@@ -66,7 +66,7 @@ def test_gelu_mul_is_bit_exact_and_correct():
 def _ggml_v_expf_avx2(x: np.ndarray) -> np.ndarray:
     """ggml_v_expf's AVX2 code transcribed literally, bit tricks and all three ranges
     (an independent check of the closed form `ggml_expf_any` uses)."""
-    from edgeinfer.kernels_cpu import kv_attention as kern
+    from edgeinfer.kernels_cpu import ggml_math as gm
 
     def fma(a, b, c):
         return (np.asarray(a, np.float64) * b + c).astype(np.float32)
@@ -79,14 +79,14 @@ def _ggml_v_expf_avx2(x: np.ndarray) -> np.ndarray:
 
     x = x.astype(np.float32)
     with np.errstate(all="ignore"):
-        z = fma(x, kern._LOG2E, kern._R)
-        n = (z - kern._R).astype(np.float32)
-        b = fma(-n, kern._LN2_LO, fma(-n, kern._LN2_HI, x))
+        z = fma(x, gm.LOG2E, gm.R)
+        n = (z - gm.R).astype(np.float32)
+        b = fma(-n, gm.LN2_LO, fma(-n, gm.LN2_HI, x))
         e = (bits(z) << np.uint32(23)).astype(np.uint32)
         k = flt((e + bits(np.float32(1.0))).astype(np.uint32))
         c = np.abs(n) > 126
         u = (b * b).astype(np.float32)
-        j = fma(fma(fma(kern._C5, b, kern._C4), u, fma(kern._C3, b, kern._C2)), u, (kern._C1 * b).astype(np.float32))
+        j = fma(fma(fma(gm.C5, b, gm.C4), u, fma(gm.C3, b, gm.C2)), u, (gm.C1 * b).astype(np.float32))
         g = np.where(n <= 0, np.uint32(0x82000000), np.uint32(0)).astype(np.uint32)
         s1 = flt((g + np.uint32(0x7F000000)).astype(np.uint32))
         s2 = flt((e - g).astype(np.uint32))

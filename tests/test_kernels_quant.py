@@ -18,13 +18,13 @@ from gguf import GGMLQuantizationType as T
 
 import edgeinfer.kernels_cpu as K
 from edgeinfer.errors import UnsupportedModelError
-from edgeinfer.kernels_cpu import fast_dot, quant_kernels
+from edgeinfer.kernels_cpu import dispatch, quant_kernels, quant_types
 from edgeinfer.kernels_cpu.reference import reference_quantize_act
 from quant_blocks import random_blocks
 
 MATVEC = importlib.import_module("edgeinfer.kernels_cpu.matvec")  # the module (K.matvec is its function)
 TYPES = list(K.supported_types())
-FAST_TYPES = [T(t) for t in fast_dot.FAST_TYPES]
+FAST_TYPES = list(quant_types.fast_types())
 
 
 def _shapes(qtype):
@@ -74,7 +74,7 @@ def test_fast_path_matches_plain_kernel(qtype):
         xq, xd, xs = K.quantize_activations(x, K.quant_info(qtype))
         fast = np.empty(n_rows, np.float32)
         plain = np.empty(n_rows, np.float32)
-        fast_dot.matvec_fast(w, int(qtype), xq, xd, xs, fast)
+        dispatch.matvec_fast(w, int(qtype), xq, xd, xs, fast)
         quant_kernels.matvec_q_kernel(w, w.view(np.int8), int(qtype), xq, xd, xs, plain, 16, 32)
         W = K.reference_dequantize(w, qtype).astype(np.float64)
         scale = np.abs(W) @ np.abs(reference_quantize_act(x, K.quant_info(qtype).act_block))

@@ -27,7 +27,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from numba.core.registry import cpu_target
 import edgeinfer.kernels_cpu as K
-from edgeinfer.kernels_cpu import fast_dot
+from edgeinfer.kernels_cpu import dispatch, quant_types
 from edgeinfer.kernels_cpu.reference import reference_quantize_act
 from quant_blocks import random_blocks
 
@@ -35,10 +35,11 @@ cg = cpu_target.target_context.codegen()
 print("target", cg.magic_tuple()[1], "+avx2" in cg._tm_features.split(","))
 rng = np.random.default_rng(7)
 results = {}
-fast_dot.use_types(list(fast_dot.FAST_TYPES) + [1012])   # one kernel set for every type, as a model's
+FAST_TYPES = [int(t) for t in quant_types.fast_types()]
+dispatch.use_types(FAST_TYPES + [1012])   # one kernel set for every type, as a model's
 # 19 rows: the per-row orders, and Q8_0's and Q6_K's four rows a loop with 3 leftover rows;
 # 16 x 1024 and 8 x 14336: Q4_K four rows in lanes; 9 x 4096: Q8_0 four rows a loop
-cases = [(T(t), 19, 1024) for t in fast_dot.FAST_TYPES] + [(T.Q4_K, 16, 1024), (T.Q8_0, 9, 4096),
+cases = [(T(t), 19, 1024) for t in FAST_TYPES] + [(T.Q4_K, 16, 1024), (T.Q8_0, 9, 4096),
                                                            (T.Q4_K, 8, 14336)]
 for qt, n_rows, n_cols in cases:
     w = random_blocks(qt, n_rows, n_cols, rng)
@@ -90,7 +91,7 @@ for qt in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q6_K):
             sys.exit("Q4_K_X8 tiles differ from Q4_K's")
         results["tiles_Q4_K_X8"] = out8
 np.savez(sys.argv[1], **results)
-print("ok", fast_dot.kernels_for(*fast_dot.FAST_TYPES)._matvec_kernel.stats.cache_hits)
+print("ok", dispatch.kernels_for(*FAST_TYPES).matvec_kernel.stats.cache_hits)
 """
 
 

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 import edgeinfer.kernels_cpu as K
 from edgeinfer.engine import Engine, EngineOptions
-from edgeinfer.kernels_cpu import decode_blocks, repack
+from edgeinfer.kernels_cpu import fused_layer, repack
 from edgeinfer.kernels_cpu.matvec import prepare_group
 from edgeinfer.kernels_cpu.quant_types import RepackedType
 from edgeinfer.loader import open_model
@@ -93,10 +93,10 @@ def test_several_matrices_a_region_and_the_fused_ffn_block():
     u, ux = _pair(rng, 256, 512)
     d, dx = _pair(rng, 512, 256)
     norm = rng.standard_normal(512).astype(np.float32)
-    fused = decode_blocks.norm_swiglu_residual(x, norm, 1e-5, prepare_group([gx, ux], [X8, X8]),
-                                               prepare_group([dx], [X8])[0])
-    plain = decode_blocks.norm_swiglu_residual(x, norm, 1e-5, prepare_group([g, u], [T.Q4_K, T.Q4_K]),
-                                               prepare_group([d], [T.Q4_K])[0])
+    fused = fused_layer.norm_swiglu_residual(x, norm, 1e-5, prepare_group([gx, ux], [X8, X8]),
+                                             prepare_group([dx], [X8])[0])
+    plain = fused_layer.norm_swiglu_residual(x, norm, 1e-5, prepare_group([g, u], [T.Q4_K, T.Q4_K]),
+                                             prepare_group([d], [T.Q4_K])[0])
     np.testing.assert_array_equal(fused, plain)
 
 

@@ -1,29 +1,32 @@
-"""Whole sub-blocks of a decoded token in one compiled call.
+"""One decoded token's RMSNorm -> SwiGLU MLP -> residual in one compiled call.
 
 Why: a decode layer streams tens of MB of weights, which evicts the caches, so every
 Python-level op between two matvecs starts cold: `ops.rms_norm` on 2048 floats takes
 ~6 us warm and ~70 us right after a 64 MB sweep. Running norm -> matvecs -> activation
 -> matvec -> residual as one call leaves one cold entry instead of about eight.
 Each step calls the same kernels the op-by-op path calls, in the same order, so the
-results are the same bits (tests/test_decode_blocks.py).
+results are the same bits (tests/test_fused_layer.py). The matvecs are those of the
+model's kernel set (dispatch.kernels_for): only the model's types compile.
 """
 from __future__ import annotations
+
+from types import FunctionType
 
 import numpy as np
 from numba import njit, prange
 
 from . import quant_kernels as qk
-from .fast_dot import _claimed_items
+from .dispatch import kernels_for
 from .ops import _rms_norm_kernel, _silu_mul_kernel
 from .threads import apply_threads, get_threads
 
 _JIT = dict(cache=True, nogil=True)
 
 
-# The parallel loops are written out here rather than calling fast_dot's parallel
-# kernels: a cached function calling another parallel function crashed when both were
-# loaded from caches written by different processes.
-@njit(parallel=True, **_JIT)
+# Compiled only as copies per kernel set (_kernel), whose globals hold that set's
+# `claimed_items`. The parallel loops are written out here rather than calling the
+# dispatch's parallel kernels: a cached function calling another parallel function
+# crashed when both were loaded from caches written by different processes.
 def _norm_swiglu_residual(x, norm_w, eps, wg, qg, wu, qu, act_gu, wd, qd, act_d, nt):
     n = x.shape[0]
     h = np.empty((1, n), np.float32)
@@ -33,18 +36,33 @@ def _norm_swiglu_residual(x, norm_w, eps, wg, qg, wu, qu, act_gu, wd, qd, act_d,
     up = np.empty(wu.shape[0], np.float32)
     none = np.empty(0, np.float32)
     claims = np.zeros(2, np.int64)
-    for _ in prange(nt):   # as fast_dot._matvec_kernel: one iteration per thread
-        _claimed_items(claims[0:1], nt, wg, qg, gate, wu, qu, up, wu, qu, none, xq, xd, xs)
+    for _ in prange(nt):   # as dispatch._matvec_kernel: one iteration per thread
+        claimed_items(claims[0:1], nt, wg, qg, gate, wu, qu, up, wu, qu, none, xq, xd, xs)  # noqa: F821
     act = np.empty_like(gate)
     _silu_mul_kernel(gate, up, act)
     aq, ad, as_ = qk.quantize_act(act, act_d)
     down = np.empty(wd.shape[0], np.float32)
     for _ in prange(nt):
-        _claimed_items(claims[1:2], nt, wd, qd, down, wd, qd, none, wd, qd, none, aq, ad, as_)
+        claimed_items(claims[1:2], nt, wd, qd, down, wd, qd, none, wd, qd, none, aq, ad, as_)  # noqa: F821
     out = np.empty(n, np.float32)
     for k in range(n):
         out[k] = x[k] + down[k]
     return out
+
+
+_KERNELS: dict = {}   # kernel set's types -> _norm_swiglu_residual compiled with its claimed_items
+
+
+def _kernel(ks):
+    got = _KERNELS.get(ks.types)
+    if got is None:
+        f = _norm_swiglu_residual
+        name = f.__name__ + ks.suffix     # its own file in Numba's on-disk cache
+        copy = FunctionType(f.__code__, dict(globals(), claimed_items=ks.claimed_items), name,
+                            f.__defaults__, f.__closure__)
+        copy.__qualname__, copy.__module__ = name, f.__module__
+        got = _KERNELS[ks.types] = njit(parallel=True, **_JIT)(copy)
+    return got
 
 
 def norm_swiglu_residual(x: np.ndarray, norm_w: np.ndarray, eps: float, gate_up, down) -> np.ndarray:
@@ -54,5 +72,6 @@ def norm_swiglu_residual(x: np.ndarray, norm_w: np.ndarray, eps: float, gate_up,
     matvec.prepare_weight of down (prepared weights: validated once by the caller)."""
     apply_threads()
     g, u = gate_up
-    return _norm_swiglu_residual(x, norm_w, np.float32(eps), g.w, g.qt, u.w, u.qt, g.info.act_block,
-                                 down.w, down.qt, down.info.act_block, get_threads())
+    kernel = _kernel(kernels_for(g.qt, u.qt, down.qt))
+    return kernel(x, norm_w, np.float32(eps), g.w, g.qt, u.w, u.qt, g.info.act_block,
+                  down.w, down.qt, down.info.act_block, get_threads())

@@ -1,4 +1,4 @@
-"""The CPU backend's fused decode blocks give the op-by-op path's bits."""
+"""The CPU backend's fused decode layer (norm, SwiGLU MLP, residual) gives the op-by-op path's bits."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 from edgeinfer.backend import Backend
 from edgeinfer.engine import Engine, EngineOptions
-from edgeinfer.kernels_cpu import decode_blocks
+from edgeinfer.kernels_cpu import fused_layer
 from edgeinfer.loader import open_model
 from gguf_factory import TinyShape, spm_vocab, write_tiny_model
 
@@ -18,8 +18,8 @@ def test_norm_swiglu_residual_equals_the_op_by_op_path(qtype, tmp_path, monkeypa
     path = write_tiny_model(tmp_path / "m.gguf", "llama", qtype, shape=shape, vocab=spm_vocab(), seed=3)
     be = Engine(open_model(path), EngineOptions(n_ctx=64, backend="cpu")).backend
     calls = []
-    fused_fn = decode_blocks.norm_swiglu_residual
-    monkeypatch.setattr(decode_blocks, "norm_swiglu_residual", lambda *a: calls.append(1) or fused_fn(*a))
+    fused_fn = fused_layer.norm_swiglu_residual
+    monkeypatch.setattr(fused_layer, "norm_swiglu_residual", lambda *a: calls.append(1) or fused_fn(*a))
     rng = np.random.default_rng(0)
     names = ("blk.1.ffn_norm.weight", 1e-5, "blk.1.ffn_gate.weight", "blk.1.ffn_up.weight",
              "blk.1.ffn_down.weight")

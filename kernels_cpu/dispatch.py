@@ -1,0 +1,376 @@
+"""The fast kernels' type dispatch, kernel sets per model types, and rows shared out by claims.
+
+`_dot_rows` and `_deq_row` dispatch on the type id once per run of rows to the row
+intrinsics of dot_q32.py, dot_kquant.py and dot_q4k_x8.py (each row's whole loop over
+blocks is IR; Numba only runs `prange` over rows). `kernels_for` gives copies of them
+compiled only for a model's types. Decode matvecs share their rows out by claims on an
+atomic counter.
+"""
+from __future__ import annotations
+
+from types import FunctionType
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from .dot_kquant import (deq_row_iq4_xs, deq_row_q2_k, deq_row_q3_k, deq_row_q4_k, deq_row_q5_k, deq_row_q6_k,
+                         row_iq4_xs, row_q2_k, row_q3_k, row_q4_k, row_q5_k, row_q6_k, rows_q6_k)
+from .dot_q32 import (deq_row_iq4_nl, deq_row_q4_0, deq_row_q4_1, deq_row_q5_0, deq_row_q5_1, deq_row_q8_0,
+                      row_iq4_nl, row_q4_0, row_q4_1, row_q5_0, row_q5_1, row_q8_0, rows_q8_0)
+from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
+from .ir_helpers import I64, ROWS, X8_ROWS
+from .quant_kernels import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from .quant_types import FAST_IDS
+from .threads import get_threads
+
+_JIT = dict(cache=True, nogil=True)
+
+# Which types the dispatching functions below (_dot_rows, _quartered_rows, _deq_row) and
+# the kernels calling them handle: every one in these definitions; `kernels_for` copies
+# them with some of the flags False, and Numba prunes those branches before typing, so a
+# model compiles only its own types' code (see "Kernels per type set" below).
+_HAS_Q8_0 = _HAS_Q4_0 = _HAS_Q4_1 = _HAS_Q5_0 = _HAS_Q5_1 = _HAS_IQ4_NL = True
+_HAS_Q2_K = _HAS_Q3_K = _HAS_Q4_K = _HAS_Q5_K = _HAS_Q6_K = _HAS_IQ4_XS = _HAS_Q4_K_X8 = True
+_TYPE_NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", IQ4_NL: "IQ4_NL",
+               Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS",
+               Q4_K_X8: "Q4_K_X8"}
+
+
+@intrinsic
+def _fetch_add(typingctx, counter, inc):
+    """counter[0] += inc atomically; returns the old value (the work-claim counter)."""
+    sig = types.int64(counter, inc)
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", builder.bitcast(arr.data, I64.as_pointer()), args[1], "monotonic")
+    return sig, codegen
+
+
+CHUNK = 16   # rows per work item: the type dispatch and call overhead, once per chunk
+#              (a multiple of ROWS: a 4-row group never straddles two chunks)
+
+
+@njit(**_JIT)
+def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
+    """Q8_0, Q6_K and Q4_K (rows % 8 == 0) "rows" r0..r1 in a quartered order: with
+    q = n_rows // 4, slot v < 4q is row v // 4 + (v % 4) * q, slots from 4q on are rows
+    themselves. Four rows a quarter of the matrix apart run in one loop: four long
+    sequential streams for the prefetchers (four adjacent short rows were slower from
+    memory, and eight streams a thread slower than four), shared activation loads, and,
+    for Q8_0, four independent fma chains (one row's chain sets the pace otherwise).
+    Every row keeps its own order: Q8_0 and Q6_K ggml_vec_dot's, Q4_K llama.cpp's
+    repacked gemv's, one row per lane (_q4_k_rows4_lanes).
+    Measured with 2 threads, old and new loop alternating in one run: Gemma's Q8_0 head
+    (262144 x 640) 6.3 -> 5.6 ms against one row a loop; Q6_K 4096 x 14336 16.9 -> 22.8
+    GB/s against one row a loop (8 rows spilled: 15.0); Q4_K 4096 x 14336 20.5 -> 24.1
+    GB/s against 8 rows an eighth apart in 8 lanes."""
+    q = out.shape[0] // ROWS
+    v = r0
+    while v + ROWS <= min(r1, ROWS * q):   # r0 is a multiple of CHUNK, so of ROWS
+        i = v // ROWS
+        if _HAS_Q8_0 and qt == Q8_0:
+            a, b, c, d = rows_q8_0(w, i, xq, xd, xs, q)
+        elif _HAS_Q6_K and qt == Q6_K:
+            a, b, c, d = rows_q6_k(w, i, xq, xd, xs, q)
+        elif _HAS_Q4_K:
+            a, b, c, d = rows4_q4_k(w, i, xq, xd, xs, q)
+        else:   # not reached: the callers pass only these three types
+            a = b = c = d = np.float32(0.0)
+        out[i] = a
+        out[i + q] = b
+        out[i + 2 * q] = c
+        out[i + 3 * q] = d
+        v += ROWS
+    for r in range(max(v, ROWS * q), r1):   # never for Q4_K (rows % 8 == 0)
+        if _HAS_Q8_0 and qt == Q8_0:
+            out[r] = row_q8_0(w, r, xq, xd, xs)
+        elif _HAS_Q6_K:
+            out[r] = row_q6_k(w, r, xq, xd, xs)
+
+
+@njit(**_JIT)
+def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
+    """out[r] = row r of w . 8-bit activations for r0 <= r < r1, dispatched on the GGML
+    type id once (the row intrinsics inline into each branch's loop)."""
+    if _HAS_Q4_K_X8 and qt == Q4_K_X8:   # r0 and r1 are multiples of 8 (CHUNK and the row count are)
+        for g in range(r0 // X8_ROWS, r1 // X8_ROWS):
+            vals = rows8_q4_k_x8(w, g, xq, xd, xs)
+            for k in range(X8_ROWS):
+                out[X8_ROWS * g + k] = vals[k]
+    elif _HAS_Q6_K and qt == Q6_K:
+        _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
+    elif _HAS_Q8_0 and qt == Q8_0:
+        _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
+    elif _HAS_Q4_K and qt == Q4_K and w.shape[0] % 8 == 0:
+        _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
+    elif _HAS_Q4_K and qt == Q4_K:   # llama.cpp repacks only matrices with rows % 8 == 0
+        for r in range(r0, r1):
+            out[r] = row_q4_k(w, r, xq, xd, xs)
+    elif _HAS_Q5_0 and qt == Q5_0:
+        for r in range(r0, r1):
+            out[r] = row_q5_0(w, r, xq, xd, xs)
+    elif _HAS_Q5_K and qt == Q5_K:
+        for r in range(r0, r1):
+            out[r] = row_q5_k(w, r, xq, xd, xs)
+    elif _HAS_Q4_0 and qt == Q4_0:
+        for r in range(r0, r1):
+            out[r] = row_q4_0(w, r, xq, xd, xs)
+    elif _HAS_Q4_1 and qt == Q4_1:
+        for r in range(r0, r1):
+            out[r] = row_q4_1(w, r, xq, xd, xs)
+    elif _HAS_Q5_1 and qt == Q5_1:
+        for r in range(r0, r1):
+            out[r] = row_q5_1(w, r, xq, xd, xs)
+    elif _HAS_IQ4_NL and qt == IQ4_NL:
+        for r in range(r0, r1):
+            out[r] = row_iq4_nl(w, r, xq, xd, xs)
+    elif _HAS_Q3_K and qt == Q3_K:
+        for r in range(r0, r1):
+            out[r] = row_q3_k(w, r, xq, xd, xs)
+    elif _HAS_Q2_K and qt == Q2_K:
+        for r in range(r0, r1):
+            out[r] = row_q2_k(w, r, xq, xd, xs)
+    elif _HAS_IQ4_XS and qt == IQ4_XS:
+        for r in range(r0, r1):
+            out[r] = row_iq4_xs(w, r, xq, xd, xs)
+
+
+@njit(**_JIT)
+def _n_items(n_rows):
+    return (n_rows + CHUNK - 1) // CHUNK
+
+
+@njit(**_JIT)
+def _matvec_item(w, qt, xq, xd, xs, out, g):
+    """Work item g (rows g*CHUNK ..) of out = w . x."""
+    r0 = g * CHUNK
+    _dot_rows(w, qt, r0, min(r0 + CHUNK, out.shape[0]), xq, xd, xs, out)
+
+
+@njit(**_JIT)
+def _deq_row(w, qt, r, y, i):
+    """y[i] = dequantized row r of w, dispatched on the GGML type id."""
+    if _HAS_Q4_K and qt == Q4_K:
+        deq_row_q4_k(w, r, y, i)
+    elif _HAS_Q4_K_X8 and qt == Q4_K_X8:
+        deq_row_q4_k_x8(w, r, y, i)
+    elif _HAS_Q6_K and qt == Q6_K:
+        deq_row_q6_k(w, r, y, i)
+    elif _HAS_Q8_0 and qt == Q8_0:
+        deq_row_q8_0(w, r, y, i)
+    elif _HAS_Q5_0 and qt == Q5_0:
+        deq_row_q5_0(w, r, y, i)
+    elif _HAS_Q5_K and qt == Q5_K:
+        deq_row_q5_k(w, r, y, i)
+    elif _HAS_Q4_0 and qt == Q4_0:
+        deq_row_q4_0(w, r, y, i)
+    elif _HAS_Q4_1 and qt == Q4_1:
+        deq_row_q4_1(w, r, y, i)
+    elif _HAS_Q5_1 and qt == Q5_1:
+        deq_row_q5_1(w, r, y, i)
+    elif _HAS_IQ4_NL and qt == IQ4_NL:
+        deq_row_iq4_nl(w, r, y, i)
+    elif _HAS_Q3_K and qt == Q3_K:
+        deq_row_q3_k(w, r, y, i)
+    elif _HAS_Q2_K and qt == Q2_K:
+        deq_row_q2_k(w, r, y, i)
+    elif _HAS_IQ4_XS and qt == IQ4_XS:
+        deq_row_iq4_xs(w, r, y, i)
+
+
+# Decode matvecs share their work items out by claims on an atomic counter, not by a
+# static split of the rows: a thread whose core is slowed (a busy SMT sibling, another
+# process) takes fewer claims. On a shared 2-vCPU host whose cores' speeds drift apart
+# by up to 25%, 2-thread matvecs measured 3-16% faster in medians than the static split,
+# and more so in their slow tails. Each row is computed as before: the same bits.
+CLAIMS_PER_THREAD = 8   # the last claim leaves at most ~1/8 of a share unbalanced
+
+
+@njit(**_JIT)
+def _claimed_items(claims, n_threads, w1, q1, o1, w2, q2, o2, w3, q3, o3, xq, xd, xs):
+    """On one thread: claim runs of work items from claims[0] until none are left. Items
+    number o1's rows, then o2's, then o3's (all on the same activations; o2 and o3 may be
+    empty)."""
+    n1 = _n_items(o1.shape[0])
+    n12 = n1 + _n_items(o2.shape[0])
+    n = n12 + _n_items(o3.shape[0])
+    step = max(1, n // (CLAIMS_PER_THREAD * n_threads))
+    g0 = _fetch_add(claims, step)
+    while g0 < n:
+        g1 = min(g0 + step, n)
+        _claimed_rows(w1, q1, o1, g0, g1, xq, xd, xs)
+        _claimed_rows(w2, q2, o2, g0 - n1, g1 - n1, xq, xd, xs)
+        _claimed_rows(w3, q3, o3, g0 - n12, g1 - n12, xq, xd, xs)
+        g0 = _fetch_add(claims, step)
+
+
+@njit(**_JIT)
+def _claimed_rows(w, qt, out, g0, g1, xq, xd, xs):
+    """The rows of out's work items g0..g1 (numbered from this matrix's first; those
+    outside it skipped) in one _dot_rows call: one type dispatch a claim, not an item."""
+    a = max(g0, 0)
+    b = min(g1, _n_items(out.shape[0]))
+    if a < b:
+        _dot_rows(w, qt, a * CHUNK, min(b * CHUNK, out.shape[0]), xq, xd, xs, out)
+
+
+@njit(parallel=True, **_JIT)
+def _matvec_kernel(w1, q1, w2, q2, w3, q3, xq, xd, xs, o1, o2, o3, nt):
+    # up to three matrices on the same activations in one parallel region (Q, K, V;
+    # gate + up): o2 and o3 may be empty. nt: the thread count, passed in (numba's
+    # get_num_threads inside a kernel would keep it out of the on-disk cache)
+    claims = np.zeros(1, np.int64)
+    for _ in prange(nt):   # one iteration per thread
+        _claimed_items(claims, nt, w1, q1, o1, w2, q2, o2, w3, q3, o3, xq, xd, xs)
+
+
+_NO_OUT = np.empty(0, np.float32)
+
+
+@njit(parallel=True, **_JIT)
+def _matmul_kernel(w, qt, xq, xd, xs, out):
+    # each group of weight rows is read once (it stays in L1/L2) for all tokens
+    for g in prange(_n_items(w.shape[0])):
+        for t in range(xq.shape[0]):
+            _matvec_item(w, qt, xq[t], xd[t], xs[t], out[t], g)
+
+
+@njit(parallel=True, **_JIT)
+def _dequant_kernel(w, qt, start, y):
+    for i in prange(y.shape[0]):
+        _deq_row(w, qt, start + i, y, i)
+
+
+@njit(**_JIT)
+def _dequant_kernel_serial(w, qt, start, y):
+    # for callers that run their own threads (the prefill GEMM splits rows across threads)
+    for i in range(y.shape[0]):
+        _deq_row(w, qt, start + i, y, i)
+
+
+@njit(parallel=True, **_JIT)
+def _dequant_rows_kernel(w, qt, rows, y):
+    for i in prange(y.shape[0]):
+        _deq_row(w, qt, rows[i], y, i)
+
+
+# ----------------------------------------------------------------------------- kernels per type set
+# A kernel dispatching on the type id at run time compiles every type's code: ~14 s of a
+# first start for all of them, where a model uses 3-5. `kernels_for(types)` copies the
+# dispatching functions and the kernels above with the flags of the other types False
+# (Python function copies reading their own globals; each named after its types, so each
+# has its own file in Numba's on-disk cache), made once per type set and process. The
+# code of a type is the one definition above, whichever copies contain it: the same bits.
+
+_SPECIALISED = ("_quartered_rows", "_dot_rows", "_deq_row", "_matvec_item", "_claimed_rows",
+                "_claimed_items", "_matvec_kernel", "_matmul_kernel", "_dequant_kernel",
+                "_dequant_kernel_serial", "_dequant_rows_kernel")   # callees before callers
+_SETS: dict = {}         # type set (sorted tuple) -> its kernels
+_MODEL_SETS: list = []   # sets registered by use_types, the latest first
+_FOR_CALL: dict = {}     # the types of one call -> the kernels that serve it
+
+
+class KernelSet:
+    """The kernels here for a set of type ids (attributes named as the generic ones, without
+    the underscore: ks.matvec_kernel, ks.claimed_items, ...)."""
+
+    def __init__(self, qts: tuple) -> None:
+        self.types = qts
+        g = dict(globals())
+        g.update({f"_HAS_{name}": qt in qts for qt, name in _TYPE_NAMES.items()})
+        self.suffix = suffix = "_" + "_".join(_TYPE_NAMES[qt] for qt in qts)
+        for name in _SPECIALISED:
+            generic = globals()[name]
+            f = generic.py_func
+            copy = FunctionType(f.__code__, g, name + suffix, f.__defaults__, f.__closure__)
+            copy.__qualname__, copy.__module__, copy.__doc__ = name + suffix, f.__module__, f.__doc__
+            opts = {k: v for k, v in generic.targetoptions.items() if k in ("parallel", "nogil")}
+            g[name] = njit(cache=True, **opts)(copy)
+            setattr(self, name[1:], g[name])   # ks.dot_rows, ks.matvec_kernel, ...
+
+    def forward_kernels(self) -> list:
+        """The kernels a short prompt and a decoded token compile (matvec, the 8-bit
+        matmul, the row lookup), for compile_progress.warm_up's check."""
+        return [self.matvec_kernel, self.matmul_kernel, self.dequant_rows_kernel]
+
+
+def kernel_set(qts) -> KernelSet:
+    """The kernels for exactly these type ids (made on first use)."""
+    key = tuple(sorted({int(t) for t in qts}))
+    if not all(has_fast_path(t) for t in key):
+        raise ValueError(f"no fast path for type ids {key}")
+    got = _SETS.get(key)
+    if got is None:
+        got = _SETS[key] = KernelSet(key)
+    return got
+
+
+def use_types(qts) -> KernelSet | None:
+    """Register the fast-path types of a model (as the kernels see them: repacked ids):
+    calls on these types use one kernel set for all of them. Returns it (None when the
+    model has no fast-path type)."""
+    key = tuple(sorted({int(t) for t in qts if has_fast_path(int(t))}))
+    if not key:
+        return None
+    if key in _MODEL_SETS:
+        _MODEL_SETS.remove(key)
+    _MODEL_SETS.insert(0, key)
+    _FOR_CALL.clear()
+    return kernel_set(key)
+
+
+def kernels_for(*qts: int) -> KernelSet:
+    """The kernel set serving a call on these types: the latest registered model set that
+    holds them all, else the set of exactly these types."""
+    got = _FOR_CALL.get(qts)
+    if got is None:
+        need = set(qts)
+        key = next((s for s in _MODEL_SETS if need <= set(s)), tuple(sorted(need)))
+        got = _FOR_CALL[qts] = kernel_set(key)
+    return got
+
+
+def has_fast_path(qt: int) -> bool:
+    """Whether the kernels here take this type id (the registry's `fast` types, quant_types)."""
+    return qt in FAST_IDS
+
+
+def matvec_fast(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
+    """out[r] = row r . activations (quantized by matvec.quantize_activations) for a fast-path type."""
+    kernels_for(qt).matvec_kernel(w_raw, qt, w_raw, qt, w_raw, qt, xq, xd, xs, out, _NO_OUT, _NO_OUT,
+                                   get_threads())
+
+
+def matmul_int(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
+    """out[t, r] = row r . token t's 8-bit activations (xq/xd/xs with one row per token)."""
+    kernels_for(qt).matmul_kernel(w_raw, qt, xq, xd, xs, out)
+
+
+def dequantize_fast(w_raw: np.ndarray, qt: int, start: int, y: np.ndarray) -> None:
+    """y[i] = dequantized row start + i of w, for a fast-path type; y float32 (n, n_cols) C-contiguous."""
+    kernels_for(qt).dequant_kernel(w_raw, qt, start, y)
+
+
+def dequantize_fast_serial(w_raw: np.ndarray, qt: int, start: int, y: np.ndarray) -> None:
+    """dequantize_fast on the calling thread only (no parallel region; releases the GIL)."""
+    kernels_for(qt).dequant_kernel_serial(w_raw, qt, start, y)
+
+
+def dequantize_rows_fast(w_raw: np.ndarray, qt: int, rows: np.ndarray, y: np.ndarray) -> None:
+    """y[i] = dequantized row rows[i] of w (int64 ids, validated by the caller)."""
+    kernels_for(qt).dequant_rows_kernel(w_raw, qt, rows, y)
+
+
+def matvec_fast_many(ws: list, qts: list, xq, xd, xs, outs: list) -> None:
+    """matvec_fast for 2 or 3 matrices sharing the quantized activations, in one call."""
+    if len(ws) == 2:
+        kernels_for(*qts).matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[1], qts[1], xq, xd, xs, outs[0], outs[1],
+                                         _NO_OUT, get_threads())
+    elif len(ws) == 3:
+        kernels_for(*qts).matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[2], qts[2], xq, xd, xs, outs[0], outs[1],
+                                         outs[2], get_threads())
+    else:
+        for w, qt, out in zip(ws, qts, outs):
+            matvec_fast(w, qt, xq, xd, xs, out)

@@ -1,0 +1,451 @@
+"""LLVM-IR helpers the CPU kernels are written with: vector types, an IRBuilder toolkit, row loops.
+
+Numba's auto-vectorizer leaves the integer block dots mostly scalar, so each row's whole
+loop over blocks is emitted as IR through `numba.extending.intrinsic` (dot_q32.py,
+dot_kquant.py, dot_q4k_x8.py; dispatch.py runs `prange` over rows). This file holds what
+they share: `IRHelpers` over an IRBuilder (loads, fp16 conversion, the x86 integer
+products), the row and dequantization loops, and the Q4_K_X8 layout's pointers.
+
+Target CPU: x86 AVX2 intrinsics (pmaddubsw, pmaddwd, psignb, pshufb) are emitted only
+when the CPU Numba compiles for has AVX2 (they abort the process elsewhere); other
+targets get portable IR for the same arithmetic (no F16C: fp16 scales converted with
+integer ops). Loads use align 1: blocks are not aligned (34 bytes for Q8_0).
+Pair sums never saturate: each caller bounds them in a comment.
+
+Kernels in other files are built from these helpers; Numba's cache is keyed to every
+source here (cache_dir.py), so a change of a helper recompiles them.
+"""
+from __future__ import annotations
+
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+llvm.initialize_native_asmparser()   # load_f16's one inline `vmovd` needs it
+
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F16T, F32T = ir.HalfType(), ir.FloatType()
+
+
+def vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def const_vec(t, n, values):
+    return ir.Constant(vec(t, n), list(values) if hasattr(values, "__iter__") else [values] * n)
+
+
+def mask(idx):
+    return ir.Constant(vec(I32, len(idx)), list(idx))
+
+
+def has_vnni_features(feats: set[str]) -> bool:
+    """Whether a CPU with these LLVM features has 256-bit vpdpbusd (AVX512-VNNI with VL, or AVX-VNNI)."""
+    return "+avxvnni" in feats or {"+avx512vnni", "+avx512vl"} <= feats
+
+
+def as_i8(u: int) -> int:
+    """An unsigned byte value (0..255) as the signed i8 constant with the same bits."""
+    return ((u + 128) & 255) - 128
+
+
+class IRHelpers:
+    """Small helpers over an IRBuilder."""
+
+    def __init__(self, builder: ir.IRBuilder, feats: set[str]):
+        self.b = builder
+        self.avx2 = "+avx2" in feats
+        self.avx512bw = "+avx512bw" in feats
+        self.f16c = "+f16c" in feats
+        self.vnni = has_vnni_features(feats)
+
+    def ptr(self, base, off):
+        """base (i8*) + off bytes."""
+        return self.b.gep(base, [off])
+
+    def load(self, base, off, ty):
+        p = self.b.bitcast(self.ptr(base, off), ty.as_pointer())
+        return self.b.load(p, align=1)
+
+    def _f16_pair(self, bits32):
+        """i32 holding two fp16 -> <4 x float> [lo, hi, 0, 0] (F16C only).
+
+        Moved into the vector register with `vmovd`, which writes all of it: a plain half
+        load becomes `vpinsrw` into whatever register LLVM picks, often the row's
+        accumulator, chaining each block's scale conversion to the previous block's fma
+        (it halved the Q8_0 and Q4_K kernels' speed)."""
+        b = self.b
+        v = b.asm(ir.FunctionType(vec(I32, 4), [I32]), "vmovd $1, $0", "=x,r", [bits32], False)
+        v8 = b.bitcast(v, vec(F16T, 8))
+        return b.fpext(b.shuffle_vector(v8, v8, mask(range(4))), vec(F32T, 4))
+
+    def f16_value(self, v16):
+        """An i16 of fp16 bits (a value, not memory) -> float."""
+        b = self.b
+        if self.f16c:
+            return b.fpext(b.bitcast(v16, F16T), F32T)
+        ptr = cgutils.alloca_once(b, I16)   # load_f16 reads memory; entry block: promoted
+        b.store(v16, ptr)
+        return self.load_f16(b.bitcast(ptr, I8.as_pointer()), c64(0))
+
+    def load_f16(self, base, off):
+        if self.f16c:   # vcvtph2ps
+            f4 = self._f16_pair(self.b.zext(self.load(base, off, I16), I32))
+            return self.b.extract_element(f4, ir.Constant(I32, 0))
+        # Without F16C, LLVM would call __extendhfsf2, which Numba's JIT does not provide:
+        # convert with integer ops (F. Giesen's half_to_float).
+        b = self.b
+        h = b.zext(self.load(base, off, I16), I32)
+        c = lambda v: ir.Constant(I32, v)  # noqa: E731
+        u = b.shl(b.and_(h, c(0x7FFF)), c(13))
+        e = b.and_(u, c(0x0F800000))
+        u1 = b.add(u, c(112 << 23))
+        inf_nan = b.bitcast(b.add(u1, c(112 << 23)), F32T)
+        denorm = b.fsub(b.bitcast(b.add(u1, c(1 << 23)), F32T), b.bitcast(c(113 << 23), F32T))
+        f = b.select(b.icmp_unsigned("==", e, c(0x0F800000)), inf_nan,
+                     b.select(b.icmp_unsigned("==", e, c(0)), denorm, b.bitcast(u1, F32T)))
+        sign = b.shl(b.and_(h, c(0x8000)), c(16))
+        return b.bitcast(b.or_(b.bitcast(f, I32), sign), F32T)
+
+    def load_f16_splat(self, base, off, n):
+        """The fp16 at base+off as float in all n lanes.
+
+        With F16C this is vpbroadcastw + vcvtph2ps, both writing whole registers. A scalar
+        half load instead becomes `vpinsrw` into an arbitrary register (often the row's
+        accumulator), which chains each block's scale to the previous block's fma.
+        """
+        if not self.f16c or n != 8:
+            return self.splat(self.load_f16(base, off), n)
+        b = self.b
+        v = self.splat(b.bitcast(self.load(base, off, I16), F16T), 8)
+        return b.fpext(v, vec(F32T, 8))
+
+    def load_f16x2(self, base, off):
+        """Two adjacent fp16 at base+off -> <4 x float> [a, b, 0, 0]."""
+        b = self.b
+        if not self.f16c:
+            z = ir.Constant(vec(F32T, 4), [0.0] * 4)
+            z = b.insert_element(z, self.load_f16(base, off), ir.Constant(I32, 0))
+            return b.insert_element(z, self.load_f16(base, b.add(off, c64(2))), ir.Constant(I32, 1))
+        return self._f16_pair(self.load(base, off, I32))
+
+    def narrow_i32_i16(self, v):
+        """<16 x i32> (each fits i16) -> <16 x i16>, same lane order."""
+        b = self.b
+        if self.avx2:  # vpackssdw interleaves 128-bit halves; vpermq puts them back
+            p = self.x86("llvm.x86.avx2.packssdw", vec(I16, 16), [self.half(v, 0), self.half(v, 1)])
+            q = b.bitcast(p, vec(I64, 4))
+            return b.bitcast(b.shuffle_vector(q, q, mask([0, 2, 1, 3])), vec(I16, 16))
+        return b.trunc(v, vec(I16, 16))
+
+    def pick_i16_halves(self, v, j, k):
+        """<16 x i16> whose halves both hold the same 8 values -> lane j in the low 8
+        lanes, lane k in the high 8 (one vpshufb on AVX2)."""
+        b = self.b
+        if self.avx2:
+            m = const_vec(I8, 32, [2 * j, 2 * j + 1] * 8 + [2 * k, 2 * k + 1] * 8)
+            vb = b.bitcast(v, vec(I8, 32))
+            return b.bitcast(self.x86("llvm.x86.avx2.pshuf.b", vec(I8, 32), [vb, m]), vec(I16, 16))
+        return b.shuffle_vector(v, v, mask([j] * 8 + [k + 8] * 8))
+
+    def f16_lanes(self, v16):
+        """<8 x i16> fp16 bits -> <8 x float> (one vcvtph2ps with F16C)."""
+        b = self.b
+        if self.f16c:
+            return b.fpext(b.bitcast(v16, vec(F16T, 8)), vec(F32T, 8))
+        out = ir.Constant(vec(F32T, 8), [0.0] * 8)
+        for k in range(8):  # the integer conversion, lane by lane
+            out = b.insert_element(out, self.f16_value(b.extract_element(v16, ir.Constant(I32, k))),
+                                   ir.Constant(I32, k))
+        return out
+
+    def bcast_u8_as_i16(self, bytes2, j):
+        """<32 x i8> (16 bytes repeated in both halves) -> <16 x i16>, every lane byte j
+        zero-extended: one vpshufb on AVX2."""
+        b = self.b
+        if self.avx2:
+            m = const_vec(I8, 32, [j, -128] * 16)    # -128 (0x80): write a zero byte
+            return b.bitcast(self.x86("llvm.x86.avx2.pshuf.b", vec(I8, 32), [bytes2, m]), vec(I16, 16))
+        return b.zext(b.shuffle_vector(bytes2, bytes2, mask([j] * 16)), vec(I16, 16))
+
+    def splat(self, scalar, n):
+        v = self.b.insert_element(ir.Constant(vec(scalar.type, 1), ir.Undefined), scalar, ir.Constant(I32, 0))
+        return self.b.shuffle_vector(v, v, mask([0] * n))
+
+    def half(self, v, which):
+        n = v.type.count // 2
+        return self.b.shuffle_vector(v, v, mask(range(which * n, which * n + n)))
+
+    def pairs(self, v):
+        """Add neighbouring lanes: <2n x i32> -> <n x i32> (the pmaddwd shape)."""
+        n = v.type.count // 2
+        ev = self.b.shuffle_vector(v, v, mask(range(0, 2 * n, 2)))
+        od = self.b.shuffle_vector(v, v, mask(range(1, 2 * n, 2)))
+        return self.b.add(ev, od)
+
+    def x86(self, name, ret, args):
+        mod = self.b.module
+        fn = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ret, [a.type for a in args]), name)
+        return self.b.call(fn, args)
+
+    def maddubs(self, a8, x8):
+        """<32 x i8> a (unsigned) . <32 x i8> x (signed) -> <16 x i16> pair sums (vpmaddubsw).
+
+        Callers keep |a_even*x_even + a_odd*x_odd| < 2^15, so the AVX2 instruction's
+        saturation never triggers and the portable version needs none.
+        """
+        if self.avx2:
+            return self.x86("llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [a8, x8])
+        b = self.b
+        p = b.mul(b.zext(a8, vec(I16, 32)), b.sext(x8, vec(I16, 32)))
+        ev = b.shuffle_vector(p, p, mask(range(0, 32, 2)))
+        od = b.shuffle_vector(p, p, mask(range(1, 32, 2)))
+        return b.add(ev, od)
+
+    def dpbusd(self, acc, a_u8, x_s8):
+        """acc + <32 x i8> unsigned a . <32 x i8> signed x summed in fours -> <8 x i32>
+        (one vpdpbusd; only where self.vnni)."""
+        b = self.b
+        return self.x86("llvm.x86.avx512.vpdpbusd.256", vec(I32, 8),
+                         [acc, b.bitcast(a_u8, vec(I32, 8)), b.bitcast(x_s8, vec(I32, 8))])
+
+    def madd_i16(self, s16, m16):
+        """<16 x i16> . <16 x i16> -> <8 x i32> pair sums (vpmaddwd)."""
+        if self.avx2:
+            return self.x86("llvm.x86.avx2.pmadd.wd", vec(I32, 8), [s16, m16])
+        b = self.b
+        return self.pairs(b.mul(b.sext(s16, vec(I32, 16)), b.sext(m16, vec(I32, 16))))
+
+    def sign_i8(self, x8, w8):
+        """x * sign(w) per lane (vpsignb)."""
+        if self.avx2:
+            return self.x86("llvm.x86.avx2.psign.b", vec(I8, 32), [x8, w8])
+        b = self.b
+        zero = const_vec(I8, 32, 0)
+        neg = b.select(b.icmp_signed("<", w8, zero), b.sub(zero, x8), x8)
+        return b.select(b.icmp_signed("==", w8, zero), zero, neg)
+
+    def abs_i8(self, w8):
+        b = self.b
+        zero = const_vec(I8, 32, 0)
+        return b.select(b.icmp_signed("<", w8, zero), b.sub(zero, w8), w8)
+
+    def lut16(self, idx, table):
+        """<32 x i8> indices 0..15 -> table[idx] (vpshufb on AVX2; scalar loads elsewhere)."""
+        b = self.b
+        if self.avx2:
+            return self.x86("llvm.x86.avx2.pshuf.b", vec(I8, 32), [const_vec(I8, 32, list(table) * 2), idx])
+        name = "edgeinfer_lut16_" + "_".join(str(v & 255) for v in table)
+        g = b.module.globals.get(name) or cgutils.global_constant(
+            b.module, name, ir.Constant(ir.ArrayType(I8, 16), [v & 255 for v in table]))
+        out = ir.Constant(vec(I8, 32), [0] * 32)
+        for k in range(32):
+            i = b.zext(b.extract_element(idx, ir.Constant(I32, k)), I64)
+            v = b.load(b.gep(g, [ir.Constant(I64, 0), i]))
+            out = b.insert_element(out, v, ir.Constant(I32, k))
+        return out
+
+    def hsum_f32(self, v):
+        b = self.b
+        while v.type.count > 1:
+            v = b.fadd(self.half(v, 0), self.half(v, 1))
+        return b.extract_element(v, ir.Constant(I32, 0))
+
+    def prefetch(self, ptr):
+        """Read prefetch into all cache levels (llvm.prefetch; a no-op where unsupported)."""
+        mod = self.b.module
+        fn = mod.globals.get("llvm.prefetch.p0") or ir.Function(
+            mod, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
+        self.b.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+    def fma(self, a, x, acc):
+        mod = self.b.module
+        name = f"llvm.fma.v{acc.type.count}f32"
+        fn = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(acc.type, [acc.type] * 3), name)
+        return self.b.call(fn, [a, x, acc])
+
+
+def target_features(context) -> set[str]:
+    """Features of the CPU Numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, else the host).
+
+    x86 AVX2 intrinsics are emitted only where "+avx2" is present (elsewhere they would
+    abort the process); Numba keys its on-disk cache by CPU name and this feature string.
+    """
+    cg = context.codegen()
+    feats = getattr(cg, "_tm_features", None)
+    if feats is None:
+        feats = cg._get_host_cpu_features()
+    return set(feats.split(","))
+
+
+def array_ptrs(context, builder, sig, args, nrows=1):
+    """([rows r, r+step, .. (nrows of them) of w as i8*], xq i8*, xd i8*, xs i8*, nb) from
+    (w, r, xq, xd, xs[, step])."""
+    w = context.make_array(sig.args[0])(context, builder, args[0])
+    r = args[1]
+    stride0 = cgutils.unpack_tuple(builder, w.strides)[0]
+    base = builder.gep(builder.bitcast(w.data, I8.as_pointer()), [builder.mul(r, stride0)])
+    step = builder.mul(args[5], stride0) if len(args) > 5 else stride0   # rows r, r+step, ...
+    wrows = [builder.gep(base, [builder.mul(ir.Constant(I64, k), step)]) for k in range(nrows)]
+    out = [wrows]
+    for k in (2, 3, 4):
+        a = context.make_array(sig.args[k])(context, builder, args[k])
+        out.append(builder.bitcast(a.data, I8.as_pointer()))
+    xd = context.make_array(sig.args[3])(context, builder, args[3])
+    nb = cgutils.unpack_tuple(builder, xd.shape)[0]
+    return out, nb
+
+
+def counted_loop(builder, n, step, inits, body, name):
+    """Emit `i = 0; while i < n: accs = body(i, accs); i += step` with the accumulators
+    in phis (all at the top of the loop block, as LLVM wants); return their final values
+    (inits when n <= 0). body(i, accs) -> new accs, same types."""
+    entry = builder.block
+    loop = builder.append_basic_block(f"{name}.loop")
+    done = builder.append_basic_block(f"{name}.done")
+    builder.cbranch(builder.icmp_signed(">", n, ir.Constant(I64, 0)), loop, done)
+    builder.position_at_end(loop)
+    i = builder.phi(I64)
+    i.add_incoming(ir.Constant(I64, 0), entry)
+    accs = [builder.phi(v.type) for v in inits]
+    for a, v in zip(accs, inits):
+        a.add_incoming(v, entry)
+    new = body(i, accs)
+    nxt = builder.add(i, ir.Constant(I64, step))
+    end = builder.block
+    i.add_incoming(nxt, end)
+    for a, v in zip(accs, new):
+        a.add_incoming(v, end)
+    builder.cbranch(builder.icmp_signed("<", nxt, n), loop, done)
+    builder.position_at_end(done)
+    outs = []
+    for v0, v in zip(inits, new):
+        r = builder.phi(v0.type)
+        r.add_incoming(v0, entry)
+        r.add_incoming(v, end)
+        outs.append(r)
+    return outs
+
+
+def row_loop(context, builder, sig, args, body, with_mins=False, nrows=1, block_bytes=0):
+    """Emit `for b in range(nb): acc[k] = body(row k, b, acc[k])` for nrows rows; return
+    the rows' horizontal sums.
+
+    Each row keeps one <8 x float> accumulator over the blocks in order, then the AVX
+    horizontal sum: llama.cpp's exact float order, so results match it bit for bit.
+    Several rows per loop share the activation loads and overlap their fma chains (one
+    row's chain of dependent fmas would set the pace for the short-bodied types).
+    with_mins: the body also takes and returns a <4 x float> accumulator for the K-quant
+    min terms, which llama.cpp keeps apart and adds at the end.
+    """
+    (wrows, xq, xd, xs), nb = array_ptrs(context, builder, sig, args, nrows)
+    h = IRHelpers(builder, target_features(context))
+    zero = ir.Constant(vec(F32T, 8), [0.0] * 8)
+    zero4 = ir.Constant(vec(F32T, 4), [0.0] * 4)
+    if block_bytes:  # software prefetch, this many bytes ahead in each row's stream
+        # (x86 prefetches never fault, so running past the matrix's end is harmless)
+        pf_dist = ir.Constant(I64, 4096 if nrows == 1 else 1024)
+    width = 2 if with_mins else 1        # accumulators per row, flattened for the loop
+
+    def blocks(i, accs):
+        if block_bytes:
+            for wrow in wrows:
+                h.prefetch(builder.gep(wrow, [builder.add(builder.mul(i, c64(block_bytes)), pf_dist)]))
+        out = []
+        for k, wrow in enumerate(wrows):
+            if with_mins:
+                out += body(h, wrow, xq, xd, xs, i, tuple(accs[2 * k:2 * k + 2]))
+            else:
+                out.append(body(h, wrow, xq, xd, xs, i, accs[k]))
+        return out
+    fin = counted_loop(builder, nb, 1, [zero, zero4][:width] * len(wrows), blocks, "qdot")
+    sums = []
+    for k in range(len(wrows)):
+        hs = [h.hsum_f32(r) for r in fin[width * k:width * k + width]]
+        sums.append(builder.fadd(hs[0], hs[1]) if with_mins else hs[0])
+    return sums
+
+
+def c64(v):
+    return ir.Constant(I64, v)
+
+
+# Q4_K_X8 (repack.py): per group of 8 rows, each block is the 8 rows' 16-byte heads (d,
+# dmin, 12 scale bytes), then 8 pieces of 128 bytes, piece t holding qs bytes 16t..16t+16
+# of every row. A row's pointer is the group's + 16 * (row % 8); from it, block bi's head
+# is at X8_BLOCK * bi and its qs piece t at X8_BLOCK * bi + 128 + 128 * t.
+X8_ROWS = 8
+X8_BLOCK = X8_ROWS * 144
+
+
+def x8_row_ptr(builder, base, stride0, r):
+    """Row r's pointer in a Q4_K_X8 matrix at base (i8*) with row stride stride0."""
+    k = builder.and_(r, c64(X8_ROWS - 1))
+    group = builder.mul(builder.sub(r, k), stride0)
+    return builder.gep(base, [builder.add(group, builder.mul(k, c64(16)))])
+
+
+ROWS = 4   # rows per loop of the multi-row kernels (_quartered_rows unpacks 4)
+
+
+def make_row_intrinsic(body, with_mins=False, nrows=1, block_bytes=0):
+    """row_dot(w, r, xq, xd, xs): row r's dot as float32; with nrows > 1,
+    row_dot(w, r, xq, xd, xs, step): the tuple of rows r, r+step, ... r+(nrows-1)*step (the
+    caller keeps them inside the matrix). block_bytes > 0 (the type's block size) turns on
+    software prefetch."""
+    if nrows > 1:
+        @intrinsic
+        def rows_dot(typingctx, w, r, xq, xd, xs, step):
+            sig = types.UniTuple(types.float32, nrows)(w, r, xq, xd, xs, step)
+
+            def codegen(context, builder, sig, args):
+                sums = row_loop(context, builder, sig, args, body, with_mins, nrows, block_bytes)
+                return context.make_tuple(builder, sig.return_type, sums)
+            return sig, codegen
+        return rows_dot
+
+    @intrinsic
+    def row_dot(typingctx, w, r, xq, xd, xs):
+        sig = types.float32(w, r, xq, xd, xs)
+
+        def codegen(context, builder, sig, args):
+            return row_loop(context, builder, sig, args, body, with_mins, 1, block_bytes)[0]
+        return sig, codegen
+    return row_dot
+
+
+# ----------------------------------------------------------------------------- dequantization (prefill)
+
+def deq_loop(context, builder, sig, args, block, body, x8=False):
+    """Emit `for b in range(n_cols // block): body(b)` writing row i of y from row r of w
+    (x8: w is Q4_K_X8)."""
+    w = context.make_array(sig.args[0])(context, builder, args[0])
+    y = context.make_array(sig.args[2])(context, builder, args[2])
+    r, i = args[1], args[3]
+    wbase, wstride = builder.bitcast(w.data, I8.as_pointer()), cgutils.unpack_tuple(builder, w.strides)[0]
+    wrow = x8_row_ptr(builder, wbase, wstride, r) if x8 else builder.gep(wbase, [builder.mul(r, wstride)])
+    yrow = builder.gep(builder.bitcast(y.data, I8.as_pointer()),
+                       [builder.mul(i, cgutils.unpack_tuple(builder, y.strides)[0])])
+    nb = builder.sdiv(cgutils.unpack_tuple(builder, y.shape)[1], ir.Constant(I64, block))
+    h = IRHelpers(builder, target_features(context))
+    with cgutils.for_range(builder, nb) as loop:
+        body(h, wrow, yrow, loop.index)
+    return context.get_dummy_value()
+
+
+def store(h, yrow, off, v):
+    p = h.b.bitcast(h.ptr(yrow, off), v.type.as_pointer())
+    h.b.store(v, p, align=4)
+
+
+def make_deq_intrinsic(block, body, x8=False):
+    @intrinsic
+    def deq_row(typingctx, w, r, y, i):
+        sig = types.void(w, r, y, i)
+
+        def codegen(context, builder, sig, args):
+            return deq_loop(context, builder, sig, args, block, body, x8)
+        return sig, codegen
+    return deq_row
