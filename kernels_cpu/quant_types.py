@@ -5,8 +5,9 @@ activation block the CPU decode dots with, whether the IR kernels (dispatch.py) 
 8-bit prefill tiles (tile_gemm.py) take it, and its CUDA kernels' suffix in
 kernels_cuda/quant.cu. Every GGML type listed runs on the CPU: decode through the IR
 kernels where `fast`, else the plain Numba or float kernels; prefill through dequantize +
-BLAS, or the tiles where `tile`. The loader, the CPU backend and the CUDA launcher ask
-this registry; none keeps its own list.
+BLAS, or the tiles where `tile`. The CPU kernels and the CUDA launcher read this
+registry; the loader keeps a copy of `supported_types()` (importing this package loads
+Numba), which tests/test_quant_types.py holds equal.
 """
 from __future__ import annotations
 
