@@ -201,7 +201,7 @@ def test_serve_with_claimed_layers_is_one_line_and_small(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     code = ("import resource, sys\nfrom edgeinfer.cli import main\nrc = main(sys.argv[1:])\n"
-            "print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(rc)")
+            "print('maxrss', int([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]))\nsys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, "serve", str(path), "--port", str(port)],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "EDGEINFER_API_KEY": ""})

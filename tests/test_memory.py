@@ -16,7 +16,8 @@ kv = engine.new_cache()
 engine.prefill(np.arange(100, 612), kv)          # a 512-token prompt (the tiles or BLAS)
 for t in range(64):                               # then decode
     engine.decode(5 + t, kv)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+# VmHWM (KiB): this process's own peak; ru_maxrss would carry the parent's peak across exec
+peak = int([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]) * 1024   # Linux: KiB
 print(peak, os.path.getsize(path), kv.nbytes)
 """
 

@@ -273,7 +273,7 @@ LOAD_AND_MEASURE = textwrap.dedent("""
     except EdgeInferError as exc:
         outcome = str(exc)
     print(json.dumps({"outcome": outcome, "load_s": time.perf_counter() - t0,
-                      "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                      "maxrss_mb": int([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]) / 1024}))
 """)
 
 
