@@ -153,10 +153,10 @@ def test_copy_delete_and_a_request_loads_another_model(live, client, store):
     assert "other" in [m.model for m in client.list().models]
     # the named model is loaded for the request and replaces the served one (max_models 1)
     answer = client.generate(model="other", prompt="hi", options={"num_predict": 2, "temperature": 0})
-    assert answer.done
+    assert answer.done and answer.model == "other"  # the answering model's name, not the served one's
     running = client.ps().models
     assert [m.model for m in running] == ["other"] and running[0].context_length == 128
-    client.generate(model=MODEL, prompt="hi", options={"num_predict": 1})
+    assert client.generate(model=MODEL, prompt="hi", options={"num_predict": 1}).model == MODEL
     assert [m.model for m in client.ps().models] == [MODEL]
     # OpenAI: retrieve knows served and stored names, 404 with OpenAI's shape otherwise
     import openai

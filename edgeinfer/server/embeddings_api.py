@@ -96,7 +96,7 @@ async def openai_embeddings(request: Request) -> JSONResponse:
     got = await _run(request, model, req.input, dimensions=req.dimensions)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
             for i, v in enumerate(got.vectors)]
-    return JSONResponse({"object": "list", "data": data, "model": state.config.model_name,
+    return JSONResponse({"object": "list", "data": data, "model": state.model_name,
                          "usage": {"prompt_tokens": got.prompt_tokens, "total_tokens": got.prompt_tokens}})
 
 
@@ -121,7 +121,7 @@ async def ollama_embed(request: Request) -> JSONResponse:
     inputs = [t for t in inputs if t]  # as Ollama: empty strings embed to nothing
     got = await _run(request, model, inputs, truncate=req.truncate, dimensions=req.dimensions) \
         if inputs else Embeddings([], [])
-    return JSONResponse({"model": state.config.model_name, "embeddings": got.vectors,
+    return JSONResponse({"model": state.model_name, "embeddings": got.vectors,
                          "total_duration": int((time.perf_counter() - t0) * 1e9), "load_duration": 0,
                          "prompt_eval_count": got.prompt_tokens})
 

@@ -127,7 +127,7 @@ def limited(start, t_max_predict_ms: int | None, n_indent: int):
 def final_body(state, text: str, last, params: dict) -> dict:
     u = last.usage
     return {"index": 0, "content": text, "tokens": [], "id_slot": 0, "stop": True,
-            "model": state.config.model_name, "tokens_predicted": u.completion_tokens,
+            "model": state.model_name, "tokens_predicted": u.completion_tokens,
             "tokens_evaluated": u.prompt_tokens, "tokens_cached": u.cached_tokens,
             "generation_settings": {"n_ctx": state.model.n_ctx, **params},
             "has_new_line": "\n" in text, "truncated": False,
@@ -262,7 +262,7 @@ async def props(request: Request) -> JSONResponse:
     template = getattr(getattr(model, "template", None), "source", "") or ""
     return JSONResponse({
         "default_generation_settings": {"n_ctx": model.n_ctx, "params": dict(state.config.sampling)},
-        "total_slots": 1, "model_alias": state.config.model_name, "model_path": str(model.path),
+        "total_slots": 1, "model_alias": state.model_name, "model_path": str(model.path),
         "chat_template": template, "modalities": {"vision": False, "audio": False},
         "build_info": "edgeinfer"})
 

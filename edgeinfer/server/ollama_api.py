@@ -7,19 +7,16 @@ Streaming is on by default (NDJSON, one object a line); the last object has `don
 from __future__ import annotations
 
 import json
-import os
 import time
 from datetime import datetime, timezone
 from typing import AsyncIterator
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from edgeinfer import __version__
-from edgeinfer.units import human_count
 from edgeinfer.server.errors import APIError
-from edgeinfer.server.fim import fim_start, has_fim
+from edgeinfer.server.fim import fim_start
 from edgeinfer.server.requests import check_ids, read_body
 from edgeinfer.server.schemas import (OllamaBase, OllamaChatRequest, OllamaGenerateRequest,
                                       OllamaShowRequest)
@@ -78,7 +75,7 @@ def final_stats(last, t_request: float) -> dict:
 def load_response(state, reason: str = "load") -> JSONResponse:
     """Ollama answers an empty prompt by loading the model (done_reason "load"), or with
     keep_alive 0 by unloading it ("unload", which is how `ollama stop` works)."""
-    return JSONResponse({"model": state.config.model_name, "created_at": now_iso(), "response": "",
+    return JSONResponse({"model": state.model_name, "created_at": now_iso(), "response": "",
                          "done": True, "done_reason": reason})
 
 
@@ -122,7 +119,7 @@ async def generate(request: Request):
             start = lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params, **extra)  # noqa: E731
         start = _recording(start, tokens)
     job = state.submit(start)
-    head = {"model": state.config.model_name}
+    head = {"model": state.model_name}
 
     def context() -> dict:
         return {"context": tokens} if req.suffix is None else {}
@@ -161,7 +158,7 @@ async def chat(request: Request):
     keep = state.apply_keep_alive(req.keep_alive)
     if keep == 0 and not req.messages:
         state.check_model_name(req.model)
-        return JSONResponse({"model": state.config.model_name, "created_at": now_iso(),
+        return JSONResponse({"model": state.model_name, "created_at": now_iso(),
                              "message": {"role": "assistant", "content": ""}, "done": True,
                              "done_reason": "unload"})
     model = await state.ensure_model()
@@ -172,13 +169,13 @@ async def chat(request: Request):
     params = sampling_of(state, req, model.n_ctx)
     thinking = ollama_think(model, req.think)
     if not req.messages:
-        return JSONResponse({"model": state.config.model_name, "created_at": now_iso(),
+        return JSONResponse({"model": state.model_name, "created_at": now_iso(),
                              "message": {"role": "assistant", "content": ""}, "done": True,
                              "done_reason": "load"})
     messages = ollama_history(req.messages)
     extra, reader = chat_plan(model, messages, tools=req.tools, think=thinking)
     job = state.submit(lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params, **extra))
-    head = {"model": state.config.model_name}
+    head = {"model": state.model_name}
 
     def message(text: str) -> dict:
         return {"message": {"role": "assistant", "content": text}}
@@ -242,81 +239,6 @@ def _ndjson(job, first, path: str, head: dict, t0: float, body, tail=dict, lps=N
 
 def _line(obj: dict) -> str:
     return json.dumps(obj, ensure_ascii=False) + "\n"
-
-
-# -- model facts ----------------------------------------------------------------------------
-
-async def model_info(state):
-    """`edgeinfer.model_info.describe` of the loaded file, read once (off the event loop)."""
-    info = state.file_info
-    if info is None:
-        # the GGUF reader (gguf, numpy) loads only when a request asks for the file's facts
-        from edgeinfer.loader import open_model
-        from edgeinfer.model_info import describe
-
-        model = state.require_model()
-        info = await anyio.to_thread.run_sync(lambda: describe(open_model(model.path)))
-        state.file_info = info
-    return info
-
-
-def details(info) -> dict:
-    return {"parent_model": "", "format": "gguf", "family": info.architecture,
-            "families": [info.architecture], "parameter_size": human_count(info.parameters),
-            "quantization_level": info.quantization}
-
-
-def _modified_at(info) -> str:
-    try:
-        ts = os.stat(info.path).st_mtime
-    except OSError:
-        ts = time.time()
-    return iso(ts)
-
-
-@router.get("/api/tags")
-async def tags(request: Request) -> JSONResponse:
-    state = request.app.state.server
-    info = await model_info(state)
-    name = state.config.model_name
-    return JSONResponse({"models": [{"name": name, "model": name, "modified_at": _modified_at(info),
-                                     "size": info.file_size, "digest": "", "details": details(info)}]})
-
-
-@router.get("/api/ps")
-async def ps(request: Request) -> JSONResponse:
-    state = request.app.state.server
-    if state.model is None:  # unloaded (keep_alive) or still loading: nothing is running
-        return JSONResponse({"models": []})
-    n_ctx = state.model.n_ctx
-    info = await model_info(state)
-    name = state.config.model_name
-    expires = state.expires_at()
-    expires_at = "9999-12-31T23:59:59Z" if expires is None else iso(expires)
-    return JSONResponse({"models": [{"name": name, "model": name, "size": info.file_size, "digest": "",
-                                     "details": details(info), "expires_at": expires_at,
-                                     "size_vram": 0, "context_length": n_ctx}]})
-
-
-@router.post("/api/show")
-async def show(request: Request) -> JSONResponse:
-    state = request.app.state.server
-    req = await read_body(request, OllamaShowRequest)
-    state.require_model()
-    state.check_model_name(req.model if req.model is not None else req.name)
-    info = await model_info(state)
-    arch = info.architecture
-    model_info_keys = {
-        "general.architecture": arch, "general.name": info.name,
-        "general.parameter_count": info.parameters, "general.file_type": info.quantization,
-        f"{arch}.context_length": info.context_length, f"{arch}.embedding_length": info.embedding_length,
-        f"{arch}.block_count": info.block_count, f"{arch}.attention.head_count": info.head_count,
-        f"{arch}.attention.head_count_kv": info.head_count_kv}
-    template = getattr(getattr(state.model, "template", None), "source", "") or ""
-    capabilities = ["completion"] + (["insert"] if has_fim(state.model.tokenizer) else [])
-    return JSONResponse({"license": info.license or "", "modelfile": "", "parameters": "",
-                         "template": template, "details": details(info), "model_info": model_info_keys,
-                         "capabilities": capabilities, "modified_at": _modified_at(info)})
 
 
 @router.get("/api/version")

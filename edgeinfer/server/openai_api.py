@@ -36,16 +36,6 @@ def sampling_of(state, req: OpenAISampling, max_tokens: int | None, logprobs: in
                           frequency_penalty=req.frequency_penalty, stop=stop, logprobs=logprobs)
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> JSONResponse:
-    state = request.app.state.server
-    model = state.require_model()
-    meta = {"n_ctx": model.n_ctx, "n_ctx_train": model.config.n_ctx_train}
-    return JSONResponse({"object": "list", "data": [{
-        "id": state.config.model_name, "object": "model", "created": int(time.time()),
-        "owned_by": "edgeinfer", "meta": meta}]})
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     state = request.app.state.server
@@ -64,7 +54,7 @@ async def chat_completions(request: Request):
     job = state.submit(several(lambda p: lambda cancel: model.chat(messages, stream=True, cancel=cancel,
                                                                    **p, **extra), req.n, params))
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": ident, "created": created, "model": state.config.model_name, "system_fingerprint": "edgeinfer"}
+    head = {"id": ident, "created": created, "model": state.model_name, "system_fingerprint": "edgeinfer"}
     pieces = lp_format.Pieces(model.tokenizer)
 
     def logprobs(lps: list) -> dict | None:
@@ -144,7 +134,7 @@ async def completions(request: Request):
         start = _with_prompt_logprobs(start, model, prompt, req.logprobs, prompt_lps)
     job = state.submit(start)
     ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": ident, "created": created, "model": state.config.model_name, "system_fingerprint": "edgeinfer"}
+    head = {"id": ident, "created": created, "model": state.model_name, "system_fingerprint": "edgeinfer"}
     pieces = lp_format.Pieces(model.tokenizer)
     prompt_len = len(echoed) if req.echo else \
         len(prompt if isinstance(prompt, str) else model.tokenizer.detokenize(prompt, skip_special=True))

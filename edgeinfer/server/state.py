@@ -86,6 +86,11 @@ class ServerState:
 
     # -- the request's slot -------------------------------------------------------------------
     @property
+    def model_name(self) -> str:
+        """The name of the model answering this request (its slot's), as responses report it."""
+        return self.slot.name
+
+    @property
     def slot(self) -> Slot:
         return current_slot.get() or self.default
 
