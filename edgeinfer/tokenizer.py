@@ -33,6 +33,19 @@ from edgeinfer.tokenizer_wpm import WordPiece
 __all__ = ["Tokenizer", "StreamDecoder", "load_tokenizer", "TokenAttr"]
 
 
+def _watching(fragments, cancel: threading.Event):
+    """The fragments, with `cancel` looked at every 4096 bytes tokenized: a set Event stops
+    the work with a TokenizerError."""
+    unchecked = 0
+    for frag in fragments:
+        unchecked += 1 if isinstance(frag, int) else len(frag)
+        if unchecked >= 4096:
+            unchecked = 0
+            if cancel.is_set():
+                raise TokenizerError("tokenizing stopped: the request was cancelled")
+        yield frag
+
+
 class TokenAttr:
     """llama.cpp's `llama_token_attr` bits."""
 
@@ -327,23 +340,14 @@ class Tokenizer:
         if cancel is not None and cancel.is_set():
             raise TokenizerError("tokenizing stopped: the request was cancelled")
         fragments = self._partition(data, parse_special) if data else []
+        if cancel is not None:
+            fragments = _watching(fragments, cancel)
         out: list[int] = []
-        unchecked = 0  # bytes tokenized since cancel was last looked at
-
-        def check(frag: bytes | int) -> None:
-            nonlocal unchecked
-            unchecked += 1 if isinstance(frag, int) else len(frag)
-            if unchecked >= 4096:
-                unchecked = 0
-                if cancel.is_set():
-                    raise TokenizerError("tokenizing stopped: the request was cancelled")
+        if add_special and self.add_bos:
+            out.append(self._need(self.bos_id, "BOS"))
 
         if self._wpm is not None:
-            if add_special and self.add_bos:
-                out.append(self._need(self.bos_id, "BOS"))
             for frag in fragments:
-                if cancel is not None:
-                    check(frag)
                 if isinstance(frag, int):
                     out.append(frag)
                 else:
@@ -351,12 +355,8 @@ class Tokenizer:
             if add_special and self.add_sep:
                 out.append(self._need(self.sep_id, "SEP"))
         elif self._spm is not None:
-            if add_special and self.add_bos:
-                out.append(self._need(self.bos_id, "BOS"))
             prev_special = True
             for frag in fragments:
-                if cancel is not None:
-                    check(frag)
                 if isinstance(frag, int):
                     out.append(frag)
                     prev_special = True
@@ -373,11 +373,7 @@ class Tokenizer:
                     out += ids
                 prev_special = False
         else:
-            if add_special and self.add_bos:
-                out.append(self._need(self.bos_id, "BOS"))
             for frag in fragments:
-                if cancel is not None:
-                    check(frag)
                 if isinstance(frag, int):
                     out.append(frag)
                     continue
