@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import base64
 
-import httpx
 import numpy as np
 import pytest
 from gguf_factory_embed import write_tiny_encoder
-from test_server import MODEL, start_server
+from test_server import MODEL, http, live  # noqa: F401 - the live server fixtures, over this module's model
 
 import edgeinfer
 
@@ -19,19 +18,6 @@ import edgeinfer
 def model(tmp_path_factory):
     path = write_tiny_encoder(tmp_path_factory.mktemp("embsrv") / "nomic.gguf", "nomic-bert", pooling=1)
     return edgeinfer.load(str(path), backend="reference", n_ctx=32)
-
-
-@pytest.fixture(scope="module")
-def live(model):
-    srv = start_server(model)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture()
-def http(live):
-    with httpx.Client(base_url=live.url, timeout=30) as c:
-        yield c
 
 
 def test_openai_client(live, model):
