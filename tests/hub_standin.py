@@ -77,6 +77,17 @@ class HubStandin:
         return [r for r in self.requests if r.method == "GET" and r.path.endswith(path_suffix)]
 
 
+def use_standin(monkeypatch, hub: "HubStandin", tmp_path) -> None:
+    """Point edgeinfer and huggingface_hub at `hub`, online, with a fresh cache and home under
+    `tmp_path` (so a user's assembled demo model stays out of listings)."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    for var in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+
+
 def git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
 

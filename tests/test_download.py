@@ -12,7 +12,7 @@ from huggingface_hub import scan_cache_dir
 from edgeinfer import download, registry
 from edgeinfer.cli import main
 from edgeinfer.errors import DownloadError, ModelNotFoundError
-from hub_standin import HubStandin
+from hub_standin import HubStandin, use_standin
 
 REPO = "acme/Tiny-GGUF"
 Q4 = "tiny-Q4_K_M.gguf"
@@ -42,12 +42,7 @@ def hub(payloads, tmp_path, monkeypatch):
     for name, data in payloads.items():
         server.add_file(REPO, name, data)
     server.add_file(REPO, "README.md", b"# tiny\n")
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # keep the user's assembled demo model out of `list`
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    for var in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
+    use_standin(monkeypatch, server, tmp_path)
     yield server
     server.stop()
 

@@ -12,7 +12,7 @@ import pytest
 
 from edgeinfer import model_names, registry
 from gguf_factory import spm_vocab, write_tiny_model
-from hub_standin import HubStandin
+from hub_standin import HubStandin, use_standin
 from test_server import MODEL, fim_model_path, start_server  # noqa: F401 - a fixture
 
 REPO = "acme/Tiny-GGUF"
@@ -32,12 +32,7 @@ def store(tmp_path, monkeypatch, other_model):
     hub = HubStandin().start()
     hub.add_file(REPO, FILE, other_model.read_bytes())
     monkeypatch.setenv("EDGEINFER_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # keep an assembled demo model out of the list
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    for var in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
+    use_standin(monkeypatch, hub, tmp_path)
     yield hub
     hub.stop()
 

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("textual")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hub_standin import HubStandin  # noqa: E402
+from hub_standin import HubStandin, use_standin  # noqa: E402
 
 from edgeinfer import download  # noqa: E402
 from edgeinfer.conversations import ConversationStore  # noqa: E402
@@ -41,12 +41,7 @@ def hub(tmp_path, monkeypatch):
     writer.close()
     server = HubStandin().start()
     server.add_file(REPO, FILE, (tmp_path / FILE).read_bytes())
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    for var in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
+    use_standin(monkeypatch, server, tmp_path)
     yield server
     server.stop()
 
