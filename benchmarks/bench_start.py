@@ -50,6 +50,9 @@ def main() -> int:
     cmd = [sys.executable, "-m", "edgeinfer.cli", "run", args.model, "--raw", "--temp", "0",
            "-n", "4", args.prompt]
     env = dict(os.environ)
+    # a user's Python writes .pyc files on the first run and reads them after; a shell that
+    # turns that off would time Python compiling every edgeinfer module on each start
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     walls: list[float] = []
     cpus: list[float] = []
     if not args.cold:

@@ -16,11 +16,13 @@ Files: quant_types (the type registry); matvec (entry points) -> dispatch (type 
 kernel sets, claims) -> dot_q32 / dot_kquant / dot_q4k_x8 (IR row dots and dequantization,
 built with ir_helpers); quant_kernels (plain Numba kernels); tile_gemm (8-bit prefill
 tiles); repack (Q4_K_X8); kv_attention (+ kv_attention_ir, ggml_math); ops, f16,
-fused_layer (one decode MLP a call); threads, cache_dir, compile_progress.
+fused_layer (one decode MLP a call); threads, cache_dir, cache_load, compile_progress.
 """
 from . import cache_dir as _cache_dir
+from . import cache_load as _cache_load
 
 _cache_dir.configure()   # before any kernel is defined: Numba's cache keyed to these sources
+_cache_load.install()    # cached kernels load without Numba's full registry refresh
 
 from .matvec import (  # noqa: E402
                      dequantize_rows, get_rows, matmul, matmul_many, matmul_uses_int8, matvec, matvec_many,
