@@ -26,6 +26,10 @@ _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     T.IQ4_NL: (0,), T.IQ4_XS: (0,),
 }
 _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+# Types random_blocks draws row by row from the stream (values, then a per-block quantizer):
+# drawing their rows in slices gives the same bytes.
+_ROW_SEPARABLE = (*_FLOAT_TYPES, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+_SLICE_ELEMENTS = 1 << 24
 
 
 def qtype_of(qtype: str | GGMLQuantizationType) -> GGMLQuantizationType:
@@ -226,30 +230,51 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
     for i in range(s.n_layer):
         tensors.update(_layer_tensors(arch, s, i))
 
+    # Tensor infos first, then each tensor generated and written in turn (in the same order,
+    # so from the same random stream): only one tensor is in memory at a time, and a
+    # billions-of-weights F16 file (benchmarks/shaped_model.py) fits in RAM.
+    plan = []
     for name, gshape in tensors.items():
         if name in omit_tensors:
             continue
         if len(gshape) == 1:  # norms and biases stay F32, as converters write them
-            data = rng.standard_normal(gshape).astype(np.float32) * 0.1
-            if name.endswith("norm.weight") and arch != "gemma3":
-                data += 1.0  # llama-style norms multiply by w; gemma's by (1 + w), baked in at conversion
-            elif name.endswith("norm.weight"):
-                data += 1.0
-            w.add_tensor(name, data)
+            plan.append((name, T.F32, gshape))
+            w.add_tensor_info(name, gshape, np.dtype(np.float32), gshape[0] * 4)
             continue
         n_cols, n_rows = gshape
         tq = qtype_of(embd_qtype) if (embd_qtype and name == "token_embd.weight") else qt
         if n_cols % GGML_QUANT_SIZES[tq][0]:
             tq = T.F16
-        blocks = random_blocks(tq, n_rows, n_cols, rng, std=0.08)
+        plan.append((name, tq, gshape))
+        block_size, type_size = GGML_QUANT_SIZES[tq]
+        row_bytes = n_cols // block_size * type_size
         if tq == T.F32:
-            w.add_tensor(name, blocks.view(np.float32).reshape(n_rows, n_cols))
+            w.add_tensor_info(name, (n_rows, n_cols), np.dtype(np.float32), n_rows * row_bytes)
         else:
-            w.add_tensor(name, blocks, raw_dtype=tq)
+            w.add_tensor_info(name, (n_rows, row_bytes), np.dtype(np.uint8), n_rows * row_bytes, raw_dtype=tq)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for name, tq, gshape in plan:
+        if len(gshape) == 1:
+            data = rng.standard_normal(gshape).astype(np.float32) * 0.1
+            if name.endswith("norm.weight"):
+                # llama-style norms multiply by w; gemma's by (1 + w), baked in at conversion
+                data += 1.0
+            w.write_tensor_data(data)
+            continue
+        n_cols, n_rows = gshape
+        if tq in _ROW_SEPARABLE:
+            # rows drawn in slices: the same random stream as one call, without a
+            # float64 copy of a whole 128k-vocabulary matrix in memory
+            step = max(1, _SLICE_ELEMENTS // n_cols)
+            blocks = np.concatenate([random_blocks(tq, min(step, n_rows - r), n_cols, rng, std=0.08)
+                                     for r in range(0, n_rows, step)])
+        else:
+            blocks = random_blocks(tq, n_rows, n_cols, rng, std=0.08)
+        w.write_tensor_data(blocks)
+        del blocks
     w.close()
     return path
 
