@@ -42,13 +42,21 @@ class ChatTemplate:
     """One chat template, compiled once; `render` turns messages into the prompt text."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "",
-                 name: str | None = None) -> None:
+                 name: str | None = None, *, lazy: bool = False) -> None:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.name = name or "custom"
         self.from_file = False  # True only for the model file's own template (for_model)
-        self._template = compile_template(source, self.name)
+        # a built-in (lazy) compiles at its first render: a plain completion never needs it;
+        # any other source compiles now, so a broken one fails the load with its error
+        self._compiled = None if lazy else compile_template(source, self.name)
+
+    @property
+    def _template(self):
+        if self._compiled is None:
+            self._compiled = compile_template(self.source, self.name)
+        return self._compiled
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -57,7 +65,7 @@ class ChatTemplate:
 
     @classmethod
     def builtin(cls, name: str, bos_token: str = "", eos_token: str = "") -> "ChatTemplate":
-        return cls(builtin_template_source(name), bos_token, eos_token, name=name)
+        return cls(builtin_template_source(name), bos_token, eos_token, name=name, lazy=True)
 
     @classmethod
     def for_model(cls, metadata: Mapping[str, Any], override: str | None = None) -> "ChatTemplate":
