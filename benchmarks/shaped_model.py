@@ -1,0 +1,75 @@
+"""Random-weight GGUFs shaped like real checkpoints, quantized by llama.cpp itself.
+
+Shared by make_llama1b_shaped.py and make_llama8b_shaped.py: the weights are random,
+written as F16 by tests/gguf_factory.py (one tensor in memory at a time), then quantized
+by llama-cpp-python's llama_model_quantize, so the type mix is the one users download
+(Q4_K_M: Q4_K, with Q6_K for attn_v, half of ffn_down and the output matrix). Needs
+llama-cpp-python, and temporary disk for the F16 file (2 bytes a weight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+LLAMA3_VOCAB = 128256
+
+
+def padded_vocab(n_vocab: int) -> dict:
+    """gguf_factory's small SentencePiece vocabulary, padded with unused tokens to n_vocab."""
+    from gguf_factory import spm_vocab
+
+    vocab = spm_vocab()
+    extra = n_vocab - len(vocab["tokens"])
+    vocab["tokens"] = vocab["tokens"] + [f"<unused_{i}>" for i in range(extra)]
+    vocab["types"] = vocab["types"] + [1] * extra
+    if "scores" in vocab:
+        vocab["scores"] = list(vocab["scores"]) + [-1e4] * extra
+    return vocab
+
+
+def write_shaped_q4_k_m(out: str | Path, shape, *, tie_embeddings: bool, n_vocab: int = LLAMA3_VOCAB,
+                        tmp_dir: str | Path | None = None, threads: int = 2) -> Path:
+    """Write a llama-architecture Q4_K_M GGUF of `shape` (a gguf_factory.TinyShape) to `out`."""
+    import llama_cpp
+    from gguf_factory import write_tiny_model
+
+    out = Path(out)
+    n_weights = shape.n_layer * (2 * shape.n_embd * shape.n_head * shape.head_dim
+                                 + 2 * shape.n_embd * shape.n_head_kv * shape.head_dim
+                                 + 3 * shape.n_embd * shape.n_ff)
+    n_weights += (1 if tie_embeddings else 2) * n_vocab * shape.n_embd
+    if tmp_dir is not None:
+        Path(tmp_dir).mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(tmp_dir or tempfile.gettempdir()).free
+    if free < 2.1 * n_weights:
+        raise SystemExit(f"the F16 file needs {2 * n_weights / 1e9:.1f} GB of temporary disk, "
+                         f"{tmp_dir or tempfile.gettempdir()} has {free / 1e9:.1f} GB free (--tmp-dir)")
+    with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
+        f16 = Path(tmp) / "shaped-f16.gguf"
+        write_tiny_model(f16, "llama", "F16", shape=shape, vocab=padded_vocab(n_vocab), seed=1,
+                         tie_embeddings=tie_embeddings)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        params.nthread = threads
+        rc = llama_cpp.llama_model_quantize(str(f16).encode(), str(out).encode(), params)
+        if rc != 0:
+            raise SystemExit(f"llama_model_quantize failed with {rc}")
+    return out
+
+
+def main(description: str, default_out: str, shape, *, tie_embeddings: bool) -> None:
+    """The command line both make_*_shaped scripts share: an output path, --tmp-dir."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("out", nargs="?", default=default_out, help="where to write the Q4_K_M file")
+    ap.add_argument("--tmp-dir", default=None, help="where the temporary F16 file goes (default: the system's)")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp quantizer threads")
+    args = ap.parse_args()
+    print(write_shaped_q4_k_m(args.out, shape, tie_embeddings=tie_embeddings, tmp_dir=args.tmp_dir,
+                              threads=args.threads))
