@@ -1,0 +1,151 @@
+"""Where one decoded token's time goes on the CPU backend: a per-op profile.
+
+    python benchmarks/profile_decode.py MODEL.gguf [-n 24] [-t 2] [--depth 0]
+
+Wraps the CpuBackend's methods with wall-clock timers, decodes `-n` tokens (after a
+warm-up token), and prints, for each op kind, milliseconds a token, its share, and for
+the matrix ops the weight bytes they read a token and the GB/s that makes. "python" is
+the rest of the step: the forward pass's own numpy and interpreter time. Each matvec is
+also attributed to its tensor kind (attn_qkv, attn_output, ffn, output) so a slow matrix
+shape shows. Times are medians over the tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _kind(names) -> str:
+    name = names[0]
+    for key in ("attn_q", "attn_k", "attn_v"):
+        if key + "." in name:
+            return "attn_qkv"
+    for key in ("attn_output", "ffn_gate", "ffn_up", "ffn_down", "output.weight", "token_embd"):
+        if key in name:
+            return "ffn" if key.startswith("ffn") else key.replace(".weight", "")
+    return name
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("-n", type=int, default=24, help="tokens to decode (timed)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--depth", type=int, default=0, help="tokens in the cache before")
+    ap.add_argument("--matrices", action="store_true",
+                    help="also time each matrix kind alone (per type), cycling through the layers")
+    args = ap.parse_args(argv)
+
+    import numpy as np
+
+    from edgeinfer.backend_cpu import CpuBackend
+    from edgeinfer.engine import Engine, EngineOptions
+    from edgeinfer.loader import open_model
+
+    mf = open_model(args.model)
+    engine = Engine(mf, EngineOptions(n_ctx=args.depth + args.n + 16, threads=args.threads, gpu_layers=0))
+    be = engine.backend
+    assert isinstance(be, CpuBackend), type(be)
+    gf = mf.gguf
+    step: dict[str, float] = defaultdict(float)
+    nbytes: dict[str, int] = defaultdict(int)
+
+    def timed(method, label_of, bytes_of=None):
+        orig = getattr(be, method)
+
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                label = label_of(*a)
+                step[label] += time.perf_counter() - t0
+                if bytes_of is not None:
+                    nbytes[label] += bytes_of(*a)
+        setattr(be, method, wrapper)
+
+    size = lambda names: sum(gf.tensors[n].n_bytes for n in names)  # noqa: E731
+    timed("linear", lambda name, x: _kind([name]), lambda name, x: size([name]))
+    timed("linear_many", lambda names, x: _kind(names), lambda names, x: size(names))
+    timed("norm_swiglu_residual", lambda *a: "ffn",
+          lambda x, norm, eps, gate, up, down: size([gate, up, down]))
+    timed("attention", lambda *a: "attention")
+    timed("rope", lambda *a: "rope")
+    timed("rms_norm", lambda *a: "rms_norm")
+    timed("get_rows", lambda *a: "get_rows")
+
+    kv = engine.new_cache()
+    if args.depth:
+        engine.prefill(np.random.default_rng(1).integers(0, engine.config.n_vocab, args.depth), kv)
+    tokens = np.random.default_rng(0).integers(0, engine.config.n_vocab, args.n + 2)
+    engine.decode(int(tokens[0]), kv)   # warm-up: compile, page in
+    engine.decode(int(tokens[1]), kv)
+    per_token: dict[str, list[float]] = defaultdict(list)
+    totals = []
+    for tok in tokens[2:]:
+        step.clear()
+        nbytes.clear()
+        t0 = time.perf_counter()
+        engine.decode(int(tok), kv)
+        total = time.perf_counter() - t0
+        totals.append(total)
+        for k, v in step.items():
+            per_token[k].append(v)
+        per_token["python"].append(total - sum(step.values()))
+    total = statistics.median(totals)
+    print(f"{args.model}: {args.threads} threads, median of {args.n} tokens: {total * 1e3:.1f} ms a token "
+          f"({1 / total:.2f} tok/s; spread {min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f} ms)")
+    print(f"{'op':<14}{'ms/token':>10}{'share':>8}{'MiB/token':>11}{'GB/s':>8}")
+    rows = sorted(per_token.items(), key=lambda kv: -statistics.median(kv[1]))
+    for k, samples in rows:
+        ms = statistics.median(samples)
+        mib = nbytes.get(k, 0)
+        gbs = f"{mib / ms / 1e9:8.1f}" if mib else ""
+        print(f"{k:<14}{ms * 1e3:10.2f}{ms / total:8.1%}{(f'{mib / 2**20:11.1f}' if mib else ''):>11}{gbs}")
+    weight_bytes = sum(nbytes.values())
+    print(f"all matrices: {weight_bytes / 2**20:.1f} MiB a token, {weight_bytes / total / 1e9:.1f} GB/s over the whole step")
+    if args.matrices:
+        matrices_alone(be, gf, engine.config.n_layer)
+
+
+def matrices_alone(be, gf, n_layer: int, rounds: int = 5) -> None:
+    """Each layer matrix kind and type alone: one matvec per layer, layer after layer (so
+    each comes from memory, as in decode), `rounds` times; median GB/s of the rounds."""
+    import numpy as np
+
+    from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
+
+    groups: dict = defaultdict(list)
+    for name, info in gf.tensors.items():
+        if name.startswith("blk.") and len(info.shape) == 2:
+            groups[(name.split(".")[2], info.qtype.name, info.n_rows, info.n_cols)].append(name)
+    for name in ("output.weight",):
+        if name in gf.tensors:
+            info = gf.tensors[name]
+            groups[("output", info.qtype.name, info.n_rows, info.n_cols)].append(name)
+    print(f"{'matrix alone':<34}{'count':>6}{'GB/s':>8}{'range':>14}")
+    for (kind, qt, rows, cols), names in sorted(groups.items()):
+        prepared = [prepare_group(*be._weights_of([n])) for n in names]
+        x = np.random.default_rng(0).standard_normal(cols).astype(np.float32)
+        n_bytes = sum(gf.tensors[n].n_bytes for n in names)
+        for p in prepared:   # warm-up: compile, page in
+            matvec_prepared(p, x)
+        rates = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for p in prepared:
+                matvec_prepared(p, x)
+            rates.append(n_bytes / (time.perf_counter() - t0) / 1e9)
+        rates.sort()
+        print(f"{f'{kind} {qt} {rows}x{cols}':<34}{len(names):>6}{statistics.median(rates):8.1f}"
+              f"{f'{rates[0]:.1f}-{rates[-1]:.1f}':>14}")
+
+
+if __name__ == "__main__":
+    main()
