@@ -9,10 +9,12 @@ otherwise. A warm cache compiles nothing and prints nothing. A front end with it
 screen (the TUI) installs its callback with `set_reporter`.
 
 Numba compiles under one lock per process, so a cold start compiles one kernel at a time.
-A kernel registered with `compile_elsewhere` (the attention kernel, the largest) is given
-to a second Python process at a cold start, which writes it into the shared on-disk cache
-while this one compiles the rest; the first call that needs it waits for that process
-(`wait_for`) and loads it from the cache. A warm cache starts no process.
+Kernels registered with `compile_elsewhere` (attention, the decode step's activation
+quantizer and matvec: about half of the work, none of it needed before the prompt's
+first attention) are given to one second Python process at a cold start, which compiles
+them in order into the shared on-disk cache while this one compiles the rest; the first
+call needing one waits for that job (`wait_for`) and loads it from the cache. A warm
+cache starts no process.
 """
 from __future__ import annotations
 
@@ -132,21 +134,66 @@ def reporting(total: int, report: Reporter | None = None):
     counter.finish()
 
 
-_elsewhere: dict = {}   # id(kernel) -> [kernel, starts a process compiling it into the cache]
-_pending: dict = {}     # id(kernel) -> that process, until a call waits for it
+_elsewhere: dict = {}   # id(kernel) -> (kernel, job: Python code compiling it, priority)
+_before: dict = {}      # id(kernel) -> (kernel, job): compiled here before the forward pass
+_pending: dict = {}     # id(kernel) -> the _Helper compiling it, until a call waits for it
 
 
-def compile_elsewhere(kernel, start: Callable[[], subprocess.Popen]) -> None:
-    """Let a cold start give `kernel` to the process `start()` launches (see the module
-    docstring); the process must compile it with the signature this process calls."""
-    _elsewhere[id(kernel)] = [kernel, start]
+def compile_elsewhere(kernel, job: str, priority: int = 0) -> None:
+    """Let a cold start give `kernel` to the second process (see the module docstring).
+    `job` is Python source that compiles it with the exact signature this process calls it
+    with (a wrong one costs only time: this process then compiles it itself). The second
+    process runs its jobs by `priority`, lowest first: the kernels needed soonest."""
+    _elsewhere[id(kernel)] = (kernel, job, priority)
+
+
+def compile_before(kernel, job: str) -> None:
+    """Let a cold start that shares its work with a second process compile `kernel` here
+    first, before the forward pass: a kernel the pass needs only at its end (the decode
+    matvec), which would otherwise leave this process idle while the other one still
+    compiles the kernels the pass needs in its middle."""
+    _before[id(kernel)] = (kernel, job)
+
+
+class _Helper:
+    """The second process: runs its jobs in order, printing `done N` after job N."""
+
+    def __init__(self, jobs: list[str]) -> None:
+        from numba.core import config
+
+        env = dict(os.environ)
+        if config.CACHE_DIR:
+            env["NUMBA_CACHE_DIR"] = config.CACHE_DIR
+        # a failing job does not stop the ones after it (this process compiles what it missed)
+        code = "\n".join(f"try:\n    exec({job!r}, {{}})\nexcept Exception:\n    pass\n"
+                         f"print('done {i}', flush=True)" for i, job in enumerate(jobs))
+        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.n_jobs = len(jobs)
+        self.done: set[int] = set()
+        self._lock = threading.Lock()
+
+    def wait(self, job: int) -> None:
+        """Until job `job` is done or the process has ended (a failed job: the caller compiles)."""
+        with self._lock:
+            while job not in self.done:
+                line = self.proc.stdout.readline()
+                if not line:   # ended: nothing more will come
+                    self.proc.wait()
+                    return
+                if line.startswith("done "):
+                    self.done.add(int(line.split()[1]))
+            if len(self.done) == self.n_jobs:
+                self.proc.wait()   # its last job is done: it exits now (reaped, not a zombie)
 
 
 def wait_for(kernel) -> None:
-    """Before `kernel`'s first call: wait for the process compiling it, if there is one."""
-    proc = _pending.pop(id(kernel), None)
-    if proc is not None:
-        proc.wait()
+    """Before `kernel`'s first call: wait for the second process's job compiling it, if
+    there is one (then the call loads it from the on-disk cache)."""
+    entry = _pending.pop(id(kernel), None)
+    if entry is not None:
+        helper, job = entry
+        helper.wait(job)
 
 
 def _cores() -> int:
@@ -156,16 +203,22 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _start_elsewhere(missing: list) -> None:
+def _start_elsewhere(missing: list) -> bool:
+    """Start the second process on the registered kernels among `missing`; True if it started."""
     if len(missing) < 2 or _cores() < 2:
-        return   # nothing to share the work with, or no second core to share it on
-    for k in missing:
-        entry = _elsewhere.get(id(k))
-        if entry is not None and entry[0] is k and id(k) not in _pending:
-            try:
-                _pending[id(k)] = entry[1]()
-            except OSError:
-                pass   # this process compiles it, as without the helper process
+        return False   # nothing to share the work with, or no second core to share it on
+    entries = [_elsewhere[id(k)] for k in missing
+               if id(k) in _elsewhere and _elsewhere[id(k)][0] is k and id(k) not in _pending]
+    if not entries or len(entries) == len(missing):
+        return False   # leave this process something to compile meanwhile
+    entries.sort(key=lambda e: e[2])
+    try:
+        helper = _Helper([job for _, job, _ in entries])
+    except OSError:
+        return False   # this process compiles them, as without the helper process
+    for i, (kernel, _, _) in enumerate(entries):
+        _pending[id(kernel)] = (helper, i)
+    return True
 
 
 def warm_up(run: Callable[[], object], kernels: Iterable, report: Reporter | None = None) -> int:
@@ -176,7 +229,12 @@ def warm_up(run: Callable[[], object], kernels: Iterable, report: Reporter | Non
     missing = [k for k in kernels if not on_disk(k)]
     if not missing:
         return 0
-    _start_elsewhere(missing)
+    shared = _start_elsewhere(missing)
     with reporting(len(missing), report) as counter:
+        if shared:
+            for k in missing:
+                entry = _before.get(id(k))
+                if entry is not None and entry[0] is k:
+                    exec(entry[1], {})   # noqa: S102 - a job registered by this package's code
         run()
     return counter.done if counter.started else 0

@@ -21,7 +21,8 @@ from .dot_q32 import (deq_row_iq4_nl, deq_row_q4_0, deq_row_q4_1, deq_row_q5_0, 
 from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
 from .ir_helpers import I64, ROWS, X8_ROWS
 from .quant_kernels import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from .quant_types import FAST_IDS
+from . import compile_progress
+from .quant_types import FAST_IDS, quant_info, row_bytes
 from .threads import get_threads
 
 _JIT = dict(cache=True, nogil=True)
@@ -142,14 +143,14 @@ def _n_items(n_rows):
     return (n_rows + CHUNK - 1) // CHUNK
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _matvec_item(w, qt, xq, xd, xs, out, g):
     """Work item g (rows g*CHUNK ..) of out = w . x."""
     r0 = g * CHUNK
     _dot_rows(w, qt, r0, min(r0 + CHUNK, out.shape[0]), xq, xd, xs, out)
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _deq_row(w, qt, r, y, i):
     """y[i] = dequantized row r of w, dispatched on the GGML type id."""
     if _HAS_Q4_K and qt == Q4_K:
@@ -188,7 +189,7 @@ def _deq_row(w, qt, r, y, i):
 CLAIMS_PER_THREAD = 8   # the last claim leaves at most ~1/8 of a share unbalanced
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _claimed_items(claims, n_threads, w1, q1, o1, w2, q2, o2, w3, q3, o3, xq, xd, xs):
     """On one thread: claim runs of work items from claims[0] until none are left. Items
     number o1's rows, then o2's, then o3's (all on the same activations; o2 and o3 may be
@@ -286,7 +287,7 @@ class KernelSet:
             f = generic.py_func
             copy = FunctionType(f.__code__, g, name + suffix, f.__defaults__, f.__closure__)
             copy.__qualname__, copy.__module__, copy.__doc__ = name + suffix, f.__module__, f.__doc__
-            opts = {k: v for k, v in generic.targetoptions.items() if k in ("parallel", "nogil")}
+            opts = {k: v for k, v in generic.targetoptions.items() if k in ("parallel", "nogil", "inline")}
             g[name] = njit(cache=True, **opts)(copy)
             setattr(self, name[1:], g[name])   # ks.dot_rows, ks.matvec_kernel, ...
 
@@ -318,7 +319,28 @@ def use_types(qts) -> KernelSet | None:
         _MODEL_SETS.remove(key)
     _MODEL_SETS.insert(0, key)
     _FOR_CALL.clear()
-    return kernel_set(key)
+    ks = kernel_set(key)
+    # a cold start compiles the decode matvec first: the forward pass needs it only at
+    # its end, when this process would otherwise wait for the second one
+    compile_progress.compile_before(
+        ks.matvec_kernel, f"from edgeinfer.kernels_cpu import dispatch; dispatch.compile_here({key!r})")
+    return ks
+
+
+def compile_here(qts: tuple) -> None:
+    """Compile (or load) the decode matvec of the kernel set for these type ids, with the
+    signature the decode path calls it with (read-only weights; int8, float32 and int32
+    activation arrays as quantize_act makes them), on one row group of zeros."""
+    use_types(qts)
+    qt = int(qts[0])
+    info = quant_info(qt)
+    n_cols = 256
+    w = np.zeros((CHUNK, row_bytes(qt, n_cols)), np.uint8)
+    w.flags.writeable = False
+    xq = np.zeros(n_cols, np.int8)
+    xd = np.zeros(n_cols // info.act_block, np.float32)
+    xs = np.zeros(n_cols // (32 if info.act_block == 32 else 16), np.int32)
+    matvec_fast(w, qt, xq, xd, xs, np.empty(CHUNK, np.float32))
 
 
 def kernels_for(*qts: int) -> KernelSet:
@@ -339,6 +361,8 @@ def has_fast_path(qt: int) -> bool:
 
 def matvec_fast(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
     """out[r] = row r . activations (quantized by matvec.quantize_activations) for a fast-path type."""
+    if compile_progress._pending:
+        compile_progress.wait_for(kernels_for(qt).matvec_kernel)
     kernels_for(qt).matvec_kernel(w_raw, qt, w_raw, qt, w_raw, qt, xq, xd, xs, out, _NO_OUT, _NO_OUT,
                                    get_threads())
 
@@ -365,6 +389,8 @@ def dequantize_rows_fast(w_raw: np.ndarray, qt: int, rows: np.ndarray, y: np.nda
 
 def matvec_fast_many(ws: list, qts: list, xq, xd, xs, outs: list) -> None:
     """matvec_fast for 2 or 3 matrices sharing the quantized activations, in one call."""
+    if compile_progress._pending:
+        compile_progress.wait_for(kernels_for(*qts).matvec_kernel)
     if len(ws) == 2:
         kernels_for(*qts).matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[1], qts[1], xq, xd, xs, outs[0], outs[1],
                                          _NO_OUT, get_threads())

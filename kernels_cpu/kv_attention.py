@@ -24,9 +24,6 @@ the two to agree bit for bit.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 from numba import njit, prange
@@ -352,21 +349,10 @@ def attention_kernel(hd: int, hdv: int):
     kernel = _ROWS_KERNELS.get(key)
     if kernel is None:
         kernel = _ROWS_KERNELS[key] = _make_attention_rows(*key)
-        compile_progress.compile_elsewhere(kernel, lambda: _compile_in_process(hd, hdv))
+        # the second process's first job: a prompt's first layer needs it
+        compile_progress.compile_elsewhere(
+            kernel, f"from edgeinfer.kernels_cpu import kv_attention; kv_attention.compile_here({int(hd)}, {int(hdv)})", 0)
     return kernel
-
-
-def _compile_in_process(hd: int, hdv: int) -> subprocess.Popen:
-    """Start a Python process that compiles the attention kernel for these head sizes into
-    Numba's on-disk cache (compile_progress: a cold start's second process)."""
-    from numba.core import config
-
-    env = dict(os.environ)
-    if config.CACHE_DIR:
-        env["NUMBA_CACHE_DIR"] = config.CACHE_DIR
-    code = f"from edgeinfer.kernels_cpu import kv_attention; kv_attention.compile_here({int(hd)}, {int(hdv)})"
-    return subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def compile_here(hd: int, hdv: int) -> None:

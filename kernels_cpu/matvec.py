@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from . import compile_progress
 from . import quant_kernels as qk
 from .quant_types import QuantInfo, check_weight
 from .threads import apply_threads, get_threads, worker_pool
@@ -54,7 +55,28 @@ def quantize_activations(x: np.ndarray, info: QuantInfo):
     32-blocks (Q8_0 style) for the 32-element weight types: xs = sum of the block.
     256-blocks (Q8_K style) for K-quants / IQ4_XS: xs = sums of each 16 elements (bsums).
     """
+    if compile_progress._pending:
+        compile_progress.wait_for(qk.quantize_act)
     return qk.quantize_act(x, info.act_block)
+
+
+def compile_quantize_here(rows: bool) -> None:
+    """Compile (or load) quantize_rows_q8_k (rows) or quantize_act with the signature the
+    prefill or decode path calls it with (compile_progress's second process)."""
+    if rows:
+        xq, xd, xs = np.empty((2, 256), np.int8), np.empty((2, 1), np.float32), np.empty((2, 16), np.int32)
+        qk.quantize_rows_q8_k(np.zeros((2, 256), np.float32), xq, xd, xs)
+    else:
+        qk.quantize_act(np.zeros(256, np.float32), 256)
+
+
+# a cold start's second process compiles these after attention: the first layer's FFN
+# needs the row quantizer, the decode step quantize_act. (The package's `matvec`
+# attribute is the function, so the job imports the module by name.)
+for _order, _kernel in ((1, qk.quantize_rows_q8_k), (2, qk.quantize_act)):
+    compile_progress.compile_elsewhere(
+        _kernel, "import importlib; importlib.import_module('edgeinfer.kernels_cpu.matvec')"
+                 f".compile_quantize_here({_order == 1})", _order)
 
 
 def quantize_activation_rows(X: np.ndarray, info: QuantInfo):
@@ -68,6 +90,8 @@ def quantize_activation_rows(X: np.ndarray, info: QuantInfo):
     else:
         xd = np.empty((n_tok, n // 256), np.float32)
         xs = np.empty((n_tok, n // 16), np.int32)
+        if compile_progress._pending:
+            compile_progress.wait_for(qk.quantize_rows_q8_k)
         qk.quantize_rows_q8_k(X, xq, xd, xs)
     return xq, xd, xs
 

@@ -11,6 +11,7 @@ import math
 import numpy as np
 from numba import njit
 
+from . import compile_progress
 from .f16 import f16_bits_of
 from .ggml_math import ggml_expf_any
 from .threads import apply_threads, get_threads, worker_pool
@@ -160,6 +161,8 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray, table: np.ndarray) -> np.ndarray:
     gate = np.ascontiguousarray(gate, dtype=np.float32)
     up = np.ascontiguousarray(up, dtype=np.float32)
     out = np.empty_like(gate)
+    if compile_progress._pending:
+        compile_progress.wait_for(_gelu_mul_kernel)
     _in_pieces(lambda g, u, o: _gelu_mul_kernel(g, u, table, o), gate.size, gate.reshape(-1),
                up.reshape(-1), out.reshape(-1))
     return out
@@ -177,5 +180,16 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     gate = np.ascontiguousarray(gate, dtype=np.float32)
     up = np.ascontiguousarray(up, dtype=np.float32)
     out = np.empty_like(gate)
+    if compile_progress._pending:
+        compile_progress.wait_for(_silu_mul_kernel)
     _in_pieces(_silu_mul_kernel, gate.size, gate.reshape(-1), up.reshape(-1), out.reshape(-1))
     return out
+
+
+
+# a cold start's second process compiles the FFN's gated activation last (with the
+# signature the forward pass uses: float32 vectors, and for GELU the backend's table)
+_ZEROS = "import numpy as np; from edgeinfer.kernels_cpu import ops; z = np.zeros(8, np.float32); "
+compile_progress.compile_elsewhere(
+    _gelu_mul_kernel, _ZEROS + "from edgeinfer.backend import _gelu_f16_table; ops.gelu_mul(z, z, _gelu_f16_table())", 3)
+compile_progress.compile_elsewhere(_silu_mul_kernel, _ZEROS + "ops.silu_mul(z, z)", 3)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 import numpy as np
 from numba import njit
@@ -109,3 +110,106 @@ def test_set_reporter_swaps_the_default():
         assert cp.get_reporter() is mine
     finally:
         cp.set_reporter(previous)
+
+
+# -- the second process (cold start on 2+ cores) -------------------------------------------
+
+def test_second_process_runs_jobs_in_order_and_wait_blocks_until_each_is_done(tmp_path):
+    marker = tmp_path / "first"
+    helper = cp._Helper([f"import time; time.sleep(0.4); open({str(marker)!r}, 'w').close()", "pass"])
+    helper.wait(0)
+    assert marker.exists()          # job 0 had finished when wait returned
+    helper.wait(1)
+    assert helper.done == {0, 1} and helper.proc.returncode == 0   # reaped after its last job
+
+
+def test_a_failing_job_neither_stops_the_next_nor_hangs_the_wait(tmp_path):
+    marker = tmp_path / "second"
+    helper = cp._Helper(["raise RuntimeError('no compiler today')", f"open({str(marker)!r}, 'w').close()"])
+    helper.wait(1)
+    assert marker.exists()
+
+
+def test_a_dead_second_process_releases_the_wait():
+    helper = cp._Helper(["import os; os._exit(3)", "pass"])
+    t0 = time.perf_counter()
+    helper.wait(1)                  # ends at EOF: the caller compiles the kernel itself
+    assert 1 not in helper.done and time.perf_counter() - t0 < 30
+
+
+def test_cold_start_shares_registered_kernels_and_compiles_before_ones_first(tmp_path, monkeypatch):
+    outer, other = _fresh_kernels()
+    shared = tmp_path / "shared"
+    early = tmp_path / "early"
+    monkeypatch.setattr(cp, "_cores", lambda: 2)
+    monkeypatch.setattr(cp, "_elsewhere", {})
+    monkeypatch.setattr(cp, "_before", {})
+    monkeypatch.setattr(cp, "_pending", {})
+    cp.compile_elsewhere(other, f"open({str(shared)!r}, 'w').close()")
+    cp.compile_before(outer, f"open({str(early)!r}, 'w').close()")
+    seen = []
+
+    def forward():
+        seen.append(early.exists())  # the before-job ran first
+        outer(np.float64(1.0))
+        cp.wait_for(other)           # as a kernel's entry point does before its first call
+        seen.append(shared.exists())
+        other(np.float64(1.0))
+    assert cp.warm_up(forward, [outer, other], report=lambda *a: None) == 2
+    assert seen == [True, True] and cp._pending == {}
+
+
+def test_nothing_is_shared_on_one_core(monkeypatch):
+    outer, other = _fresh_kernels()
+    monkeypatch.setattr(cp, "_cores", lambda: 1)
+    monkeypatch.setattr(cp, "_elsewhere", {})
+    monkeypatch.setattr(cp, "_pending", {})
+    cp.compile_elsewhere(other, "pass")
+    assert cp._start_elsewhere([outer, other]) is False and cp._pending == {}
+
+
+_COLD_CHILD = r"""
+import json, sys
+from numba.core import event
+from edgeinfer.kernels_cpu import compile_progress
+compile_progress._cores = lambda: 2      # share the work as on a 2-core machine
+depth, compiled = [0], []
+class Listener(event.Listener):
+    def on_start(self, ev):
+        depth[0] += 1
+        if depth[0] == 1:
+            compiled.append(ev.data["dispatcher"].py_func.__qualname__)
+    def on_end(self, ev):
+        depth[0] -= 1
+event.register("numba:compile", Listener())
+import edgeinfer
+model = edgeinfer.load(sys.argv[1], n_ctx=256)
+text = model.generate("The capital of France is", max_tokens=6, temperature=0).text
+print(json.dumps({"compiled": compiled, "text": text}))
+"""
+
+
+def test_a_cold_start_splits_the_kernels_between_two_processes(tmp_path, gemma_path):
+    """The second process's jobs compile with the exact signatures the forward pass
+    calls (else this process would compile them again), the decode matvec compiles
+    before the pass, and the answer is the warm start's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+
+    def child() -> dict:
+        out = subprocess.run([sys.executable, "-c", _COLD_CHILD, str(gemma_path)], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold = child()
+    names = cold["compiled"]
+    assert names and names[0].startswith("_matvec_kernel"), names
+    for elsewhere in ("attention_rows", "quantize_act", "quantize_rows_q8_k", "_gelu_mul_kernel"):
+        assert not any(elsewhere in n for n in names), (elsewhere, names)
+    warm = child()
+    assert warm["compiled"] == [] and warm["text"] == cold["text"]
