@@ -15,7 +15,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .dot_kquant import (deq_row_iq4_xs, deq_row_q2_k, deq_row_q3_k, deq_row_q4_k, deq_row_q5_k, deq_row_q6_k,
-                         row_iq4_xs, row_q2_k, row_q3_k, row_q4_k, row_q5_k, row_q6_k, rows_q6_k)
+                         row_iq4_xs, row_q2_k, row_q3_k, row_q4_k, row_q5_k, row_q6_k, rows_q5_k, rows_q6_k)
 from .dot_q32 import (deq_row_iq4_nl, deq_row_q4_0, deq_row_q4_1, deq_row_q5_0, deq_row_q5_1, deq_row_q8_0,
                       row_iq4_nl, row_q4_0, row_q4_1, row_q5_0, row_q5_1, row_q8_0, rows_q8_0)
 from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
@@ -55,7 +55,7 @@ CHUNK = 16   # rows per work item: the type dispatch and call overhead, once per
 
 @njit(**_JIT)
 def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
-    """Q8_0, Q6_K and Q4_K (rows % 8 == 0) "rows" r0..r1 in a quartered order: with
+    """Q8_0, Q6_K, Q5_K and Q4_K (rows % 8 == 0) "rows" r0..r1 in a quartered order: with
     q = n_rows // 4, slot v < 4q is row v // 4 + (v % 4) * q, slots from 4q on are rows
     themselves. Four rows a quarter of the matrix apart run in one loop: four long
     sequential streams for the prefetchers (four adjacent short rows were slower from
@@ -75,9 +75,11 @@ def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
             a, b, c, d = rows_q8_0(w, i, xq, xd, xs, q)
         elif _HAS_Q6_K and qt == Q6_K:
             a, b, c, d = rows_q6_k(w, i, xq, xd, xs, q)
+        elif _HAS_Q5_K and qt == Q5_K:
+            a, b, c, d = rows_q5_k(w, i, xq, xd, xs, q)
         elif _HAS_Q4_K:
             a, b, c, d = rows4_q4_k(w, i, xq, xd, xs, q)
-        else:   # not reached: the callers pass only these three types
+        else:   # not reached: the callers pass only these four types
             a = b = c = d = np.float32(0.0)
         out[i] = a
         out[i + q] = b
@@ -87,6 +89,8 @@ def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
     for r in range(max(v, ROWS * q), r1):   # never for Q4_K (rows % 8 == 0)
         if _HAS_Q8_0 and qt == Q8_0:
             out[r] = row_q8_0(w, r, xq, xd, xs)
+        elif _HAS_Q5_K and qt == Q5_K:
+            out[r] = row_q5_k(w, r, xq, xd, xs)
         elif _HAS_Q6_K:
             out[r] = row_q6_k(w, r, xq, xd, xs)
 
@@ -113,8 +117,7 @@ def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
         for r in range(r0, r1):
             out[r] = row_q5_0(w, r, xq, xd, xs)
     elif _HAS_Q5_K and qt == Q5_K:
-        for r in range(r0, r1):
-            out[r] = row_q5_k(w, r, xq, xd, xs)
+        _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
     elif _HAS_Q4_0 and qt == Q4_0:
         for r in range(r0, r1):
             out[r] = row_q4_0(w, r, xq, xd, xs)

@@ -359,6 +359,7 @@ def _deq_q6_k(h, wrow, yrow, bi):
 
 row_q4_k = make_row_intrinsic(_make_body_q45_k(False), with_mins=True)
 row_q5_k = make_row_intrinsic(_make_body_q45_k(True))
+rows_q5_k = make_row_intrinsic(_make_body_q45_k(True), nrows=ROWS)
 row_q6_k = make_row_intrinsic(_body_q6_k)
 rows_q6_k = make_row_intrinsic(_body_q6_k, nrows=ROWS)    # prefetching lost 50% here
 row_iq4_xs = make_row_intrinsic(_body_iq4_xs)
