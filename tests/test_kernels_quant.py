@@ -187,3 +187,15 @@ def test_set_threads_applies_in_other_threads():
     finally:
         K.set_threads(before)
     assert seen == [1]
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_quartered_rows_keep_each_rows_bits(qtype):
+    # these types run four rows a quarter of the matrix apart in one loop; every row must
+    # still come out exactly as the one-row kernel computes it alone (its ggml order)
+    rng = np.random.default_rng(5)
+    w = _weights(qtype, 37, 1024, seed=9)
+    x = rng.standard_normal(1024).astype(np.float32)
+    together = K.matvec(w, qtype, x)
+    alone = np.array([K.matvec(np.ascontiguousarray(w[r:r + 1]), qtype, x)[0] for r in range(37)])
+    np.testing.assert_array_equal(together, alone)
