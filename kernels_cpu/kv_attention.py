@@ -349,9 +349,9 @@ def attention_kernel(hd: int, hdv: int):
     kernel = _ROWS_KERNELS.get(key)
     if kernel is None:
         kernel = _ROWS_KERNELS[key] = _make_attention_rows(*key)
-        # the second process's first job: a prompt's first layer needs it
+        # the second process's second job (after the row quantizer): a prompt's first layer needs it
         compile_progress.compile_elsewhere(
-            kernel, f"from edgeinfer.kernels_cpu import kv_attention; kv_attention.compile_here({int(hd)}, {int(hdv)})", 0)
+            kernel, f"from edgeinfer.kernels_cpu import kv_attention; kv_attention.compile_here({int(hd)}, {int(hdv)})", 1)
     return kernel
 
 

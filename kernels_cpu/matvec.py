@@ -70,13 +70,14 @@ def compile_quantize_here(rows: bool) -> None:
         qk.quantize_act(np.zeros(256, np.float32), 256)
 
 
-# a cold start's second process compiles these after attention: the first layer's FFN
-# needs the row quantizer, the decode step quantize_act. (The package's `matvec`
-# attribute is the function, so the job imports the module by name.)
-for _order, _kernel in ((1, qk.quantize_rows_q8_k), (2, qk.quantize_act)):
+# a cold start's second process compiles these: the row quantizer first (a K-quant
+# model's first matmul needs it; attention comes next), quantize_act last (the decode
+# step's, after the FFN's activation). The package's `matvec` attribute is the function,
+# so the job imports the module by name.
+for _order, _kernel in ((0, qk.quantize_rows_q8_k), (3, qk.quantize_act)):
     compile_progress.compile_elsewhere(
         _kernel, "import importlib; importlib.import_module('edgeinfer.kernels_cpu.matvec')"
-                 f".compile_quantize_here({_order == 1})", _order)
+                 f".compile_quantize_here({_order == 0})", _order)
 
 
 def quantize_activation_rows(X: np.ndarray, info: QuantInfo):
