@@ -207,8 +207,9 @@ def _start_elsewhere(missing: list) -> bool:
     """Start the second process on the registered kernels among `missing`; True if it started."""
     if len(missing) < 2 or _cores() < 2:
         return False   # nothing to share the work with, or no second core to share it on
-    entries = [_elsewhere[id(k)] for k in missing
-               if id(k) in _elsewhere and _elsewhere[id(k)][0] is k and id(k) not in _pending]
+    entries = [_elsewhere[id(k)] for k in missing   # (a kernel also set to compile before stays here)
+               if id(k) in _elsewhere and _elsewhere[id(k)][0] is k and id(k) not in _pending
+               and id(k) not in _before]
     if not entries or len(entries) == len(missing):
         return False   # leave this process something to compile meanwhile
     entries.sort(key=lambda e: e[2])

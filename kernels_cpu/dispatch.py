@@ -147,13 +147,6 @@ def _n_items(n_rows):
 
 
 @njit(inline="always", **_JIT)
-def _matvec_item(w, qt, xq, xd, xs, out, g):
-    """Work item g (rows g*CHUNK ..) of out = w . x."""
-    r0 = g * CHUNK
-    _dot_rows(w, qt, r0, min(r0 + CHUNK, out.shape[0]), xq, xd, xs, out)
-
-
-@njit(inline="always", **_JIT)
 def _deq_row(w, qt, r, y, i):
     """y[i] = dequantized row r of w, dispatched on the GGML type id."""
     if _HAS_Q4_K and qt == Q4_K:
@@ -195,11 +188,11 @@ CLAIMS_PER_THREAD = 8   # the last claim leaves at most ~1/8 of a share unbalanc
 @njit(inline="always", **_JIT)
 def _claimed_items(claims, n_threads, w1, q1, o1, w2, q2, o2, w3, q3, o3, xq, xd, xs):
     """On one thread: claim runs of work items from claims[0] until none are left. Items
-    number o1's rows, then o2's, then o3's (all on the same activations; o2 and o3 may be
-    empty)."""
-    n1 = _n_items(o1.shape[0])
-    n12 = n1 + _n_items(o2.shape[0])
-    n = n12 + _n_items(o3.shape[0])
+    number o1's rows, then o2's, then o3's (all on the same activations, one row of xq/xd/xs
+    and of each output per token; o2 and o3 may have no columns)."""
+    n1 = _n_items(o1.shape[1])
+    n12 = n1 + _n_items(o2.shape[1])
+    n = n12 + _n_items(o3.shape[1])
     step = max(1, n // (CLAIMS_PER_THREAD * n_threads))
     g0 = _fetch_add(claims, step)
     while g0 < n:
@@ -213,32 +206,37 @@ def _claimed_items(claims, n_threads, w1, q1, o1, w2, q2, o2, w3, q3, o3, xq, xd
 @njit(**_JIT)
 def _claimed_rows(w, qt, out, g0, g1, xq, xd, xs):
     """The rows of out's work items g0..g1 (numbered from this matrix's first; those
-    outside it skipped) in one _dot_rows call: one type dispatch a claim, not an item."""
+    outside it skipped), for every token (row of xq and out). One token (decode): one
+    _dot_rows call, so one type dispatch a claim, not an item. More (a short prompt): item
+    by item, all tokens on an item's rows while they are in L1, so each weight row is read
+    from memory once for all of them."""
+    n_rows = out.shape[1]
     a = max(g0, 0)
-    b = min(g1, _n_items(out.shape[0]))
+    b = min(g1, _n_items(n_rows))
     if a < b:
-        _dot_rows(w, qt, a * CHUNK, min(b * CHUNK, out.shape[0]), xq, xd, xs, out)
+        if xq.shape[0] == 1:
+            _dot_rows(w, qt, a * CHUNK, min(b * CHUNK, n_rows), xq[0], xd[0], xs[0], out[0])
+        else:
+            for g in range(a, b):
+                r0 = g * CHUNK
+                for t in range(xq.shape[0]):
+                    _dot_rows(w, qt, r0, min(r0 + CHUNK, n_rows), xq[t], xd[t], xs[t], out[t])
 
 
 @njit(parallel=True, **_JIT)
 def _matvec_kernel(w1, q1, w2, q2, w3, q3, xq, xd, xs, o1, o2, o3, nt):
     # up to three matrices on the same activations in one parallel region (Q, K, V;
-    # gate + up): o2 and o3 may be empty. nt: the thread count, passed in (numba's
-    # get_num_threads inside a kernel would keep it out of the on-disk cache)
+    # gate + up): o2 and o3 may have no columns. One kernel for a decoded token (one row
+    # in xq/xd/xs and the outputs) and for a short prompt (a row per token, up to
+    # matvec._INT8_MATMUL_MAX_TOKENS): one parallel kernel fewer to compile on a first
+    # start. nt: the thread count, passed in (numba's get_num_threads inside a kernel
+    # would keep it out of the on-disk cache)
     claims = np.zeros(1, np.int64)
     for _ in prange(nt):   # one iteration per thread
         _claimed_items(claims, nt, w1, q1, o1, w2, q2, o2, w3, q3, o3, xq, xd, xs)
 
 
-_NO_OUT = np.empty(0, np.float32)
-
-
-@njit(parallel=True, **_JIT)
-def _matmul_kernel(w, qt, xq, xd, xs, out):
-    # each group of weight rows is read once (it stays in L1/L2) for all tokens
-    for g in prange(_n_items(w.shape[0])):
-        for t in range(xq.shape[0]):
-            _matvec_item(w, qt, xq[t], xd[t], xs[t], out[t], g)
+_NO_OUT = np.empty((1, 0), np.float32)   # "no second/third matrix"
 
 
 @njit(parallel=True, **_JIT)
@@ -268,8 +266,8 @@ def _dequant_rows_kernel(w, qt, rows, y):
 # has its own file in Numba's on-disk cache), made once per type set and process. The
 # code of a type is the one definition above, whichever copies contain it: the same bits.
 
-_SPECIALISED = ("_quartered_rows", "_dot_rows", "_deq_row", "_matvec_item", "_claimed_rows",
-                "_claimed_items", "_matvec_kernel", "_matmul_kernel", "_dequant_kernel",
+_SPECIALISED = ("_quartered_rows", "_dot_rows", "_deq_row", "_claimed_rows",
+                "_claimed_items", "_matvec_kernel", "_dequant_kernel",
                 "_dequant_kernel_serial", "_dequant_rows_kernel")   # callees before callers
 _SETS: dict = {}         # type set (sorted tuple) -> its kernels
 _MODEL_SETS: list = []   # sets registered by use_types, the latest first
@@ -295,9 +293,9 @@ class KernelSet:
             setattr(self, name[1:], g[name])   # ks.dot_rows, ks.matvec_kernel, ...
 
     def forward_kernels(self) -> list:
-        """The kernels a short prompt and a decoded token compile (matvec, the 8-bit
-        matmul, the row lookup), for compile_progress.warm_up's check."""
-        return [self.matvec_kernel, self.matmul_kernel, self.dequant_rows_kernel]
+        """The kernels a short prompt and a decoded token compile (the 8-bit matvec /
+        short matmul, the row lookup), for compile_progress.warm_up's check."""
+        return [self.matvec_kernel, self.dequant_rows_kernel]
 
 
 def kernel_set(qts) -> KernelSet:
@@ -340,10 +338,15 @@ def compile_here(qts: tuple) -> None:
     n_cols = 256
     w = np.zeros((CHUNK, row_bytes(qt, n_cols)), np.uint8)
     w.flags.writeable = False
-    xq = np.zeros(n_cols, np.int8)
-    xd = np.zeros(n_cols // info.act_block, np.float32)
-    xs = np.zeros(n_cols // (32 if info.act_block == 32 else 16), np.int32)
-    matvec_fast(w, qt, xq, xd, xs, np.empty(CHUNK, np.float32))
+    xq = np.zeros((2, n_cols), np.int8)
+    xd = np.zeros((2, n_cols // info.act_block), np.float32)
+    xs = np.zeros((2, n_cols // (32 if info.act_block == 32 else 16)), np.int32)
+    matmul_int(w, qt, xq, xd, xs, np.empty((2, CHUNK), np.float32))
+
+
+def model_set() -> KernelSet | None:
+    """The kernel set of the latest model registered with use_types (None before any)."""
+    return kernel_set(_MODEL_SETS[0]) if _MODEL_SETS else None
 
 
 def kernels_for(*qts: int) -> KernelSet:
@@ -366,13 +369,17 @@ def matvec_fast(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
     """out[r] = row r . activations (quantized by matvec.quantize_activations) for a fast-path type."""
     if compile_progress._pending:
         compile_progress.wait_for(kernels_for(qt).matvec_kernel)
-    kernels_for(qt).matvec_kernel(w_raw, qt, w_raw, qt, w_raw, qt, xq, xd, xs, out, _NO_OUT, _NO_OUT,
-                                   get_threads())
+    kernels_for(qt).matvec_kernel(w_raw, qt, w_raw, qt, w_raw, qt, xq[None], xd[None], xs[None], out[None],
+                                   _NO_OUT, _NO_OUT, get_threads())
 
 
 def matmul_int(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
-    """out[t, r] = row r . token t's 8-bit activations (xq/xd/xs with one row per token)."""
-    kernels_for(qt).matmul_kernel(w_raw, qt, xq, xd, xs, out)
+    """out[t, r] = row r . token t's 8-bit activations (xq/xd/xs with one row per token):
+    each the same bits as matvec_fast on token t alone."""
+    if compile_progress._pending:
+        compile_progress.wait_for(kernels_for(qt).matvec_kernel)
+    kernels_for(qt).matvec_kernel(w_raw, qt, w_raw, qt, w_raw, qt, xq, xd, xs, out, _NO_OUT, _NO_OUT,
+                                   get_threads())
 
 
 def dequantize_fast(w_raw: np.ndarray, qt: int, start: int, y: np.ndarray) -> None:
@@ -395,11 +402,11 @@ def matvec_fast_many(ws: list, qts: list, xq, xd, xs, outs: list) -> None:
     if compile_progress._pending:
         compile_progress.wait_for(kernels_for(*qts).matvec_kernel)
     if len(ws) == 2:
-        kernels_for(*qts).matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[1], qts[1], xq, xd, xs, outs[0], outs[1],
-                                         _NO_OUT, get_threads())
+        kernels_for(*qts).matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[1], qts[1], xq[None], xd[None], xs[None],
+                                         outs[0][None], outs[1][None], _NO_OUT, get_threads())
     elif len(ws) == 3:
-        kernels_for(*qts).matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[2], qts[2], xq, xd, xs, outs[0], outs[1],
-                                         outs[2], get_threads())
+        kernels_for(*qts).matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[2], qts[2], xq[None], xd[None], xs[None],
+                                         outs[0][None], outs[1][None], outs[2][None], get_threads())
     else:
         for w, qt, out in zip(ws, qts, outs):
             matvec_fast(w, qt, xq, xd, xs, out)

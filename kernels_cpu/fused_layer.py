@@ -15,8 +15,10 @@ from types import FunctionType
 import numpy as np
 from numba import njit, prange
 
+from . import compile_progress
 from . import quant_kernels as qk
-from .dispatch import kernels_for
+from .dispatch import kernel_set, kernels_for, model_set, use_types
+from .quant_types import quant_info, row_bytes
 from .ops import _rms_norm_kernel, _silu_mul_kernel
 from .threads import apply_threads, get_threads
 
@@ -32,21 +34,23 @@ def _norm_swiglu_residual(x, norm_w, eps, wg, qg, wu, qu, act_gu, wd, qd, act_d,
     h = np.empty((1, n), np.float32)
     _rms_norm_kernel(x.reshape(1, n), norm_w, eps, h)
     xq, xd, xs = qk.quantize_act(h[0], act_gu)
-    gate = np.empty(wg.shape[0], np.float32)
-    up = np.empty(wu.shape[0], np.float32)
-    none = np.empty(0, np.float32)
+    gate = np.empty((1, wg.shape[0]), np.float32)   # one row: claimed_items' token axis
+    up = np.empty((1, wu.shape[0]), np.float32)
+    none = np.empty((1, 0), np.float32)
     claims = np.zeros(2, np.int64)
     for _ in prange(nt):   # as dispatch._matvec_kernel: one iteration per thread
-        claimed_items(claims[0:1], nt, wg, qg, gate, wu, qu, up, wu, qu, none, xq, xd, xs)  # noqa: F821
-    act = np.empty_like(gate)
-    _silu_mul_kernel(gate, up, act)
+        claimed_items(claims[0:1], nt, wg, qg, gate, wu, qu, up, wu, qu, none,  # noqa: F821
+                      xq.reshape((1, xq.shape[0])), xd.reshape((1, xd.shape[0])), xs.reshape((1, xs.shape[0])))
+    act = np.empty(wg.shape[0], np.float32)
+    _silu_mul_kernel(gate[0], up[0], act)
     aq, ad, as_ = qk.quantize_act(act, act_d)
-    down = np.empty(wd.shape[0], np.float32)
+    down = np.empty((1, wd.shape[0]), np.float32)
     for _ in prange(nt):
-        claimed_items(claims[1:2], nt, wd, qd, down, wd, qd, none, wd, qd, none, aq, ad, as_)  # noqa: F821
+        claimed_items(claims[1:2], nt, wd, qd, down, wd, qd, none, wd, qd, none,  # noqa: F821
+                      aq.reshape((1, aq.shape[0])), ad.reshape((1, ad.shape[0])), as_.reshape((1, as_.shape[0])))
     out = np.empty(n, np.float32)
     for k in range(n):
-        out[k] = x[k] + down[k]
+        out[k] = x[k] + down[0, k]
     return out
 
 
@@ -75,3 +79,29 @@ def norm_swiglu_residual(x: np.ndarray, norm_w: np.ndarray, eps: float, gate_up,
     kernel = _kernel(kernels_for(g.qt, u.qt, down.qt))
     return kernel(x, norm_w, np.float32(eps), g.w, g.qt, u.w, u.qt, g.info.act_block,
                   down.w, down.qt, down.info.act_block, get_threads())
+
+
+def model_kernel():
+    """The fused decode MLP for the latest registered model's kernel set (None before
+    any), set to compile first on a cold start that shares its work with a second process
+    (compile_progress.compile_before: decode needs it only after the prompt, and it is
+    the largest kernel a SwiGLU model compiles)."""
+    ks = model_set()
+    if ks is None:
+        return None
+    kernel = _kernel(ks)
+    compile_progress.compile_before(
+        kernel, f"from edgeinfer.kernels_cpu import fused_layer; fused_layer.compile_here({ks.types!r})")
+    return kernel
+
+
+def compile_here(qts: tuple) -> None:
+    """Compile (or load) the fused decode MLP of the kernel set for these type ids with the
+    signature decoding calls it with (float32 vectors, read-only weights), on zeros."""
+    use_types(qts)
+    qt = int(qts[0])
+    act = quant_info(qt).act_block
+    w = np.zeros((256, row_bytes(qt, 256)), np.uint8)
+    w.flags.writeable = False
+    x, norm_w = np.zeros(256, np.float32), np.ones(256, np.float32)
+    _kernel(kernel_set(qts))(x, norm_w, np.float32(1e-6), w, qt, w, qt, act, w, qt, act, get_threads())
