@@ -9,12 +9,13 @@ otherwise. A warm cache compiles nothing and prints nothing. A front end with it
 screen (the TUI) installs its callback with `set_reporter`.
 
 Numba compiles under one lock per process, so a cold start compiles one kernel at a time.
-Kernels registered with `compile_elsewhere` (attention, the decode step's activation
-quantizer and matvec: about half of the work, none of it needed before the prompt's
-first attention) are given to one second Python process at a cold start, which compiles
-them in order into the shared on-disk cache while this one compiles the rest; the first
-call needing one waits for that job (`wait_for`) and loads it from the cache. A warm
-cache starts no process.
+On 2+ cores the work is shared. Kernels registered with `compile_elsewhere` (the K-quant
+row quantizer, attention, the gated activation, quantize_act: about half of it) are
+given to one second Python process, which compiles them in order, as a forward pass
+needs them, into the shared on-disk cache; the first call needing one waits for its job
+(`wait_for`) and loads it from the cache. Kernels registered with `compile_before` (the
+decode step's matvec and fused MLP, needed only at the pass's end) compile here first,
+so that neither process waits on the other. A warm cache starts no process.
 """
 from __future__ import annotations
 
