@@ -62,8 +62,9 @@ class CpuBackend(Backend):
     def forward_kernels(self, config) -> list:
         """The Numba kernels a forward pass of this model compiles on its first tokens (a
         short prompt, then decode): what kernels_cpu.compile_progress.warm_up checks."""
-        from edgeinfer.kernels_cpu import compile_progress, f16
+        from edgeinfer.kernels_cpu import f16
         from edgeinfer.kernels_cpu import quant_kernels as qk
+        from edgeinfer.kernels_cpu.matvec import compile_quantize_act_first
 
         kernels = [*self._type_kernels, qk.quantize_act, ops._rms_norm_kernel, ops._rope_kernel, ops._rope_cache_kernel,
                    f16._round_f16_kernel, kv_attention.attention_kernel(config.head_dim, config.head_dim_v)]
@@ -75,8 +76,7 @@ class CpuBackend(Backend):
             kernels.append(ops._gelu_mul_kernel)
             # nothing big is left for the end of the pass: this process compiles the decode
             # step's quantizer first rather than wait for the second process to get to it
-            compile_progress.compile_before(qk.quantize_act, "from edgeinfer.kernels_cpu import quant_kernels as qk; "
-                                            "import numpy as np; qk.quantize_act(np.zeros(256, np.float32), 256)")
+            compile_quantize_act_first()
         else:   # SwiGLU: a decoded token's MLP is one fused kernel (fused_layer)
             kernels.append(ops._silu_mul_kernel)
             fused = fused_layer.model_kernel()

@@ -104,11 +104,8 @@ def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
             vals = rows8_q4_k_x8(w, g, xq, xd, xs)
             for k in range(X8_ROWS):
                 out[X8_ROWS * g + k] = vals[k]
-    elif _HAS_Q6_K and qt == Q6_K:
-        _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
-    elif _HAS_Q8_0 and qt == Q8_0:
-        _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
-    elif _HAS_Q4_K and qt == Q4_K and w.shape[0] % 8 == 0:
+    elif ((_HAS_Q6_K and qt == Q6_K) or (_HAS_Q8_0 and qt == Q8_0) or (_HAS_Q5_K and qt == Q5_K)
+          or (_HAS_Q4_K and qt == Q4_K and w.shape[0] % 8 == 0)):
         _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
     elif _HAS_Q4_K and qt == Q4_K:   # llama.cpp repacks only matrices with rows % 8 == 0
         for r in range(r0, r1):
@@ -116,8 +113,6 @@ def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
     elif _HAS_Q5_0 and qt == Q5_0:
         for r in range(r0, r1):
             out[r] = row_q5_0(w, r, xq, xd, xs)
-    elif _HAS_Q5_K and qt == Q5_K:
-        _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
     elif _HAS_Q4_0 and qt == Q4_0:
         for r in range(r0, r1):
             out[r] = row_q4_0(w, r, xq, xd, xs)
@@ -336,12 +331,19 @@ def compile_here(qts: tuple) -> None:
     qt = int(qts[0])
     info = quant_info(qt)
     n_cols = 256
-    w = np.zeros((CHUNK, row_bytes(qt, n_cols)), np.uint8)
-    w.flags.writeable = False
+    w = zero_weights(qt, CHUNK, n_cols)
     xq = np.zeros((2, n_cols), np.int8)
     xd = np.zeros((2, n_cols // info.act_block), np.float32)
     xs = np.zeros((2, n_cols // (32 if info.act_block == 32 else 16)), np.int32)
     matmul_int(w, qt, xq, xd, xs, np.empty((2, CHUNK), np.float32))
+
+
+def zero_weights(qt: int, n_rows: int, n_cols: int) -> np.ndarray:
+    """A matrix of zero blocks of type qt, read-only as the model's mapped weights are (the
+    signature a compile_here job must give its kernel)."""
+    w = np.zeros((n_rows, row_bytes(qt, n_cols)), np.uint8)
+    w.flags.writeable = False
+    return w
 
 
 def model_set() -> KernelSet | None:

@@ -17,8 +17,8 @@ from numba import njit, prange
 
 from . import compile_progress
 from . import quant_kernels as qk
-from .dispatch import kernel_set, kernels_for, model_set, use_types
-from .quant_types import quant_info, row_bytes
+from .dispatch import kernels_for, model_set, use_types, zero_weights
+from .quant_types import quant_info
 from .ops import _rms_norm_kernel, _silu_mul_kernel
 from .threads import apply_threads, get_threads
 
@@ -98,10 +98,9 @@ def model_kernel():
 def compile_here(qts: tuple) -> None:
     """Compile (or load) the fused decode MLP of the kernel set for these type ids with the
     signature decoding calls it with (float32 vectors, read-only weights), on zeros."""
-    use_types(qts)
+    ks = use_types(qts)
     qt = int(qts[0])
     act = quant_info(qt).act_block
-    w = np.zeros((256, row_bytes(qt, 256)), np.uint8)
-    w.flags.writeable = False
+    w = zero_weights(qt, 256, 256)
     x, norm_w = np.zeros(256, np.float32), np.ones(256, np.float32)
-    _kernel(kernel_set(qts))(x, norm_w, np.float32(1e-6), w, qt, w, qt, act, w, qt, act, get_threads())
+    _kernel(ks)(x, norm_w, np.float32(1e-6), w, qt, w, qt, act, w, qt, act, get_threads())

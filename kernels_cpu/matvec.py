@@ -70,14 +70,22 @@ def compile_quantize_here(rows: bool) -> None:
         qk.quantize_act(np.zeros(256, np.float32), 256)
 
 
+def _quantize_job(rows: bool) -> str:
+    # the package's `matvec` attribute is the function, so the job imports the module by name
+    return f"import importlib; importlib.import_module('edgeinfer.kernels_cpu.matvec').compile_quantize_here({rows})"
+
+
+def compile_quantize_act_first() -> None:
+    """On a cold start shared with a second process, compile quantize_act here before the
+    forward pass instead (for a model whose pass leaves nothing big for its end)."""
+    compile_progress.compile_before(qk.quantize_act, _quantize_job(False))
+
+
 # a cold start's second process compiles these: the row quantizer first (a K-quant
 # model's first matmul needs it; attention comes next), quantize_act last (the decode
-# step's, after the FFN's activation). The package's `matvec` attribute is the function,
-# so the job imports the module by name.
-for _order, _kernel in ((0, qk.quantize_rows_q8_k), (3, qk.quantize_act)):
-    compile_progress.compile_elsewhere(
-        _kernel, "import importlib; importlib.import_module('edgeinfer.kernels_cpu.matvec')"
-                 f".compile_quantize_here({_order == 0})", _order)
+# step's, after the FFN's activation)
+compile_progress.compile_elsewhere(qk.quantize_rows_q8_k, _quantize_job(True), 0)
+compile_progress.compile_elsewhere(qk.quantize_act, _quantize_job(False), 3)
 
 
 def quantize_activation_rows(X: np.ndarray, info: QuantInfo):

@@ -186,7 +186,6 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return out
 
 
-
 # a cold start's second process compiles the FFN's gated activation third (with the
 # signature the forward pass uses: float32 vectors, and for GELU the backend's table)
 _ZEROS = "import numpy as np; from edgeinfer.kernels_cpu import ops; z = np.zeros(8, np.float32); "

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import io
+import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -189,51 +193,37 @@ print(json.dumps({"compiled": compiled, "text": text}))
 """
 
 
+def _load_in_child(model_path, cache) -> dict:
+    """_COLD_CHILD on this model with this Numba cache folder: what it compiled and said."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
+    out = subprocess.run([sys.executable, "-c", _COLD_CHILD, str(model_path)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_a_cold_start_splits_the_kernels_between_two_processes(tmp_path, gemma_path):
     """The second process's jobs compile with the exact signatures the forward pass
     calls (else this process would compile them again), the decode step's kernels
     compile before the pass, and the answer is the warm start's."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-
-    def child() -> dict:
-        out = subprocess.run([sys.executable, "-c", _COLD_CHILD, str(gemma_path)], env=env,
-                             capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    cold = child()
+    cold = _load_in_child(gemma_path, tmp_path)
     names = cold["compiled"]
     # this process: the decode step's kernels first (compile_before), then the pass's own
     assert names[:2] and names[0].startswith("_matvec_kernel") and names[1] == "quantize_act", names
     for elsewhere in ("attention_rows", "quantize_rows_q8_k", "_gelu_mul_kernel"):
         assert not any(elsewhere in n for n in names), (elsewhere, names)
-    warm = child()
+    warm = _load_in_child(gemma_path, tmp_path)
     assert warm["compiled"] == [] and warm["text"] == cold["text"]
 
 
 def test_a_swiglu_model_compiles_its_fused_decode_kernel_first(tmp_path):
     """A SwiGLU model's decode MLP (fused_layer), its largest kernel, compiles before the
     pass with the signature decoding uses (not again at the first decoded token)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    sys.path.insert(0, os.path.dirname(__file__))
     from gguf_factory import TinyShape, spm_vocab, write_tiny_model
 
     path = write_tiny_model(tmp_path / "llama.gguf", "llama", "Q4_K", vocab=spm_vocab(),
                             shape=TinyShape(n_embd=256, n_layer=1, n_head=2, n_head_kv=1, head_dim=128,
                                             n_ff=256, n_ctx=256))
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
-    out = subprocess.run([sys.executable, "-c", _COLD_CHILD, str(path)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    names = json.loads(out.stdout.strip().splitlines()[-1])["compiled"]
+    names = _load_in_child(path, tmp_path / "cache")["compiled"]
     assert names[0].startswith("_matvec_kernel") and names[1].startswith("_norm_swiglu_residual"), names
     assert sum(n.startswith("_norm_swiglu_residual") for n in names) == 1, names
