@@ -137,7 +137,7 @@ def main(argv=None) -> None:
         if plain:
             print(f"{'  plain kernel GB/s':<30}" + "".join(f"{c:>18}" for c in plain))
         if pre:
-            path = "int8" if K.matmul_uses_int8(qtype, args.prefill_tokens) else "BLAS"
+            path = "int8" if K.matmul_uses_int8(qtype, args.prefill_tokens, args.rows) else "BLAS"
             print(f"{f'  matmul {args.prefill_tokens} tok GFLOP/s ({path})':<30}" + "".join(f"{c:>18}" for c in pre))
 
 

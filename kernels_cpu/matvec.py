@@ -18,10 +18,12 @@ from . import quant_kernels as qk
 from .quant_types import QuantInfo, check_weight
 from .threads import apply_threads, get_threads, worker_pool
 
-from . import dispatch, tile_gemm
+from . import dispatch, gemm_q4k, tile_gemm
 
 # EDGEINFER_PLAIN_KERNELS=1 routes every type through the plain Numba kernels (debugging).
 _FAST = not os.environ.get("EDGEINFER_PLAIN_KERNELS")
+# EDGEINFER_NO_Q4K_GEMM=1 sends long Q4_K prompts to dequantize + BLAS (A/B benchmarks).
+_Q4K_GEMM = _FAST and not os.environ.get("EDGEINFER_NO_Q4K_GEMM")
 
 
 def _fast(qt: int) -> bool:
@@ -228,10 +230,10 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
     return out
 
 
-def matmul_uses_int8(qtype: T, n_tokens: int) -> bool:
-    """Whether matmul takes an 8-bit activation path: the decode row kernels (the same
-    numbers as matvec) or the VNNI tiles (else dequantized tiles + BLAS)."""
-    return matmul_uses_rows(qtype, n_tokens) or _uses_tiles(int(qtype))
+def matmul_uses_int8(qtype: T, n_tokens: int, n_rows: int) -> bool:
+    """Whether matmul takes an 8-bit activation path: the decode row kernels or gemm_q4k
+    (the same numbers as matvec) or the VNNI tiles (else dequantized tiles + BLAS)."""
+    return matmul_uses_rows(qtype, n_tokens) or _uses_tiles(int(qtype)) or uses_q4k_gemm(qtype, n_rows)
 
 
 def matmul_uses_rows(qtype: T, n_tokens: int) -> bool:
@@ -245,14 +247,53 @@ def _uses_tiles(qt: int) -> bool:
     return _FAST and qt in tile_gemm.TILE_LAYOUTS and tile_gemm.has_vnni()
 
 
+def uses_q4k_gemm(qtype, n_rows: int) -> bool:
+    """Whether a long prompt on this matrix takes gemm_q4k (Q4_K in the file's layout, rows
+    in eights, an AVX2 CPU without VNNI): the decoded token's bits, ~1.4x the float GEMM."""
+    return (_Q4K_GEMM and int(qtype) == qk.Q4_K and n_rows % gemm_q4k.GROUP_ROWS == 0
+            and gemm_q4k.host_has_avx2() and not tile_gemm.has_vnni())
+
+
+def _run_pieces(pieces: list, run_piece) -> None:
+    """run_piece(*piece) for every piece, on the worker threads: each takes the next piece
+    in turn, as the decode matvecs claim rows, so a core slowed by another process takes
+    fewer."""
+    n_threads = get_threads()
+    todo = queue.SimpleQueue()
+    for p in pieces:
+        todo.put(p)
+
+    def run(_):
+        while True:
+            try:
+                p = todo.get_nowait()
+            except queue.Empty:
+                return
+            run_piece(*p)
+    if n_threads == 1:
+        run(0)
+    else:
+        list(worker_pool(n_threads).map(run, range(n_threads)))
+
+
+def _split(n: int, total: int, step: int):
+    """Pieces [a, b) of range(n) in multiples of `step`: about CLAIMS_PER_THREAD a thread,
+    sized by `total` (the row count of every matrix of the call)."""
+    size = max(step, total // (dispatch.CLAIMS_PER_THREAD * get_threads()) // step * step)
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
 def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | None = None) -> list[np.ndarray]:
     """[matmul(w, qt, X) for w, qt in zip(ws, qtypes)] for matrices on the same input
-    (Q/K/V, gate/up). Where every one takes the 8-bit tiles, X is quantized and packed once
-    and each thread gets its share of the rows of all of them in one batch (the worker
-    pool, not a Numba parallel region: its OpenMP worker would spin beside them)."""
+    (Q/K/V, gate/up). Where every one takes the 8-bit tiles or every one gemm_q4k, X is
+    quantized and packed once and each thread gets its share of the rows of all of them
+    in one batch (the worker pool, not a Numba parallel region: its OpenMP worker would
+    spin beside them)."""
     infos = [check_weight(w, qt) for w, qt in zip(ws, qtypes)]
     qts = [int(info.qtype) for info in infos]
-    if matmul_uses_rows(qts[0], X.shape[0]) or not all(_uses_tiles(qt) for qt in qts):
+    tiles = all(_uses_tiles(qt) for qt in qts)
+    q4k = all(uses_q4k_gemm(qt, w.shape[0]) for qt, w in zip(qts, ws))
+    if matmul_uses_rows(qts[0], X.shape[0]) or not (tiles or q4k):
         return [matmul(w, qt, X) for w, qt in zip(ws, qtypes)]
     ws = [_readonly(w) for w in ws]
     X = np.ascontiguousarray(X, dtype=np.float32)
@@ -263,29 +304,17 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
     if outs is None:
         outs = [np.empty((X.shape[0], w.shape[0]), np.float32) for w in ws]
     apply_threads()
-    packed = tile_gemm.pack_activations(X)
-    n_threads = get_threads()
-    # pieces of all rows, which the threads take in turn as the decode matvecs claim theirs
-    # (about CLAIMS_PER_THREAD each): a core slowed by another process takes fewer
-    step = tile_gemm.TILE_ROWS
-    n_pieces = dispatch.CLAIMS_PER_THREAD * n_threads
-    size = max(step, sum(w.shape[0] for w in ws) // n_pieces // step * step)
-    pieces = queue.SimpleQueue()
-    for w, qt, out in zip(ws, qts, outs):
-        for a in range(0, w.shape[0], size):
-            pieces.put((w, qt, a, min(a + size, w.shape[0]), out))
-
-    def run(_):
-        while True:
-            try:
-                w, qt, a, b, out = pieces.get_nowait()
-            except queue.Empty:
-                return
-            tile_gemm.matmul_rows(w, qt, a, b, packed, out)
-    if n_threads == 1:
-        run(0)
+    total = sum(w.shape[0] for w in ws)
+    if tiles:
+        packed = tile_gemm.pack_activations(X)
+        pieces = [(w, qt, a, b, out) for w, qt, out in zip(ws, qts, outs)
+                  for a, b in _split(w.shape[0], total, tile_gemm.TILE_ROWS)]
+        _run_pieces(pieces, lambda w, qt, a, b, out: tile_gemm.matmul_rows(w, qt, a, b, packed, out))
     else:
-        list(worker_pool(n_threads).map(run, range(n_threads)))
+        packed = gemm_q4k.pack_activations(*quantize_activation_rows(X, infos[0]))
+        g = gemm_q4k.GROUP_ROWS
+        pieces = [(w, a, b, out) for w, out in zip(ws, outs) for a, b in _split(w.shape[0] // g, total // g, 1)]
+        _run_pieces(pieces, lambda w, a, b, out: gemm_q4k.matmul_rows(w, a, b, packed, out))
     return outs
 
 
@@ -318,7 +347,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         xq, xd, xs = quantize_activation_rows(X, info)
         dispatch.matmul_int(w_raw, qt, xq, xd, xs, out)
         return out
-    if _uses_tiles(qt):
+    if _uses_tiles(qt) or uses_q4k_gemm(qt, n_rows):
         matmul_many([w_raw], [qt], X, [out])
         return out
     n_threads = get_threads()

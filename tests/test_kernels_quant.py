@@ -93,7 +93,7 @@ def test_matmul_matches_reference(qtype):
         X = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
         Y = K.matmul(w, qtype, X)
         assert Y.shape == (n_tok, n_rows) and Y.dtype == np.float32
-        if K.matmul_uses_int8(qtype, n_tok):    # 8-bit activations, as matvec: same bounds
+        if K.matmul_uses_int8(qtype, n_tok, n_rows):    # 8-bit activations, as matvec: same bounds
             rows = MATVEC.matmul_uses_rows(qtype, n_tok)   # else the VNNI tiles: 32-blocks
             Xq = np.stack([reference_quantize_act(x, act if rows else 32) for x in X])
             tol = 2e-5 * (np.abs(Xq) @ np.abs(W).T) + 1e-30
