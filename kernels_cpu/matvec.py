@@ -18,12 +18,12 @@ from . import quant_kernels as qk
 from .quant_types import QuantInfo, check_weight
 from .threads import apply_threads, get_threads, worker_pool
 
-from . import dispatch, gemm_q4k, tile_gemm
+from . import dispatch, gemm_kquant, tile_gemm
 
 # EDGEINFER_PLAIN_KERNELS=1 routes every type through the plain Numba kernels (debugging).
 _FAST = not os.environ.get("EDGEINFER_PLAIN_KERNELS")
-# EDGEINFER_NO_Q4K_GEMM=1 sends long Q4_K prompts to dequantize + BLAS (A/B benchmarks).
-_Q4K_GEMM = _FAST and not os.environ.get("EDGEINFER_NO_Q4K_GEMM")
+# EDGEINFER_NO_KQUANT_GEMM=1 sends long Q4_K / Q6_K prompts to dequantize + BLAS (A/B benchmarks).
+_KQUANT_GEMM = _FAST and not os.environ.get("EDGEINFER_NO_KQUANT_GEMM")
 
 
 def _fast(qt: int) -> bool:
@@ -231,9 +231,9 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
 
 
 def matmul_uses_int8(qtype: T, n_tokens: int, n_rows: int) -> bool:
-    """Whether matmul takes an 8-bit activation path: the decode row kernels or gemm_q4k
-    (the same numbers as matvec) or the VNNI tiles (else dequantized tiles + BLAS)."""
-    return matmul_uses_rows(qtype, n_tokens) or _uses_tiles(int(qtype)) or uses_q4k_gemm(qtype, n_rows)
+    """Whether matmul takes an 8-bit activation path: the decode row kernels (the same
+    numbers as matvec), gemm_kquant or the VNNI tiles (else dequantized tiles + BLAS)."""
+    return matmul_uses_rows(qtype, n_tokens) or _uses_tiles(int(qtype)) or uses_kquant_gemm(qtype, n_rows)
 
 
 def matmul_uses_rows(qtype: T, n_tokens: int) -> bool:
@@ -247,11 +247,12 @@ def _uses_tiles(qt: int) -> bool:
     return _FAST and qt in tile_gemm.TILE_LAYOUTS and tile_gemm.has_vnni()
 
 
-def uses_q4k_gemm(qtype, n_rows: int) -> bool:
-    """Whether a long prompt on this matrix takes gemm_q4k (Q4_K in the file's layout, rows
-    in eights, an AVX2 CPU without VNNI): the decoded token's bits, ~1.4x the float GEMM."""
-    return (_Q4K_GEMM and int(qtype) == qk.Q4_K and n_rows % gemm_q4k.GROUP_ROWS == 0
-            and gemm_q4k.host_has_avx2() and not tile_gemm.has_vnni())
+def uses_kquant_gemm(qtype, n_rows: int) -> bool:
+    """Whether a long prompt on this matrix takes gemm_kquant (Q4_K in the file's layout or
+    Q6_K, rows in eights, an AVX2 CPU without VNNI): about twice the float GEMM; for Q4_K
+    the decoded token's bits."""
+    return (_KQUANT_GEMM and int(qtype) in gemm_kquant.GEMM_TYPES and n_rows % gemm_kquant.GROUP_ROWS == 0
+            and gemm_kquant.host_has_avx2() and not tile_gemm.has_vnni())
 
 
 def _run_pieces(pieces: list, run_piece) -> None:
@@ -285,15 +286,15 @@ def _split(n: int, total: int, step: int):
 
 def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | None = None) -> list[np.ndarray]:
     """[matmul(w, qt, X) for w, qt in zip(ws, qtypes)] for matrices on the same input
-    (Q/K/V, gate/up). Where every one takes the 8-bit tiles or every one gemm_q4k, X is
+    (Q/K/V, gate/up). Where every one takes the 8-bit tiles or every one gemm_kquant, X is
     quantized and packed once and each thread gets its share of the rows of all of them
     in one batch (the worker pool, not a Numba parallel region: its OpenMP worker would
     spin beside them)."""
     infos = [check_weight(w, qt) for w, qt in zip(ws, qtypes)]
     qts = [int(info.qtype) for info in infos]
     tiles = all(_uses_tiles(qt) for qt in qts)
-    q4k = all(uses_q4k_gemm(qt, w.shape[0]) for qt, w in zip(qts, ws))
-    if matmul_uses_rows(qts[0], X.shape[0]) or not (tiles or q4k):
+    kquant = all(uses_kquant_gemm(qt, w.shape[0]) for qt, w in zip(qts, ws))
+    if matmul_uses_rows(qts[0], X.shape[0]) or not (tiles or kquant):
         return [matmul(w, qt, X) for w, qt in zip(ws, qtypes)]
     ws = [_readonly(w) for w in ws]
     X = np.ascontiguousarray(X, dtype=np.float32)
@@ -311,10 +312,11 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
                   for a, b in _split(w.shape[0], total, tile_gemm.TILE_ROWS)]
         _run_pieces(pieces, lambda w, qt, a, b, out: tile_gemm.matmul_rows(w, qt, a, b, packed, out))
     else:
-        packed = gemm_q4k.pack_activations(*quantize_activation_rows(X, infos[0]))
-        g = gemm_q4k.GROUP_ROWS
-        pieces = [(w, a, b, out) for w, out in zip(ws, outs) for a, b in _split(w.shape[0] // g, total // g, 1)]
-        _run_pieces(pieces, lambda w, a, b, out: gemm_q4k.matmul_rows(w, a, b, packed, out))
+        packed = gemm_kquant.pack_activations(*quantize_activation_rows(X, infos[0]))
+        g = gemm_kquant.GROUP_ROWS
+        pieces = [(w, qt, a, b, out) for w, qt, out in zip(ws, qts, outs)
+                  for a, b in _split(w.shape[0] // g, total // g, 1)]
+        _run_pieces(pieces, lambda w, qt, a, b, out: gemm_kquant.matmul_rows(w, qt, a, b, packed, out))
     return outs
 
 
@@ -347,7 +349,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         xq, xd, xs = quantize_activation_rows(X, info)
         dispatch.matmul_int(w_raw, qt, xq, xd, xs, out)
         return out
-    if _uses_tiles(qt) or uses_q4k_gemm(qt, n_rows):
+    if _uses_tiles(qt) or uses_kquant_gemm(qt, n_rows):
         matmul_many([w_raw], [qt], X, [out])
         return out
     n_threads = get_threads()

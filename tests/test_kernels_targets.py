@@ -90,19 +90,21 @@ for qt in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q6_K):
         if not np.array_equal(out8, plain8):
             sys.exit("Q4_K_X8 tiles differ from Q4_K's")
         results["tiles_Q4_K_X8"] = out8
-# the Q4_K prefill GEMM (AVX2's vpmaddubsw or the portable IR): each token matvec's bits
+# the K-quant prefill GEMM (AVX2's vpmaddubsw or the portable IR): Q4_K tokens get matvec's bits
 import importlib
-from edgeinfer.kernels_cpu import gemm_q4k
+from edgeinfer.kernels_cpu import gemm_kquant
 MV = importlib.import_module("edgeinfer.kernels_cpu.matvec")
-w = random_blocks(T.Q4_K, 16, 512, rng)
-w.flags.writeable = False
 X = rng.standard_normal((7, 512)).astype(np.float32)
-out = np.empty((7, 16), np.float32)
-gemm_q4k.matmul_rows(w, 0, 2, gemm_q4k.pack_activations(*MV.quantize_activation_rows(X, K.quant_info(T.Q4_K))), out)
-for t in range(7):
-    if not np.array_equal(out[t], K.matvec(w, T.Q4_K, X[t])):
-        sys.exit(f"gemm_q4k token {t} differs from matvec")
-results["gemm_q4k"] = out
+packed = gemm_kquant.pack_activations(*MV.quantize_activation_rows(X, K.quant_info(T.Q4_K)))
+for qt in (T.Q4_K, T.Q6_K):
+    w = random_blocks(qt, 16, 512, rng)
+    w.flags.writeable = False
+    out = np.empty((7, 16), np.float32)
+    gemm_kquant.matmul_rows(w, int(qt), 0, 2, packed, out)
+    for t in range(7 if qt == T.Q4_K else 0):
+        if not np.array_equal(out[t], K.matvec(w, T.Q4_K, X[t])):
+            sys.exit(f"gemm_kquant token {t} differs from matvec")
+    results[f"gemm_{qt.name}"] = out
 np.savez(sys.argv[1], **results)
 print("ok", dispatch.kernels_for(*FAST_TYPES).matvec_kernel.stats.cache_hits)
 """

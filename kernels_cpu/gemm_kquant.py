@@ -1,0 +1,334 @@
+"""Long prompts on Q4_K and Q6_K weights without VNNI: 8 rows in lanes, each token's bytes broadcast.
+
+Why: on AVX2-only CPUs a long prompt's K-quant products were dequantized to float32 tiles
+for BLAS, which runs at the float FMA peak (~75 GFLOP/s a Zen 3 core). `vpmaddubsw` does
+32 u8 x s8 products an instruction, twice the float rate, if the work around it is small:
+- For each group of 8 rows and 256-element block, the rows are staged once into a ~2.8 KB
+  scratch (`_stage_q4_k`, `_stage_q6_k`): codes as unsigned bytes laid out [sub-block j]
+  [step k][row r][4 bytes], so one 32-byte load holds elements 4k..4k+3 of sub-block j for
+  all 8 rows, one row a 32-bit lane; the scales as i16 pairs a row, d (and dmin) as floats.
+  Staging is paid once per block for every token of the tile.
+- Per token (4 at a time for register reuse), bytes 4k..4k+3 of its sub-block are
+  broadcast to all lanes from memory (the load ports are otherwise idle) against the
+  staged codes: lane r sums row r's products. vpmaddubsw results add in i16 while they
+  fit (Q4_K: 8 of them, at most 8 * 2 * 15 * 128 = 30720; Q6_K: 2, at most 2 * 2 * 63 * 128),
+  then one vpmaddwd applies each row's scale. Q4_K's min term and Q6_K's -32 offset are
+  vpmaddwd against the token's packed per-32 / per-16 sums (`pack_activations`).
+- Q4_K: per block and token, the decode kernel's float work: acc += (d dx) I and accm +=
+  (dmin (-dx)) M with the same exact integers I and M (dot_q4k_x8's llama.cpp-repacked-gemv
+  order), so a long prompt's products have the decoded token's bits. Q6_K: one fma per
+  block, acc += (d dx) I (the float GEMM it replaces did not match the decode bits either).
+The activations are the Q8_K rows the decode path quantizes (quantize_rows_q8_k), stored
+block-major so each block's tokens stream sequentially.
+
+Measured on Zen 3 (AVX2), 512 tokens, 2 threads, against dequantize + BLAS in alternating
+runs: Q4_K 14336 x 4096 206-211 vs 81-96 GFLOP/s, 4096 x 14336 199 vs 106.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.core.registry import cpu_target
+from numba.extending import intrinsic
+
+from .dot_kquant import k_nibbles, q4k_qs32, q4k_scales_vec
+from .ir_helpers import F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, target_features, vec
+from .quant_kernels import Q4_K, Q6_K
+
+GEMM_TYPES = (Q4_K, Q6_K)
+GROUP_ROWS = 8           # rows a group: one per 32-bit lane
+TOKENS = 4               # tokens a step of the token loop
+# scratch offsets (bytes): the codes, then Q4_K's scales, min pairs, d and dmin, or Q6_K's
+# 16 scales, scale pairs and d
+_CODES, _SCALES, _MINS, _D, _DMIN = 0, 2048, 2304, 2432, 2464
+_SCALES6, _PAIRS6, _D6 = 2048, 2560, 2816
+SCRATCH_BYTES = 2848
+ACC_COLS = 2 * GROUP_ROWS   # per token: acc (8 floats), then accm (8 floats)
+TILE_TOKENS = 256           # tokens a staged block serves (a multiple of TOKENS)
+_JIT = dict(cache=True, nogil=True)
+
+
+@functools.cache
+def host_has_avx2() -> bool:
+    """Whether the kernels compile for AVX2 (elsewhere the portable IR is exact but slow)."""
+    return "+avx2" in target_features(cpu_target.target_context)
+
+
+def _store(h, base, off, v):
+    h.b.store(v, h.b.bitcast(h.ptr(base, c64(off)), v.type.as_pointer()), align=1)
+
+
+def _transpose8(b, vs):
+    """8 x <8 x i32> -> 8 x <8 x i32>, out[k] lane r = vs[r] lane k (unpack 32, unpack 64,
+    then 128-bit halves: 24 shuffles)."""
+    t = []
+    for p in range(4):
+        a, c = vs[2 * p], vs[2 * p + 1]
+        t.append(b.shuffle_vector(a, c, mask([0, 8, 1, 9, 4, 12, 5, 13])))
+        t.append(b.shuffle_vector(a, c, mask([2, 10, 3, 11, 6, 14, 7, 15])))
+    # t[2p]: lanes (0, 1 | 4, 5) of rows 2p, 2p+1 interleaved; t[2p + 1]: lanes (2, 3 | 6, 7)
+    u = []
+    for q in range(2):   # rows 0-3, rows 4-7
+        lo, hi = t[4 * q:4 * q + 2], t[4 * q + 2:4 * q + 4]
+        for src in range(2):
+            u.append(b.shuffle_vector(lo[src], hi[src], mask([0, 1, 8, 9, 4, 5, 12, 13])))
+            u.append(b.shuffle_vector(lo[src], hi[src], mask([2, 3, 10, 11, 6, 7, 14, 15])))
+    # u[4q + m]: elements m | m + 4 (m = 0..3) of rows 4q..4q+3
+    out = [None] * 8
+    for m in range(4):
+        out[m] = b.shuffle_vector(u[m], u[4 + m], mask([0, 1, 2, 3, 8, 9, 10, 11]))
+        out[m + 4] = b.shuffle_vector(u[m], u[4 + m], mask([4, 5, 6, 7, 12, 13, 14, 15]))
+    return out
+
+
+def _rows(context, builder, w_ty, w_arg, g):
+    w = context.make_array(w_ty)(context, builder, w_arg)
+    b = builder
+    stride = cgutils.unpack_tuple(b, w.strides)[0]
+    base = b.gep(b.bitcast(w.data, I8.as_pointer()), [b.mul(b.mul(g, c64(GROUP_ROWS)), stride)])
+    return [b.gep(base, [b.mul(c64(k), stride)]) for k in range(GROUP_ROWS)]
+
+
+def _all_bytes(b, vs):
+    """8 x <16 x i8> -> one <128 x i8>, vs[r] at bytes 16r.."""
+    while len(vs) > 1:
+        n = vs[0].type.count
+        vs = [b.shuffle_vector(vs[2 * p], vs[2 * p + 1], mask(range(2 * n))) for p in range(len(vs) // 2)]
+    return vs[0]
+
+
+def _pairs_i16(b, allb, first, second, signed):
+    """<16 x i16>, lanes 2r and 2r + 1: bytes 16r + first and 16r + second of allb, extended."""
+    v = b.shuffle_vector(allb, allb, mask([16 * r + e for r in range(8) for e in (first, second)]))
+    return (b.sext if signed else b.zext)(v, vec(I16, 16))
+
+
+def _store_codes(h, sbase, j, per_row):
+    """Sub-block j's 32 codes of each row (<32 x i8> each) at their scratch places."""
+    codes = _transpose8(h.b, [h.b.bitcast(v, vec(I32, 8)) for v in per_row])
+    for k in range(8):
+        _store(h, sbase, _CODES + 256 * j + 32 * k, codes[k])
+
+
+def _store_d(h, sbase, rows, off, at):
+    """The rows' fp16 at byte `off` of their block as 8 floats at scratch byte `at`."""
+    b = h.b
+    v = ir.Constant(vec(I16, 8), ir.Undefined)
+    for k, row in enumerate(rows):
+        v = b.insert_element(v, h.load(row, off, I16), ir.Constant(I32, k))
+    _store(h, sbase, at, h.f16_lanes(v))
+
+
+def _stage_q4_k(h, rows, bi, sbase):
+    b = h.b
+    wo = b.mul(bi, c64(144))
+    for c in range(4):
+        qs = [q4k_qs32(h, row, wo, c, False) for row in rows]
+        for hi in range(2):
+            _store_codes(h, sbase, 2 * c + hi, [k_nibbles(h, q, hi) for q in qs])
+    allsm = _all_bytes(b, [q4k_scales_vec(h, row, wo) for row in rows])   # 8 scales, 8 mins a row
+    for j in range(8):
+        _store(h, sbase, _SCALES + 32 * j, _pairs_i16(b, allsm, j, j, False))
+    for i in range(4):
+        _store(h, sbase, _MINS + 32 * i, _pairs_i16(b, allsm, 8 + 2 * i, 9 + 2 * i, False))
+    _store_d(h, sbase, rows, wo, _D)
+    _store_d(h, sbase, rows, b.add(wo, c64(2)), _DMIN)
+
+
+def _stage_q6_k(h, rows, bi, sbase):
+    """Codes q = ql nibble | (2 qh bits) << 4 (value d * scale * (q - 32)); 16 signed scales
+    a row, one per 16 elements."""
+    b = h.b
+    wo = b.mul(bi, c64(210))
+    for half in range(2):
+        qh = [h.load(row, b.add(wo, c64(128 + 32 * half)), vec(I8, 32)) for row in rows]
+        for part in range(4):
+            per_row = []
+            for row, qh_r in zip(rows, qh):
+                ql = h.load(row, b.add(wo, c64(64 * half + 32 * (part % 2))), vec(I8, 32))
+                hi2 = b.and_(b.lshr(qh_r, const_vec(I8, 32, 2 * part)), const_vec(I8, 32, 3))
+                per_row.append(b.or_(k_nibbles(h, ql, part // 2), b.shl(hi2, const_vec(I8, 32, 4))))
+            _store_codes(h, sbase, 4 * half + part, per_row)
+    allsc = _all_bytes(b, [h.load(row, b.add(wo, c64(192)), vec(I8, 16)) for row in rows])
+    for g in range(16):
+        _store(h, sbase, _SCALES6 + 32 * g, _pairs_i16(b, allsc, g, g, True))
+    for i in range(8):
+        _store(h, sbase, _PAIRS6 + 32 * i, _pairs_i16(b, allsc, 2 * i, 2 * i + 1, True))
+    _store_d(h, sbase, rows, b.add(wo, c64(208)), _D6)
+
+
+def _make_stage(qt):
+    stage = _stage_q4_k if qt == Q4_K else _stage_q6_k
+
+    def codegen(context, builder, sig, args):
+        rows = _rows(context, builder, sig.args[0], args[0], args[1])
+        s = context.make_array(sig.args[3])(context, builder, args[3])
+        stage(IRHelpers(builder, target_features(context)), rows, args[2], builder.bitcast(s.data, I8.as_pointer()))
+        return context.get_dummy_value()
+
+    @intrinsic
+    def stage_block(typingctx, w, g, bi, s):
+        """Stage block bi of rows 8g..8g+7 into the scratch s (see the module doc)."""
+        return types.void(w, g, bi, s), codegen
+    return stage_block
+
+
+def _q4_k_quad(h, sbase, xs, bs):
+    """One block of 4 tokens against staged Q4_K rows: ([I], [M]) <8 x i32> a token."""
+    b = h.b
+    z16 = ir.Constant(vec(I16, 16), [0] * 16)
+    isum = [ir.Constant(vec(I32, 8), [0] * 8)] * TOKENS
+    for j in range(8):
+        s16 = [z16] * TOKENS
+        for k in range(8):
+            wv = h.load(sbase, c64(_CODES + 256 * j + 32 * k), vec(I8, 32))
+            for ti in range(TOKENS):
+                s16[ti] = b.add(s16[ti], h.maddubs(wv, _bcast(h, xs[ti], 32 * j + 4 * k, I8)))
+        sc = h.load(sbase, c64(_SCALES + 32 * j), vec(I16, 16))
+        isum = [b.add(isum[ti], h.madd_i16(s16[ti], sc)) for ti in range(TOKENS)]
+    msum = [ir.Constant(vec(I32, 8), [0] * 8)] * TOKENS
+    for i in range(4):
+        mn = h.load(sbase, c64(_MINS + 32 * i), vec(I16, 16))
+        msum = [b.add(msum[ti], h.madd_i16(mn, _bcast(h, bs[ti], 4 * i, I16))) for ti in range(TOKENS)]
+    return isum, msum
+
+
+def _q6_k_quad(h, sbase, xs, bs):
+    """One block of 4 tokens against staged Q6_K rows: [I] <8 x i32> a token, the exact
+    sum_g scale_g * ((q - 32) . x)_g (two vpmaddubsw add in i16: <= 2 * 2*63*128)."""
+    b = h.b
+    isum = [ir.Constant(vec(I32, 8), [0] * 8)] * TOKENS
+    for j in range(8):
+        for kp in range(4):
+            s16 = [None] * TOKENS
+            for k in (2 * kp, 2 * kp + 1):
+                wv = h.load(sbase, c64(_CODES + 256 * j + 32 * k), vec(I8, 32))
+                for ti in range(TOKENS):
+                    p = h.maddubs(wv, _bcast(h, xs[ti], 32 * j + 4 * k, I8))
+                    s16[ti] = p if s16[ti] is None else b.add(s16[ti], p)
+            sc = h.load(sbase, c64(_SCALES6 + 32 * (2 * j + kp // 2)), vec(I16, 16))
+            isum = [b.add(isum[ti], h.madd_i16(s16[ti], sc)) for ti in range(TOKENS)]
+    for i in range(8):    # minus 32 * sum_g scale_g * (the token's sum over group g)
+        sp = h.load(sbase, c64(_PAIRS6 + 32 * i), vec(I16, 16))
+        isum = [b.sub(isum[ti], b.shl(h.madd_i16(sp, _bcast(h, bs[ti], 16 + 4 * i, I16)), const_vec(I32, 8, 5)))
+                for ti in range(TOKENS)]
+    return isum
+
+
+def _bcast(h, p, off, elem):
+    """The 4 bytes at p + off in all 8 lanes (vpbroadcastd from memory), as i8 or i16 lanes."""
+    v = h.splat(h.load(p, c64(off), I32), 8)
+    return h.b.bitcast(v, vec(elem, 32 if elem == I8 else 16))
+
+
+def _make_tokens(qt):
+    def codegen(context, builder, sig, args):
+        arrs = [context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[:4], args[:4])]
+        s, xq, xd, xb = arrs
+        acc = context.make_array(sig.args[6])(context, builder, args[6])
+        bi, t_lo, t_hi = args[4], args[5], args[7]
+        b = builder
+        h = IRHelpers(b, target_features(context))
+        i8p = I8.as_pointer()
+        sbase = b.bitcast(s.data, i8p)
+
+        def rows_of(arr, block_major):
+            # block-major activations: token t of block bi at bi * stride0 + t * stride1
+            strides = cgutils.unpack_tuple(b, arr.strides)
+            base = b.bitcast(arr.data, i8p)
+            if block_major:
+                base = b.gep(base, [b.mul(bi, strides[0])])
+            stride = strides[1] if block_major else strides[0]
+            return lambda t: b.gep(base, [b.mul(t, stride)])
+        xrow, drow, brow = (rows_of(a, True) for a in (xq, xd, xb))
+        arow = rows_of(acc, False)
+        d = h.load(sbase, c64(_D if qt == Q4_K else _D6), vec(F32T, 8))
+        dmin = h.load(sbase, c64(_DMIN), vec(F32T, 8)) if qt == Q4_K else None
+
+        def quad(i, _):
+            ts = [b.add(b.add(t_lo, i), c64(ti)) for ti in range(TOKENS)]
+            xs, bs = [xrow(t) for t in ts], [brow(t) for t in ts]
+            if qt == Q4_K:
+                isum, msum = _q4_k_quad(h, sbase, xs, bs)
+            else:
+                isum, msum = _q6_k_quad(h, sbase, xs, bs), None
+            for ti in range(TOKENS):
+                dx = h.load(drow(ts[ti]), c64(0), F32T)
+                ap = arow(ts[ti])
+                a = h.load(ap, c64(0), vec(F32T, 8))
+                _store(h, ap, 0, h.fma(b.fmul(d, h.splat(dx, 8)), b.sitofp(isum[ti], vec(F32T, 8)), a))
+                if msum is not None:
+                    m = h.load(ap, c64(32), vec(F32T, 8))
+                    m = h.fma(b.fmul(dmin, h.splat(b.fneg(dx), 8)), b.sitofp(msum[ti], vec(F32T, 8)), m)
+                    _store(h, ap, 32, m)
+            return []
+        counted_loop(b, b.sub(t_hi, t_lo), TOKENS, [], quad, "kq_tok")
+        return context.get_dummy_value()
+
+    @intrinsic
+    def tokens(typingctx, s, xq, xd, xb, bi, t_lo, acc, t_hi):
+        """For tokens t_lo..t_hi (a multiple of TOKENS apart): acc[t] += block bi of the
+        staged rows . token t (acc[t, :8] the scaled dots, acc[t, 8:] Q4_K's min terms)."""
+        return types.void(s, xq, xd, xb, bi, t_lo, acc, t_hi), codegen
+    return tokens
+
+
+_stage_q4k, _tokens_q4k = _make_stage(Q4_K), _make_tokens(Q4_K)
+_stage_q6k, _tokens_q6k = _make_stage(Q6_K), _make_tokens(Q6_K)
+
+
+@njit(**_JIT)
+def _gemm_rows(w, qt, g0, g1, xq, xd, xb, tile, out):
+    """out[t, 8g + k] for row groups g0 <= g < g1 and every token of out, `tile` tokens at
+    a time: each staged block serves that many tokens, and the tile's accumulators
+    (64 bytes a token) stay in L1."""
+    n_tok = out.shape[0]
+    nb, n_pad = xd.shape
+    s = np.empty(SCRATCH_BYTES, np.uint8)
+    acc = np.empty((n_pad, ACC_COLS), np.float32)
+    for t0 in range(0, n_pad, tile):
+        t1 = min(t0 + tile, n_pad)
+        for g in range(g0, g1):
+            acc[t0:t1] = 0.0
+            for bi in range(nb):
+                if qt == Q4_K:
+                    _stage_q4k(w, g, bi, s)
+                    _tokens_q4k(s, xq, xd, xb, bi, t0, acc, t1)
+                else:
+                    _stage_q6k(w, g, bi, s)
+                    _tokens_q6k(s, xq, xd, xb, bi, t0, acc, t1)
+            for t in range(t0, min(t1, n_tok)):
+                for k in range(GROUP_ROWS):
+                    out[t, GROUP_ROWS * g + k] = acc[t, k] + acc[t, GROUP_ROWS + k]
+
+
+def pack_activations(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray):
+    """Q8_K rows (quantize_activation_rows: xq (n, K) int8, xd (n, K/256), xs (n, K/16)
+    sums of 16) -> the kernel's inputs, block-major (one block of every token side by
+    side: the token loop reads each block's activations as one sequential stream), tokens
+    padded to a multiple of TOKENS with zeros: xq (K/256, n_pad, 256), xd (K/256, n_pad),
+    and xb (K/256, n_pad, 12) holding per block the per-32 sums (Q4_K's min terms), then
+    the per-16 sums (Q6_K's offset), as i16 pairs (2i, 2i + 1) in one int32 each."""
+    n, k = xq.shape
+    nb = k // 256
+    n_pad = -(-n // TOKENS) * TOKENS
+    s32 = xs.reshape(n, k // 32, 2).sum(axis=2, dtype=np.int32)     # |s| <= 32 * 128: i16
+    xq_p = np.zeros((nb, n_pad, 256), np.int8)
+    xq_p[:, :n] = xq.reshape(n, nb, 256).transpose(1, 0, 2)
+    xd_p = np.zeros((nb, n_pad), np.float32)
+    xd_p[:, :n] = xd.T
+    xb = np.zeros((nb, n_pad, 12), np.int32)
+    xb[:, :n, :4] = s32.astype(np.int16).view(np.int32).reshape(n, nb, 4).transpose(1, 0, 2)
+    xb[:, :n, 4:] = xs.astype(np.int16).view(np.int32).reshape(n, nb, 8).transpose(1, 0, 2)
+    return xq_p, xd_p, xb
+
+
+def matmul_rows(w_raw: np.ndarray, qt: int, g0: int, g1: int, packed, out: np.ndarray) -> None:
+    """Row groups g0..g1 (rows 8 g0 .. 8 g1) of out (n_tok, n_rows) = activations . w for
+    a GEMM_TYPES matrix with rows % 8 == 0 and `pack_activations` output. Releases the GIL."""
+    xq, xd, xb = packed
+    _gemm_rows(w_raw, qt, g0, g1, xq, xd, xb, TILE_TOKENS, out)

@@ -1,0 +1,122 @@
+"""gemm_kquant, the long-prompt Q4_K / Q6_K GEMM of AVX2 CPUs: Q4_K tokens get matvec's bits."""
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import edgeinfer.kernels_cpu as K
+from edgeinfer.kernels_cpu import gemm_kquant, tile_gemm
+from edgeinfer.kernels_cpu.reference import reference_quantize_act
+from quant_blocks import random_blocks
+
+MATVEC = importlib.import_module("edgeinfer.kernels_cpu.matvec")
+Q4K = K.quant_info(T.Q4_K)
+
+
+def _gemm(w, X, qt=T.Q4_K):
+    """The kernel on its own (any host: the portable IR where AVX2 is missing)."""
+    out = np.full((X.shape[0], w.shape[0]), np.nan, np.float32)
+    packed = gemm_kquant.pack_activations(*MATVEC.quantize_activation_rows(X, Q4K))
+    gemm_kquant.matmul_rows(w, int(qt), 0, w.shape[0] // gemm_kquant.GROUP_ROWS, packed, out)
+    return out
+
+
+def _within_rounding(got, w, qt, X):
+    """got equals the float product of the dequantized weights and the 8-bit activations up
+    to float rounding."""
+    W = K.reference_dequantize(w, qt).astype(np.float64)
+    Xq = np.stack([reference_quantize_act(x, 256) for x in X])
+    err = np.abs(got - Xq @ W.T)
+    assert np.all(err <= 2e-5 * (np.abs(Xq) @ np.abs(W).T) + 1e-30), err.max()
+
+
+def _readonly(w):
+    w.flags.writeable = False
+    return w
+
+
+@pytest.mark.parametrize("n_tok", [1, 5, 70, 300])   # 300: two token tiles, the last partial
+def test_each_token_equals_matvec_bit_for_bit(n_tok):
+    rng = np.random.default_rng(n_tok)
+    w = _readonly(random_blocks(T.Q4_K, 24, 768, rng))
+    X = rng.standard_normal((n_tok, 768)).astype(np.float32) * rng.uniform(0.01, 10, (n_tok, 1)).astype(np.float32)
+    got = _gemm(w, X)
+    for t in range(n_tok):
+        np.testing.assert_array_equal(got[t], K.matvec(w, T.Q4_K, X[t]), err_msg=f"token {t}")
+    _within_rounding(got, w, T.Q4_K, X)
+
+
+@pytest.mark.parametrize("n_tok", [3, 70, 300])
+def test_q6_k_matches_the_reference(n_tok):
+    rng = np.random.default_rng(10 + n_tok)
+    w = _readonly(random_blocks(T.Q6_K, 16, 1024, rng))
+    X = rng.standard_normal((n_tok, 1024)).astype(np.float32)
+    _within_rounding(_gemm(w, X, T.Q6_K), w, T.Q6_K, X)
+
+
+def test_q6_k_extreme_codes_and_scales():
+    # codes 0 and 63 (the i16 pair sums of two vpmaddubsw reach 2 * 2*63*128 = 32256),
+    # scales -128 and 127, activations at -128 and 127
+    rng = np.random.default_rng(4)
+    w = random_blocks(T.Q6_K, 8, 256, rng)
+    w[:4, :192] = 0xFF                                          # code 63
+    w[4:, :192] = 0x00                                          # code 0 (value -32)
+    w[:, 192:208] = np.array([0x80, 0x7F] * 8, np.uint8)        # scales -128, 127
+    w = _readonly(np.ascontiguousarray(w))
+    X = np.stack([np.full(256, -1.0, np.float32), np.full(256, 1.0, np.float32),
+                  rng.standard_normal(256).astype(np.float32)])
+    _within_rounding(_gemm(w, X, T.Q6_K), w, T.Q6_K, X)
+
+
+def test_largest_codes_scales_and_activations_do_not_overflow():
+    # every nibble 15, every 6-bit scale and min 63, every activation byte -128: the i16
+    # sums of eight vpmaddubsw reach -30720, the edge the kernel relies on
+    rng = np.random.default_rng(1)
+    w = random_blocks(T.Q4_K, 8, 512, rng).reshape(8, 2, 144)
+    w[:, :, 4:] = 0xFF
+    w = _readonly(np.ascontiguousarray(w.reshape(8, 288)))
+    X = np.full((6, 512), -1.0, np.float32)
+    X[1] = 1.0                                   # +127 bytes
+    X[2, ::2] = 0.0                              # half zero
+    got = _gemm(w, X)
+    for t in range(6):
+        np.testing.assert_array_equal(got[t], K.matvec(w, T.Q4_K, X[t]))
+    _within_rounding(got, w, T.Q4_K, X)
+
+
+def test_pack_activations_pads_tokens_and_packs_block_sums():
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((5, 512)).astype(np.float32)
+    xq, xd, xs = MATVEC.quantize_activation_rows(X, Q4K)
+    pq, pd, pb = gemm_kquant.pack_activations(xq, xd, xs)
+    assert pq.shape == (2, 8, 256) and pd.shape == (2, 8) and pb.shape == (2, 8, 12)
+    np.testing.assert_array_equal(pq[:, :5].transpose(1, 0, 2).reshape(5, 512), xq)
+    assert not pq[:, 5:].any() and not pd[:, 5:].any() and not pb[:, 5:].any()
+    pairs = pb[:, :5].view(np.int16)                          # block, token, 24 i16
+    sums = [xq.reshape(5, 2, 256 // n, n).sum(axis=3).transpose(1, 0, 2) for n in (32, 16)]
+    np.testing.assert_array_equal(pairs[:, :, :8], sums[0])
+    np.testing.assert_array_equal(pairs[:, :, 8:], sums[1])
+
+
+@pytest.mark.skipif(not gemm_kquant.host_has_avx2() or tile_gemm.has_vnni(),
+                    reason="gemm_kquant serves long prompts on AVX2 CPUs without VNNI only; this one is not")
+def test_long_prompts_take_it_through_matmul_and_matmul_many():
+    rng = np.random.default_rng(3)
+    ws = [_readonly(random_blocks(T.Q4_K, n, 512, rng)) for n in (16, 40)] + [_readonly(random_blocks(T.Q6_K, 24, 512, rng))]
+    qts = [T.Q4_K, T.Q4_K, T.Q6_K]
+    X = rng.standard_normal((80, 512)).astype(np.float32)
+    assert K.matmul_uses_int8(T.Q4_K, 80, 16) and not MATVEC.matmul_uses_rows(T.Q4_K, 80)
+    assert K.matmul_uses_int8(T.Q6_K, 80, 16)
+    assert not K.matmul_uses_int8(T.Q4_K, 80, 20)    # rows not in eights: the float GEMM
+    one = K.matmul(ws[0], T.Q4_K, X)
+    six = K.matmul(ws[2], T.Q6_K, X)
+    many = K.matmul_many(ws, qts, X)                 # Q/K/V with V in Q6_K: one packing
+    np.testing.assert_array_equal(one, many[0])
+    np.testing.assert_array_equal(six, many[2])
+    np.testing.assert_array_equal(six, _gemm(ws[2], X, T.Q6_K))
+    for w, got in zip(ws[:2], many[:2]):
+        for t in (0, 41, 79):
+            np.testing.assert_array_equal(got[t], K.matvec(w, T.Q4_K, X[t]))
