@@ -16,8 +16,10 @@ scale bytes), then 8 pieces of 128 bytes, piece t holding qs bytes 16t..16t+16 o
 the 8 rows. Every kernel that reads Q4_K reads Q4_K_X8 too (decode, the <= 64-token row
 path, the prefill tiles, dequantization) and gives the same bits.
 
-Only hosts whose kernels take the 512-bit path (AVX512-BW) repack: elsewhere the layout
-would be read through the 256-bit loop, no faster than the plain one.
+Only hosts whose kernels take the 512-bit path (AVX512-BW) repack. On AVX2 the layout's
+loop (two rows a vector) computes faster than the plain layout's, but reads slower from
+memory, one stream a thread against four: 4096 x 14336, 2 threads, Zen 3: 20.8 against
+26.0 GB/s.
 """
 from __future__ import annotations
 
