@@ -325,8 +325,10 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
 
     Up to _INT8_MATMUL_MAX_TOKENS tokens, fast-path types quantize each token to 8 bits and
     use the decode row kernels (each weight row read once for all tokens; llama.cpp's
-    numerics). Otherwise tiles of rows are dequantized into a small float32 buffer and
-    multiplied with BLAS (numpy's OpenBLAS).
+    numerics). Longer prompts take 8-bit kernels where there are some: the VNNI tiles
+    (tile_gemm), or on AVX2 CPUs without VNNI gemm_kquant for Q4_K / Q6_K. Otherwise tiles
+    of rows are dequantized into a small float32 buffer and multiplied with BLAS (numpy's
+    OpenBLAS).
     """
     info = check_weight(w_raw, qtype)
     w_raw = _readonly(w_raw)
