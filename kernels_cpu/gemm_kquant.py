@@ -35,11 +35,12 @@ from numba.core import cgutils
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
-from .dot_kquant import k_nibbles, q4k_qs32, q4k_scales_vec
-from .ir_helpers import F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, target_features, vec
-from .quant_kernels import Q4_K, Q6_K
+from .dot_kquant import k_nibbles, q4k_block_bytes, q4k_qs32, q4k_scales_vec
+from .ir_helpers import (F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, target_features, vec,
+                         x8_row_ptr)
+from .quant_kernels import Q4_K, Q4_K_X8, Q6_K
 
-GEMM_TYPES = (Q4_K, Q6_K)
+GEMM_TYPES = (Q4_K, Q4_K_X8, Q6_K)   # Q4_K_X8: repack.py's copy of a Q4_K matrix
 GROUP_ROWS = 8           # rows a group: one per 32-bit lane
 TOKENS = 4               # tokens a step of the token loop
 # scratch offsets (bytes): the codes, then Q4_K's scales, min pairs, d and dmin, or Q6_K's
@@ -85,11 +86,16 @@ def _transpose8(b, vs):
     return out
 
 
-def _rows(context, builder, w_ty, w_arg, g):
+def _rows(context, builder, w_ty, w_arg, g, x8):
+    """Row pointers of group g (x8: a Q4_K_X8 matrix's, see ir_helpers.x8_row_ptr)."""
     w = context.make_array(w_ty)(context, builder, w_arg)
     b = builder
     stride = cgutils.unpack_tuple(b, w.strides)[0]
-    base = b.gep(b.bitcast(w.data, I8.as_pointer()), [b.mul(b.mul(g, c64(GROUP_ROWS)), stride)])
+    first = b.mul(g, c64(GROUP_ROWS))
+    base = b.bitcast(w.data, I8.as_pointer())
+    if x8:
+        return [x8_row_ptr(b, base, stride, b.add(first, c64(k))) for k in range(GROUP_ROWS)]
+    base = b.gep(base, [b.mul(first, stride)])
     return [b.gep(base, [b.mul(c64(k), stride)]) for k in range(GROUP_ROWS)]
 
 
@@ -123,11 +129,11 @@ def _store_d(h, sbase, rows, off, at):
     _store(h, sbase, at, h.f16_lanes(v))
 
 
-def _stage_q4_k(h, rows, bi, sbase):
+def _stage_q4_k(h, rows, bi, sbase, x8=False):
     b = h.b
-    wo = b.mul(bi, c64(144))
+    wo = b.mul(bi, c64(q4k_block_bytes(x8)))
     for c in range(4):
-        qs = [q4k_qs32(h, row, wo, c, False) for row in rows]
+        qs = [q4k_qs32(h, row, wo, c, x8) for row in rows]
         for hi in range(2):
             _store_codes(h, sbase, 2 * c + hi, [k_nibbles(h, q, hi) for q in qs])
     allsm = _all_bytes(b, [q4k_scales_vec(h, row, wo) for row in rows])   # 8 scales, 8 mins a row
@@ -162,12 +168,14 @@ def _stage_q6_k(h, rows, bi, sbase):
 
 
 def _make_stage(qt):
-    stage = _stage_q4_k if qt == Q4_K else _stage_q6_k
-
     def codegen(context, builder, sig, args):
-        rows = _rows(context, builder, sig.args[0], args[0], args[1])
+        rows = _rows(context, builder, sig.args[0], args[0], args[1], qt == Q4_K_X8)
         s = context.make_array(sig.args[3])(context, builder, args[3])
-        stage(IRHelpers(builder, target_features(context)), rows, args[2], builder.bitcast(s.data, I8.as_pointer()))
+        h, sbase = IRHelpers(builder, target_features(context)), builder.bitcast(s.data, I8.as_pointer())
+        if qt == Q6_K:
+            _stage_q6_k(h, rows, args[2], sbase)
+        else:
+            _stage_q4_k(h, rows, args[2], sbase, qt == Q4_K_X8)
         return context.get_dummy_value()
 
     @intrinsic
@@ -277,7 +285,7 @@ def _make_tokens(qt):
     return tokens
 
 
-_stage_q4k, _tokens_q4k = _make_stage(Q4_K), _make_tokens(Q4_K)
+_stage_q4k, _stage_q4k_x8, _tokens_q4k = _make_stage(Q4_K), _make_stage(Q4_K_X8), _make_tokens(Q4_K)
 _stage_q6k, _tokens_q6k = _make_stage(Q6_K), _make_tokens(Q6_K)
 
 
@@ -297,6 +305,9 @@ def _gemm_rows(w, qt, g0, g1, xq, xd, xb, tile, out):
             for bi in range(nb):
                 if qt == Q4_K:
                     _stage_q4k(w, g, bi, s)
+                    _tokens_q4k(s, xq, xd, xb, bi, t0, acc, t1)
+                elif qt == Q4_K_X8:   # the same staged bytes from the interleaved copy
+                    _stage_q4k_x8(w, g, bi, s)
                     _tokens_q4k(s, xq, xd, xb, bi, t0, acc, t1)
                 else:
                     _stage_q6k(w, g, bi, s)

@@ -31,6 +31,10 @@ def _fast(qt: int) -> bool:
 
 _PREFILL_TILE_ROWS = 64        # rows dequantized at once for the BLAS GEMM (measured: 32-64 best)
 _INT8_MATMUL_MAX_TOKENS = 64   # up to here the 8-bit row kernels beat dequantize + BLAS (measured)
+# From here Q4_K takes gemm_kquant even below _INT8_MATMUL_MAX_TOKENS (the same bits as the
+# row kernels). Measured on 14336 x 4096, 2 threads, Zen 3: 8 tokens 9.8 vs 8.0 ms (rows
+# better), 16: 15.8 vs 16.1, 32: 17.5 vs 25.5, 64: 50 vs 93.
+_Q4K_GEMM_MIN_TOKENS = 16
 
 
 def use_model_types(tensors) -> list:
@@ -237,8 +241,17 @@ def matmul_uses_int8(qtype: T, n_tokens: int, n_rows: int) -> bool:
 
 
 def matmul_uses_rows(qtype: T, n_tokens: int) -> bool:
-    """Whether matmul runs the decode row kernels per token (results equal to matvec's)."""
+    """Whether matmul's results equal matvec's token by token: the decode row kernels, or
+    for Q4_K from _Q4K_GEMM_MIN_TOKENS tokens gemm_kquant, which keeps their bits."""
     return _fast(int(qtype)) and n_tokens <= _INT8_MATMUL_MAX_TOKENS
+
+
+def _kquant_gemm_for(qtype, n_rows: int, n_tokens: int) -> bool:
+    """Whether matmul takes gemm_kquant for this call: the long prompts of its types, and
+    Q4_K from _Q4K_GEMM_MIN_TOKENS tokens."""
+    if not uses_kquant_gemm(qtype, n_rows):
+        return False
+    return n_tokens > _INT8_MATMUL_MAX_TOKENS or (int(qtype) in (qk.Q4_K, qk.Q4_K_X8) and n_tokens >= _Q4K_GEMM_MIN_TOKENS)
 
 
 def _uses_tiles(qt: int) -> bool:
@@ -248,7 +261,7 @@ def _uses_tiles(qt: int) -> bool:
 
 
 def uses_kquant_gemm(qtype, n_rows: int) -> bool:
-    """Whether a long prompt on this matrix takes gemm_kquant (Q4_K in the file's layout or
+    """Whether a long prompt on this matrix takes gemm_kquant (Q4_K, its Q4_K_X8 copy or
     Q6_K, rows in eights, an AVX2 CPU without VNNI): about twice the float GEMM; for Q4_K
     the decoded token's bits."""
     return (_KQUANT_GEMM and int(qtype) in gemm_kquant.GEMM_TYPES and n_rows % gemm_kquant.GROUP_ROWS == 0
@@ -292,9 +305,9 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
     spin beside them)."""
     infos = [check_weight(w, qt) for w, qt in zip(ws, qtypes)]
     qts = [int(info.qtype) for info in infos]
-    tiles = all(_uses_tiles(qt) for qt in qts)
-    kquant = all(uses_kquant_gemm(qt, w.shape[0]) for qt, w in zip(qts, ws))
-    if matmul_uses_rows(qts[0], X.shape[0]) or not (tiles or kquant):
+    tiles = not matmul_uses_rows(qts[0], X.shape[0]) and all(_uses_tiles(qt) for qt in qts)
+    kquant = all(_kquant_gemm_for(qt, w.shape[0], X.shape[0]) for qt, w in zip(qts, ws))
+    if not (tiles or kquant):
         return [matmul(w, qt, X) for w, qt in zip(ws, qtypes)]
     ws = [_readonly(w) for w in ws]
     X = np.ascontiguousarray(X, dtype=np.float32)
@@ -347,11 +360,14 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
     if qt == qk.F32:
         np.matmul(X, w_raw.view(np.float32).T, out=out)
         return out
+    if _kquant_gemm_for(qt, n_rows, n_tok):
+        matmul_many([w_raw], [qt], X, [out])
+        return out
     if matmul_uses_rows(info.qtype, n_tok):
         xq, xd, xs = quantize_activation_rows(X, info)
         dispatch.matmul_int(w_raw, qt, xq, xd, xs, out)
         return out
-    if _uses_tiles(qt) or uses_kquant_gemm(qt, n_rows):
+    if _uses_tiles(qt):
         matmul_many([w_raw], [qt], X, [out])
         return out
     n_threads = get_threads()

@@ -14,3 +14,16 @@ def random_blocks(qtype: T, n_rows: int, n_cols: int, rng: np.random.Generator) 
     """Raw GGUF bytes (n_rows, row_bytes) uint8 of a random (n_rows, n_cols) weight of `qtype`,
     unit scale, with scales of both signs."""
     return np.ascontiguousarray(_factory_blocks(qtype, n_rows, n_cols, rng, std=1.0, negative_scales=True))
+
+
+def q4k_scales_mins(sc: np.ndarray):
+    """(rows, 12) packed Q4_K/Q5_K scale bytes -> (rows, 8) 6-bit scales, (rows, 8) 6-bit mins."""
+    sc = sc.astype(np.int64)
+    scales, mins = np.zeros((sc.shape[0], 8), np.int64), np.zeros((sc.shape[0], 8), np.int64)
+    for j in range(8):
+        if j < 4:
+            scales[:, j], mins[:, j] = sc[:, j] & 63, sc[:, j + 4] & 63
+        else:
+            scales[:, j] = (sc[:, j + 4] & 15) | ((sc[:, j - 4] >> 6) << 4)
+            mins[:, j] = (sc[:, j + 4] >> 4) | ((sc[:, j] >> 6) << 4)
+    return scales, mins

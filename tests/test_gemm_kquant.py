@@ -120,3 +120,28 @@ def test_long_prompts_take_it_through_matmul_and_matmul_many():
     for w, got in zip(ws[:2], many[:2]):
         for t in (0, 41, 79):
             np.testing.assert_array_equal(got[t], K.matvec(w, T.Q4_K, X[t]))
+
+
+@pytest.mark.skipif(not gemm_kquant.host_has_avx2() or tile_gemm.has_vnni(),
+                    reason="gemm_kquant serves Q4_K batches on AVX2 CPUs without VNNI only; this one is not")
+def test_short_q4_k_batches_from_16_tokens_take_it_with_matvec_bits():
+    # a speculative step's batch or a short prompt: the same bits as decoding token by token
+    rng = np.random.default_rng(5)
+    w = _readonly(random_blocks(T.Q4_K, 32, 512, rng))
+    w6 = _readonly(random_blocks(T.Q6_K, 32, 512, rng))
+    for n_tok, takes in ((8, False), (16, True), (40, True)):
+        assert MATVEC._kquant_gemm_for(T.Q4_K, 32, n_tok) == takes
+        assert not MATVEC._kquant_gemm_for(T.Q6_K, 32, n_tok)   # its bits differ: the row kernels
+        X = rng.standard_normal((n_tok, 512)).astype(np.float32)
+        for m, qt in ((w, T.Q4_K), (w6, T.Q6_K)):
+            got = K.matmul(m, qt, X)
+            for t in range(n_tok):
+                np.testing.assert_array_equal(got[t], K.matvec(m, qt, X[t]), err_msg=f"{qt.name} {n_tok} {t}")
+
+
+def test_the_interleaved_copy_gives_the_same_bits():
+    from edgeinfer.kernels_cpu import repack
+    rng = np.random.default_rng(6)
+    w = _readonly(random_blocks(T.Q4_K, 16, 768, rng))
+    X = rng.standard_normal((9, 768)).astype(np.float32)
+    np.testing.assert_array_equal(_gemm(repack.interleave_q4_k(w), X, 1012), _gemm(w, X))

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import edgeinfer.kernels_cpu as K
-from quant_blocks import random_blocks
+from quant_blocks import q4k_scales_mins, random_blocks
 
 
 def _fma(a, b, c):
@@ -65,14 +65,7 @@ def _q4k_dot(w, x):
         B = blocks[:, b]
         d = (xd[b] * _f16(B[:, 0:2])).astype(np.float32)
         dmin = (-xd[b] * _f16(B[:, 2:4])).astype(np.float32)
-        sc = B[:, 4:16].astype(np.int64)
-        scales, mins = np.zeros((n, 8), np.int64), np.zeros((n, 8), np.int64)
-        for j in range(8):
-            if j < 4:
-                scales[:, j], mins[:, j] = sc[:, j] & 63, sc[:, j + 4] & 63
-            else:
-                scales[:, j] = (sc[:, j + 4] & 15) | ((sc[:, j - 4] >> 6) << 4)
-                mins[:, j] = (sc[:, j + 4] >> 4) | ((sc[:, j] >> 6) << 4)
+        scales, mins = q4k_scales_mins(B[:, 4:16])
         mprod = mins * xs[16 * b: 16 * b + 16].reshape(8, 2).sum(1)[None]
         sumi = np.zeros((n, 8), np.int64)
         for j in range(4):

@@ -11,24 +11,11 @@ from gguf import GGMLQuantizationType as T
 import edgeinfer.kernels_cpu as K
 from edgeinfer.kernels_cpu import repack
 from edgeinfer.kernels_cpu.quant_types import RepackedType
-from quant_blocks import random_blocks
+from quant_blocks import q4k_scales_mins, random_blocks
 
 
 def _fma(a, b, c):
     return (np.asarray(a, np.float64) * b + c).astype(np.float32)
-
-
-def _scales_mins(sc):
-    """(rows, 12) packed bytes -> (rows, 8) 6-bit scales, (rows, 8) 6-bit mins."""
-    sc = sc.astype(np.int64)
-    scales, mins = np.zeros((sc.shape[0], 8), np.int64), np.zeros((sc.shape[0], 8), np.int64)
-    for j in range(8):
-        if j < 4:
-            scales[:, j], mins[:, j] = sc[:, j] & 63, sc[:, j + 4] & 63
-        else:
-            scales[:, j] = (sc[:, j + 4] & 15) | ((sc[:, j - 4] >> 6) << 4)
-            mins[:, j] = (sc[:, j + 4] >> 4) | ((sc[:, j] >> 6) << 4)
-    return scales, mins
 
 
 def _reference(w, x):
@@ -40,7 +27,7 @@ def _reference(w, x):
         B = blocks[:, b]
         d = (np.float32(xd[b]) * B[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)).astype(np.float32)
         dmin = (np.float32(-xd[b]) * B[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32)).astype(np.float32)
-        scales, mins = _scales_mins(B[:, 4:16])
+        scales, mins = q4k_scales_mins(B[:, 4:16])
         qs = B[:, 16:].astype(np.int64).reshape(n, 4, 32)
         q = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, 8, 32)       # sub-block 2c, 2c + 1
         xb = xq[256 * b: 256 * b + 256].astype(np.int64).reshape(8, 32)
