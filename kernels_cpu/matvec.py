@@ -33,8 +33,9 @@ _PREFILL_TILE_ROWS = 64        # rows dequantized at once for the BLAS GEMM (mea
 _INT8_MATMUL_MAX_TOKENS = 64   # up to here the 8-bit row kernels beat dequantize + BLAS (measured)
 # From here Q4_K takes gemm_kquant even below _INT8_MATMUL_MAX_TOKENS (the same bits as the
 # row kernels). Measured on 14336 x 4096, 2 threads, Zen 3: 8 tokens 9.8 vs 8.0 ms (rows
-# better), 16: 15.8 vs 16.1, 32: 17.5 vs 25.5, 64: 50 vs 93.
-_Q4K_GEMM_MIN_TOKENS = 16
+# better), 16: 15.8 vs 16.1 (even), 32: 17.5 vs 25.5, 64: 50 vs 93. Not from 16: a short
+# first prompt would compile gemm_kquant (~2 s on a cold start) for no gain.
+_Q4K_GEMM_MIN_TOKENS = 32
 
 
 def use_model_types(tensors) -> list:

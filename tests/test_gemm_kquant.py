@@ -124,12 +124,12 @@ def test_long_prompts_take_it_through_matmul_and_matmul_many():
 
 @pytest.mark.skipif(not gemm_kquant.host_has_avx2() or tile_gemm.has_vnni(),
                     reason="gemm_kquant serves Q4_K batches on AVX2 CPUs without VNNI only; this one is not")
-def test_short_q4_k_batches_from_16_tokens_take_it_with_matvec_bits():
-    # a speculative step's batch or a short prompt: the same bits as decoding token by token
+def test_short_q4_k_batches_from_32_tokens_take_it_with_matvec_bits():
+    # a short prompt or a large speculative batch: the same bits as decoding token by token
     rng = np.random.default_rng(5)
     w = _readonly(random_blocks(T.Q4_K, 32, 512, rng))
     w6 = _readonly(random_blocks(T.Q6_K, 32, 512, rng))
-    for n_tok, takes in ((8, False), (16, True), (40, True)):
+    for n_tok, takes in ((17, False), (32, True), (40, True)):
         assert MATVEC._kquant_gemm_for(T.Q4_K, 32, n_tok) == takes
         assert not MATVEC._kquant_gemm_for(T.Q6_K, 32, n_tok)   # its bits differ: the row kernels
         X = rng.standard_normal((n_tok, 512)).astype(np.float32)
