@@ -43,18 +43,21 @@ def q4k_scales_vec(h, wrow, wo):
     return b.bitcast(b.shuffle_vector(a, t13, mask([0, 4, 1, 5])), vec(I8, 16))
 
 
-def q4k_scales_pair(h, v):
-    """Two rows' 16-byte heads as <8 x i32> (row a's dm u0 u1 u2 in lanes 0-3, row b's in
-    4-7) -> <32 x i8>: row a's 8 scales then 8 mins in the low half, row b's in the high
-    one (q4k_scales_vec's decode on both rows at once)."""
+def q4k_scales_heads(h, v):
+    """n rows' 16-byte heads as <4n x i32> (row k's dm u0 u1 u2 in lanes 4k..4k+3) ->
+    <16n x i8>: row k's 8 scales then 8 mins at bytes 16k.. (q4k_scales_vec's decode on
+    all the rows at once)."""
     b = h.b
-    c = lambda x: const_vec(I32, 8, x)  # noqa: E731
+    n4 = v.type.count
+    rows = range(n4 // 4)
+    c = lambda x: const_vec(I32, n4, x)  # noqa: E731
     a = b.and_(v, c(0x3F3F3F3F))                                         # . t0 t2 .
     hi2 = b.shl(b.and_(b.lshr(v, c(6)), c(0x03030303)), c(4))            # . from u0, u1 .
-    u2 = b.shuffle_vector(v, v, mask([3, 3, 3, 3, 7, 7, 7, 7]))
-    lo4 = b.and_(b.lshr(u2, c([0, 0, 4, 0] * 2)), c(0x0F0F0F0F))
+    u2 = b.shuffle_vector(v, v, mask([4 * k + 3 for k in rows for _ in range(4)]))
+    lo4 = b.and_(b.lshr(u2, c([0, 0, 4, 0] * len(rows))), c(0x0F0F0F0F))
     t13 = b.or_(lo4, hi2)                                                # . t1 t3 .
-    return b.bitcast(b.shuffle_vector(a, t13, mask([1, 9, 2, 10, 5, 13, 6, 14])), vec(I8, 32))
+    pick = [i for k in rows for i in (4 * k + 1, n4 + 4 * k + 1, 4 * k + 2, n4 + 4 * k + 2)]
+    return b.bitcast(b.shuffle_vector(a, t13, mask(pick)), vec(I8, 4 * n4))
 
 
 def _q4k_scales(h, wrow, wo):
@@ -394,7 +397,7 @@ deq_row_q3_k = make_deq_intrinsic(256, _make_deq_q23_k(True))
 # ----------------------------------------------------------------------------- Q5_K four rows (AVX2)
 # Each row keeps ggml_vec_dot_q5_K's lanes and order (_q45k_isum on its own 32-byte
 # vectors); what is per row besides goes in pairs or fours: the heads load two rows a
-# vector and decode once a pair (q4k_scales_pair), the 4 rows' d and dmin
+# vector and decode once a pair (q4k_scales_heads), the 4 rows' d and dmin
 # take one fp16 conversion and one multiply by [dx, -dx], the min sums one vpshufb and one
 # vpmaddwd a row. 420 instead of 453 instructions (352 instead of 375 vector-pipe uops) a
 # block of 4 rows, 24.0 instead of 24.8 cycles a row (llvm-mca, znver3); old and new
@@ -412,7 +415,7 @@ def _q5_k_rows4_block_256(h, wrows, xq, xd, xs, bi, accs):
     for m in range(2):
         lo, hi = (h.load(w, wo, vec(I32, 4)) for w in wrows[2 * m:2 * m + 2])
         heads.append(b.shuffle_vector(lo, hi, mask(range(8))))
-    sms = [q4k_scales_pair(h, v) for v in heads]     # [a's scales, mins | b's]
+    sms = [q4k_scales_heads(h, v) for v in heads]     # [a's scales, mins | b's]
     # a row's 16 bytes in both halves (vpermq)
     rsm = [b.shuffle_vector(sms[k // 2], sms[k // 2], mask(list(range(16 * (k % 2), 16 * (k % 2) + 16)) * 2))
            for k in range(4)]

@@ -11,7 +11,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .dot_kquant import k_nibbles, make_deq_q45_k, q4k_block_bytes, q4k_qs32, q4k_scales_pair, q4k_scales_vec
+from .dot_kquant import k_nibbles, make_deq_q45_k, q4k_block_bytes, q4k_qs32, q4k_scales_heads, q4k_scales_vec
 from .ir_helpers import (F16T, F32T, I8, I16, I32, ROWS, X8_BLOCK, X8_ROWS, IRHelpers, array_ptrs, c64, const_vec,
                          counted_loop, make_deq_intrinsic, mask, target_features, vec)
 
@@ -19,11 +19,7 @@ from .ir_helpers import (F16T, F32T, I8, I16, I32, ROWS, X8_BLOCK, X8_ROWS, IRHe
 def _reduce_rows4(h, vs):
     """4 x <8 x i32> -> <8 x i32> whose lanes k and k + 4 are the sum of vs[k]'s lanes (exact)."""
     b = h.b
-
-    def hadd(x, y):
-        return b.add(b.shuffle_vector(x, y, mask([0, 2, 8, 10, 4, 6, 12, 14])),
-                     b.shuffle_vector(x, y, mask([1, 3, 9, 11, 5, 7, 13, 15])))
-    q = hadd(hadd(vs[0], vs[1]), hadd(vs[2], vs[3]))    # rows 0-3 in each 128-bit half
+    q = _hadd_i32(b, _hadd_i32(b, vs[0], vs[1]), _hadd_i32(b, vs[2], vs[3]))    # rows 0-3 in each 128-bit half
     return b.add(q, b.shuffle_vector(q, q, mask([4, 5, 6, 7, 0, 1, 2, 3])))
 
 
@@ -96,15 +92,7 @@ def _q4_k_scales_rows4(h, wrows, wo):
 
 def _q4_k_decode_heads4(h, v):
     """_q4_k_scales_rows4 on the 4 heads already in one <16 x i32> (row k's in lane k)."""
-    b = h.b
-    c = lambda x: const_vec(I32, 16, x)  # noqa: E731
-    a = b.and_(v, c(0x3F3F3F3F))                                         # . t0 t2 .
-    hi2 = b.shl(b.and_(b.lshr(v, c(6)), c(0x03030303)), c(4))            # . from u0, u1 .
-    u2 = b.shuffle_vector(v, v, mask([4 * k + 3 for k in range(4) for _ in range(4)]))
-    lo4 = b.and_(b.lshr(u2, c([0, 0, 4, 0] * 4)), c(0x0F0F0F0F))
-    t13 = b.or_(lo4, hi2)                                                # . t1 t3 .
-    sm = b.shuffle_vector(a, t13, mask([i for k in range(4) for i in (4 * k + 1, 17 + 4 * k, 4 * k + 2, 18 + 4 * k)]))
-    return b.bitcast(sm, vec(I8, 64)), b.shuffle_vector(v, v, mask([0, 4, 8, 12]))
+    return q4k_scales_heads(h, v), h.b.shuffle_vector(v, v, mask([0, 4, 8, 12]))
 
 
 def _sum_rows4_512(h, vs):
@@ -312,7 +300,7 @@ def _bcast16(h, base, off):
 def _q4_k_pair_sums(h, qload, sms, xq, xo, bs16):
     """Per row pair m: (<8 x i32> integer-dot partials, <8 x i32> min-dot partials), row a's
     in lanes 0-3, row b's in 4-7. qload(m, t): the pair's qs piece t (bytes 16t..16t+16 of
-    each row) as <32 x i8>; sms: q4k_scales_pair's bytes; bs16: the 8 per-32 activation
+    each row) as <32 x i8>; sms: q4k_scales_heads's bytes; bs16: the 8 per-32 activation
     sums as i16 in both halves."""
     b = h.b
     isums = [None] * len(sms)
@@ -355,7 +343,7 @@ def _q4_k_rows4_block_256(h, wrows, xq, xd, xs, bi, acc):
         lo, hi = (h.load(w, b.add(wo, c64(off)), vec(ty, n)) for w in pairs[m])
         return b.shuffle_vector(lo, hi, mask(range(2 * n)))
     heads = [join(m, 0, 4, I32) for m in range(2)]
-    sms = [q4k_scales_pair(h, v) for v in heads]
+    sms = [q4k_scales_heads(h, v) for v in heads]
     isums, msums = _q4_k_pair_sums(h, lambda m, t: join(m, 16 + 16 * t, 16, I8), sms, xq, b.mul(bi, c64(256)),
                                    _bsums16(h, xs, bi))
     # [I0 I2 M0 M2 | I1 I3 M1 M3]
@@ -376,7 +364,7 @@ def _q4_k_x8_block_256(h, gbase, xq, xd, xs, bi, acc, accm):
     b = h.b
     wo = b.mul(bi, c64(X8_BLOCK))
     heads = [h.load(gbase, b.add(wo, c64(32 * m)), vec(I32, 8)) for m in range(4)]
-    sms = [q4k_scales_pair(h, v) for v in heads]
+    sms = [q4k_scales_heads(h, v) for v in heads]
     isums, msums = _q4_k_pair_sums(
         h, lambda m, t: h.load(gbase, b.add(wo, c64(X8_ROWS * 16 + 128 * t + 32 * m)), vec(I8, 32)),
         sms, xq, b.mul(bi, c64(256)), _bsums16(h, xs, bi))

@@ -35,9 +35,9 @@ from numba.core import cgutils
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
-from .dot_kquant import k_nibbles, q4k_block_bytes, q4k_qs32, q4k_scales_vec
-from .ir_helpers import (F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, target_features, vec,
-                         x8_row_ptr)
+from .dot_kquant import k_nibbles, q4k_block_bytes, q4k_qs32, q4k_scales_heads
+from .ir_helpers import (F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, row_ptrs,
+                         target_features, vec)
 from .quant_kernels import Q4_K, Q4_K_X8, Q6_K
 
 GEMM_TYPES = (Q4_K, Q4_K_X8, Q6_K)   # Q4_K_X8: repack.py's copy of a Q4_K matrix
@@ -86,21 +86,8 @@ def _transpose8(b, vs):
     return out
 
 
-def _rows(context, builder, w_ty, w_arg, g, x8):
-    """Row pointers of group g (x8: a Q4_K_X8 matrix's, see ir_helpers.x8_row_ptr)."""
-    w = context.make_array(w_ty)(context, builder, w_arg)
-    b = builder
-    stride = cgutils.unpack_tuple(b, w.strides)[0]
-    first = b.mul(g, c64(GROUP_ROWS))
-    base = b.bitcast(w.data, I8.as_pointer())
-    if x8:
-        return [x8_row_ptr(b, base, stride, b.add(first, c64(k))) for k in range(GROUP_ROWS)]
-    base = b.gep(base, [b.mul(first, stride)])
-    return [b.gep(base, [b.mul(c64(k), stride)]) for k in range(GROUP_ROWS)]
-
-
-def _all_bytes(b, vs):
-    """8 x <16 x i8> -> one <128 x i8>, vs[r] at bytes 16r.."""
+def _concat(b, vs):
+    """8 vectors of one type -> one, vs[r] at lanes n r.. (n: their lane count)."""
     while len(vs) > 1:
         n = vs[0].type.count
         vs = [b.shuffle_vector(vs[2 * p], vs[2 * p + 1], mask(range(2 * n))) for p in range(len(vs) // 2)]
@@ -136,7 +123,7 @@ def _stage_q4_k(h, rows, bi, sbase, x8=False):
         qs = [q4k_qs32(h, row, wo, c, x8) for row in rows]
         for hi in range(2):
             _store_codes(h, sbase, 2 * c + hi, [k_nibbles(h, q, hi) for q in qs])
-    allsm = _all_bytes(b, [q4k_scales_vec(h, row, wo) for row in rows])   # 8 scales, 8 mins a row
+    allsm = q4k_scales_heads(h, _concat(b, [h.load(row, wo, vec(I32, 4)) for row in rows]))   # 8 scales, 8 mins a row
     for j in range(8):
         _store(h, sbase, _SCALES + 32 * j, _pairs_i16(b, allsm, j, j, False))
     for i in range(4):
@@ -159,7 +146,7 @@ def _stage_q6_k(h, rows, bi, sbase):
                 hi2 = b.and_(b.lshr(qh_r, const_vec(I8, 32, 2 * part)), const_vec(I8, 32, 3))
                 per_row.append(b.or_(k_nibbles(h, ql, part // 2), b.shl(hi2, const_vec(I8, 32, 4))))
             _store_codes(h, sbase, 4 * half + part, per_row)
-    allsc = _all_bytes(b, [h.load(row, b.add(wo, c64(192)), vec(I8, 16)) for row in rows])
+    allsc = _concat(b, [h.load(row, b.add(wo, c64(192)), vec(I8, 16)) for row in rows])
     for g in range(16):
         _store(h, sbase, _SCALES6 + 32 * g, _pairs_i16(b, allsc, g, g, True))
     for i in range(8):
@@ -169,7 +156,8 @@ def _stage_q6_k(h, rows, bi, sbase):
 
 def _make_stage(qt):
     def codegen(context, builder, sig, args):
-        rows = _rows(context, builder, sig.args[0], args[0], args[1], qt == Q4_K_X8)
+        w = context.make_array(sig.args[0])(context, builder, args[0])
+        rows = row_ptrs(builder, w, builder.mul(args[1], c64(GROUP_ROWS)), GROUP_ROWS, qt == Q4_K_X8)
         s = context.make_array(sig.args[3])(context, builder, args[3])
         h, sbase = IRHelpers(builder, target_features(context)), builder.bitcast(s.data, I8.as_pointer())
         if qt == Q6_K:

@@ -387,6 +387,17 @@ def x8_row_ptr(builder, base, stride0, r):
     return builder.gep(base, [builder.add(group, builder.mul(k, c64(16)))])
 
 
+def row_ptrs(builder, arr, first, n, x8=False):
+    """i8* to rows first..first+n-1 of a Numba array struct (context.make_array's), by its
+    first stride; x8: rows of a Q4_K_X8 matrix (x8_row_ptr)."""
+    stride = cgutils.unpack_tuple(builder, arr.strides)[0]
+    base = builder.bitcast(arr.data, I8.as_pointer())
+    rows = [builder.add(first, c64(k)) for k in range(n)]
+    if x8:
+        return [x8_row_ptr(builder, base, stride, r) for r in rows]
+    return [builder.gep(base, [builder.mul(r, stride)]) for r in rows]
+
+
 ROWS = 4   # rows per loop of the multi-row kernels (_quartered_rows unpacks 4)
 
 

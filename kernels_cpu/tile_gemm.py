@@ -38,7 +38,7 @@ from . import quant_kernels as qk
 from .dot_kquant import q4k_block_bytes, q4k_qs32, q4k_scales_vec
 from .dot_q32 import Q32, q32_values
 from .ir_helpers import (F32T, I8, I32, IRHelpers, c64, const_vec, counted_loop, has_vnni_features, mask,
-                         target_features, vec, x8_row_ptr)
+                         row_ptrs, target_features, vec)
 from .quant_kernels import Q4_0, Q4_K, Q4_K_X8, Q5_0, Q6_K, Q8_0
 from .quant_types import TILE_IDS, tile_types
 
@@ -210,14 +210,8 @@ def _tile_codegen(qt, n_rows):
         b = builder
         i8p = I8.as_pointer()
 
-        def rows_of(arr, first, n, x8=False):
-            stride = cgutils.unpack_tuple(b, arr.strides)[0]
-            base = b.bitcast(arr.data, i8p)
-            if x8:
-                return [x8_row_ptr(b, base, stride, b.add(first, c64(k))) for k in range(n)]
-            return [b.gep(base, [b.mul(b.add(first, c64(k)), stride)]) for k in range(n)]
-        wrows = rows_of(w, r, n_rows, qt == Q4_K_X8)
-        xgs, dgs, sgs, hgs = (rows_of(a, g, TILE_GROUPS) for a in (xp, dxp, xsp, xhp))
+        wrows = row_ptrs(b, w, r, n_rows, qt == Q4_K_X8)
+        xgs, dgs, sgs, hgs = (row_ptrs(b, a, g, TILE_GROUPS) for a in (xp, dxp, xsp, xhp))
         n_act = b.sdiv(cgutils.unpack_tuple(b, dxp.shape)[1], c64(GROUP))   # dxp: (groups, blocks * GROUP)
         zero = ir.Constant(vec(F32T, 8), [0.0] * 8)
         if qt in (Q4_K, Q4_K_X8):
