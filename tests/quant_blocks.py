@@ -27,3 +27,19 @@ def q4k_scales_mins(sc: np.ndarray):
             scales[:, j] = (sc[:, j + 4] & 15) | ((sc[:, j - 4] >> 6) << 4)
             mins[:, j] = (sc[:, j + 4] >> 4) | ((sc[:, j] >> 6) << 4)
     return scales, mins
+
+
+def fma_f32(a, b, c):
+    """a * b + c rounded once to float32 (an fma on float32 inputs)."""
+    return (np.asarray(a, np.float64) * b + c).astype(np.float32)
+
+
+def hsum8(a):
+    """The AVX horizontal sum of 8 float lanes (last axis), in its order."""
+    t = a[..., :4] + a[..., 4:]
+    return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
+
+
+def f16_values(b):
+    """(..., 2) uint8 fp16 bytes -> (...) float32."""
+    return b.copy().view(np.float16)[..., 0].astype(np.float32)

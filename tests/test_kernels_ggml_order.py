@@ -10,20 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import edgeinfer.kernels_cpu as K
-from quant_blocks import q4k_scales_mins, random_blocks
-
-
-def _fma(a, b, c):
-    return (np.asarray(a, np.float64) * b + c).astype(np.float32)
-
-
-def _hsum8(a):
-    t = a[..., :4] + a[..., 4:]
-    return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
-
-
-def _f16(b):
-    return b.copy().view(np.float16)[..., 0].astype(np.float32)
+from quant_blocks import f16_values, fma_f32, hsum8, q4k_scales_mins, random_blocks
 
 
 def _lanes(q, x):
@@ -50,9 +37,9 @@ def _q32_dot(w, x, qtype):
                 q = q - 16
             else:
                 q = q - 8
-        d = (_f16(blk[:, :2]) * xd[b]).astype(np.float32)
-        acc = _fma(d[:, None], _lanes(q, xq[32 * b: 32 * b + 32]).astype(np.float32), acc)
-    return _hsum8(acc)
+        d = (f16_values(blk[:, :2]) * xd[b]).astype(np.float32)
+        acc = fma_f32(d[:, None], _lanes(q, xq[32 * b: 32 * b + 32]).astype(np.float32), acc)
+    return hsum8(acc)
 
 
 def _q4k_dot(w, x):
@@ -63,8 +50,8 @@ def _q4k_dot(w, x):
     acc, accm = np.zeros((n, 8), np.float32), np.zeros((n, 4), np.float32)
     for b in range(blocks.shape[1]):
         B = blocks[:, b]
-        d = (xd[b] * _f16(B[:, 0:2])).astype(np.float32)
-        dmin = (-xd[b] * _f16(B[:, 2:4])).astype(np.float32)
+        d = (xd[b] * f16_values(B[:, 0:2])).astype(np.float32)
+        dmin = (-xd[b] * f16_values(B[:, 2:4])).astype(np.float32)
         scales, mins = q4k_scales_mins(B[:, 4:16])
         mprod = mins * xs[16 * b: 16 * b + 16].reshape(8, 2).sum(1)[None]
         sumi = np.zeros((n, 8), np.int64)
@@ -73,15 +60,15 @@ def _q4k_dot(w, x):
             sumi += _lanes(q4 & 15, xq[256 * b + 64 * j: 256 * b + 64 * j + 32]) * scales[:, 2 * j: 2 * j + 1]
             sumi += _lanes(q4 >> 4, xq[256 * b + 64 * j + 32: 256 * b + 64 * j + 64]) * scales[:, 2 * j + 1: 2 * j + 2]
         if rows8:  # one lane per row: whole-block integers, the min terms subtracted at the end
-            acc[:, 0] = _fma(d, sumi.sum(1).astype(np.float32), acc[:, 0])
-            accm[:, 0] = _fma(-dmin, mprod.sum(1).astype(np.float32), accm[:, 0])
+            acc[:, 0] = fma_f32(d, sumi.sum(1).astype(np.float32), acc[:, 0])
+            accm[:, 0] = fma_f32(-dmin, mprod.sum(1).astype(np.float32), accm[:, 0])
         else:
-            acc = _fma(d[:, None], sumi.astype(np.float32), acc)
-            accm = _fma(dmin[:, None], mprod.reshape(n, 4, 2).sum(-1).astype(np.float32), accm)
+            acc = fma_f32(d[:, None], sumi.astype(np.float32), acc)
+            accm = fma_f32(dmin[:, None], mprod.reshape(n, 4, 2).sum(-1).astype(np.float32), accm)
     if rows8:
         return acc[:, 0] - accm[:, 0]
     m = accm[:, :2] + accm[:, 2:]
-    return _hsum8(acc) + (m[:, 0] + m[:, 1])
+    return hsum8(acc) + (m[:, 0] + m[:, 1])
 
 
 def _q6k_dot(w, x):
@@ -92,7 +79,7 @@ def _q6k_dot(w, x):
     acc = np.zeros((n, 8), np.float32)
     for b in range(blocks.shape[1]):
         B = blocks[:, b]
-        d = (xd[b] * _f16(B[:, 208:210])).astype(np.float32)
+        d = (xd[b] * f16_values(B[:, 208:210])).astype(np.float32)
         sc = B[:, 192:208].view(np.int8).astype(np.int64)
         sumi = -32 * (sc * xs[16 * b: 16 * b + 16][None]).reshape(n, 8, 2).sum(-1)
         for hh in range(2):
@@ -105,8 +92,8 @@ def _q6k_dot(w, x):
                 g = hh * 8 + gq * 2
                 lanes = _lanes(q, xq[256 * b + hh * 128 + gq * 32: 256 * b + hh * 128 + gq * 32 + 32])
                 sumi += lanes * np.concatenate([np.repeat(sc[:, g:g + 1], 4, 1), np.repeat(sc[:, g + 1:g + 2], 4, 1)], 1)
-        acc = _fma(d[:, None], sumi.astype(np.float32), acc)
-    return _hsum8(acc)
+        acc = fma_f32(d[:, None], sumi.astype(np.float32), acc)
+    return hsum8(acc)
 
 
 ORDERS = {T.Q8_0: lambda w, x: _q32_dot(w, x, T.Q8_0), T.Q5_0: lambda w, x: _q32_dot(w, x, T.Q5_0),

@@ -11,11 +11,7 @@ from gguf import GGMLQuantizationType as T
 import edgeinfer.kernels_cpu as K
 from edgeinfer.kernels_cpu import repack
 from edgeinfer.kernels_cpu.quant_types import RepackedType
-from quant_blocks import q4k_scales_mins, random_blocks
-
-
-def _fma(a, b, c):
-    return (np.asarray(a, np.float64) * b + c).astype(np.float32)
+from quant_blocks import f16_values, fma_f32, q4k_scales_mins, random_blocks
 
 
 def _reference(w, x):
@@ -25,16 +21,16 @@ def _reference(w, x):
     acc, accm = np.zeros(n, np.float32), np.zeros(n, np.float32)
     for b in range(blocks.shape[1]):
         B = blocks[:, b]
-        d = (np.float32(xd[b]) * B[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)).astype(np.float32)
-        dmin = (np.float32(-xd[b]) * B[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32)).astype(np.float32)
+        d = (np.float32(xd[b]) * f16_values(B[:, 0:2])).astype(np.float32)
+        dmin = (np.float32(-xd[b]) * f16_values(B[:, 2:4])).astype(np.float32)
         scales, mins = q4k_scales_mins(B[:, 4:16])
         qs = B[:, 16:].astype(np.int64).reshape(n, 4, 32)
         q = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, 8, 32)       # sub-block 2c, 2c + 1
         xb = xq[256 * b: 256 * b + 256].astype(np.int64).reshape(8, 32)
         isum = ((q * xb[None]).sum(-1) * scales).sum(-1)
         msum = (mins * xs[16 * b: 16 * b + 16].astype(np.int64).reshape(8, 2).sum(-1)[None]).sum(-1)
-        acc = _fma(d, isum.astype(np.float32), acc)
-        accm = _fma(dmin, msum.astype(np.float32), accm)
+        acc = fma_f32(d, isum.astype(np.float32), acc)
+        accm = fma_f32(dmin, msum.astype(np.float32), accm)
     return acc + accm
 
 

@@ -10,11 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import edgeinfer.kernels_cpu as K
-from quant_blocks import q4k_scales_mins, random_blocks
-
-
-def _fma(a, b, c):
-    return (np.asarray(a, np.float64) * b + c).astype(np.float32)
+from quant_blocks import f16_values, fma_f32, hsum8, q4k_scales_mins, random_blocks
 
 
 def _codes(B):
@@ -34,19 +30,17 @@ def _reference(w, x):
     acc = np.zeros((n, 8), np.float32)
     for b in range(blocks.shape[1]):
         B = blocks[:, b]
-        d = (B[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32) * np.float32(xd[b])).astype(np.float32)
-        dmin = (B[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32) * np.float32(xd[b])).astype(np.float32)
+        d = (f16_values(B[:, 0:2]) * np.float32(xd[b])).astype(np.float32)
+        dmin = (f16_values(B[:, 2:4]) * np.float32(xd[b])).astype(np.float32)
         scales, mins = q4k_scales_mins(B[:, 4:16])
         q = _codes(B)
         xb = xq[256 * b: 256 * b + 256].astype(np.int64).reshape(8, 32)
         prod = (q * xb[None]).reshape(n, 8, 8, 4).sum(-1)                 # (row, sub-block, lane)
         isum = (prod * scales[:, :, None]).sum(1)                          # lane i: elements 4i..4i+3
         msum = mins * xs[16 * b: 16 * b + 16].astype(np.int64).reshape(8, 2).sum(-1)[None]
-        acc = _fma(d[:, None], isum.astype(np.float32), acc)
-        acc = _fma(-dmin[:, None], msum.astype(np.float32), acc)
-    s = acc[:, :4] + acc[:, 4:]
-    s = s[:, :2] + s[:, 2:]
-    return s[:, 0] + s[:, 1]
+        acc = fma_f32(d[:, None], isum.astype(np.float32), acc)
+        acc = fma_f32(-dmin[:, None], msum.astype(np.float32), acc)
+    return hsum8(acc)
 
 
 @pytest.mark.parametrize("n_rows,n_cols", [(4, 256), (8, 256), (24, 2048), (42, 14336), (137, 512)])
