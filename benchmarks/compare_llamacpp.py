@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("-d", "--n-depth", type=int, default=0, help="tokens in the context before each test")
     args = ap.parse_args()
 
-    from edgeinfer.registry import resolve
+    from edgeinfer.store.registry import resolve
 
     path = str(resolve(args.name, download=False))
     n_ctx = args.n_depth + max(args.n_prompt, args.n_gen) + 8

@@ -44,7 +44,7 @@ def main(argv=None) -> None:
 
     import numpy as np
 
-    from edgeinfer.backend_cpu import CpuBackend
+    from edgeinfer.backends.cpu import CpuBackend
     from edgeinfer.engine import Engine, EngineOptions
     from edgeinfer.loader import open_model
 

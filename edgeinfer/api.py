@@ -24,7 +24,7 @@ from edgeinfer.loader import open_model
 from edgeinfer.metadata import meta_str
 from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, TokenLogprob, Usage
 from edgeinfer.sampling import SamplingParams
-from edgeinfer.session_file import model_identity
+from edgeinfer.sessions.session_file import model_identity
 from edgeinfer.session_manager import SessionManager
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -48,7 +48,7 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
     the same vocabulary; `draft_max` / `draft_min` / `draft_p_min` are the defaults of the
     per-request `draft_max` / `draft_min` / `draft_p_min` keywords (draft_max=0: off).
     """
-    from edgeinfer.registry import resolve
+    from edgeinfer.store.registry import resolve
 
     path = resolve(str(name_or_path), download=download)
     return Model(str(name_or_path), path, EngineOptions(
@@ -65,7 +65,7 @@ class Model:
     def __init__(self, name: str, path, options: EngineOptions, chat_template: str | None = None, *,
                  kv_pool_mb: float | None = None, context_shift: bool = False, n_keep: int = 0,
                  draft: str | None = None, draft_defaults: dict | None = None) -> None:
-        from edgeinfer.chat_template import ChatTemplate
+        from edgeinfer.prompt.chat_template import ChatTemplate
         from edgeinfer.tokenizer import load_tokenizer
 
         self.name = name
@@ -89,13 +89,13 @@ class Model:
     @property
     def tool_format(self) -> str:
         """How this model writes tool calls: "hermes", "llama3", "mistral" or "generic"."""
-        from edgeinfer.tool_calls import detect_format
+        from edgeinfer.prompt.tool_calls import detect_format
 
         return detect_format(self.template.source)
 
     @property
     def supports_tools(self) -> bool:
-        from edgeinfer.tool_calls import supports_tools
+        from edgeinfer.prompt.tool_calls import supports_tools
 
         return supports_tools(self.template.source)
 
@@ -128,7 +128,7 @@ class Model:
         """Complete `prompt` (text or token ids). Sampling keywords as in `SamplingParams`
         (`logprobs=N` puts each token's log-probability and N alternatives on its chunk);
         constrained output with one of json_schema=SCHEMA, json=True, grammar=GBNF, regex=RE
-        (edgeinfer.grammar): the answer ends with finish_reason "stop" once it is complete."""
+        (edgeinfer.prompt.grammar): the answer ends with finish_reason "stop" once it is complete."""
         try:
             ids = prompt if isinstance(prompt, list) else \
                 self.tokenizer.tokenize(prompt, add_special=True, cancel=cancel)
@@ -149,7 +149,7 @@ class Model:
         (ToolsNotSupportedError if it has none); `tool_choice` "required" or a named function
         constrains the answer to calls whose arguments validate, "auto" (default) only once a
         call begins; `enable_thinking` is passed to the template. Read calls and reasoning out
-        of the text with `edgeinfer.tool_calls.parse_output(text, model.tool_format, ...)`."""
+        of the text with `edgeinfer.prompt.tool_calls.parse_output(text, model.tool_format, ...)`."""
         # As llama.cpp: drop a BOS the template wrote (the tokenizer adds it), and parse the
         # template's special-token text as special tokens. Rendering (bounded by the template
         # budget) and tokenizing run here, in the caller: for the server that is the job on
@@ -158,7 +158,7 @@ class Model:
         parallel = params.pop("parallel_tool_calls", True)
         thinking = params.pop("enable_thinking", None)
         if tools:  # the template renders them; tool_choice may constrain the answer
-            from edgeinfer import tool_calls
+            from edgeinfer.prompt import tool_calls
 
             constraint = tool_calls.tool_constraint(tools, tool_choice, self.tool_format,
                                                     self.tokenizer, parallel=parallel)
@@ -166,7 +166,7 @@ class Model:
                 params["constraint"] = constraint
         try:
             if tools or thinking is not None:
-                from edgeinfer.tool_calls import render_with_tools
+                from edgeinfer.prompt.tool_calls import render_with_tools
 
                 text = render_with_tools(self.template, messages, tools, add_bos=self.tokenizer.add_bos,
                                          enable_thinking=thinking, cancel=cancel)
@@ -251,14 +251,14 @@ _CONSTRAINT_KEYS = ("json_schema", "grammar", "regex", "json")
 def _constraint(params: dict[str, Any]) -> None:
     """Turn the constraint keywords into `params["constraint"]` (compiled; GrammarError if bad):
     json_schema=SCHEMA (dict or JSON text), json=True (any JSON object), grammar=GBNF text,
-    regex=PATTERN; or constraint=edgeinfer.grammar.Constraint directly."""
+    regex=PATTERN; or constraint=edgeinfer.prompt.grammar.Constraint directly."""
     given = {k: params.pop(k) for k in _CONSTRAINT_KEYS if k in params}
     given = {k: v for k, v in given.items() if v is not None and v is not False}
     if not given:
         return
     if params.get("constraint") is not None:
         raise EdgeInferError(f"give either constraint or {', '.join(given)}, not both")
-    from edgeinfer import grammar
+    from edgeinfer.prompt import grammar
 
     params["constraint"] = grammar.from_request(**given)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
@@ -19,7 +19,25 @@ from edgeinfer.errors import ContextOverflowError, EdgeInferError
 from edgeinfer.metadata import meta_int
 
 if TYPE_CHECKING:
-    from edgeinfer.api import Model
+    from edgeinfer.engine import Engine
+    from edgeinfer.models.config import ModelConfig
+    from edgeinfer.session_manager import SessionManager
+    from edgeinfer.tokenizer import Tokenizer
+
+
+class LoadedModel(Protocol):
+    """What embedding needs of a loaded model (edgeinfer.api.Model is one; a protocol here
+    so that this module does not import the api that imports it)."""
+
+    name: str
+    config: ModelConfig
+    tokenizer: Tokenizer
+    engine: Engine
+    sessions: SessionManager  # its lock: one forward pass at a time
+
+    @property
+    def n_ctx(self) -> int: ...
+
 
 POOLING_NONE, POOLING_MEAN, POOLING_CLS, POOLING_LAST, POOLING_RANK = range(5)
 POOLING_NAMES = {POOLING_NONE: "none", POOLING_MEAN: "mean", POOLING_CLS: "cls",
@@ -37,7 +55,7 @@ class Embeddings:
         return sum(self.token_counts)
 
 
-def pooling_of(model: "Model") -> int:
+def pooling_of(model: "LoadedModel") -> int:
     """The pooling this model's embeddings use (see the module docstring)."""
     md = model.engine.model_file.gguf.metadata
     declared = meta_int(md, f"{model.config.arch}.pooling_type", 0, 4, None)
@@ -63,7 +81,7 @@ def normalize_vector(v: np.ndarray, mode: int = 2) -> np.ndarray:
     return (v * np.float32(1.0 / total if total > 0 else 0.0)).astype(np.float32)
 
 
-def embed(model: "Model", inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
+def embed(model: "LoadedModel", inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
           truncate: bool = False, dimensions: int | None = None, normalize: int = 2,
           cancel: threading.Event | None = None) -> Embeddings:
     """Embed one input or a list of them: texts, one list of token ids, or lists of ids.
@@ -92,7 +110,7 @@ def embed(model: "Model", inputs: str | Sequence[str] | Sequence[int] | Sequence
             ids = _truncated(model, ids, limit)
         seqs.append([int(t) for t in ids])
     pooling = pooling_of(model)
-    with model._lock:  # one forward pass at a time, as generation
+    with model.sessions.lock:  # one forward pass at a time, as generation
         pooled = _run(model, seqs, pooling, cancel)
     vectors = []
     for v in pooled:
@@ -115,12 +133,12 @@ def _as_items(inputs) -> list:
     return items
 
 
-def _max_tokens(model: "Model") -> int:
+def _max_tokens(model: "LoadedModel") -> int:
     family = model.engine.model
     return family.max_tokens(model.n_ctx) if hasattr(family, "max_tokens") else model.n_ctx
 
 
-def _truncated(model: "Model", ids: list[int], limit: int) -> list[int]:
+def _truncated(model: "LoadedModel", ids: list[int], limit: int) -> list[int]:
     tok = model.tokenizer
     closing = {t for t in (tok.sep_id if getattr(tok, "add_sep", False) else None,
                            tok.eos_id if tok.add_eos else None) if t is not None}
@@ -137,7 +155,7 @@ def _pool(hidden: np.ndarray, pooling: int) -> np.ndarray:
     return hidden[-1]
 
 
-def _run(model: "Model", seqs: list[list[int]], pooling: int,
+def _run(model: "LoadedModel", seqs: list[list[int]], pooling: int,
          cancel: threading.Event | None) -> list[np.ndarray]:
     family = model.engine.model
     out: list[np.ndarray] = []

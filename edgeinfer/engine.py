@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edgeinfer.backend import Backend, ReferenceBackend
+from edgeinfer.backends.base import Backend, ReferenceBackend
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.kv.contiguous import KVCache
 from edgeinfer.kv.view import KVView
 from edgeinfer.loader import ModelFile
 
 if TYPE_CHECKING:
-    from edgeinfer.offload import OffloadPlan
+    from edgeinfer.backends.offload import OffloadPlan
 
 BACKENDS = ("cpu", "reference")
 DEFAULT_PREFILL_CHUNK = 256
@@ -43,8 +43,8 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
     if options.backend == "reference":
         return ReferenceBackend(mf.gguf), None
     if options.backend == "cpu":
-        from edgeinfer.backend_cpu import CpuBackend
-        from edgeinfer.offload import plan_for_model
+        from edgeinfer.backends.cpu import CpuBackend
+        from edgeinfer.backends.offload import plan_for_model
 
         cpu = CpuBackend(mf.gguf, threads=options.threads)
         plan = plan_for_model(mf.gguf, mf.config, options.n_ctx, gpu_layers=options.gpu_layers,
@@ -52,7 +52,7 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
         if not plan.on_gpu:
             cpu.prepare_weights()   # a GPU plan leaves them to first use: offloaded layers never ask
             return cpu, plan
-        from edgeinfer.backend_hybrid import make_backend as make_hybrid
+        from edgeinfer.backends.hybrid import make_backend as make_hybrid
 
         return make_hybrid(mf.gguf, plan, cpu), plan
     raise EdgeInferError(f"unknown backend {options.backend!r} (choose from {', '.join(BACKENDS)})")
@@ -75,7 +75,7 @@ class Engine:
         """On a cold Numba cache, compile the CPU kernels now, with a progress count
         (kernels_cpu/compile_progress.py: stderr by default), rather than silently inside
         the first request. Nothing happens when they are cached. Returns kernels compiled."""
-        from edgeinfer.backend_cpu import CpuBackend
+        from edgeinfer.backends.cpu import CpuBackend
 
         if not isinstance(self.backend, CpuBackend) or self.n_ctx < 3 or not self.model.GENERATES:
             return 0  # the reference backend compiles nothing; GPU plans keep their own warm-up

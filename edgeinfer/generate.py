@@ -198,10 +198,3 @@ def collect(chunks: Iterator[GenerationChunk]) -> GenerationResult:
     return GenerationResult(text="".join(parts), tokens=tokens, finish_reason=last.finish_reason,
                             usage=last.usage, timings=last.timings, logprobs=logprobs or None)
 
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = np.asarray(a[:n]) != np.asarray(b[:n])
-    return int(np.argmax(x)) if x.any() else n

@@ -60,7 +60,7 @@ class SamplingParams:
     repeat_last_n: int = 64    # 0 = no penalties, -1 = all previous tokens
     max_tokens: int = -1       # -1 = unlimited (until stop / context end)
     stop: list[str] = field(default_factory=list)
-    # A compiled edgeinfer.grammar.Constraint (JSON schema, GBNF, regex...): its mask is
+    # A compiled edgeinfer.prompt.grammar.Constraint (JSON schema, GBNF, regex...): its mask is
     # applied before the chain, per sequence (the decode loop makes the matcher).
     constraint: Any = field(default=None, repr=False)
     # Log-probabilities carried on each chunk: None = off, N = the chosen token's and the N
@@ -90,8 +90,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
         if self.constraint is not None and not hasattr(self.constraint, "matcher"):
-            raise InvalidParameterError("constraint must be an edgeinfer.grammar.Constraint "
-                                        "(edgeinfer.grammar.json_schema(...), gbnf(...), regex(...))")
+            raise InvalidParameterError("constraint must be an edgeinfer.prompt.grammar.Constraint "
+                                        "(edgeinfer.prompt.grammar.json_schema(...), gbnf(...), regex(...))")
         return self
 
     def make_sampler(self) -> Sampler:

@@ -28,10 +28,11 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.generate import check_prompt_fits, common_prefix_len, stream_generate
+from edgeinfer.generate import check_prompt_fits, stream_generate
 from edgeinfer.kv.context_shift import shift_context
 from edgeinfer.kv.paged import PagedKVCache
 from edgeinfer.kv.pool_sizing import plan_pools
+from edgeinfer.kv.prefix_cache import common_prefix_len
 from edgeinfer.kv.sequence import SequenceKV
 from edgeinfer.results import FinishReason, GenerationChunk
 from edgeinfer.sampling import SamplingParams

@@ -1,7 +1,7 @@
 """ggml's float32 math as llama.cpp's AVX2 build computes it: ggml_v_expf and the 8-lane horizontal sum.
 
 The constants are ggml_v_expf's, as written there in hexadecimal; the numpy reference
-(edgeinfer.backend) reads them from here. The compiled pieces inline into the attention
+(edgeinfer.backends.base) reads them from here. The compiled pieces inline into the attention
 softmax (kv_attention.py) and the SiLU (ops.py).
 """
 from __future__ import annotations

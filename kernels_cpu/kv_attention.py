@@ -18,7 +18,7 @@ llama.cpp's CPU decode path (no flash attention) computes, per query row and hea
    sequence; llama.cpp pads the key count to 256, so there are no leftovers).
 
 A masked key contributes exactly zero everywhere, so the kernels skip it. The numpy
-reference of the same math is `edgeinfer.backend.Backend.attention`; the tests require
+reference of the same math is `edgeinfer.backends.base.Backend.attention`; the tests require
 the two to agree bit for bit.
 """
 from __future__ import annotations

@@ -373,7 +373,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         return out
     n_threads = get_threads()
     if n_threads > 1 and _fast(qt) and n_rows >= 2 * _PREFILL_TILE_ROWS:
-        # numpy's BLAS runs single-threaded beside Numba (see backend_cpu), so the row tiles
+        # numpy's BLAS runs single-threaded beside Numba (see edgeinfer.backends.cpu), so the row tiles
         # are split across our own threads: each dequantizes its tiles on its own thread
         # (no Numba parallel region) and calls BLAS, both without the GIL.
         bounds = np.linspace(0, n_rows // _PREFILL_TILE_ROWS, n_threads + 1).astype(int) * _PREFILL_TILE_ROWS

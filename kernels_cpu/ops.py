@@ -1,6 +1,6 @@
 """Float kernels around the matmuls: RMSNorm, rotary embedding, GELU, SiLU.
 
-Each computes exactly what edgeinfer.backend.Backend's numpy op computes (ggml's rounding
+Each computes exactly what edgeinfer.backends.base.Backend's numpy op computes (ggml's rounding
 order), in one compiled call; tests/test_kernels_ops.py requires bit equality. Attention
 lives in kv_attention.py.
 """
@@ -190,5 +190,5 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 # signature the forward pass uses: float32 vectors, and for GELU the backend's table)
 _ZEROS = "import numpy as np; from edgeinfer.kernels_cpu import ops; z = np.zeros(8, np.float32); "
 compile_progress.compile_elsewhere(
-    _gelu_mul_kernel, _ZEROS + "from edgeinfer.backend import _gelu_f16_table; ops.gelu_mul(z, z, _gelu_f16_table())", 2)
+    _gelu_mul_kernel, _ZEROS + "from edgeinfer.backends.base import _gelu_f16_table; ops.gelu_mul(z, z, _gelu_f16_table())", 2)
 compile_progress.compile_elsewhere(_silu_mul_kernel, _ZEROS + "ops.silu_mul(z, z)", 2)

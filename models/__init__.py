@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from edgeinfer.models.base import ModelConfig, Transformer
+from edgeinfer.models.base import Transformer
+from edgeinfer.models.config import ModelConfig
 from edgeinfer.models.bert import Bert
 from edgeinfer.models.gemma3 import Gemma3
 from edgeinfer.models.llama import Llama

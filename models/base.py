@@ -1,17 +1,16 @@
-"""What every model family shares: the config read from `{arch}.*` keys, tensor checks,
+"""What every model family shares: reading the config from `{arch}.*` keys, tensor checks,
 and the decoder-only transformer skeleton the family files fill in.
 
 A family file (llama.py, qwen2.py, ...) subclasses `Transformer`, states its config
 defaults, the tensors it needs, and its block (`layer`). Models see only a `Backend`
-(edgeinfer.backend): they never touch numpy kernels or the GPU directly.
+(edgeinfer.backends.base): they never touch numpy kernels or the GPU directly.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -19,56 +18,13 @@ from edgeinfer.errors import GGUFError, MetadataError, UnsupportedModelError
 from edgeinfer.metadata import (MAX_CTX, MAX_EMBD, MAX_FF, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS,
                                 MAX_ROPE_BASE, MAX_VOCAB, REQUIRED, meta_float, meta_int,
                                 meta_int_per_layer, meta_str, meta_str_array)
+from edgeinfer.models.config import ModelConfig
 from edgeinfer.rope import ROPE_NORM, RopeArgs
 
 if TYPE_CHECKING:
-    from edgeinfer.backend import Backend
+    from edgeinfer.backends.base import Backend
     from edgeinfer.gguf_file import GGUFFile
     from edgeinfer.kv.view import KVView
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Hyperparameters read from GGUF metadata, with llama.cpp's defaults when absent."""
-
-    arch: str
-    n_vocab: int
-    n_ctx_train: int
-    n_embd: int
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int  # per-head size of Q and K
-    head_dim_v: int  # per-head size of V
-    n_ff: int
-    norm_eps: float
-    rope_mode: str
-    rope_dims: int
-    rope_base: float
-    rope_freq_scale: float = 1.0
-    rope_base_swa: float = 0.0  # RoPE base of sliding-window layers (gemma3), 0 = same as global
-    sliding_window: int = 0  # 0 = every layer attends to the whole context
-    swa_layers: tuple[bool, ...] = ()
-    attn_scale: float = 0.0  # multiplies Q before attention (Gemma); 0 = 1/sqrt(head_dim) on Q K^T
-    embed_scale: float = 1.0  # gemma multiplies embeddings by sqrt(n_embd)
-    tied_embeddings: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_head * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_head_kv * self.head_dim
-
-    def is_swa(self, layer: int) -> bool:
-        return bool(self.swa_layers) and self.swa_layers[layer]
-
-    def rope_base_for(self, layer: int) -> float:
-        if self.is_swa(layer) and self.rope_base_swa:
-            return self.rope_base_swa
-        return self.rope_base
 
 
 _BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")

@@ -18,7 +18,7 @@ Also renders the chat templates in tests/data/templates/ with llama.cpp's own te
 engine where it can (written to tests/data/templates/llama_cpp_render.json) as a second
 opinion on the hand-checked expectations.
 
-`--unicode-data` regenerates `edgeinfer/tokenizer_unicode.py` from llama.cpp's tables.
+`--unicode-data` regenerates `edgeinfer/tokenizer/unicode.py` from llama.cpp's tables.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def write_unicode_tables(src: Path) -> None:
            fmt("LETTER", ranges(0x4)), "\n", fmt("NUMBER", ranges(0x2)), "\n",
            fmt("PUNCTUATION", ranges(0x20)), "\n",
            "WHITESPACE = (" + ", ".join(f"0x{c:X}" for c in ws) + ",)\n"]
-    (ROOT / "edgeinfer" / "tokenizer_unicode.py").write_text("".join(out))
+    (ROOT / "edgeinfer" / "tokenizer" / "unicode.py").write_text("".join(out))
 
 
 def render_templates_with_llama_cpp() -> None:
@@ -178,7 +178,7 @@ def render_templates_with_llama_cpp() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--unicode-data", type=Path, help="regenerate edgeinfer/tokenizer_unicode.py")
+    ap.add_argument("--unicode-data", type=Path, help="regenerate edgeinfer/tokenizer/unicode.py")
     ap.add_argument("--only", choices=["gemma3", "llama3", "qwen25", "llama3_gpt2", "llama3_default",
                                                  "tiny_spm"], action="append")
     args = ap.parse_args()

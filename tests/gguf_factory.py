@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
 
-from edgeinfer.tokenizer_bpe import _bytes_to_unicode
+from edgeinfer.tokenizer.bpe import _bytes_to_unicode
 
 T = GGMLQuantizationType
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeinfer.chat_template import BUILTIN_TEMPLATES, ChatTemplate
+from edgeinfer.prompt.chat_template import BUILTIN_TEMPLATES, ChatTemplate
 from edgeinfer.errors import TemplateError
 
 DATA = Path(__file__).parent / "data" / "templates"

@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from edgeinfer import session_file
-from edgeinfer.conversations import (Conversation, ConversationError, ConversationStore, default_dir,
+from edgeinfer.sessions import session_file
+from edgeinfer.sessions.conversations import (Conversation, ConversationError, ConversationStore, default_dir,
                                      default_title, legacy_dir, same_model)
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.session_file import (SavedSession, load_session, model_identity, read_session_info,
+from edgeinfer.sessions.session_file import (SavedSession, load_session, model_identity, read_session_info,
                                      save_session)
 
 IDENTITY = {"name": "tiny", "size": 1234, "digest": "ab" * 32}
@@ -120,7 +120,7 @@ def test_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path, monkeypatch
 
 KILLED_WRITER = """
 import sys
-from edgeinfer.conversations import Conversation, ConversationStore
+from edgeinfer.sessions.conversations import Conversation, ConversationStore
 store = ConversationStore(sys.argv[1])
 conv = Conversation(id="victim", identity={"name": "t", "size": 1, "digest": "d"})
 n = 0

@@ -20,14 +20,14 @@ if not _OK:
 
 from pycuda import gpuarray  # noqa: E402
 
-from edgeinfer.backend import Backend, ReferenceBackend  # noqa: E402
-from edgeinfer.backend_hybrid import HybridBackend
+from edgeinfer.backends.base import Backend, ReferenceBackend  # noqa: E402
+from edgeinfer.backends.hybrid import HybridBackend
 from edgeinfer.kv.device_storage import CudaKVCache  # noqa: E402
 from edgeinfer.kernels_cuda import launch, runtime  # noqa: E402
 from edgeinfer.kv.contiguous import KVCache  # noqa: E402
 from edgeinfer.loader import open_model  # noqa: E402
 from edgeinfer.rope import ROPE_NEOX, ROPE_NORM  # noqa: E402
-from edgeinfer.offload import OffloadPlan  # noqa: E402
+from edgeinfer.backends.offload import OffloadPlan  # noqa: E402
 
 TYPES = list(launch.QTYPE_SUFFIX)
 

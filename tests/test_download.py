@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from huggingface_hub import scan_cache_dir
 
-from edgeinfer import download, registry
+from edgeinfer.store import download, registry
 from edgeinfer.cli import main
 from edgeinfer.errors import DownloadError, ModelNotFoundError
 from hub_standin import HubStandin, use_standin

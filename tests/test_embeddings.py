@@ -13,7 +13,7 @@ from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
 from gguf_factory_embed import write_tiny_encoder
 
 import edgeinfer
-from edgeinfer.backend import ReferenceBackend
+from edgeinfer.backends.base import ReferenceBackend
 from edgeinfer.embedding import normalize_vector
 from edgeinfer.errors import ContextOverflowError, EdgeInferError
 from edgeinfer.gguf_file import GGUFFile

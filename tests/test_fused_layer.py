@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgeinfer.backend import Backend
+from edgeinfer.backends.base import Backend
 from edgeinfer.engine import Engine, EngineOptions
 from edgeinfer.kernels_cpu import fused_layer
 from edgeinfer.loader import open_model

@@ -18,12 +18,12 @@ from oracles import branching_prompts, cold_greedy, compare_managers, greedy, ra
 from test_offload_plan import install_fake_device
 
 import edgeinfer
-from edgeinfer.backend import ReferenceBackend
+from edgeinfer.backends.base import ReferenceBackend
 from edgeinfer.engine import Engine, EngineOptions
 from edgeinfer.generate import collect
 from edgeinfer.kv.contiguous import KVCache
 from edgeinfer.loader import open_model
-from edgeinfer.offload import GiB, DeviceInfo, OffloadPlan
+from edgeinfer.backends.offload import GiB, DeviceInfo, OffloadPlan
 from edgeinfer.results import FinishReason
 from edgeinfer.session_manager import SessionManager
 
@@ -44,7 +44,7 @@ def _cpu(path, n_ctx: int = N_CTX) -> edgeinfer.Model:
 
 def _gpu_engine(path, k: int, head: bool = False, n_ctx: int = N_CTX, vram_kv: int = 0) -> Engine:
     """An engine whose layers 0..k-1 (and the head) run on the simulated GPU."""
-    from edgeinfer.backend_hybrid import HybridBackend
+    from edgeinfer.backends.hybrid import HybridBackend
 
     mf = open_model(path)
     engine = Engine(mf, EngineOptions(n_ctx=n_ctx, backend="reference", prefill_chunk=5))

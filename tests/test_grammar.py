@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from edgeinfer import grammar
-from edgeinfer.grammar import GrammarError
+from edgeinfer.prompt import grammar
+from edgeinfer.prompt.grammar import GrammarError
 from edgeinfer.sampling import SamplingParams
 from gguf_factory import TinyShape, bpe_vocab, spm_vocab, write_tiny_model
 

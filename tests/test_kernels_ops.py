@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgeinfer.backend import Backend, _gelu_f16_table
+from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.kernels_cpu import ops
 from edgeinfer.kernels_cpu.reference import reference_rms_norm, reference_rope
 from edgeinfer.rope import ROPE_NEOX, ROPE_NORM
@@ -98,7 +98,7 @@ def _ggml_v_expf_avx2(x: np.ndarray) -> np.ndarray:
 
 
 def test_silu_mul_is_ggml_swiglu_bit_for_bit():
-    from edgeinfer.backend import ggml_expf_any
+    from edgeinfer.backends.base import ggml_expf_any
     rng = np.random.default_rng(3)
     # ordinary values, and the ranges where exp(-x) is subnormal, zero, huge or inf
     gate = np.concatenate([rng.standard_normal(4000) * 6, rng.uniform(-200, 200, 4000),

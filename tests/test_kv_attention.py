@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgeinfer.backend import Backend, ggml_expf
+from edgeinfer.backends.base import Backend, ggml_expf
 from edgeinfer.kernels_cpu import kv_attention
 
 

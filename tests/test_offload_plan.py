@@ -8,9 +8,9 @@ import types
 import numpy as np
 import pytest
 
-from edgeinfer.models.base import ModelConfig
+from edgeinfer.models.config import ModelConfig
 from edgeinfer.rope import ROPE_NORM
-from edgeinfer.offload import (GiB, MiB, DeviceInfo, OffloadError, estimate_model_sizes,
+from edgeinfer.backends.offload import (GiB, MiB, DeviceInfo, OffloadError, estimate_model_sizes,
                                model_sizes_from_gguf, plan_offload, vram_budget)
 
 CARDS_GB = (4, 6, 8, 12, 24)
@@ -201,7 +201,7 @@ def test_plan_for_model_without_cuda_is_cpu(tiny_models, monkeypatch):
     from edgeinfer.gguf_file import GGUFFile
     from edgeinfer.kernels_cuda import runtime
     from edgeinfer.models.llama import Llama
-    from edgeinfer.offload import plan_for_model
+    from edgeinfer.backends.offload import plan_for_model
 
     gf = GGUFFile.open(tiny_models["llama"])
     cfg = Llama.read_config(gf)
@@ -232,7 +232,7 @@ def _fake_modules():
     """pycuda + the launchers, implemented with the numpy reference ops."""
     from gguf import quants
 
-    from edgeinfer.backend import Backend
+    from edgeinfer.backends.base import Backend
 
     def dev(a, dtype=None):
         return np.array(a, dtype=dtype).view(FakeGPUArray)
@@ -327,13 +327,13 @@ def install_fake_device(monkeypatch) -> dict[str, int]:
 def test_hybrid_backend_on_a_simulated_device(tiny_models, monkeypatch, arch):
     """The layer split, boundary transfers and GPU-side KV of HybridBackend, with numpy standing in
     for the kernels: logits equal the reference backend's for every --gpu-layers value."""
-    from edgeinfer.backend import ReferenceBackend
-    from edgeinfer.backend_cuda import DeviceTensor
-    from edgeinfer.backend_hybrid import HybridBackend
+    from edgeinfer.backends.base import ReferenceBackend
+    from edgeinfer.backends.device_tensor import DeviceTensor
+    from edgeinfer.backends.hybrid import HybridBackend
     from edgeinfer.kv.device_storage import CudaKVCache
     from edgeinfer.kv.contiguous import KVCache
     from edgeinfer.loader import open_model
-    from edgeinfer.offload import OffloadPlan
+    from edgeinfer.backends.offload import OffloadPlan
 
     calls = install_fake_device(monkeypatch)
 

@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from edgeinfer.backend import Backend
+from edgeinfer.backends.base import Backend
 from edgeinfer.kv.block_pool import KVPoolExhaustedError
 from edgeinfer.errors import ContextOverflowError, EdgeInferError
 from edgeinfer.kv.contiguous import KVCache
-from edgeinfer.models.base import ModelConfig
+from edgeinfer.models.config import ModelConfig
 from edgeinfer.kv.paged import PagedKVCache
 from edgeinfer.kv.sequence import SequenceKV
 

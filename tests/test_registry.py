@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeinfer import registry
+from edgeinfer.store import registry
 from edgeinfer.errors import EdgeInferError, ModelNotFoundError
 
 REQUIRED_ALIASES = ["llama3-8b-q4", "llama3.2-1b", "llama3.2-3b", "qwen2.5-0.5b", "qwen2.5-1.5b",

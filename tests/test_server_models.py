@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from edgeinfer import model_names, registry
+from edgeinfer.store import model_names, registry
 from gguf_factory import spm_vocab, write_tiny_model
 from hub_standin import HubStandin, use_standin
 from test_server import MODEL, fim_model_path, start_server  # noqa: F401 - a fixture
@@ -104,7 +104,7 @@ def test_pull_resumes_a_dropped_link(live, store, other_model, small_chunks):
 
 def test_a_client_leaving_stops_the_pull_and_the_next_one_resumes(live, store, other_model, small_chunks,
                                                                   monkeypatch):
-    from edgeinfer import download
+    from edgeinfer.store import download
 
     real = download.http_get
 
@@ -269,7 +269,7 @@ def test_store_changes_need_loopback_or_an_api_key(store, fim_model_path, other_
 
 
 def test_modelfile_parser():
-    from edgeinfer.modelfile import ModelfileError, parse
+    from edgeinfer.store.modelfile import ModelfileError, parse
 
     mf = parse('# comment\nfrom ./m.gguf\nTEMPLATE "{{ x }}"\nparameter top_k 20\nPARAMETER stop a\n'
                'PARAMETER stop "b c"\nSYSTEM plain words\n')

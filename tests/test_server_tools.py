@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 import edgeinfer
-from edgeinfer import tool_calls
+from edgeinfer.prompt import tool_calls
 from edgeinfer.results import GenerationChunk, Timings, Usage
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
 from test_server import MODEL, fim_model_path, load_tiny, start_server  # noqa: F401 - a fixture

@@ -22,9 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeinfer import atomic_file, session_file
-from edgeinfer.conversations import ConversationError, ConversationStore
-from edgeinfer.session_file import (SavedSession, SessionFileError, load_session, read_session_info,
+from edgeinfer import atomic_file
+
+from edgeinfer.sessions import session_file
+from edgeinfer.sessions.conversations import ConversationError, ConversationStore
+from edgeinfer.sessions.session_file import (SavedSession, SessionFileError, load_session, read_session_info,
                                      save_session)
 
 IDENTITY = {"name": "tiny", "size": 1234, "digest": "ab" * 32}
@@ -115,8 +117,8 @@ def _memory_limited() -> None:
 
 DEV_ZERO_SCRIPT = textwrap.dedent("""
     import json, sys
-    from edgeinfer.conversations import ConversationStore
-    from edgeinfer.session_file import load_session, read_session_info
+    from edgeinfer.sessions.conversations import ConversationStore
+    from edgeinfer.sessions.session_file import load_session, read_session_info
     out = []
     for read in (lambda: load_session(sys.argv[1], {}), lambda: read_session_info(sys.argv[1])):
         try:
@@ -215,7 +217,7 @@ def _deflated_zeros_member(name: str, prefix: bytes, zeros: int) -> tuple:
 
 BOMB_SCRIPT = textwrap.dedent("""
     import json, resource, sys
-    from edgeinfer.session_file import load_session
+    from edgeinfer.sessions.session_file import load_session
     before = int([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0])
     out = {}
     try:

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from edgeinfer import session_file
+from edgeinfer.sessions import session_file
 from edgeinfer.cli import main
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.session_file import (SavedSession, SessionFileError, check_name, load_session,
+from edgeinfer.sessions.session_file import (SavedSession, SessionFileError, check_name, load_session,
                                      model_identity, save_session, session_path)
 
 

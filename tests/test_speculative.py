@@ -293,7 +293,7 @@ def test_sampled_distribution_matches_plain_sampling(model):
 
 def test_grammar_and_logprobs_work_with_speculation(model):
     """The grammar's mask and the logprobs are taken per sampled row, as without speculation."""
-    from edgeinfer import grammar
+    from edgeinfer.prompt import grammar
 
     ids = model.tokenize(PROMPTS[0])
     for extra in (dict(constraint=grammar.from_request(regex="(a b )+c")), dict(logprobs=3),

@@ -21,7 +21,7 @@ from edgeinfer.kv.contiguous import KVCache
 from edgeinfer.kv.groups import DROPPED, layer_groups
 from edgeinfer.kv.paged import PagedKVCache
 from edgeinfer.results import FinishReason
-from edgeinfer.session_file import SavedSession, load_session, save_session
+from edgeinfer.sessions.session_file import SavedSession, load_session, save_session
 from edgeinfer.kv.pool_sizing import group_pool_blocks
 from edgeinfer.session_manager import SessionManager
 from gguf_factory import TinyShape, spm_vocab, write_tiny_model

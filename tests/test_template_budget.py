@@ -16,10 +16,10 @@ import pytest
 import edgeinfer
 from gguf_factory import write_tiny_model
 
-from edgeinfer.chat_template import ChatTemplate
+from edgeinfer.prompt.chat_template import ChatTemplate
 from edgeinfer.errors import TemplateError, TokenizerError
 from edgeinfer.results import FinishReason
-from edgeinfer.template_sandbox import MAX_OUTPUT_CHARS, MAX_RENDER_S, TemplateBudgetError, TemplateCancelled
+from edgeinfer.prompt.template_sandbox import MAX_OUTPUT_CHARS, MAX_RENDER_S, TemplateBudgetError, TemplateCancelled
 
 SLOW_LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
 HOSTILE = {

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 import vocab_models
 from gguf_factory import bpe_vocab, spm_vocab, write_tiny_model
 from edgeinfer.cli import main as cli_main
-from edgeinfer.detokenize import StreamDecoder, clean_spaces
+from edgeinfer.tokenizer.detokenize import StreamDecoder, clean_spaces
 from edgeinfer.errors import TokenizerError
 from edgeinfer.tokenizer import Tokenizer
-from edgeinfer.tokenizer_bpe import byte_encode
+from edgeinfer.tokenizer.bpe import byte_encode
 
 HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 
 import edgeinfer
-from edgeinfer import tool_calls as tc
-from edgeinfer.chat_template import ChatTemplate
+from edgeinfer.prompt import tool_calls as tc
+from edgeinfer.prompt.chat_template import ChatTemplate
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
 
 DATA = Path(__file__).parent / "data"

@@ -18,8 +18,8 @@ pytest.importorskip("textual")
 
 import edgeinfer  # noqa: E402
 from edgeinfer.cli import main  # noqa: E402
-from edgeinfer.conversations import Conversation, ConversationStore  # noqa: E402
-from edgeinfer.session_file import load_session, model_identity, read_session_info  # noqa: E402
+from edgeinfer.sessions.conversations import Conversation, ConversationStore  # noqa: E402
+from edgeinfer.sessions.session_file import load_session, model_identity, read_session_info  # noqa: E402
 from edgeinfer.tui.app import ChatApp  # noqa: E402
 from edgeinfer.tui.screens import HelpScreen, ModelPickerScreen, SettingsScreen  # noqa: E402
 from edgeinfer.tui.widgets import AssistantMessage, PromptInput, UserMessage, code_blocks  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgeinfer.conversations import Conversation
+from edgeinfer.sessions.conversations import Conversation
 from edgeinfer.tui import controller as c
 from edgeinfer.tui.export import export_markdown, export_name, to_markdown
 

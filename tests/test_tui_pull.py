@@ -16,8 +16,8 @@ pytest.importorskip("textual")
 sys.path.insert(0, str(Path(__file__).parent))
 from hub_standin import HubStandin, use_standin  # noqa: E402
 
-from edgeinfer import download  # noqa: E402
-from edgeinfer.conversations import ConversationStore  # noqa: E402
+from edgeinfer.store import download  # noqa: E402
+from edgeinfer.sessions.conversations import ConversationStore  # noqa: E402
 from edgeinfer.tui.app import ChatApp, pull_model  # noqa: E402
 from edgeinfer.tui.screens import ModelPickerScreen  # noqa: E402
 

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("textual")
 pytest.importorskip("pytest_textual_snapshot")
 
-from edgeinfer.conversations import ConversationStore  # noqa: E402
+from edgeinfer.sessions.conversations import ConversationStore  # noqa: E402
 from edgeinfer.results import GenerationChunk, Timings, Usage  # noqa: E402
 from edgeinfer.tui import app as app_module  # noqa: E402
 from edgeinfer.tui.app import ChatApp  # noqa: E402

@@ -78,7 +78,7 @@ def test_chat_in_tmux_answers_like_the_api(gemma_path, tmp_path):
         assert shown == _squash(expected), f"answer on screen {shown!r} != API answer {expected!r}"
         _tmux(sock, "send-keys", "-t", "chat", "C-q")
         # Saved as a saved session, the file `edgeinfer run gemma3-270m --session ID` resumes.
-        from edgeinfer.session_file import read_session_info
+        from edgeinfer.sessions.session_file import read_session_info
 
         saved = list((tmp_path / "sessions").glob("*.npz"))
         assert len(saved) == 1

@@ -22,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from gguf_factory import TinyShape, spm_vocab, write_tiny_model
-from edgeinfer.tokenizer_bpe import _bytes_to_unicode
+from edgeinfer.tokenizer.bpe import _bytes_to_unicode
 
 _SHAPE = TinyShape(n_embd=32, n_layer=1, n_head=2, n_head_kv=1, head_dim=16, n_ff=64, n_ctx=256)
 

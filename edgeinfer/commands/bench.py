@@ -29,7 +29,7 @@ def run(args) -> int:
     from edgeinfer.errors import EdgeInferError
     from edgeinfer.loader import open_model
     from edgeinfer.model_info import describe, human_bytes, human_count
-    from edgeinfer.registry import resolve
+    from edgeinfer.store.registry import resolve
 
     if args.n_prompt < 0 or args.n_gen < 0 or args.n_depth < 0:
         raise EdgeInferError("-p, -n and -d must be >= 0")

@@ -31,7 +31,7 @@ def chat(args) -> int:
     params = sampling_from_args(args)  # bad flag values fail before the screen opens
 
     import edgeinfer
-    from edgeinfer.conversations import ConversationStore
+    from edgeinfer.sessions.conversations import ConversationStore
     from edgeinfer.errors import EdgeInferError
     from edgeinfer.kernels_cpu import compile_progress
     from edgeinfer.tui.app import ChatApp

@@ -13,7 +13,7 @@ PROMPT, CONTINUATION = ">>> ", "... "
 
 def history_path() -> Path:
     """`history` in the edgeinfer data folder ($EDGEINFER_HOME or ~/.local/share/edgeinfer)."""
-    from edgeinfer.session_file import sessions_dir
+    from edgeinfer.sessions.session_file import sessions_dir
 
     return sessions_dir().parent / "history"  # sessions_dir() is <data folder>/sessions
 

@@ -150,7 +150,7 @@ class Repl:
         """`/load NAME`: a saved session of this model if one has that name, else another model."""
         if not name:
             raise EdgeInferError("usage: /load <model>")
-        from edgeinfer.session_file import session_path
+        from edgeinfer.sessions.session_file import session_path
 
         try:
             saved = session_path(name).exists()
@@ -178,7 +178,7 @@ class Repl:
 
     def save(self, name: str, quiet: bool = False) -> None:
         from edgeinfer.commands.run_session import save_run_session
-        from edgeinfer.session_file import check_name
+        from edgeinfer.sessions.session_file import check_name
 
         check_name(name)
         if self.raw:

@@ -9,7 +9,7 @@ from edgeinfer.errors import EdgeInferError
 
 def constraint_for_format(value: str):
     """`--format` / `/set format`: "json" (any JSON object) or a JSON-schema file's path."""
-    from edgeinfer import grammar
+    from edgeinfer.prompt import grammar
 
     value = value.strip()
     if value == "json":
@@ -25,7 +25,7 @@ def constraint_for_format(value: str):
 
 def constraint_for_grammar_file(path: str):
     """`--grammar-file FILE.gbnf`: a llama.cpp GBNF grammar."""
-    from edgeinfer import grammar
+    from edgeinfer.prompt import grammar
 
     try:
         with open(path, encoding="utf-8") as f:

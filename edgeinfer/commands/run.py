@@ -39,7 +39,7 @@ def run(args) -> int:
     constraint = constraint_from_args(args)  # a bad schema or grammar fails before the model loads
     session = getattr(args, "session", None)
     if session is not None:
-        from edgeinfer.session_file import check_name
+        from edgeinfer.sessions.session_file import check_name
 
         check_name(session)  # before the model loads
         if args.raw:

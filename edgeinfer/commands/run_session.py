@@ -10,7 +10,7 @@ from edgeinfer.errors import EdgeInferError
 def resume_session(model, name: str, params: dict, system: str | None) -> tuple[str | None, list[dict]]:
     """Load saved session `name` (if it exists): its sampling settings replace `params`,
     its K/V (if saved) become the cached prefix. Returns (system prompt, history)."""
-    from edgeinfer.session_file import SessionFileError, load_session, session_path
+    from edgeinfer.sessions.session_file import SessionFileError, load_session, session_path
 
     path = session_path(name)
     if not path.exists():
@@ -36,7 +36,7 @@ def resume_session(model, name: str, params: dict, system: str | None) -> tuple[
 
 def save_run_session(model, name: str, system: str | None, history: list[dict], params: dict,
                      with_kv: bool) -> None:
-    from edgeinfer.session_file import SavedSession, save_session, session_path
+    from edgeinfer.sessions.session_file import SavedSession, save_session, session_path
 
     saved = SavedSession(messages=_messages_only(system, history), tokens=model.sessions.resident_tokens(),
                          sampling=dict(params))

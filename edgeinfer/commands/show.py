@@ -27,9 +27,9 @@ def run(args) -> int:
     # numpy and gguf: only when the command runs, not for every `edgeinfer --help`
     from edgeinfer.loader import open_model
     from edgeinfer.model_info import describe, human_bytes, human_count
-    from edgeinfer.registry import resolve
+    from edgeinfer.store.registry import resolve
 
-    from edgeinfer.offload import plan_for_model
+    from edgeinfer.backends.offload import plan_for_model
 
     mf = open_model(resolve(args.name, download=False))
     info = describe(mf)

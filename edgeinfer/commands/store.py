@@ -24,7 +24,7 @@ def register(subparsers) -> None:
 
 
 def pull_command(args: argparse.Namespace) -> int:
-    from edgeinfer import registry
+    from edgeinfer.store import registry
 
     path = registry.pull(args.name, progress=not args.quiet)
     print(f"pulled {args.name}: {path}")
@@ -32,7 +32,7 @@ def pull_command(args: argparse.Namespace) -> int:
 
 
 def list_command(args: argparse.Namespace) -> int:
-    from edgeinfer import registry
+    from edgeinfer.store import registry
 
     rows = [(m.name, human_bytes(m.size_bytes), human_age(m.modified)) for m in registry.list_local()]
     header = ("NAME", "SIZE", "MODIFIED")
@@ -43,7 +43,7 @@ def list_command(args: argparse.Namespace) -> int:
 
 
 def rm_command(args: argparse.Namespace) -> int:
-    from edgeinfer import registry
+    from edgeinfer.store import registry
 
     registry.remove(args.name)
     print(f"deleted '{args.name}'")

@@ -36,7 +36,7 @@ def register(sub) -> None:
 
 def _tokenizer(name: str):
     from edgeinfer.gguf_file import GGUFFile
-    from edgeinfer.registry import resolve
+    from edgeinfer.store.registry import resolve
     from edgeinfer.tokenizer import load_tokenizer
 
     return load_tokenizer(GGUFFile.open(resolve(name, download=False)))

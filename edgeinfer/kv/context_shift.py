@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edgeinfer.backend import Backend
+from edgeinfer.backends.base import Backend
 from edgeinfer.kv.groups import DROPPED, MASKED_POS, align_down, ceil_div, first_above
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from edgeinfer.errors import ContextOverflowError
 from edgeinfer.kv.view import KVView
 
 if TYPE_CHECKING:
-    from edgeinfer.models.base import ModelConfig
+    from edgeinfer.models.config import ModelConfig
 
 
 class KVCache(KVView):

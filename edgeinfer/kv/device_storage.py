@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgeinfer.backend_cuda import DeviceTensor
+from edgeinfer.backends.device_tensor import DeviceTensor
 from edgeinfer.kernels_cuda import launch
 from edgeinfer.kv.contiguous import KVCache
 
 if TYPE_CHECKING:
     from edgeinfer.kv.sequence import SequenceKV
-    from edgeinfer.models.base import ModelConfig
+    from edgeinfer.models.config import ModelConfig
 
 
 class CudaKVCache(KVCache):

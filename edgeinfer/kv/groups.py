@@ -25,7 +25,7 @@ import numpy as np
 from edgeinfer.kv.block_pool import BlockPool
 
 if TYPE_CHECKING:
-    from edgeinfer.models.base import ModelConfig
+    from edgeinfer.models.config import ModelConfig
 
 DROPPED = -1  # block-table entry of a leading block given back as out of every window
 MASKED_POS = -(1 << 30)  # stored position of a slot with no K/V (outside every window)

@@ -29,7 +29,7 @@ from edgeinfer.kv.pool_sizing import layer_block_bytes
 from edgeinfer.kv.sequence import SequenceKV
 
 if TYPE_CHECKING:
-    from edgeinfer.models.base import ModelConfig
+    from edgeinfer.models.config import ModelConfig
 
 
 class PagedKVCache:
@@ -185,10 +185,10 @@ class PagedKVCache:
                     f"{g.name}, block {b}: ref count {g.pool.ref_count(b)} but held by {held[g.index][b]} sequences"
 
     # -- internals ------------------------------------------------------------------------------
-    def _writable(self, g: LayerGroup, block: int) -> bool:
+    def writable(self, g: LayerGroup, block: int) -> bool:
         return g.pool.ref_count(block) == 1 and g.pool.block_hash(block) is None
 
-    def _copy_rows(self, g: LayerGroup, src: int, dst: int, n: int) -> None:
+    def copy_rows(self, g: LayerGroup, src: int, dst: int, n: int) -> None:
         for i in g.host_layers:
             self.k[i][dst, :n] = self.k[i][src, :n]
             self.v[i][dst, :n] = self.v[i][src, :n]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from edgeinfer.kv.groups import DROP_ALIGN, drop_quantum, layer_groups
 
 if TYPE_CHECKING:
-    from edgeinfer.models.base import ModelConfig
+    from edgeinfer.models.config import ModelConfig
 
 KV_BYTES_PER_VALUE = {"f16": 2.0, "f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32}
 F16_BYTES = 2  # the paged pools and VRAM blocks hold f16 K/V

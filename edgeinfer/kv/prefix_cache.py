@@ -22,11 +22,10 @@ from edgeinfer.kv.block_pool import ROOT_HASH, compute_block_hashes, hash_block
 from edgeinfer.kv.groups import DROPPED, LayerGroup, align_down
 
 if TYPE_CHECKING:
-    from edgeinfer.kv.paged import PagedKVCache
-    from edgeinfer.kv.sequence import SequenceKV
+    from edgeinfer.kv.sequence import BlockOwner, SequenceKV
 
 
-def reuse_prefix(cache: "PagedKVCache", seq: "SequenceKV", token_ids: Sequence[int]) -> int:
+def reuse_prefix(cache: "BlockOwner", seq: "SequenceKV", token_ids: Sequence[int]) -> int:
     """Put the longest cached prefix of whole blocks of `token_ids` into an EMPTY `seq`.
 
     Returns how many tokens are now cached (a multiple of block_size); the caller prefills
@@ -73,7 +72,7 @@ def _window_cached(g: LayerGroup, found: list[int | None], j: int, bs: int) -> b
     return all(b is not None for b in found[_window_start(g, j * bs, bs):j])
 
 
-def commit_full_blocks(cache: "PagedKVCache", seq: "SequenceKV") -> int:
+def commit_full_blocks(cache: "BlockOwner", seq: "SequenceKV") -> int:
     """Register each newly full block (tokens recorded and K/V written) in the prefix cache.
 
     A block whose tokens do not sit at positions i*bs .. i*bs+bs-1 (after a context shift)
@@ -97,3 +96,12 @@ def commit_full_blocks(cache: "PagedKVCache", seq: "SequenceKV") -> int:
         seq.block_hashes.append(h)
         added += 1
     return added
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share: what a sequence holding `a` can keep of `b`."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n]) != np.asarray(b[:n])
+    return int(np.argmax(x)) if x.any() else n

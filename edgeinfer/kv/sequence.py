@@ -33,7 +33,7 @@ layer_view of a device layer asks it for a download.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
@@ -44,7 +44,26 @@ from edgeinfer.kv.groups import (DROPPED, MASKED_POS, GroupTable, LayerGroup, al
 from edgeinfer.kv.view import KVView
 
 if TYPE_CHECKING:
-    from edgeinfer.kv.paged import PagedKVCache
+    from edgeinfer.models.config import ModelConfig
+
+
+class BlockOwner(Protocol):
+    """What a sequence needs of the paged cache that owns its blocks (a PagedKVCache is one;
+    a protocol here so that this module does not import the cache that imports it)."""
+
+    config: ModelConfig
+    block_size: int
+    extra_keys: tuple
+    groups: list[LayerGroup]
+    primary: LayerGroup
+    group_of: list[LayerGroup]
+
+    def writable(self, g: LayerGroup, block: int) -> bool:
+        """Whether `block` is held by one sequence only and not in the prefix cache."""
+
+    def copy_rows(self, g: LayerGroup, src: int, dst: int, n: int) -> None:
+        """Copy the first `n` rows of block `src` into block `dst` in every layer of `g`."""
+
 
 class _Appended(NamedTuple):
     """What the latest append handed out (store() maps the returned slots per group)."""
@@ -58,7 +77,7 @@ class _Appended(NamedTuple):
 class SequenceKV(KVView):
     """One sequence in a PagedKVCache (a KVView)."""
 
-    def __init__(self, cache: "PagedKVCache", n_ctx: int) -> None:
+    def __init__(self, cache: BlockOwner, n_ctx: int) -> None:
         self.cache = cache
         self.n_ctx = n_ctx
         self.tables = [GroupTable(g) for g in cache.groups]
@@ -300,7 +319,7 @@ class SequenceKV(KVView):
             drop_to = max(drop_to, align_down(f // bs, g.quantum))
         n_new = ceil_div(stop, bs) - max(len(t.blocks), drop_to)
         last = start // bs
-        copy_last = start % bs != 0 and last >= drop_to and not self.cache._writable(g, t.blocks[last])
+        copy_last = start % bs != 0 and last >= drop_to and not self.cache.writable(g, t.blocks[last])
         return drop_to, n_new, copy_last
 
     def _check_room(self, tables: Sequence[GroupTable], plans: Sequence[tuple[int, int, bool]]) -> None:
@@ -334,7 +353,7 @@ class SequenceKV(KVView):
         if copy_last:  # the partial last block is shared or cached: copy it, then write the copy
             last = start // bs
             src, dst = t.blocks[last], blocks.pop(0)
-            self.cache._copy_rows(g, src, dst, start % bs)
+            self.cache.copy_rows(g, src, dst, start % bs)
             t.blocks[last] = dst
             pool.free([src])
             t._kept = None

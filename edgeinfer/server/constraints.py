@@ -1,7 +1,7 @@
 """Request fields that shape an answer, read into Model keywords: structured output, tools, thinking.
 
 Every dialect's way of asking for constrained output ends here as one compiled
-`edgeinfer.grammar.Constraint` (built in the endpoint, so a bad schema or grammar is a
+`edgeinfer.prompt.grammar.Constraint` (built in the endpoint, so a bad schema or grammar is a
 400 naming the field before anything runs):
 
 - OpenAI `response_format`: {"type": "text"}, {"type": "json_object"} (any JSON object),
@@ -11,7 +11,7 @@ Every dialect's way of asking for constrained output ends here as one compiled
 
 Tools (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`; Ollama's `tools`) are
 checked here and handed to `Model.chat`, which renders them through the model's template
-and constrains the calls (edgeinfer.tool_calls). Thinking: Ollama's `think`, or a
+and constrains the calls (edgeinfer.prompt.tool_calls). Thinking: Ollama's `think`, or a
 `/think` / `/no_think` in the last user message, sets the template's `enable_thinking`.
 """
 
@@ -28,8 +28,8 @@ def _bad(field: str, exc: Exception | str) -> APIError:
 
 
 def compile_constraint(field: str, **request: Any):
-    """`edgeinfer.grammar.from_request(**request)`, its GrammarError a 400 naming `field`."""
-    from edgeinfer import grammar
+    """`edgeinfer.prompt.grammar.from_request(**request)`, its GrammarError a 400 naming `field`."""
+    from edgeinfer.prompt import grammar
 
     try:
         return grammar.from_request(**request)
@@ -107,7 +107,7 @@ def tool_keywords(model, tools: list | None, tool_choice: Any = None,
                   parallel_tool_calls: bool | None = None) -> dict:
     """Model.chat keywords for a request's tools, checked: a 400 naming the field for a bad
     tool or choice, or for a model whose template cannot take tools."""
-    from edgeinfer.tool_calls import ToolCallError, normalize_tools, select_tools
+    from edgeinfer.prompt.tool_calls import ToolCallError, normalize_tools, select_tools
 
     try:
         normalized = normalize_tools(tools)

@@ -249,7 +249,7 @@ async def apply_template(request: Request) -> JSONResponse:
     state = request.app.state.server
     req = await read_body(request, ApplyTemplateRequest)
     model = state.require_model()
-    from edgeinfer.tool_calls import normalize_messages
+    from edgeinfer.prompt.tool_calls import normalize_messages
 
     messages = normalize_messages([chat_message(m) for m in req.messages])  # call arguments as objects
     return JSONResponse({"prompt": await _off_loop(request, lambda: model.apply_chat_template(messages))})

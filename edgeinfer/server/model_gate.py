@@ -79,7 +79,7 @@ class ModelGate:
         slot = state.find_slot(name)
         if slot is not None:
             return slot
-        from edgeinfer import model_names, registry
+        from edgeinfer.store import model_names, registry
 
         try:
             path = await anyio.to_thread.run_sync(registry.resolve_stored, name)

@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
-from edgeinfer import model_names, registry
+from edgeinfer.store import model_names, registry
 from edgeinfer.errors import DownloadError, EdgeInferError, ModelNotFoundError
 from edgeinfer.server.constraints import thinks
 from edgeinfer.server.errors import APIError
@@ -269,7 +269,7 @@ class _Stopped(Exception):
 
 def plan_pull(name: str):
     """(repo_id, RemoteFile) to download for `name`, or None for the packaged demo model."""
-    from edgeinfer import download
+    from edgeinfer.store import download
 
     ref = registry.parse_hf_ref(name)
     if ref is not None:
@@ -324,7 +324,7 @@ async def pull(request: Request):
             loop.call_soon_threadsafe(queue.put_nowait, ("progress", done))
 
     def run() -> None:
-        from edgeinfer import download
+        from edgeinfer.store import download
 
         try:
             if plan is None:
@@ -478,7 +478,7 @@ def _parameters(raw: dict[str, Any]) -> dict[str, Any]:
 
 @router.post("/api/create")
 async def create(request: Request):
-    from edgeinfer import modelfile
+    from edgeinfer.store import modelfile
 
     state = request.app.state.server
     req = await read_body(request, CreateRequest)
@@ -525,7 +525,7 @@ async def create(request: Request):
 
 def _blob(digest: str) -> str:
     """A GGUF the store already holds, named by its sha256 (Hub blobs are)."""
-    from edgeinfer import download
+    from edgeinfer.store import download
 
     hexdigest = digest.removeprefix("sha256:").removeprefix("sha256-")
     if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):

@@ -76,7 +76,7 @@ class ToolCallIn(Body):
 
 
 MAX_TOOLS = 256
-Tools = Annotated[list[dict], Field(max_length=MAX_TOOLS)]   # checked by edgeinfer.tool_calls
+Tools = Annotated[list[dict], Field(max_length=MAX_TOOLS)]   # checked by edgeinfer.prompt.tool_calls
 
 
 class OpenAIMessage(Body):
@@ -282,7 +282,7 @@ class LlamaSampling(Body):
     t_max_prompt_ms: Annotated[int, Field(ge=-1, le=1 << 31)] | None = None
     n_indent: Annotated[int, Field(ge=0, le=1 << 16)] = 0
     response_fields: Annotated[list[str], Field(max_length=64)] | None = None
-    grammar: str | None = None               # GBNF (edgeinfer.grammar)
+    grammar: str | None = None               # GBNF (edgeinfer.prompt.grammar)
     json_schema: dict | None = None          # the answer is JSON valid against it
     # speculative decoding, when the server runs with --draft (llama-server's dotted keys)
     speculative_n_max: int | None = Field(None, ge=0, le=63, alias="speculative.n_max")

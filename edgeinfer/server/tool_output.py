@@ -1,7 +1,7 @@
 """A chat answer's text as each dialect shows it: content, tool calls and reasoning, whole or streamed.
 
 The model writes one text; when the request had tools, or the template thinks (Qwen 3's
-`<think>...</think>`), an `OutputReader` splits it with edgeinfer.tool_calls:
+`<think>...</think>`), an `OutputReader` splits it with edgeinfer.prompt.tool_calls:
 
 - OpenAI: `message.content` (null when the answer is only calls), `message.tool_calls`
   ([{id, type: "function", function: {name, arguments: JSON text}}]) with finish_reason
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgeinfer.server.constraints import thinks
-from edgeinfer.tool_calls import ParsedOutput, ToolCallStream, parse_output
+from edgeinfer.prompt.tool_calls import ParsedOutput, ToolCallStream, parse_output
 
 
 @dataclass(frozen=True)

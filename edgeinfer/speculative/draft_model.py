@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.generate import common_prefix_len
+from edgeinfer.kv.prefix_cache import common_prefix_len
 from edgeinfer.kv.paged import PagedKVCache
 
 

@@ -19,7 +19,7 @@ def make_drafter(model, draft: str, options):
 
     from edgeinfer.engine import Engine
     from edgeinfer.loader import open_model
-    from edgeinfer.registry import resolve
+    from edgeinfer.store.registry import resolve
     from edgeinfer.speculative.draft_model import DraftModel, check_same_vocab
     from edgeinfer.tokenizer import load_tokenizer
 

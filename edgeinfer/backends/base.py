@@ -30,7 +30,7 @@ from edgeinfer.rope import ROPE_NEOX
 if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
     from edgeinfer.kv.view import KVView
-    from edgeinfer.models.base import ModelConfig
+    from edgeinfer.models.config import ModelConfig
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 

@@ -24,7 +24,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from edgeinfer import download, model_names
+from edgeinfer.store import download, model_names
 from edgeinfer.errors import DownloadError, ModelNotFoundError
 
 DEFAULT_QUANT = "Q4_K_M"

@@ -32,7 +32,7 @@ from edgeinfer.kv.pool_sizing import KV_BYTES_PER_VALUE, context_kv_bytes, kv_va
 
 if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
-    from edgeinfer.models.base import ModelConfig
+    from edgeinfer.models.config import ModelConfig
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeinfer import kernels_cpu
-from edgeinfer.backend import Backend, _gelu_f16_table
+from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.kernels_cpu import fused_layer, kv_attention, ops
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
 from edgeinfer.kernels_cpu.repack import repack, repacks

@@ -148,7 +148,7 @@ def lazy_tags(tags: list[dict[str, Any]], *, text_regex: str = r"(.|\n)*") -> Co
 
     Each tag: {"trigger": "<tool_call>", "begin": "<tool_call>\\n", "grammar": schema or
     Lark text, "end": "\\n</tool_call>"}; a `<...>` trigger is matched as a special token
-    (so the vocabulary must have it). Used for tool_choice "auto" (edgeinfer.tool_calls).
+    (so the vocabulary must have it). Used for tool_choice "auto" (edgeinfer.prompt.tool_calls).
     """
     llg = _llg()
     try:

@@ -145,7 +145,7 @@ def render_with_tools(template, messages: Sequence[Mapping[str, Any]], tools: An
                       add_bos: bool, enable_thinking: bool | None = None, cancel=None,
                       **kwargs: Any) -> str:
     """The prompt for `messages` (+ `tools`) through the model's own template
-    (edgeinfer.chat_template.ChatTemplate.render_prompt: its budget applies)."""
+    (edgeinfer.prompt.chat_template.ChatTemplate.render_prompt: its budget applies)."""
     tools = normalize_tools(tools)
     if tools and not supports_tools(template.source):
         raise ToolsNotSupportedError("this model's chat template does not support tools")
@@ -437,7 +437,7 @@ def _token_ref(tokenizer, text: str) -> str:
     """Lark for `text`: the special token by id when the vocabulary has it, else the literal."""
     tid = tokenizer.token_id(text) if tokenizer is not None else None
     if tid is not None:
-        from edgeinfer.grammar import _special
+        from edgeinfer.prompt.grammar import _special
 
         if _special(tokenizer, tid, text.encode()):
             return f"<[{tid}]>"
@@ -473,7 +473,7 @@ def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
     `<tool_call>`, mistral `[TOOL_CALLS]`, llama3 `<|python_tag|>`); "generic" answers stay
     unconstrained under "auto". "none" or no tools: None.
     """
-    from edgeinfer import grammar
+    from edgeinfer.prompt import grammar
 
     mode, chosen = select_tools(normalize_tools(tools), tool_choice)
     if mode == "none" or not chosen:

@@ -1,4 +1,4 @@
-"""Chat conversations of `edgeinfer chat`, stored as saved sessions (edgeinfer.session_file).
+"""Chat conversations of `edgeinfer chat`, stored as saved sessions (edgeinfer.sessions.session_file).
 
 A conversation IS a saved session: `<data dir>/sessions/<id>.npz`, the file that
 `edgeinfer run NAME --session <id>` resumes (and writes), so a chat started in the TUI goes
@@ -33,9 +33,9 @@ from typing import Any
 
 from edgeinfer.atomic_file import remove_stale_temps
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.safe_open import RefusedFile, open_regular
+from edgeinfer.sessions.safe_open import RefusedFile, open_regular
 from edgeinfer.sampling import SamplingParams
-from edgeinfer.session_file import (SavedSession, SessionFileError, check_name, load_session,
+from edgeinfer.sessions.session_file import (SavedSession, SessionFileError, check_name, load_session,
                                      read_session_info, save_session, sessions_dir)
 
 FORMAT_VERSION = 1  # of the first store's JSON files (read for migration only)
@@ -274,8 +274,8 @@ def identify(name: str, size: int | None = None) -> dict | None:
     it is not on this machine (or, with `size`, when the file has another size). Never downloads."""
     if not name:
         return None
-    from edgeinfer.registry import resolve
-    from edgeinfer.session_file import model_identity
+    from edgeinfer.store.registry import resolve
+    from edgeinfer.sessions.session_file import model_identity
 
     try:
         path = resolve(name, download=False, progress=False)

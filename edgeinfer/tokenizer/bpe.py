@@ -23,7 +23,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 
-from edgeinfer import tokenizer_unicode as U
+from edgeinfer.tokenizer import unicode as U
 from edgeinfer.errors import TokenizerError
 
 # -- pre-tokenizer names (llama.cpp `llama_vocab::impl::load`) --------------------------

@@ -4,9 +4,9 @@ Token for token what llama.cpp's `llama_tokenize` / `llama_detokenize` produce (
 golden tests in `tests/test_tokenizer_golden.py` hold us to that):
 
 - `llama` vocabularies (Gemma, Llama 2, Mistral): SentencePiece-style BPE with scores and
-  `<0xXX>` byte fallback (`tokenizer_spm.py`);
+  `<0xXX>` byte fallback (`spm.py`);
 - `gpt2` vocabularies (Llama 3, Qwen): byte-level BPE with merges and the pre-tokenizer
-  `tokenizer.ggml.pre` names (`tokenizer_bpe.py`).
+  `tokenizer.ggml.pre` names (`bpe.py`).
 
 Special tokens: control and user-defined tokens are cut out of the text first, longest
 first (llama.cpp's `tokenizer_st_partition`); user-defined ones always, control ones only
@@ -23,12 +23,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from edgeinfer.detokenize import StreamDecoder, clean_spaces
+from edgeinfer.tokenizer.detokenize import StreamDecoder, clean_spaces
 from edgeinfer.errors import TokenizerError
 from edgeinfer.metadata import meta_bool, meta_float_array, meta_int, meta_int_array, meta_str, meta_str_array
-from edgeinfer.tokenizer_bpe import CHAR_TO_BYTE, BPEFast, BPEReference, pre_tokenizer_for
-from edgeinfer.tokenizer_spm import SPMSession
-from edgeinfer.tokenizer_wpm import WordPiece
+from edgeinfer.tokenizer.bpe import CHAR_TO_BYTE, BPEFast, BPEReference, pre_tokenizer_for
+from edgeinfer.tokenizer.spm import SPMSession
+from edgeinfer.tokenizer.wpm import WordPiece
 
 __all__ = ["Tokenizer", "StreamDecoder", "load_tokenizer", "TokenAttr"]
 

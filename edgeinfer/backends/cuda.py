@@ -1,11 +1,8 @@
-"""The CUDA side of an offloaded model: tensors in VRAM and the Backend ops on them.
+"""The CUDA side of an offloaded model: the weights of the planned layers (and the output
+head) uploaded once at load as raw GGUF blocks, and the Backend ops on them (`CudaBackend`).
+Activations in VRAM are edgeinfer.backends.device_tensor's `DeviceTensor`s.
 
-- `DeviceTensor`: a float32 activation in VRAM with the numpy surface the model files use;
-  arithmetic and host conversions go through its owner (edgeinfer.backend_hybrid).
-- `CudaBackend`: the weights of the planned layers (and the output head) uploaded once at
-  load as raw GGUF blocks, and the quantized matmul on them.
-
-Where each layer runs is edgeinfer.backend_hybrid's; the VRAM K/V are edgeinfer.kv.
+Where each layer runs is edgeinfer.backends.hybrid's; the VRAM K/V are edgeinfer.kv.
 device_storage's. pycuda is imported inside the functions (an optional dependency).
 """
 
@@ -16,13 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgeinfer.backend import Backend
+from edgeinfer.backends.base import Backend
 from edgeinfer.kernels_cuda import launch, runtime
 
 if TYPE_CHECKING:
-    from edgeinfer.backend_hybrid import HybridBackend
     from edgeinfer.gguf_file import GGUFFile
-    from edgeinfer.offload import OffloadPlan
+    from edgeinfer.backends.offload import OffloadPlan
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 HEAD_NAMES = ("output.weight", "output_norm.weight")
@@ -31,52 +27,6 @@ HEAD_NAMES = ("output.weight", "output_norm.weight")
 def layer_of(name: str) -> int | None:
     m = _LAYER_RE.match(name)
     return int(m.group(1)) if m else None
-
-
-class DeviceTensor:
-    """A float32 tensor in VRAM with just the numpy surface the model files use."""
-
-    __array_ufunc__ = None  # makes `ndarray + DeviceTensor` call our __radd__
-
-    def __init__(self, array: Any, owner: "HybridBackend") -> None:
-        self.array = array  # pycuda GPUArray
-        self.owner = owner
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.array.shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(np.float32)
-
-    def reshape(self, *shape: int) -> "DeviceTensor":
-        if len(shape) == 1 and isinstance(shape[0], tuple):
-            shape = shape[0]
-        if -1 in shape:
-            known = int(np.prod([s for s in shape if s != -1]))
-            shape = tuple(self.array.size // known if s == -1 else s for s in shape)
-        return DeviceTensor(self.array.reshape(shape), self.owner)
-
-    def __add__(self, other: Any) -> Any:
-        return self.owner.add(self, other)
-
-    __radd__ = __add__
-
-    def __iadd__(self, other: Any) -> Any:
-        if isinstance(other, np.ndarray) and other.ndim == 1:  # a bias row (qwen2 q/k/v)
-            launch.add_rows(self.array, self.owner.cuda.upload_vector_array(other))
-            return self
-        return self.owner.add(self, other)
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        """Host code that needs numpy (a plain KVCache.store) gets a download."""
-        host = self.owner.to_host(self)
-        return host if dtype is None else host.astype(dtype)
-
-    def __getitem__(self, index: Any) -> np.ndarray:
-        """Row selection (`x[logits_for]`) happens on the host: the boundary after the last layer."""
-        return self.owner.to_host(self)[index]
 
 
 class CudaBackend(Backend):

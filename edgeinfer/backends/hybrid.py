@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgeinfer.backend import Backend
-from edgeinfer.backend_cuda import HEAD_NAMES, CudaBackend, DeviceTensor, layer_of
+from edgeinfer.backends.base import Backend
+from edgeinfer.backends.cuda import HEAD_NAMES, CudaBackend, layer_of
+from edgeinfer.backends.device_tensor import DeviceTensor
 from edgeinfer.kernels_cuda import launch
 from edgeinfer.kv.device_storage import CudaKVCache, DeviceBlockStorage, device_kv
 from edgeinfer.kv.pool_sizing import vram_kv_blocks
@@ -30,8 +31,8 @@ from edgeinfer.rope import ROPE_NEOX
 
 if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
-    from edgeinfer.models.base import ModelConfig
-    from edgeinfer.offload import OffloadPlan
+    from edgeinfer.models.config import ModelConfig
+    from edgeinfer.backends.offload import OffloadPlan
 
 CUDA, CPU = "cuda", "cpu"
 

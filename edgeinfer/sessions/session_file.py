@@ -49,7 +49,7 @@ import numpy as np
 
 from edgeinfer.atomic_file import remove_stale_temps, write_atomically
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.safe_open import RefusedFile, open_regular
+from edgeinfer.sessions.safe_open import RefusedFile, open_regular
 
 FORMAT = "edgeinfer-session"
 VERSION = 1

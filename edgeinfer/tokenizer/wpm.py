@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import unicodedata
 
-from edgeinfer.tokenizer_unicode import PUNCTUATION, WHITESPACE
+from edgeinfer.tokenizer.unicode import PUNCTUATION, WHITESPACE
 
 _PHANTOM = "\u2581".encode()
 _WHITESPACE = frozenset(WHITESPACE)

@@ -1,6 +1,6 @@
 """Chat templates: render `tokenizer.chat_template` the way HF `apply_chat_template` does.
 
-The template runs in edgeinfer.template_sandbox (sandboxed Jinja2 under a time, output and
+The template runs in edgeinfer.prompt.template_sandbox (sandboxed Jinja2 under a time, output and
 memory budget, HF's extensions). A file without a template gets a built-in one for its
 family (`edgeinfer/data/templates/<name>.jinja`: gemma, llama3, chatml). Any problem while
 parsing or rendering is a one-line `TemplateError` naming it (with the template line).
@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from edgeinfer.errors import TemplateError
 from edgeinfer.metadata import MAX_VOCAB, meta_int, meta_str, meta_str_array
-from edgeinfer.template_sandbox import compile_template, render_budgeted
+from edgeinfer.prompt.template_sandbox import compile_template, render_budgeted
 
 BUILTIN_TEMPLATES = ("gemma", "llama3", "chatml")
 
@@ -91,7 +91,7 @@ class ChatTemplate:
                **kwargs: Any) -> str:
         """HF apply_chat_template(tokenize=False): the prompt text, special tokens as text.
 
-        Runs under the render budget (edgeinfer.template_sandbox): past it,
+        Runs under the render budget (edgeinfer.prompt.template_sandbox): past it,
         TemplateBudgetError; once `cancel` is set, TemplateCancelled."""
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
             raise TemplateError("chat messages must be a list of {'role': ..., 'content': ...}")

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import codecs
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from edgeinfer.tokenizer import Tokenizer
+
+class PieceSource(Protocol):
+    """What the streaming decoder needs of a tokenizer (edgeinfer.tokenizer.Tokenizer is one)."""
+
+    clean_spaces: bool
+    add_space_prefix: bool
+
+    def token_to_piece(self, token_id: int, special: bool = True) -> bytes: ...
+
 
 # llama_vocab::impl::detokenize's three `clean_spaces` passes, each written as the regex it
 # is equivalent to (the in-place loops read only original bytes, or the NUL they wrote).
@@ -34,7 +41,7 @@ class StreamDecoder:
     `as_pieces=True` streams the plain pieces, as llama-server does for generated text.
     """
 
-    def __init__(self, tokenizer: "Tokenizer", skip_special: bool = False,
+    def __init__(self, tokenizer: PieceSource, skip_special: bool = False,
                  as_pieces: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special

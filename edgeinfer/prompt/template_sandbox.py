@@ -12,7 +12,7 @@ Operators and filters that could be large are never folded into constants at com
     template = compile_template(source, "model")
     text = render_budgeted(template, {"messages": [...]}, "model", cancel=None)
 
-edgeinfer.chat_template builds the context HF's apply_chat_template passes and the built-ins.
+edgeinfer.prompt.chat_template builds the context HF's apply_chat_template passes and the built-ins.
 """
 
 from __future__ import annotations
