@@ -1,6 +1,6 @@
 """Thin PyCUDA launchers: one Python function per kernel family, on pycuda GPUArrays.
 
-Shapes follow edgeinfer.backend: activations float32 (n_tokens, features), per-head
+Shapes follow edgeinfer.backends.base: activations float32 (n_tokens, features), per-head
 tensors (n_tokens, n_heads, head_dim); weights are raw GGUF rows (n_rows, row_bytes) uint8.
 pycuda is imported inside the functions, so importing this module never needs it.
 """

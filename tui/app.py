@@ -3,7 +3,7 @@
 All model work (loading, warm-up, generation, restoring saved K/V) runs in worker threads
 and reports back with `call_from_thread`, so the screen keeps answering keys while the model
 computes. What to load, restore and save is decided by the ChatSession (session_policy.py);
-conversations are saved sessions (edgeinfer.conversations over edgeinfer.session_file),
+conversations are saved sessions (edgeinfer.sessions.conversations over edgeinfer.sessions.session_file),
 written atomically after each message and each answer, so `edgeinfer run NAME --session ID`
 continues them; resuming one made with another model file loads that model, or says it is not
 on this machine and shows the messages anyway.
@@ -23,7 +23,7 @@ from textual import events
 from textual.widgets import Header, Label, Markdown, OptionList, ProgressBar
 from textual.widgets.option_list import Option
 
-from edgeinfer.conversations import Conversation, ConversationStore
+from edgeinfer.sessions.conversations import Conversation, ConversationStore
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.tui import controller, layout
 from edgeinfer.tui.export import export_markdown, to_markdown

@@ -73,7 +73,7 @@ def open_model(load_model: ModelLoader, name: str, n_ctx: int, progress: Progres
 
 def pull_model(name: str, report: Callable[[int, int | None], None]) -> None:
     """Download `name` (alias or hf.co/…) into the Hub cache, reporting bytes done while it runs."""
-    from edgeinfer.registry import pull
+    from edgeinfer.store.registry import pull
 
     done = threading.Event()
     watcher = threading.Thread(target=_watch_download, args=(name, report, done), daemon=True)
@@ -87,7 +87,7 @@ def pull_model(name: str, report: Callable[[int, int | None], None]) -> None:
 
 def _watch_download(name: str, report: Callable[[int, int | None], None], done: threading.Event) -> None:
     """Report the size of the download's `.incomplete` file every 0.2 s (download.fetch writes it)."""
-    from edgeinfer import download, registry
+    from edgeinfer.store import download, registry
 
     try:
         ref = registry.parse_hf_ref(name)
@@ -113,7 +113,7 @@ def _watch_download(name: str, report: Callable[[int, int | None], None], done: 
 def local_models() -> list[tuple[str, str]]:
     """(label, name) for every model `edgeinfer list` shows; its names resolve offline."""
     from edgeinfer.model_info import human_bytes
-    from edgeinfer.registry import list_local
+    from edgeinfer.store.registry import list_local
 
     return [(f"{m.name}  ({human_bytes(m.size_bytes)})", m.name) for m in list_local()]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from edgeinfer.conversations import (SAMPLING_KEYS, Conversation, ConversationStore, identify,
+from edgeinfer.sessions.conversations import (SAMPLING_KEYS, Conversation, ConversationStore, identify,
                                      same_model)
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.tui.controller import MIN_CONTEXT, SETTING_KEYS, new_answer
