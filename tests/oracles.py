@@ -61,6 +61,12 @@ def record_logits(engine) -> list[np.ndarray]:
 
 # -- two managers on the same requests ------------------------------------------------------------
 
+# What the CUDA kernels' own rounding moves a tiny model's logits (|l| < ~3) from the reference
+# backend's ggml order: the GEMM rounds its tiles to fp16, attention keeps Q in f32 where ggml
+# rounds it to f16, device math is approximate (--use_fast_math). Measured up to 6.3e-3 on the
+# CUDA emulator; a wrong block, slot or position moves them by O(1).
+DEVICE_ATOL = 1e-2
+
 def branching_prompts(rng: np.random.Generator, vocab: int, length: int, branch_at: int,
                       edit_at: int) -> tuple[list[int], ...]:
     """A conversation `a`, then regenerate it, branch off it at `branch_at`, edit it at
@@ -71,20 +77,32 @@ def branching_prompts(rng: np.random.Generator, vocab: int, length: int, branch_
 
 
 def compare_managers(managers: Sequence, engines: Sequence, prompts: Iterable[list[int]], *,
-                     same_cached: bool = True, max_tokens: int = 4) -> None:
+                     same_cached: bool = True, max_tokens: int = 4, atol: float = 1e-5) -> None:
     """Each prompt through the oracle manager `managers[0]` and `managers[1]`: the same greedy
     tokens (and cached-token counts unless `same_cached` is off), the second's invariants hold,
-    and every forward pass of `engines[1]` gives the logits `engines[0]` gives (1e-5)."""
+    and every forward pass of `engines[1]` gives the logits `engines[0]` gives (to `atol`:
+    DEVICE_ATOL where `engines[1]` runs layers on the GPU).
+
+    With a tolerance, two greedy runs may part at a near tie (the oracle's two best logits
+    closer than 2 atol): the tokens are compared up to there, the logits up to that pass."""
     logs = [record_logits(e) for e in engines]
     for prompt in prompts:
+        start = [len(log) for log in logs]
         results = [collect(m.generate(prompt, greedy(max_tokens))) for m in managers]
-        assert results[1].tokens == results[0].tokens
         if same_cached:
             assert results[1].usage.cached_tokens == results[0].usage.cached_tokens
         managers[1].check_invariants()
-    assert len(logs[1]) == len(logs[0])
-    for got, want in zip(*logs):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert len(logs[1]) - start[1] == len(logs[0]) - start[0]
+        passes = list(zip(logs[0][start[0]:], logs[1][start[1]:]))
+        want_tokens, got_tokens = results[0].tokens, results[1].tokens
+        if got_tokens != want_tokens:
+            part = next(i for i, (a, b) in enumerate(zip(want_tokens, got_tokens)) if a != b)
+            at = len(passes) - len(want_tokens) + part  # the pass whose last row chose token `part`
+            top2 = np.sort(passes[at][0][-1])[-2:]
+            assert atol > 1e-5 and top2[1] - top2[0] < 2 * atol, (want_tokens, got_tokens)
+            passes = passes[:at + 1]
+        for want, got in passes:
+            np.testing.assert_allclose(got, want, rtol=atol, atol=atol)
 
 
 # -- random operation sequences on one manager ------------------------------------------------------

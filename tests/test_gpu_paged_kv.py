@@ -2,10 +2,10 @@
 pool (edgeinfer.kv.device_storage.DeviceBlockStorage), written by kv_store and read by the paged
 attention kernel through each sequence's block table.
 
-No GPU needed: pycuda and the launchers are the numpy fake of tests/test_offload_plan.py, which
-runs each kernel's semantics (block-table indexing, positions per physical slot, row copies)
-on FakeGPUArrays. Oracles: the CPU-only session manager and cache-free runs (a contiguous
-KVCache on the reference backend). tests/test_cuda_kernels.py runs the same on a real GPU.
+No GPU needed: the kernels run on the CUDA emulator (the `cuda_emulator` fixture), launchers,
+VRAM blocks and all. Oracles: the CPU-only session manager and cache-free runs (a contiguous
+KVCache on the reference backend). tests/test_cuda_kernels.py runs the kernels on a real GPU
+where one is.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import threading
 
 import numpy as np
 import pytest
-from oracles import branching_prompts, cold_greedy, compare_managers, greedy, random_ids, run_operations
-from test_offload_plan import install_fake_device
+from oracles import (DEVICE_ATOL, branching_prompts, cold_greedy, compare_managers, greedy, random_ids,
+                     run_operations)
 
 import edgeinfer
 from edgeinfer.backends.base import ReferenceBackend
@@ -33,9 +33,9 @@ SIM = DeviceInfo("sim", 8 * GiB, 8 * GiB, (8, 6))
 
 
 @pytest.fixture
-def device(monkeypatch):
-    """The simulated GPU for one test; returns the launchers' call counts."""
-    return install_fake_device(monkeypatch)
+def device(cuda_emulator):
+    """The emulated GPU for one test; returns the launchers' call counts."""
+    return cuda_emulator
 
 
 def _cpu(path, n_ctx: int = N_CTX) -> edgeinfer.Model:
@@ -104,7 +104,7 @@ def test_conversations_sharing_a_prefix_share_device_blocks(tiny_models, device)
         np.testing.assert_array_equal(kb[:16], ka[:16])
         np.testing.assert_array_equal(vb[:16], va[:16])
         assert list(pb) == list(range(len(b)))
-    np.testing.assert_allclose(logits_b, _cold_logits(cpu.engine, b), rtol=0, atol=5e-5)
+    np.testing.assert_allclose(logits_b, _cold_logits(cpu.engine, b), rtol=0, atol=DEVICE_ATOL)
     cache.release(seq_a)
     cache.release(seq_b)
     assert all(cache.pool.ref_count(blk) == 0 for blk in shared)
@@ -146,7 +146,7 @@ def test_session_logits_equal_cpu_only(tiny_models, device, arch, k, head):
     mgrs = [_manager(cpu.engine, cpu.tokenizer), _manager(engine, cpu.tokenizer)]
     assert mgrs[0].cache.device is None and mgrs[1].cache.device.layers == set(range(k))
     prompts = branching_prompts(np.random.default_rng(3), cpu.config.n_vocab, 14, branch_at=9, edit_at=13)
-    compare_managers(mgrs, [cpu.engine, engine], prompts)
+    compare_managers(mgrs, [cpu.engine, engine], prompts, atol=DEVICE_ATOL)
     assert device["attention"] > 0 and device["kv_store"] > 0  # the GPU layers read VRAM blocks
 
 
@@ -177,8 +177,8 @@ def test_fork_copies_the_shared_partial_device_block_on_write(tiny_models, devic
     device.clear()
     lb = engine.decode(9, seq_b)  # b now holds the original alone: written in place
     assert "copy_rows" not in device and seq_b.block_table[2] == partial
-    np.testing.assert_allclose(la, _cold_logits(cpu.engine, a + [7]), rtol=0, atol=5e-5)
-    np.testing.assert_allclose(lb, _cold_logits(cpu.engine, a + [9]), rtol=0, atol=5e-5)
+    np.testing.assert_allclose(la, _cold_logits(cpu.engine, a + [7]), rtol=0, atol=DEVICE_ATOL)
+    np.testing.assert_allclose(lb, _cold_logits(cpu.engine, a + [9]), rtol=0, atol=DEVICE_ATOL)
     # a's copy kept b's token 7 out, b's original kept a's token 9 out
     assert seq_a.layer_view(0)[0].shape[0] == seq_b.layer_view(0)[0].shape[0] == 11
     cache.release(seq_a)
@@ -247,7 +247,7 @@ def test_context_shift_and_saved_kv_with_vram_layers(tmp_path, device):
     saved = [m.export_kv() for m in mgrs]
     assert saved[1][0] == saved[0][0]
     for got, want in zip(saved[1][1] + saved[1][2], saved[0][1] + saved[0][2]):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got, want, rtol=DEVICE_ATOL, atol=DEVICE_ATOL)
     mgrs[1].reset()
     assert mgrs[1].import_kv(*saved[1]) == len(saved[1][0])
     follow = saved[1][0] + [5, 6]
@@ -296,3 +296,55 @@ def test_cancelled_request_on_vram_blocks_returns_them(tiny_models, device):
     assert list(chunks)[-1].finish_reason == FinishReason.CANCELLED
     assert mgr.stats()["used"] == 0
     mgr.check_invariants()
+
+
+def test_speculative_verification_on_vram_layers(tiny_models, device):
+    """Drafts verified in one batch through VRAM layers (the GEMM for the batch, the matvec for
+    plain decode) give the plain greedy tokens up to the plain run's first near tie, and
+    rejected drafts roll their rows back out of the VRAM blocks. The drafter proposes the plain
+    run's tokens with every third one wrong, so both acceptance and rollback run."""
+    from test_speculative import OracleDrafter
+
+    from edgeinfer.sampling import SamplingParams
+    from edgeinfer.speculative import Speculation, SpeculativeParams
+
+    path = tiny_models["llama"]
+    cpu = _cpu(path)
+    mgr = _manager(_gpu_engine(path, k=2, head=True), cpu.tokenizer)
+    ids = random_ids(np.random.default_rng(9), 12, cpu.config.n_vocab)
+    plain = [c for c in mgr.generate(ids, SamplingParams(temperature=0, max_tokens=24, logprobs=2))
+             if c.token is not None]
+    truth = [c.token for c in plain]
+    mgr.reset()
+    spec = Speculation(OracleDrafter(truth, len(ids), 3, cpu.config.n_vocab), SpeculativeParams(n_max=6))
+    spec.length.next_k = lambda limit: min(6, limit)  # always draft: the test wants verification batches
+    got = [c.token for c in mgr.generate(ids, greedy(24), speculation=spec) if c.token is not None]
+    gaps = [c.logprobs.top[0][1] - c.logprobs.top[1][1] for c in plain]
+    tie = next((i for i, g in enumerate(gaps) if g < 2 * DEVICE_ATOL), len(gaps))
+    assert tie >= 4 and got[:tie + 1] == truth[:tie + 1]
+    assert spec.accepted > 0 and spec.drafted > spec.accepted  # accepts and rollbacks
+    assert device["attention"] > 0
+    mgr.check_invariants()
+
+
+def test_an_auto_plan_under_a_small_vram_offloads_part_and_matches_cpu(tiny_models, device, monkeypatch):
+    """`gpu_layers="auto"` on an emulated device with room for only some layers: the plan puts
+    those on it, and the model's logits match the CPU's."""
+    from edgeinfer.backends.offload import plan_for_model
+
+    path = tiny_models["llama"]
+    mf = open_model(path)
+    partial = None
+    for mb in range(300, 420):  # the smallest device that holds some but not all of the layers
+        monkeypatch.setenv("EDGEINFER_CUDA_EMULATE_VRAM_MB", str(mb))
+        plan = plan_for_model(mf.gguf, mf.config, N_CTX)
+        if 0 < len(plan.gpu_layers) < mf.config.n_layer:
+            partial = plan
+            break
+    assert partial is not None, "no VRAM size gives a partial plan"
+    gpu = edgeinfer.load(str(path), n_ctx=N_CTX, gpu_layers="auto")
+    assert gpu.engine.offload.gpu_layers == partial.gpu_layers and "emulator" in gpu.engine.offload.describe()
+    cpu = _cpu(path)
+    ids = random_ids(np.random.default_rng(10), 9, cpu.config.n_vocab)
+    want = _cold_logits(cpu.engine, ids)
+    np.testing.assert_allclose(_cold_logits(gpu.engine, ids), want, rtol=0, atol=DEVICE_ATOL)

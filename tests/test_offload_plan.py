@@ -211,122 +211,10 @@ def test_plan_for_model_without_cuda_is_cpu(tiny_models, monkeypatch):
     assert plan_for_model(gf, cfg, 256, gpu_layers=0).reason == "--gpu-layers 0"
 
 
-class FakeGPUArray(np.ndarray):
-    """A numpy array standing in for pycuda's GPUArray (same methods the backend uses)."""
-
-    @property
-    def gpudata(self):
-        return self
-
-    def get(self, ary=None, pagelocked=False):
-        if ary is not None:
-            ary[...] = self
-            return ary
-        return np.array(self)
-
-    def set(self, host):
-        self[...] = host
-
-
-def _fake_modules():
-    """pycuda + the launchers, implemented with the numpy reference ops."""
-    from gguf import quants
-
-    from edgeinfer.backends.base import Backend
-
-    def dev(a, dtype=None):
-        return np.array(a, dtype=dtype).view(FakeGPUArray)
-
-    gpuarray = types.SimpleNamespace(
-        to_gpu=lambda a: dev(a), empty=lambda s, d=np.float32: dev(np.empty(s, d)),
-        zeros=lambda s, d=np.float32: dev(np.zeros(s, d)))
-    driver = types.SimpleNamespace(pagelocked_empty=lambda n, d: np.empty(n, d))
-    pkg = types.SimpleNamespace(gpuarray=gpuarray, driver=driver)
-
-    class Ref(Backend):
-        def __init__(self, vectors):
-            self._vectors = vectors
-
-    calls: dict[str, int] = {}
-
-    def counted(fn):
-        def wrapper(*args, **kw):
-            calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
-            return fn(*args, **kw)
-        return wrapper
-
-    @counted
-    def linear(w, qtype, n_rows, n_cols, x, residual=None):
-        # float64 sums rounded to float32, as the reference backend's linear
-        dense = quants.dequantize(np.asarray(w), qtype).astype(np.float64).reshape(n_rows, n_cols)
-        y = (np.asarray(x, np.float64) @ dense.T).astype(np.float32)
-        return dev(y if residual is None else y + residual)
-
-    @counted
-    def rms_norm(x, weight, eps, residual=None):
-        y = Ref({"w": np.asarray(weight)}).rms_norm(np.asarray(x), "w", eps)
-        return dev(y if residual is None else y + residual)
-
-    @counted
-    def rope(x, positions, n_dims, base, freq_scale, neox, freq_factors=None):
-        ref = Ref({"f": np.asarray(freq_factors)} if freq_factors is not None else {})
-        mode = "neox" if neox else "norm"
-        return dev(ref.rope(np.asarray(x), np.asarray(positions), n_dims, base, freq_scale, mode,
-                            "f" if freq_factors is not None else None))
-
-    @counted
-    def kv_store(k, v, k_cache, v_cache, block_table, slots, block_size):
-        calls["kv_store_tokens"] = calls.get("kv_store_tokens", 0) + len(slots)
-        for t, s in enumerate(np.asarray(slots)):
-            b, r = divmod(int(s), block_size)
-            row = int(block_table[b]) * block_size + r
-            k_cache.reshape(-1, *k_cache.shape[-2:])[row] = k[t]
-            v_cache.reshape(-1, *v_cache.shape[-2:])[row] = v[t]
-
-    @counted
-    def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys, block_size, n_kv, hd_v, scale, window):
-        # logical slot s -> physical slot through the block table; positions are per physical slot
-        rows = [int(block_table[s // block_size]) * block_size + s % block_size for s in range(n_keys)]
-        k = k_cache.reshape(-1, *k_cache.shape[-2:])[rows]
-        v = v_cache.reshape(-1, *v_cache.shape[-2:])[rows]
-        view = types.SimpleNamespace(layer_view=lambda layer: (np.asarray(k), np.asarray(v),
-                                                               np.asarray(kpos)[rows].astype(np.int64)))
-        return dev(Ref({}).attention(np.asarray(q), view, 0, np.asarray(qpos), scale, window))
-
-    @counted
-    def copy_rows(cache, src, dst, n):  # cuMemcpyDtoD of whole first-axis rows
-        if n > 0:
-            cache[dst:dst + n] = np.array(cache[src:src + n])
-
-    def add_rows(x, bias):
-        x += bias
-
-    ops = dict(linear=linear, rms_norm=rms_norm, rope=rope, kv_store=kv_store, attention=attention,
-               copy_rows=copy_rows, add_rows=add_rows, add=lambda a, b: dev(a + b),
-               silu_mul=lambda g, u: dev(Ref({}).silu_mul(np.asarray(g), np.asarray(u))),
-               gelu_mul=lambda g, u: dev(Ref({}).gelu_mul(np.asarray(g), np.asarray(u))))
-    return pkg, ops, calls
-
-
-def install_fake_device(monkeypatch) -> dict[str, int]:
-    """Make pycuda importable as the numpy fake and route every launcher to it; returns the
-    call counts (plus "kv_store_tokens": the tokens kv_store wrote, summed over layers)."""
-    from edgeinfer.kernels_cuda import launch, runtime
-
-    pkg, ops, calls = _fake_modules()
-    monkeypatch.setitem(sys.modules, "pycuda", pkg)
-    monkeypatch.setitem(sys.modules, "pycuda.gpuarray", pkg.gpuarray)
-    monkeypatch.setitem(sys.modules, "pycuda.driver", pkg.driver)
-    monkeypatch.setattr(runtime, "context", lambda: None)
-    for name, fn in ops.items():
-        monkeypatch.setattr(launch, name, fn)
-    return calls
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_hybrid_backend_on_a_simulated_device(tiny_models, monkeypatch, arch):
-    """The layer split, boundary transfers and GPU-side KV of HybridBackend, with numpy standing in
-    for the kernels: logits equal the reference backend's for every --gpu-layers value."""
+def test_hybrid_backend_on_the_emulated_device(tiny_models, cuda_emulator, arch):
+    """The layer split, boundary transfers and GPU-side KV of HybridBackend, with the CUDA kernels
+    running on the emulator: logits match the reference backend's for every --gpu-layers value."""
     from edgeinfer.backends.base import ReferenceBackend
     from edgeinfer.backends.device_tensor import DeviceTensor
     from edgeinfer.backends.hybrid import HybridBackend
@@ -335,7 +223,7 @@ def test_hybrid_backend_on_a_simulated_device(tiny_models, monkeypatch, arch):
     from edgeinfer.loader import open_model
     from edgeinfer.backends.offload import OffloadPlan
 
-    calls = install_fake_device(monkeypatch)
+    calls = cuda_emulator
 
     mf = open_model(tiny_models[arch])
     cfg = mf.config
@@ -358,7 +246,9 @@ def test_hybrid_backend_on_a_simulated_device(tiny_models, monkeypatch, arch):
             kv = hb.new_cache(cfg, 32)
             assert isinstance(kv, CudaKVCache)
             got = run(hb, kv)
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{arch} k={k} head={head}")
+            # the GEMM rounds its tiles to fp16, attention keeps Q in f32 where ggml rounds it to f16
+            assert np.abs(got - want).max() < 2e-2 * np.abs(want).max(), (arch, k, head)
+            assert (got.argmax(-1) == want.argmax(-1)).mean() >= 2 / 3, (arch, k, head)
             # every GPU layer ran its 7 matrices there (twice: prefill + decode), plus the head
             assert calls.get("linear", 0) == 2 * (7 * k + head), (k, head, calls)
             assert calls.get("attention", 0) == 2 * k

@@ -25,7 +25,7 @@ from edgeinfer.sessions.session_file import SavedSession, load_session, save_ses
 from edgeinfer.kv.pool_sizing import group_pool_blocks
 from edgeinfer.session_manager import SessionManager
 from gguf_factory import TinyShape, spm_vocab, write_tiny_model
-from oracles import (branching_prompts, cold_greedy, compare_managers, greedy, operations, random_ids,
+from oracles import (DEVICE_ATOL, branching_prompts, cold_greedy, compare_managers, greedy, operations, random_ids,
                      run_operations)
 
 WINDOW = 8
@@ -259,16 +259,15 @@ def test_saved_kv_round_trip_with_dropped_window_rows(mixed, tmp_path):
     mgr.check_invariants()
 
 
-# -- the simulated GPU (tests/test_gpu_paged_kv.py's fake device) -------------------------------
+# -- the emulated GPU (the CUDA emulator, as in tests/test_gpu_paged_kv.py) ----------------------
 
 @pytest.mark.parametrize("k", [2, 6])
-def test_device_layers_with_a_window_group_match_cpu_only(mixed_path, monkeypatch, k):
+def test_device_layers_with_a_window_group_match_cpu_only(mixed_path, cuda_emulator, k):
     """k=2: the device layers all slide, so the device holds the window group (which drops);
     k=6: the device layers mix, so they all sit in the full-attention group (no window group)."""
     from test_gpu_paged_kv import _gpu_engine
-    from test_offload_plan import install_fake_device
 
-    device = install_fake_device(monkeypatch)
+    device = cuda_emulator
     cpu = edgeinfer.load(str(mixed_path), backend="reference", n_ctx=N_CTX, prefill_chunk=5)
     engine = _gpu_engine(mixed_path, k=k, head=True, n_ctx=N_CTX)
     mgrs = [_manager(cpu), SessionManager(engine, cpu.tokenizer, n_ctx=N_CTX, block_size=BS, model_id="mixed")]
@@ -277,7 +276,8 @@ def test_device_layers_with_a_window_group_match_cpu_only(mixed_path, monkeypatc
     assert len(mgrs[1].cache.groups) == (2 if k == 2 else 1)
     rng = np.random.default_rng(16)
     vocab = cpu.config.n_vocab
-    compare_managers(mgrs, [cpu.engine, engine], branching_prompts(rng, vocab, 60, branch_at=40, edit_at=53))
+    compare_managers(mgrs, [cpu.engine, engine], branching_prompts(rng, vocab, 60, branch_at=40, edit_at=53),
+                     atol=DEVICE_ATOL)
     if k == 2:
         assert any(s.tables[dev_group.index].n_dropped for s in mgrs[1].cache._live)
     assert device["attention"] > 0 and device["kv_store"] > 0
@@ -290,13 +290,11 @@ def test_device_layers_with_a_window_group_match_cpu_only(mixed_path, monkeypatc
     mgrs[1].check_invariants()
 
 
-def test_context_shift_with_a_device_window_group_matches_cpu_only(mixed_path, monkeypatch):
-    """The window group on the (simulated) device drops blocks; a context shift rebuilds it
+def test_context_shift_with_a_device_window_group_matches_cpu_only(mixed_path, cuda_emulator):
+    """The window group on the (emulated) device drops blocks; a context shift rebuilds it
     from rows downloaded from VRAM, as the CPU-only manager rebuilds its host group."""
     from test_gpu_paged_kv import _gpu_engine
-    from test_offload_plan import install_fake_device
 
-    install_fake_device(monkeypatch)
     cpu = edgeinfer.load(str(mixed_path), backend="reference", n_ctx=64, prefill_chunk=5)
     engine = _gpu_engine(mixed_path, k=2, n_ctx=64)
     mgrs = [SessionManager(e, cpu.tokenizer, n_ctx=64, block_size=BS, context_shift=True, n_keep=4)

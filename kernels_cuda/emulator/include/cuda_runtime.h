@@ -1,0 +1,3 @@
+// cuda_runtime.h of the CUDA emulator.
+#pragma once
+#include "cuda_emu.h"

@@ -1,0 +1,56 @@
+"""`edgeinfer run` with layers on the GPU (the CUDA emulator where no GPU is) writes the CPU's
+text, and says where the layers went.
+
+Greedy text can only be compared up to a near tie: where the CPU's two best tokens are closer
+than the GPU kernels' own rounding moves a logit (fp16 GEMM tiles, f32 attention, fast math),
+either is a right answer. The prompt is one whose CPU continuation has no such tie for 12
+tokens; the test measures that again and compares everything before the first tie.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import cuda_device
+import pytest
+
+import edgeinfer
+
+cuda_device.require()
+
+PROMPT = "Water boils at"
+N_TOKENS = 12
+NEAR_TIE = 0.3  # logits; the emulated GPU moves gemma3-270m's by < 0.1 (test_cuda_kernels' parity)
+
+
+def _run(gemma_path, *flags: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if cuda_device.KIND == "emulator":
+        env["EDGEINFER_CUDA"] = "emulate"
+        env["EDGEINFER_CUDA_EMULATE_ORDER"] = "forward"
+    return subprocess.run([sys.executable, "-m", "edgeinfer.cli", "run", str(gemma_path), "--raw", "--temp", "0",
+                           "-n", str(N_TOKENS), "--verbose", *flags, PROMPT],
+                          capture_output=True, text=True, env=env, timeout=900)
+
+
+@pytest.mark.slow
+def test_run_with_gpu_layers_writes_the_cpus_text(gemma_path):
+    cpu_model = edgeinfer.load(str(gemma_path), gpu_layers=0, n_ctx=256)
+    want = cpu_model.generate(PROMPT, max_tokens=N_TOKENS, temperature=0, logprobs=2)
+    gaps = [lp.top[0][1] - lp.top[1][1] for lp in want.logprobs]
+    tie_free = next((i for i, g in enumerate(gaps) if g < NEAR_TIE), len(gaps))
+    assert tie_free >= 8, f"the CPU's continuation has a near tie at token {tie_free}: choose another prompt"
+    prefix = cpu_model.tokenizer.detokenize(want.tokens[:tie_free])
+    cpu = _run(gemma_path, "-ngl", "0")
+    assert cpu.returncode == 0, cpu.stderr
+    assert cpu.stdout.startswith(prefix)
+    n_layer = cpu_model.config.n_layer
+    for ngl, placed in (("99", f"{n_layer}/{n_layer}"), ("9", f"9/{n_layer}")):
+        gpu = _run(gemma_path, "-ngl", ngl)
+        assert gpu.returncode == 0, gpu.stderr
+        assert f"offloading {placed} layers to GPU" in gpu.stderr, gpu.stderr
+        if cuda_device.KIND == "emulator":
+            assert "emulator" in gpu.stderr
+        assert gpu.stdout.startswith(prefix), (ngl, gpu.stdout, prefix)
