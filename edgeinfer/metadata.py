@@ -26,6 +26,7 @@ MAX_FF = 1 << 24
 MAX_CTX = 1 << 26
 MAX_VOCAB = 1 << 24
 MAX_ROPE_BASE = 1e12
+MAX_EXPERTS = 1024  # llama.cpp's LLAMA_MAX_EXPERTS
 
 
 class Metadata(dict):

@@ -18,7 +18,7 @@ from . import quant_kernels as qk
 from .quant_types import QuantInfo, check_weight
 from .threads import apply_threads, get_threads, worker_pool
 
-from . import dispatch, gemm_kquant, tile_gemm
+from . import dispatch, f32_ggml, gemm_kquant, tile_gemm
 
 # EDGEINFER_PLAIN_KERNELS=1 routes every type through the plain Numba kernels (debugging).
 _FAST = not os.environ.get("EDGEINFER_PLAIN_KERNELS")
@@ -128,8 +128,8 @@ def matvec(w_raw: np.ndarray, qtype: T, x: np.ndarray, out: np.ndarray | None = 
     elif out.shape != (n_rows,) or out.dtype != np.float32:
         raise ValueError(f"out must be float32 ({n_rows},), got {out.dtype} {out.shape}")
     qt = int(info.qtype)
-    if qt == qk.F32:
-        qk.matvec_f32_kernel(w_raw.view(np.float32), x, out)
+    if qt == qk.F32:  # ggml's order: a router's choice of experts hangs on these bits
+        f32_ggml.matvec(w_raw.view(np.float32), x, out)
         return out
     if qt in (qk.F16, qk.BF16):
         qk.matvec_half_kernel(w_raw.view(np.uint16), qt == qk.BF16, x, out)
@@ -359,7 +359,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         raise ValueError(f"out must be float32 ({n_tok}, {n_rows}), got {out.dtype} {out.shape}")
     qt = int(info.qtype)
     if qt == qk.F32:
-        np.matmul(X, w_raw.view(np.float32).T, out=out)
+        f32_ggml.matmul(w_raw.view(np.float32), np.ascontiguousarray(X, np.float32), out)
         return out
     if _kquant_gemm_for(qt, n_rows, n_tok):
         matmul_many([w_raw], [qt], X, [out])

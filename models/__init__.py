@@ -10,11 +10,13 @@ from edgeinfer.models.llama import Llama
 from edgeinfer.models.nomic_bert import NomicBert
 from edgeinfer.models.qwen2 import Qwen2
 from edgeinfer.models.qwen3 import Qwen3
+from edgeinfer.models.qwen3moe import Qwen3Moe
 
 ARCHITECTURES: dict[str, type[Transformer]] = {
     "llama": Llama,
     "qwen2": Qwen2,
     "qwen3": Qwen3,
+    "qwen3moe": Qwen3Moe,
     "gemma3": Gemma3,
     "bert": Bert,
     "nomic-bert": NomicBert,

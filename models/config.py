@@ -33,6 +33,10 @@ class ModelConfig:
     attn_scale: float = 0.0  # multiplies Q before attention (Gemma); 0 = 1/sqrt(head_dim) on Q K^T
     embed_scale: float = 1.0  # gemma multiplies embeddings by sqrt(n_embd)
     tied_embeddings: bool = False
+    # mixtures of experts: experts per layer, chosen per token, rows of each (0: a dense FFN)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -26,8 +26,13 @@ class Llama(Transformer):
         q, k = self.qk_norm(i, q, k)
         attn = self.attention(i, q, k, v, positions, slots, kv)
         x = x + be.linear(p + "attn_output.weight", attn)
-        return be.norm_swiglu_residual(x, p + "ffn_norm.weight", cfg.norm_eps, p + "ffn_gate.weight",
-                                       p + "ffn_up.weight", p + "ffn_down.weight")
+        return self.feed_forward(i, x)
+
+    def feed_forward(self, i: int, x: np.ndarray) -> np.ndarray:
+        """x + the block's pre-norm SwiGLU feed-forward (mixtures of experts override it)."""
+        p = f"blk.{i}."
+        return self.backend.norm_swiglu_residual(x, p + "ffn_norm.weight", self.config.norm_eps,
+                                                 p + "ffn_gate.weight", p + "ffn_up.weight", p + "ffn_down.weight")
 
     def project_many(self, names: list[str], h: np.ndarray) -> list[np.ndarray]:
         """Linear layers on the same input, plus their biases when the file has them (qwen2

@@ -135,9 +135,13 @@ class TinyShape:
     n_ff: int = 512
     n_ctx: int = 512
     extra: dict = field(default_factory=dict)
+    # mixtures of experts (qwen3moe): experts per layer, chosen per token, rows of each
+    n_expert: int = 8
+    n_expert_used: int = 2
+    n_ff_exp: int = 128
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 
 
 def _layer_tensors(arch: str, s: TinyShape, i: int) -> dict[str, tuple[int, int] | tuple[int]]:
@@ -158,8 +162,15 @@ def _layer_tensors(arch: str, s: TinyShape, i: int) -> dict[str, tuple[int, int]
     if arch == "qwen2":
         t.update({p + "attn_q.bias": (q_dim,), p + "attn_k.bias": (kv_dim,),
                   p + "attn_v.bias": (kv_dim,)})
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "gemma3", "qwen3moe"):
         t.update({p + "attn_q_norm.weight": (s.head_dim,), p + "attn_k_norm.weight": (s.head_dim,)})
+    if arch == "qwen3moe":  # the dense FFN becomes a router and 3-D expert tensors
+        for name in ("ffn_gate", "ffn_up", "ffn_down"):
+            del t[p + name + ".weight"]
+        t.update({p + "ffn_gate_inp.weight": (s.n_embd, s.n_expert),
+                  p + "ffn_gate_exps.weight": (s.n_embd, s.n_ff_exp, s.n_expert),
+                  p + "ffn_up_exps.weight": (s.n_embd, s.n_ff_exp, s.n_expert),
+                  p + "ffn_down_exps.weight": (s.n_ff_exp, s.n_embd, s.n_expert)})
     if arch == "gemma3":
         t.update({p + "post_attention_norm.weight": (s.n_embd,),
                   p + "post_ffw_norm.weight": (s.n_embd,)})
@@ -198,6 +209,10 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
         w.add_rope_dimension_count(s.head_dim)
     if arch == "gemma3":
         w.add_sliding_window(s.extra.get("sliding_window", 16))
+    if arch == "qwen3moe":
+        w.add_expert_count(s.n_expert)
+        w.add_expert_used_count(s.n_expert_used)
+        w.add_expert_feed_forward_length(s.n_ff_exp)
     w.add_file_type(int(qt) if qt != T.F32 else 0)
 
     w.add_tokenizer_model(vocab["model"])
@@ -241,17 +256,21 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
             plan.append((name, T.F32, gshape))
             w.add_tensor_info(name, gshape, np.dtype(np.float32), gshape[0] * 4)
             continue
-        n_cols, n_rows = gshape
+        n_cols, n_rows, outer = gshape[0], gshape[1], gshape[2:]  # outer: (n_expert,) of expert tensors
         tq = qtype_of(embd_qtype) if (embd_qtype and name == "token_embd.weight") else qt
+        if name.endswith("ffn_gate_inp.weight"):
+            tq = T.F32  # routers stay F32, as converters write them
         if n_cols % GGML_QUANT_SIZES[tq][0]:
             tq = T.F16
         plan.append((name, tq, gshape))
         block_size, type_size = GGML_QUANT_SIZES[tq]
         row_bytes = n_cols // block_size * type_size
+        n_all = n_rows * int(np.prod(outer, dtype=np.int64))
         if tq == T.F32:
-            w.add_tensor_info(name, (n_rows, n_cols), np.dtype(np.float32), n_rows * row_bytes)
+            w.add_tensor_info(name, (*outer[::-1], n_rows, n_cols), np.dtype(np.float32), n_all * row_bytes)
         else:
-            w.add_tensor_info(name, (n_rows, row_bytes), np.dtype(np.uint8), n_rows * row_bytes, raw_dtype=tq)
+            w.add_tensor_info(name, (*outer[::-1], n_rows, row_bytes), np.dtype(np.uint8), n_all * row_bytes,
+                              raw_dtype=tq)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -264,7 +283,7 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
                 data += 1.0
             w.write_tensor_data(data)
             continue
-        n_cols, n_rows = gshape
+        n_cols, n_rows = gshape[0], gshape[1] * int(np.prod(gshape[2:], dtype=np.int64))
         if tq in _ROW_SEPARABLE:
             # rows drawn in slices: the same random stream as one call, without a
             # float64 copy of a whole 128k-vocabulary matrix in memory

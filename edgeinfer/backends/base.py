@@ -85,6 +85,18 @@ class Backend:
         gate/up), which a backend may run together."""
         return [self.linear(name, x) for name in names]
 
+    def expert_rows(self, name: str, expert: int) -> np.ndarray:
+        """Expert `expert`'s rows of the 3-D expert tensor `name` (GGML shape (n_cols, rows,
+        n_expert)): a view of the mapped file, (rows, row_bytes) uint8; nothing is copied."""
+        info = self.gguf.tensors[name]
+        n = info.shape[1]
+        return self.gguf.raw(name)[expert * n:(expert + 1) * n]
+
+    def expert_linear_many(self, names: list[str], expert: int, x: np.ndarray) -> list[np.ndarray]:
+        """[x @ W_e^T for W in names]: one expert's slice of each 3-D expert tensor (mixtures
+        of experts; edgeinfer.experts.ffn groups a chunk's tokens by expert to call this)."""
+        raise NotImplementedError
+
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of matrix `name` as float32 (len(ids), n_cols): the embedding lookup."""
         info = self.gguf.tensors[name]
@@ -334,6 +346,15 @@ class ReferenceBackend(Backend):
             w = w.reshape(info.n_rows, info.n_cols).astype(np.float64)
             self._dense[name] = w
         return w
+
+    def expert_linear_many(self, names, expert, x):
+        outs = []
+        for name in names:
+            info = self.gguf.tensors[name]
+            w = quants.dequantize(np.ascontiguousarray(self.expert_rows(name, expert)), info.qtype)
+            w = w.reshape(info.shape[1], info.n_cols).astype(np.float64)
+            outs.append((np.asarray(x).astype(np.float64) @ w.T).astype(np.float32))
+        return outs
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
         # float64 sums rounded once to float32: a row's result does not depend on how many

@@ -55,7 +55,9 @@ class CpuBackend(Backend):
     def prepare_weights(self) -> None:
         """Make every copy `weight` would make, now: at load rather than on the first prompt
         (about 0.4 s for a 1B model's Q4_K). For a model computed wholly on this backend."""
-        names = [name for name, info in self.gguf.tensors.items() if repacks(info.qtype, info.n_rows)]
+        # 3-D expert tensors stay in the file: their experts' rows are read where they lie
+        names = [name for name, info in self.gguf.tensors.items()
+                 if len(info.shape) == 2 and repacks(info.qtype, info.n_rows)]
         # numpy copies without the GIL: the worker threads share the matrices out
         list(worker_pool(kernels_cpu.get_threads()).map(self.weight, names))
 
@@ -100,6 +102,15 @@ class CpuBackend(Backend):
         if prepared is not None:   # every decoded token: no per-call weight lookups
             return [y[None, :] for y in matvec_prepared(prepared, x0)]
         return [y[None, :] for y in kernels_cpu.matvec_many(*self._weights_of(names), x0)]
+
+    def expert_linear_many(self, names, expert, x):
+        """The quantized kernels on one expert's rows, read in place from the mapped file."""
+        ws = [self.expert_rows(name, expert) for name in names]
+        qts = [self.gguf.tensors[name].qtype for name in names]
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.shape[0] == 1:
+            return [y[None, :] for y in kernels_cpu.matvec_many(ws, qts, x[0])]
+        return kernels_cpu.matmul_many(ws, qts, x)
 
     def _weights_of(self, names) -> tuple[list, list]:
         """([blocks], [type ids]) of these matrices, as `weight` gives them."""

@@ -1,0 +1,52 @@
+"""Expert routing: from a token's router logits to its chosen experts and their weights, in
+ggml's order (llama.cpp's build_moe_ffn), so that the same experts win as in llama.cpp.
+
+- `softmax_topk` (qwen3moe): softmax over all experts (ggml_soft_max_f32: AVX2 exp over
+  8 lanes at a time, summed in double), the top k by probability, their probabilities
+  renormalised to sum 1 (the sum clamped below at 2^-14, as llama.cpp does).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeinfer.backends.base import _hsum8, ggml_expf_any
+
+F16_MIN_NORMAL = np.float32(6.103515625e-5)  # llama.cpp's clamp of the weights' sum
+
+
+def ggml_softmax(logits: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis as ggml_compute_forward_soft_max_f32 on AVX2: exp(x - max)
+    8 lanes at a time (ggml_v_expf) with each group's horizontal sum added in double, the
+    tail with expf; then every value times (float)(1 / sum)."""
+    x = np.asarray(logits, np.float32)
+    shifted = (x - x.max(axis=-1, keepdims=True)).astype(np.float32)
+    n = x.shape[-1]
+    body = n - n % 8
+    y = np.empty_like(shifted)
+    y[..., :body] = ggml_expf_any(shifted[..., :body])
+    with np.errstate(under="ignore"):
+        y[..., body:] = np.exp(shifted[..., body:].astype(np.float64)).astype(np.float32)
+    groups = y[..., :body].reshape(y.shape[:-1] + (body // 8, 8))
+    total = np.cumsum(_hsum8(groups).astype(np.float64), axis=-1)[..., -1] if body else 0.0
+    tail = y[..., body:].astype(np.float64)
+    total = total + (np.cumsum(tail, axis=-1)[..., -1] if n > body else 0.0)
+    scale = (1.0 / np.asarray(total, np.float64)).astype(np.float32)
+    return (y * scale[..., None]).astype(np.float32)
+
+
+def top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest scores per row, largest first (ties: the lower index first)."""
+    order = np.argsort(-np.asarray(scores, np.float32), axis=-1, kind="stable")
+    return order[..., :k]
+
+
+def softmax_topk(logits: np.ndarray, k: int, normalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(experts (n, k) int64, weights (n, k) float32) for router logits (n, n_expert)."""
+    probs = ggml_softmax(logits)
+    chosen = top_k(probs, k)
+    weights = np.take_along_axis(probs, chosen, axis=-1)
+    if normalize:
+        total = np.cumsum(weights.astype(np.float64), axis=-1)[..., -1:].astype(np.float32)
+        weights = (weights / np.maximum(total, F16_MIN_NORMAL)).astype(np.float32)
+    return chosen.astype(np.int64), weights

@@ -1,0 +1,52 @@
+"""Qwen 3 MoE (Qwen3-30B-A3B and kin): the qwen3 block with a mixture of experts for its FFN.
+
+As llama.cpp's qwen3moe.cpp builds it: a softmax router (`ffn_gate_inp`) over
+`expert_count` experts, the top `expert_used_count`, their weights always renormalised (no
+key says so), and SwiGLU experts stored as 3-D tensors `ffn_{gate,up,down}_exps`. An expert's
+row count is `expert_feed_forward_length`, else feed_forward_length / expert_used_count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from edgeinfer.errors import MetadataError
+from edgeinfer.experts import ffn, routing
+from edgeinfer.metadata import MAX_EXPERTS, MAX_FF, meta_int
+from edgeinfer.models.qwen3 import Qwen3
+
+
+class Qwen3Moe(Qwen3):
+    @classmethod
+    def adjust_config(cls, cfg, gf):
+        md, key = gf.metadata, f"{cfg.arch}."
+        n_expert = meta_int(md, key + "expert_count", 1, MAX_EXPERTS)
+        n_used = meta_int(md, key + "expert_used_count", 1, n_expert)
+        n_ff_exp = meta_int(md, key + "expert_feed_forward_length", 1, MAX_FF, cfg.n_ff // n_used)
+        if n_ff_exp < 1:
+            raise MetadataError(f"{gf.path}: metadata key {key + 'expert_feed_forward_length'!r} is missing and "
+                                f"feed_forward_length / expert_used_count is 0")
+        return replace(super().adjust_config(cfg, gf), n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp)
+
+    @classmethod
+    def layer_tensors(cls, cfg, i):
+        t = super().layer_tensors(cfg, i)
+        p = f"blk.{i}."
+        for name in ("ffn_gate", "ffn_up", "ffn_down"):
+            del t[p + name + ".weight"]
+        t[p + "ffn_gate_inp.weight"] = (cfg.n_embd, cfg.n_expert)
+        t[p + "ffn_gate_exps.weight"] = (cfg.n_embd, cfg.n_ff_exp, cfg.n_expert)
+        t[p + "ffn_up_exps.weight"] = (cfg.n_embd, cfg.n_ff_exp, cfg.n_expert)
+        t[p + "ffn_down_exps.weight"] = (cfg.n_ff_exp, cfg.n_embd, cfg.n_expert)
+        return t
+
+    def feed_forward(self, i, x):
+        be, cfg, p = self.backend, self.config, f"blk.{i}."
+        h = be.rms_norm(x, p + "ffn_norm.weight", cfg.norm_eps)
+        logits = np.asarray(be.linear(p + "ffn_gate_inp.weight", h), np.float32)
+        experts, weights = routing.softmax_topk(logits, cfg.n_expert_used, normalize=True)
+        moe = ffn.swiglu_experts(be, np.asarray(h, np.float32), experts, weights, p + "ffn_gate_exps.weight",
+                                 p + "ffn_up_exps.weight", p + "ffn_down_exps.weight")
+        return x + moe
