@@ -68,12 +68,16 @@ def edgeinfer_runner(path: str, n_ctx: int, threads: int, depth: int):
 
 def decode_bytes_per_token(path: str) -> int:
     """Bytes of the tensors one decode step reads: all of them but the token embedding,
-    which it reads one row of (unless the output matrix is tied to it)."""
+    which it reads one row of (unless the output matrix is tied to it), and of a mixture of
+    experts' 3-D expert tensors only the share of the experts a token uses."""
     from edgeinfer.gguf_file import GGUFFile
 
     gf = GGUFFile.open(path)
+    arch = gf.metadata.get("general.architecture")
+    used = gf.metadata.get(f"{arch}.expert_used_count", 1)
     skip = {"token_embd.weight"} if "output.weight" in gf.tensors else set()
-    return sum(info.n_bytes for name, info in gf.tensors.items() if name not in skip)
+    return int(sum(info.n_bytes * (used / info.shape[2] if len(info.shape) == 3 else 1)
+                   for name, info in gf.tensors.items() if name not in skip))
 
 
 def print_bandwidth(path: str, tg: dict[str, float], threads: int) -> None:

@@ -1,6 +1,6 @@
 """Random-weight GGUFs shaped like real checkpoints, quantized by llama.cpp itself.
 
-Shared by make_llama1b_shaped.py and make_llama8b_shaped.py: the weights are random,
+Shared by the make_*_shaped.py scripts (Llama 1B / 8B, Qwen3-30B-A3B): the weights are random,
 written as F16 by tests/gguf_factory.py (one tensor in memory at a time), then quantized
 by llama-cpp-python's llama_model_quantize, so the type mix is the one users download
 (Q4_K_M: Q4_K, with Q6_K for attn_v, half of ffn_down and the output matrix). Needs
@@ -10,10 +10,13 @@ llama-cpp-python, and temporary disk for the F16 file (2 bytes a weight).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -35,16 +38,14 @@ def padded_vocab(n_vocab: int) -> dict:
 
 
 def write_shaped_q4_k_m(out: str | Path, shape, *, tie_embeddings: bool, n_vocab: int = LLAMA3_VOCAB,
-                        tmp_dir: str | Path | None = None, threads: int = 2) -> Path:
-    """Write a llama-architecture Q4_K_M GGUF of `shape` (a gguf_factory.TinyShape) to `out`."""
+                        tmp_dir: str | Path | None = None, threads: int = 2, arch: str = "llama") -> Path:
+    """Write a Q4_K_M GGUF of `arch` and `shape` (a gguf_factory.TinyShape) to `out`."""
     import llama_cpp
-    from gguf_factory import write_tiny_model
+    from gguf_factory import _layer_tensors, write_tiny_model
 
     out = Path(out)
-    n_weights = shape.n_layer * (2 * shape.n_embd * shape.n_head * shape.head_dim
-                                 + 2 * shape.n_embd * shape.n_head_kv * shape.head_dim
-                                 + 3 * shape.n_embd * shape.n_ff)
-    n_weights += (1 if tie_embeddings else 2) * n_vocab * shape.n_embd
+    per_layer = sum(int(np.prod(dims)) for dims in _layer_tensors(arch, shape, 0).values())
+    n_weights = shape.n_layer * per_layer + (1 if tie_embeddings else 2) * n_vocab * shape.n_embd
     if tmp_dir is not None:
         Path(tmp_dir).mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(tmp_dir or tempfile.gettempdir()).free
@@ -53,7 +54,7 @@ def write_shaped_q4_k_m(out: str | Path, shape, *, tie_embeddings: bool, n_vocab
                          f"{tmp_dir or tempfile.gettempdir()} has {free / 1e9:.1f} GB free (--tmp-dir)")
     with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
         f16 = Path(tmp) / "shaped-f16.gguf"
-        write_tiny_model(f16, "llama", "F16", shape=shape, vocab=padded_vocab(n_vocab), seed=1,
+        write_tiny_model(f16, arch, "F16", shape=shape, vocab=padded_vocab(n_vocab), seed=1,
                          tie_embeddings=tie_embeddings)
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
@@ -64,12 +65,19 @@ def write_shaped_q4_k_m(out: str | Path, shape, *, tie_embeddings: bool, n_vocab
     return out
 
 
-def main(description: str, default_out: str, shape, *, tie_embeddings: bool) -> None:
-    """The command line both make_*_shaped scripts share: an output path, --tmp-dir."""
+def main(description: str, default_out: str, shape, *, tie_embeddings: bool, arch: str = "llama",
+         n_vocab: int = LLAMA3_VOCAB) -> None:
+    """The command line the make_*_shaped scripts share: an output path, --tmp-dir, --layers."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("out", nargs="?", default=default_out, help="where to write the Q4_K_M file")
     ap.add_argument("--tmp-dir", default=None, help="where the temporary F16 file goes (default: the system's)")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp quantizer threads")
+    ap.add_argument("--layers", type=int, default=None,
+                    help=f"keep only the first N of the {shape.n_layer} layers (each keeps the real shape)")
     args = ap.parse_args()
+    if args.layers is not None:
+        if not 1 <= args.layers <= shape.n_layer:
+            raise SystemExit(f"--layers must be from 1 to {shape.n_layer}, got {args.layers}")
+        shape = dataclasses.replace(shape, n_layer=args.layers)
     print(write_shaped_q4_k_m(args.out, shape, tie_embeddings=tie_embeddings, tmp_dir=args.tmp_dir,
-                              threads=args.threads))
+                              threads=args.threads, arch=arch, n_vocab=n_vocab))

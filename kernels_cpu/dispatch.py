@@ -231,6 +231,45 @@ def _matvec_kernel(w1, q1, w2, q2, w3, q3, xq, xd, xs, o1, o2, o3, nt):
         _claimed_items(claims, nt, w1, q1, o1, w2, q2, o2, w3, q3, o3, xq, xd, xs)
 
 
+@njit(inline="always", **_JIT)
+def _expert_items(claims, n_threads, w1, q1, o1, w2, q2, o2, experts, starts, rows_of, n_per, xq, xd, xs):
+    """On one thread: claim runs of work items until none are left. Item g is a CHUNK of rows
+    of active expert i = experts[i]'s rows (w[experts[i] * n_per:][:n_per]) in o1's tensor, then
+    (numbered after those) in o2's, computed for each of its assignments a in
+    starts[i]..starts[i + 1]: activations row rows_of[a] of xq/xd/xs, output row a. All of
+    an expert's tokens run on an item's rows while they are in L1. o2 may have no columns."""
+    m = experts.shape[0]
+    per = _n_items(n_per)
+    n1 = m * per
+    n = n1 + (m * per if o2.shape[1] > 0 else 0)
+    step = max(1, n // (CLAIMS_PER_THREAD * n_threads))
+    g0 = _fetch_add(claims, step)
+    while g0 < n:
+        for g in range(g0, min(g0 + step, n)):
+            second = g >= n1
+            h = g - n1 if second else g
+            i = h // per
+            r0 = (h % per) * CHUNK
+            r1 = min(r0 + CHUNK, n_per)
+            e0 = experts[i] * n_per
+            for a in range(starts[i], starts[i + 1]):
+                t = rows_of[a]
+                if second:
+                    _dot_rows(w2[e0:e0 + n_per], q2, r0, r1, xq[t], xd[t], xs[t], o2[a])
+                else:
+                    _dot_rows(w1[e0:e0 + n_per], q1, r0, r1, xq[t], xd[t], xs[t], o1[a])
+        g0 = _fetch_add(claims, step)
+
+
+@njit(parallel=True, **_JIT)
+def _expert_matvec_kernel(w1, q1, w2, q2, experts, starts, rows_of, n_per, xq, xd, xs, o1, o2, nt):
+    # every active expert of one or two 3-D tensors (gate and up) with all its tokens, in one
+    # parallel region: a layer's whole expert matmul, for a decoded token or a prompt chunk
+    claims = np.zeros(1, np.int64)
+    for _ in prange(nt):   # one iteration per thread
+        _expert_items(claims, nt, w1, q1, o1, w2, q2, o2, experts, starts, rows_of, n_per, xq, xd, xs)
+
+
 _NO_OUT = np.empty((1, 0), np.float32)   # "no second/third matrix"
 
 
@@ -263,7 +302,8 @@ def _dequant_rows_kernel(w, qt, rows, y):
 
 _SPECIALISED = ("_quartered_rows", "_dot_rows", "_deq_row", "_claimed_rows",
                 "_claimed_items", "_matvec_kernel", "_dequant_kernel",
-                "_dequant_kernel_serial", "_dequant_rows_kernel")   # callees before callers
+                "_dequant_kernel_serial", "_dequant_rows_kernel",
+                "_expert_items", "_expert_matvec_kernel")   # callees before callers
 _SETS: dict = {}         # type set (sorted tuple) -> its kernels
 _MODEL_SETS: list = []   # sets registered by use_types, the latest first
 _FOR_CALL: dict = {}     # the types of one call -> the kernels that serve it
@@ -397,6 +437,19 @@ def dequantize_fast_serial(w_raw: np.ndarray, qt: int, start: int, y: np.ndarray
 def dequantize_rows_fast(w_raw: np.ndarray, qt: int, rows: np.ndarray, y: np.ndarray) -> None:
     """y[i] = dequantized row rows[i] of w (int64 ids, validated by the caller)."""
     kernels_for(qt).dequant_rows_kernel(w_raw, qt, rows, y)
+
+
+def expert_matvec_fast(ws: list, qts: list, experts, starts, rows_of, n_per: int, xq, xd, xs, outs: list) -> None:
+    """outs[i][a] = rows of expert experts[e] in the 3-D tensor ws[i] (as (n_expert * n_per,
+    row_bytes)) . activations row rows_of[a], for the assignments a of each active expert e
+    (starts[e]..starts[e + 1]); one or two tensors."""
+    qts = [int(q) for q in qts]
+    ks = kernels_for(*qts)
+    if compile_progress._pending:
+        compile_progress.wait_for(ks.expert_matvec_kernel)
+    w2, q2, o2 = (ws[1], qts[1], outs[1]) if len(ws) == 2 else (ws[0], qts[0], _NO_OUT)
+    ks.expert_matvec_kernel(ws[0], qts[0], w2, q2, experts, starts, rows_of, n_per, xq, xd, xs, outs[0], o2,
+                            get_threads())
 
 
 def matvec_fast_many(ws: list, qts: list, xq, xd, xs, outs: list) -> None:

@@ -142,6 +142,34 @@ def matvec(w_raw: np.ndarray, qtype: T, x: np.ndarray, out: np.ndarray | None = 
     return out
 
 
+def expert_matvec(ws: list[np.ndarray], qtypes: list, experts: np.ndarray, starts: np.ndarray,
+                  rows_of: np.ndarray, n_per: int, X: np.ndarray) -> list[np.ndarray]:
+    """A mixture-of-experts layer's expert matmul for one or two 3-D expert tensors (ws[i]:
+    (n_expert * n_per, row_bytes), the file's bytes): for each active expert experts[e] and
+    each of its assignments a in starts[e]..starts[e + 1], out[a] = W_expert @ X[rows_of[a]].
+    Returns [(n_assignments, n_per)] per tensor. One parallel region for all of them where
+    the types have the fast kernels; each row the same bits as `matvec` of that token."""
+    experts = np.ascontiguousarray(experts, dtype=np.int64)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    rows_of = np.ascontiguousarray(rows_of, dtype=np.int64)
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    infos = [check_weight(w, qt) for w, qt in zip(ws, qtypes)]
+    outs = [np.empty((rows_of.shape[0], n_per), np.float32) for _ in ws]
+    fast = (1 <= len(ws) <= 2 and all(_fast(int(i.qtype)) for i in infos)
+            and len({i.act_block for i in infos}) == 1)
+    if not fast:
+        for w, qt, out in zip(ws, qtypes, outs):
+            for i, e in enumerate(experts):
+                for a in range(starts[i], starts[i + 1]):
+                    matvec(w[e * n_per:(e + 1) * n_per], qt, X[rows_of[a]], out[a])
+        return outs
+    apply_threads()
+    xq, xd, xs = quantize_activation_rows(X, infos[0])
+    dispatch.expert_matvec_fast([_readonly(w) for w in ws], [int(i.qtype) for i in infos], experts, starts,
+                                rows_of, n_per, xq, xd, xs, outs)
+    return outs
+
+
 def matvec_many(ws: list[np.ndarray], qtypes: list, x: np.ndarray) -> list[np.ndarray]:
     """[W @ x for W in ws] for matrices with the same column count: x is quantized once
     when their types share an activation format, and the rows of all of them run in one

@@ -105,32 +105,49 @@ def test_the_reference_backend_agrees_on_greedy_tokens(tmp_path):
 
 # -- what the kernels read -------------------------------------------------------------------
 
-def test_decode_reads_only_the_chosen_experts_in_place(tmp_path, monkeypatch):
-    from edgeinfer.backends.cpu import CpuBackend
+def test_a_layers_experts_run_in_one_call_a_matrix_reading_only_the_chosen_ones(tmp_path, monkeypatch):
+    from edgeinfer import kernels_cpu
 
     path = _moe(tmp_path, "Q8_0", n_expert=16, n_expert_used=3)
     engine = _engine(path)
-    calls: list[tuple[tuple[str, ...], int, int]] = []
-    real = CpuBackend.expert_linear_many
+    calls: list = []
+    real = kernels_cpu.expert_matvec
 
-    def spy(self, names, expert, x):
-        for name in names:  # each slab is a view of the mapped file, not a copy
-            assert np.shares_memory(self.expert_rows(name, expert), self.gguf.raw(name))
-        calls.append((tuple(names), expert, x.shape[0]))
-        return real(self, names, expert, x)
+    def spy(ws, qts, experts, starts, rows_of, n_per, X):
+        assert not any(w.flags.owndata for w in ws)  # the mapped file's bytes, never a copy
+        assert len(set(experts.tolist())) == len(experts) and starts[-1] == len(rows_of)
+        calls.append((len(ws), len(experts), len(rows_of)))
+        return real(ws, qts, experts, starts, rows_of, n_per, X)
 
-    monkeypatch.setattr(CpuBackend, "expert_linear_many", spy)
+    monkeypatch.setattr(kernels_cpu, "expert_matvec", spy)
     kv = engine.new_cache()
     engine.forward(np.array(PROMPT), np.arange(len(PROMPT)), kv)
     n_layer = engine.config.n_layer
-    # prefill: each expert any token chose runs once per layer, with all its tokens as one batch
-    experts_run = [c for c in calls if "gate" in c[0][0]]
-    assert len(experts_run) <= 16 * n_layer
-    assert sum(c[2] for c in experts_run) == len(PROMPT) * 3 * n_layer
+    # prefill: per layer one call for gate+up and one for down, each active expert once,
+    # every (token, expert) assignment of the chunk in it
+    assert [c[0] for c in calls] == [2, 1] * n_layer
+    assert all(3 < c[1] <= 16 and c[2] == len(PROMPT) * 3 for c in calls)
     calls.clear()
     engine.forward(np.array([7]), np.array([len(PROMPT)]), kv)
-    assert len(calls) == 2 * 3 * n_layer  # gate+up and down of exactly 3 experts a layer
-    assert all(c[2] == 1 for c in calls)
+    assert calls == [(2, 3, 3), (1, 3, 3)] * n_layer  # decode: the 3 chosen experts only
+
+
+def test_the_one_call_kernel_equals_expert_by_expert(tmp_path):
+    """kernels_cpu.expert_matvec gives each assignment the bits `matvec` gives that expert's rows."""
+    from edgeinfer import kernels_cpu
+
+    engine = _engine(_moe(tmp_path, "Q4_K", n_expert=8, n_expert_used=3))
+    gf = engine.model_file.gguf
+    name = "blk.0.ffn_gate_exps.weight"
+    info = gf.tensors[name]
+    n_per = info.shape[1]
+    x = np.random.default_rng(1).standard_normal((4, info.n_cols)).astype(np.float32)
+    experts, starts, rows_of = np.array([0, 5, 7]), np.array([0, 1, 4, 5]), np.array([2, 0, 1, 3, 3])
+    got = kernels_cpu.expert_matvec([gf.raw(name)], [info.qtype], experts, starts, rows_of, n_per, x)[0]
+    for i, e in enumerate(experts):
+        for a in range(starts[i], starts[i + 1]):
+            want = kernels_cpu.matvec(gf.raw(name)[e * n_per:(e + 1) * n_per], info.qtype, x[rows_of[a]])
+            np.testing.assert_array_equal(got[a], want)
 
 
 def test_incremental_decode_equals_the_batch(tmp_path):
@@ -162,3 +179,33 @@ def test_expert_tensors_of_the_wrong_shape_are_refused(tmp_path):
                             extra_metadata={"qwen3moe.expert_count": 4})
     with pytest.raises(EdgeInferError, match="ffn_gate_inp.weight"):
         open_model(path)
+
+
+# -- experts on the CPU beside GPU layers -----------------------------------------------------
+
+def test_gpu_layers_keep_their_experts_on_the_cpu(tmp_path, cuda_emulator):
+    """All layers on the (emulated) GPU: attention, norms and routers there, the 3-D expert
+    tensors never uploaded, their matmuls on the CPU; greedy tokens equal the CPU's up to
+    the CPU run's first near tie, and the plan counts no VRAM for the experts."""
+    import edgeinfer
+    from oracles import DEVICE_ATOL
+
+    from edgeinfer.backends.offload import plan_for_model
+
+    path = _moe(tmp_path, "Q8_0")
+    mf = open_model(path)
+    plan = plan_for_model(mf.gguf, mf.config, 96, gpu_layers=99)
+    experts = sum(i.n_bytes for i in mf.gguf.tensors.values() if len(i.shape) == 3)
+    assert plan.gpu_layers == list(range(mf.config.n_layer)) and plan.cpu_expert_weights == experts
+    assert plan.vram_weights < sum(i.n_bytes for i in mf.gguf.tensors.values()) - experts + 1
+    assert "experts" in plan.describe()
+    gpu = edgeinfer.load(path, n_ctx=96, gpu_layers=99)
+    assert not any("_exps" in name for name in gpu.engine.backend.cuda._mats)
+    cpu = edgeinfer.load(path, n_ctx=96, gpu_layers=0)
+    prompt = [5] + PROMPT[1:]  # PROMPT's greedy reply opens with an end-of-generation token
+    want = cpu.generate(prompt, max_tokens=16, temperature=0, logprobs=2)
+    got = gpu.generate(prompt, max_tokens=16, temperature=0)
+    gaps = [lp.top[0][1] - lp.top[1][1] for lp in want.logprobs]
+    tie = next((i for i, g in enumerate(gaps) if g < 2 * DEVICE_ATOL), len(gaps))
+    assert tie >= 4 and got.tokens[:tie + 1] == want.tokens[:tie + 1]
+    assert cuda_emulator["linear"] > 0 and cuda_emulator["attention"] > 0

@@ -97,6 +97,22 @@ class Backend:
         of experts; edgeinfer.experts.ffn groups a chunk's tokens by expert to call this)."""
         raise NotImplementedError
 
+    def expert_batch(self, names: list[str], experts: np.ndarray, starts: np.ndarray, rows_of: np.ndarray,
+                     x: np.ndarray) -> list[np.ndarray]:
+        """A layer's expert matmuls: for active expert experts[i] and each assignment a in
+        starts[i]..starts[i + 1], out[a] = x[rows_of[a]] @ W_{experts[i]}^T, for each 3-D tensor
+        in names; [(n_assignments, rows)]. Backends may run it in one kernel call; this
+        default runs each expert's rows as one batch (expert_linear_many)."""
+        outs: list = [None] * len(names)
+        for i, e in enumerate(experts):
+            a0, a1 = int(starts[i]), int(starts[i + 1])
+            ys = self.expert_linear_many(names, int(e), np.asarray(x)[rows_of[a0:a1]])
+            for k, y in enumerate(ys):
+                if outs[k] is None:
+                    outs[k] = np.empty((len(rows_of), y.shape[1]), np.float32)
+                outs[k][a0:a1] = y
+        return outs
+
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of matrix `name` as float32 (len(ids), n_cols): the embedding lookup."""
         info = self.gguf.tensors[name]

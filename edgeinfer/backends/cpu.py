@@ -103,14 +103,11 @@ class CpuBackend(Backend):
             return [y[None, :] for y in matvec_prepared(prepared, x0)]
         return [y[None, :] for y in kernels_cpu.matvec_many(*self._weights_of(names), x0)]
 
-    def expert_linear_many(self, names, expert, x):
-        """The quantized kernels on one expert's rows, read in place from the mapped file."""
-        ws = [self.expert_rows(name, expert) for name in names]
+    def expert_batch(self, names, experts, starts, rows_of, x):
+        """Every active expert of one or two tensors in one parallel kernel call (kernels_cpu.expert_matvec)."""
+        ws = [self.gguf.raw(name) for name in names]
         qts = [self.gguf.tensors[name].qtype for name in names]
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.shape[0] == 1:
-            return [y[None, :] for y in kernels_cpu.matvec_many(ws, qts, x[0])]
-        return kernels_cpu.matmul_many(ws, qts, x)
+        return kernels_cpu.expert_matvec(ws, qts, experts, starts, rows_of, self.gguf.tensors[names[0]].shape[1], x)
 
     def _weights_of(self, names) -> tuple[list, list]:
         """([blocks], [type ids]) of these matrices, as `weight` gives them."""

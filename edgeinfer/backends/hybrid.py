@@ -148,9 +148,9 @@ class HybridBackend(Backend):
         y = self.cpu.linear(name, self.to_host(x))
         return self.to_device(y) if on_gpu and not is_head else y
 
-    def expert_linear_many(self, names, expert, x):
+    def expert_batch(self, names, experts, starts, rows_of, x):
         """Experts stay on the CPU (llama.cpp's --cpu-moe split): the rest of a GPU layer runs in VRAM."""
-        return self.cpu.expert_linear_many(names, expert, self.to_host(x))
+        return self.cpu.expert_batch(names, experts, starts, rows_of, self.to_host(x))
 
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         return self.cpu.get_rows(name, ids)

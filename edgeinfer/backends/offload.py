@@ -5,7 +5,8 @@ on the CPU, so one step crosses the CPU/GPU boundary at most twice (hidden state
 after block k-1, and up again for the output head when that sits on the GPU).
 
 What a GPU block costs in VRAM: its weight bytes (raw GGUF blocks, uploaded as they
-are) + its K/V for the whole context + a share-free scratch area for the activations of
+are; a mixture of experts' 3-D expert tensors stay on the CPU, llama.cpp's --cpu-moe
+split, and cost no VRAM) + its K/V for the whole context + a share-free scratch area for the activations of
 one prefill chunk (allocated once when anything is offloaded). The budget is the free
 VRAM minus a safety margin of 5% + 300 MiB (fragmentation, the module image, the
 driver's own allocations after we measured).
@@ -51,11 +52,12 @@ class OffloadError(EdgeInferError):
 class ModelSizes:
     """Byte counts the plan needs, from a GGUF file or estimated from a config."""
 
-    layer_weights: tuple[int, ...]  # bytes of every blk.i.* tensor, per block
+    layer_weights: tuple[int, ...]  # bytes of the blk.i.* tensors a GPU block uploads, per block
     output_weights: int  # output head (+ output_norm) bytes
     kv_values_per_token: tuple[int, ...]  # K + V values one token adds, per block
     scratch_values_per_row: int  # float32 activations one prefill row needs at once
     n_vocab: int
+    expert_weights: tuple[int, ...] = ()  # bytes of each block's 3-D expert tensors (they stay on the CPU)
 
     @property
     def n_layer(self) -> int:
@@ -72,6 +74,7 @@ class OffloadPlan:
     reason: str  # why this split (or why CPU only)
     n_layer: int = 0
     device: DeviceInfo | None = None
+    cpu_expert_weights: int = 0  # bytes of expert tensors kept on the CPU beside GPU layers
 
     @property
     def vram_total(self) -> int:
@@ -96,9 +99,10 @@ class OffloadPlan:
             return self.reason if "running on the CPU" in self.reason else f"running on the CPU: {self.reason}"
         dev = self.device
         head = ", output head on GPU" if self.output_on_gpu else ""
+        experts = f", experts {_gib(self.cpu_expert_weights)} on the CPU" if self.cpu_expert_weights else ""
         return (f"offloading {len(self.gpu_layers)}/{self.n_layer} layers to GPU "
                 f"({dev.name}, {_gib(dev.free_vram)} free): weights {_gib(self.vram_weights)}, "
-                f"KV {_gib(self.vram_kv)}, scratch {_gib(self.vram_scratch)}{head}")
+                f"KV {_gib(self.vram_kv)}, scratch {_gib(self.vram_scratch)}{head}{experts}")
 
 
 def _gib(n: int) -> str:
@@ -121,16 +125,25 @@ def _scratch_values_per_row(cfg: "ModelConfig") -> int:
 def model_sizes_from_gguf(gguf: "GGUFFile", cfg: "ModelConfig") -> ModelSizes:
     """Exact byte counts from the file's tensor table (token_embd stays on the CPU: get_rows)."""
     layers = [0] * cfg.n_layer
+    experts = [0] * cfg.n_layer
     for name, info in gguf.tensors.items():
         m = _LAYER_RE.match(name)
         if m and int(m.group(1)) < cfg.n_layer:
-            layers[int(m.group(1))] += info.n_bytes
+            if is_expert_tensor(info.shape):
+                experts[int(m.group(1))] += info.n_bytes
+            else:
+                layers[int(m.group(1))] += info.n_bytes
     head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     output = gguf.tensors[head].n_bytes
     if "output_norm.weight" in gguf.tensors:
         output += gguf.tensors["output_norm.weight"].n_bytes
     return ModelSizes(tuple(layers), output, (kv_values_per_token(cfg),) * cfg.n_layer,
-                      _scratch_values_per_row(cfg), cfg.n_vocab)
+                      _scratch_values_per_row(cfg), cfg.n_vocab, tuple(experts))
+
+
+def is_expert_tensor(shape: tuple[int, ...]) -> bool:
+    """A mixture of experts' stacked expert matrices (GGML shape (n_cols, rows, n_expert))."""
+    return len(shape) == 3
 
 
 def estimate_model_sizes(cfg: "ModelConfig", bits_per_weight: float = 4.85) -> ModelSizes:
@@ -211,9 +224,10 @@ def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
     if k == 0 and not head:
         return cpu(f"{device.name} has {_gib(device.free_vram)} free, not enough for one layer")
     weights, kv, scratch = cost(k, head)
+    cpu_experts = sum(sizes.expert_weights[:k])  # the GPU layers' experts, which stay on the CPU
     why = "all layers fit" if k == n_layer else (
         f"--gpu-layers {request}" if request != "auto" else f"{k} of {n_layer} layers fit in {_gib(budget)}")
-    return OffloadPlan(list(range(k)), head, weights, kv, scratch, why, n_layer, device)
+    return OffloadPlan(list(range(k)), head, weights, kv, scratch, why, n_layer, device, cpu_experts)
 
 
 def plan_for_model(gguf: "GGUFFile", cfg: "ModelConfig", n_ctx: int, *, gpu_layers: int | str = "auto",
