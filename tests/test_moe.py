@@ -209,3 +209,18 @@ def test_gpu_layers_keep_their_experts_on_the_cpu(tmp_path, cuda_emulator):
     tie = next((i for i, g in enumerate(gaps) if g < 2 * DEVICE_ATOL), len(gaps))
     assert tie >= 4 and got.tokens[:tie + 1] == want.tokens[:tie + 1]
     assert cuda_emulator["linear"] > 0 and cuda_emulator["attention"] > 0
+
+
+def test_show_plans_for_a_card_of_a_given_size(tmp_path):
+    import subprocess
+    import sys
+
+    path = _moe(tmp_path, "Q8_0")
+    run = [sys.executable, "-m", "edgeinfer.cli", "show", path]
+    out = subprocess.run([*run, "--vram-gb", "8"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "experts             8 (2 used a token)" in out.stdout
+    assert "(a card with 8 GiB, 8.0 GiB free)" in out.stdout and "on the CPU" in out.stdout
+    bad = subprocess.run([*run, "--vram-gb", "-1"], capture_output=True, text=True)
+    assert bad.returncode != 0 and bad.stdout == "" and "--vram-gb must be" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -230,15 +230,27 @@ def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
     return OffloadPlan(list(range(k)), head, weights, kv, scratch, why, n_layer, device, cpu_experts)
 
 
+def hypothetical_card(vram_gib: float) -> DeviceInfo:
+    """A GPU with `vram_gib` GiB free (compute capability 8.6): for planning on a card one does not have."""
+    if not 0 < vram_gib <= 1024:
+        raise OffloadError(f"--vram-gb must be a size from 0 to 1024 GiB, got {vram_gib:g}")
+    size = int(vram_gib * GiB)
+    return DeviceInfo(f"a card with {vram_gib:g} GiB", size, size, (8, 6))
+
+
 def plan_for_model(gguf: "GGUFFile", cfg: "ModelConfig", n_ctx: int, *, gpu_layers: int | str = "auto",
-                   kv_dtype: str = "f16", prefill_rows: int = DEFAULT_PREFILL_ROWS) -> OffloadPlan:
-    """Probe the real GPU (CPU plan with the reason when there is none) and plan for `gguf`."""
+                   kv_dtype: str = "f16", prefill_rows: int = DEFAULT_PREFILL_ROWS,
+                   device: DeviceInfo | None = None) -> OffloadPlan:
+    """Plan for `gguf` on `device`, or on the real GPU probed now (a CPU plan with the reason
+    when there is none)."""
     sizes = model_sizes_from_gguf(gguf, cfg)
     if parse_gpu_layers(gpu_layers) == 0:
         return plan_offload(sizes, None, n_ctx, no_device_reason="--gpu-layers 0")
-    from edgeinfer.kernels_cuda.runtime import cuda_available, device_info
+    reason = "no GPU"
+    if device is None:
+        from edgeinfer.kernels_cuda.runtime import cuda_available, device_info
 
-    ok, reason = cuda_available()
-    device = device_info() if ok else None
+        ok, reason = cuda_available()
+        device = device_info() if ok else None
     return plan_offload(sizes, device, n_ctx, kv_dtype=kv_dtype, gpu_layers=gpu_layers,
                         prefill_rows=prefill_rows, no_device_reason=reason)

@@ -20,6 +20,8 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the facts as JSON")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size for the GPU plan")
     p.add_argument("-ngl", "--gpu-layers", default="auto", help="GPU layers for the plan (N|auto|0)")
+    p.add_argument("--vram-gb", type=float, default=None, metavar="GB",
+                   help="plan for a card with this much free VRAM instead of this machine's GPU")
     p.set_defaults(func=run)
 
 
@@ -29,8 +31,9 @@ def run(args) -> int:
     from edgeinfer.model_info import describe, human_bytes, human_count
     from edgeinfer.store.registry import resolve
 
-    from edgeinfer.backends.offload import plan_for_model
+    from edgeinfer.backends.offload import hypothetical_card, plan_for_model
 
+    card = hypothetical_card(args.vram_gb) if args.vram_gb is not None else None  # checked before any output
     mf = open_model(resolve(args.name, download=False))
     info = describe(mf)
     if args.json:
@@ -44,6 +47,8 @@ def run(args) -> int:
         ("embedding length", info.embedding_length),
         ("layers", info.block_count),
         ("attention heads", f"{info.head_count} (KV {info.head_count_kv})"),
+        *([("experts", f"{mf.config.n_expert} ({mf.config.n_expert_used} used a token)")]
+          if mf.config.n_expert else []),
         ("quantization", info.quantization),
     ]
     print("  Model")
@@ -56,7 +61,7 @@ def run(args) -> int:
     print(f"    {'path':<20}{_printable(info.path)}")
     print(f"    {'size':<20}{human_bytes(info.file_size)}")
     print(f"    {'chat template':<20}{'yes' if info.has_chat_template else 'none (a built-in one is used)'}")
-    plan = plan_for_model(mf.gguf, mf.config, args.ctx_size, gpu_layers=args.gpu_layers)
+    plan = plan_for_model(mf.gguf, mf.config, args.ctx_size, gpu_layers=args.gpu_layers, device=card)
     print(f"\n  Placement (context {args.ctx_size})\n    {plan.describe()}")
     if info.license:
         print(f"\n  License\n    {_printable(info.license)}")
