@@ -7,8 +7,10 @@ from these dot products, and a last-bit difference there can pick another expert
   tail (n % STEP) added one product at a time.
 - Prompts (two tokens or more): llamafile's tinyBLAS sgemm, which ggml calls for F32 x F32
   with n >= 2: one vector accumulator of `lanes` per output over k, then its horizontal sum.
-`lanes` is 16 where the CPU has AVX-512 (ggml's build for it), else 8. A fused multiply-add
-is computed in float64 and rounded to float32 (the product of two float32 is exact there).
+`lanes` is 16 where the CPU has AVX-512 (ggml's build for it), else 8. The kernels compile
+with LLVM's `contract` only (no reassociation): a * b + c becomes one fused multiply-add, as
+GGML_F32_VEC_FMA is, and every sum keeps the order written here; the lanes are independent
+chains, so LLVM still vectorises them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from numba.core.registry import cpu_target
 
 from edgeinfer.kernels_cpu.ir_helpers import target_features
 
-_JIT = dict(cache=True, nogil=True)
+_JIT = dict(cache=True, nogil=True, fastmath={"contract"})
 
 
 @functools.cache
@@ -30,12 +32,7 @@ def host_lanes() -> int:
     return 16 if "+avx512f" in target_features(cpu_target.target_context) else 8
 
 
-@njit(inline="always")
-def _fma(a, b, c):
-    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
-
-
-@njit(inline="always")
+@njit(inline="always", **_JIT)
 def _hsum(v, lanes):
     """The horizontal sum of one vector: _mm512_reduce_add_ps, or AVX's two halves then hadd."""
     if lanes == 16:
@@ -52,7 +49,7 @@ def _hsum(v, lanes):
     return np.float32((t[0] + t[1]) + (t[2] + t[3]))
 
 
-@njit(inline="always")
+@njit(inline="always", **_JIT)
 def _hsum_sgemm(v, lanes):
     """tinyBLAS's hsum: AVX-512's reduce, or (lo + hi) then (0 + 2) + (1 + 3)."""
     if lanes == 16:
@@ -70,18 +67,18 @@ def vec_dot_rows(w, x, out, lanes):
     step = 4 * lanes
     body = n - n % step
     for r in prange(w.shape[0]):
-        acc = np.zeros((4, lanes), np.float32)
+        acc = np.zeros(step, np.float32)  # accumulator j's lane l is acc[j * lanes + l]
+        wr = w[r]
         for i in range(0, body, step):
-            for j in range(4):
-                for l in range(lanes):
-                    k = i + j * lanes + l
-                    acc[j, l] = _fma(w[r, k], x[k], acc[j, l])
+            wi, xi = wr[i:i + step], x[i:i + step]
+            for q in range(step):  # independent chains: vectorised, each one fma a step
+                acc[q] += wi[q] * xi[q]
         red = np.empty(lanes, np.float32)
         for l in range(lanes):
-            red[l] = (acc[0, l] + acc[2, l]) + (acc[1, l] + acc[3, l])
+            red[l] = (acc[l] + acc[2 * lanes + l]) + (acc[lanes + l] + acc[3 * lanes + l])
         s = _hsum(red, lanes)
         for k in range(body, n):
-            s = _fma(w[r, k], x[k], s)
+            s += wr[k] * x[k]
         out[r] = s
 
 
@@ -96,7 +93,7 @@ def sgemm_rows(w, X, out, lanes):
                 acc[l] = 0.0
             for i in range(0, n, lanes):
                 for l in range(lanes):
-                    acc[l] = _fma(w[r, i + l], X[t, i + l], acc[l])
+                    acc[l] += w[r, i + l] * X[t, i + l]
             out[t, r] = _hsum_sgemm(acc, lanes)
 
 

@@ -55,6 +55,13 @@ def test_softmax_is_ggmls_and_topk_renormalises():
     np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-6)
     _, raw = routing.softmax_topk(logits, 4, normalize=False)
     np.testing.assert_array_equal(raw, np.take_along_axis(probs, experts, -1))
+    for n_expert, k in ((131, 4), (128, 8), (7, 2), (60, 4)):  # the compiled routing: numpy's bits
+        x = (rng.standard_normal((6, n_expert)) * 4).astype(np.float32)
+        x[0, 3] = x[0, 5]  # a tie: the lower index first
+        for normalize in (True, False):
+            got, want = routing.softmax_topk(x, k, normalize), routing.softmax_topk_reference(x, k, normalize)
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
 
 
 # -- parity with llama.cpp -------------------------------------------------------------------

@@ -3,7 +3,8 @@ ggml's order (llama.cpp's build_moe_ffn), so that the same experts win as in lla
 
 - `softmax_topk` (qwen3moe): softmax over all experts (ggml_soft_max_f32: AVX2 exp over
   8 lanes at a time, summed in double), the top k by probability, their probabilities
-  renormalised to sum 1 (the sum clamped below at 2^-14, as llama.cpp does).
+  renormalised to sum 1 (the sum clamped below at 2^-14, as llama.cpp does). Compiled
+  (kernels_cpu.moe_routing); `softmax_topk_reference` is the numpy statement of it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ def top_k(scores: np.ndarray, k: int) -> np.ndarray:
 
 def softmax_topk(logits: np.ndarray, k: int, normalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(experts (n, k) int64, weights (n, k) float32) for router logits (n, n_expert)."""
+    from edgeinfer.kernels_cpu import moe_routing
+
+    return moe_routing.route(logits, k, normalize)
+
+
+def softmax_topk_reference(logits: np.ndarray, k: int, normalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """softmax_topk in numpy, op for op."""
     probs = ggml_softmax(logits)
     chosen = top_k(probs, k)
     weights = np.take_along_axis(probs, chosen, axis=-1)
