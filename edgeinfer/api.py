@@ -34,8 +34,11 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
          backend: str = "cpu", chat_template: str | None = None, download: bool = True,
          prefill_chunk: int = 256, gpu_layers: int | str = "auto", kv_pool_mb: float | None = None,
          context_shift: bool = False, n_keep: int = 0, draft: str | None = None, draft_max: int = 16,
-         draft_min: int = 0, draft_p_min: float = 0.75) -> "Model":
+         draft_min: int = 0, draft_p_min: float = 0.75, n_cpu_moe: int | None = None) -> "Model":
     """Resolve a model name (alias, hf.co/..., or path), open and check it, build the engine.
+
+    `n_cpu_moe` is llama.cpp's --n-cpu-moe: the first N layers keep their experts on the
+    CPU (None or >= the layer count: all of them, --cpu-moe, which is what edgeinfer does).
 
     `kv_pool_mb` caps the paged KV pool (default 2 x n_ctx tokens, see edgeinfer.session_manager);
     `context_shift` drops the oldest half of the context after `n_keep` tokens when a
@@ -53,7 +56,7 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
     path = resolve(str(name_or_path), download=download)
     return Model(str(name_or_path), path, EngineOptions(
         n_ctx=n_ctx, threads=threads, backend=backend, prefill_chunk=prefill_chunk,
-        gpu_layers=gpu_layers),
+        gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe),
         chat_template=chat_template, kv_pool_mb=kv_pool_mb, context_shift=context_shift, n_keep=n_keep,
         draft=draft, draft_defaults=dict(draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min))
 

@@ -231,3 +231,20 @@ def test_show_plans_for_a_card_of_a_given_size(tmp_path):
     bad = subprocess.run([*run, "--vram-gb", "-1"], capture_output=True, text=True)
     assert bad.returncode != 0 and bad.stdout == "" and "--vram-gb must be" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_cpu_moe_flags(tmp_path, cuda_emulator):
+    """--cpu-moe is what edgeinfer does; --n-cpu-moe N is fine while no GPU layer from N on
+    would want its experts on the GPU, and refused in one line otherwise (never ignored)."""
+    import subprocess
+    import sys
+
+    path = _moe(tmp_path, "Q8_0")
+    run = [sys.executable, "-m", "edgeinfer.cli", "run", path, "--raw", "--temp", "0", "-n", "2"]
+    env = {**__import__("os").environ, "EDGEINFER_CUDA": "emulate"}
+    for flags, ok in ((["--cpu-moe", "-ngl", "99"], True), (["--n-cpu-moe", "2", "-ngl", "99"], True),
+                      (["--n-cpu-moe", "1", "-ngl", "0"], True), (["--n-cpu-moe", "1", "-ngl", "99"], False)):
+        out = subprocess.run([*run, *flags, "hi"], capture_output=True, text=True, env=env)
+        assert (out.returncode == 0) == ok, (flags, out.stderr)
+        if not ok:
+            assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "--n-cpu-moe 1" in out.stderr

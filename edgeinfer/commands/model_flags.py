@@ -17,6 +17,11 @@ def add_model_options(p) -> None:
                    help="compute backend (reference = slow numpy, for checking)")
     p.add_argument("-ngl", "--gpu-layers", default="auto", metavar="N|auto",
                    help="layers to offload to a CUDA GPU (default auto: as many as fit; 0 = CPU only)")
+    p.add_argument("--cpu-moe", action="store_true",
+                   help="keep every layer's experts (mixtures of experts) on the CPU: what edgeinfer does")
+    p.add_argument("--n-cpu-moe", type=non_negative_int, default=None, metavar="N",
+                   help="keep the first N layers' experts on the CPU (N below the layer count is refused: "
+                        "experts run on the CPU only)")
     p.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
                    help="built-in template name (gemma, llama3, chatml) or a Jinja template")
     p.add_argument("--prefill-chunk", type=positive_int, default=256, metavar="N",
@@ -49,7 +54,8 @@ def model_kwargs(args, context_shift: bool = False) -> dict:
     return dict(n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
                 chat_template=args.chat_template, gpu_layers=args.gpu_layers,
                 prefill_chunk=args.prefill_chunk, kv_pool_mb=args.kv_pool_mb,
-                context_shift=shift, n_keep=args.keep, **draft_kwargs(args))
+                context_shift=shift, n_keep=args.keep, n_cpu_moe=None if args.cpu_moe else args.n_cpu_moe,
+                **draft_kwargs(args))
 
 
 def draft_kwargs(args) -> dict:
