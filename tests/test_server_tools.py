@@ -63,6 +63,9 @@ def paths(tmp_path_factory):
                                    chat_template=TEMPLATES["llama-3.1-instruct"]),
         "qwen3": write_tiny_model(root / "qwen3.gguf", "qwen2", "F32", vocab=vocab, shape=SMALL, seed=7,
                                   chat_template=TEMPLATES["qwen3"], extra_metadata=eos),
+        # a mixture of experts (Qwen3-30B-A3B's family) with the Qwen 3 template it ships with
+        "qwen3moe": write_tiny_model(root / "qwen3moe.gguf", "qwen3moe", "F32", vocab=vocab, shape=SMALL, seed=8,
+                                     chat_template=TEMPLATES["qwen3"], extra_metadata=eos),
     }
 
 
@@ -93,7 +96,7 @@ def _check_call(call, name=None):
 
 # -- a round trip on real templates ----------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "qwen3"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "qwen3", "qwen3moe"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_openai_tool_round_trip(servers, fmt, stream):
     client = openai_client(servers[fmt])
@@ -175,10 +178,11 @@ def test_required_parallel_calls_validate(servers):
     assert len({c.id for c in got}) == len(got)
 
 
-def test_ollama_tools_round_trip(servers):
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3moe"])
+def test_ollama_tools_round_trip(servers, fmt):
     import ollama
 
-    client = ollama.Client(host=servers["hermes"].url, timeout=120)
+    client = ollama.Client(host=servers[fmt].url, timeout=120)
 
     def get_weather(city: str, unit: str) -> str:
         """Current weather in a city.
