@@ -32,6 +32,7 @@ INCLUDE = Path(__file__).resolve().parent / "include"
 CXX_FLAGS = ["-O2", "-std=c++17", "-fPIC", "-shared", "-fno-strict-aliasing", "-U_FORTIFY_SOURCE",
              "-D_FORTIFY_SOURCE=0", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fno-gnu-unique",
              "-Wno-unknown-pragmas"]
+_META_FORMAT = "2"  # the cached metadata's layout: a change rebuilds rather than misreads old caches
 _KERNEL = re.compile(r'(?:extern\s+"C"\s+)?__emu_kernel__\s+void\s+')
 _IDENT = re.compile(r"[A-Za-z_]\w*")
 
@@ -46,6 +47,7 @@ class Kernel:
     params: tuple[str, ...]  # parameter names, in order
     launch_bounds: int | None  # max threads per block from __launch_bounds__, if declared
     shared_vars: tuple[tuple[int, int], ...]  # (offset in the library, bytes) of its static __shared__
+    sig_address: int  # where its __emu_sig_ entry point lies in the library file (finds the load base)
 
     @property
     def static_shared(self) -> int:
@@ -95,7 +97,7 @@ def build(source: str, cache_dir: Path, *, fast_math: bool, wrap_extern_c: bool 
     cxx = compiler()
     text = 'extern "C" {\n' + source + "\n}\n" if wrap_extern_c else source
     key = hashlib.sha256("\0".join([text, _headers_text(), " ".join(CXX_FLAGS + _defines(fast_math)),
-                                    _compiler_version(cxx), label]).encode()).hexdigest()[:32]
+                                    _compiler_version(cxx), label, _META_FORMAT]).encode()).hexdigest()[:32]
     cache_dir.mkdir(parents=True, exist_ok=True)
     library, meta = cache_dir / f"{key}.so", cache_dir / f"{key}.json"
     with open(cache_dir / f"{key}.lock", "w") as lock:
@@ -104,8 +106,8 @@ def build(source: str, cache_dir: Path, *, fast_math: bool, wrap_extern_c: bool 
             _build(cxx, text, label, fast_math, library, meta)
     kernels = json.loads(meta.read_text())
     return Built(library, {k["name"]: Kernel(k["name"], tuple(k["params"]), k["launch_bounds"],
-                                             tuple(tuple(v) for v in k["shared_vars"])) for k in kernels},
-)
+                                             tuple(tuple(v) for v in k["shared_vars"]), k["sig_address"])
+                           for k in kernels})
 
 
 def _build(cxx: str, text: str, label: str, fast_math: bool, library: Path, meta: Path) -> None:
@@ -122,9 +124,12 @@ def _build(cxx: str, text: str, label: str, fast_math: bool, library: Path, meta
                         + "".join(_entry_points(k["name"]) for k in kernels))
         out = Path(tmp) / "lib.so"
         _run([cxx, *CXX_FLAGS, *_defines(fast_math), "-I", str(INCLUDE), "-o", str(out), str(unit)], label)
-        shared = static_shared_vars(out, [k["name"] for k in kernels])
+        symbols = _symbols(out)  # read once: the shared variables and the entry points' addresses
+        shared = static_shared_vars(out, [k["name"] for k in kernels], symbols)
+        addresses = {name: addr for name, addr, _, _, _ in symbols}
         for k in kernels:
             k["shared_vars"] = shared.get(k["name"], [])
+            k["sig_address"] = addresses[f"__emu_sig_{k['name']}"]
         tmp_lib = library.with_suffix(f".so.{os.getpid()}")
         shutil.copyfile(out, tmp_lib)
         os.replace(tmp_lib, library)
@@ -216,11 +221,12 @@ def _symbols(library: Path) -> list[tuple[str, int, int, str, str]]:
     return out
 
 
-def static_shared_vars(library: Path, kernels: list[str]) -> dict[str, list[tuple[int, int]]]:
+def static_shared_vars(library: Path, kernels: list[str],
+                       symbols: list[tuple[str, int, int, str, str]]) -> dict[str, list[tuple[int, int]]]:
     """(address in the library, bytes) of the static __shared__ variables each kernel's code
     reaches, through the calls it makes: the function-local statics (`_ZZ...`) outside the
-    emulator's own namespaces."""
-    shared = {name: (addr, size) for name, addr, size, section, _ in _symbols(library)
+    emulator's own namespaces (`symbols`: the library's table, as _symbols reads it)."""
+    shared = {name: (addr, size) for name, addr, size, section, _ in symbols
               if name.startswith("_ZZ") and not name.startswith(("_ZZN3emu", "_ZZN6nvcuda"))
               and section in (".bss", ".data") and size > 0}
     if not shared:
@@ -246,10 +252,3 @@ def static_shared_vars(library: Path, kernels: list[str]) -> dict[str, list[tupl
         out[k] = sorted(shared[s] for s in seen if s in shared)
     return out
 
-
-def exported_address(library: Path, symbol: str) -> int:
-    """The address `symbol` has in the library's file (its load address less the load base)."""
-    for name, addr, _, _, _ in _symbols(library):
-        if name == symbol:
-            return addr
-    raise BuildError(f"{library.name} has no symbol {symbol}")

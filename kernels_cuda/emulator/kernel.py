@@ -22,7 +22,7 @@ from itertools import count
 import numpy as np
 
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.kernels_cuda.emulator.build import Built, Kernel, exported_address
+from edgeinfer.kernels_cuda.emulator.build import Built, Kernel
 from edgeinfer.kernels_cuda.emulator.memory import MEMORY
 
 MAX_THREADS = 1024
@@ -55,9 +55,9 @@ class Library:
     def __init__(self, built: Built) -> None:
         self.built = built
         self.dll = ctypes.CDLL(str(built.library))
-        first = next(iter(built.kernels))
-        entry = ctypes.cast(getattr(self.dll, f"__emu_sig_{first}"), ctypes.c_void_p).value
-        self.load_base = entry - exported_address(built.library, f"__emu_sig_{first}")
+        first = next(iter(built.kernels.values()))
+        entry = ctypes.cast(getattr(self.dll, f"__emu_sig_{first.name}"), ctypes.c_void_p).value
+        self.load_base = entry - first.sig_address
 
     def function(self, name: str) -> "Function":
         return Function(self, self.built.kernels[name])
@@ -136,8 +136,7 @@ class Function:
                                     f"{_KIND_NAMES.get(kind, kind)}; pass a numpy scalar (np.int32, np.int64, "
                                     f"np.float32), as PyCUDA needs")
             dt = np.dtype(type(arg))
-            got = {"i": "i", "u": "u", "f": "f"}.get(dt.kind, dt.kind)
-            if dt.itemsize != size or (got == "f") != (kind == "f"):
+            if dt.itemsize != size or (dt.kind == "f") != (kind == "f"):
                 raise ArgumentError(f"{what}: the kernel takes a {size}-byte {_KIND_NAMES.get(kind, kind)}, "
                                     f"got {dt.name} ({dt.itemsize} bytes)")
             packed.append(ctypes.create_string_buffer(np.asarray(arg).tobytes(), size))
@@ -187,7 +186,7 @@ def _address(arg, what: str) -> int:
     if hasattr(arg, "__int__") and not isinstance(arg, (np.floating, float, bool)):
         if isinstance(arg, np.generic) and np.dtype(type(arg)).itemsize != 8:
             raise ArgumentError(f"{what}: a pointer is 8 bytes, got {np.dtype(type(arg)).name}")
-        if isinstance(arg, int) and not isinstance(arg, np.generic) and type(arg) is int:
+        if type(arg) is int:
             raise ArgumentError(f"{what}: a plain int where the kernel takes a pointer; pass a GPUArray, "
                                 f"an allocation or np.intp")
         return int(arg)

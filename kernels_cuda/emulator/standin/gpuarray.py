@@ -29,14 +29,6 @@ class GPUArray:
         self.gpudata = gpudata
         self.ptr = int(gpudata)
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def strides(self) -> tuple[int, ...]:
-        return np.empty(0, self.dtype).reshape((0,) + self.shape[1:]).strides if self.shape else ()
-
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d GPUArray")
