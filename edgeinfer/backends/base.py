@@ -85,33 +85,13 @@ class Backend:
         gate/up), which a backend may run together."""
         return [self.linear(name, x) for name in names]
 
-    def expert_rows(self, name: str, expert: int) -> np.ndarray:
-        """Expert `expert`'s rows of the 3-D expert tensor `name` (GGML shape (n_cols, rows,
-        n_expert)): a view of the mapped file, (rows, row_bytes) uint8; nothing is copied."""
-        info = self.gguf.tensors[name]
-        n = info.shape[1]
-        return self.gguf.raw(name)[expert * n:(expert + 1) * n]
-
-    def expert_linear_many(self, names: list[str], expert: int, x: np.ndarray) -> list[np.ndarray]:
-        """[x @ W_e^T for W in names]: one expert's slice of each 3-D expert tensor (mixtures
-        of experts; edgeinfer.experts.ffn groups a chunk's tokens by expert to call this)."""
-        raise NotImplementedError
-
     def expert_batch(self, names: list[str], experts: np.ndarray, starts: np.ndarray, rows_of: np.ndarray,
                      x: np.ndarray) -> list[np.ndarray]:
-        """A layer's expert matmuls: for active expert experts[i] and each assignment a in
-        starts[i]..starts[i + 1], out[a] = x[rows_of[a]] @ W_{experts[i]}^T, for each 3-D tensor
-        in names; [(n_assignments, rows)]. Backends may run it in one kernel call; this
-        default runs each expert's rows as one batch (expert_linear_many)."""
-        outs: list = [None] * len(names)
-        for i, e in enumerate(experts):
-            a0, a1 = int(starts[i]), int(starts[i + 1])
-            ys = self.expert_linear_many(names, int(e), np.asarray(x)[rows_of[a0:a1]])
-            for k, y in enumerate(ys):
-                if outs[k] is None:
-                    outs[k] = np.empty((len(rows_of), y.shape[1]), np.float32)
-                outs[k][a0:a1] = y
-        return outs
+        """A mixture-of-experts layer's expert matmuls (edgeinfer.experts.ffn): for active expert
+        experts[i] and each assignment a in starts[i]..starts[i + 1], out[a] = x[rows_of[a]] @ W_e^T
+        with W_e that expert's rows of the 3-D tensor (GGML shape (n_cols, rows, n_expert));
+        one (n_assignments, rows) array per name."""
+        raise NotImplementedError
 
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of matrix `name` as float32 (len(ids), n_cols): the embedding lookup."""
@@ -363,13 +343,17 @@ class ReferenceBackend(Backend):
             self._dense[name] = w
         return w
 
-    def expert_linear_many(self, names, expert, x):
+    def expert_batch(self, names, experts, starts, rows_of, x):
+        x = np.asarray(x, np.float64)
         outs = []
         for name in names:
-            info = self.gguf.tensors[name]
-            w = quants.dequantize(np.ascontiguousarray(self.expert_rows(name, expert)), info.qtype)
-            w = w.reshape(info.shape[1], info.n_cols).astype(np.float64)
-            outs.append((np.asarray(x).astype(np.float64) @ w.T).astype(np.float32))
+            n = self.gguf.tensors[name].shape[1]
+            w = self.dense(name)  # all experts' rows, (n_expert * n, n_cols)
+            out = np.empty((len(rows_of), n), np.float32)
+            for i, e in enumerate(experts):
+                a0, a1 = int(starts[i]), int(starts[i + 1])
+                out[a0:a1] = (x[rows_of[a0:a1]] @ w[e * n:(e + 1) * n].T).astype(np.float32)
+            outs.append(out)
         return outs
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
