@@ -21,6 +21,7 @@ import numpy as np
 from numba import njit, prange
 from numba.core.registry import cpu_target
 
+from edgeinfer.kernels_cpu.ggml_math import hsum8
 from edgeinfer.kernels_cpu.ir_helpers import target_features
 
 _JIT = dict(cache=True, nogil=True, fastmath={"contract"})
@@ -51,13 +52,10 @@ def _hsum(v, lanes):
 
 @njit(inline="always", **_JIT)
 def _hsum_sgemm(v, lanes):
-    """tinyBLAS's hsum: AVX-512's reduce, or (lo + hi) then (0 + 2) + (1 + 3)."""
+    """tinyBLAS's hsum: AVX-512's reduce, or AVX's (lo + hi), movehl, movehdup (ggml_math.hsum8)."""
     if lanes == 16:
         return _hsum(v, lanes)
-    t = np.empty(4, np.float32)
-    for i in range(4):
-        t[i] = v[i] + v[i + 4]
-    return np.float32((t[0] + t[2]) + (t[1] + t[3]))
+    return hsum8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7])
 
 
 @njit(parallel=True, **_JIT)

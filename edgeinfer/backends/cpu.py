@@ -11,6 +11,7 @@ import numpy as np
 
 from edgeinfer import kernels_cpu
 from edgeinfer.backends.base import Backend, _gelu_f16_table
+from edgeinfer.backends.offload import is_expert_tensor
 from edgeinfer.kernels_cpu import fused_layer, kv_attention, ops
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
 from edgeinfer.kernels_cpu.repack import repack, repacks
@@ -57,7 +58,7 @@ class CpuBackend(Backend):
         (about 0.4 s for a 1B model's Q4_K). For a model computed wholly on this backend."""
         # 3-D expert tensors stay in the file: their experts' rows are read where they lie
         names = [name for name, info in self.gguf.tensors.items()
-                 if len(info.shape) == 2 and repacks(info.qtype, info.n_rows)]
+                 if not is_expert_tensor(info.shape) and repacks(info.qtype, info.n_rows)]
         # numpy copies without the GIL: the worker threads share the matrices out
         list(worker_pool(kernels_cpu.get_threads()).map(self.weight, names))
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgeinfer.backends.base import Backend
+from edgeinfer.backends.offload import is_expert_tensor
 from edgeinfer.kernels_cuda import launch, runtime
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class CudaBackend(Backend):
             on_gpu = (layer is not None and plan.layer_on_gpu(layer)) or (
                 plan.output_on_gpu and (name in HEAD_NAMES or (name == "token_embd.weight"
                                                                and "output.weight" not in gguf.tensors)))
-            if on_gpu and len(info.shape) == 2:  # 3-D expert tensors stay on the CPU (--cpu-moe)
+            if on_gpu and len(info.shape) > 1 and not is_expert_tensor(info.shape):  # experts stay on the CPU
                 self._upload_matrix(name)
         for name in ("rope_freqs.weight",):
             if name in gguf.tensors and plan.gpu_layers:
