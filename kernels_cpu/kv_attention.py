@@ -60,14 +60,15 @@ _VECTOR_F16 = _has_f16c()
 # gives that thread its own OpenMP team. libgomp then has more threads than cores and
 # stops spinning between regions, which made every later decode step ~1.8x slower.
 @njit(**_JIT)
-def _mask_and_center(scores, kpos, qpos, window):
+def _mask_and_center(scores, kpos, qpos, window, row_sinks):
     """In place over scores (rows, keys), row r belonging to query r % len(qpos): x - row max
-    over the keys the query sees (causal, sliding window), -inf for the others."""
+    over the keys the query sees (causal, sliding window) and the row's sink, -inf for the
+    others; row_sinks[r] becomes sink - max too."""
     n = qpos.shape[0]
     for r in range(scores.shape[0]):
         row = scores[r]
         p = qpos[r % n]
-        mx = np.float32(-np.inf)
+        mx = row_sinks[r]
         for j in range(row.shape[0]):
             if kpos[j] <= p and (window <= 0 or p - kpos[j] < window) and row[j] > mx:
                 mx = row[j]
@@ -76,16 +77,20 @@ def _mask_and_center(scores, kpos, qpos, window):
                 row[j] = row[j] - mx
             else:
                 row[j] = -np.inf
+        row_sinks[r] = row_sinks[r] - mx
 
 
 @njit(**_JIT)
-def _normalize_f16(probs):
-    """In place: each row divided by its sum (taken in double), rounded to F16."""
+def _normalize_f16(probs, row_sinks):
+    """In place: each row divided by its sum (taken in double; with the exp of its centered
+    sink), rounded to F16."""
     for r in range(probs.shape[0]):
         row = probs[r]
         total = 0.0
         for j in range(row.shape[0]):
             total += row[j]
+        if row_sinks[r] > -np.inf:
+            total += np.float64(math.exp(row_sinks[r]))
         inv = np.float32(1.0 / total)
         for j in range(row.shape[0]):
             if _VECTOR_F16:
@@ -94,13 +99,14 @@ def _normalize_f16(probs):
                 row[j] = _round_f16(np.float32(row[j] * inv))
 
 
-def _softmax_rows_f16(scores, kpos, qpos, window):
+def _softmax_rows_f16(scores, kpos, qpos, window, row_sinks):
     """Masked softmax of each row in place, weights rounded to F16 (the cache type). exp is
     numpy's (vectorized); the compiled passes around it do what numpy did slowly (its F16
-    cast of tiny weights alone took 10x the matmuls)."""
-    _mask_and_center(scores, kpos, qpos, window)
+    cast of tiny weights alone took 10x the matmuls). row_sinks: each row's attention sink
+    (-inf: none), overwritten."""
+    _mask_and_center(scores, kpos, qpos, window, row_sinks)
     np.exp(scores, out=scores)
-    _normalize_f16(scores)
+    _normalize_f16(scores, row_sinks)
 
 
 @njit(**_JIT)
@@ -155,7 +161,7 @@ def _allowed(kp, qp, window):
 
 
 @njit(**_JIT)
-def _scores_and_weights(q16, k_bits, g, kpos, qp, window, kq_scale, w, n_slots=32):
+def _scores_and_weights(q16, k_bits, g, kpos, qp, window, kq_scale, w, sink, n_slots=32):
     """Fill w[:S] with the F16-rounded softmax weights of one query row (q16: F16 values),
     a key at a time (CPUs without F16C, head sizes without the 16-key kernels)."""
     hd = q16.shape[0]
@@ -171,7 +177,7 @@ def _scores_and_weights(q16, k_bits, g, kpos, qp, window, kq_scale, w, n_slots=3
         for d in range(n_vec, hd):  # leftovers, in double
             dot += np.float64(_f16(k_bits[j, g, d])) * np.float64(q16[d])
         w[j] = np.float32(dot)
-    _softmax_f16(w, kpos, qp, window, kq_scale)
+    _softmax_f16(w, kpos, qp, window, kq_scale, sink)
 
 
 @njit(**_JIT)
@@ -253,7 +259,7 @@ def _seen_slots(kpos, qpos, window):
 
 
 @njit(inline="always", **_JIT)
-def _attend_one(q16, k_bits, v_bits, g, kpos, qp, window, kq_scale, lo, hi, w, out, hd, hdv):
+def _attend_one(q16, k_bits, v_bits, g, kpos, qp, window, kq_scale, lo, hi, w, out, hd, hdv, sink):
     """out = attention of one query row and head, the numbers of _scores_and_weights and
     _weighted_values, computing only the slots lo..hi (_seen_slots): the others have weight
     0. w: scratch for a weight per slot. hd, hdv: the head sizes, constants of the kernel
@@ -265,20 +271,22 @@ def _attend_one(q16, k_bits, v_bits, g, kpos, qp, window, kq_scale, lo, hi, w, o
     _kq_blocks(q16, k_bits[lo:], g, nb, w[lo:], hd)
     for j in range(lo + nb * KEYS, hi):
         w[j] = dot_f16_32(k_bits[j, g], q16, q16.shape[0])
-    _softmax_f16(w[lo:hi], kpos[lo:hi], qp, window, kq_scale)
+    _softmax_f16(w[lo:hi], kpos[lo:hi], qp, window, kq_scale, sink)
     acc = np.zeros((32, v_bits.shape[2]), np.float32)
     _weighted_blocks(w, lo, hi, v_bits, g, acc, hdv)
     _reduce_slots(acc, out)
 
 
 @njit(**_JIT)
-def _softmax_f16(w, kpos, qp, window, kq_scale):
+def _softmax_f16(w, kpos, qp, window, kq_scale, sink):
     """In place: w[j] = key j's dot (float32) -> its softmax weight rounded to F16, steps
     2 and 3a of the module docstring, in passes that vectorize (the exp branch-free:
-    below 2^-126 it is 0, as ggml's). Masked keys get 0 whatever w[j] held."""
+    below 2^-126 it is 0, as ggml's). Masked keys get 0 whatever w[j] held. `sink`: the
+    head's attention sink (-inf: none), a logit with no value that takes part in the max
+    and, through libm's expf, in the sum after the keys (ggml's soft_max sinks)."""
     n = w.shape[0]
     neg_inf = np.float32(-np.inf)
-    mx = neg_inf
+    mx = sink
     for j in range(n):
         if _allowed(kpos[j], qp, window):
             s = np.float32(w[j] * kq_scale)
@@ -301,6 +309,8 @@ def _softmax_f16(w, kpos, qp, window, kq_scale):
         for lane in range(n - n8):
             e[lane] = w[n8 + lane]
         total += np.float64(hsum8(e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]))
+    if sink > neg_inf:
+        total += np.float64(math.exp(np.float32(sink - mx)))
     inv = np.float32(1.0 / total)
     for j in range(n):
         if _VECTOR_F16:
@@ -321,7 +331,7 @@ def _make_attention_rows(hd: int, hdv: int):
     HD, HDV = hd, hdv
 
     @njit(parallel=True, **_JIT)
-    def attention_rows(q16, k_bits, v_bits, kpos, qpos, window, kq_scale, out, n_slots):
+    def attention_rows(q16, k_bits, v_bits, kpos, qpos, window, kq_scale, sinks, out, n_slots):
         """One job per (query row, head): many queries (prefill) keep every thread busy."""
         n_tok, n_head, _ = q16.shape
         group = n_head // k_bits.shape[1]
@@ -332,9 +342,10 @@ def _make_attention_rows(hd: int, hdv: int):
             w = np.empty(k_bits.shape[0], np.float32)
             if HD > 0:
                 _attend_one(q16[t, h], k_bits, v_bits, h // group, kpos, qpos[t], window, kq_scale,
-                            seen[t, 0], seen[t, 1], w, out[t, h], HD, HDV)
+                            seen[t, 0], seen[t, 1], w, out[t, h], HD, HDV, sinks[h])
             else:
-                _scores_and_weights(q16[t, h], k_bits, h // group, kpos, qpos[t], window, kq_scale, w, n_slots)
+                _scores_and_weights(q16[t, h], k_bits, h // group, kpos, qpos[t], window, kq_scale, w, sinks[h],
+                                    n_slots)
                 _weighted_values(w, v_bits, h // group, out[t, h])
     return attention_rows
 
@@ -365,12 +376,13 @@ def compile_here(hd: int, hdv: int) -> None:
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpos: np.ndarray,
-              kq_scale: float, window: int = 0) -> np.ndarray:
+              kq_scale: float, window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
     """Causal GQA attention -> (n_tok, n_head, hd_v) float32.
 
     q (n_tok, n_head, hd) float32; k (S, n_kv_head, hd) and v (S, n_kv_head, hd_v) float16
     (the cache's layer view, slot order); kpos (S,) the keys' positions, qpos (n_tok,) the
     queries'. A query at p sees keys with kpos <= p and, with window > 0, p - kpos < window.
+    sinks: (n_head,) float32 attention sinks, or None.
     """
     if k.dtype != np.float16 or v.dtype != np.float16:
         raise TypeError(f"attention reads an F16 cache, got K {k.dtype} and V {v.dtype}")
@@ -382,8 +394,19 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpo
         compile_progress.wait_for(kernel)
     kernel(q16, np.ascontiguousarray(k).view(np.uint16), np.ascontiguousarray(v).view(np.uint16),
            np.ascontiguousarray(kpos, dtype=np.int64), np.ascontiguousarray(qpos, dtype=np.int64), int(window),
-           np.float32(kq_scale), out, _SLOTS)
+           np.float32(kq_scale), head_sinks(sinks, q.shape[1]), out, _SLOTS)
     return out
+
+
+def head_sinks(sinks: np.ndarray | None, n_head: int) -> np.ndarray:
+    """The kernels' per-head sink vector: -inf for every head when the model has none (a
+    sink of -inf changes no bit of the softmax)."""
+    if sinks is None:
+        return np.full(n_head, -np.inf, np.float32)
+    sinks = np.ascontiguousarray(sinks, np.float32).reshape(-1)
+    if sinks.shape[0] != n_head:
+        raise ValueError(f"{sinks.shape[0]} attention sinks for {n_head} heads")
+    return sinks
 
 
 # Above this many query rows (long prefill chunks) the exact per-key loops cost more than
@@ -396,7 +419,7 @@ _BLAS_QUERY_BLOCK = 64  # query rows per block: each block multiplies only the k
 
 
 def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpos: np.ndarray,
-                   kq_scale: float, window: int = 0) -> np.ndarray:
+                   kq_scale: float, window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
     """`attention` through BLAS matrix products: same roundings at the boundaries (Q and
     the weights in F16, sums in double), float order of the BLAS library inside.
 
@@ -416,6 +439,7 @@ def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray
     v = f16_to_f32(v).transpose(1, 0, 2)
     q = round_f16(q)
     n = q.shape[0]
+    sinks = head_sinks(sinks, q.shape[1])
     out = np.empty((n, q.shape[1], v.shape[2]), np.float32)
     blocks = []  # (first row, end row, the keys' slots: a slice or an index array)
     for a in range(0, n, _BLAS_QUERY_BLOCK):
@@ -428,7 +452,7 @@ def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray
     def run(mine):
         for a, b, keys in mine:
             out[a:b] = _attention_blas_rows(q[a:b], k[:, :, keys], v[:, keys], kpos[keys], qpos[a:b],
-                                            kq_scale, window)
+                                            kq_scale, window, sinks)
 
     n_threads = get_threads()
     if n_threads > 1 and len(blocks) > 1:
@@ -460,7 +484,7 @@ def _share_out(blocks: list, n_parts: int) -> list[list]:
     return [p for p in parts if p]
 
 
-def _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window):
+def _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window, sinks):
     # q (n, n_head, hd) already F16-rounded; k (n_kv, hd, S), v (n_kv, S, hd_v) float32
     n, n_head, hd = q.shape
     n_kv = k.shape[0]
@@ -470,8 +494,9 @@ def _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window):
     scores = qg @ k  # (n_kv, group * n, S)
     if kq_scale != 1.0:
         scores *= np.float32(kq_scale)
+    row_sinks = np.repeat(sinks, n)  # rows (KV head, head in group, query) = head * n + query
     _softmax_rows_f16(scores.reshape(-1, scores.shape[-1]), np.ascontiguousarray(kpos, dtype=np.int64),
-                      np.ascontiguousarray(qpos, dtype=np.int64), int(window))
+                      np.ascontiguousarray(qpos, dtype=np.int64), int(window), row_sinks)
     out = (scores @ v).reshape(n_head, n, -1)  # rows were (KV head, head in group, query)
     return np.ascontiguousarray(out.transpose(1, 0, 2), dtype=np.float32)
 

@@ -91,29 +91,42 @@ def _rope_kernel(x, cos, sin, n_dims, neox):
 
 
 @njit(**_JIT)
-def _rope_cache_kernel(positions, n_dims, base, freq_scale, ff, cos, sin):
+def _rope_cache_kernel(positions, n_dims, base, freq_scale, ff, cos, sin, ext_factor, mscale, corr_low, corr_high):
     theta_scale = math.pow(np.float32(base), np.float32(-2.0) / np.float32(n_dims))  # powf
+    one = np.float32(1.0)
     for t in range(positions.shape[0]):
         theta = np.float32(positions[t])
         for i in range(n_dims // 2):
-            th = np.float32(freq_scale * (theta / ff[i]))
-            cos[t, i] = math.cos(th)  # float32 math.cos/sin call the C library's cosf/sinf
-            sin[t, i] = math.sin(th)
+            extrap = np.float32(theta / ff[i])
+            th = np.float32(freq_scale * extrap)
+            if ext_factor != 0.0:  # YaRN (ggml's rope_yarn): interpolated and original mixed by a ramp
+                y = np.float32(np.float32(np.float32(i) - corr_low) / max(np.float32(0.001), corr_high - corr_low))
+                mix = np.float32(np.float32(one - min(one, max(np.float32(0.0), y))) * ext_factor)
+                # theta_interp * (1 - mix) + theta_extrap * mix, the last product fused as compiled
+                th = np.float32(np.float32(th * (one - mix)) + np.float32(extrap * mix))
+                cos[t, i] = np.float32(math.cos(th) * mscale)
+                sin[t, i] = np.float32(math.sin(th) * mscale)
+            else:
+                cos[t, i] = math.cos(th)  # float32 math.cos/sin call the C library's cosf/sinf
+                sin[t, i] = math.sin(th)
             theta = np.float32(theta * theta_scale)
 
 
 def rope_cache(positions, n_dims: int, base: float, freq_scale: float = 1.0,
-               freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+               freq_factors: np.ndarray | None = None, yarn=None) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin (n_pos, n_dims/2) float32 of every rotated pair, as ggml computes them:
     theta runs through float32 products by powf(base, -2/n_dims) from the position, and
     cosf/sinf of the C library (not correctly rounded, so float64 math differs in the
-    last bit). Large positions lose accuracy exactly as llama.cpp's do."""
+    last bit). Large positions lose accuracy exactly as llama.cpp's do. `yarn`: an
+    edgeinfer.rope.Yarn, or None."""
     positions = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
     half = n_dims // 2
     ff = np.ones(half, np.float32) if freq_factors is None else np.ascontiguousarray(freq_factors, np.float32)
     cos = np.empty((positions.shape[0], half), np.float32)
     sin = np.empty_like(cos)
-    _rope_cache_kernel(positions, int(n_dims), np.float32(base), np.float32(freq_scale), ff, cos, sin)
+    ext, mscale, low, high = yarn if yarn is not None else (0.0, 1.0, 0.0, 0.0)
+    _rope_cache_kernel(positions, int(n_dims), np.float32(base), np.float32(freq_scale), ff, cos, sin,
+                       np.float32(ext), np.float32(mscale), np.float32(low), np.float32(high))
     return cos, sin
 
 
@@ -183,6 +196,26 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     if compile_progress._pending:
         compile_progress.wait_for(_silu_mul_kernel)
     _in_pieces(_silu_mul_kernel, gate.size, gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+    return out
+
+
+@njit(**_JIT)
+def _swiglu_oai_kernel(gate, up, alpha, limit, out):
+    one = np.float32(1.0)
+    for i in range(gate.shape[0]):
+        x = min(gate[i], limit)
+        y = min(max(up[i], -limit), limit)
+        e = math.exp(np.float32(alpha * -x))  # float32 math.exp is the C library's expf, as ggml's
+        out[i] = np.float32(x / np.float32(one + e)) * np.float32(y + one)
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+    """ggml_swiglu_oai (gpt-oss's experts): min(gate, limit) / (1 + expf(-alpha min(gate,
+    limit))) * (clamp(up, -limit, limit) + 1), in float32 with libm's expf."""
+    gate = np.ascontiguousarray(gate, dtype=np.float32)
+    up = np.ascontiguousarray(up, dtype=np.float32)
+    out = np.empty_like(gate)
+    _swiglu_oai_kernel(gate.reshape(-1), up.reshape(-1), np.float32(alpha), np.float32(limit), out.reshape(-1))
     return out
 
 

@@ -89,6 +89,16 @@ __device__ __forceinline__ void online_update(Online& st, float score, int hd_v,
     st.m = m_new;
 }
 
+// An attention sink (gpt-oss): one more logit in the softmax, with no value row.
+__device__ __forceinline__ void sink_fold(Online& st, float sink) {
+    const float m_new = fmaxf(st.m, sink);
+    const float corr = st.m == -CUDART_INF_F ? 0.0f : __expf(st.m - m_new);
+    st.l = st.l * corr + __expf(sink - m_new);
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) st.o[i] *= corr;
+    st.m = m_new;
+}
+
 extern "C" __global__ void kv_store(const float* k, const float* v, __half* k_cache, __half* v_cache,
                                     const int* block_table, const int* slots, int n_tok, int block_size,
                                     int n_kv, int hd, int hd_v) {
@@ -109,7 +119,7 @@ extern "C" __global__ void kv_store(const float* k, const float* v, __half* k_ca
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     flash_attention_prefill(const float* q, const __half* k_cache, const __half* v_cache, const int* block_table,
                             const int* kpos, const int* qpos, float* out, int n_q, int n_keys, int block_size,
-                            int n_head, int n_kv, int hd, int hd_v, float scale, int window) {
+                            int n_head, int n_kv, int hd, int hd_v, float scale, int window, const float* sinks) {
     __shared__ float qs[FA_WARPS][MAX_HD];
     __shared__ __half ks[FA_KEYS][FA_LD];
     __shared__ __half vs[FA_KEYS][FA_LD];
@@ -147,6 +157,7 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
         online_update(st, score, hd_v, [&](int j) { return &vs[j][0]; });
     }
     if (!active) return;
+    if (sinks) sink_fold(st, sinks[head]);
     const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
@@ -160,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
 extern "C" __global__ void __launch_bounds__(DA_WARPS * 32)
     paged_decode_attention(const float* q, const __half* k_cache, const __half* v_cache, const int* block_table,
                            const int* kpos, const int* qpos, float* out, int n_q, int n_keys, int block_size,
-                           int n_head, int n_kv, int hd, int hd_v, float scale, int window) {
+                           int n_head, int n_kv, int hd, int hd_v, float scale, int window, const float* sinks) {
     __shared__ float qs[MAX_HD];
     __shared__ float m_s[DA_WARPS], l_s[DA_WARPS];
     __shared__ float o_s[DA_WARPS][MAX_HD];
@@ -200,9 +211,9 @@ extern "C" __global__ void __launch_bounds__(DA_WARPS * 32)
         if (d < hd_v) o_s[warp][d] = st.o[i];
     }
     __syncthreads();
-    float m = -CUDART_INF_F;
+    float m = sinks ? sinks[head] : -CUDART_INF_F;  // a sink joins the max and the sum, with no value
     for (int w = 0; w < DA_WARPS; ++w) m = fmaxf(m, m_s[w]);
-    float l = 0.0f;
+    float l = sinks ? __expf(sinks[head] - m) : 0.0f;
     for (int w = 0; w < DA_WARPS; ++w) l += m_s[w] == -CUDART_INF_F ? 0.0f : l_s[w] * __expf(m_s[w] - m);
     for (int d = threadIdx.x; d < hd_v; d += blockDim.x) {
         float acc = 0.0f;

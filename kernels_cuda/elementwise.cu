@@ -37,7 +37,8 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
 }
 
 extern "C" __global__ void rope(const float* x, float* out, const int* positions, int n_tok, int n_heads, int hd,
-                                int n_dims, float base, float freq_scale, int neox, const float* freq_factors) {
+                                int n_dims, float base, float freq_scale, int neox, const float* freq_factors,
+                                float ext_factor, float mscale, float corr_low, float corr_high) {
     // one thread per pair of output dims: hd/2 pairs per (token, head) row
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const int pairs = hd / 2;
@@ -63,12 +64,20 @@ extern "C" __global__ void rope(const float* x, float* out, const int* positions
     }
     // theta in double, reduced mod 2 pi, then float sincos: float32 theta loses ~1e-3 rad
     // at positions ~1e5, double keeps long contexts matching the reference.
-    double inv = pow((double)base, -2.0 * (double)i / (double)n_dims) * (double)freq_scale;
+    double inv = pow((double)base, -2.0 * (double)i / (double)n_dims);
     if (freq_factors) inv /= (double)freq_factors[i];
+    if (ext_factor != 0.0f) {  // YaRN: the interpolated and original angles mixed by a ramp over the pairs
+        const float y = ((float)i - corr_low) / fmaxf(0.001f, corr_high - corr_low);
+        const double mix = (double)((1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor);
+        inv = inv * (double)freq_scale * (1.0 - mix) + inv * mix;
+    } else {
+        inv *= (double)freq_scale;
+    }
     double theta = fmod((double)positions[tok] * inv, 6.283185307179586);
     if (theta > 3.141592653589793) theta -= 6.283185307179586;  // [-pi, pi]: where fast sincos is accurate
     float s, c;
     sincosf((float)theta, &s, &c);
+    if (ext_factor != 0.0f) { s *= mscale; c *= mscale; }
     const float x0 = xr[a], x1 = xr[b];
     yr[a] = x0 * c - x1 * s;
     yr[b] = x0 * s + x1 * c;

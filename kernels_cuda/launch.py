@@ -88,14 +88,16 @@ def rms_norm(x, weight, eps: float, residual=None):
     return out
 
 
-def rope(x, positions, n_dims: int, base: float, freq_scale: float, neox: bool, freq_factors=None):
-    """x (n, heads, hd); positions int32 (n,) on the device."""
+def rope(x, positions, n_dims: int, base: float, freq_scale: float, neox: bool, freq_factors=None, yarn=None):
+    """x (n, heads, hd); positions int32 (n,) on the device; yarn: an edgeinfer.rope.Yarn or None."""
     n, heads, hd = x.shape
     out = _empty(x.shape)
     grid, block = _grid1d(n * heads * (hd // 2))
+    ext, mscale, low, high = yarn if yarn is not None else (0.0, 1.0, 0.0, 0.0)
     kernel("elementwise.cu", "rope")(x, out, positions, np.int32(n), np.int32(heads),
                                      np.int32(hd), np.int32(n_dims), np.float32(base), np.float32(freq_scale),
-                                     np.int32(1 if neox else 0), _ptr(freq_factors), block=block, grid=grid)
+                                     np.int32(1 if neox else 0), _ptr(freq_factors), np.float32(ext),
+                                     np.float32(mscale), np.float32(low), np.float32(high), block=block, grid=grid)
     return out
 
 
@@ -136,7 +138,7 @@ def kv_store(k, v, k_cache, v_cache, block_table, slots, block_size: int) -> Non
 
 
 def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_size: int, n_kv: int,
-              hd_v: int, scale: float, window: int):
+              hd_v: int, scale: float, window: int, sinks=None):
     """q (n, n_head, hd) over the first n_keys logical slots of a paged f16 cache -> (n, n_head, hd_v).
 
     kpos (int32, device) holds the position of every PHYSICAL slot (n_phys_blocks * block_size,
@@ -147,7 +149,7 @@ def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_s
     out = _empty((n, n_head, hd_v))
     args = (q, k_cache, v_cache, block_table, kpos, qpos,
             out, np.int32(n), np.int32(n_keys), np.int32(block_size), np.int32(n_head), np.int32(n_kv),
-            np.int32(hd), np.int32(hd_v), np.float32(scale), np.int32(window))
+            np.int32(hd), np.int32(hd_v), np.float32(scale), np.int32(window), _ptr(sinks))
     if n >= 8:  # enough queries per head to share K/V tiles in shared memory
         kernel("attention.cu", "flash_attention_prefill")(*args, block=(256, 1, 1), grid=((n + 7) // 8, n_head, 1))
     else:

@@ -6,6 +6,7 @@ from edgeinfer.models.base import Transformer
 from edgeinfer.models.config import ModelConfig
 from edgeinfer.models.bert import Bert
 from edgeinfer.models.gemma3 import Gemma3
+from edgeinfer.models.gptoss import GptOss
 from edgeinfer.models.llama import Llama
 from edgeinfer.models.nomic_bert import NomicBert
 from edgeinfer.models.qwen2 import Qwen2
@@ -17,6 +18,7 @@ ARCHITECTURES: dict[str, type[Transformer]] = {
     "qwen2": Qwen2,
     "qwen3": Qwen3,
     "qwen3moe": Qwen3Moe,
+    "gpt-oss": GptOss,
     "gemma3": Gemma3,
     "bert": Bert,
     "nomic-bert": NomicBert,

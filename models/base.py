@@ -19,7 +19,7 @@ from edgeinfer.metadata import (MAX_CTX, MAX_EMBD, MAX_FF, MAX_HEAD_DIM, MAX_HEA
                                 MAX_ROPE_BASE, MAX_VOCAB, REQUIRED, meta_float, meta_int,
                                 meta_int_per_layer, meta_str, meta_str_array)
 from edgeinfer.models.config import ModelConfig
-from edgeinfer.rope import ROPE_NORM, RopeArgs
+from edgeinfer.rope import ROPE_NORM, RopeArgs, yarn_for
 
 if TYPE_CHECKING:
     from edgeinfer.backends.base import Backend
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from edgeinfer.kv.view import KVView
 
 
+ROPE_SCALINGS = ("none", "linear", "yarn")  # rope.scaling.type values llama.cpp runs and edgeinfer does
 _BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 
 
@@ -43,6 +44,7 @@ class Transformer:
     DEFAULT_NORM_EPS: ClassVar[float] = 1e-5
     DEFAULT_ROPE_BASE: ClassVar[float] = 10000.0
     GENERATES: ClassVar[bool] = True  # False for encoders: they only embed
+    SWA_ROPE_SCALED: ClassVar[bool] = False  # whether sliding-window layers take the RoPE scaling too
 
     def __init__(self, config: ModelConfig, gguf: "GGUFFile", backend: "Backend") -> None:
         self.config = config
@@ -83,8 +85,12 @@ class Transformer:
         head_dim_v = meta_int(md, key("attention.value_length"), 1, MAX_HEAD_DIM, head_dim)
         n_vocab = _vocab_size(gf, arch)
         scaling = meta_str(md, key("rope.scaling.type"), "none")
+        if scaling not in ROPE_SCALINGS:
+            raise UnsupportedModelError(f"{gf.path}: metadata key {key('rope.scaling.type')!r} is {scaling!r}; "
+                                        f"supported: {', '.join(ROPE_SCALINGS)}")
         factor = meta_float(md, key("rope.scaling.factor"), 0.0, 1e6, 0.0)
-        freq_scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0
+        freq_scale = 1.0 / factor if scaling != "none" and factor > 0 else 1.0
+        n_ctx_train = meta_int(md, key("context_length"), 1, MAX_CTX, 2048)
         rope_dims = meta_int(md, key("rope.dimension_count"), 1, head_dim, head_dim)
         if rope_dims % 2:  # RoPE rotates pairs of dimensions
             raise MetadataError(f"{gf.path}: metadata key {key('rope.dimension_count')!r} must be even, "
@@ -92,7 +98,7 @@ class Transformer:
         cfg = ModelConfig(
             arch=arch,
             n_vocab=n_vocab,
-            n_ctx_train=meta_int(md, key("context_length"), 1, MAX_CTX, 2048),
+            n_ctx_train=n_ctx_train,
             n_embd=n_embd,
             n_layer=n_layer,
             n_head=n_head,
@@ -106,6 +112,9 @@ class Transformer:
             rope_base=meta_float(md, key("rope.freq_base"), 0.0, MAX_ROPE_BASE, cls.DEFAULT_ROPE_BASE,
                                  lo_exclusive=True),
             rope_freq_scale=freq_scale,
+            rope_scaling=scaling,
+            rope_ctx_orig=meta_int(md, key("rope.scaling.original_context_length"), 1, MAX_CTX, n_ctx_train),
+            rope_attn_factor=meta_float(md, key("rope.scaling.attn_factor"), 0.0, 1e3, 1.0, lo_exclusive=True),
             tied_embeddings="output.weight" not in gf.tensors,
         )
         return cls.adjust_config(cfg, gf)
@@ -207,8 +216,13 @@ class Transformer:
         """How layer i ropes Q and K: its attention and the context shift's re-rope use it."""
         cfg = self.config
         freq_factors = "rope_freqs.weight" if "rope_freqs.weight" in self.gguf.tensors else None
-        scale = 1.0 if cfg.is_swa(i) else cfg.rope_freq_scale
-        return RopeArgs(cfg.rope_dims, cfg.rope_base_for(i), scale, cfg.rope_mode, freq_factors)
+        scaled = self.SWA_ROPE_SCALED or not cfg.is_swa(i)
+        scale = cfg.rope_freq_scale if scaled else 1.0
+        base = cfg.rope_base_for(i)
+        yarn = None
+        if scaled and cfg.rope_scaling == "yarn" and scale != 1.0:
+            yarn = yarn_for(cfg.rope_dims, cfg.rope_ctx_orig, base, scale, cfg.rope_attn_factor)
+        return RopeArgs(cfg.rope_dims, base, scale, cfg.rope_mode, freq_factors, yarn)
 
     def attention(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                   positions: np.ndarray, slots: np.ndarray, kv: "KVView") -> np.ndarray:

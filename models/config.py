@@ -27,6 +27,9 @@ class ModelConfig:
     rope_dims: int
     rope_base: float
     rope_freq_scale: float = 1.0
+    rope_scaling: str = "none"  # rope.scaling.type: none | linear | yarn
+    rope_ctx_orig: int = 0  # YaRN: the context the model was trained at before its extension
+    rope_attn_factor: float = 1.0  # YaRN: rope.scaling.attn_factor
     rope_base_swa: float = 0.0  # RoPE base of sliding-window layers (gemma3), 0 = same as global
     sliding_window: int = 0  # 0 = every layer attends to the whole context
     swa_layers: tuple[bool, ...] = ()

@@ -8,27 +8,17 @@ row count is `expert_feed_forward_length`, else feed_forward_length / expert_use
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
-from edgeinfer.errors import MetadataError
 from edgeinfer.experts import ffn, routing
-from edgeinfer.metadata import MAX_EXPERTS, MAX_FF, meta_int
+from edgeinfer.models.moe import with_experts
 from edgeinfer.models.qwen3 import Qwen3
 
 
 class Qwen3Moe(Qwen3):
     @classmethod
     def adjust_config(cls, cfg, gf):
-        md, key = gf.metadata, f"{cfg.arch}."
-        n_expert = meta_int(md, key + "expert_count", 1, MAX_EXPERTS)
-        n_used = meta_int(md, key + "expert_used_count", 1, n_expert)
-        n_ff_exp = meta_int(md, key + "expert_feed_forward_length", 1, MAX_FF, cfg.n_ff // n_used)
-        if n_ff_exp < 1:
-            raise MetadataError(f"{gf.path}: metadata key {key + 'expert_feed_forward_length'!r} is missing and "
-                                f"feed_forward_length / expert_used_count is 0")
-        return replace(super().adjust_config(cfg, gf), n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp)
+        return with_experts(super().adjust_config(cfg, gf), gf)
 
     @classmethod
     def layer_tensors(cls, cfg, i):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, RopeScalingType, quants
 
 from edgeinfer.tokenizer.bpe import _bytes_to_unicode
 
@@ -53,6 +53,13 @@ def random_blocks(qtype, n_rows: int, n_cols: int, rng: np.random.Generator,
         return np.ascontiguousarray(quants.quantize(values, qtype)).view(np.uint8).reshape(n_rows, -1)
     n_blocks = n_rows * n_cols // block_size
     blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    if qtype == T.MXFP4:
+        # random codes (both zeros and signs included) under E8M0 scale bytes: d = 2^(e-128),
+        # the doubled E2M1 table's rms is 5.85, so e around 128 + log2(std / 5.85), spread
+        # over 4 binades. Unsigned scales: negative_scales has nothing to flip.
+        e = 128 + int(np.round(np.log2(std / 5.85)))
+        blocks[:, 0] = e + rng.integers(-2, 2, n_blocks)
+        return blocks.reshape(n_rows, n_cols // block_size * type_size)
     fields = _FP16_FIELDS[qtype]
     for off in fields:
         scale = rng.uniform(0.5, 1.0, n_blocks).astype(np.float16)
@@ -141,7 +148,8 @@ class TinyShape:
     n_ff_exp: int = 128
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
+MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss")
 
 
 def _layer_tensors(arch: str, s: TinyShape, i: int) -> dict[str, tuple[int, int] | tuple[int]]:
@@ -164,13 +172,21 @@ def _layer_tensors(arch: str, s: TinyShape, i: int) -> dict[str, tuple[int, int]
                   p + "attn_v.bias": (kv_dim,)})
     if arch in ("qwen3", "gemma3", "qwen3moe"):
         t.update({p + "attn_q_norm.weight": (s.head_dim,), p + "attn_k_norm.weight": (s.head_dim,)})
-    if arch == "qwen3moe":  # the dense FFN becomes a router and 3-D expert tensors
+    if arch in MOE_ARCHITECTURES:  # the dense FFN becomes a router and 3-D expert tensors
         for name in ("ffn_gate", "ffn_up", "ffn_down"):
             del t[p + name + ".weight"]
         t.update({p + "ffn_gate_inp.weight": (s.n_embd, s.n_expert),
                   p + "ffn_gate_exps.weight": (s.n_embd, s.n_ff_exp, s.n_expert),
                   p + "ffn_up_exps.weight": (s.n_embd, s.n_ff_exp, s.n_expert),
                   p + "ffn_down_exps.weight": (s.n_ff_exp, s.n_embd, s.n_expert)})
+    if arch == "gpt-oss":  # biases nearly everywhere, attention sinks, the FFN norm renamed
+        del t[p + "ffn_norm.weight"]
+        t.update({p + "post_attention_norm.weight": (s.n_embd,), p + "attn_sinks.weight": (s.n_head,),
+                  p + "attn_q.bias": (q_dim,), p + "attn_k.bias": (kv_dim,), p + "attn_v.bias": (kv_dim,),
+                  p + "attn_output.bias": (s.n_embd,), p + "ffn_gate_inp.bias": (s.n_expert,),
+                  p + "ffn_gate_exps.bias": (s.n_ff_exp, s.n_expert),
+                  p + "ffn_up_exps.bias": (s.n_ff_exp, s.n_expert),
+                  p + "ffn_down_exps.bias": (s.n_embd, s.n_expert)})
     if arch == "gemma3":
         t.update({p + "post_attention_norm.weight": (s.n_embd,),
                   p + "post_ffw_norm.weight": (s.n_embd,)})
@@ -202,14 +218,19 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
     w.add_layer_norm_rms_eps(1e-6 if arch == "gemma3" else 1e-5)
-    w.add_rope_freq_base(1_000_000.0 if arch != "llama" else 500_000.0)
+    w.add_rope_freq_base({"llama": 500_000.0, "gpt-oss": 150_000.0}.get(arch, 1_000_000.0))
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
     if arch == "llama":
         w.add_rope_dimension_count(s.head_dim)
     if arch == "gemma3":
         w.add_sliding_window(s.extra.get("sliding_window", 16))
-    if arch == "qwen3moe":
+    if arch == "gpt-oss":  # gpt-oss-20b's settings, its window scaled to the tiny context
+        w.add_sliding_window(s.extra.get("sliding_window", 16))
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.extra.get("rope_factor", 32.0))
+        w.add_rope_scaling_orig_ctx_len(s.extra.get("rope_ctx_orig", 64))
+    if arch in MOE_ARCHITECTURES:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
         w.add_expert_feed_forward_length(s.n_ff_exp)
@@ -258,8 +279,8 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
             continue
         n_cols, n_rows, outer = gshape[0], gshape[1], gshape[2:]  # outer: (n_expert,) of expert tensors
         tq = qtype_of(embd_qtype) if (embd_qtype and name == "token_embd.weight") else qt
-        if name.endswith("ffn_gate_inp.weight"):
-            tq = T.F32  # routers stay F32, as converters write them
+        if name.endswith(("ffn_gate_inp.weight", ".bias")):
+            tq = T.F32  # routers and (per-expert) biases stay F32, as converters write them
         if n_cols % GGML_QUANT_SIZES[tq][0]:
             tq = T.F16
         plan.append((name, tq, gshape))
@@ -278,6 +299,8 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
     for name, tq, gshape in plan:
         if len(gshape) == 1:
             data = rng.standard_normal(gshape).astype(np.float32) * 0.1
+            if name.endswith("attn_sinks.weight"):
+                data *= 30.0  # gpt-oss's sinks are logits of a few units: some heads lean on them
             if name.endswith("norm.weight"):
                 # llama-style norms multiply by w; gemma's by (1 + w), baked in at conversion
                 data += 1.0

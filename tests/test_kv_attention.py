@@ -228,3 +228,63 @@ def test_blas_attention_starts_no_openmp_team_on_the_worker_threads():
     added = subprocess.run([sys.executable, "-c", _THREADS_AFTER_BLAS_ATTENTION], env=env,
                            capture_output=True, text=True, check=True).stdout.split()[-1]
     assert int(added) == 2
+
+
+class _SinkBackend(Backend):
+    """The numpy reference with one named vector: the heads' attention sinks."""
+
+    def __init__(self, sinks):
+        super().__init__(None)
+        self._sinks = sinks
+
+    def vector(self, name):
+        assert name == "sinks"
+        return self._sinks
+
+
+def _float64_sink_attention(q, k, v, kpos, qpos, scale, window, sinks):
+    q16 = q.astype(np.float16).astype(np.float64)
+    group = q.shape[1] // k.shape[1]
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
+    for t, p in enumerate(qpos):
+        ok = (kpos <= p) & ((p - kpos < window) if window else True)
+        for h in range(q.shape[1]):
+            s = k[ok, h // group].astype(np.float64) @ q16[t, h] * scale
+            mx = max(s.max(), sinks[h])
+            w = np.exp(s - mx)
+            out[t, h] = (w / (w.sum() + np.exp(sinks[h] - mx))) @ v[ok, h // group].astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("n,S,n_head,n_kv,hd,hdv,window", [
+    (1, 37, 8, 2, 64, 64, 0),        # decode: the 16-key kernels
+    (5, 300, 8, 2, 64, 64, 16),      # prefill rows, sliding window (gpt-oss's even layers)
+    (3, 40, 6, 3, 80, 48, 0),        # the per-key loops
+])
+def test_sinks_kernel_equals_reference_and_float64(n, S, n_head, n_kv, hd, hdv, window):
+    rng = np.random.default_rng(S + 7)
+    q, k, v = _case(rng, n, S, n_head, n_kv, hd, hdv)
+    # some sinks far above every score (they take most of the weight), some far below
+    sinks = (rng.standard_normal(n_head) * 3).astype(np.float32)
+    sinks[0], sinks[-1] = 40.0, -40.0
+    kpos, qpos = np.arange(S), np.arange(S - n, S)
+    want = _SinkBackend(sinks).attention(q, _Cache(k, v, kpos), 0, qpos, 0.125, window, sinks="sinks")
+    got = kv_attention.attention(q, k, v, kpos, qpos, 0.125, window, sinks)
+    np.testing.assert_array_equal(got, want)
+    exact = _float64_sink_attention(q, k, v, kpos, qpos, 0.125, window, sinks)
+    np.testing.assert_allclose(got, exact, atol=3e-3 * np.abs(exact).max() + 1e-6)
+    plain = kv_attention.attention(q, k, v, kpos, qpos, 0.125, window)
+    assert np.abs(got[:, 0]).max() < 0.1 * np.abs(plain[:, 0]).max()  # a big sink drains head 0
+    blas = kv_attention.attention_blas(q, k, v, kpos, qpos, 0.125, window, sinks)
+    np.testing.assert_allclose(blas, got, atol=2e-3 * np.abs(got).max() + 1e-6)
+
+
+def test_no_sinks_is_the_same_as_minus_infinity_sinks():
+    rng = np.random.default_rng(3)
+    q, k, v = _case(rng, 2, 50, 4, 2, 64, 64)
+    kpos, qpos = np.arange(50), np.arange(48, 50)
+    none = kv_attention.attention(q, k, v, kpos, qpos, 0.125, 0)
+    inf = kv_attention.attention(q, k, v, kpos, qpos, 0.125, 0, np.full(4, -np.inf, np.float32))
+    np.testing.assert_array_equal(none, inf)
+    with pytest.raises(ValueError, match="3 attention sinks for 4 heads"):
+        kv_attention.attention(q, k, v, kpos, qpos, 0.125, 0, np.zeros(3, np.float32))

@@ -22,8 +22,10 @@ from edgeinfer.loader import open_model
 PROMPT = [1, 30, 40, 50, 60, 70, 80, 90, 100, 110]
 
 
-def _moe(tmp_path, qtype="Q8_0", **shape) -> str:
-    return str(write_tiny_model(tmp_path / f"moe-{qtype}.gguf", "qwen3moe", qtype, vocab=bpe_vocab("qwen2"),
+def _moe(tmp_path, qtype="Q8_0", arch="qwen3moe", **shape) -> str:
+    if arch == "gpt-oss":  # gpt-oss-20b uses 4 of 32 experts
+        shape = {"n_expert": 8, "n_expert_used": 4, **shape}
+    return str(write_tiny_model(tmp_path / f"{arch}-{qtype}.gguf", arch, qtype, vocab=bpe_vocab("qwen2"),
                                 shape=TinyShape(**shape) if shape else None))
 
 
@@ -68,15 +70,15 @@ def test_softmax_is_ggmls_and_topk_renormalises():
 
 # greedy tokens equal llama.cpp's for 32 steps; on Q4_0 its decode sums in another order (its
 # repacked Q4_0 for experts), so a near tie may part there and the logits are held to the bound
-# step by step instead. (Tiny Q6_K files differ from llama.cpp by ~0.08 already in the dense
+# step by step instead. MXFP4 is gpt-oss's expert type (here every matrix, E8M0 scales). (Tiny Q6_K files differ from llama.cpp by ~0.08 already in the dense
 # families; a router turns that into another expert now and then: not compared here.)
 STRICT = ("Q8_0", "Q4_K", "F32")
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "F32"])
-def test_qwen3moe_matches_llama_cpp(tmp_path, qtype):
+@pytest.mark.parametrize("arch,qtype", [(a, q) for a in ("qwen3moe", "gpt-oss") for q in ("Q8_0", "Q4_0", "Q4_K", "F32")])
+def test_moe_matches_llama_cpp(tmp_path, arch, qtype):
     llama_cpp = pytest.importorskip("llama_cpp")
-    path = _moe(tmp_path, qtype)
+    path = _moe(tmp_path, qtype, arch)
     ref = [llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=96, n_batch=96, n_threads=2, verbose=False,
                            flash_attn=fa) for fa in (False, True)]
     want = []

@@ -25,7 +25,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, quants
 
 from edgeinfer.kv.contiguous import KVCache
-from edgeinfer.rope import ROPE_NEOX
+from edgeinfer.rope import ROPE_NEOX, Yarn
 
 if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
@@ -148,6 +148,12 @@ class Backend:
         x = np.asarray(x, np.float32)
         return Backend.gelu_mul(self, x, np.ones_like(x))
 
+    def swiglu_oai(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        """gpt-oss's clamped SwiGLU (alpha 1.702, limit 7) of two (n, n_ff) arrays."""
+        from edgeinfer.experts.activations import swiglu_oai
+
+        return swiglu_oai(gate, up)
+
     def attention_full(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
         """Non-causal attention of one sequence (encoders): every query sees every key.
         q: (n, n_head, hd), k/v: (n, n_kv, hd|hd_v) -> (n, n_head, hd_v); softmax in double."""
@@ -162,7 +168,7 @@ class Backend:
         return out.reshape(n, n_head, -1).astype(np.float32)
 
     def rope(self, x: np.ndarray, positions: np.ndarray, n_dims: int, base: float,
-             freq_scale: float, mode: str, freq_factors: str | None) -> np.ndarray:
+             freq_scale: float, mode: str, freq_factors: str | None, yarn: Yarn | None = None) -> np.ndarray:
         """Rotary embedding of the first n_dims of each head; x: (n, heads, head_dim).
 
         ggml's exact arithmetic: its float32 angle recurrence and cosf/sinf (`rope_cache`),
@@ -171,7 +177,7 @@ class Backend:
         from edgeinfer.kernels_cpu.ops import rope_cache
 
         ff = self.vector(freq_factors) if freq_factors is not None else None
-        cos, sin = rope_cache(positions, n_dims, base, freq_scale, ff)
+        cos, sin = rope_cache(positions, n_dims, base, freq_scale, ff, yarn)
         cos, sin = cos[:, None, :], sin[:, None, :]
         out = x.astype(np.float32, copy=True)
         if mode == ROPE_NEOX:
@@ -187,13 +193,16 @@ class Backend:
 
     # -- attention ------------------------------------------------------------------------
     def attention(self, q: np.ndarray, kv: "KVView", layer: int, positions: np.ndarray,
-                  scale: float, window: int, q_scale: float = 1.0) -> np.ndarray:
+                  scale: float, window: int, q_scale: float = 1.0, sinks: str | None = None) -> np.ndarray:
         """Causal attention of q (n, n_head, hd) over the cached K/V of `layer`.
 
         A query at position p sees cached keys at positions <= p, and with a sliding
         window only those with p - key_pos < window (llama.cpp's standard SWA mask).
         `q_scale` multiplies Q first (in float32, before its F16 rounding: Gemma), `scale`
-        multiplies Q K^T. Returns (n, n_head, hd_v).
+        multiplies Q K^T. `sinks` names a per-head vector of attention sinks (gpt-oss): a
+        logit each head's softmax counts as if one more key had it, with no value (ggml's
+        soft_max sinks: the row max takes it in, and libm expf(sink - max) joins the sum
+        last). Returns (n, n_head, hd_v).
 
         This is the readable numpy form of llama.cpp's exact rounding order, which
         kernels_cpu/kv_attention.py explains and the CPU backend runs compiled.
@@ -224,10 +233,18 @@ class Backend:
                               k32[:, :, n_vec:].astype(np.float64))
         scores = dots.astype(np.float32).reshape(n, n_head, n_keys) * np.float32(scale)
         scores = np.where(allowed[:, None, :], scores, np.float32(-np.inf))
-        e = ggml_expf(scores - scores.max(axis=-1, keepdims=True))
+        mx = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:
+            sink = np.asarray(self.vector(sinks), np.float32)[None, :, None]
+            mx = np.maximum(mx, sink)
+        e = ggml_expf(scores - mx)
         pad = (-n_keys) % 8  # ggml sums each group of 8 in float32, the groups in double
         groups = np.concatenate([e, np.zeros((n, n_head, pad), np.float32)], axis=-1)
         total = _hsum8(groups.reshape(n, n_head, -1, 8)).astype(np.float64).sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            from edgeinfer.kernels_cpu import libm
+
+            total += libm.expf(sink - mx).astype(np.float64)
         probs = (e * (1.0 / total).astype(np.float32)).astype(np.float16).astype(np.float32)
         # weights x V: ggml_vec_dot_f16 over the keys, key j in slot j % 32, in key order
         pad32 = (-n_keys) % 32

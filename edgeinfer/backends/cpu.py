@@ -134,26 +134,27 @@ class CpuBackend(Backend):
         return kernels_cpu.get_rows(*self.weight(name), self.gguf.tensors[name].n_cols,
                                     np.asarray(ids, dtype=np.int64))
 
-    def attention(self, q, kv, layer, positions, scale, window, q_scale=1.0):
+    def attention(self, q, kv, layer, positions, scale, window, q_scale=1.0, sinks=None):
         k, v, kpos = kv.layer_view(layer)
         if q_scale != 1.0:
             q = q * np.float32(q_scale)
+        head_sinks = self.vector(sinks) if sinks is not None else None
         if q.shape[0] <= kv_attention.EXACT_MAX_QUERIES:  # decode, short prompts: llama.cpp's order
-            return kv_attention.attention(q, k, v, kpos, positions, scale, window)
-        return kv_attention.attention_blas(q, k, v, kpos, np.asarray(positions), scale, window)
+            return kv_attention.attention(q, k, v, kpos, positions, scale, window, head_sinks)
+        return kv_attention.attention_blas(q, k, v, kpos, np.asarray(positions), scale, window, head_sinks)
 
     # The float ops below compute what Backend's numpy versions compute, bit for bit
     # (tests/test_kernels_ops.py), in one compiled call each: per-token Python overhead.
     def rms_norm(self, x, weight, eps):
         return ops.rms_norm(x, self.vector(weight), eps)
 
-    def rope(self, x, positions, n_dims, base, freq_scale, mode, freq_factors):
+    def rope(self, x, positions, n_dims, base, freq_scale, mode, freq_factors, yarn=None):
         # Q and K of every layer with the same base share the angles: computed once per step
-        key = (np.asarray(positions).tobytes(), n_dims, base, freq_scale, freq_factors)
+        key = (np.asarray(positions).tobytes(), n_dims, base, freq_scale, freq_factors, yarn)
         cached = self._rope_angles.get(key)
         if cached is None:
             ff = self.vector(freq_factors) if freq_factors is not None else None
-            cached = ops.rope_cache(positions, n_dims, base, freq_scale, ff)
+            cached = ops.rope_cache(positions, n_dims, base, freq_scale, ff, yarn)
             if len(self._rope_angles) >= 8:
                 self._rope_angles.clear()
             self._rope_angles[key] = cached
@@ -162,6 +163,11 @@ class CpuBackend(Backend):
 
     def silu_mul(self, gate, up):
         return ops.silu_mul(gate, up)
+
+    def swiglu_oai(self, gate, up):
+        from edgeinfer.experts.activations import OAI_ALPHA, OAI_LIMIT
+
+        return ops.swiglu_oai(gate, up, OAI_ALPHA, OAI_LIMIT)
 
     def gelu_mul(self, gate, up):
         return ops.gelu_mul(gate, up, _gelu_f16_table())

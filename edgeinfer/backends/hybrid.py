@@ -27,7 +27,7 @@ from edgeinfer.kernels_cuda import launch
 from edgeinfer.kv.device_storage import CudaKVCache, DeviceBlockStorage, device_kv
 from edgeinfer.kv.pool_sizing import vram_kv_blocks
 from edgeinfer.kv.view import KVView
-from edgeinfer.rope import ROPE_NEOX
+from edgeinfer.rope import ROPE_NEOX, Yarn
 
 if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
@@ -170,23 +170,28 @@ class HybridBackend(Backend):
             return DeviceTensor(launch.gelu_mul(gate.array, self.to_device(up).array), self)
         return self.cpu.gelu_mul(gate, self.to_host(up))
 
+    def swiglu_oai(self, gate: Any, up: Any) -> Any:
+        return self.cpu.swiglu_oai(self.to_host(gate), self.to_host(up))  # experts run on the CPU
+
     def rope(self, x: Any, positions: np.ndarray, n_dims: int, base: float, freq_scale: float, mode: str,
-             freq_factors: str | None) -> Any:
+             freq_factors: str | None, yarn: Yarn | None = None) -> Any:
         if isinstance(x, DeviceTensor):
             ff = self.cuda.vector_gpu(freq_factors) if freq_factors else None
-            out = launch.rope(x.array, self._ints(positions), n_dims, base, freq_scale, mode == ROPE_NEOX, ff)
+            out = launch.rope(x.array, self._ints(positions), n_dims, base, freq_scale, mode == ROPE_NEOX, ff, yarn)
             return DeviceTensor(out, self)
-        return self.cpu.rope(x, positions, n_dims, base, freq_scale, mode, freq_factors)
+        return self.cpu.rope(x, positions, n_dims, base, freq_scale, mode, freq_factors, yarn)
 
     def attention(self, q: Any, kv: KVView, layer: int, positions: np.ndarray, scale: float,
-                  window: int, q_scale: float = 1.0) -> Any:
+                  window: int, q_scale: float = 1.0, sinks: str | None = None) -> Any:
         on_gpu = self._layer_side(layer) == CUDA
         d = device_kv(kv, layer) if on_gpu else None
         if d is not None and launch.attention_supports(d.k.shape[2], d.v.shape[2]):
+            head_sinks = self.cuda.vector_gpu(sinks) if sinks else None
             out = launch.attention(self.to_device(q).array, d.k, d.v, d.block_table, d.kpos, self._ints(positions),
-                                   d.n_keys, d.block_size, d.k.shape[1], d.v.shape[2], scale * q_scale, window)
+                                   d.n_keys, d.block_size, d.k.shape[1], d.v.shape[2], scale * q_scale, window,
+                                   head_sinks)
             return DeviceTensor(out, self)
-        out = self.cpu.attention(self.to_host(q), kv, layer, positions, scale, window, q_scale=q_scale)
+        out = self.cpu.attention(self.to_host(q), kv, layer, positions, scale, window, q_scale=q_scale, sinks=sinks)
         return self.to_device(out) if on_gpu else out
 
 

@@ -10,7 +10,7 @@ token reads its k experts' slabs and nothing else of the layer's experts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -19,15 +19,27 @@ if TYPE_CHECKING:
 
 
 def swiglu_experts(backend: "Backend", h: np.ndarray, experts: np.ndarray, weights: np.ndarray, gate: str,
-                   up: str, down: str) -> np.ndarray:
-    """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]) for every token t; h (n, n_embd) float32."""
+                   up: str, down: str, *, biases: tuple[str, str, str] | None = None,
+                   activation: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+    """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]) for every token t; h (n, n_embd) float32.
+
+    `biases`: the per-expert bias tensors of gate, up and down (gpt-oss), each (n_expert,
+    rows), added to each expert's output rows as ggml_add_id does. `activation(gate, up)`:
+    SiLU(gate) * up unless given (gpt-oss's clamped variant)."""
     n, k = experts.shape
     flat = experts.reshape(-1)  # assignment t * k + j: token t's j-th expert
     order = np.argsort(flat, kind="stable")  # assignments grouped by expert
     active, counts = np.unique(flat[order], return_counts=True)
     starts = np.concatenate([[0], np.cumsum(counts)])
+    expert_of_row = flat[order]  # grouped row -> its expert
     g, u = backend.expert_batch([gate, up], active, starts, order // k, h)
-    y = backend.expert_batch([down], active, starts, np.arange(n * k), backend.silu_mul(g, u))[0]
+    if biases is not None:
+        g = g + _expert_rows(backend, biases[0], expert_of_row)
+        u = u + _expert_rows(backend, biases[1], expert_of_row)
+    act = backend.silu_mul(g, u) if activation is None else activation(g, u)
+    y = backend.expert_batch([down], active, starts, np.arange(n * k), act)[0]
+    if biases is not None:
+        y = y + _expert_rows(backend, biases[2], expert_of_row)
     per_assignment = np.empty_like(y)
     per_assignment[order] = y
     per_assignment = per_assignment.reshape(n, k, -1)
@@ -36,3 +48,9 @@ def swiglu_experts(backend: "Backend", h: np.ndarray, experts: np.ndarray, weigh
         term = (per_assignment[:, j] * weights[:, j:j + 1]).astype(np.float32)
         out = term if out is None else (out + term).astype(np.float32)
     return out
+
+
+def _expert_rows(backend: "Backend", name: str, experts: np.ndarray) -> np.ndarray:
+    """Rows of a per-expert bias tensor (GGML shape (rows, n_expert)) for the given experts."""
+    n_expert = backend.gguf.tensors[name].shape[1]
+    return backend.vector(name).reshape(n_expert, -1)[experts]

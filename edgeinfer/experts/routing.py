@@ -5,6 +5,8 @@ ggml's order (llama.cpp's build_moe_ffn), so that the same experts win as in lla
   8 lanes at a time, summed in double), the top k by probability, their probabilities
   renormalised to sum 1 (the sum clamped below at 2^-14, as llama.cpp does). Compiled
   (kernels_cpu.moe_routing); `softmax_topk_reference` is the numpy statement of it.
+- `topk_softmax` (gpt-oss): the top k of the logits (the router's bias added), then a
+  softmax over those k only. One numpy step per layer.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeinfer.backends.base import _hsum8, ggml_expf_any
+from edgeinfer.kernels_cpu import libm
 
 F16_MIN_NORMAL = np.float32(6.103515625e-5)  # llama.cpp's clamp of the weights' sum
 
@@ -19,15 +22,14 @@ F16_MIN_NORMAL = np.float32(6.103515625e-5)  # llama.cpp's clamp of the weights'
 def ggml_softmax(logits: np.ndarray) -> np.ndarray:
     """Softmax over the last axis as ggml_compute_forward_soft_max_f32 on AVX2: exp(x - max)
     8 lanes at a time (ggml_v_expf) with each group's horizontal sum added in double, the
-    tail with expf; then every value times (float)(1 / sum)."""
+    tail with libm's expf; then every value times (float)(1 / sum)."""
     x = np.asarray(logits, np.float32)
     shifted = (x - x.max(axis=-1, keepdims=True)).astype(np.float32)
     n = x.shape[-1]
     body = n - n % 8
     y = np.empty_like(shifted)
     y[..., :body] = ggml_expf_any(shifted[..., :body])
-    with np.errstate(under="ignore"):
-        y[..., body:] = np.exp(shifted[..., body:].astype(np.float64)).astype(np.float32)
+    y[..., body:] = libm.expf(shifted[..., body:])
     groups = y[..., :body].reshape(y.shape[:-1] + (body // 8, 8))
     total = np.cumsum(_hsum8(groups).astype(np.float64), axis=-1)[..., -1] if body else 0.0
     tail = y[..., body:].astype(np.float64)
@@ -58,3 +60,11 @@ def softmax_topk_reference(logits: np.ndarray, k: int, normalize: bool = True) -
         total = np.cumsum(weights.astype(np.float64), axis=-1)[..., -1:].astype(np.float32)
         weights = (weights / np.maximum(total, F16_MIN_NORMAL)).astype(np.float32)
     return chosen.astype(np.int64), weights
+
+
+def topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """gpt-oss's routing (llama.cpp's SOFTMAX_WEIGHT gating): the top k of the (biased)
+    router logits, then a softmax over the k chosen logits only."""
+    logits = np.asarray(logits, np.float32)
+    chosen = top_k(logits, k)
+    return chosen.astype(np.int64), ggml_softmax(np.take_along_axis(logits, chosen, axis=-1))

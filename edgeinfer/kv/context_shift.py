@@ -35,9 +35,13 @@ def rope_shift(backend: Backend, model: "Transformer", layer: int, k: np.ndarray
 
     Uses `model.rope_args(layer)`, the arguments its attention ropes with. Runs the numpy
     reference `Backend.rope` (the shift is rare and must be exact), whatever backend the
-    model runs on.
+    model runs on. YaRN's magnitude factor is left out: the keys carry it from their first
+    rotation, and a second would scale them again (llama.cpp's shift does apply it twice).
     """
-    return Backend.rope(backend, np.asarray(k, dtype=np.float32), delta, *model.rope_args(layer))
+    args = model.rope_args(layer)
+    if args.yarn is not None:
+        args = args._replace(yarn=args.yarn._replace(mscale=1.0))
+    return Backend.rope(backend, np.asarray(k, dtype=np.float32), delta, *args)
 
 
 def shift_context(engine, seq: "SequenceKV", n_keep: int) -> int:
