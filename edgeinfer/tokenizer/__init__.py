@@ -26,7 +26,7 @@ import numpy as np
 from edgeinfer.tokenizer.detokenize import StreamDecoder, clean_spaces
 from edgeinfer.errors import TokenizerError
 from edgeinfer.metadata import meta_bool, meta_float_array, meta_int, meta_int_array, meta_str, meta_str_array
-from edgeinfer.tokenizer.bpe import CHAR_TO_BYTE, BPEFast, BPEReference, pre_tokenizer_for
+from edgeinfer.tokenizer.bpe import CHAR_TO_BYTE, BPEFast, BPEReference, lenient_text, pre_tokenizer_for
 from edgeinfer.tokenizer.spm import SPMSession
 from edgeinfer.tokenizer.wpm import WordPiece
 
@@ -289,9 +289,13 @@ class Tokenizer:
             if tid is not None:
                 self._attrs[tid] = TokenAttr.USER_DEFINED
         eog |= {t for t in (self.eos_id, self.eot_id, self.eom_id) if t is not None}
-        texts = {self._texts[t]: t for t in eog}
-        if b"<|end|>" in texts and ((b"<|return|>" in texts and b"<|call|>" in texts)
-                                    or (b"<|calls|>" in texts and b"<|flush|>" in texts)):
+        # llama.cpp walks its std::set: of two EOG ids with one text, the higher one counts
+        texts = {self._texts[t]: t for t in sorted(eog)}
+        # o200k_harmony (gpt-oss) ends a message with <|end|> but a turn with <|return|> or
+        # <|call|>, solar-open with <|calls|>/<|flush|>: then <|end|> is not EOG. llama.cpp
+        # counts <|calls|> as <|call|> in both checks
+        has_call = b"<|call|>" in texts or b"<|calls|>" in texts
+        if b"<|end|>" in texts and has_call and (b"<|return|>" in texts or b"<|flush|>" in texts):
             eog.discard(texts[b"<|end|>"])
             self._attrs[texts[b"<|end|>"]] = TokenAttr.USER_DEFINED
         if b"</s>" in texts and (b"<|tool_response>" in texts or b"<|plamo:eos|>" in texts):
@@ -398,10 +402,12 @@ class Tokenizer:
     def _bpe(self, data: bytes, reference: bool = False) -> list[int]:
         if self._bpe_fast is not None and not reference:
             try:
-                text = data.decode("utf-8")  # strict: invalid bytes/surrogates take the reference
+                text: str | None = data.decode("utf-8")
             except UnicodeDecodeError:
-                pass
-            else:
+                # llama.cpp splits and merges the lenient decoding (bad byte -> U+FFFD), so
+                # the fast path can too; surrogates (no UTF-8 in Python) take the reference
+                text = lenient_text(data)
+            if text is not None:
                 return self._bpe_fast.encode(text)
         return self._bpe_ref.encode(data)
 

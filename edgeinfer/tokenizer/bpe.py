@@ -4,12 +4,15 @@ Two paths that must agree token for token:
 
 - the reference: a line-by-line port of llama.cpp's pre-tokenizer splitters
   (`unicode_regex_split_custom_llama3/qwen2/gpt2` and the `default` regex chain in
-  `src/unicode.cpp`) and of its bigram merge loop (`llm_tokenizer_bpe_session`), in plain
+  `src/unicode.cpp`; the gpt-4o regex, which llama.cpp runs through std::regex, worked out
+  in `gpt4o.py`) and of its bigram merge loop (`llm_tokenizer_bpe_session`), in plain
   Python; it also takes input that is not valid UTF-8 the way llama.cpp does (each bad byte
   becomes U+FFFD, surrogates pass through);
-- the fast path (llama3, qwen2, gpt2 splitters; valid UTF-8 only): the same split as one
+- the fast path (llama3, qwen2, gpt2, gpt4o splitters; any input whose lenient decoding has
+  no surrogate, Python's str cannot carry those to UTF-8): the same split as one
   Python `re` regex over llama.cpp's own Unicode tables (an ASCII-only regex for ASCII
-  text), then each distinct word merged once by HF `tokenizers` (Rust) and remembered.
+  text; for gpt4o llama.cpp's own regex over its "collapsed" text), then each distinct word
+  merged once by HF `tokenizers` (Rust) and remembered.
 
 `tests/test_tokenizer.py` compares the two on random text; the goldens compare both with
 llama.cpp.
@@ -24,13 +27,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from edgeinfer.tokenizer import unicode as U
+from edgeinfer.tokenizer.gpt4o import CollapsedSplitter, split_gpt4o
 from edgeinfer.errors import TokenizerError
 
 # -- pre-tokenizer names (llama.cpp `llama_vocab::impl::load`) --------------------------
 
 @dataclass(frozen=True)
 class PreTokenizer:
-    split: str            # which splitter: llama3 | qwen2 | gpt2 | default
+    split: str            # which splitter: llama3 | qwen2 | gpt2 | gpt4o | default
     ignore_merges: bool   # a word that is itself a token skips the merges (Llama 3)
     clean_spaces: bool    # detokenize removes " ." style spaces (clean_up_tokenization_spaces)
     add_bos: bool | None  # llama.cpp's default when the file has no add_bos_token key
@@ -40,6 +44,7 @@ _LLAMA3 = PreTokenizer("llama3", True, True, True)
 _QWEN2 = PreTokenizer("qwen2", False, False, None)
 _GPT2 = PreTokenizer("gpt2", False, True, None)
 _DEFAULT = PreTokenizer("default", False, True, None)
+_GPT4O = PreTokenizer("gpt4o", False, False, None)
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **{n: _LLAMA3 for n in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1",
@@ -47,6 +52,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **{n: _QWEN2 for n in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2")},
     **{n: _GPT2 for n in ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
                           "jina-v2-de", "a.x-4.0", "mellum", "modern-bert", "mpt", "olmo")},
+    **{n: _GPT4O for n in ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2")},
     "default": _DEFAULT,
     "": _DEFAULT,
 }
@@ -106,6 +112,15 @@ def decode_utf8_lenient(data: bytes) -> list[int]:
         out.append(cpt)
         i += need + 1
     return out
+
+
+def lenient_text(data: bytes) -> str | None:
+    """The text llama.cpp makes of bytes that are not valid UTF-8 (`decode_utf8_lenient`), or
+    None where a code point has no UTF-8 in Python (a surrogate, or above U+10FFFF)."""
+    cpts = decode_utf8_lenient(data)
+    if any(0xD800 <= c <= 0xDFFF or c > 0x10FFFF for c in cpts):
+        return None
+    return "".join(map(chr, cpts))
 
 
 def cpt_to_utf8(cpt: int) -> bytes:
@@ -326,6 +341,8 @@ def split_words(cpts: list[int], split: str) -> list[list[int]]:
         lengths = split_llama3(cpts, 1)
     elif split == "gpt2":
         lengths = split_gpt2(cpts)
+    elif split == "gpt4o":
+        lengths = split_gpt4o(cpts, [cpt_class(c) for c in cpts])
     else:  # default: four regexes in sequence, each splitting the previous pieces
         if _DEFAULT_RES is None:
             _DEFAULT_RES = _default_regexes()
@@ -498,6 +515,10 @@ class FastSplitter:
 
     def __init__(self, split: str) -> None:
         self.split = split
+        if split == "gpt4o":  # llama.cpp's own way: a regex over "collapsed" text
+            self._collapsed: CollapsedSplitter | None = CollapsedSplitter(cpt_class)
+            return
+        self._collapsed = None
         self._full = re.compile(split_regex(split))
         self._ascii = re.compile(split_regex(split, ascii_only=True))
         # llama3/qwen2 only: no match crosses a newline followed by a non-space, so text
@@ -506,6 +527,8 @@ class FastSplitter:
         self._lines = re.compile(f"(?<=\\n)(?={not_ws})") if split in ("llama3", "qwen2") else None
 
     def __call__(self, text: str) -> list[str]:
+        if self._collapsed is not None:
+            return self._collapsed(text)
         if text.isascii():
             return self._ascii.findall(text)
         if self._lines is None:
@@ -518,14 +541,14 @@ class FastSplitter:
 
 class BPEFast:
     """Split with `FastSplitter`, merge each distinct word once with HF `tokenizers` (Rust)
-    and remember it; valid UTF-8 input only (the caller checks)."""
+    and remember it; takes text (the caller decodes, see `lenient_text`)."""
 
     MAX_CACHE = 500_000
 
     def __init__(self, tokens: list[str], merges: list[str], pre: PreTokenizer) -> None:
         from tokenizers import Tokenizer, models, pre_tokenizers
 
-        if pre.split not in ("llama3", "qwen2", "gpt2"):
+        if pre.split not in ("llama3", "qwen2", "gpt2", "gpt4o"):
             raise ValueError(f"no fast path for the {pre.split} splitter")
         vocab: dict[str, int] = {}
         for i, t in enumerate(tokens):
