@@ -130,6 +130,35 @@ def test_rope(mode, n_dims, factors):
     np.testing.assert_allclose(got[:5], ref, atol=2e-4 * np.abs(x).max())
 
 
+@pytest.mark.parametrize("mode", [ROPE_NORM, ROPE_NEOX])
+def test_rope_yarn(mode):
+    """gpt-oss's YaRN (factor 32 over a 4096 context): the device against float64 YaRN math
+    (the ramp mixing interpolated and original angles, cos/sin times the magnitude factor)
+    and against the reference backend (ggml's float32 angles) where those are still exact."""
+    from edgeinfer.rope import yarn_for
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((5, 4, 64)).astype(np.float32)
+    positions = np.array([0, 1, 9, 300, 4000])
+    yarn = yarn_for(64, 4096, 150000.0, 1 / 32)
+    assert 0 < yarn.corr_low < yarn.corr_high < 31 and abs(yarn.mscale - (1 + 0.1 * np.log(32)) ** 2 / (
+        1 + 0.1 * np.log(32))) < 1e-6
+    got = launch.rope(gpuarray.to_gpu(x), gpuarray.to_gpu(positions.astype(np.int32)), 64, 150000.0, 1 / 32,
+                      mode == ROPE_NEOX, None, yarn).get()
+    i = np.arange(32)
+    ramp = 1 - np.clip((i - yarn.corr_low) / max(0.001, yarn.corr_high - yarn.corr_low), 0, 1)
+    inv = 150000.0 ** (-2.0 * i / 64) * ((1 - ramp) / 32 + ramp)
+    theta = positions[:, None] * inv
+    cos, sin = (np.cos(theta) * yarn.mscale)[:, None], (np.sin(theta) * yarn.mscale)[:, None]
+    want = x.astype(np.float64)
+    idx = (i, i + 32) if mode == ROPE_NEOX else (2 * i, 2 * i + 1)
+    a, b = x[..., idx[0]].astype(np.float64), x[..., idx[1]].astype(np.float64)
+    want[..., idx[0]], want[..., idx[1]] = a * cos - b * sin, a * sin + b * cos
+    np.testing.assert_allclose(got, want, atol=3e-6 * np.abs(x).max())
+    ref = _Ref().rope(x[:4], positions[:4], 64, 150000.0, 1 / 32, mode, None, yarn)
+    np.testing.assert_allclose(got[:4], ref, atol=2e-5 * np.abs(x).max())
+
+
 def _gated_exact(op: str, g: np.ndarray, u: np.ndarray) -> np.ndarray:
     g, u = g.astype(np.float64), u.astype(np.float64)
     if op == "silu_mul":
@@ -171,7 +200,8 @@ class _KV:
 @pytest.mark.parametrize("n_q", [1, 3, 20], ids=lambda n: f"q{n}")  # decode kernel x2, flash prefill
 @pytest.mark.parametrize("hd", [64, 256])
 @pytest.mark.parametrize("window", [0, 16])
-def test_paged_attention(n_q, hd, window):
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_paged_attention(n_q, hd, window, sinks):
     rng = np.random.default_rng(n_q * hd + window)
     n_keys, n_kv, n_head, block_size = 45, 2, 8, 16
     k = rng.standard_normal((n_keys, n_kv, hd)).astype(np.float32)
@@ -180,8 +210,13 @@ def test_paged_attention(n_q, hd, window):
     q = rng.standard_normal((n_q, n_head, hd)).astype(np.float32)
     qpos = np.arange(n_keys - n_q, n_keys)
     scale = 1.0 / np.sqrt(hd)
-    ggml = _Ref().attention(q, _KV(k.astype(np.float16), v.astype(np.float16), kpos), 0, qpos, scale, window)
-    want = _attention_exact(q, k.astype(np.float16), v.astype(np.float16), kpos, qpos, scale, window)
+    # gpt-oss's per-head sinks: one far above the scores, one far below, the rest near them
+    head_sinks = (rng.standard_normal(n_head) * 2).astype(np.float32) if sinks else None
+    if sinks:
+        head_sinks[0], head_sinks[-1] = 30.0, -30.0
+    ggml = _Ref({"sinks": head_sinks}).attention(q, _KV(k.astype(np.float16), v.astype(np.float16), kpos), 0, qpos,
+                                                 scale, window, sinks="sinks" if sinks else None)
+    want = _attention_exact(q, k.astype(np.float16), v.astype(np.float16), kpos, qpos, scale, window, head_sinks)
 
     n_phys = 5  # 3 logical blocks scattered over 5 physical ones
     table = np.array([4, 0, 2], np.int32)
@@ -198,14 +233,16 @@ def test_paged_attention(n_q, hd, window):
     phys = table[np.arange(n_keys) // block_size] * block_size + np.arange(n_keys) % block_size
     kpos_phys[phys] = kpos
     got = launch.attention(gpuarray.to_gpu(q), k_cache, v_cache, table_d, gpuarray.to_gpu(kpos_phys),
-                           gpuarray.to_gpu(qpos.astype(np.int32)), n_keys, block_size, n_kv, hd, scale, window).get()
+                           gpuarray.to_gpu(qpos.astype(np.int32)), n_keys, block_size, n_kv, hd, scale, window,
+                           gpuarray.to_gpu(head_sinks) if sinks else None).get()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # the reference backend rounds Q to f16 first, as ggml's CPU flash attention does
     np.testing.assert_allclose(got, ggml, atol=2e-3)
 
 
-def _attention_exact(q, k, v, kpos, qpos, scale, window):
-    """Causal (and sliding-window) attention in float64 with GQA: the kernels' f32 math aims at it."""
+def _attention_exact(q, k, v, kpos, qpos, scale, window, sinks=None):
+    """Causal (and sliding-window) attention in float64 with GQA, and per-head sinks (a logit
+    with no value) when given: the kernels' f32 math aims at it."""
     n_q, n_head, _ = q.shape
     group = n_head // k.shape[1]
     out = np.zeros((n_q, n_head, v.shape[2]))
@@ -213,8 +250,10 @@ def _attention_exact(q, k, v, kpos, qpos, scale, window):
         seen = (kpos <= qpos[i]) & ((window <= 0) | (qpos[i] - kpos < window))
         for h in range(n_head):
             s = (q[i, h].astype(np.float64) * scale) @ k[seen, h // group].astype(np.float64).T
-            p = np.exp(s - s.max())
-            out[i, h] = (p / p.sum()) @ v[seen, h // group].astype(np.float64)
+            mx = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            p = np.exp(s - mx)
+            total = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - mx))
+            out[i, h] = (p / total) @ v[seen, h // group].astype(np.float64)
     return out
 
 

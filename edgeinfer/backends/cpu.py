@@ -58,7 +58,7 @@ class CpuBackend(Backend):
         (about 0.4 s for a 1B model's Q4_K). For a model computed wholly on this backend."""
         # 3-D expert tensors stay in the file: their experts' rows are read where they lie
         names = [name for name, info in self.gguf.tensors.items()
-                 if not is_expert_tensor(info.shape) and repacks(info.qtype, info.n_rows)]
+                 if not is_expert_tensor(name, info.shape) and repacks(info.qtype, info.n_rows)]
         # numpy copies without the GIL: the worker threads share the matrices out
         list(worker_pool(kernels_cpu.get_threads()).map(self.weight, names))
 

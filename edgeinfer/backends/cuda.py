@@ -47,7 +47,7 @@ class CudaBackend(Backend):
             on_gpu = (layer is not None and plan.layer_on_gpu(layer)) or (
                 plan.output_on_gpu and (name in HEAD_NAMES or (name == "token_embd.weight"
                                                                and "output.weight" not in gguf.tensors)))
-            if on_gpu and len(info.shape) > 1 and not is_expert_tensor(info.shape):  # experts stay on the CPU
+            if on_gpu and len(info.shape) > 1 and not is_expert_tensor(name, info.shape):  # experts stay on the CPU
                 self._upload_matrix(name)
         for name in ("rope_freqs.weight",):
             if name in gguf.tensors and plan.gpu_layers:

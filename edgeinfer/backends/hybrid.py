@@ -135,6 +135,13 @@ class HybridBackend(Backend):
     def add(self, a: Any, b: Any) -> Any:
         """`a + b` with a DeviceTensor among them, on the side of the block being run."""
         if self._side == CUDA:
+            if isinstance(b, np.ndarray) and b.ndim == 1 and b.shape[0] == a.shape[-1]:  # a bias row
+                out = self.to_device(a).array.copy()
+                launch.add_rows(out, self.cuda.upload_vector_array(b))
+                return DeviceTensor(out, self)
+            if tuple(a.shape) != tuple(b.shape):
+                raise ValueError(f"device add of shapes {tuple(a.shape)} and {tuple(b.shape)}: only equal "
+                                 f"shapes or a row to broadcast")
             return DeviceTensor(launch.add(self.to_device(a).array, self.to_device(b).array), self)
         return self.to_host(a) + self.to_host(b)
 

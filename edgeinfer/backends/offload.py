@@ -129,7 +129,7 @@ def model_sizes_from_gguf(gguf: "GGUFFile", cfg: "ModelConfig") -> ModelSizes:
     for name, info in gguf.tensors.items():
         m = _LAYER_RE.match(name)
         if m and int(m.group(1)) < cfg.n_layer:
-            if is_expert_tensor(info.shape):
+            if is_expert_tensor(name, info.shape):
                 experts[int(m.group(1))] += info.n_bytes
             else:
                 layers[int(m.group(1))] += info.n_bytes
@@ -141,9 +141,11 @@ def model_sizes_from_gguf(gguf: "GGUFFile", cfg: "ModelConfig") -> ModelSizes:
                       _scratch_values_per_row(cfg), cfg.n_vocab, tuple(experts))
 
 
-def is_expert_tensor(shape: tuple[int, ...]) -> bool:
-    """A mixture of experts' stacked expert matrices (GGML shape (n_cols, rows, n_expert))."""
-    return len(shape) == 3
+def is_expert_tensor(name: str, shape: tuple[int, ...]) -> bool:
+    """A mixture of experts' stacked expert matrices (GGML shape (n_cols, rows, n_expert)),
+    or their per-expert biases (gpt-oss: `ffn_*_exps.bias`, (rows, n_expert)): they live
+    and are used where the experts run."""
+    return len(shape) == 3 or "_exps." in name
 
 
 def estimate_model_sizes(cfg: "ModelConfig", bits_per_weight: float = 4.85) -> ModelSizes:
