@@ -21,7 +21,7 @@ from edgeinfer.models import ARCHITECTURES, ModelConfig, Transformer, family_for
 # Not imported from there: that package loads Numba, too much for a file rejected early.
 SUPPORTED_TYPES = frozenset({
     T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
-    T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
+    T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4,
 })
 
 

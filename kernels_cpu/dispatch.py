@@ -1,7 +1,7 @@
 """The fast kernels' type dispatch, kernel sets per model types, and rows shared out by claims.
 
 `_dot_rows` and `_deq_row` dispatch on the type id once per run of rows to the row
-intrinsics of dot_q32.py, dot_kquant.py and dot_q4k_x8.py (each row's whole loop over
+intrinsics of dot_q32.py, dot_mxfp4.py, dot_kquant.py and dot_q4k_x8.py (each row's whole loop over
 blocks is IR; Numba only runs `prange` over rows). `kernels_for` gives copies of them
 compiled only for a model's types. Decode matvecs share their rows out by claims on an
 atomic counter.
@@ -18,9 +18,11 @@ from .dot_kquant import (deq_row_iq4_xs, deq_row_q2_k, deq_row_q3_k, deq_row_q4_
                          row_iq4_xs, row_q2_k, row_q3_k, row_q4_k, row_q5_k, row_q6_k, rows_q5_k, rows_q6_k)
 from .dot_q32 import (deq_row_iq4_nl, deq_row_q4_0, deq_row_q4_1, deq_row_q5_0, deq_row_q5_1, deq_row_q8_0,
                       row_iq4_nl, row_q4_0, row_q4_1, row_q5_0, row_q5_1, row_q8_0, rows_q8_0)
+from .dot_mxfp4 import deq_row_mxfp4, row_mxfp4
 from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
 from .ir_helpers import I64, ROWS, X8_ROWS
-from .quant_kernels import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from .quant_kernels import (IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K,
+                            Q8_0)
 from . import compile_progress
 from .quant_types import FAST_IDS, quant_info, row_bytes
 from .threads import get_threads
@@ -31,9 +33,9 @@ _JIT = dict(cache=True, nogil=True)
 # the kernels calling them handle: every one in these definitions; `kernels_for` copies
 # them with some of the flags False, and Numba prunes those branches before typing, so a
 # model compiles only its own types' code (see "Kernels per type set" below).
-_HAS_Q8_0 = _HAS_Q4_0 = _HAS_Q4_1 = _HAS_Q5_0 = _HAS_Q5_1 = _HAS_IQ4_NL = True
+_HAS_Q8_0 = _HAS_Q4_0 = _HAS_Q4_1 = _HAS_Q5_0 = _HAS_Q5_1 = _HAS_IQ4_NL = _HAS_MXFP4 = True
 _HAS_Q2_K = _HAS_Q3_K = _HAS_Q4_K = _HAS_Q5_K = _HAS_Q6_K = _HAS_IQ4_XS = _HAS_Q4_K_X8 = True
-_TYPE_NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", IQ4_NL: "IQ4_NL",
+_TYPE_NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", IQ4_NL: "IQ4_NL", MXFP4: "MXFP4",
                Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS",
                Q4_K_X8: "Q4_K_X8"}
 
@@ -125,6 +127,9 @@ def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
     elif _HAS_IQ4_NL and qt == IQ4_NL:
         for r in range(r0, r1):
             out[r] = row_iq4_nl(w, r, xq, xd, xs)
+    elif _HAS_MXFP4 and qt == MXFP4:
+        for r in range(r0, r1):
+            out[r] = row_mxfp4(w, r, xq, xd, xs)
     elif _HAS_Q3_K and qt == Q3_K:
         for r in range(r0, r1):
             out[r] = row_q3_k(w, r, xq, xd, xs)
@@ -164,6 +169,8 @@ def _deq_row(w, qt, r, y, i):
         deq_row_q5_1(w, r, y, i)
     elif _HAS_IQ4_NL and qt == IQ4_NL:
         deq_row_iq4_nl(w, r, y, i)
+    elif _HAS_MXFP4 and qt == MXFP4:
+        deq_row_mxfp4(w, r, y, i)
     elif _HAS_Q3_K and qt == Q3_K:
         deq_row_q3_k(w, r, y, i)
     elif _HAS_Q2_K and qt == Q2_K:

@@ -20,13 +20,15 @@ from numba.extending import intrinsic
 
 # GGML type ids (gguf.GGMLQuantizationType values), as plain ints for Numba.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = 10, 11, 12, 13, 14, 20, 23, 30
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16, MXFP4 = 10, 11, 12, 13, 14, 20, 23, 30, 39
 # Not a GGML type: Q4_K with its rows interleaved in groups of 8 (kernels_cpu/repack.py),
 # a copy the CPU backend makes at load for the fast kernels only.
 Q4_K_X8 = 1012
 
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          dtype=np.int8)
+# E2M1 values doubled (ggml's kvalues_mxfp4): the block scale is E8M0 halved to match
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 _POW2 = np.array([2.0 ** (e - 25) for e in range(32)], dtype=np.float32)   # fp16 exponent e -> 2^(e-15-10)
 _JIT = dict(cache=True, nogil=True)
 # reassociation lets LLVM vectorize float sums; no nnan/ninf: -inf and NaN must keep meaning
@@ -55,6 +57,14 @@ def f16(lo, hi):
     else:
         v = np.float32(m + 1024) * _POW2[e]
     return -v if h & 0x8000 else v
+
+
+@njit(inline="always", **_JIT)
+def e8m0_half(e):
+    """An MXFP4 block's E8M0 scale byte -> 2^(e-128) as float32 (ggml_e8m0_to_fp32_half:
+    the bits 0x00200000 << e for the two denormals e < 2, else exponent field e - 1)."""
+    u = np.uint32(e)
+    return _bits_to_f32(np.uint32(0x00200000) << u if u < 2 else (u - np.uint32(1)) << np.uint32(23))
 
 
 @njit(inline="always", **_JIT)
@@ -236,6 +246,14 @@ def _dequant_row(w, wi8, qt, r, y, n16, n32):
             d = f16(w[r, o], w[r, o + 1])
             for k in range(n32):
                 y[b * 32 + k] = d * np.float32(wi8[r, o + 2 + k])
+    elif qt == MXFP4:
+        for b in range(n // 32):
+            o = b * 17
+            d = e8m0_half(w[r, o])
+            for k in range(n16):
+                v = np.int32(w[r, o + 1 + k])
+                y[b * 32 + k] = np.float32(KVALUES_MXFP4[v & 0xF]) * d
+                y[b * 32 + k + 16] = np.float32(KVALUES_MXFP4[v >> 4]) * d
     elif qt == Q2_K:
         for b in range(n // 256):
             o = b * 84
@@ -319,7 +337,7 @@ def dequantize_rows_kernel(w, wi8, qt, rows, out):
 
 @njit(**_JIT)
 def _dot_row_q32(w, wi8, qt, r, xq, xd, xs, n16, n32):
-    """Row r of a 32-block type (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL) dotted with Q8_0 activations."""
+    """Row r of a 32-block type (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL/MXFP4) dotted with Q8_0 activations."""
     nb = xd.shape[0]
     acc = np.float32(0.0)
     if qt == Q8_0:
@@ -329,6 +347,16 @@ def _dot_row_q32(w, wi8, qt, r, xq, xd, xs, n16, n32):
             for k in range(n32):
                 s += np.int32(wi8[r, o + 2 + k]) * np.int32(xq[b * 32 + k])
             acc += f16(w[r, o], w[r, o + 1]) * xd[b] * np.float32(s)
+        return acc
+    if qt == MXFP4:
+        for b in range(nb):
+            o = b * 17
+            s = np.int32(0)
+            for k in range(n16):
+                v = np.int32(w[r, o + 1 + k])
+                s += (np.int32(KVALUES_MXFP4[v & 0xF]) * np.int32(xq[b * 32 + k])
+                      + np.int32(KVALUES_MXFP4[v >> 4]) * np.int32(xq[b * 32 + 16 + k]))
+            acc += xd[b] * e8m0_half(w[r, o]) * np.float32(s)
         return acc
     bs = 18 if (qt == Q4_0 or qt == IQ4_NL) else (20 if qt == Q4_1 else (22 if qt == Q5_0 else 24))
     for b in range(nb):

@@ -49,6 +49,7 @@ _TABLE = (
     (T.Q5_1,     32, True,  False, "q5_1"),
     (T.Q8_0,     32, True,  True,  "q8_0"),
     (T.IQ4_NL,   32, True,  False, ""),
+    (T.MXFP4,    32, True,  False, "mxfp4"),
     (T.Q2_K,    256, True,  False, ""),
     (T.Q3_K,    256, True,  False, ""),
     (T.Q4_K,    256, True,  True,  "q4_k"),

@@ -19,6 +19,29 @@ def reference_matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray) -> np.ndarray:
     return (np.asarray(X, np.float64) @ reference_dequantize(w_raw, qtype).astype(np.float64).T).astype(np.float32)
 
 
+# E2M1 values doubled, as ggml's kvalues_mxfp4 (ggml-common.h); the scale is halved to match
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def e8m0_to_fp32_half(e) -> np.ndarray:
+    """ggml_e8m0_to_fp32_half (ggml-impl.h), bit for bit: E8M0 bytes -> 2^(e-128) as float32,
+    the two denormals e < 2 included (0x00200000 << e), no NaN for 0xFF."""
+    e = np.asarray(e, np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def reference_dequantize_mxfp4(w_raw: np.ndarray) -> np.ndarray:
+    """(n_rows, row_bytes) MXFP4 blocks (E8M0 byte, 16 bytes of 4-bit codes) -> float32
+    (n_rows, n_cols) as ggml's dequantize_row_mxfp4: low nibbles are elements 0..15, high
+    ones 16..31, each kvalue * scale rounded once."""
+    blocks = np.asarray(w_raw, np.uint8).reshape(w_raw.shape[0], -1, 17)
+    d = e8m0_to_fp32_half(blocks[..., 0])
+    qs = blocks[..., 1:]
+    q = KVALUES_MXFP4[np.concatenate([qs & 15, qs >> 4], axis=-1)].astype(np.float32)
+    return (q * d[..., None]).reshape(w_raw.shape[0], -1)
+
+
 def reference_quantize_act(x: np.ndarray, block: int) -> np.ndarray:
     """x rounded the way matvec quantizes activations, back in float64 (for tight checks).
 

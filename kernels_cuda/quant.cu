@@ -19,6 +19,7 @@
 //   Q4_K 144: d, dmin | scales[12] | qs[128]
 //   Q5_K 176: d, dmin | scales[12] | qh[32] | qs[128]
 //   Q6_K 210: ql[128] | qh[64] | scales int8[16] | d
+//   MXFP4 17: e E8M0 u8 | qs[16] (4-bit E2M1 codes into kvalues_mxfp4, the values doubled)
 #include <cuda_fp16.h>
 #include <stdint.h>
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
@@ -40,6 +41,7 @@
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+#define T_MXFP4 39
 
 EI_HD __forceinline__ float ld_f16(const uint8_t* p) {
     return __half2float(__ushort_as_half((unsigned short)(p[0] | (p[1] << 8))));
@@ -47,6 +49,17 @@ EI_HD __forceinline__ float ld_f16(const uint8_t* p) {
 
 EI_HD __forceinline__ uint32_t ld_u32(const uint8_t* p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+// ggml_e8m0_to_fp32_half: 2^(e-128), exact (the two denormals e < 2 included) wherever
+// denormals are kept; ldexpf rather than a bit cast so that the host harness compiles it
+EI_HD __forceinline__ float e8m0_half(uint8_t e) { return ldexpf(1.0f, (int)e - 128); }
+
+// kvalues_mxfp4[code]: magnitudes 0,1,2,3,4,6,8,12 as nibbles of one constant (no table in
+// local memory), bit 3 the sign
+EI_HD __forceinline__ float e2m1_doubled(int code) {
+    const int m = (int)((0xC8643210u >> (4 * (code & 7))) & 0xF);
+    return (float)((code & 8) ? -m : m);   // an int: code 8 is +0, as ggml's table
 }
 
 // scale and min j (0..7) of a Q4_K / Q5_K super-block: 6-bit values packed into 12 bytes
@@ -112,6 +125,14 @@ EI_HD __forceinline__ void dequant32(const uint8_t* row, int c, float* y) {
             int q = (qs[i] >> shift) & 0xF;
             if (T == T_Q5_K) q |= ((b[16 + i] >> sub) & 1) << 4;
             y[i] = dl * (float)q - ml;
+        }
+    } else if (T == T_MXFP4) {
+        const uint8_t* b = row + c * 17;
+        const float d = e8m0_half(b[0]);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            y[i] = e2m1_doubled(b[1 + i] & 0xF) * d;
+            y[i + 16] = e2m1_doubled(b[1 + i] >> 4) * d;
         }
     } else if (T == T_Q6_K) {
         const int sub = c & 7, half = sub >> 2, k = sub & 3;
@@ -282,6 +303,7 @@ EI_ENTRY(q8_0, T_Q8_0)
 EI_ENTRY(q4_k, T_Q4_K)
 EI_ENTRY(q5_k, T_Q5_K)
 EI_ENTRY(q6_k, T_Q6_K)
+EI_ENTRY(mxfp4, T_MXFP4)
 
 // A chunk-aligned dequantize of whole rows to float32 (tests and the CPU-side fallback).
 #define EI_DEQ(suffix, T)                                                                            \
@@ -306,4 +328,5 @@ EI_DEQ(q8_0, T_Q8_0)
 EI_DEQ(q4_k, T_Q4_K)
 EI_DEQ(q5_k, T_Q5_K)
 EI_DEQ(q6_k, T_Q6_K)
+EI_DEQ(mxfp4, T_MXFP4)
 #endif  // EI_HOST_ONLY

@@ -58,7 +58,7 @@ def random_blocks(qtype, n_rows: int, n_cols: int, rng: np.random.Generator,
         # the doubled E2M1 table's rms is 5.85, so e around 128 + log2(std / 5.85), spread
         # over 4 binades. Unsigned scales: negative_scales has nothing to flip.
         e = 128 + int(np.round(np.log2(std / 5.85)))
-        blocks[:, 0] = e + rng.integers(-2, 2, n_blocks)
+        blocks[:, 0] = np.clip(e + rng.integers(-2, 2, n_blocks), 0, 254)   # 0xFF: not a scale
         return blocks.reshape(n_rows, n_cols // block_size * type_size)
     fields = _FP16_FIELDS[qtype]
     for off in fields:
@@ -197,7 +197,8 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
                      shape: TinyShape | None = None, vocab: dict | None = None, seed: int = 0,
                      tie_embeddings: bool | None = None, chat_template: str | None = None,
                      extra_metadata: dict | None = None, omit_tensors: tuple[str, ...] = (),
-                     embd_qtype: str | None = None) -> Path:
+                     embd_qtype: str | None = None,
+                     shape_overrides: dict[str, tuple[int, ...]] | None = None) -> Path:
     """Write a random-weight GGUF of `arch`; matrices in `qtype`, norms and biases in F32."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown test architecture {arch}")
@@ -265,6 +266,7 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
         tensors["output.weight"] = (s.n_embd, n_vocab)
     for i in range(s.n_layer):
         tensors.update(_layer_tensors(arch, s, i))
+    tensors.update(shape_overrides or {})  # hostile files: a tensor of another shape than the metadata says
 
     # Tensor infos first, then each tensor generated and written in turn (in the same order,
     # so from the same random stream): only one tensor is in memory at a time, and a

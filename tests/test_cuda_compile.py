@@ -48,7 +48,8 @@ int main() {
 }
 """
 _TYPE_MACRO = {"f32": "T_F32", "f16": "T_F16", "q4_0": "T_Q4_0", "q4_1": "T_Q4_1", "q5_0": "T_Q5_0",
-               "q5_1": "T_Q5_1", "q8_0": "T_Q8_0", "q4_k": "T_Q4_K", "q5_k": "T_Q5_K", "q6_k": "T_Q6_K"}
+               "q5_1": "T_Q5_1", "q8_0": "T_Q8_0", "q4_k": "T_Q4_K", "q5_k": "T_Q5_K", "q6_k": "T_Q6_K",
+               "mxfp4": "T_MXFP4"}
 
 
 @pytest.fixture(scope="module")

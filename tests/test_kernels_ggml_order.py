@@ -96,8 +96,32 @@ def _q6k_dot(w, x):
     return hsum8(acc)
 
 
+def _mxfp4_dot(w, x):
+    """ggml_vec_dot_mxfp4_q8_0 (AVX2): table values, even blocks into one 8-lane accumulator and
+    odd ones into another, summed before the horizontal sum; an odd last block as the scalar
+    tail, sumf += d * sumi (product and sum rounded apart: llama.cpp's build keeps no fma there)."""
+    from edgeinfer.kernels_cpu.reference import KVALUES_MXFP4, e8m0_to_fp32_half
+
+    xq, xd, _ = K.quantize_activations(x, K.quant_info(T.MXFP4))
+    blocks = w.reshape(w.shape[0], -1, 17)
+    nb = blocks.shape[1]
+    accs = np.zeros((2, w.shape[0], 8), np.float32)
+    for b in range(nb):
+        qs = blocks[:, b, 1:]
+        q = KVALUES_MXFP4[np.concatenate([qs & 15, qs >> 4], axis=1)].astype(np.int64)
+        d = (xd[b] * e8m0_to_fp32_half(blocks[:, b, 0])).astype(np.float32)
+        lanes = _lanes(q, xq[32 * b: 32 * b + 32]).astype(np.float32)
+        if b == nb - 1 and nb % 2:
+            tail = (d, lanes.sum(1))   # exact: |sum| < 2^24
+        else:
+            accs[b % 2] = fma_f32(d[:, None], lanes, accs[b % 2])
+    total = hsum8(accs[0] + accs[1])
+    return (total + tail[0] * tail[1]).astype(np.float32) if nb % 2 else total
+
+
 ORDERS = {T.Q8_0: lambda w, x: _q32_dot(w, x, T.Q8_0), T.Q5_0: lambda w, x: _q32_dot(w, x, T.Q5_0),
-          T.Q4_0: lambda w, x: _q32_dot(w, x, T.Q4_0), T.Q4_K: _q4k_dot, T.Q6_K: _q6k_dot}
+          T.Q4_0: lambda w, x: _q32_dot(w, x, T.Q4_0), T.Q4_K: _q4k_dot, T.Q6_K: _q6k_dot,
+          T.MXFP4: _mxfp4_dot}
 
 
 @pytest.mark.parametrize("qtype", list(ORDERS), ids=lambda t: t.name)
@@ -108,6 +132,45 @@ def test_matvec_follows_ggml_order(qtype, n_rows):
     w = random_blocks(qtype, n_rows, n_cols, rng)
     x = (rng.standard_normal(n_cols) * 3).astype(np.float32)
     np.testing.assert_array_equal(K.matvec(w, qtype, x), ORDERS[qtype](w, x))
+
+
+def _mxfp4_case(n_cols):
+    """64 random MXFP4 rows and an x whose last block makes the tail's rounding show: codes
+    4..7 (values 4..12) on x in (0.3, 1] * amax with amax / 127 = 2047/1024 * 2^-7 in fp16,
+    so that d * sumi takes ~26 bits (an fma there gives other bits in about half the rows)."""
+    rng = np.random.default_rng(n_cols)
+    w = random_blocks(T.MXFP4, 64, n_cols, rng)
+    x = (rng.standard_normal(n_cols) * 3).astype(np.float32)
+    w.reshape(64, -1, 17)[:, -1, 1:] = rng.integers(4, 8, (64, 16)) * 17
+    amax = np.float32(127 * 2047 / 1024 / 128)
+    x[-32:] = rng.uniform(0.3, 1.0, 32).astype(np.float32) * amax
+    x[-1] = amax
+    return w, x
+
+
+# 1 and 3 blocks (the tail alone, one pair and the tail), gpt-oss's 2880 = 90 blocks, 91
+MXFP4_COLS = [32, 96, 2880, 2912]
+
+
+@pytest.mark.parametrize("n_cols", MXFP4_COLS)
+def test_mxfp4_pairs_blocks_and_ends_odd_counts_with_ggml_s_scalar_tail(n_cols):
+    w, x = _mxfp4_case(n_cols)
+    np.testing.assert_array_equal(K.matvec(w, T.MXFP4, x), _mxfp4_dot(w, x))
+
+
+@pytest.mark.parametrize("n_cols", MXFP4_COLS)
+def test_mxfp4_equals_llama_cpp_s_compiled_ggml(n_cols):
+    """The kernels against the oracle's own libggml (tests/ggml_lib.py): dequantization, and
+    where that build took the AVX2 path, the row dot, bit for bit."""
+    from ggml_lib import oracle_ggml
+
+    ggml = oracle_ggml()
+    w, x = _mxfp4_case(n_cols)
+    want = ggml.to_float(int(T.MXFP4), w, n_cols)
+    np.testing.assert_array_equal(K.dequantize_rows(w, T.MXFP4, n_cols, 0, 64).view(np.uint32), want.view(np.uint32))
+    if not ggml.has_avx2():
+        pytest.skip("the oracle's ggml was built without AVX2: its dot sums in the generic order")
+    np.testing.assert_array_equal(K.matvec(w, T.MXFP4, x), ggml.vec_dot_rows(int(T.MXFP4), w, x))
 
 
 @pytest.mark.parametrize("qtype, n_rows, n_cols", [

@@ -164,7 +164,32 @@ def test_quant_types_table():
     assert K.quant_info(T.Q4_K).block_size == 256 and K.quant_info(T.Q4_K).type_size == 144
     assert K.row_bytes(T.Q8_0, 64) == 68 and K.row_bytes(T.F32, 3) == 12
     assert set(TYPES) == {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K,
-                          T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS}
+                          T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4}
+
+
+def test_mxfp4_reference_is_ggml_s_and_gguf_s_dequantization():
+    """The numpy reference (reference.py, from ggml-quants.c and ggml-impl.h) and gguf.quants
+    (written apart) agree bit for bit on every E8M0 byte, denormal scales 0 and 1 included,
+    and on every code; the kernels are held to both."""
+    from gguf import quants
+
+    from edgeinfer.kernels_cpu.reference import e8m0_to_fp32_half, reference_dequantize_mxfp4
+
+    e = np.arange(256, dtype=np.uint8)
+    half = e8m0_to_fp32_half(e)
+    np.testing.assert_array_equal(half.view(np.uint32), quants.MXFP4.e8m0_to_fp32_half(e).view(np.uint32))
+    assert half[0] == 2.0 ** -128 and half[1] == 2.0 ** -127 and half[128] == 1.0 and half[254] == 2.0 ** 126
+    rng = np.random.default_rng(6)
+    w = rng.integers(0, 256, (16, 17 * 16), dtype=np.uint8)        # 256 blocks: every scale byte
+    w.reshape(-1, 17)[:, 0] = rng.permutation(256)
+    with np.errstate(over="ignore"):    # 12 * 2^126 is inf in float32, in ggml too
+        want = quants.dequantize(w, T.MXFP4).astype(np.float32).reshape(16, -1)
+        ref = reference_dequantize_mxfp4(w)
+    np.testing.assert_array_equal(ref.view(np.uint32), want.view(np.uint32))
+    plain = np.empty_like(want)
+    quant_kernels.dequantize_rows_kernel(w, w.view(np.int8), int(T.MXFP4), np.arange(16), plain)
+    for got in (K.dequantize_rows(w, T.MXFP4, 512, 0, 16), plain):    # IR and plain Numba kernels
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_set_threads_applies_in_other_threads():

@@ -1,0 +1,107 @@
+"""MXFP4 (gpt-oss's expert type) row dots and row dequantization, as IR.
+
+A block is one E8M0 scale byte e, then 16 bytes of 4-bit E2M1 codes (low nibbles are
+elements 0..15, high ones 16..31), value = kvalues_mxfp4[code] * 2^(e-128) (the table holds
+the E2M1 values doubled, the scale is halved to match). The dot follows
+ggml_vec_dot_mxfp4_q8_0 (AVX2): table lookup by vpshufb, |q| . sign(q)*x by vpmaddubsw +
+vpmaddwd into 8 i32 lanes, and, unlike the other 32-block types, two <8 x float>
+accumulators, even blocks in one and odd blocks in the other, added before the horizontal
+sum; an odd last block is summed as one integer, scaled, and added to that sum.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .dot_q32 import nibbles32
+from .ir_helpers import (F32T, I8, I16, I32, I64, IRHelpers, array_ptrs, c64, const_vec, counted_loop,
+                         make_deq_intrinsic, store, target_features, vec)
+
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+BLOCK_BYTES = 17
+
+
+def e8m0_half(h, wrow, wo):
+    """The scale byte at wrow + wo -> 2^(e-128) as float: ggml_e8m0_to_fp32_half's bits,
+    0x00200000 << e for the denormals e < 2, else (e - 1) << 23."""
+    b = h.b
+    e = b.zext(h.load(wrow, wo, I8), I32)
+    bits = b.select(b.icmp_unsigned("<", e, ir.Constant(I32, 2)), b.shl(ir.Constant(I32, 0x00200000), e),
+                    b.shl(b.sub(e, ir.Constant(I32, 1)), ir.Constant(I32, 23)))
+    return b.bitcast(bits, F32T)
+
+
+def _values(h, wrow, wo):
+    """The block's 32 signed table values as <32 x i8> (elements in order)."""
+    return h.lut16(nibbles32(h, h.load(wrow, h.b.add(wo, c64(1)), vec(I8, 16))), KVALUES_MXFP4)
+
+
+def _lanes(h, wrow, xq, bi):
+    """Block bi's <8 x i32> lane sums (lane L: products 4L..4L+3); |value| <= 12, so a
+    vpmaddubsw pair is at most 2*12*128."""
+    b = h.b
+    wo = b.mul(bi, c64(BLOCK_BYTES))
+    q = _values(h, wrow, wo)
+    xv = h.load(xq, b.mul(bi, c64(32)), vec(I8, 32))
+    return h.madd_i16(h.maddubs(h.abs_i8(q), h.sign_i8(xv, q)), const_vec(I16, 16, 1))
+
+
+def _scale(h, wrow, xd, bi):
+    """fp16(y.d) * e8m0_half(x.e), as ggml forms it (one float product)."""
+    b = h.b
+    dx = h.load(xd, b.mul(bi, c64(4)), F32T)
+    return b.fmul(dx, e8m0_half(h, wrow, b.mul(bi, c64(BLOCK_BYTES))))
+
+
+def _row_dot(context, builder, sig, args):
+    (wrows, xq, xd, _xs), nb = array_ptrs(context, builder, sig, args)
+    wrow = wrows[0]
+    h = IRHelpers(builder, target_features(context))
+    zero = ir.Constant(vec(F32T, 8), [0.0] * 8)
+
+    def pair(i, accs):
+        out = []
+        for k in (0, 1):   # block i into the first accumulator, block i + 1 into the second
+            bi = builder.add(i, c64(k))
+            s = _lanes(h, wrow, xq, bi)
+            out.append(h.fma(h.splat(_scale(h, wrow, xd, bi), 8), builder.sitofp(s, vec(F32T, 8)), accs[k]))
+        return out
+    n_even = builder.and_(nb, ir.Constant(I64, -2))
+    acc1, acc2 = counted_loop(builder, n_even, 2, [zero, zero], pair, "mxfp4")
+    total = h.hsum_f32(builder.fadd(acc1, acc2))
+    # an odd block count: the last block as ggml's scalar tail, sumf += d * (sumi1 + sumi2),
+    # a product and a sum rounded apart (llama.cpp's build does not contract it to an fma)
+    entry = builder.block
+    tail = builder.append_basic_block("mxfp4.tail")
+    done = builder.append_basic_block("mxfp4.done")
+    builder.cbranch(builder.icmp_signed("<", n_even, nb), tail, done)
+    builder.position_at_end(tail)
+    isum = _lanes(h, wrow, xq, n_even)
+    while isum.type.count > 1:   # exact: the order of integer adds does not matter
+        isum = builder.add(h.half(isum, 0), h.half(isum, 1))
+    isum = builder.extract_element(isum, ir.Constant(I32, 0))
+    with_tail = builder.fadd(total, builder.fmul(_scale(h, wrow, xd, n_even), builder.sitofp(isum, F32T)))
+    tail_end = builder.block
+    builder.branch(done)
+    builder.position_at_end(done)
+    out = builder.phi(F32T)
+    out.add_incoming(total, entry)
+    out.add_incoming(with_tail, tail_end)
+    return out
+
+
+@intrinsic
+def row_mxfp4(typingctx, w, r, xq, xd, xs):
+    """Row r of MXFP4 blocks w . Q8_0 activations (xq, xd; xs unused), in ggml's order."""
+    return types.float32(w, r, xq, xd, xs), _row_dot
+
+
+def _deq_mxfp4(h, wrow, yrow, bi):
+    b = h.b
+    wo = b.mul(bi, c64(BLOCK_BYTES))
+    f = b.sitofp(_values(h, wrow, wo), vec(F32T, 32))
+    store(h, yrow, b.mul(bi, c64(128)), b.fmul(f, h.splat(e8m0_half(h, wrow, wo), 32)))
+
+
+deq_row_mxfp4 = make_deq_intrinsic(32, _deq_mxfp4)
