@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 from edgeinfer.backends.base import _hsum8, ggml_expf_any
-from edgeinfer.kernels_cpu import libm
 
 F16_MIN_NORMAL = np.float32(6.103515625e-5)  # llama.cpp's clamp of the weights' sum
 
@@ -29,6 +28,8 @@ def ggml_softmax(logits: np.ndarray) -> np.ndarray:
     body = n - n % 8
     y = np.empty_like(shifted)
     y[..., :body] = ggml_expf_any(shifted[..., :body])
+    from edgeinfer.kernels_cpu import libm  # Numba: not at import, the CLI and server start light
+
     y[..., body:] = libm.expf(shifted[..., body:])
     groups = y[..., :body].reshape(y.shape[:-1] + (body // 8, 8))
     total = np.cumsum(_hsum8(groups).astype(np.float64), axis=-1)[..., -1] if body else 0.0
