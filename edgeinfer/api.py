@@ -91,7 +91,7 @@ class Model:
 
     @property
     def tool_format(self) -> str:
-        """How this model writes tool calls: "hermes", "llama3", "mistral" or "generic"."""
+        """How this model writes tool calls: "hermes", "llama3", "mistral", "harmony" or "generic"."""
         from edgeinfer.prompt.tool_calls import detect_format
 
         return detect_format(self.template.source)
@@ -122,6 +122,10 @@ class Model:
         return self.tokenizer.detokenize(ids)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
+        if self.tool_format == "harmony":  # assistants' reasoning as its template reads it
+            from edgeinfer.prompt.harmony import template_messages
+
+            messages = template_messages(messages)
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kw)
 
     # -- generation -------------------------------------------------------------------------
@@ -151,8 +155,9 @@ class Model:
         `tools` (OpenAI's list of functions) go to the template's `tools` variable
         (ToolsNotSupportedError if it has none); `tool_choice` "required" or a named function
         constrains the answer to calls whose arguments validate, "auto" (default) only once a
-        call begins; `enable_thinking` is passed to the template. Read calls and reasoning out
-        of the text with `edgeinfer.prompt.tool_calls.parse_output(text, model.tool_format, ...)`."""
+        call begins; `enable_thinking` and `reasoning_effort` (gpt-oss: "low", "medium",
+        "high") are passed to the template. Read calls and reasoning out of the text with
+        `edgeinfer.prompt.tool_calls.parse_output(text, model.tool_format, ...)`."""
         # As llama.cpp: drop a BOS the template wrote (the tokenizer adds it), and parse the
         # template's special-token text as special tokens. Rendering (bounded by the template
         # budget) and tokenizing run here, in the caller: for the server that is the job on
@@ -160,6 +165,7 @@ class Model:
         tools, tool_choice = params.pop("tools", None), params.pop("tool_choice", None)
         parallel = params.pop("parallel_tool_calls", True)
         thinking = params.pop("enable_thinking", None)
+        effort = params.pop("reasoning_effort", None)
         if tools:  # the template renders them; tool_choice may constrain the answer
             from edgeinfer.prompt import tool_calls
 
@@ -168,11 +174,12 @@ class Model:
             if constraint is not None and not any(params.get(k) for k in ("constraint", *_CONSTRAINT_KEYS)):
                 params["constraint"] = constraint
         try:
-            if tools or thinking is not None:
+            # a harmony template also needs its history reshaped (reasoning as `thinking`)
+            if tools or thinking is not None or effort is not None or self.tool_format == "harmony":
                 from edgeinfer.prompt.tool_calls import render_with_tools
 
                 text = render_with_tools(self.template, messages, tools, add_bos=self.tokenizer.add_bos,
-                                         enable_thinking=thinking, cancel=cancel)
+                                         enable_thinking=thinking, reasoning_effort=effort, cancel=cancel)
             else:
                 text = self.template.render_prompt(messages, add_bos=self.tokenizer.add_bos,
                                                    add_generation_prompt=True, cancel=cancel)

@@ -25,6 +25,7 @@ from textual.widgets.option_list import Option
 
 from edgeinfer.sessions.conversations import Conversation, ConversationStore
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.prompt.shown_answer import ShownAnswer
 from edgeinfer.tui import controller, layout
 from edgeinfer.tui.export import export_markdown, to_markdown
 from edgeinfer.tui.loading import (ModelLoader, accepts_progress, default_loader, local_models,  # noqa: F401
@@ -227,11 +228,16 @@ class ChatApp(App):
     def _generate(self, model, messages: list[dict], params: dict, widget: AssistantMessage,
                   cancel: threading.Event) -> None:
         last, error = None, None
+        view = ShownAnswer.for_model(model)  # gpt-oss's channels shown as Qwen's <think> block
         try:
             for chunk in model.chat(messages, stream=True, cancel=cancel, **params):
-                if chunk.text:
-                    self._ui(self._on_text, widget, chunk.text)
+                text = view.push(chunk.text)
+                if text:
+                    self._ui(self._on_text, widget, text)
                 last = chunk
+            text = view.finish()
+            if text:
+                self._ui(self._on_text, widget, text)
         except EdgeInferError as exc:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - keep the app (and the chat) alive, show it

@@ -8,7 +8,11 @@ import threading
 
 def answer(model, messages_or_prompt, params: dict, raw: bool, verbose: bool, out=None, err=None) -> str:
     """Stream one answer to `out` (stdout); Ctrl-C stops it. `raw` completes the last user
-    text as it is; otherwise the messages go through the chat template. Returns the text shown."""
+    text as it is; otherwise the messages go through the chat template, and the answer is
+    shown as edgeinfer.prompt.shown_answer says (reasoning as a `<think>` block). Returns the
+    text shown."""
+    from edgeinfer.prompt.shown_answer import ShownAnswer
+
     out = out if out is not None else sys.stdout
     cancel = threading.Event()
     if raw:
@@ -16,19 +20,25 @@ def answer(model, messages_or_prompt, params: dict, raw: bool, verbose: bool, ou
         chunks = model.generate(prompt, stream=True, cancel=cancel, **params)
     else:
         chunks = model.chat(messages_or_prompt, stream=True, cancel=cancel, **params)
+    view = ShownAnswer(None) if raw else ShownAnswer.for_model(model)
     shown: list[str] = []
     last = None
+
+    def show(text: str) -> None:
+        if text:
+            out.write(text)
+            out.flush()
+            shown.append(text)
+
     try:
         for chunk in chunks:
-            if chunk.text:
-                out.write(chunk.text)
-                out.flush()
-                shown.append(chunk.text)
+            show(view.push(chunk.text))
             last = chunk
     except KeyboardInterrupt:
         cancel.set()
         for chunk in chunks:  # let the loop see the cancel and release the model
             last = chunk
+    show(view.finish())
     out.write("\n")
     out.flush()
     if verbose and last is not None and last.timings is not None:

@@ -7,12 +7,15 @@ Families (`detect_format(template_source)`):
   optional `<|python_tag|>`; several calls separated by `;`);
 - "mistral": `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (the control token may be
   missing from decoded text: a leading JSON array of calls reads the same);
+- "harmony": gpt-oss, OpenAI's harmony channels; a call is a message `to=functions.NAME`
+  whose body is the JSON arguments, reasoning the analysis channel (edgeinfer.prompt.harmony);
 - "generic": the documented fallback for any other template: an answer that is exactly a
   JSON object {"name", "arguments"} (or a list of them, or {"tool_calls": [...]}) is a call.
 
 Text the parser cannot read as a call stays content: nothing is ever dropped.
 `ToolCallStream` does the same incrementally: it holds back text that may begin a call and
-emits each call once complete (the server's `delta.tool_calls`). `split_reasoning` moves
+emits each call once complete (the server's `delta.tool_calls`); `answer_stream` picks it, or
+harmony's own stream for a harmony template. `split_reasoning` moves
 Qwen 3's `<think>...</think>` to a separate field. `tool_constraint` builds the grammar that
 makes a call's arguments validate against the function's schema (tool_choice "required" or
 a named function), or a lazy one for "auto" (free text until the family's trigger).
@@ -22,17 +25,18 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.prompt import harmony
+from edgeinfer.prompt.answer_parts import ParsedOutput, ToolCall
 
 __all__ = ["ToolCall", "ParsedOutput", "ToolsNotSupportedError", "ToolCallError", "detect_format",
            "supports_tools", "normalize_tools", "normalize_messages", "render_with_tools",
-           "parse_tool_calls", "split_reasoning", "parse_output", "ToolCallStream", "tool_constraint"]
+           "parse_tool_calls", "split_reasoning", "parse_output", "ToolCallStream", "answer_stream",
+           "tool_constraint"]
 
-FORMATS = ("hermes", "llama3", "mistral", "generic")
+FORMATS = ("hermes", "llama3", "mistral", "harmony", "generic")
 
 
 class ToolsNotSupportedError(EdgeInferError):
@@ -41,35 +45,6 @@ class ToolsNotSupportedError(EdgeInferError):
 
 class ToolCallError(EdgeInferError):
     """Bad `tools` / `tool_choice` / tool messages in a request (HTTP 400)."""
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
-
-    @property
-    def arguments_json(self) -> str:
-        """OpenAI's `function.arguments` (a JSON string)."""
-        return json.dumps(self.arguments, ensure_ascii=False)
-
-    def openai(self, index: int | None = None) -> dict:
-        d = {"id": self.id, "type": "function",
-             "function": {"name": self.name, "arguments": self.arguments_json}}
-        if index is not None:
-            d["index"] = index
-        return d
-
-    def ollama(self) -> dict:
-        return {"function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass
-class ParsedOutput:
-    content: str
-    tool_calls: list[ToolCall]
-    reasoning: str | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -83,6 +58,8 @@ def supports_tools(template_source: str) -> bool:
 
 def detect_format(template_source: str) -> str:
     src = template_source or ""
+    if harmony.is_harmony(src):  # before hermes: its channels are the whole answer's structure
+        return "harmony"
     if "<tool_call>" in src:
         return "hermes"
     if "[TOOL_CALLS]" in src:
@@ -142,16 +119,22 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
 
 
 def render_with_tools(template, messages: Sequence[Mapping[str, Any]], tools: Any = None, *,
-                      add_bos: bool, enable_thinking: bool | None = None, cancel=None,
-                      **kwargs: Any) -> str:
+                      add_bos: bool, enable_thinking: bool | None = None,
+                      reasoning_effort: str | None = None, cancel=None, **kwargs: Any) -> str:
     """The prompt for `messages` (+ `tools`) through the model's own template
-    (edgeinfer.prompt.chat_template.ChatTemplate.render_prompt: its budget applies)."""
+    (edgeinfer.prompt.chat_template.ChatTemplate.render_prompt: its budget applies); a
+    harmony template gets the assistants' reasoning as it reads it (`thinking`)."""
     tools = normalize_tools(tools)
     if tools and not supports_tools(template.source):
         raise ToolsNotSupportedError("this model's chat template does not support tools")
     if enable_thinking is not None:
         kwargs["enable_thinking"] = bool(enable_thinking)
-    return template.render_prompt(normalize_messages(messages), add_bos=add_bos,
+    if reasoning_effort is not None:
+        kwargs["reasoning_effort"] = reasoning_effort
+    messages = normalize_messages(messages)
+    if harmony.is_harmony(template.source):
+        messages = harmony.template_messages(messages)
+    return template.render_prompt(messages, add_bos=add_bos,
                                   add_generation_prompt=True, tools=tools or None,
                                   cancel=cancel, **kwargs)
 
@@ -226,6 +209,8 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 
 def parse_tool_calls(text: str, fmt: str) -> ParsedOutput:
     """Calls and the remaining content of one generated answer (no reasoning handling)."""
+    if fmt == "harmony":
+        return harmony.parse(text, tools=True)
     if fmt == "hermes":
         content, calls, pos = [], [], 0
         for m in _HERMES.finditer(text):
@@ -282,12 +267,23 @@ def split_reasoning(text: str, started: bool = False) -> tuple[str | None, str]:
 def parse_output(text: str, fmt: str, *, reasoning: bool = False, think_started: bool = False,
                  tools: bool = True) -> ParsedOutput:
     """Reasoning (when asked), then tool calls (when the request had tools), then content."""
+    if fmt == "harmony":  # its channels say which text is which
+        return harmony.parse(text, tools=tools)
     thought = None
     if reasoning:
         thought, text = split_reasoning(text, think_started)
     out = parse_tool_calls(text, fmt) if tools else ParsedOutput(text, [])
     out.reasoning = thought
     return out
+
+
+def answer_stream(fmt: str, *, reasoning: bool = False, think_started: bool = False,
+                  tools: bool = True):
+    """The incremental reader of a `fmt` answer: harmony's, or a ToolCallStream. Both have
+    push(text) / flush() returning the same events."""
+    if fmt == "harmony":
+        return harmony.HarmonyStream(tools=tools)
+    return ToolCallStream(fmt, reasoning=reasoning, think_started=think_started, tools=tools)
 
 
 class ToolCallStream:
@@ -301,8 +297,8 @@ class ToolCallStream:
 
     def __init__(self, fmt: str, *, reasoning: bool = False, think_started: bool = False,
                  tools: bool = True) -> None:
-        if fmt not in FORMATS:
-            raise ToolCallError(f"unknown tool-call format {fmt!r}")
+        if fmt not in FORMATS or fmt == "harmony":
+            raise ToolCallError(f"unknown tool-call format {fmt!r} (harmony: use answer_stream)")
         self.fmt = fmt
         self.tools = tools
         self._buf = ""
@@ -470,14 +466,16 @@ def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
     "required" / a named function: the answer is one call (more with `parallel`) in the
     family's syntax, its arguments valid against the function's parameter schema.
     "auto": free text, and a valid call once the family's trigger appears (hermes
-    `<tool_call>`, mistral `[TOOL_CALLS]`, llama3 `<|python_tag|>`); "generic" answers stay
-    unconstrained under "auto". "none" or no tools: None.
+    `<tool_call>`, mistral `[TOOL_CALLS]`, llama3 `<|python_tag|>`); "generic" and "harmony"
+    answers stay unconstrained under "auto". "none" or no tools: None.
     """
     from edgeinfer.prompt import grammar
 
     mode, chosen = select_tools(normalize_tools(tools), tool_choice)
     if mode == "none" or not chosen:
         return None
+    if fmt == "harmony":
+        return None if mode == "auto" else _harmony_call(chosen, tokenizer)
     args_key = "parameters" if fmt == "llama3" else "arguments"
     schemas = [_call_schema(t, args_key) for t in chosen]
     any_call = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
@@ -514,3 +512,24 @@ def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
         one, sep = call_rule, '"\\n"'
     body = f"call ({sep} call)*" if parallel else "call"
     return grammar.lark(f"start: {body}\ncall: {one}\n")
+
+
+def _harmony_call(chosen: list[dict], tokenizer):
+    """A harmony answer that is one call (generation ends at its `<|call|>`): maybe an
+    analysis message first, then `<|channel|>commentary to=functions.NAME <|constrain|>json
+    <|message|>` and arguments valid against NAME's schema (llama.cpp's gpt-oss grammar)."""
+    from edgeinfer.prompt import grammar
+
+    ch, msg, end, start = (_token_ref(tokenizer, t) for t in (harmony.CHANNEL, harmony.MESSAGE,
+                                                                 harmony.END, harmony.START))
+    constrain = _token_ref(tokenizer, harmony.CONSTRAIN)
+    calls = []
+    for tool in chosen:
+        fn = tool["function"]
+        args = {**fn["parameters"], "x-guidance": dict(grammar.JSON_LAYOUT)}
+        calls.append(f'"commentary to=functions.{fn["name"]} " {constrain} "json" {msg} '
+                     f'%json {json.dumps(args, ensure_ascii=False)}')
+    return grammar.lark(f"start: analysis? call\n"
+                        f'analysis: {ch} "analysis" {msg} /(.|\\n)*/ {end} {start} "assistant"\n'
+                        f"call: {ch} ({' | '.join(calls)})\n")
+

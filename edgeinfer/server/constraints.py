@@ -12,7 +12,10 @@ Every dialect's way of asking for constrained output ends here as one compiled
 Tools (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`; Ollama's `tools`) are
 checked here and handed to `Model.chat`, which renders them through the model's template
 and constrains the calls (edgeinfer.prompt.tool_calls). Thinking: Ollama's `think`, or a
-`/think` / `/no_think` in the last user message, sets the template's `enable_thinking`.
+`/think` / `/no_think` in the last user message, sets the template's `enable_thinking`; a
+level (Ollama's `think: "low"`, OpenAI's `reasoning_effort`) is the template's
+`reasoning_effort`, for templates that read it (gpt-oss). A harmony model always reasons:
+asking it not to is a 400.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.prompt.harmony import is_harmony
 from edgeinfer.server.errors import APIError
+
+EFFORTS = ("low", "medium", "high")  # gpt-oss's reasoning levels (its template's `reasoning_effort`)
 
 
 def _bad(field: str, exc: Exception | str) -> APIError:
@@ -135,10 +141,39 @@ def tool_keywords(model, tools: list | None, tool_choice: Any = None,
 
 # -- thinking ---------------------------------------------------------------------------------
 
+def _source(model) -> str:
+    return getattr(getattr(model, "template", None), "source", "") or ""
+
+
+def speaks_harmony(model) -> bool:
+    """Whether the model's template is harmony's (gpt-oss): its answers are channels."""
+    return is_harmony(_source(model))
+
+
 def thinks(model) -> bool:
-    """Whether the model's template writes `<think>` blocks (Qwen 3, DeepSeek R1, QwQ...)."""
-    source = getattr(getattr(model, "template", None), "source", "") or ""
-    return "<think>" in source or "enable_thinking" in source
+    """Whether the model's template writes `<think>` blocks (Qwen 3, DeepSeek R1, QwQ...) or
+    harmony's analysis channel (gpt-oss)."""
+    source = _source(model)
+    return "<think>" in source or "enable_thinking" in source or is_harmony(source)
+
+
+def harmony_think(model, think: bool | None, field: str) -> None:
+    """A harmony model cannot be told not to reason (its template has no switch): false is a
+    400 naming `field`; true, or nothing, is what it does anyway."""
+    if think is False and speaks_harmony(model):
+        raise _bad(field, "this model always reasons (harmony's analysis channel); "
+                          f"lower its reasoning_effort ({', '.join(EFFORTS)}) instead")
+
+
+def effort_keywords(model, effort: Any, field: str = "reasoning_effort") -> dict:
+    """Model.chat's `reasoning_effort`, checked: one of EFFORTS, for a template that reads it."""
+    if effort is None:
+        return {}
+    if effort not in EFFORTS:
+        raise _bad(field, f"expected one of {', '.join(EFFORTS)}, got {effort!r}")
+    if "reasoning_effort" not in _source(model):
+        raise _bad(field, "this model's chat template takes no reasoning effort")
+    return {"reasoning_effort": effort}
 
 
 def thinking_switch(messages: list[dict], think: bool | None) -> bool | None:
@@ -158,17 +193,25 @@ def thinking_switch(messages: list[dict], think: bool | None) -> bool | None:
     return None
 
 
-def ollama_think(model, think: Any, raw: bool = False) -> bool | None:
-    """Ollama's `think`: true or false (a 400 for levels, and true for a model that does not
-    think); false for such a model asks for nothing."""
+def ollama_think(model, think: Any, raw: bool = False) -> tuple[bool | None, str | None]:
+    """Ollama's `think` as (enable_thinking, reasoning_effort): true or false, or a level
+    ("low", "medium", "high") for a template that takes one (gpt-oss). A 400 for true on a
+    model that does not think, false on one that always does, a level elsewhere; false on
+    a model that does not think asks for nothing."""
     if think is None:
-        return None
+        return None, None
     if isinstance(think, str):
-        raise _bad("think", f"thinking levels ({think!r}) are not supported; use true or false")
+        if raw:
+            raise _bad("think", "it needs the chat template (raw is true)")
+        effort = effort_keywords(model, think, "think")["reasoning_effort"]
+        return None, effort
     if not thinks(model):
         if think:
             raise _bad("think", "this model does not support thinking")
-        return None
+        return None, None
     if raw and think:
         raise _bad("think", "it needs the chat template (raw is true)")
-    return None if raw else think
+    if raw:
+        return None, None
+    harmony_think(model, think, "think")
+    return (None if speaks_harmony(model) else think), None

@@ -96,8 +96,8 @@ async def generate(request: Request):
         raise APIError(400, "invalid field 'template': template overrides are not supported; start the "
                             "server with --chat-template")
     params = sampling_of(state, req, model.n_ctx)
-    thinking = ollama_think(model, req.think, raw=req.raw or req.suffix is not None)
-    reader = None  # a thinking template's answer: its <think> block goes to `thinking`
+    thinking, effort = ollama_think(model, req.think, raw=req.raw or req.suffix is not None)
+    reader = None  # a thinking template's answer: its reasoning goes to `thinking`
     if not req.prompt and req.suffix is None and not req.context:
         return load_response(state)
     tokens: list[int] = []  # the prompt's ids, then the answer's: the `context` to hand back
@@ -115,7 +115,7 @@ async def generate(request: Request):
         else:
             messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
                 [{"role": "user", "content": req.prompt}]
-            extra, reader = chat_plan(model, messages, think=thinking)
+            extra, reader = chat_plan(model, messages, think=thinking, effort=effort, effort_field="think")
             start = lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params, **extra)  # noqa: E731
         start = _recording(start, tokens)
     job = state.submit(start)
@@ -167,13 +167,14 @@ async def chat(request: Request):
     if bad is not None:
         raise APIError(400, f"invalid field 'messages.{bad}.images': images are not supported by this model")
     params = sampling_of(state, req, model.n_ctx)
-    thinking = ollama_think(model, req.think)
+    thinking, effort = ollama_think(model, req.think)
     if not req.messages:
         return JSONResponse({"model": state.model_name, "created_at": now_iso(),
                              "message": {"role": "assistant", "content": ""}, "done": True,
                              "done_reason": "load"})
     messages = ollama_history(req.messages)
-    extra, reader = chat_plan(model, messages, tools=req.tools, think=thinking)
+    extra, reader = chat_plan(model, messages, tools=req.tools, think=thinking, effort=effort,
+                              effort_field="think")
     job = state.submit(lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params, **extra))
     head = {"model": state.model_name}
 

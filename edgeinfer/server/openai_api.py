@@ -47,9 +47,12 @@ async def chat_completions(request: Request):
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_of(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     messages = [chat_message(m) for m in req.messages]
+    kwargs = req.chat_template_kwargs
+    effort, effort_field = _effort(req)
     extra, reader = chat_plan(model, messages, tools=req.tools, tool_choice=req.tool_choice,
                               parallel_tool_calls=req.parallel_tool_calls,
-                              think=req.chat_template_kwargs.enable_thinking if req.chat_template_kwargs else None,
+                              think=kwargs.enable_thinking if kwargs else None,
+                              effort=effort, effort_field=effort_field,
                               constraint=response_format(req.response_format))
     job = state.submit(several(lambda p: lambda cancel: model.chat(messages, stream=True, cancel=cancel,
                                                                    **p, **extra), req.n, params))
@@ -106,6 +109,18 @@ async def chat_completions(request: Request):
 
     return sse_response(_stream_body(job, first, request.url.path, include_usage, head, "chat.completion.chunk",
                                      on_chunk))
+
+
+def _effort(req: ChatCompletionRequest) -> tuple[str | None, str]:
+    """The reasoning effort asked for, and the field that asked: OpenAI's `reasoning_effort`
+    or llama-server's `chat_template_kwargs.reasoning_effort` (the same, if both)."""
+    nested = req.chat_template_kwargs.reasoning_effort if req.chat_template_kwargs else None
+    if nested is not None and req.reasoning_effort is not None and nested != req.reasoning_effort:
+        raise APIError(400, "invalid field 'chat_template_kwargs.reasoning_effort': it differs from "
+                            "reasoning_effort", param="chat_template_kwargs.reasoning_effort")
+    if nested is not None:
+        return nested, "chat_template_kwargs.reasoning_effort"
+    return req.reasoning_effort, "reasoning_effort"
 
 
 @router.post("/v1/completions")

@@ -134,6 +134,7 @@ class ChatTemplateKwargs(Body):
     """llama-server's `chat_template_kwargs`: the template switches edgeinfer honours."""
 
     enable_thinking: bool | None = None
+    reasoning_effort: str | None = None   # gpt-oss's level, as the top-level field (checked in the endpoint)
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -148,7 +149,7 @@ class ChatCompletionRequest(OpenAISampling):
     chat_template_kwargs: ChatTemplateKwargs | None = None   # llama-server extension
     functions: Unsupported(TOOLS, []) = None
     function_call: Unsupported(TOOLS, "none") = None
-    reasoning_effort: Unsupported("reasoning effort is not supported") = None
+    reasoning_effort: str | None = None   # low, medium or high, for templates that take it (checked in the endpoint)
     modalities: Unsupported("only text output is supported", ["text"]) = None
     audio: Unsupported("audio output is not supported") = None
     prediction: Unsupported("predicted outputs are not supported") = None
@@ -217,7 +218,7 @@ class OllamaBase(Body):
     format: str | dict | None = None   # "json" or a JSON schema (edgeinfer.server.constraints)
     options: OllamaOptions | None = None
     keep_alive: KeepAlive = None
-    think: bool | str | None = None    # the template's enable_thinking (levels are refused in the endpoint)
+    think: bool | str | None = None    # enable_thinking, or a level: the template's reasoning_effort (endpoint)
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None         # alternatives per token, with logprobs: true
 

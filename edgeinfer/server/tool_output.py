@@ -1,7 +1,9 @@
 """A chat answer's text as each dialect shows it: content, tool calls and reasoning, whole or streamed.
 
 The model writes one text; when the request had tools, or the template thinks (Qwen 3's
-`<think>...</think>`), an `OutputReader` splits it with edgeinfer.prompt.tool_calls:
+`<think>...</think>`), or speaks harmony (gpt-oss's channels: analysis is the reasoning,
+final the content, `to=functions.NAME` a call), an `OutputReader` splits it with
+edgeinfer.prompt.tool_calls (and edgeinfer.prompt.harmony):
 
 - OpenAI: `message.content` (null when the answer is only calls), `message.tool_calls`
   ([{id, type: "function", function: {name, arguments: JSON text}}]) with finish_reason
@@ -22,8 +24,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from edgeinfer.server.constraints import thinks
-from edgeinfer.prompt.tool_calls import ParsedOutput, ToolCallStream, parse_output
+from edgeinfer.server.constraints import speaks_harmony, thinks
+from edgeinfer.prompt.tool_calls import ParsedOutput, ToolCallStream, answer_stream, parse_output
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,15 @@ class OutputReader:
                             tools=self.tools)
 
     def stream(self) -> ToolCallStream:
-        return ToolCallStream(self.fmt, reasoning=self.reasoning, think_started=self.think_started,
-                              tools=self.tools)
+        return answer_stream(self.fmt, reasoning=self.reasoning, think_started=self.think_started,
+                             tools=self.tools)
 
 
 def reader_for(model, *, tools: bool, thinking: bool | None = None) -> OutputReader | None:
-    """The reader for a chat request (None: the text is all content)."""
+    """The reader for a chat request (None: the text is all content). A harmony answer is
+    always read: its channels are structure, never content."""
+    if speaks_harmony(model):
+        return OutputReader("harmony", tools, True)
     reasoning = thinks(model) and thinking is not False
     if not tools and not reasoning:
         return None
@@ -180,13 +185,18 @@ class OllamaPieces:
 
 def chat_plan(model, messages: list[dict], *, tools: list | None = None, tool_choice: Any = None,
               parallel_tool_calls: bool | None = None, think: bool | None = None,
+              effort: str | None = None, effort_field: str = "reasoning_effort",
               constraint=None) -> tuple[dict, OutputReader | None]:
-    """The Model.chat keywords for a chat request's tools, thinking switch and constraint
-    (checked: 400s name the field), and the reader for its answers."""
-    from edgeinfer.server.constraints import thinking_switch, tool_keywords
+    """The Model.chat keywords for a chat request's tools, thinking switch, reasoning effort
+    and constraint (checked: 400s name the field), and the reader for its answers. `think`
+    false on a harmony model comes from chat_template_kwargs (Ollama's is checked before)."""
+    from edgeinfer.server.constraints import effort_keywords, harmony_think, thinking_switch, tool_keywords
 
     kw = tool_keywords(model, tools, tool_choice, parallel_tool_calls)
-    thinking = thinking_switch(messages, think) if thinks(model) else None
+    kw.update(effort_keywords(model, effort, effort_field))
+    harmony_think(model, think, "chat_template_kwargs.enable_thinking")
+    # harmony has no switch, so neither the request's nor Qwen's /no_think applies
+    thinking = thinking_switch(messages, think) if thinks(model) and not speaks_harmony(model) else None
     if thinking is not None:
         kw["enable_thinking"] = thinking
     if constraint is not None:
