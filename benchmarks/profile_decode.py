@@ -26,9 +26,9 @@ def _kind(names) -> str:
     for key in ("attn_q", "attn_k", "attn_v"):
         if key + "." in name:
             return "attn_qkv"
-    for key in ("attn_output", "ffn_gate", "ffn_up", "ffn_down", "output.weight", "token_embd"):
+    for key in ("attn_output", "ffn_gate_inp", "ffn_gate", "ffn_up", "ffn_down", "output.weight", "token_embd"):
         if key in name:
-            return "ffn" if key.startswith("ffn") else key.replace(".weight", "")
+            return "ffn" if key in ("ffn_gate", "ffn_up", "ffn_down") else key.replace(".weight", "")
     return name
 
 
@@ -79,6 +79,13 @@ def main(argv=None) -> None:
     timed("rope", lambda *a: "rope")
     timed("rms_norm", lambda *a: "rms_norm")
     timed("get_rows", lambda *a: "get_rows")
+    # mixtures of experts: the chosen experts' rows (one call a layer for gate+up, one for down)
+    # and their activation; the router's matvec counts as "ffn_gate_inp"
+    expert_bytes = lambda names, active: sum(gf.tensors[n].n_bytes // gf.tensors[n].shape[2] * len(active)  # noqa: E731
+                                             for n in names)
+    timed("expert_batch", lambda *a: "experts", lambda names, active, *rest: expert_bytes(names, active))
+    timed("silu_mul", lambda *a: "activation")
+    timed("swiglu_oai", lambda *a: "activation")
 
     kv = engine.new_cache()
     if args.depth:

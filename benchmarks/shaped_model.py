@@ -1,6 +1,6 @@
 """Random-weight GGUFs shaped like real checkpoints, quantized by llama.cpp itself.
 
-Shared by the make_*_shaped.py scripts (Llama 1B / 8B, Qwen3-30B-A3B): the weights are random,
+Shared by the make_*_shaped.py scripts (Llama 1B / 8B, Qwen3-30B-A3B, gpt-oss-20b): the weights are random,
 written as F16 by tests/gguf_factory.py (one tensor in memory at a time), then quantized
 by llama-cpp-python's llama_model_quantize, so the type mix is the one users download
 (Q4_K_M: Q4_K, with Q6_K for attn_v, half of ffn_down and the output matrix). Needs
@@ -38,8 +38,10 @@ def padded_vocab(n_vocab: int) -> dict:
 
 
 def write_shaped_q4_k_m(out: str | Path, shape, *, tie_embeddings: bool, n_vocab: int = LLAMA3_VOCAB,
-                        tmp_dir: str | Path | None = None, threads: int = 2, arch: str = "llama") -> Path:
-    """Write a Q4_K_M GGUF of `arch` and `shape` (a gguf_factory.TinyShape) to `out`."""
+                        tmp_dir: str | Path | None = None, threads: int = 2, arch: str = "llama",
+                        ftype: str = "Q4_K_M") -> Path:
+    """Write a GGUF of `arch` and `shape` (a gguf_factory.TinyShape) to `out`, quantized by
+    llama.cpp to `ftype` (Q4_K_M, or MXFP4_MOE: experts MXFP4, the other matrices Q8_0)."""
     import llama_cpp
     from gguf_factory import _layer_tensors, write_tiny_model
 
@@ -57,7 +59,7 @@ def write_shaped_q4_k_m(out: str | Path, shape, *, tie_embeddings: bool, n_vocab
         write_tiny_model(f16, arch, "F16", shape=shape, vocab=padded_vocab(n_vocab), seed=1,
                          tie_embeddings=tie_embeddings)
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
         params.nthread = threads
         rc = llama_cpp.llama_model_quantize(str(f16).encode(), str(out).encode(), params)
         if rc != 0:
@@ -66,10 +68,10 @@ def write_shaped_q4_k_m(out: str | Path, shape, *, tie_embeddings: bool, n_vocab
 
 
 def main(description: str, default_out: str, shape, *, tie_embeddings: bool, arch: str = "llama",
-         n_vocab: int = LLAMA3_VOCAB) -> None:
+         n_vocab: int = LLAMA3_VOCAB, ftype: str = "Q4_K_M") -> None:
     """The command line the make_*_shaped scripts share: an output path, --tmp-dir, --layers."""
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("out", nargs="?", default=default_out, help="where to write the Q4_K_M file")
+    ap.add_argument("out", nargs="?", default=default_out, help=f"where to write the {ftype} file")
     ap.add_argument("--tmp-dir", default=None, help="where the temporary F16 file goes (default: the system's)")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp quantizer threads")
     ap.add_argument("--layers", type=int, default=None,
@@ -80,4 +82,4 @@ def main(description: str, default_out: str, shape, *, tie_embeddings: bool, arc
             raise SystemExit(f"--layers must be from 1 to {shape.n_layer}, got {args.layers}")
         shape = dataclasses.replace(shape, n_layer=args.layers)
     print(write_shaped_q4_k_m(args.out, shape, tie_embeddings=tie_embeddings, tmp_dir=args.tmp_dir,
-                              threads=args.threads, arch=arch, n_vocab=n_vocab))
+                              threads=args.threads, arch=arch, n_vocab=n_vocab, ftype=ftype))

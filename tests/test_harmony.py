@@ -280,7 +280,7 @@ def harmony_vocab() -> dict:
 def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("harmony")
     vocab = harmony_vocab()
-    return {"gptoss": write_tiny_model(root / "gptoss.gguf", "qwen2", "F32", vocab=vocab, shape=SMALL, seed=11,
+    return {"gptoss": write_tiny_model(root / "gptoss.gguf", "gpt-oss", "F32", vocab=vocab, shape=SMALL, seed=11,
                                        chat_template=TEMPLATE),
             "qwen3": write_tiny_model(root / "qwen3.gguf", "qwen2", "F32", vocab=vocab, shape=SMALL, seed=12,
                                       chat_template=QWEN3)}

@@ -301,3 +301,21 @@ def test_cpu_moe_flags(tmp_path, cuda_emulator):
         assert (out.returncode == 0) == ok, (flags, out.stderr)
         if not ok:
             assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "--n-cpu-moe 1" in out.stderr
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_moe_families_embed_and_stream(tmp_path, arch):
+    """The API's other uses on both families: embeddings (the final normed hidden state,
+    pooled) are unit vectors that tell inputs apart, and a streamed completion's pieces add
+    up to the unstreamed text."""
+    import edgeinfer
+
+    model = edgeinfer.load(_moe(tmp_path, "Q8_0", arch), n_ctx=96, download=False)
+    vecs = np.asarray(model.embed(["hello world", "the code", "hello world"]), np.float64)
+    np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(vecs[0], vecs[2], atol=1e-6)
+    assert np.abs(vecs[0] - vecs[1]).max() > 1e-3
+    whole = model.generate([5, 30, 40], max_tokens=12, temperature=0)
+    pieces = list(model.generate([5, 30, 40], max_tokens=12, temperature=0, stream=True))
+    assert "".join(p.text for p in pieces) == whole.text
+    assert [p.token for p in pieces if p.token is not None] == whole.tokens and whole.tokens
