@@ -237,8 +237,12 @@ class Transformer:
             q_scale, kq_scale = cfg.attn_scale, 1.0
         else:  # the others scale Q K^T inside the softmax
             q_scale, kq_scale = 1.0, 1.0 / math.sqrt(cfg.head_dim)
-        out = be.attention(q, kv, i, positions, kq_scale, window, q_scale=q_scale)
+        out = be.attention(q, kv, i, positions, kq_scale, window, q_scale=q_scale, sinks=self.attention_sinks(i))
         return out.reshape(out.shape[0], -1)
+
+    def attention_sinks(self, i: int) -> str | None:
+        """The tensor of layer i's per-head attention sinks (gpt-oss), or None."""
+        return None
 
 
 def _vocab_size(gf: "GGUFFile", arch: str) -> int:

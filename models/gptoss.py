@@ -14,7 +14,6 @@ As llama.cpp's openai-moe.cpp builds it, block by block:
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -74,24 +73,15 @@ class GptOss(Llama):
                       p + "attn_v.bias": (cfg.n_head_kv * cfg.head_dim_v,)})
         return t
 
-    def layer(self, i, x, positions, slots, kv):
-        be, cfg, p = self.backend, self.config, f"blk.{i}."
-        n = x.shape[0]
-        h = be.rms_norm(x, p + "attn_norm.weight", cfg.norm_eps)
-        q, k, v = self.project_many([p + "attn_q", p + "attn_k", p + "attn_v"], h)
-        q = q.reshape(n, cfg.n_head, cfg.head_dim)
-        k = k.reshape(n, cfg.n_head_kv, cfg.head_dim)
-        v = v.reshape(n, cfg.n_head_kv, cfg.head_dim_v)
-        rope = self.rope_args(i)
-        q = be.rope(q, positions, *rope)
-        k = be.rope(k, positions, *rope)
-        kv.store(i, slots, k, v)
-        window = cfg.sliding_window if cfg.is_swa(i) else 0
-        attn = be.attention(q, kv, i, positions, 1.0 / math.sqrt(cfg.head_dim), window,
-                            sinks=p + "attn_sinks.weight")
-        attn = be.linear(p + "attn_output.weight", attn.reshape(n, -1)) + be.vector(p + "attn_output.bias")
-        x = x + attn
-        return x + self.experts(i, be.rms_norm(x, p + "post_attention_norm.weight", cfg.norm_eps))
+    def attention_sinks(self, i):
+        return f"blk.{i}.attn_sinks.weight"
+
+    def attention_output(self, i, attn):
+        return super().attention_output(i, attn) + self.backend.vector(f"blk.{i}.attn_output.bias")
+
+    def feed_forward(self, i, x):
+        h = self.backend.rms_norm(x, f"blk.{i}.post_attention_norm.weight", self.config.norm_eps)
+        return x + self.experts(i, h)
 
     def experts(self, i: int, h: np.ndarray) -> np.ndarray:
         be, cfg, p = self.backend, self.config, f"blk.{i}."

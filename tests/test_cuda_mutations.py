@@ -39,7 +39,7 @@ def _device():
 def test_the_unmutated_sources_pass():
     import test_cuda_kernels as k
 
-    k.test_paged_attention(20, 64, 0)
+    k.test_paged_attention(20, 64, 0, False)
     k.test_linear(launch.Q.Q8_0, 1)
 
 
@@ -50,7 +50,7 @@ def test_a_deleted_barrier_in_flash_attention_fails(monkeypatch):
     _mutant(monkeypatch, "attention.cu", "        __syncthreads();\n        if (!active) continue;",
             "        if (!active) continue;")
     with pytest.raises((AssertionError, LaunchError)):
-        k.test_paged_attention(20, 64, 0)
+        k.test_paged_attention(20, 64, 0, False)
 
 
 def test_a_warp_reduction_from_8_lanes_fails(monkeypatch):
@@ -67,4 +67,4 @@ def test_swapped_block_indices_fail(monkeypatch):
     _mutant(monkeypatch, "attention.cu", "const int t = blockIdx.x, h = blockIdx.y;",
             "const int t = blockIdx.y, h = blockIdx.x;")
     with pytest.raises((AssertionError, LaunchError, ValueError)):
-        k.test_paged_attention(3, 64, 16)
+        k.test_paged_attention(3, 64, 16, False)
