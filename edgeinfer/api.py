@@ -38,7 +38,8 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
     """Resolve a model name (alias, hf.co/..., or path), open and check it, build the engine.
 
     `n_cpu_moe` is llama.cpp's --n-cpu-moe: the first N layers keep their experts on the
-    CPU (None or >= the layer count: all of them, --cpu-moe, which is what edgeinfer does).
+    CPU (>= the layer count: all of them, --cpu-moe); None lets the offload plan put the last
+    GPU layers' experts in VRAM as far as it goes.
 
     `kv_pool_mb` caps the paged KV pool (default 2 x n_ctx tokens, see edgeinfer.session_manager);
     `context_shift` drops the oldest half of the context after `n_keep` tokens when a

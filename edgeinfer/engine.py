@@ -32,7 +32,7 @@ class EngineOptions:
     backend: str = "cpu"
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     gpu_layers: int | str = "auto"  # like llama.cpp's -ngl: N, "auto" (what fits) or 0
-    n_cpu_moe: int | None = None  # llama.cpp's --n-cpu-moe: layers whose experts stay on the CPU (None: all)
+    n_cpu_moe: int | None = None  # llama.cpp's --n-cpu-moe: layers whose experts stay on the CPU (None: the plan's)
 
 
 def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "OffloadPlan | None"]:
@@ -49,8 +49,8 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
 
         cpu = CpuBackend(mf.gguf, threads=options.threads)
         plan = plan_for_model(mf.gguf, mf.config, options.n_ctx, gpu_layers=options.gpu_layers,
-                              prefill_rows=options.prefill_chunk + options.prefill_chunk // 4)
-        _check_cpu_moe(options.n_cpu_moe, mf.config, plan)
+                              prefill_rows=options.prefill_chunk + options.prefill_chunk // 4,
+                              n_cpu_moe=options.n_cpu_moe)
         if not plan.on_gpu:
             cpu.prepare_weights()   # a GPU plan leaves them to first use: offloaded layers never ask
             return cpu, plan
@@ -58,20 +58,6 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
 
         return make_hybrid(mf.gguf, plan, cpu), plan
     raise EdgeInferError(f"unknown backend {options.backend!r} (choose from {', '.join(BACKENDS)})")
-
-
-def _check_cpu_moe(n_cpu_moe: int | None, config, plan) -> None:
-    """Experts stay on the CPU for every layer (llama.cpp's --cpu-moe); an --n-cpu-moe that
-    asks for a GPU layer's experts on the GPU is refused rather than ignored."""
-    if n_cpu_moe is None:
-        return
-    if n_cpu_moe < 0:
-        raise EdgeInferError(f"--n-cpu-moe must be 0 or more, got {n_cpu_moe}")
-    on_gpu = [i for i in plan.gpu_layers if i >= n_cpu_moe]
-    if config.n_expert and on_gpu:
-        raise EdgeInferError(f"--n-cpu-moe {n_cpu_moe} asks for the experts of GPU layers {on_gpu[0]}-{on_gpu[-1]} "
-                             f"on the GPU; edgeinfer keeps every layer's experts on the CPU (--cpu-moe, or "
-                             f"--n-cpu-moe {config.n_layer})")
 
 
 class Engine:

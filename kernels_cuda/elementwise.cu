@@ -7,6 +7,8 @@
 //              frequencies; base is passed per call (gemma's per-layer bases)
 //   silu_mul / gelu_mul: act(gate) * up in one pass (no separate activation launch)
 //   add, add_rows: residual add; bias add broadcast over rows
+//   swiglu_oai: gpt-oss's clamped SwiGLU; add_id: per-expert bias rows;
+//   moe_combine: a token's expert outputs weighted and summed in routing order
 #include <stdint.h>
 
 extern "C" __global__ void rms_norm(const float* x, const float* w, const float* residual, float* out, int n_cols,
@@ -112,4 +114,38 @@ extern "C" __global__ void add(const float* a, const float* b, float* out, long 
 extern "C" __global__ void add_rows(float* x, const float* bias, long long n, int n_cols) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += bias[i % n_cols];
+}
+
+extern "C" __global__ void swiglu_oai(const float* gate, const float* up, float* out, long long n, float alpha,
+                                      float limit) {
+    // as ggml_swiglu_oai: x = min(gate, limit), y = clamp(up, -limit, limit), x / (1 + exp(-alpha x)) * (y + 1)
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float x = fminf(gate[i], limit);
+        const float y = fminf(fmaxf(up[i], -limit), limit);
+        out[i] = x / (1.0f + expf(alpha * -x)) * (y + 1.0f);
+    }
+}
+
+extern "C" __global__ void add_id(float* x, const float* bias, const int* ids, long long n, int n_cols) {
+    // x[m, c] += bias[ids[m], c]: each grouped row gets its expert's bias row (ggml_add_id)
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += bias[(long long)ids[i / n_cols] * n_cols + i % n_cols];
+}
+
+extern "C" __global__ void moe_combine(const float* y, const int* slot, const float* weights, float* out,
+                                       long long n, int k, int n_cols) {
+    // out[t, c] = sum over j < k, in order, of y[slot[t k + j], c] * weights[t k + j]: each product
+    // rounded, then added slot by slot, as the CPU (and ggml's mul, then view adds) does
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const long long t = i / n_cols;
+    const int c = (int)(i % n_cols);
+    float acc = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        const long long a = t * k + j;
+        const float term = y[(long long)slot[a] * n_cols + c] * weights[a];
+        acc = j ? acc + term : term;
+    }
+    out[i] = acc;
 }

@@ -19,9 +19,11 @@ from edgeinfer.kernels_cuda.runtime import allocator, kernel
 # quant-type registry's `cuda` column
 QTYPE_SUFFIX = cuda_types()
 KERNEL_NAMES = {
-    "quant.cu": [f"{op}_{s}" for s in QTYPE_SUFFIX.values() for op in ("matvec", "gemm", "dequant")],
+    "quant.cu": [f"{op}_{s}" for s in QTYPE_SUFFIX.values()
+                 for op in ("matvec", "gemm", "dequant", "matvec_id", "gemm_id")],
     "attention.cu": ["kv_store", "flash_attention_prefill", "paged_decode_attention"],
-    "elementwise.cu": ["rms_norm", "rope", "silu_mul", "gelu_mul", "add", "add_rows"],
+    "elementwise.cu": ["rms_norm", "rope", "silu_mul", "gelu_mul", "add", "add_rows", "swiglu_oai", "add_id",
+                       "moe_combine"],
 }
 MATVEC_MAX_TOKENS = 4  # up to this many rows re-read the weights per token; more use the GEMM
 MAX_HEAD_DIM = 256  # MAX_HD in attention.cu
@@ -67,6 +69,39 @@ def linear(w, qtype: Q, n_rows: int, n_cols: int, x, residual=None):
             w, np.int64(row_bytes), np.int32(n_rows), np.int32(n_cols), x, np.int32(n),
             _ptr(residual), y, block=(128, 1, 1), grid=((n_rows + 63) // 64, (n + 63) // 64, 1))
     return y
+
+
+def expert_linear(w, qtype: Q, n_rows: int, n_cols: int, x, route: "ExpertRoute"):
+    """A mixture of experts' matmul on its 3-D tensor w (n_expert * n_rows raw GGUF rows in VRAM):
+    row a of the result is expert route.row_expert[a]'s rows . x[route.xrow[a]] -> (route.n, n_rows)."""
+    y = _empty((route.n, n_rows))
+    s, row_bytes = QTYPE_SUFFIX[qtype], np.int64(w.shape[1])
+    if route.max_group <= MATVEC_MAX_TOKENS:
+        kernel("quant.cu", f"matvec_id_{s}")(
+            w, row_bytes, np.int32(n_rows), np.int32(n_cols), x, route.xrow, route.row_expert, y,
+            block=(128, 1, 1), grid=((n_rows + 3) // 4, route.n, 1))
+    else:
+        kernel("quant.cu", f"gemm_id_{s}")(
+            w, row_bytes, np.int32(n_rows), np.int32(n_cols), x, route.xrow, route.experts, route.starts, y,
+            block=(128, 1, 1), grid=((n_rows + 63) // 64, (route.max_group + 63) // 64, route.n_groups))
+    return y
+
+
+class ExpertRoute:
+    """The (token, expert) assignments of one expert matmul, as int32 arrays in VRAM, uploaded
+    in one copy: experts (the active experts), starts (their groups' bounds in the grouped
+    rows), xrow (the input row of each grouped row) and row_expert (its expert)."""
+
+    def __init__(self, experts: np.ndarray, starts: np.ndarray, xrow: np.ndarray) -> None:
+        from pycuda import gpuarray
+
+        counts = np.diff(starts)
+        self.n, self.n_groups = int(len(xrow)), int(len(experts))
+        self.max_group = int(counts.max()) if len(counts) else 0
+        packed = np.concatenate([experts, starts, xrow, np.repeat(experts, counts)]).astype(np.int32)
+        dev = gpuarray.to_gpu(packed)
+        a, b, c = self.n_groups, 2 * self.n_groups + 1, 2 * self.n_groups + 1 + self.n
+        self.experts, self.starts, self.xrow, self.row_expert = dev[:a], dev[a:b], dev[b:c], dev[c:]
 
 
 def dequantize(w, qtype: Q, n_rows: int, n_cols: int):
@@ -118,6 +153,30 @@ def gelu_mul(gate, up):
 
 def add(a, b):
     return _binary("add", a, b)
+
+
+def swiglu_oai(gate, up, alpha: float, limit: float):
+    out = _empty(gate.shape)
+    grid, block = _grid1d(gate.size)
+    kernel("elementwise.cu", "swiglu_oai")(gate, up, out, np.int64(gate.size), np.float32(alpha), np.float32(limit),
+                                           block=block, grid=grid)
+    return out
+
+
+def add_id(x, bias, ids) -> None:
+    """x[m] += bias[ids[m]] for every row m, in place; bias (n_expert, n_cols), ids int32 in VRAM."""
+    grid, block = _grid1d(x.size)
+    kernel("elementwise.cu", "add_id")(x, bias, ids, np.int64(x.size), np.int32(x.shape[-1]), block=block, grid=grid)
+
+
+def moe_combine(y, slot, weights, n_tok: int, k: int):
+    """out[t] = sum_j y[slot[t * k + j]] * weights[t * k + j], j in order -> (n_tok, n_cols)."""
+    n_cols = y.shape[-1]
+    out = _empty((n_tok, n_cols))
+    grid, block = _grid1d(n_tok * n_cols)
+    kernel("elementwise.cu", "moe_combine")(y, slot, weights, out, np.int64(n_tok * n_cols), np.int32(k),
+                                            np.int32(n_cols), block=block, grid=grid)
+    return out
 
 
 def add_rows(x, bias) -> None:

@@ -155,16 +155,16 @@ EI_HD __forceinline__ void dequant32(const uint8_t* row, int c, float* y) {
 // decode: one warp per output row; lane l handles chunks l, l+32, ... of that row.
 #define MV_WARPS 4
 
+// x, residual and y point at one token's row (the entries below pick the token).
 template <int T>
 __device__ __forceinline__ void matvec_impl(const uint8_t* __restrict__ W, long long row_bytes, int n_rows,
                                             int n_cols, const float* __restrict__ x,
                                             const float* __restrict__ residual, float* __restrict__ y) {
     const int row = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
-    const int tok = blockIdx.y;
     if (row >= n_rows) return;
     const uint8_t* w = W + row * row_bytes;
-    const float4* xt = reinterpret_cast<const float4*>(x + (long long)tok * n_cols);
+    const float4* xt = reinterpret_cast<const float4*>(x);
     float acc = 0.0f;
     for (int c = lane; c < n_cols / 32; c += 32) {
         float v[32];
@@ -177,10 +177,7 @@ __device__ __forceinline__ void matvec_impl(const uint8_t* __restrict__ W, long 
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) {
-        const long long o = (long long)tok * n_rows + row;
-        y[o] = residual ? acc + residual[o] : acc;
-    }
+    if (lane == 0) y[row] = residual ? acc + residual[row] : acc;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -194,8 +191,8 @@ __device__ __forceinline__ void matvec_impl(const uint8_t* __restrict__ W, long 
 
 template <int T>
 __device__ __forceinline__ void gemm_impl(const uint8_t* __restrict__ W, long long row_bytes, int n_rows,
-                                          int n_cols, const float* __restrict__ X, int n_tok,
-                                          const float* __restrict__ residual, float* __restrict__ Y) {
+                                          int n_cols, const float* __restrict__ X, const int* __restrict__ xrow,
+                                          int n_tok, const float* __restrict__ residual, float* __restrict__ Y) {
     __shared__ __align__(32) __half xs[GM * GLD];
     __shared__ __align__(32) __half ws[GN * GLD];
     __shared__ __align__(32) float cs[GM * GN];
@@ -227,9 +224,9 @@ __device__ __forceinline__ void gemm_impl(const uint8_t* __restrict__ W, long lo
         } else {
             const int t = tid - GN;  // stages token row t of this K step
             const int m = m0 + t;
+            const float* xr = m < n_tok ? X + (long long)(xrow ? xrow[m] : m) * n_cols + k0 : 0;
 #pragma unroll 8
-            for (int i = 0; i < 32; ++i)
-                xs[t * GLD + i] = __float2half(m < n_tok ? X[(long long)m * n_cols + k0 + i] : 0.0f);
+            for (int i = 0; i < 32; ++i) xs[t * GLD + i] = __float2half(xr ? xr[i] : 0.0f);
         }
         __syncthreads();
 #ifdef EI_WMMA
@@ -281,16 +278,39 @@ __device__ __forceinline__ void gemm_impl(const uint8_t* __restrict__ W, long lo
 
 // ---------------------------------------------------------------------------------------
 // extern "C" entry points, found by name from Python: matvec_<type> and gemm_<type>.
+//
+// A mixture of experts' 3-D tensor (n_expert slabs of n_rows rows) runs through the same two
+// kernels, one expert's slab per output row (matvec_id) or per group (gemm_id):
+//   matvec_id: y[a] = W_{row_expert[a]} . x[xrow[a]]             grid (row blocks, assignments)
+//   gemm_id:   rows starts[g]..starts[g+1] of Y are expert experts[g]'s tokens, X rows
+//              xrow[starts[g]..]; grid (row tiles, token tiles of the largest group, groups)
 #define EI_ENTRY(suffix, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                      \
         matvec_##suffix(const uint8_t* W, long long row_bytes, int n_rows, int n_cols, const float* x, \
                         const float* residual, float* y) {                                           \
-        matvec_impl<T>(W, row_bytes, n_rows, n_cols, x, residual, y);                                \
+        const long long t = blockIdx.y;                                                              \
+        matvec_impl<T>(W, row_bytes, n_rows, n_cols, x + t * n_cols, residual ? residual + t * n_rows : 0, \
+                       y + t * n_rows);                                                              \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(128)                                                \
         gemm_##suffix(const uint8_t* W, long long row_bytes, int n_rows, int n_cols, const float* X,  \
                       int n_tok, const float* residual, float* Y) {                                  \
-        gemm_impl<T>(W, row_bytes, n_rows, n_cols, X, n_tok, residual, Y);                           \
+        gemm_impl<T>(W, row_bytes, n_rows, n_cols, X, 0, n_tok, residual, Y);                        \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                      \
+        matvec_id_##suffix(const uint8_t* W, long long row_bytes, int n_rows, int n_cols, const float* x, \
+                           const int* xrow, const int* row_expert, float* y) {                       \
+        const int a = blockIdx.y;                                                                    \
+        matvec_impl<T>(W + (long long)row_expert[a] * n_rows * row_bytes, row_bytes, n_rows, n_cols,  \
+                       x + (long long)xrow[a] * n_cols, 0, y + (long long)a * n_rows);               \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(128)                                                \
+        gemm_id_##suffix(const uint8_t* W, long long row_bytes, int n_rows, int n_cols, const float* X, \
+                         const int* xrow, const int* experts, const int* starts, float* Y) {         \
+        const int g = blockIdx.z, s0 = starts[g], n_tok = starts[g + 1] - s0;                        \
+        if ((int)blockIdx.y * GM >= n_tok) return; /* a smaller group: the whole block idles */      \
+        gemm_impl<T>(W + (long long)experts[g] * n_rows * row_bytes, row_bytes, n_rows, n_cols, X,   \
+                     xrow + s0, n_tok, 0, Y + (long long)s0 * n_rows);                               \
     }
 
 EI_ENTRY(f32, T_F32)

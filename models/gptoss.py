@@ -88,7 +88,7 @@ class GptOss(Llama):
         logits = np.asarray(be.linear(p + "ffn_gate_inp.weight", h), np.float32) + be.vector(p + "ffn_gate_inp.bias")
         chosen, weights = routing.topk_softmax(logits, cfg.n_expert_used)
         names = [p + f"ffn_{part}_exps." for part in ("gate", "up", "down")]
-        return ffn.swiglu_experts(be, np.asarray(h, np.float32), chosen, weights, *(n + "weight" for n in names),
+        return ffn.swiglu_experts(be, h, chosen, weights, *(n + "weight" for n in names),
                                   biases=tuple(n + "bias" for n in names), activation=be.swiglu_oai)
 
 

@@ -37,6 +37,6 @@ class Qwen3Moe(Qwen3):
         h = be.rms_norm(x, p + "ffn_norm.weight", cfg.norm_eps)
         logits = np.asarray(be.linear(p + "ffn_gate_inp.weight", h), np.float32)
         experts, weights = routing.softmax_topk(logits, cfg.n_expert_used, normalize=True)
-        moe = ffn.swiglu_experts(be, np.asarray(h, np.float32), experts, weights, p + "ffn_gate_exps.weight",
+        moe = ffn.swiglu_experts(be, h, experts, weights, p + "ffn_gate_exps.weight",
                                  p + "ffn_up_exps.weight", p + "ffn_down_exps.weight")
         return x + moe

@@ -81,6 +81,61 @@ def test_linear(qtype, n):
     assert _rel(got_r, want + res) < tol
 
 
+def _groups(experts_per_token: np.ndarray):
+    """What edgeinfer.experts.ffn hands a backend: active experts, group bounds, input rows."""
+    n, k = experts_per_token.shape
+    flat = experts_per_token.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    active, counts = np.unique(flat[order], return_counts=True)
+    return active, np.concatenate([[0], np.cumsum(counts)]), order // k
+
+
+@pytest.mark.parametrize("n", [1, 2, 40], ids=lambda n: f"n{n}")  # matvec_id (groups <= 4 rows), gemm_id
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.MXFP4, Q.Q6_K, Q.F16], ids=lambda q: q.name)
+def test_expert_linear(qtype, n):
+    n_expert, k, n_rows, n_cols = 6, 3, 72, 256  # 72 rows: a partial 64-row tile in each slab
+    raw, dense = _weights(qtype, n_expert * n_rows, n_cols, 300 + int(qtype))
+    rng = np.random.default_rng(n)
+    chosen = np.stack([rng.permutation(n_expert)[:k] for _ in range(n)])
+    active, starts, xrow = _groups(chosen)
+    x = rng.standard_normal((n, n_cols)).astype(np.float32)
+    want = np.concatenate([x[xrow[starts[i]:starts[i + 1]]].astype(np.float64)
+                           @ dense[e * n_rows:(e + 1) * n_rows].T.astype(np.float64) for i, e in enumerate(active)])
+    route = launch.ExpertRoute(active, starts, xrow)
+    assert (route.max_group <= launch.MATVEC_MAX_TOKENS) == (n < 40)
+    got = launch.expert_linear(gpuarray.to_gpu(raw), qtype, n_rows, n_cols, gpuarray.to_gpu(x), route).get()
+    assert _rel(got, want.astype(np.float32)) < (1e-5 if n < 40 else 3e-3)
+
+
+def test_expert_bias_and_combine():
+    rng = np.random.default_rng(5)
+    n, k, n_expert, cols = 4, 3, 5, 48
+    y = rng.standard_normal((n * k, cols)).astype(np.float32)
+    bias = rng.standard_normal((n_expert, cols)).astype(np.float32)
+    ids = rng.integers(0, n_expert, n * k).astype(np.int32)
+    dev = gpuarray.to_gpu(y)
+    launch.add_id(dev, gpuarray.to_gpu(bias), gpuarray.to_gpu(ids))
+    np.testing.assert_array_equal(dev.get(), y + bias[ids])
+    slot = rng.permutation(n * k).astype(np.int32)
+    w = rng.random(n * k).astype(np.float32)
+    got = launch.moe_combine(gpuarray.to_gpu(y), gpuarray.to_gpu(slot), gpuarray.to_gpu(w), n, k).get()
+    terms = (y[slot] * w[:, None]).astype(np.float32).reshape(n, k, cols)
+    want = terms[:, 0]
+    for j in range(1, k):
+        want = (want + terms[:, j]).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_swiglu_oai_kernel():
+    from edgeinfer.experts.activations import OAI_ALPHA, OAI_LIMIT, swiglu_oai
+
+    rng = np.random.default_rng(6)
+    g = (rng.standard_normal(3000) * 6).astype(np.float32)  # past the limit of 7 on both sides
+    u = (rng.standard_normal(3000) * 6).astype(np.float32)
+    got = launch.swiglu_oai(gpuarray.to_gpu(g), gpuarray.to_gpu(u), OAI_ALPHA, OAI_LIMIT).get()
+    np.testing.assert_allclose(got, swiglu_oai(g, u), rtol=2e-6, atol=1e-6)
+
+
 # -- elementwise --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(5, 640), (3, 4, 256), (2, 1000)])

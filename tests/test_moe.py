@@ -227,27 +227,38 @@ def test_expert_tensors_of_the_wrong_shape_are_refused(tmp_path, arch, tensor, s
         open_model(path)
 
 
-# -- experts on the CPU beside GPU layers -----------------------------------------------------
+# -- experts on the CPU or the GPU beside GPU layers --------------------------------------------
 
+def _expert_bytes(mf, layers) -> int:
+    return sum(i.n_bytes for n, i in mf.gguf.tensors.items()
+               if (len(i.shape) == 3 or "_exps." in n) and int(n.split(".")[1]) in layers)
+
+
+@pytest.mark.parametrize("n_cpu_moe", [None, 1, "all"], ids=["experts-gpu", "n-cpu-moe-1", "cpu-moe"])
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
-def test_gpu_layers_keep_their_experts_on_the_cpu(tmp_path, cuda_emulator, arch):
-    """All layers on the (emulated) GPU: attention, norms and routers there, the 3-D expert
-    tensors (and their biases) never uploaded, their matmuls on the CPU; logits close to the
-    CPU's, greedy tokens equal up to the CPU run's first near tie, and the plan counts no
-    VRAM for the experts."""
+def test_gpu_layers_with_experts_on_either_side(tmp_path, cuda_emulator, arch, n_cpu_moe):
+    """All layers on the (emulated) GPU, the experts of layers from n_cpu_moe on in VRAM and
+    the rest on the CPU (--cpu-moe: all). Only the planned expert tensors are uploaded, their
+    matmuls run where they are, the plan counts their bytes where they are; logits close to
+    the CPU's and greedy tokens equal up to the CPU run's first near tie."""
     import edgeinfer
 
-    from edgeinfer.backends.offload import plan_for_model
+    from edgeinfer.backends.offload import CPU_MOE_ALL, plan_for_model
 
     path = _moe(tmp_path, "Q8_0", arch)
     mf = open_model(path)
-    plan = plan_for_model(mf.gguf, mf.config, 96, gpu_layers=99)
-    experts = sum(i.n_bytes for n, i in mf.gguf.tensors.items() if len(i.shape) == 3 or "_exps." in n)
-    assert plan.gpu_layers == list(range(mf.config.n_layer)) and plan.cpu_expert_weights == experts
-    assert plan.vram_weights < sum(i.n_bytes for i in mf.gguf.tensors.values()) - experts + 1
+    n_layer = mf.config.n_layer
+    n = CPU_MOE_ALL if n_cpu_moe == "all" else n_cpu_moe
+    plan = plan_for_model(mf.gguf, mf.config, 96, gpu_layers=99, n_cpu_moe=n)
+    on_gpu = list(range(min(n or 0, n_layer), n_layer))
+    assert plan.gpu_layers == list(range(n_layer)) and list(plan.gpu_expert_layers) == on_gpu
+    assert plan.cpu_expert_weights == _expert_bytes(mf, set(range(n_layer)) - set(on_gpu))
+    assert plan.vram_experts == _expert_bytes(mf, set(on_gpu))
     assert "experts" in plan.describe()
-    gpu = edgeinfer.load(path, n_ctx=96, gpu_layers=99)
-    assert not any("_exps" in name for name in gpu.engine.backend.cuda._mats)
+    gpu = edgeinfer.load(path, n_ctx=96, gpu_layers=99, n_cpu_moe=n)
+    uploaded = {name for name in gpu.engine.backend.cuda._mats if "_exps" in name}
+    assert uploaded == {name for name, info in mf.gguf.tensors.items()
+                        if len(info.shape) == 3 and int(name.split(".")[1]) in on_gpu}
     cpu = edgeinfer.load(path, n_ctx=96, gpu_layers=0)
     prompt = [5] + PROMPT[1:]  # PROMPT's greedy reply opens with an end-of-generation token
     want = cpu.generate(prompt, max_tokens=16, temperature=0)
@@ -269,6 +280,49 @@ def test_gpu_layers_keep_their_experts_on_the_cpu(tmp_path, cuda_emulator, arch)
     first = int(np.argmin(decisive)) if not decisive.all() else len(decisive)
     assert got.tokens[:first + 1] == want.tokens[:first + 1]
     assert cuda_emulator["linear"] > 0 and cuda_emulator["attention"] > 0
+    assert (cuda_emulator.get("expert_linear", 0) > 0) == bool(on_gpu)
+    assert (cuda_emulator.get("moe_combine", 0) > 0) == bool(on_gpu)
+    assert (cuda_emulator.get("swiglu_oai", 0) > 0) == (bool(on_gpu) and arch == "gpt-oss")
+    assert (cuda_emulator.get("add_id", 0) > 0) == (bool(on_gpu) and arch == "gpt-oss")
+
+
+def _moe_sizes(n_layer=24, shared=100, experts=500, head=600):
+    """A gpt-oss-20b-like model in MiB: small shared tensors, large expert tensors per layer."""
+    from edgeinfer.backends.offload import MiB, ModelSizes
+
+    return ModelSizes((shared * MiB,) * n_layer, head * MiB, (1024,) * n_layer, 20000, 201088,
+                      (experts * MiB,) * n_layer, 4 * 3 * 2880)
+
+
+def test_plan_places_experts_after_everything_else():
+    """Shared tensors of every layer and the head first, then whole layers' experts from the
+    last layer down as far as the card goes; --n-cpu-moe fixes the split and is refused in
+    one message when it does not fit; --cpu-moe keeps them all on the CPU."""
+    from edgeinfer.backends.offload import CPU_MOE_ALL, OffloadError, hypothetical_card, plan_offload
+
+    sizes = _moe_sizes()
+    small = plan_offload(sizes, hypothetical_card(8), 4096)
+    assert small.gpu_layers == list(range(24)) and small.output_on_gpu
+    assert small.gpu_expert_layers and small.gpu_expert_layers[-1] == 23
+    assert small.vram_total <= int(8 * 1024 ** 3 * 0.95) - 300 * 1024 ** 2
+    lowest = small.gpu_expert_layers[0]
+    assert 0 < lowest < 24
+    assert small.cpu_expert_weights == lowest * 500 * 1024 ** 2
+    # one more layer's experts would not have fitted
+    with pytest.raises(OffloadError, match=f"--n-cpu-moe {lowest - 1} .* --n-cpu-moe {lowest} does"):
+        plan_offload(sizes, hypothetical_card(8), 4096, n_cpu_moe=lowest - 1)
+    fixed = plan_offload(sizes, hypothetical_card(8), 4096, n_cpu_moe=lowest + 3)
+    assert fixed.gpu_expert_layers == tuple(range(lowest + 3, 24))
+    big = plan_offload(sizes, hypothetical_card(24), 4096)
+    assert big.gpu_expert_layers == tuple(range(24)) and big.cpu_expert_weights == 0
+    none = plan_offload(sizes, hypothetical_card(24), 4096, n_cpu_moe=CPU_MOE_ALL)
+    assert none.gpu_expert_layers == () and none.cpu_expert_weights == 24 * 500 * 1024 ** 2
+    assert "experts of layers 0-23 on GPU" in big.describe() and "on the CPU" in none.describe()
+    # too small for all shared tensors: no experts go up, and the layers stay whole
+    tiny = plan_offload(sizes, hypothetical_card(2), 4096)
+    assert len(tiny.gpu_layers) < 24 and tiny.gpu_expert_layers == ()
+    with pytest.raises(OffloadError, match="--n-cpu-moe must be 0 or more"):
+        plan_offload(sizes, hypothetical_card(8), 4096, n_cpu_moe=-1)
 
 
 def test_show_plans_for_a_card_of_a_given_size(tmp_path):
@@ -280,27 +334,31 @@ def test_show_plans_for_a_card_of_a_given_size(tmp_path):
     out = subprocess.run([*run, "--vram-gb", "8"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "experts             8 (2 used a token)" in out.stdout
-    assert "(a card with 8 GiB, 8.0 GiB free)" in out.stdout and "on the CPU" in out.stdout
+    assert "(a card with 8 GiB, 8.0 GiB free)" in out.stdout and "experts of layers 0-1 on GPU" in out.stdout
+    out = subprocess.run([*run, "--vram-gb", "8", "--cpu-moe"], capture_output=True, text=True)
+    assert out.returncode == 0 and "on GPU (" not in out.stdout and "on the CPU" in out.stdout, out.stdout
     bad = subprocess.run([*run, "--vram-gb", "-1"], capture_output=True, text=True)
     assert bad.returncode != 0 and bad.stdout == "" and "--vram-gb must be" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_cpu_moe_flags(tmp_path, cuda_emulator):
-    """--cpu-moe is what edgeinfer does; --n-cpu-moe N is fine while no GPU layer from N on
-    would want its experts on the GPU, and refused in one line otherwise (never ignored)."""
+    """--cpu-moe and --n-cpu-moe N run on the emulated GPU with the same greedy text as the
+    CPU; a bad --n-cpu-moe is refused in one line."""
     import subprocess
     import sys
 
     path = _moe(tmp_path, "Q8_0")
     run = [sys.executable, "-m", "edgeinfer.cli", "run", path, "--raw", "--temp", "0", "-n", "2"]
     env = {**__import__("os").environ, "EDGEINFER_CUDA": "emulate"}
-    for flags, ok in ((["--cpu-moe", "-ngl", "99"], True), (["--n-cpu-moe", "2", "-ngl", "99"], True),
-                      (["--n-cpu-moe", "1", "-ngl", "0"], True), (["--n-cpu-moe", "1", "-ngl", "99"], False)):
+    texts = set()
+    for flags in (["-ngl", "0"], ["--cpu-moe", "-ngl", "99"], ["--n-cpu-moe", "1", "-ngl", "99"]):
         out = subprocess.run([*run, *flags, "hi"], capture_output=True, text=True, env=env)
-        assert (out.returncode == 0) == ok, (flags, out.stderr)
-        if not ok:
-            assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "--n-cpu-moe 1" in out.stderr
+        assert out.returncode == 0, (flags, out.stderr)
+        texts.add(out.stdout)
+    assert len(texts) == 1
+    bad = subprocess.run([*run, "--n-cpu-moe", "-2", "hi"], capture_output=True, text=True, env=env)
+    assert bad.returncode != 0 and "--n-cpu-moe" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])

@@ -93,6 +93,26 @@ class Backend:
         one (n_assignments, rows) array per name."""
         raise NotImplementedError
 
+    def expert_bias(self, y: np.ndarray, name: str, expert_of_row: np.ndarray) -> np.ndarray:
+        """y + the rows of a per-expert bias tensor (GGML shape (rows, n_expert)) for each row's
+        expert (ggml_add_id)."""
+        n_expert = self.gguf.tensors[name].shape[1]
+        return y + self.vector(name).reshape(n_expert, -1)[expert_of_row]
+
+    def expert_combine(self, y: np.ndarray, order: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """Each token's expert outputs weighted and summed: y holds the assignments grouped by
+        expert (grouped row i is assignment order[i] = t * k + j); out[t] = sum_j y_tj * w_tj,
+        each product rounded to float32, then added slot by slot as ggml does."""
+        n, k = weights.shape
+        per_assignment = np.empty_like(y)
+        per_assignment[order] = y
+        per_assignment = per_assignment.reshape(n, k, -1)
+        out = None
+        for j in range(k):
+            term = (per_assignment[:, j] * weights[:, j:j + 1]).astype(np.float32)
+            out = term if out is None else (out + term).astype(np.float32)
+        return out
+
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of matrix `name` as float32 (len(ids), n_cols): the embedding lookup."""
         info = self.gguf.tensors[name]

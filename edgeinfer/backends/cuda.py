@@ -47,8 +47,9 @@ class CudaBackend(Backend):
             on_gpu = (layer is not None and plan.layer_on_gpu(layer)) or (
                 plan.output_on_gpu and (name in HEAD_NAMES or (name == "token_embd.weight"
                                                                and "output.weight" not in gguf.tensors)))
-            if on_gpu and len(info.shape) > 1 and not is_expert_tensor(name, info.shape):  # experts stay on the CPU
-                self._upload_matrix(name)
+            if on_gpu and len(info.shape) > 1 and (not is_expert_tensor(name, info.shape)
+                                                    or (plan.experts_on_gpu(layer) and len(info.shape) == 3)):
+                self._upload_matrix(name)  # a layer's experts only where the plan puts them
         for name in ("rope_freqs.weight",):
             if name in gguf.tensors and plan.gpu_layers:
                 self.vector_gpu(name)
@@ -83,3 +84,8 @@ class CudaBackend(Backend):
     def linear_gpu(self, name: str, x: Any, residual: Any = None) -> Any:
         info = self.gguf.tensors[name]
         return launch.linear(self._mats[name], info.qtype, info.n_rows, info.n_cols, x, residual)
+
+    def expert_linear_gpu(self, name: str, x: Any, route: "launch.ExpertRoute") -> Any:
+        """The expert matmul of a 3-D tensor in VRAM (GGML shape (n_cols, rows, n_expert))."""
+        info = self.gguf.tensors[name]
+        return launch.expert_linear(self._mats[name], info.qtype, info.shape[1], info.n_cols, x, route)

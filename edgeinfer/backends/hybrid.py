@@ -52,7 +52,7 @@ class HybridBackend(Backend):
         self._up: tuple[np.ndarray, DeviceTensor] | None = None  # last upload, by identity
         self._down: tuple[DeviceTensor, np.ndarray] | None = None  # last download, by identity
         self._pinned: np.ndarray | None = None
-        self._int_cache: tuple[np.ndarray, Any] | None = None
+        self._int_cache: list[tuple[np.ndarray, Any]] = []  # the last few uploads
 
     def new_cache(self, config: "ModelConfig", n_ctx: int) -> CudaKVCache:
         return CudaKVCache(config, n_ctx, self.plan.gpu_layers)
@@ -123,13 +123,15 @@ class HybridBackend(Backend):
         return host
 
     def _ints(self, values: np.ndarray) -> Any:
-        """positions as int32 in VRAM, reused across the layers of one step."""
-        if self._int_cache is not None and self._int_cache[0] is values:
-            return self._int_cache[1]
+        """Host ints (positions, experts of grouped rows) as int32 in VRAM, by identity: the
+        positions are reused across the layers of one step."""
+        for host, dev in self._int_cache:
+            if host is values:
+                return dev
         from pycuda import gpuarray
 
         dev = gpuarray.to_gpu(np.asarray(values, np.int32))
-        self._int_cache = (values, dev)
+        self._int_cache = [(values, dev)] + self._int_cache[:3]
         return dev
 
     def add(self, a: Any, b: Any) -> Any:
@@ -156,8 +158,32 @@ class HybridBackend(Backend):
         return self.to_device(y) if on_gpu and not is_head else y
 
     def expert_batch(self, names, experts, starts, rows_of, x):
-        """Experts stay on the CPU (llama.cpp's --cpu-moe split): the rest of a GPU layer runs in VRAM."""
-        return self.cpu.expert_batch(names, experts, starts, rows_of, self.to_host(x))
+        """On the GPU where the plan put this layer's experts in VRAM (and the CUDA kernels take
+        their type), else on the CPU (llama.cpp's --n-cpu-moe split)."""
+        if not all(self.cuda.has_matrix(name) for name in names):
+            return self.cpu.expert_batch(names, experts, starts, rows_of, self.to_host(x))
+        route = launch.ExpertRoute(experts, starts, rows_of)
+        xd = self.to_device(x).array
+        return [DeviceTensor(self.cuda.expert_linear_gpu(name, xd, route), self) for name in names]
+
+    def expert_bias(self, y, name, expert_of_row):
+        if not isinstance(y, DeviceTensor):
+            return self.cpu.expert_bias(y, name, expert_of_row)
+        n_expert = self.gguf.tensors[name].shape[1]
+        out = y.array.copy()
+        launch.add_id(out, self.cuda.vector_gpu(name).reshape(n_expert, -1), self._ints(expert_of_row))
+        return DeviceTensor(out, self)
+
+    def expert_combine(self, y, order, weights):
+        if not isinstance(y, DeviceTensor):
+            return self.cpu.expert_combine(y, order, weights)
+        from pycuda import gpuarray
+
+        n, k = weights.shape
+        slot = np.empty(len(order), np.int32)
+        slot[order] = np.arange(len(order), dtype=np.int32)  # assignment t * k + j -> its grouped row
+        w = gpuarray.to_gpu(np.ascontiguousarray(weights, np.float32).reshape(-1))
+        return DeviceTensor(launch.moe_combine(y.array, gpuarray.to_gpu(slot), w, n, k), self)
 
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         return self.cpu.get_rows(name, ids)
@@ -178,7 +204,11 @@ class HybridBackend(Backend):
         return self.cpu.gelu_mul(gate, self.to_host(up))
 
     def swiglu_oai(self, gate: Any, up: Any) -> Any:
-        return self.cpu.swiglu_oai(self.to_host(gate), self.to_host(up))  # experts run on the CPU
+        if isinstance(gate, DeviceTensor):
+            from edgeinfer.experts.activations import OAI_ALPHA, OAI_LIMIT
+
+            return DeviceTensor(launch.swiglu_oai(gate.array, self.to_device(up).array, OAI_ALPHA, OAI_LIMIT), self)
+        return self.cpu.swiglu_oai(gate, self.to_host(up))
 
     def rope(self, x: Any, positions: np.ndarray, n_dims: int, base: float, freq_scale: float, mode: str,
              freq_factors: str | None, yarn: Yarn | None = None) -> Any:

@@ -5,11 +5,17 @@ on the CPU, so one step crosses the CPU/GPU boundary at most twice (hidden state
 after block k-1, and up again for the output head when that sits on the GPU).
 
 What a GPU block costs in VRAM: its weight bytes (raw GGUF blocks, uploaded as they
-are; a mixture of experts' 3-D expert tensors stay on the CPU, llama.cpp's --cpu-moe
-split, and cost no VRAM) + its K/V for the whole context + a share-free scratch area for the activations of
+are) + its K/V for the whole context + a share-free scratch area for the activations of
 one prefill chunk (allocated once when anything is offloaded). The budget is the free
 VRAM minus a safety margin of 5% + 300 MiB (fragmentation, the module image, the
 driver's own allocations after we measured).
+
+A mixture of experts' expert tensors (3-D, most of such a model's bytes, each token using
+only a few experts' rows) are placed apart, after everything else, as llama.cpp's
+--n-cpu-moe split: the blocks' shared tensors (attention, norms, router) and the output
+head first, then whole layers' experts from the last GPU layer down as far as the budget
+goes, so that the experts of the first N layers stay on the CPU. `n_cpu_moe` fixes N
+(--cpu-moe: all of them); left None, the plan picks the smallest N that fits.
 
 `--gpu-layers`:
 - "auto": as many leading blocks as fit, then the output head if it still fits.
@@ -35,6 +41,7 @@ if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
     from edgeinfer.models.config import ModelConfig
 
+CPU_MOE_ALL = 1 << 30  # an n_cpu_moe past every layer: --cpu-moe, all experts on the CPU
 GiB = 1 << 30
 MiB = 1 << 20
 MARGIN_FRACTION = 0.05
@@ -57,7 +64,8 @@ class ModelSizes:
     kv_values_per_token: tuple[int, ...]  # K + V values one token adds, per block
     scratch_values_per_row: int  # float32 activations one prefill row needs at once
     n_vocab: int
-    expert_weights: tuple[int, ...] = ()  # bytes of each block's 3-D expert tensors (they stay on the CPU)
+    expert_weights: tuple[int, ...] = ()  # bytes of each block's expert tensors (placed apart)
+    expert_scratch_values_per_row: int = 0  # float32 activations of one row's expert matmuls
 
     @property
     def n_layer(self) -> int:
@@ -75,6 +83,8 @@ class OffloadPlan:
     n_layer: int = 0
     device: DeviceInfo | None = None
     cpu_expert_weights: int = 0  # bytes of expert tensors kept on the CPU beside GPU layers
+    gpu_expert_layers: tuple[int, ...] = ()  # GPU layers whose experts are in VRAM too
+    vram_experts: int = 0  # their bytes (part of vram_weights)
 
     @property
     def vram_total(self) -> int:
@@ -86,6 +96,9 @@ class OffloadPlan:
 
     def layer_on_gpu(self, layer: int) -> bool:
         return layer in self.gpu_layers
+
+    def experts_on_gpu(self, layer: int) -> bool:
+        return layer in self.gpu_expert_layers
 
     @property
     def placement(self) -> tuple[str, ...]:
@@ -99,7 +112,12 @@ class OffloadPlan:
             return self.reason if "running on the CPU" in self.reason else f"running on the CPU: {self.reason}"
         dev = self.device
         head = ", output head on GPU" if self.output_on_gpu else ""
-        experts = f", experts {_gib(self.cpu_expert_weights)} on the CPU" if self.cpu_expert_weights else ""
+        experts = ""
+        if self.gpu_expert_layers:
+            a, b = self.gpu_expert_layers[0], self.gpu_expert_layers[-1]
+            experts += f", experts of layers {a}-{b} on GPU ({_gib(self.vram_experts)})"
+        if self.cpu_expert_weights:
+            experts += f", experts {_gib(self.cpu_expert_weights)} on the CPU"
         return (f"offloading {len(self.gpu_layers)}/{self.n_layer} layers to GPU "
                 f"({dev.name}, {_gib(dev.free_vram)} free): weights {_gib(self.vram_weights)}, "
                 f"KV {_gib(self.vram_kv)}, scratch {_gib(self.vram_scratch)}{head}{experts}")
@@ -137,8 +155,9 @@ def model_sizes_from_gguf(gguf: "GGUFFile", cfg: "ModelConfig") -> ModelSizes:
     output = gguf.tensors[head].n_bytes
     if "output_norm.weight" in gguf.tensors:
         output += gguf.tensors["output_norm.weight"].n_bytes
+    expert_rows = cfg.n_expert_used * (3 * cfg.n_ff_exp + cfg.n_embd) if cfg.n_expert else 0
     return ModelSizes(tuple(layers), output, (kv_values_per_token(cfg),) * cfg.n_layer,
-                      _scratch_values_per_row(cfg), cfg.n_vocab, tuple(experts))
+                      _scratch_values_per_row(cfg), cfg.n_vocab, tuple(experts), expert_rows)
 
 
 def is_expert_tensor(name: str, shape: tuple[int, ...]) -> bool:
@@ -178,10 +197,14 @@ def parse_gpu_layers(value: str | int) -> int | str:
 
 def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
                  kv_dtype: str = "f16", gpu_layers: int | str = "auto",
-                 prefill_rows: int = DEFAULT_PREFILL_ROWS, no_device_reason: str = "no GPU") -> OffloadPlan:
-    """Place the first k blocks (and the head when it fits) on `device`; see the module doc."""
+                 prefill_rows: int = DEFAULT_PREFILL_ROWS, no_device_reason: str = "no GPU",
+                 n_cpu_moe: int | None = None) -> OffloadPlan:
+    """Place the first k blocks (and the head when it fits) on `device`, then the experts of
+    the GPU blocks from n_cpu_moe on (None: as many as fit); see the module doc."""
     if kv_dtype not in KV_BYTES_PER_VALUE:
         raise OffloadError(f"unknown KV cache type {kv_dtype!r} (choose from {', '.join(KV_BYTES_PER_VALUE)})")
+    if n_cpu_moe is not None and n_cpu_moe < 0:
+        raise OffloadError(f"--n-cpu-moe must be 0 or more, got {n_cpu_moe}")
     request = parse_gpu_layers(gpu_layers)
     n_layer = sizes.n_layer
 
@@ -197,16 +220,20 @@ def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
     rows = max(1, min(prefill_rows, n_ctx))
     scratch_layers = rows * sizes.scratch_values_per_row * 4
     scratch_head = rows * sizes.n_vocab * 4  # logits of a whole chunk (perplexity-style requests)
+    scratch_experts = rows * sizes.expert_scratch_values_per_row * 4
+    expert_bytes = list(sizes.expert_weights) or [0] * n_layer
     budget = vram_budget(device)
 
-    def cost(k: int, head: bool) -> tuple[int, int, int]:
-        weights = sum(sizes.layer_weights[:k]) + (sizes.output_weights if head else 0)
+    def cost(k: int, head: bool, expert_layers: range = range(0)) -> tuple[int, int, int]:
+        weights = (sum(sizes.layer_weights[:k]) + (sizes.output_weights if head else 0)
+                   + sum(expert_bytes[i] for i in expert_layers))
         kv = sum(kv_per_layer[:k])
-        scratch = (scratch_layers if k or head else 0) + (scratch_head if head else 0)
+        scratch = ((scratch_layers if k or head else 0) + (scratch_head if head else 0)
+                   + (scratch_experts if len(expert_layers) else 0))
         return weights, kv, scratch
 
-    def fits(k: int, head: bool) -> bool:
-        return sum(cost(k, head)) <= budget
+    def fits(k: int, head: bool, expert_layers: range = range(0)) -> bool:
+        return sum(cost(k, head, expert_layers)) <= budget
 
     fit_k = 0
     while fit_k < n_layer and fits(fit_k + 1, False):
@@ -225,11 +252,31 @@ def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
     head = want_head and fits(k, True)
     if k == 0 and not head:
         return cpu(f"{device.name} has {_gib(device.free_vram)} free, not enough for one layer")
-    weights, kv, scratch = cost(k, head)
-    cpu_experts = sum(sizes.expert_weights[:k])  # the GPU layers' experts, which stay on the CPU
+    experts = _expert_layers(k, n_cpu_moe, [e > 0 for e in expert_bytes], lambda r: fits(k, head, r))
+    weights, kv, scratch = cost(k, head, experts)
+    cpu_experts = sum(expert_bytes[:experts.start if experts else k])  # GPU layers' experts left on the CPU
     why = "all layers fit" if k == n_layer else (
         f"--gpu-layers {request}" if request != "auto" else f"{k} of {n_layer} layers fit in {_gib(budget)}")
-    return OffloadPlan(list(range(k)), head, weights, kv, scratch, why, n_layer, device, cpu_experts)
+    return OffloadPlan(list(range(k)), head, weights, kv, scratch, why, n_layer, device, cpu_experts,
+                       tuple(experts), sum(expert_bytes[i] for i in experts))
+
+
+def _expert_layers(k: int, n_cpu_moe: int | None, has_experts: list[bool], fits) -> range:
+    """The GPU layers (of 0..k-1) whose experts go to VRAM too: from n_cpu_moe on, or (None)
+    from the smallest first layer that still fits. An explicit n_cpu_moe that does not fit
+    raises OffloadError naming the smallest that does."""
+    if not any(has_experts[:k]):
+        return range(0)
+    lowest = k  # the experts of layers lowest..k-1 fit
+    while lowest > 0 and fits(range(lowest - 1, k)):
+        lowest -= 1
+    if n_cpu_moe is None:
+        return range(lowest, k)
+    want = range(min(n_cpu_moe, k), k)
+    if want.start < lowest:
+        raise OffloadError(f"--n-cpu-moe {n_cpu_moe} puts the experts of layers {want.start}-{k - 1} on the GPU, "
+                           f"which does not fit; --n-cpu-moe {lowest} does")
+    return want
 
 
 def hypothetical_card(vram_gib: float) -> DeviceInfo:
@@ -242,7 +289,7 @@ def hypothetical_card(vram_gib: float) -> DeviceInfo:
 
 def plan_for_model(gguf: "GGUFFile", cfg: "ModelConfig", n_ctx: int, *, gpu_layers: int | str = "auto",
                    kv_dtype: str = "f16", prefill_rows: int = DEFAULT_PREFILL_ROWS,
-                   device: DeviceInfo | None = None) -> OffloadPlan:
+                   device: DeviceInfo | None = None, n_cpu_moe: int | None = None) -> OffloadPlan:
     """Plan for `gguf` on `device`, or on the real GPU probed now (a CPU plan with the reason
     when there is none)."""
     sizes = model_sizes_from_gguf(gguf, cfg)
@@ -255,4 +302,4 @@ def plan_for_model(gguf: "GGUFFile", cfg: "ModelConfig", n_ctx: int, *, gpu_laye
         ok, reason = cuda_available()
         device = device_info() if ok else None
     return plan_offload(sizes, device, n_ctx, kv_dtype=kv_dtype, gpu_layers=gpu_layers,
-                        prefill_rows=prefill_rows, no_device_reason=reason)
+                        prefill_rows=prefill_rows, no_device_reason=reason, n_cpu_moe=n_cpu_moe)

@@ -7,6 +7,8 @@ from edgeinfer.commands.arg_types import non_negative_int, positive_float, posit
 from edgeinfer.errors import EdgeInferError
 
 
+CPU_MOE_ALL = 1 << 30  # --cpu-moe: an --n-cpu-moe past every layer (as edgeinfer.backends.offload's)
+
 def add_model_options(p) -> None:
     """Flags shared by commands that load a model (run, chat, serve)."""
     p.add_argument("-c", "--ctx-size", type=positive_int, default=4096, metavar="N",
@@ -18,10 +20,10 @@ def add_model_options(p) -> None:
     p.add_argument("-ngl", "--gpu-layers", default="auto", metavar="N|auto",
                    help="layers to offload to a CUDA GPU (default auto: as many as fit; 0 = CPU only)")
     p.add_argument("--cpu-moe", action="store_true",
-                   help="keep every layer's experts (mixtures of experts) on the CPU: what edgeinfer does")
+                   help="keep every layer's experts (mixtures of experts) on the CPU")
     p.add_argument("--n-cpu-moe", type=non_negative_int, default=None, metavar="N",
-                   help="keep the first N layers' experts on the CPU (N below the layer count is refused: "
-                        "experts run on the CPU only)")
+                   help="keep the first N layers' experts on the CPU (default: the GPU takes the last "
+                        "layers' experts as far as its VRAM goes)")
     p.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
                    help="built-in template name (gemma, llama3, chatml) or a Jinja template")
     p.add_argument("--prefill-chunk", type=positive_int, default=256, metavar="N",
@@ -54,7 +56,7 @@ def model_kwargs(args, context_shift: bool = False) -> dict:
     return dict(n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
                 chat_template=args.chat_template, gpu_layers=args.gpu_layers,
                 prefill_chunk=args.prefill_chunk, kv_pool_mb=args.kv_pool_mb,
-                context_shift=shift, n_keep=args.keep, n_cpu_moe=None if args.cpu_moe else args.n_cpu_moe,
+                context_shift=shift, n_keep=args.keep, n_cpu_moe=CPU_MOE_ALL if args.cpu_moe else args.n_cpu_moe,
                 **draft_kwargs(args))
 
 

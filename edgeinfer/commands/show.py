@@ -22,6 +22,9 @@ def register(sub) -> None:
     p.add_argument("-ngl", "--gpu-layers", default="auto", help="GPU layers for the plan (N|auto|0)")
     p.add_argument("--vram-gb", type=float, default=None, metavar="GB",
                    help="plan for a card with this much free VRAM instead of this machine's GPU")
+    p.add_argument("--cpu-moe", action="store_true", help="plan every layer's experts on the CPU")
+    p.add_argument("--n-cpu-moe", type=int, default=None, metavar="N",
+                   help="plan the first N layers' experts on the CPU (default: as many as the card needs)")
     p.set_defaults(func=run)
 
 
@@ -31,7 +34,7 @@ def run(args) -> int:
     from edgeinfer.model_info import describe, human_bytes, human_count
     from edgeinfer.store.registry import resolve
 
-    from edgeinfer.backends.offload import hypothetical_card, plan_for_model
+    from edgeinfer.backends.offload import CPU_MOE_ALL, hypothetical_card, plan_for_model
 
     card = hypothetical_card(args.vram_gb) if args.vram_gb is not None else None  # checked before any output
     mf = open_model(resolve(args.name, download=False))
@@ -61,7 +64,9 @@ def run(args) -> int:
     print(f"    {'path':<20}{_printable(info.path)}")
     print(f"    {'size':<20}{human_bytes(info.file_size)}")
     print(f"    {'chat template':<20}{'yes' if info.has_chat_template else 'none (a built-in one is used)'}")
-    plan = plan_for_model(mf.gguf, mf.config, args.ctx_size, gpu_layers=args.gpu_layers, device=card)
+    n_cpu_moe = CPU_MOE_ALL if args.cpu_moe else args.n_cpu_moe
+    plan = plan_for_model(mf.gguf, mf.config, args.ctx_size, gpu_layers=args.gpu_layers, device=card,
+                          n_cpu_moe=n_cpu_moe)
     print(f"\n  Placement (context {args.ctx_size})\n    {plan.describe()}")
     if info.license:
         print(f"\n  License\n    {_printable(info.license)}")
