@@ -22,6 +22,7 @@ from edgeinfer.errors import EdgeInferError, TemplateError, TokenizerError
 from edgeinfer.generate import collect
 from edgeinfer.loader import open_model
 from edgeinfer.metadata import meta_str
+from edgeinfer.prompt.literal_text import LiteralText
 from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, TokenLogprob, Usage
 from edgeinfer.sampling import SamplingParams
 from edgeinfer.sessions.session_file import model_identity
@@ -160,7 +161,8 @@ class Model:
         "high") are passed to the template. Read calls and reasoning out of the text with
         `edgeinfer.prompt.tool_calls.parse_output(text, model.tool_format, ...)`."""
         # As llama.cpp: drop a BOS the template wrote (the tokenizer adds it), and parse the
-        # template's special-token text as special tokens. Rendering (bounded by the template
+        # template's special-token text as special tokens (edgeinfer.prompt.literal_text:
+        # the same text inside a message stays text). Rendering (bounded by the template
         # budget) and tokenizing run here, in the caller: for the server that is the job on
         # the worker thread, so its timeout's `cancel` stops them as it stops generation.
         tools, tool_choice = params.pop("tools", None), params.pop("tool_choice", None)
@@ -175,16 +177,19 @@ class Model:
             if constraint is not None and not any(params.get(k) for k in ("constraint", *_CONSTRAINT_KEYS)):
                 params["constraint"] = constraint
         try:
+            # only the template's markup becomes control tokens, never the callers' text
+            literal = LiteralText(self.tokenizer)
+            messages, shown_tools = literal.protect(messages), literal.protect(tools)
             # a harmony template also needs its history reshaped (reasoning as `thinking`)
             if tools or thinking is not None or effort is not None or self.tool_format == "harmony":
                 from edgeinfer.prompt.tool_calls import render_with_tools
 
-                text = render_with_tools(self.template, messages, tools, add_bos=self.tokenizer.add_bos,
+                text = render_with_tools(self.template, messages, shown_tools, add_bos=self.tokenizer.add_bos,
                                          enable_thinking=thinking, reasoning_effort=effort, cancel=cancel)
             else:
                 text = self.template.render_prompt(messages, add_bos=self.tokenizer.add_bos,
                                                    add_generation_prompt=True, cancel=cancel)
-            ids = self.tokenizer.tokenize(text, add_special=True, parse_special=True, cancel=cancel)
+            ids = literal.tokenize(text, add_special=True, cancel=cancel)
         except (TemplateError, TokenizerError):
             if cancel is None or not cancel.is_set():
                 raise

@@ -340,10 +340,23 @@ class Tokenizer:
 
         With `cancel`, a set Event stops the work (checked every few thousand bytes) with a
         TokenizerError: a long prompt of a cancelled request does not hold the worker."""
-        data = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+        return self.tokenize_parts([(text, parse_special)], add_special, cancel)
+
+    def tokenize_parts(self, parts: list[tuple[str | bytes, bool]], add_special: bool = True,
+                       cancel: threading.Event | None = None) -> list[int]:
+        """`tokenize` of the parts' concatenation, special tokens parsed only in the parts
+        whose flag is True (a chat prompt: the template's markup, not the messages' text).
+        Text on both sides of a part boundary is tokenized as one piece."""
         if cancel is not None and cancel.is_set():
             raise TokenizerError("tokenizing stopped: the request was cancelled")
-        fragments = self._partition(data, parse_special) if data else []
+        fragments: list[bytes | int] = []
+        for text, parse_special in parts:
+            data = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+            for frag in self._partition(data, parse_special) if data else []:
+                if isinstance(frag, bytes) and fragments and isinstance(fragments[-1], bytes):
+                    fragments[-1] += frag
+                else:
+                    fragments.append(frag)
         if cancel is not None:
             fragments = _watching(fragments, cancel)
         out: list[int] = []
@@ -419,6 +432,21 @@ class Tokenizer:
             return self.tokenize(text, add_special, parse_special)
         finally:
             self._bpe_fast = fast
+
+    def control_text_spans(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) character spans of `text` that tokenize as control tokens only when
+        special tokens are parsed (`<end_of_turn>`, `<|im_start|>`, ...): what a message must
+        not smuggle into a chat prompt."""
+        data = text.encode("utf-8", "surrogatepass")
+        spans, pos = [], 0  # pos: in characters
+        skip = TokenAttr.CONTROL | TokenAttr.UNKNOWN
+        for frag in self._partition(data, True) if data else []:
+            piece = frag if isinstance(frag, bytes) else self._texts[frag]
+            size = len(piece.decode("utf-8", "surrogatepass"))
+            if isinstance(frag, int) and self._attrs[frag] & skip:
+                spans.append((pos, pos + size))
+            pos += size
+        return spans
 
     def _partition(self, data: bytes, parse_special: bool) -> list[bytes | int]:
         """llama.cpp's tokenizer_st_partition: cut special tokens out, longest first."""
