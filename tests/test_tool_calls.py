@@ -53,8 +53,22 @@ def _check(case, parsed):
 def test_parse_recorded_outputs(case):
     parsed = tc.parse_output(case["text"], case["format"], reasoning=case.get("reasoning", False))
     _check(case, parsed)
-    if not case["calls"] and not case.get("reasoning"):
-        assert parsed.content == case["text"]  # unreadable text is kept whole, never dropped
+    if not case["calls"] and not case.get("reasoning") and case["content"] == case["text"]:
+        assert parsed.content == case["text"]  # unreadable text is kept whole
+    # call markup never reaches the content (a call cut off by max_tokens is dropped)
+    assert not any(tag in parsed.content for tag in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>"))
+
+
+def test_forced_calls_leave_no_markup():
+    """With a forced call, text that is not a readable call is a cut-off call: no content."""
+    cut = '<tool_call>\n{"name": "a", "arguments": {"x": '
+    assert tc.parse_output(cut, "hermes", forced=True).content == ""
+    assert tc.parse_output('{"name": "a", "parameters": {', "llama3", forced=True).content == ""
+    assert tc.parse_output('{"name": "a", "parameters": {', "llama3").content.startswith("{")  # auto: may be JSON text
+    for fmt, text in (("hermes", cut), ("llama3", '{"name": "a", "para')):
+        stream = tc.answer_stream(fmt, forced=True)
+        events = stream.push(text[:9]) + stream.push(text[9:]) + stream.flush()
+        assert all(kind != "content" or not value for kind, value in events), events
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
@@ -193,3 +207,64 @@ def test_auto_is_free_text_until_the_trigger(tool_models):
     r = model.chat([{"role": "user", "content": "hi"}], tools=[WEATHER], temperature=1.0, seed=1,
                    max_tokens=40)
     tc.parse_output(r.text, "hermes")  # any text parses (calls or content)
+
+
+# -- what the call grammars admit ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def call_tok():
+    from edgeinfer.tokenizer import Tokenizer
+
+    vocab = bpe_vocab("qwen2")
+    n = len(vocab["tokens"])
+    return Tokenizer.from_metadata({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": vocab["tokens"] + ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                                                    "<|python_tag|>", "[TOOL_CALLS]"],
+        "tokenizer.ggml.token_type": vocab["types"] + [3, 3, 4, 4, 3, 3], "tokenizer.ggml.merges": vocab["merges"],
+        "tokenizer.ggml.bos_token_id": vocab["bos"], "tokenizer.ggml.eos_token_id": n + 1})
+
+
+def _admits(constraint, tok, text: str) -> bool:
+    from edgeinfer.prompt.grammar import GrammarError
+
+    m = constraint.matcher(tok)
+    try:
+        for t in tok.tokenize(text, add_special=False, parse_special=True):
+            m.advance(t)
+    except GrammarError:
+        return False
+    return True
+
+
+PYDANTIC = {"type": "function", "function": {"name": "book", "parameters": {
+    "$defs": {"Guest": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+    "type": "object", "properties": {"guest": {"$ref": "#/$defs/Guest"}}, "required": ["guest"]}}}
+NO_PARAMS = {"type": "function", "function": {"name": "now"}}
+OPEN = {"type": "function", "function": {"name": "tag", "parameters": {
+    "type": "object", "properties": {"k": {"type": "string"}}, "additionalProperties": {"type": "integer"}}}}
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+def test_forced_call_grammar_admits_only_declared_arguments(call_tok, fmt):
+    """Arguments are closed to the declared properties (additionalProperties false unless the
+    schema says otherwise), a tool without parameters takes {}, pydantic's $defs resolve
+    against the parameters' own root, and whitespace inside the call is bounded."""
+    key = "parameters" if fmt == "llama3" else "arguments"
+
+    def call(name, args: str, gap: str = " ") -> str:
+        body = '{"name": "%s",%s"%s": %s}' % (name, gap, key, args)
+        return {"hermes": f"<tool_call>\n{body}\n</tool_call>", "llama3": body,
+                "mistral": f"[TOOL_CALLS][{body}]"}[fmt]
+
+    c = tc.tool_constraint([WEATHER, PYDANTIC, NO_PARAMS, OPEN], "required", fmt, call_tok)
+    assert _admits(c, call_tok, call("get_weather", '{"city": "Oslo", "unit": "celsius"}'))
+    assert not _admits(c, call_tok, call("get_weather", '{"city": "Oslo", "unit": "celsius", "zzz": 1}'))
+    assert _admits(c, call_tok, call("now", "{}"))
+    assert not _admits(c, call_tok, call("now", '{"properties": {}}'))
+    assert _admits(c, call_tok, call("book", '{"guest": {"name": "Ann"}}'))
+    assert not _admits(c, call_tok, call("book", '{"guest": {"name": "Ann", "age": 3}}'))
+    assert _admits(c, call_tok, call("tag", '{"k": "a", "extra": 5}'))  # additionalProperties followed
+    assert not _admits(c, call_tok, call("tag", '{"extra": "x"}'))
+    assert not _admits(c, call_tok, call("get_weather", '{"city": "Oslo", "unit": "celsius"}', gap="\n" + "\t" * 30))
+    assert _admits(c, call_tok, call("get_weather", '{"city": "Oslo", "unit": "celsius"}', gap="\n  "))

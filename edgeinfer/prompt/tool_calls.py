@@ -207,8 +207,19 @@ def _calls_of(values: list[Any]) -> list[ToolCall] | None:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 
 
-def parse_tool_calls(text: str, fmt: str) -> ParsedOutput:
-    """Calls and the remaining content of one generated answer (no reasoning handling)."""
+def parse_tool_calls(text: str, fmt: str, forced: bool = False) -> ParsedOutput:
+    """Calls and the remaining content of one generated answer (no reasoning handling).
+
+    Call markup never reaches the content: a call cut off before its end (max_tokens) or
+    unreadable is dropped, and with `forced` (tool_choice "required" or a named function, where the grammar allowed
+    nothing but calls) any text that is not a readable call, are dropped."""
+    out = _parse_calls(text, fmt)
+    if forced:
+        out.content = ""
+    return out
+
+
+def _parse_calls(text: str, fmt: str) -> ParsedOutput:
     if fmt == "harmony":
         return harmony.parse(text, tools=True)
     if fmt == "hermes":
@@ -218,36 +229,37 @@ def parse_tool_calls(text: str, fmt: str) -> ParsedOutput:
             values = _json_values(m.group(1))
             if values and len(values) == 1:
                 call = _call_from(values[0])
-            if call is None:
-                continue  # not a call: the block stays in the content
-            content.append(text[pos:m.start()])
-            calls.append(call)
+            content.append(text[pos:m.start()])  # a block that is no call (cut off, malformed) goes
+            if call is not None:
+                calls.append(call)
             pos = m.end()
         content.append(text[pos:])
         joined = "".join(content)
-        return ParsedOutput(joined.strip() if calls else text, calls)
+        return ParsedOutput(joined.strip() if pos else text, calls)
     if fmt == "mistral":
         at = text.find("[TOOL_CALLS]")
         head, body = (text[:at], text[at + len("[TOOL_CALLS]"):]) if at >= 0 else ("", text)
         if at < 0 and not body.lstrip().startswith("["):
             return ParsedOutput(text, [])
+        unread = ParsedOutput(head.strip() if at >= 0 else text, [])  # [TOOL_CALLS] is markup
         m = re.match(r"\s*([A-Za-z0-9_.\-]+)\[ARGS\](.*)\Z", body, re.S)  # the v11+ layout
         if m:
             values = _json_values(m.group(2))
             call = _call_from({"name": m.group(1), "arguments": values[0]}) if values and len(values) == 1 else None
-            return ParsedOutput(head.strip(), [call]) if call else ParsedOutput(text, [])
+            return ParsedOutput(head.strip(), [call]) if call else unread
         values = _json_values(body)
         calls = _calls_of(values) if values else None
-        return ParsedOutput(head.strip(), calls) if calls else ParsedOutput(text, [])
+        return ParsedOutput(head.strip(), calls) if calls else unread
     if fmt in ("llama3", "generic"):
         body = text.strip()
         if fmt == "llama3" and body.startswith("<|python_tag|>"):
             body = body[len("<|python_tag|>"):]
+        tagged = fmt == "llama3" and text.strip().startswith("<|python_tag|>")
         if not body.startswith(("{", "[")):
-            return ParsedOutput(text, [])
+            return ParsedOutput("" if tagged else text, [])
         values = _json_values(body)
         calls = _calls_of(values) if values else None
-        return ParsedOutput("", calls) if calls else ParsedOutput(text, [])
+        return ParsedOutput("", calls) if calls else ParsedOutput("" if tagged else text, [])
     raise ToolCallError(f"unknown tool-call format {fmt!r} (known: {', '.join(FORMATS)})")
 
 
@@ -265,25 +277,26 @@ def split_reasoning(text: str, started: bool = False) -> tuple[str | None, str]:
 
 
 def parse_output(text: str, fmt: str, *, reasoning: bool = False, think_started: bool = False,
-                 tools: bool = True) -> ParsedOutput:
-    """Reasoning (when asked), then tool calls (when the request had tools), then content."""
+                 tools: bool = True, forced: bool = False) -> ParsedOutput:
+    """Reasoning (when asked), then tool calls (when the request had tools), then content
+    (`forced`: the request forced a call, see parse_tool_calls)."""
     if fmt == "harmony":  # its channels say which text is which
         return harmony.parse(text, tools=tools)
     thought = None
     if reasoning:
         thought, text = split_reasoning(text, think_started)
-    out = parse_tool_calls(text, fmt) if tools else ParsedOutput(text, [])
+    out = parse_tool_calls(text, fmt, forced) if tools else ParsedOutput(text, [])
     out.reasoning = thought
     return out
 
 
 def answer_stream(fmt: str, *, reasoning: bool = False, think_started: bool = False,
-                  tools: bool = True):
+                  tools: bool = True, forced: bool = False):
     """The incremental reader of a `fmt` answer: harmony's, or a ToolCallStream. Both have
     push(text) / flush() returning the same events."""
     if fmt == "harmony":
         return harmony.HarmonyStream(tools=tools)
-    return ToolCallStream(fmt, reasoning=reasoning, think_started=think_started, tools=tools)
+    return ToolCallStream(fmt, reasoning=reasoning, think_started=think_started, tools=tools, forced=forced)
 
 
 class ToolCallStream:
@@ -296,11 +309,12 @@ class ToolCallStream:
     """
 
     def __init__(self, fmt: str, *, reasoning: bool = False, think_started: bool = False,
-                 tools: bool = True) -> None:
+                 tools: bool = True, forced: bool = False) -> None:
         if fmt not in FORMATS or fmt == "harmony":
             raise ToolCallError(f"unknown tool-call format {fmt!r} (harmony: use answer_stream)")
         self.fmt = fmt
         self.tools = tools
+        self.forced = forced  # only calls could be written: unreadable text is a cut-off call
         self._buf = ""
         self._state = "think?" if reasoning else "content"
         self._think_started = think_started
@@ -382,11 +396,11 @@ class ToolCallStream:
         if end < 0 and not final:
             return
         block = self._buf if end < 0 else self._buf[:end + len("</tool_call>")]
-        parsed = parse_tool_calls(block, "hermes")
+        parsed = parse_tool_calls(block, "hermes", self.forced)
         if parsed.tool_calls:
             events.extend(("tool_call", c) for c in parsed.tool_calls)
         else:
-            self._emit_content(events, block)
+            self._emit_content(events, parsed.content)  # "" for a call cut off
         self._buf, self._state = self._buf[len(block):], "content"
         if not parsed.tool_calls:
             return
@@ -395,12 +409,9 @@ class ToolCallStream:
     def _step_held(self, events, final) -> None:
         if not final:
             return
-        parsed = parse_tool_calls(self._buf, self.fmt)
-        if parsed.tool_calls:
-            self._emit_content(events, parsed.content)
-            events.extend(("tool_call", c) for c in parsed.tool_calls)
-        else:
-            self._emit_content(events, self._buf)
+        parsed = parse_tool_calls(self._buf, self.fmt, self.forced)
+        self._emit_content(events, parsed.content)
+        events.extend(("tool_call", c) for c in parsed.tool_calls)
         self._buf, self._state = "", "content"
 
     def _emit_content(self, events, text: str) -> None:
@@ -423,10 +434,75 @@ def _partial_suffix(text: str, tag: str) -> int:
 # Constraints
 # ---------------------------------------------------------------------------
 
-def _call_schema(tool: dict, args_key: str) -> dict:
+def _call_schema(tool: dict, args_key: str, index: int) -> dict:
+    """One call's JSON: {"name": NAME, args_key: arguments}. The parameters move under the
+    wrapper's $defs (as `t{index}`), and their "#/..." references are rewritten to point
+    there: references resolve against the parameters' own root, as the tool wrote them."""
     fn = tool["function"]
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: fn["parameters"]},
+    params = strict_arguments(fn["parameters"])
+    call = {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
             "required": ["name", args_key], "additionalProperties": False}
+    if _has_refs(params):
+        key = f"t{index}"
+        call["properties"][args_key] = {"$ref": f"#/$defs/{key}"}
+        call["$defs"] = {key: _rebase_refs(params, f"#/$defs/{key}")}  # hoisted to the root by _rooted
+    return call
+
+
+def _rooted(schema: dict, calls: list[dict]) -> dict:
+    """`schema` (the JSON a grammar matches, holding the calls) with the calls' $defs at its root."""
+    defs = {k: v for c in calls for k, v in c.get("$defs", {}).items()}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def strict_arguments(schema: Any) -> Any:
+    """A tool's parameter schema with every object closed to its declared properties: where
+    an object schema does not say `additionalProperties`, it gets false (OpenAI's strict
+    mode, llama.cpp's tool grammars). An explicit `additionalProperties` (true or a schema)
+    is followed. No parameters at all means the empty object."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _strict_sub(k, v) for k, v in schema.items()}
+    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) \
+        or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedProperties", "additionalItems")
+
+
+def _strict_sub(key: str, value: Any) -> Any:
+    if key in _SCHEMA_MAPS and isinstance(value, Mapping):
+        return {k: strict_arguments(v) for k, v in value.items()}
+    if key in _SCHEMA_LISTS and isinstance(value, list):
+        return [strict_arguments(v) for v in value]
+    if key in _SCHEMA_ONE and isinstance(value, Mapping):
+        return strict_arguments(value)
+    return value
+
+
+def _has_refs(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return isinstance(value.get("$ref"), str) or any(_has_refs(v) for v in value.values())
+    return isinstance(value, list) and any(_has_refs(v) for v in value)
+
+
+def _rebase_refs(value: Any, root: str) -> Any:
+    """`value` with each local "$ref" ("#" or "#/...") pointing below `root` instead."""
+    if isinstance(value, Mapping):
+        out = {k: _rebase_refs(v, root) for k, v in value.items()}
+        ref = value.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            out["$ref"] = root + ref[1:]
+        return out
+    if isinstance(value, list):
+        return [_rebase_refs(v, root) for v in value]
+    return value
 
 
 def _token_ref(tokenizer, text: str) -> str:
@@ -477,16 +553,19 @@ def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
     if fmt == "harmony":
         return None if mode == "auto" else _harmony_call(chosen, tokenizer)
     args_key = "parameters" if fmt == "llama3" else "arguments"
-    schemas = [_call_schema(t, args_key) for t in chosen]
+    calls = [_call_schema(t, args_key, i) for i, t in enumerate(chosen)]
+    schemas = [{k: v for k, v in c.items() if k != "$defs"} for c in calls]
     any_call = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
-    any_call["x-guidance"] = dict(grammar.JSON_LAYOUT)  # %json does not get the defaults
+    layout = {"x-guidance": dict(grammar.JSON_LAYOUT)}  # %json does not get the defaults
+    array = {"type": "array", "items": any_call, "minItems": 1, **({} if parallel else {"maxItems": 1}), **layout}
+    array = _rooted(array, calls)
+    any_call = _rooted({**any_call, **layout}, calls)
     if mode == "auto":
         if fmt == "hermes":
             tags = [{"trigger": "<tool_call>", "begin": "<tool_call>\n", "grammar": any_call,
                      "end": "\n</tool_call>"}]
         elif fmt == "mistral":
-            tags = [{"trigger": "[TOOL_CALLS]", "begin": "[TOOL_CALLS]",
-                     "grammar": {"type": "array", "items": any_call, "minItems": 1}, "end": ""}]
+            tags = [{"trigger": "[TOOL_CALLS]", "begin": "[TOOL_CALLS]", "grammar": array, "end": ""}]
         elif fmt == "llama3":
             tags = [{"trigger": "<|python_tag|>", "begin": "<|python_tag|>", "grammar": any_call, "end": ""}]
         else:
@@ -502,10 +581,7 @@ def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
         sep = '"\\n"'
     elif fmt == "mistral":
         head = _token_ref(tokenizer, "[TOOL_CALLS]")
-        arr = {"type": "array", "items": any_call, "minItems": 1}
-        if not parallel:
-            arr["maxItems"] = 1
-        return grammar.lark(f"start: {head} %json {json.dumps(arr, ensure_ascii=False)}\n")
+        return grammar.lark(f"start: {head} %json {json.dumps(array, ensure_ascii=False)}\n")
     elif fmt == "llama3":
         one, sep = call_rule, '"; "'
     else:
@@ -526,7 +602,7 @@ def _harmony_call(chosen: list[dict], tokenizer):
     calls = []
     for tool in chosen:
         fn = tool["function"]
-        args = {**fn["parameters"], "x-guidance": dict(grammar.JSON_LAYOUT)}
+        args = {**strict_arguments(fn["parameters"]), "x-guidance": dict(grammar.JSON_LAYOUT)}
         calls.append(f'"commentary to=functions.{fn["name"]} " {constrain} "json" {msg} '
                      f'%json {json.dumps(args, ensure_ascii=False)}')
     return grammar.lark(f"start: analysis? call\n"

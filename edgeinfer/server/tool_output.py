@@ -14,7 +14,9 @@ edgeinfer.prompt.tool_calls (and edgeinfer.prompt.harmony):
 - Ollama: `message.content`, `message.thinking` and `message.tool_calls`
   ([{function: {name, arguments: object}}]), streamed as they complete.
 
-Text that is not a readable call stays content: nothing the model wrote is dropped.
+Text that is not a call stays content, but call markup never does: a call cut off by
+max_tokens (the finish_reason says "length") or unreadable is dropped, and so is everything
+that is not a call when the request forced one (tool_choice "required" or a function).
 """
 
 from __future__ import annotations
@@ -38,17 +40,18 @@ class OutputReader:
     tools: bool
     reasoning: bool
     think_started: bool = False
+    forced: bool = False  # the request forced a call: nothing but calls could be written
 
     def parse(self, text: str) -> ParsedOutput:
         return parse_output(text, self.fmt, reasoning=self.reasoning, think_started=self.think_started,
-                            tools=self.tools)
+                            tools=self.tools, forced=self.forced)
 
     def stream(self) -> ToolCallStream:
         return answer_stream(self.fmt, reasoning=self.reasoning, think_started=self.think_started,
-                             tools=self.tools)
+                             tools=self.tools, forced=self.forced)
 
 
-def reader_for(model, *, tools: bool, thinking: bool | None = None) -> OutputReader | None:
+def reader_for(model, *, tools: bool, thinking: bool | None = None, forced: bool = False) -> OutputReader | None:
     """The reader for a chat request (None: the text is all content). A harmony answer is
     always read: its channels are structure, never content."""
     if speaks_harmony(model):
@@ -57,7 +60,7 @@ def reader_for(model, *, tools: bool, thinking: bool | None = None) -> OutputRea
     if not tools and not reasoning:
         return None
     return OutputReader(model.tool_format, tools, reasoning,
-                        reasoning and _prompt_opens_think(model, thinking))
+                        reasoning and _prompt_opens_think(model, thinking), tools and forced)
 
 
 _opens: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -202,7 +205,8 @@ def chat_plan(model, messages: list[dict], *, tools: list | None = None, tool_ch
     if constraint is not None:
         kw["constraint"] = constraint
     calls = bool(kw.get("tools")) and kw.get("tool_choice") != "none"
-    return kw, reader_for(model, tools=calls, thinking=thinking)
+    forced = kw.get("tool_choice") == "required" or isinstance(kw.get("tool_choice"), dict)
+    return kw, reader_for(model, tools=calls, thinking=thinking, forced=forced)
 
 
 def ollama_history(messages) -> list[dict]:
