@@ -193,7 +193,7 @@ def test_required_tool_calls_always_validate(tool_models, fmt):
 def test_auto_is_free_text_until_the_trigger(tool_models):
     model = tool_models["hermes"]
     c = tc.tool_constraint([WEATHER], "auto", "hermes", model.tokenizer)
-    assert c is not None and c.kind == "tools"
+    assert c is not None and c.kind == "lark"
     m = c.matcher(model.tokenizer)
     tid = model.tokenizer.token_id("<tool_call>")
     hello = model.tokenizer.tokenize(" hello", add_special=False)
@@ -268,3 +268,20 @@ def test_forced_call_grammar_admits_only_declared_arguments(call_tok, fmt):
     assert not _admits(c, call_tok, call("tag", '{"extra": "x"}'))
     assert not _admits(c, call_tok, call("get_weather", '{"city": "Oslo", "unit": "celsius"}', gap="\n" + "\t" * 30))
     assert _admits(c, call_tok, call("get_weather", '{"city": "Oslo", "unit": "celsius"}', gap="\n  "))
+
+
+@pytest.mark.parametrize("fmt, call", [
+    ("hermes", '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {}}]'),
+    ("llama3", '<|python_tag|>{"name": "now", "parameters": {}}'),
+])
+def test_auto_grammar_takes_the_tags_as_the_model_writes_them(call_tok, fmt, call):
+    """Under tool_choice "auto", free text, then a call opened and closed by the special
+    tokens the vocabulary has (the model emits `</tool_call>` and `[TOOL_CALLS]` as one token
+    each, not spelled out), then free text again; undeclared arguments still refused."""
+    c = tc.tool_constraint([NO_PARAMS], "auto", fmt, call_tok)
+    assert _admits(c, call_tok, "Sure. " + call)
+    assert _admits(c, call_tok, "plain text only")
+    assert not _admits(c, call_tok, "Sure. " + call.replace("{}", '{"x": 1}'))
+    if fmt == "hermes":
+        assert _admits(c, call_tok, "Sure. " + call + " Done.")

@@ -562,18 +562,17 @@ def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
     any_call = _rooted({**any_call, **layout}, calls)
     if mode == "auto":
         if fmt == "hermes":
-            tags = [{"trigger": "<tool_call>", "begin": "<tool_call>\n", "grammar": any_call,
-                     "end": "\n</tool_call>"}]
+            trig, body = "<tool_call>", f'"\\n" %json {json.dumps(any_call, ensure_ascii=False)} "\\n" ' \
+                                        f'{_token_ref(tokenizer, "</tool_call>")}'
         elif fmt == "mistral":
-            tags = [{"trigger": "[TOOL_CALLS]", "begin": "[TOOL_CALLS]", "grammar": array, "end": ""}]
+            trig, body = "[TOOL_CALLS]", f"%json {json.dumps(array, ensure_ascii=False)}"
         elif fmt == "llama3":
-            tags = [{"trigger": "<|python_tag|>", "begin": "<|python_tag|>", "grammar": any_call, "end": ""}]
+            trig, body = "<|python_tag|>", f"%json {json.dumps(any_call, ensure_ascii=False)}"
         else:
             return None
-        trig = tags[0]["trigger"]
         if tokenizer is not None and tokenizer.token_id(trig) is None and trig.startswith("<"):
             return None  # the vocabulary cannot emit the trigger as one token: leave auto free
-        return grammar.lazy_tags(tags)
+        return grammar.lark(_free_text_then_calls(_token_ref(tokenizer, trig), body))
     call_rule = "%json " + json.dumps(any_call, ensure_ascii=False)
     if fmt == "hermes":
         open_tag, close_tag = _token_ref(tokenizer, "<tool_call>"), _token_ref(tokenizer, "</tool_call>")
@@ -588,6 +587,17 @@ def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
         one, sep = call_rule, '"\\n"'
     body = f"call ({sep} call)*" if parallel else "call"
     return grammar.lark(f"start: {body}\ncall: {one}\n")
+
+
+def _free_text_then_calls(trigger: str, body: str) -> str:
+    """Lark for tool_choice "auto": free text, and after each trigger a call (`body`). The
+    trigger and the call's closing tag are special tokens where the vocabulary has them
+    (what the model emits), else text; a text trigger is matched lazily, as llguidance's
+    structural tags do."""
+    head = ["%llguidance {}", "start: call* TEXT", "TEXT: /(.|\\n)*/"]
+    if trigger.startswith("<["):
+        return "\n".join(head + [f"call: TEXT {trigger} {body}"]) + "\n"
+    return "\n".join(head + [f"call_trigger[lazy]: TEXT {trigger}", f"call: call_trigger {body}"]) + "\n"
 
 
 def _harmony_call(chosen: list[dict], tokenizer):
