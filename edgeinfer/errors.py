@@ -39,3 +39,7 @@ class TemplateError(EdgeInferError):
 
 class ContextOverflowError(EdgeInferError):
     """A prompt that does not fit in the context window."""
+
+
+class GrammarError(EdgeInferError, ValueError):
+    """A JSON schema, grammar or regex that cannot be compiled (the line names why)."""

@@ -177,6 +177,10 @@ def test_matcher_state():
     ({"$ref": "#/$defs/missing"}, "missing"),
     ("{not json", "not JSON"),
     ([1, 2], "expected an object"),
+    # schemas that admit no value at all: refused, never an empty answer
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "admits no output"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength"),
+    ({"enum": []}, "empty"),
 ])
 def test_bad_schema(schema, words):
     with pytest.raises(GrammarError, match="JSON schema") as exc:

@@ -107,6 +107,11 @@ def test_openai_bad_schemas_are_400s(oai):
         oai.chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_schema",
                                                                                 "json_schema": {"name": "x"}})
     assert "schema" in e.value.body["message"]
+    loop = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}  # admits nothing: a 400, not ""
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=ASK, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": loop}})
+    assert "admits no output" in e.value.body["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

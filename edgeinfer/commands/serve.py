@@ -91,10 +91,10 @@ def serve(args) -> int:
                  "and create are refused)"), file=sys.stderr)
     kwargs = model_kwargs(args)
 
-    def load_model():
+    def load_model(**overrides):  # overrides: load options a request asked for (Ollama's num_ctx...)
         import edgeinfer
 
-        return edgeinfer.load(args.name, **kwargs)
+        return edgeinfer.load(args.name, **{**kwargs, **overrides})
 
     app = create_app(config, loader=load_model)
     state = app.state.server

@@ -22,6 +22,7 @@ llama.cpp binding does): grammar text never matches them; Lark's `<|name|>` synt
 from __future__ import annotations
 
 import json as _json
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -29,14 +30,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from edgeinfer.errors import EdgeInferError
+from edgeinfer.errors import GrammarError
+from edgeinfer.prompt.grammar_bounds import KIND_NAMES as _KIND_NAMES
+from edgeinfer.prompt.grammar_bounds import check_bounds, check_grammar_bounds, check_schema_bounds
 
 __all__ = ["GrammarError", "Constraint", "GrammarMatcher", "json_schema", "any_json", "gbnf",
-           "lark", "regex", "from_request", "lazy_tags"]
-
-
-class GrammarError(EdgeInferError, ValueError):
-    """A JSON schema, grammar or regex that cannot be compiled (the line names why)."""
+           "lark", "regex", "from_request", "lazy_tags", "check_bounds"]
 
 
 def _llg():
@@ -73,14 +72,44 @@ class Constraint:
 
 def _validated(kind: str, source: str, grammar: str) -> Constraint:
     llg = _llg()
+    check_bounds(grammar, kind)
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
     if is_error:
         raise GrammarError(f"invalid {_KIND_NAMES.get(kind, kind)}: {_one_line(messages[0])}")
+    if kind in ("json_schema", "regex"):  # Lark may name token ids past a byte vocabulary's
+        _check_satisfiable(kind, grammar)
     return Constraint(kind, source, grammar)
 
 
-_KIND_NAMES = {"json_schema": "JSON schema", "json": "JSON grammar", "gbnf": "GBNF grammar",
-               "lark": "Lark grammar", "regex": "regular expression", "tools": "tool-call grammar"}
+class _Bytes:
+    """A vocabulary of the 256 bytes and an end token: enough to ask a grammar whether it
+    admits anything at all."""
+
+    eos_token_id, bos_token_id = 256, None
+    tokens = [bytes([i]) for i in range(256)] + [b"\xff<end>"]
+    special_token_ids = [256]
+
+    def __call__(self, data: bytes | str) -> list[int]:
+        return list(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+_byte_tokenizer = None
+
+
+def _check_satisfiable(kind: str, grammar: str) -> None:
+    """A grammar that admits no output at all (a schema that is only a reference to itself,
+    an empty enum, minLength above maxLength) is a GrammarError, not an empty answer."""
+    global _byte_tokenizer
+    llg = _llg()
+    if _byte_tokenizer is None:
+        _byte_tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()), n_vocab=257, eos_token=[256])
+    m = llg.LLMatcher(_byte_tokenizer, grammar)
+    if m.is_error():
+        raise GrammarError(f"invalid {_KIND_NAMES.get(kind, kind)}: {_one_line(m.get_error())}")
+    if not m.is_accepting() and not any(m.validate_tokens([b]) == 1 for b in range(256)):
+        raise GrammarError(f"invalid {_KIND_NAMES.get(kind, kind)}: it admits no output at all")
+
+
 
 
 def _one_line(msg: str) -> str:
@@ -94,15 +123,16 @@ def json_schema(schema: Mapping[str, Any] | str | bool) -> Constraint:
     if isinstance(schema, str):
         try:
             schema = _json.loads(schema)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise GrammarError(f"invalid JSON schema: not JSON ({exc})") from None
     if schema is True:
         schema = {}
     if not isinstance(schema, Mapping):
         raise GrammarError(f"invalid JSON schema: expected an object, got {type(schema).__name__}")
+    check_schema_bounds(schema)
     try:
         text = _json.dumps(schema, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from None
     try:
         grammar = _llg().LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
@@ -121,9 +151,9 @@ def gbnf(text: str) -> Constraint:
     """A llama.cpp GBNF grammar (`root ::= ...`); Lark text is accepted too."""
     if not isinstance(text, str) or not text.strip():
         raise GrammarError("invalid GBNF grammar: it is empty")
-    from llguidance.gbnf_to_lark import any_to_lark
+    check_grammar_bounds(text, "gbnf")
     try:
-        lark_text = any_to_lark(text)
+        lark_text = gbnf_to_lark(text)
     except Exception as exc:  # noqa: BLE001 - the converter raises bare Exceptions
         raise GrammarError(f"invalid GBNF grammar: {_one_line(str(exc))}") from None
     return _validated("gbnf", text, _llg().LLMatcher.grammar_from_lark(lark_text))
@@ -191,6 +221,79 @@ def from_request(*, json_schema: Mapping[str, Any] | str | None = None, grammar:
 
 
 _compile_schema, _compile_regex, _compile_lark = json_schema, regex, lark  # names from_request shadows
+
+
+def gbnf_to_lark(text: str) -> str:
+    """llguidance's GBNF-to-Lark conversion (Lark text is returned as it is), with its
+    fixed-point pass made linear: the library's re-scans every rule once per level of a rule
+    chain, so 1000 chained rules took 2-25 s and 4000 took 42 s; this takes milliseconds."""
+    from llguidance import gbnf_to_lark as g2l
+
+    if g2l.is_lark_syntax(text):
+        return text
+    rules = g2l.GrammarParser().parse(text)
+    _resolve_gbnf(rules, g2l)
+    res, prev_nl = "%llguidance {}\n\n", True
+    for r in sorted(rules.values(), key=lambda r: r.order):  # as g2l.gbnf_to_lark prints them
+        s = str(r)
+        if not prev_nl and "\n" in s:
+            res += "\n"
+        res += s + "\n"
+        prev_nl = "\n" in s
+        if prev_nl:
+            res += "\n"
+    return res
+
+
+def _resolve_gbnf(rules: dict, g2l) -> None:
+    """g2l.resolve: rule references bound, root renamed start, and the rules whose every
+    reference is to such a rule marked terminal (a worklist, not repeated passes), renamed."""
+    for i, r in enumerate(rules.values()):
+        r.order = i
+        r.alternatives = r.alternatives.simplify()
+    uses: dict[str, set[str]] = {}
+    for r in rules.values():
+        targets: set[str] = set()
+        todo = [r.alternatives]
+        while todo:
+            node = todo.pop()
+            if isinstance(node, g2l.RuleRefNode):
+                if node.name not in rules:
+                    raise Exception(f"Rule '{node.name}' not found")
+                node.target = rules[node.name]
+                targets.add(node.name)
+            todo.extend(node.children())
+        uses[r.name] = targets
+    if "root" not in rules:
+        raise Exception("No 'root' rule found")
+    root = rules.pop("root")
+    if "start" in rules:
+        raise Exception("Rule 'start' already exists")
+    root.name = "start"
+    rules["start"] = root
+    uses["start"] = uses.pop("root")
+    users: dict[str, list[str]] = {name: [] for name in rules}
+    for name, targets in uses.items():
+        for t in targets:
+            users["start" if t == "root" else t].append(name)
+    waiting = {name: len({"start" if t == "root" else t for t in targets}) for name, targets in uses.items()}
+    ready = [name for name, left in waiting.items() if left == 0 and name != "start"]
+    while ready:
+        name = ready.pop()
+        rules[name].rule_is_terminal = True
+        for user in users[name]:
+            waiting[user] -= 1
+            if waiting[user] == 0 and user != "start":
+                ready.append(user)
+    for r in list(rules.values()):
+        new_name = re.sub(r"([a-z])([A-Z])", r"\1_\2", r.name.replace("-", "_")).lower()
+        new_name = new_name.upper() if r.rule_is_terminal else new_name
+        if r.name != new_name:
+            if new_name in rules:
+                raise Exception(f"Rule '{new_name}' already exists")
+            del rules[r.name]
+            r.name = new_name
+            rules[new_name] = r
 
 
 # ---------------------------------------------------------------------------

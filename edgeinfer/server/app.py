@@ -31,7 +31,7 @@ __all__ = ["ServerConfig", "create_app"]
 log = logging.getLogger("edgeinfer.server")
 
 # Paths that answer without loading a model: they neither load it again nor hold it loaded.
-NO_MODEL_PATHS = frozenset({"/health", "/metrics", "/", "/api/version", "/api/ps", "/api/tags", "/v1/models",
+NO_MODEL_PATHS = frozenset({"/health", "/metrics", "/", "/openapi.json", "/api/version", "/api/ps", "/api/tags", "/v1/models",
                             "/api/pull", "/api/delete", "/api/copy", "/api/create"})
 
 
@@ -46,13 +46,24 @@ def create_app(config: ServerConfig, model=None, loader: Callable[[], Any] | Non
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        import asyncio
+
+        from edgeinfer.server.http_protocol import install_accept_errors
+
+        state.loop = asyncio.get_running_loop()
+        install_accept_errors(state.loop)  # out of file descriptors: one line, not a traceback per accept
         state.worker.start()
         try:
             yield
         finally:
             state.worker.stop()
 
-    app = FastAPI(title="edgeinfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    from edgeinfer import __version__
+    from edgeinfer.server import openapi
+
+    app = FastAPI(title="edgeinfer", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", lifespan=lifespan)
+    openapi.install(app)
     app.state.server = state
 
     @app.exception_handler(APIError)

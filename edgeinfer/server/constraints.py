@@ -20,17 +20,96 @@ asking it not to is a 400.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import asyncio
+import concurrent.futures
+import contextvars
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Mapping
 
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.prompt.harmony import is_harmony
 from edgeinfer.server.errors import APIError
+
+log = logging.getLogger("edgeinfer.server")
 
 EFFORTS = ("low", "medium", "high")  # gpt-oss's reasoning levels (its template's `reasoning_effort`)
 
 
 def _bad(field: str, exc: Exception | str) -> APIError:
     return APIError(400, f"invalid field {field!r}: {exc}", param=field)
+
+
+# -- compiling off the event loop ----------------------------------------------------------
+# A grammar compiles on one of these threads (large stacks: edgeinfer.prompt.grammar), never
+# on the event loop: /health and the other requests go on meanwhile. The compile counts in
+# the request's --timeout (state.submit starts the clock where the compile started), and a
+# compile that takes longer than COMPILE_BUDGET_S is a 400: the grammar's bounds keep real
+# compiles to milliseconds, so one that long is too costly for this server.
+COMPILE_BUDGET_S = 5.0
+COMPILE_THREADS = 2
+request_clock: contextvars.ContextVar[float | None] = contextvars.ContextVar("edgeinfer_request_clock",
+                                                                            default=None)
+
+
+class _Compilers:
+    """COMPILE_THREADS threads with large stacks, taking compile jobs from one queue."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        with self._lock:
+            if not self._threads:
+                from edgeinfer.big_stack import start_thread
+
+                self._threads = [start_thread(self._run, f"edgeinfer-grammar-{i}")
+                                 for i in range(COMPILE_THREADS)]
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            fn, future = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # the request gave up (timed out, went away) before it started
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the request
+                future.set_exception(exc)
+
+
+_compilers = _Compilers()
+
+
+async def compiled(state, fn: Callable[..., Any], *args: Any, **kwargs: Any):
+    """`fn(*args, **kwargs)` (one of the constraint readers below) run on a grammar thread:
+    its result, its APIError; a 400 past COMPILE_BUDGET_S, a 504 past the request's timeout."""
+    now = time.monotonic()
+    if request_clock.get() is None:
+        request_clock.set(now)
+    budget, timed_out = COMPILE_BUDGET_S, False
+    timeout = state.config.timeout_s
+    if timeout:
+        left = timeout - (now - request_clock.get())
+        if left < budget:
+            budget, timed_out = max(0.0, left), True
+    future = _compilers.submit(lambda: fn(*args, **kwargs))
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(future), budget)
+    except asyncio.TimeoutError:
+        future.cancel()
+        if timed_out:
+            raise APIError(504, f"the request took longer than {timeout}s (compiling its grammar)",
+                           code="timeout") from None
+        log.warning("a grammar took longer than %gs to compile; refused", COMPILE_BUDGET_S)
+        raise APIError(400, f"the grammar or schema is too costly to compile (over {COMPILE_BUDGET_S:g}s); "
+                            "make it smaller or shallower") from None
 
 
 def compile_constraint(field: str, **request: Any):

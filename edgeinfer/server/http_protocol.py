@@ -11,8 +11,10 @@ kept-alive one, and ends when the request is complete; a client that misses it g
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import time
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -97,3 +99,39 @@ def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 11434,
     return uvicorn.Config(app, host=host, port=port, http=protocol_class(read_timeout_s),
                           timeout_keep_alive=idle_timeout_s, access_log=False,  # ours is access_log.py
                           timeout_graceful_shutdown=5, **extra)
+
+
+_OUT_OF = {errno.EMFILE: "too many open files", errno.ENFILE: "too many open files in the system",
+           errno.ENOBUFS: "no buffer space", errno.ENOMEM: "out of memory"}
+
+
+class AcceptErrors:
+    """The event loop's exception handler: asyncio reports each failed accept() (out of file
+    descriptors, say) with a traceback, once per retry a second; this says it in one line,
+    at most once per `every_s` seconds with a count, and hands everything else on."""
+
+    def __init__(self, previous=None, every_s: float = 60.0) -> None:
+        self.previous, self.every_s = previous, every_s
+        self.last: float | None = None
+        self.missed = 0
+
+    def __call__(self, loop, context: dict) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in _OUT_OF and "accept" in str(context.get("message", "")):
+            now = time.monotonic()
+            self.missed += 1
+            if self.last is None or now - self.last >= self.every_s:
+                log.error("cannot accept connections: %s (%d failed accepts since the last report); "
+                          "retrying each second", _OUT_OF[exc.errno], self.missed)
+                self.last, self.missed = now, 0
+            return
+        if self.previous is not None:
+            self.previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+
+def install_accept_errors(loop: asyncio.AbstractEventLoop) -> AcceptErrors:
+    handler = AcceptErrors(loop.get_exception_handler())
+    loop.set_exception_handler(handler)
+    return handler

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.server.errors import APIError
-from edgeinfer.server.constraints import add_constraint, llama_constraint
+from edgeinfer.server.constraints import add_constraint, compiled, llama_constraint
 from edgeinfer.server.fim import fim_start
 from edgeinfer.server.requests import chat_message, check_ids, read_body
 from edgeinfer.server.schemas import (ApplyTemplateRequest, DetokenizeRequest, InfillRequest,
@@ -195,7 +195,8 @@ async def completion(request: Request):
     params = sampling_of(state, req)
     prompt = req.prompt
     check_ids(model, prompt if isinstance(prompt, list) else [])
-    run = add_constraint(params, llama_constraint(req.grammar, req.json_schema, req.response_format))
+    run = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema,
+                                                req.response_format))
     start = limited(lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **run),  # noqa: E731
                     req.t_max_predict_ms, req.n_indent)
     return await _run(request, req, start, params)
@@ -208,7 +209,7 @@ async def infill(request: Request):
     model = state.require_model()
     params = sampling_of(state, req)
     extra = [(c.filename, c.text) for c in req.input_extra]
-    run = add_constraint(params, llama_constraint(req.grammar, req.json_schema, None))
+    run = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema, None))
     start = fim_start(model, run, prefix=req.input_prefix, suffix=req.input_suffix, extra=extra,
                       prompt=req.prompt)
     return await _run(request, req, limited(start, req.t_max_predict_ms, req.n_indent), params)

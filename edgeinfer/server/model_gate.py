@@ -43,6 +43,7 @@ class ModelGate:
         else:
             name = None
         slot = await self._slot(name)
+        await slot.wait_drained()  # emptied to make room or to reload: it takes no new requests meanwhile
         token = current_slot.set(slot)
         state.acquire()
         released = False

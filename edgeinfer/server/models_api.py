@@ -9,7 +9,9 @@ store, so a server listening beyond loopback refuses them without --api-key.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import logging
 import os
 import stat
 import threading
@@ -31,6 +33,8 @@ from edgeinfer.server.fim import has_fim
 from edgeinfer.server.requests import describe, read_body
 from edgeinfer.server.schemas import Body, OllamaOptions, OllamaShowRequest, Unsupported
 from edgeinfer.units import human_count
+
+log = logging.getLogger("edgeinfer.server")
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
@@ -402,6 +406,8 @@ async def delete(request: Request) -> JSONResponse:
         raise APIError(400, f"{name!r} is the model this server was started with; stop the server to delete it")
     try:
         await anyio.to_thread.run_sync(registry.remove, name)
+    except OSError as exc:
+        raise store_write_error(exc, f"deleting {name!r}") from None
     except EdgeInferError as exc:
         raise APIError(404, f"model {name!r} not found") if isinstance(exc, ModelNotFoundError) \
             else APIError(400, str(exc)) from None
@@ -430,6 +436,31 @@ def _destination(name: str) -> str:
     return dest
 
 
+_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def store_write_error(exc: OSError, what: str) -> APIError:
+    """A write to the model store that failed: 507 for a full disk (or quota), 403 for a
+    read-only or forbidden one, 500 for the rest; one line naming the problem and the place."""
+    where = exc.filename or str(model_names.table_path().parent)
+    reason = exc.strerror or type(exc).__name__
+    log.warning("%s failed: %s: %s", what, reason, where)
+    if exc.errno in _FULL:
+        return APIError(507, f"{what} failed: the disk holding the model store is full ({where})")
+    if exc.errno in _READ_ONLY:
+        return APIError(403, f"{what} failed: the model store is not writable ({reason}: {where})")
+    return APIError(500, f"{what} failed: {reason}: {where}")
+
+
+async def save_name(row) -> None:
+    """model_names.save off the loop (an atomic write: the table stays whole if it fails)."""
+    try:
+        await anyio.to_thread.run_sync(model_names.save, row)
+    except OSError as exc:
+        raise store_write_error(exc, f"saving the model name {row.name!r}") from None
+
+
 @router.post("/api/copy")
 async def copy(request: Request) -> JSONResponse:
     state = request.app.state.server
@@ -441,7 +472,7 @@ async def copy(request: Request) -> JSONResponse:
     if named is not None:
         row.template, row.system, row.parameters, row.license = (named.template, named.system,
                                                                  dict(named.parameters), named.license)
-    await anyio.to_thread.run_sync(model_names.save, row)
+    await save_name(row)
     state.forget(dest)  # a slot under the old meaning of the name must not answer for it
     return JSONResponse({})
 
@@ -515,7 +546,7 @@ async def create(request: Request):
                                  system=req.system or mf.system or (named.system if named else None),
                                  parameters=_parameters(params),
                                  license="\n".join(lic) if isinstance(lic, list) else lic)
-    await anyio.to_thread.run_sync(model_names.save, row)
+    await save_name(row)
     state.forget(dest)
     steps = [{"status": "parsing GGUF"}, {"status": "writing manifest"}, {"status": "success"}]
     if not req.stream:

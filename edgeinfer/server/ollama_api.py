@@ -7,6 +7,7 @@ Streaming is on by default (NDJSON, one object a line); the last object has `don
 from __future__ import annotations
 
 import json
+import logging
 import time
 from datetime import datetime, timezone
 from typing import AsyncIterator
@@ -16,15 +17,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from edgeinfer import __version__
 from edgeinfer.server.errors import APIError
+from edgeinfer.server.state import load_seconds
 from edgeinfer.server.fim import fim_start
 from edgeinfer.server.requests import check_ids, read_body
 from edgeinfer.server.schemas import (OllamaBase, OllamaChatRequest, OllamaGenerateRequest,
                                       OllamaShowRequest)
 from edgeinfer.server import logprobs as lp_format
-from edgeinfer.server.constraints import add_constraint, ollama_format, ollama_think
+from edgeinfer.server.constraints import add_constraint, compiled, ollama_format, ollama_think
 from edgeinfer.server.tool_output import OllamaPieces, chat_plan, ollama_history, ollama_message
 from edgeinfer.server.streaming import collect_chunks, first_chunk, stream_events
 
+log = logging.getLogger("edgeinfer.server")
 router = APIRouter()
 NDJSON = "application/x-ndjson"
 _DONE_REASON = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -39,20 +42,19 @@ def now_iso() -> str:
     return iso(time.time())
 
 
+async def params_of(state, req: OllamaBase, n_ctx: int) -> dict:
+    """The request's sampling settings and its `format`'s constraint (compiled off the loop)."""
+    params = sampling_of(state, req, n_ctx)
+    return add_constraint(params, await compiled(state, ollama_format, req.format) if req.format else None)
+
+
 def sampling_of(state, req: OllamaBase, n_ctx: int) -> dict:
-    return add_constraint(_sampling_of(state, req, n_ctx), ollama_format(req.format))
-
-
-def _sampling_of(state, req: OllamaBase, n_ctx: int) -> dict:
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "invalid field 'top_logprobs': it needs logprobs: true", param="top_logprobs")
     asked = {"logprobs": req.top_logprobs or 0} if req.logprobs else {}
     o = req.options
     if o is None:
         return state.sampling(**asked)
-    if o.num_ctx is not None and o.num_ctx > n_ctx:
-        raise APIError(400, f"num_ctx {o.num_ctx} is larger than the loaded context of {n_ctx} tokens; "
-                            f"restart the server with --ctx-size {o.num_ctx}")
     max_tokens = -1 if o.num_predict == -2 else o.num_predict
     stop = [o.stop] if isinstance(o.stop, str) else o.stop
     params = state.sampling(max_tokens=max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
@@ -64,10 +66,42 @@ def _sampling_of(state, req: OllamaBase, n_ctx: int) -> dict:
     return params
 
 
-def final_stats(last, t_request: float) -> dict:
+# options with no effect on an answer here, and the values that would ask for something
+_NO_EFFECT = {"use_mmap": False, "use_mlock": True, "numa": True, "low_vram": True, "logits_all": True,
+              "penalize_newline": None, "main_gpu": None, "mirostat_tau": None, "mirostat_eta": None}
+
+
+def load_overrides(req: OllamaBase) -> dict:
+    """edgeinfer.load keywords for the request's load-time options (num_ctx, num_batch,
+    num_thread, num_gpu): the model is reloaded with them where they differ. The options that
+    change nothing here are reported in one log line."""
+    o = req.options
+    if o is None:
+        return {}
+    over: dict = {}
+    if o.num_ctx is not None:
+        over["n_ctx"] = o.num_ctx
+    if o.num_batch is not None:
+        over["prefill_chunk"] = o.num_batch
+    if o.num_thread is not None:
+        over["threads"] = o.num_thread or None
+    if o.num_gpu is not None:
+        over["gpu_layers"] = "auto" if o.num_gpu < 0 else o.num_gpu
+    ignored = [f"{k}={json.dumps(getattr(o, k))}" for k, v in _NO_EFFECT.items()
+               if getattr(o, k) is not None and (v is None or getattr(o, k) == v)]
+    if ignored:
+        log.info("options %s: accepted; they change nothing on this server", ", ".join(ignored))
+    return over
+
+
+def final_stats(last, load_s: float) -> dict:
+    """The final line's stats, as Ollama counts them: total_duration is the load (when this
+    request had to load the model), the prompt's evaluation and the generation; the time a
+    request waited in the queue for another's answer is not in it."""
     u, t = last.usage, last.timings
+    total = load_s + t.prompt_s + t.gen_s
     return {"done": True, "done_reason": _DONE_REASON[last.finish_reason],
-            "total_duration": int((time.perf_counter() - t_request) * 1e9), "load_duration": 0,
+            "total_duration": int(total * 1e9), "load_duration": int(load_s * 1e9),
             "prompt_eval_count": u.prompt_tokens, "prompt_eval_duration": int(t.prompt_s * 1e9),
             "eval_count": u.completion_tokens, "eval_duration": int(t.gen_s * 1e9)}
 
@@ -81,21 +115,21 @@ def load_response(state, reason: str = "load") -> JSONResponse:
 
 @router.post("/api/generate")
 async def generate(request: Request):
-    t0 = time.perf_counter()
     state = request.app.state.server
     req = await read_body(request, OllamaGenerateRequest)
     keep = state.apply_keep_alive(req.keep_alive)
     if keep == 0 and not req.prompt and req.suffix is None:
         state.check_model_name(req.model)
         return load_response(state, "unload")  # the model goes as this answer does (ModelGate)
-    model = await state.ensure_model()
+    model = await state.ensure_model(load_overrides(req))
+    load_s = load_seconds.get()  # Ollama's load_duration: what loading the model took for this request
     state.check_model_name(req.model)
     if req.images:
         raise APIError(400, "invalid field 'images': images are not supported by this model")
     if req.template:
         raise APIError(400, "invalid field 'template': template overrides are not supported; start the "
                             "server with --chat-template")
-    params = sampling_of(state, req, model.n_ctx)
+    params = await params_of(state, req, model.n_ctx)
     thinking, effort = ollama_think(model, req.think, raw=req.raw or req.suffix is not None)
     reader = None  # a thinking template's answer: its reasoning goes to `thinking`
     if not req.prompt and req.suffix is None and not req.context:
@@ -128,9 +162,9 @@ async def generate(request: Request):
     if not req.stream:
         text, last, got = await _collect(job, request, lps)
         return JSONResponse({**head, "created_at": now_iso(), **_response(ollama_message(reader, text)), **got,
-                             **final_stats(last, t0), **context()})
+                             **final_stats(last, load_s), **context()})
     first = await first_chunk(job, request)
-    events = _ndjson(job, first, request.url.path, head, t0, lambda text: {"response": text}, context, lps,
+    events = _ndjson(job, first, request.url.path, head, load_s, lambda text: {"response": text}, context, lps,
                      split=(OllamaPieces(reader), _response) if reader is not None else None)
     return StreamingResponse(events, media_type=NDJSON)
 
@@ -152,7 +186,6 @@ def _recording(start, tokens: list[int]):
 
 @router.post("/api/chat")
 async def chat(request: Request):
-    t0 = time.perf_counter()
     state = request.app.state.server
     req = await read_body(request, OllamaChatRequest)
     keep = state.apply_keep_alive(req.keep_alive)
@@ -161,12 +194,13 @@ async def chat(request: Request):
         return JSONResponse({"model": state.model_name, "created_at": now_iso(),
                              "message": {"role": "assistant", "content": ""}, "done": True,
                              "done_reason": "unload"})
-    model = await state.ensure_model()
+    model = await state.ensure_model(load_overrides(req))
+    load_s = load_seconds.get()  # Ollama's load_duration: what loading the model took for this request
     state.check_model_name(req.model)
     bad = next((i for i, m in enumerate(req.messages) if m.images), None)
     if bad is not None:
         raise APIError(400, f"invalid field 'messages.{bad}.images': images are not supported by this model")
-    params = sampling_of(state, req, model.n_ctx)
+    params = await params_of(state, req, model.n_ctx)
     thinking, effort = ollama_think(model, req.think)
     if not req.messages:
         return JSONResponse({"model": state.model_name, "created_at": now_iso(),
@@ -185,9 +219,9 @@ async def chat(request: Request):
     if not req.stream:
         text, last, got = await _collect(job, request, lps)
         return JSONResponse({**head, "created_at": now_iso(), "message": ollama_message(reader, text), **got,
-                             **final_stats(last, t0)})
+                             **final_stats(last, load_s)})
     first = await first_chunk(job, request)
-    events = _ndjson(job, first, request.url.path, head, t0, message, lps=lps,
+    events = _ndjson(job, first, request.url.path, head, load_s, message, lps=lps,
                      split=(OllamaPieces(reader), lambda m: {"message": m}) if reader is not None else None)
     return StreamingResponse(events, media_type=NDJSON)
 
@@ -207,7 +241,7 @@ async def _collect(job, request: Request, lps) -> tuple[str, object, dict]:
     return "".join(c.text for c in chunks), last, got
 
 
-def _ndjson(job, first, path: str, head: dict, t0: float, body, tail=dict, lps=None,
+def _ndjson(job, first, path: str, head: dict, load_s: float, body, tail=dict, lps=None,
            split=None) -> AsyncIterator[str]:
     """NDJSON lines for a streamed answer: a line a text piece (with its tokens' logprobs when
     asked for), then the final one with the stats. `split`: (OllamaPieces, the line's fields
@@ -234,7 +268,7 @@ def _ndjson(job, first, path: str, head: dict, t0: float, body, tail=dict, lps=N
                          lambda text: {**head, "created_at": now_iso(), **body(text), "done": False},
                          lambda last: [{**head, "created_at": now_iso(), **body(""),
                                         **(lps(held) if lps is not None and held else {}),
-                                        **final_stats(last, t0), **tail()}],
+                                        **final_stats(last, load_s), **tail()}],
                          on_chunk=on_chunk if lps is not None or split is not None else None)
 
 

@@ -15,7 +15,7 @@ from edgeinfer.server.requests import chat_message, check_ids, read_body
 from edgeinfer.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from edgeinfer.server import logprobs as lp_format
 from edgeinfer.server.choices import gather, several
-from edgeinfer.server.constraints import response_format
+from edgeinfer.server.constraints import compiled, response_format
 from edgeinfer.server.tool_output import OpenAIDeltas, chat_plan, openai_message
 from edgeinfer.server.streaming import collect_chunks, first_chunk, sse, sse_response, stream_events
 from edgeinfer.server.usage import llama_timings, usage_dict
@@ -53,7 +53,7 @@ async def chat_completions(request: Request):
                               parallel_tool_calls=req.parallel_tool_calls,
                               think=kwargs.enable_thinking if kwargs else None,
                               effort=effort, effort_field=effort_field,
-                              constraint=response_format(req.response_format))
+                              constraint=await compiled(state, response_format, req.response_format))
     job = state.submit(several(lambda p: lambda cancel: model.chat(messages, stream=True, cancel=cancel,
                                                                    **p, **extra), req.n, params))
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

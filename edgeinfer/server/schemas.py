@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 MAX_TOKENS = 1 << 20          # upper bound for every token-count field
 MAX_STOPS = 16                # stop strings per request
@@ -167,8 +167,17 @@ class CompletionRequest(OpenAISampling):
 # -- Ollama ---------------------------------------------------------------------------------
 
 class OllamaOptions(Body):
-    """Ollama's runtime options we honour; its load-time ones (num_gpu, num_thread, use_mmap...)
-    and samplers we lack are unknown fields, so they are refused by name."""
+    """Ollama's options. A null option is "not set", as in Ollama (langchain-ollama sends every
+    option, most of them null). Sampling options are honoured; the load-time ones (num_ctx,
+    num_gpu, num_thread, num_batch) get a model loaded with them (edgeinfer.server.state);
+    samplers we lack are accepted only switched off; options with no effect on an answer
+    here (use_mmap false, use_mlock, numa, low_vram, main_gpu, logits_all, penalize_newline,
+    mirostat_tau/eta while mirostat is off) are accepted and reported in one log line."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     num_ctx: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
     num_predict: Annotated[int, Field(ge=-2, le=MAX_TOKENS)] | None = None  # -1 infinite, -2 fill context
@@ -187,6 +196,21 @@ class OllamaOptions(Body):
     mirostat: Unsupported("mirostat sampling is not supported", 0) = None
     typical_p: Unsupported("typical sampling is not supported", 1.0) = None
     tfs_z: Unsupported("tail-free sampling is not supported", 1.0) = None
+    mirostat_tau: Annotated[float, Field(ge=0, le=100)] | None = None   # read only by mirostat (off)
+    mirostat_eta: Annotated[float, Field(ge=0, le=100)] | None = None
+    penalize_newline: bool | None = None   # Ollama itself no longer reads it
+    # load-time options: a request that sets them gets a model loaded with them
+    num_gpu: Annotated[int, Field(ge=-1, le=1 << 16)] | None = None   # layers on the GPU; -1: what fits
+    num_thread: Annotated[int, Field(ge=0, le=4096)] | None = None     # 0: the default
+    num_batch: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None  # the prefill chunk
+    use_mmap: bool | None = None           # weights are always mapped here: false is reported
+    use_mlock: bool | None = None          # no effect on answers: reported
+    numa: bool | None = None
+    low_vram: bool | None = None
+    main_gpu: Annotated[int, Field(ge=0, le=1 << 16)] | None = None
+    logits_all: bool | None = None
+    f16_kv: Unsupported("K/V is always f16 here", True) = None
+    vocab_only: Unsupported("a model is always loaded with its weights", False) = None
 
 
 KeepAlive = Union[str, int, float, None]

@@ -39,6 +39,12 @@ class Slot:
         self.model = None
         self.loaded = threading.Event()      # loaded at least once
         self.loading: asyncio.Future | None = None
+        self.overrides: dict[str, Any] = {}   # edgeinfer.load keywords a request asked for (num_ctx...)
+        self.reloadable = True                # False: a model handed over as it is, no loader
+        self.last_load_s: float | None = None  # how long the last load took
+        self.loaded_at = 0.0                  # monotonic time the last load ended
+        self.draining = False                 # emptied to make room or to reload: new requests wait
+        self._drained: asyncio.Event | None = None
         self.uses = 0
         self.last_used = 0.0                 # monotonic, for least-recently-used eviction
         self.keep_alive_s = -1.0
@@ -46,6 +52,24 @@ class Slot:
         self.sampling = sampling_of(named)
         self._expiry: asyncio.TimerHandle | None = None
         self._expires_at: float | None = None
+
+    def load(self):
+        """The model, loaded with the server's options and the slot's overrides (a thread's job)."""
+        return self.loader(**self.overrides) if self.overrides else self.loader()
+
+    def drain(self, on: bool) -> None:
+        """Start (new requests wait in wait_drained) or end draining this slot."""
+        self.draining = on
+        if self._drained is None:
+            self._drained = asyncio.Event()
+        if on:
+            self._drained.clear()
+        else:
+            self._drained.set()
+
+    async def wait_drained(self) -> None:
+        while self.draining and self._drained is not None:
+            await self._drained.wait()
 
     @property
     def unloaded(self) -> bool:
@@ -122,10 +146,10 @@ def model_loader(path, options: dict[str, Any], named=None) -> Callable[[], Any]
         if named.template:
             kwargs["chat_template"] = named.template
 
-    def load():
+    def load(**overrides):
         import edgeinfer
 
-        model = edgeinfer.load(str(path), **kwargs)
+        model = edgeinfer.load(str(path), **{**kwargs, **overrides})
         return WithSystem(model, named.system) if named is not None and named.system else model
 
     return load

@@ -11,6 +11,7 @@ served model's otherwise.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import json
 import logging
@@ -33,6 +34,8 @@ from edgeinfer.server.worker import Job, QueueFullError, Worker
 log = logging.getLogger("edgeinfer.server")
 
 MODEL_ALIASES = ("", "default")
+# seconds the request's model took to load for it (0 when it was resident): Ollama's load_duration
+load_seconds: contextvars.ContextVar[float] = contextvars.ContextVar("edgeinfer_load_seconds", default=0.0)
 
 
 @dataclass
@@ -82,6 +85,9 @@ class ServerState:
                           running=lambda: 1 if self.worker.busy else 0,
                           kv_used=self._kv_used, kv_capacity=self._kv_capacity)
         self.tokenizer_limiter = None    # threads for tokenizer endpoints (llama_api), made in the loop
+        self._load_lock: asyncio.Lock | None = None  # one load at a time, in arrival order (made in the loop)
+        self._loads_done = 0             # loads finished (or failed): a waiter sees the line move
+        self._load_s = 5.0               # moving mean of a load's seconds, for Retry-After
         self.file_facts: dict[tuple, Any] = {}  # (path, size, mtime) -> model_info.describe(...)
 
     # -- the request's slot -------------------------------------------------------------------
@@ -141,6 +147,7 @@ class ServerState:
         slot.model = model
         if slot.loader is None:  # no way to load it again: an unload only forgets it
             slot.loader = lambda: model
+            slot.reloadable = False
         slot.path = str(getattr(model, "path", "") or "")
         slot.last_used = time.monotonic()
         slot.loaded.set()
@@ -177,59 +184,126 @@ class ServerState:
         self.slot.unload()
 
     # -- loading --------------------------------------------------------------------------------
-    async def ensure_model(self):
+    # Loads queue in arrival order (one lock, FIFO): each makes room for itself (an idle model
+    # goes at once; a busy one is drained: new requests for it wait, so a stream of them cannot
+    # starve the load) and then loads. A request waits as long as the line moves; it gets a 503
+    # once nothing has moved for load_wait_s, with a Retry-After from what loads take.
+    async def ensure_model(self, overrides: dict[str, Any] | None = None):
         """The request's model, loaded (off the event loop, once for all waiters) if it is not
-        resident; other models make room for it (least recently used first)."""
+        resident, or reloaded with `overrides` (edgeinfer.load keywords a request asked for,
+        such as Ollama's num_ctx) where they differ from the loaded model's. The seconds a
+        load took for the request are its `load_seconds` (Ollama's load_duration)."""
         slot = self.slot
+        t0 = time.monotonic()
+        try:
+            return await self._ensure_model(slot, overrides)
+        finally:
+            if slot.last_load_s is not None and slot.loaded_at >= t0:
+                load_seconds.set(slot.last_load_s)
+
+    async def _ensure_model(self, slot: Slot, overrides: dict[str, Any] | None):
+        if overrides and not slot.reloadable:
+            _fits_as_loaded(slot, overrides)
+        elif overrides and slot.model is not None and _differs(slot.model, overrides):
+            if "n_ctx" in overrides:
+                _check_context(slot.model, overrides["n_ctx"])
+            await self._reload(slot, overrides)
+        elif overrides and slot.model is None and slot.loading is None:
+            slot.overrides = {**slot.overrides, **overrides}  # not resident: load it so
         if slot.model is not None or slot.loader is None or not (slot.loaded.is_set() or slot is not self.default):
             return self.require_model()  # resident, or the served model's first load is under way
         if slot.loading is None:
             slot.loading = asyncio.ensure_future(self._load(slot))
-        try:
-            await asyncio.wait_for(asyncio.shield(slot.loading), self.config.load_wait_s)
-        except asyncio.TimeoutError:
-            raise APIError(503, f"model {slot.name!r} is still loading; retry shortly",
-                           headers={"retry-after": "5"}) from None
+        seen = self._loads_done
+        while True:
+            try:
+                await asyncio.wait_for(asyncio.shield(slot.loading), self.config.load_wait_s)
+                break
+            except asyncio.TimeoutError:
+                if self._loads_done == seen:  # the line did not move
+                    wait = max(1, round(self._load_s))
+                    raise APIError(503, f"model {slot.name!r} is still loading; retry shortly",
+                                   headers={"retry-after": str(wait)}) from None
+                seen = self._loads_done
         return self.require_model()
 
-    async def _load(self, slot: Slot) -> None:
+    async def _reload(self, slot: Slot, overrides: dict[str, Any]) -> None:
+        """Load `slot`'s model again with `overrides`, once the requests using it are done (the
+        caller's own use set aside; new requests for it wait meanwhile)."""
+        slot.uses -= 1  # this request's own use: it waits like the others
+        slot.drain(True)
         try:
-            await self._make_room(slot)
-            again = "again " if slot is self.default else ""
-            log.info("loading %s", slot.name)
-            try:
-                model = await anyio.to_thread.run_sync(slot.loader)
-            except EdgeInferError as exc:
-                raise APIError(503, f"failed to load the model {again}({slot.name}): {exc}") from None
-            except Exception as exc:  # noqa: BLE001 - the file changed under us, memory ran out...
-                log.error("loading %s failed", slot.name, exc_info=exc)
-                raise APIError(503, f"failed to load the model {again}({slot.name}): "
-                                    f"{type(exc).__name__}: {exc}") from None
-            slot.model = model
-            slot.path = str(getattr(model, "path", "") or slot.path or "")
-            slot.last_used = time.monotonic()
-            slot.loaded.set()
+            deadline = time.monotonic() + self.config.load_wait_s
+            while slot.uses > 0:
+                if time.monotonic() > deadline:
+                    raise APIError(503, f"model {slot.name!r} is in use; retry shortly",
+                                   headers={"retry-after": str(max(1, round(self._load_s)))})
+                await asyncio.sleep(0.02)
+            if slot.model is not None and _differs(slot.model, overrides):
+                log.info("reloading %s with %s", slot.name, _shown(overrides))
+                slot.overrides = {**slot.overrides, **overrides}
+                slot.unload()
+        finally:
+            slot.uses += 1
+            slot.drain(False)
+
+    async def _load(self, slot: Slot) -> None:
+        if self._load_lock is None:
+            self._load_lock = asyncio.Lock()
+        t0 = time.monotonic()
+        try:
+            async with self._load_lock:  # FIFO: loads in the order they were asked for
+                await self._make_room(slot)
+                again = "again " if slot is self.default else ""
+                log.info("loading %s", slot.name)
+                t_load = time.monotonic()
+                try:
+                    model = await anyio.to_thread.run_sync(slot.load)
+                except EdgeInferError as exc:
+                    raise APIError(503, f"failed to load the model {again}({slot.name}): {exc}") from None
+                except Exception as exc:  # noqa: BLE001 - the file changed under us, memory ran out...
+                    log.error("loading %s failed", slot.name, exc_info=exc)
+                    raise APIError(503, f"failed to load the model {again}({slot.name}): "
+                                        f"{type(exc).__name__}: {exc}") from None
+                slot.last_load_s = time.monotonic() - t_load
+                slot.loaded_at = time.monotonic()
+                self._load_s = 0.7 * self._load_s + 0.3 * slot.last_load_s
+                slot.model = model
+                slot.path = str(getattr(model, "path", "") or slot.path or "")
+                slot.last_used = time.monotonic()
+                slot.loaded.set()
         finally:
             slot.loading = None
+            self._loads_done += 1
+            log.debug("load of %s ended after %.1fs", slot.name, time.monotonic() - t0)
 
     async def _make_room(self, slot: Slot) -> None:
-        """Unload the least recently used idle models until `slot` fits in max_models; models
-        in use are waited for (bounded), then 503."""
+        """Unload the least recently used idle models until `slot` fits in max_models; a busy
+        one is drained (its requests finish, new ones wait), bounded by load_wait_s."""
         deadline = time.monotonic() + self.config.load_wait_s
-        while True:
-            others = [s for s in self.slots if s is not slot and (s.model is not None or s.loading is not None)]
-            if len(others) < max(1, self.config.max_models):
-                return
-            idle = [s for s in others if s.model is not None and s.loading is None and s.uses == 0]
-            if idle:
-                victim = min(idle, key=lambda s: s.last_used)
-                log.info("unloading %s to load %s", victim.name, slot.name)
-                victim.unload()
-                continue
-            if time.monotonic() > deadline:
-                raise APIError(503, f"cannot load {slot.name!r} now: {', '.join(s.name for s in others)} "
-                                    "in use; retry shortly", headers={"retry-after": "5"})
-            await asyncio.sleep(0.05)
+        drained: list[Slot] = []
+        try:
+            while True:
+                others = [s for s in self.slots if s is not slot and s.model is not None]
+                if len(others) < max(1, self.config.max_models):
+                    return
+                idle = [s for s in others if s.uses == 0]
+                if idle:
+                    victim = min(idle, key=lambda s: s.last_used)
+                    log.info("unloading %s to load %s", victim.name, slot.name)
+                    victim.unload()
+                    continue
+                victim = min(others, key=lambda s: s.last_used)
+                if not victim.draining:
+                    victim.drain(True)
+                    drained.append(victim)
+                if time.monotonic() > deadline:
+                    raise APIError(503, f"cannot load {slot.name!r} now: {', '.join(s.name for s in others)} "
+                                        "in use; retry shortly", headers={"retry-after": "5"})
+                await asyncio.sleep(0.02)
+        finally:
+            for s in drained:
+                s.drain(False)
 
     # -- other local models ---------------------------------------------------------------------
     def find_slot(self, name: str | None) -> Slot | None:
@@ -334,8 +408,72 @@ class ServerState:
                            f"waiting; retry after {exc.retry_after_s}s", code="queue_full",
                            headers={"retry-after": str(exc.retry_after_s)}) from None
         if self.config.timeout_s:
-            job.timer = loop.call_later(self.config.timeout_s, job.cancel_job, True)
+            from edgeinfer.server.constraints import request_clock
+
+            started = request_clock.get()  # a grammar compiled for the request counts in its time
+            spent = time.monotonic() - started if started is not None else 0.0
+            job.timer = loop.call_later(max(0.0, self.config.timeout_s - spent), job.cancel_job, True)
         return job
+
+
+def _differs(model, overrides: dict[str, Any]) -> bool:
+    """Whether a loaded model's engine options differ from these edgeinfer.load keywords."""
+    options = getattr(getattr(model, "engine", None), "options", None)
+    return any(getattr(options, key, None) != value for key, value in overrides.items())
+
+
+def _fits_as_loaded(slot: Slot, overrides: dict[str, Any]) -> None:
+    """A model handed to the server as it is (no loader) cannot be reloaded: settings it does
+    not have are a 400; a context up to its own is served as loaded."""
+    model = slot.model
+    if model is None:
+        return
+    rest = {k: v for k, v in overrides.items() if k != "n_ctx"}
+    n_ctx = overrides.get("n_ctx")
+    if _differs(model, rest) or (n_ctx is not None and n_ctx > model.n_ctx):
+        raise APIError(400, f"model {slot.name!r} cannot be reloaded with other settings "
+                            f"({_shown(overrides)}) by this server; it runs with num_ctx={model.n_ctx}")
+
+
+def _check_context(model, n_ctx: int) -> None:
+    """A 400 for a context the model was not trained for, or whose K/V would not fit in the
+    memory available (the loaded model's own K/V counted as free: a reload lets it go)."""
+    cfg = getattr(model, "config", None)
+    trained = getattr(cfg, "n_ctx_train", 0) or 0
+    if trained and n_ctx > trained:
+        raise APIError(400, f"invalid field 'options.num_ctx': {n_ctx} is larger than the model's trained "
+                            f"context of {trained} tokens", param="options.num_ctx")
+    try:
+        per_token = 2 * 2 * cfg.n_layer * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v)  # f16 K+V, 2x pool
+    except (AttributeError, TypeError):
+        return
+    available = _mem_available()
+    if available is None:
+        return
+    available += per_token * getattr(model, "n_ctx", 0)
+    need = per_token * n_ctx
+    if need > 0.8 * available:
+        raise APIError(400, f"invalid field 'options.num_ctx': {n_ctx} tokens need about {need >> 20} MiB of "
+                            f"K/V memory; {int(0.8 * available) >> 20} MiB are available", param="options.num_ctx")
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+_OLLAMA_NAMES = {"n_ctx": "num_ctx", "prefill_chunk": "num_batch", "threads": "num_thread", "gpu_layers": "num_gpu"}
+
+
+def _shown(overrides: dict[str, Any]) -> str:
+    """The settings as the request named them (Ollama's option names)."""
+    return ", ".join(f"{_OLLAMA_NAMES.get(k, k)}={v}" for k, v in sorted(overrides.items()))
 
 
 def _settings(named) -> str:

@@ -106,8 +106,10 @@ class Worker:
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="edgeinfer-worker", daemon=True)
-            self._thread.start()
+            from edgeinfer.big_stack import start_thread
+
+            # a large stack: the generation builds each request's grammar matcher
+            self._thread = start_thread(self._loop, "edgeinfer-worker")
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
