@@ -3,12 +3,19 @@
 pp<N>: evaluate N prompt tokens into an empty cache (prefill, in chunks);
 tg<N>: generate N tokens one at a time into an empty cache (decode).
 With a depth D (llama-bench's -d), the cache first holds D tokens, untimed: "@ dD".
-Each test runs once untimed (JIT and page-cache warm-up), then `repetitions` times.
+
+Nothing is timed while kernels still compile: a cold start hands about half of its kernels
+to a second process (kernels_cpu/compile_progress.py), which may still be compiling after
+the model has loaded, taking a core from the timed runs (a cold-cache tg once measured
+0.59x llama.cpp that way, 1.02-1.09x warm). So `run_bench` first waits for every pending
+compile job (saying so on stderr), then runs every test once untimed (each prompt size and
+the decode: JIT, page cache), waits again, and only then times `repetitions` runs of each.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -80,18 +87,59 @@ def time_generation(engine: Engine, n_gen: int, seed: int = 0, depth: int = 0) -
     return n_gen / (time.perf_counter() - t0)
 
 
+def pending_compiles() -> list:
+    """(helper, job) pairs of the background compile process(es) still owed to this process
+    (kernels_cpu.compile_progress); [] on a warm cache."""
+    from edgeinfer.kernels_cpu import compile_progress
+
+    return [(helper, job) for helper, job in compile_progress.pending_jobs() if not _finished(helper, job)]
+
+
+def _finished(helper, job: int) -> bool:
+    if job in getattr(helper, "done", ()):
+        return True
+    proc = getattr(helper, "proc", None)
+    return proc is not None and proc.poll() is not None  # exited: whatever it compiled is on disk
+
+
+def wait_for_compiles(stream=None) -> int:
+    """Block until every background kernel compile job has finished (and its process has
+    exited), saying on `stream` (stderr) that bench is waiting; returns how many jobs were
+    pending."""
+    jobs = pending_compiles()
+    if not jobs:
+        return 0
+    out = stream if stream is not None else sys.stderr
+    t0 = time.perf_counter()
+    print(f"bench: waiting for {len(jobs)} kernel compile job(s) still running in the background "
+          f"before timing anything", file=out, flush=True)
+    helpers: dict[int, tuple[object, int]] = {}
+    for helper, job in jobs:
+        last = max(job, getattr(helper, "n_jobs", job + 1) - 1)
+        helpers[id(helper)] = (helper, max(last, helpers.get(id(helper), (helper, -1))[1]))
+    for helper, last in helpers.values():
+        helper.wait(last)  # jobs run in order: the last one done = all done
+        proc = getattr(helper, "proc", None)
+        if proc is not None:
+            proc.wait()
+    print(f"bench: kernels compiled ({time.perf_counter() - t0:.1f} s)", file=out, flush=True)
+    return len(jobs)
+
+
 def run_bench(engine: Engine, *, n_prompt: int, n_gen: int, repetitions: int, n_threads: int,
-              model_type: str, n_depth: int = 0) -> list[BenchResult]:
+              model_type: str, n_depth: int = 0, stream=None) -> list[BenchResult]:
     gf = engine.model_file.gguf
     base = dict(model_filename=str(gf.path), model_type=model_type, model_size=gf.file_size,
                 model_n_params=gf.parameter_count(), backend=engine.backend.name.upper(),
                 n_threads=n_threads)
+    tests = [(kind, n, time_prompt if kind == "pp" else time_generation)
+             for kind, n in (("pp", n_prompt), ("tg", n_gen)) if n > 0]
+    wait_for_compiles(stream)
+    for _, n, measure in tests:  # warm-up: every path timed below, before any timing
+        measure(engine, n, seed=99, depth=n_depth)
+    wait_for_compiles(stream)  # (a warm-up that started a compile elsewhere)
     results = []
-    for kind, n in (("pp", n_prompt), ("tg", n_gen)):
-        if n <= 0:
-            continue
-        measure = time_prompt if kind == "pp" else time_generation
-        measure(engine, n, seed=99, depth=n_depth)  # warm-up
+    for kind, n, measure in tests:
         row = BenchResult(**base, n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
                           n_depth=n_depth)
         row.samples_ts = [measure(engine, n, seed=r, depth=n_depth) for r in range(repetitions)]

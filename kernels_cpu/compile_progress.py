@@ -188,6 +188,11 @@ class _Helper:
                 self.proc.wait()   # its last job is done: it exits now (reaped, not a zombie)
 
 
+def pending_jobs() -> list:
+    """(helper, job) pairs of the background compile jobs this process still waits on."""
+    return list(_pending.values())
+
+
 def wait_for(kernel) -> None:
     """Before `kernel`'s first call: wait for the second process's job compiling it, if
     there is one (then the call loads it from the on-disk cache)."""

@@ -38,11 +38,11 @@ def chat(args) -> int:
 
     # The named model loads before the screen opens, so a first start's kernel compile
     # count shows on stderr; a model that is not local yet is left to the app's download.
+    kwargs = model_kwargs(args, context_shift=True)  # a bad flag or lookup cache file: one line, before the screen
     preloaded = {}
     if args.name:
         try:
-            preloaded[(args.name, args.ctx_size)] = edgeinfer.load(
-                args.name, download=False, **model_kwargs(args, context_shift=True))
+            preloaded[(args.name, args.ctx_size)] = edgeinfer.load(args.name, download=False, **kwargs)
         except EdgeInferError:
             pass
 
@@ -50,7 +50,7 @@ def chat(args) -> int:
         model = preloaded.pop((name, n_ctx), None)
         if model is not None:
             return model
-        return edgeinfer.load(name, **{**model_kwargs(args, context_shift=True), "n_ctx": n_ctx})
+        return edgeinfer.load(name, **{**kwargs, "n_ctx": n_ctx})
 
     app = ChatApp(args.name, load_model=load, store=ConversationStore(args.data_dir),
                   sampling=params, system=args.system, n_ctx=args.ctx_size, save_kv=args.session_kv)

@@ -1,5 +1,6 @@
 """The flags of the commands that load a model (run, chat, serve) and what they turn into:
-edgeinfer.load keywords and sampling parameters."""
+edgeinfer.load keywords and sampling parameters (speculative decoding's --draft* and
+llama.cpp's --lookup-cache-static/-dynamic among them)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from edgeinfer.errors import EdgeInferError
 
 
 CPU_MOE_ALL = 1 << 30  # --cpu-moe: an --n-cpu-moe past every layer (as edgeinfer.backends.offload's)
+
 
 def add_model_options(p) -> None:
     """Flags shared by commands that load a model (run, chat, serve)."""
@@ -45,6 +47,12 @@ def add_model_options(p) -> None:
                    help="fewer drafted tokens than this are not verified (default 0)")
     p.add_argument("--draft-p-min", type=float, default=0.75, metavar="P",
                    help="a draft model stops drafting below this probability (default 0.75)")
+    p.add_argument("-lcs", "--lookup-cache-static", default=None, metavar="FILE",
+                   help="lookup drafting also from this file: text or code (tokenized with the model's "
+                        "tokenizer) or a saved n-gram cache; read only (implies --draft lookup)")
+    p.add_argument("-lcd", "--lookup-cache-dynamic", default=None, metavar="FILE",
+                   help="n-gram cache that lookup drafting reads if it exists and that learns "
+                        "every answer; written atomically when the session ends (implies --draft lookup)")
 
 
 def model_kwargs(args, context_shift: bool = False) -> dict:
@@ -62,13 +70,34 @@ def model_kwargs(args, context_shift: bool = False) -> dict:
 
 def draft_kwargs(args) -> dict:
     """edgeinfer.load's draft keywords from --draft / --draft-max / --draft-min / --draft-p-min
-    (checked here, so a bad value fails before the model loads)."""
-    from edgeinfer.speculative import SpeculativeParams
+    and --lookup-cache-static / --lookup-cache-dynamic (checked here, so a bad value or a
+    missing file fails before the model loads; `draft` is then a LookupCorpus)."""
+    from edgeinfer.speculative import LookupCorpus, SpeculativeParams
 
     SpeculativeParams(n_max=args.draft_max, n_min=min(args.draft_min, args.draft_max),
                       p_min=args.draft_p_min).validate()
-    return dict(draft=args.draft, draft_max=args.draft_max, draft_min=args.draft_min,
+    draft = args.draft
+    static = getattr(args, "lookup_cache_static", None)
+    dynamic = getattr(args, "lookup_cache_dynamic", None)
+    if static is not None or dynamic is not None:
+        if draft not in (None, "lookup"):
+            flag = "--lookup-cache-static" if static is not None else "--lookup-cache-dynamic"
+            raise EdgeInferError(f"{flag} is for --draft lookup, not a draft model ({draft})")
+        if static is not None and dynamic is not None and _same_file(static, dynamic):
+            raise EdgeInferError("--lookup-cache-static and --lookup-cache-dynamic name the same file")
+        draft = LookupCorpus(static=static, dynamic=dynamic)
+        draft.check_files()
+    return dict(draft=draft, draft_max=args.draft_max, draft_min=args.draft_min,
                 draft_p_min=args.draft_p_min)
+
+
+def _same_file(a: str, b: str) -> bool:
+    import os
+
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def add_sampling_options(p) -> None:

@@ -16,9 +16,34 @@ grammar mask, top-k/p, temperature), one random draw per token as without specul
 seeded run gives the same tokens with and without a drafter. `accept_speculative` is the
 general rule, for a drafter that reports a proposal distribution (`probs`).
 
-A third drafter (an on-disk n-gram cache, as llama.cpp's lookup builds) implements
-`Drafter`: `begin(prompt)` when a request starts, `propose(context, k)`, `accept(n_drafted,
-n_accepted)` as feedback.
+The drafter protocol (`Drafter`), all the decode loop needs of a drafter, through
+`Speculation`:
+- `begin(prompt)` when a request starts;
+- `propose(context, k)`: up to k tokens expected after `context`, the request's whole
+  token history so far; [] = decode plainly this step;
+- `accept(n_drafted, n_accepted)`: after the verification of the last proposal, how many
+  of its tokens were kept (called before the next `propose`);
+- optional `observe(context)`: the loop's own history list, handed over once per request
+  (it grows in place, so a drafter that learns from whole requests reads it later);
+- optional `close()`: the session ends (a drafter with files writes them).
+The drafters: `PromptLookup` (the context's n-grams), `NgramLookup` (`--draft lookup`: the
+context, the session's earlier requests and the `--lookup-cache-static/-dynamic` files,
+edgeinfer.speculative.ngram_lookup) and `DraftModel` (a small model of the same vocabulary).
+
+Multi-token-prediction heads (a model's MTP tensors, as Qwen3.5 and DeepSeek-V3 carry)
+plug in as one more drafter, an `MtpDrafter`, without a change to the loop: it holds the
+target's Engine; `accept(n_drafted, n_accepted)` tells it which row of the last forward
+pass (the verification batch, or the plain step's single row) is the last kept token, so
+`propose(context, k)` runs the MTP head(s) on that row's final hidden state and the
+embedding of `context[-1]`, chaining a head's output into the next for k > 1. The one
+thing it needs beyond this module is the hidden states of the last forward pass from the
+Engine (a `last_hidden` rows array beside the logits). Its proposals are point masses
+too (argmax) or come with `probs` for `accept_speculative`.
+
+`DraftLength` picks k from what verification costs on this machine: the measured time of a
+forward pass of n rows against a plain decode step, per n (see its docstring), kept per
+drafter across requests (`BatchCosts`), so when short batches get cheaper the drafts
+get longer by themselves.
 """
 
 from __future__ import annotations
@@ -71,30 +96,94 @@ class SpeculativeParams:
         return self
 
 
+class BatchCosts:
+    """What a forward pass of n rows costs here, measured as requests run: `t1` seconds per
+    plain decode step (an exponential moving average) and, per batch size n, the ratio of a
+    verification of n rows to a decode step (`ratio[n]`, a moving average of each
+    measurement at that size); `d` seconds per drafted token. Kept per drafter across
+    requests (the costs belong to the machine and the model, not to one request).
+
+    A size never measured is interpolated linearly between the nearest measured sizes, and
+    past the largest one extrapolated at that size's average cost per extra row; with no
+    measurement at all, an extra row costs B_PRIOR decode steps. The cost is made
+    non-decreasing in n. A measurement above that prior drifts back towards it while
+    nothing is verified, so one noisy measurement does not stop drafting for good.
+    """
+
+    B_PRIOR = 0.5   # an extra verified row's cost before any evidence, in decode steps
+    KEEP = 0.7      # weight of the old ratio per measurement at the same size
+
+    def __init__(self) -> None:
+        self.t1: float | None = None
+        self.ratio: dict[int, float] = {}   # n rows -> seconds / t1, measured sizes only
+        self.d = 0.0
+
+    def prior(self, n: int) -> float:
+        return 1.0 + self.B_PRIOR * (n - 1)
+
+    def plain_step(self, seconds: float, drift: float) -> None:
+        self.t1 = seconds if self.t1 is None else 0.8 * self.t1 + 0.2 * seconds
+        for n, r in self.ratio.items():
+            p = self.prior(n)
+            if r > p:
+                self.ratio[n] = r + (p - r) * drift
+
+    def verified(self, n_rows: int, seconds: float, draft_seconds: float) -> None:
+        if self.t1 is None or n_rows < 2:
+            return
+        obs = max(seconds / self.t1, 1.0)
+        old = self.ratio.get(n_rows)
+        self.ratio[n_rows] = obs if old is None else self.KEEP * old + (1 - self.KEEP) * obs
+        self.d = 0.7 * self.d + 0.3 * (draft_seconds / (n_rows - 1))
+
+    def ratios(self, n_max: int) -> list[float]:
+        """[cost of 1 row, 2 rows, ... n_max rows] in decode steps, non-decreasing."""
+        seen = sorted(self.ratio)
+        out = [1.0]
+        for n in range(2, n_max + 1):
+            if n in self.ratio:
+                r = self.ratio[n]
+            else:
+                lo = max((m for m in seen if m < n), default=1)
+                hi = min((m for m in seen if m > n), default=None)
+                r_lo = self.ratio.get(lo, 1.0)
+                if hi is not None:
+                    r = r_lo + (self.ratio[hi] - r_lo) * (n - lo) / (hi - lo)
+                elif lo > 1:
+                    r = r_lo + (r_lo - 1.0) / (lo - 1) * (n - lo)
+                else:
+                    r = self.prior(n)
+            out.append(max(r, out[-1]))
+        return out
+
+
 class DraftLength:
     """How many tokens to draft next: the k that maximises expected tokens per second.
 
     Each drafted token is taken to be accepted with probability alpha (independently, given
     the ones before it were), so a draft of k yields E(k) = (1 - alpha^(k+1)) / (1 - alpha)
-    tokens for one verification of k + 1 rows costing t1 + (b + d) k, where t1 is a plain
-    decode step, b each extra verified row and d each drafted token, all measured as the
-    request runs. k = 0 (plain decode) wins whenever drafting does not pay; alpha and b drift
-    back towards their priors while nothing is drafted, so drafting is tried again now and
-    then (more and more rarely while those tries keep failing: the drift halves after each).
+    tokens for one verification of k + 1 rows costing t1 * ratio(k + 1) + d * k (t1 a plain
+    decode step, ratio from `BatchCosts`: what k + 1 rows measured here cost, d a drafted
+    token's cost). k = 0 (plain decode) wins whenever drafting does not pay; alpha and the
+    measured ratios drift back towards their priors while nothing is drafted, so drafting is
+    tried again now and then (more and more rarely while those tries keep failing: the
+    drift halves after each).
     """
 
     PRIOR = 0.6   # alpha before any evidence, and what it drifts back to
     DECAY = 0.7   # weight of the old estimate per verification
     DRIFT = 0.03  # per plain step, towards PRIOR
-    B_PRIOR = 0.5  # an extra verified row's cost before any evidence, in plain steps
+    B_PRIOR = BatchCosts.B_PRIOR
 
-    def __init__(self, params: SpeculativeParams) -> None:
+    def __init__(self, params: SpeculativeParams, costs: BatchCosts | None = None) -> None:
         self.params = params
+        self.costs = costs if costs is not None else BatchCosts()
         self.alpha = self.PRIOR
-        self.t1: float | None = None   # seconds per plain decode step
-        self.b: float | None = None    # seconds per extra verified row
-        self.d = 0.0                   # seconds per drafted token
         self.drift = self.DRIFT
+
+    @property
+    def t1(self) -> float | None:
+        return self.costs.t1
 
     def next_k(self, limit: int) -> int:
         """Draft length to ask for (0 = decode plainly), at most `limit`."""
@@ -103,32 +192,29 @@ class DraftLength:
             return 0
         if not self.params.adaptive:
             return kmax
-        if self.t1 is None:
+        t1 = self.costs.t1
+        if t1 is None:
             return 0  # time one plain step first: the cost model needs it
-        b = self.b if self.b is not None else self.B_PRIOR * self.t1
+        ratios = self.costs.ratios(kmax + 1)
+        d = self.costs.d
         a = min(self.alpha, 0.999)
-        best, best_rate = 0, 1.0 / self.t1
+        best, best_rate = 0, 1.0 / t1
         for k in range(max(1, self.params.n_min), kmax + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / (self.t1 + (b + self.d) * k)
+            rate = (1 - a ** (k + 1)) / (1 - a) / (t1 * ratios[k] + d * k)
             if rate > best_rate * 1.0001:
                 best, best_rate = k, rate
         return best
 
     def plain_step(self, seconds: float) -> None:
-        self.t1 = seconds if self.t1 is None else 0.8 * self.t1 + 0.2 * seconds
-        # no evidence while decoding plainly: the estimates drift back to their priors (a
-        # noisy measurement must not stop drafting for good)
+        self.costs.plain_step(seconds, self.drift)
+        # no evidence while decoding plainly: alpha drifts back to its prior (a noisy
+        # measurement must not stop drafting for good)
         if self.alpha < self.PRIOR:
             self.alpha += (self.PRIOR - self.alpha) * self.drift
-        if self.b is not None and self.b > self.B_PRIOR * self.t1:
-            self.b += (self.B_PRIOR * self.t1 - self.b) * self.drift
 
     def verified(self, k: int, n_accepted: int, seconds: float, draft_seconds: float) -> None:
-        if self.t1 is not None and k > 0:
-            extra = max(seconds - self.t1, 0.0) / k
-            self.b = extra if self.b is None else 0.7 * self.b + 0.3 * extra
         if k > 0:
-            self.d = 0.7 * self.d + 0.3 * (draft_seconds / k)
+            self.costs.verified(k + 1, seconds, draft_seconds)
         # evidence: n_accepted successes, and one failure unless all were accepted
         self.drift = self.DRIFT if n_accepted else max(self.drift / 2, self.DRIFT / 64)
         fails = 0 if n_accepted >= k else 1
@@ -139,10 +225,12 @@ class DraftLength:
 class Speculation:
     """One request's speculative state: the drafter, the draft length, the counts."""
 
-    def __init__(self, drafter: Drafter, params: SpeculativeParams) -> None:
+    def __init__(self, drafter: Drafter, params: SpeculativeParams, costs: BatchCosts | None = None) -> None:
         self.drafter = drafter
         self.params = params.validate()
-        self.length = DraftLength(self.params)
+        self.length = DraftLength(self.params, costs)
+        self._observe = getattr(drafter, "observe", None)
+        self._seen = None  # the context list last handed to observe
         self.drafted = 0   # tokens proposed and verified (llama-server's draft_n)
         self.accepted = 0  # of those, kept (draft_n_accepted)
         self._round: tuple[int, float, float] | None = None  # (k, verify s, draft s)
@@ -153,6 +241,9 @@ class Speculation:
 
     def draft(self, context: Sequence[int], limit: int) -> tuple[list[int], float]:
         """(proposal, seconds spent drafting) for the next step; [] = decode plainly."""
+        if self._observe is not None and context is not self._seen:
+            self._seen = context
+            self._observe(context)
         k = self.length.next_k(limit)
         if k <= 0:
             return [], 0.0

@@ -1,20 +1,27 @@
-"""Making a model's drafter (`--draft lookup|NAME`) and each request's Speculation."""
+"""Making a model's drafter (`--draft lookup|NAME`, with `--lookup-cache-static/-dynamic`)
+and each request's Speculation (its draft lengths chosen from the drafter's measured
+batch costs, kept across requests)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.speculative.drafter import Speculation, SpeculativeParams
-from edgeinfer.speculative.lookup import PromptLookup
+from edgeinfer.speculative.drafter import BatchCosts, Speculation, SpeculativeParams
+from edgeinfer.speculative.ngram_lookup import LookupCorpus, NgramLookup, is_lookup
 
 DRAFT_KEYS = ("draft_max", "draft_min", "draft_p_min", "draft_adaptive")
 
 
 def make_drafter(model, draft: str, options):
-    """The drafter for `model`: "lookup", or a draft model's name or path."""
-    if draft == "lookup":
-        return PromptLookup()
+    """The drafter for `model`: "lookup" (or a LookupCorpus naming its files), or a draft
+    model's name or path."""
+    if is_lookup(draft):
+        corpus = draft if isinstance(draft, LookupCorpus) else None
+        if corpus is not None:
+            corpus.check_files()
+        return NgramLookup.for_model(model, corpus)
     from dataclasses import replace
 
     from edgeinfer.engine import Engine
@@ -45,4 +52,18 @@ def speculation_for(drafter, defaults: dict, params: dict[str, Any]) -> Speculat
         return None
     if hasattr(drafter, "p_min"):
         drafter.p_min = sp.p_min
-    return Speculation(drafter, sp)
+    return Speculation(drafter, sp, costs_of(drafter))
+
+
+_costs: "weakref.WeakKeyDictionary[Any, BatchCosts]" = weakref.WeakKeyDictionary()
+
+
+def costs_of(drafter) -> BatchCosts | None:
+    """The drafter's BatchCosts, one per drafter for as long as it lives (None: per request)."""
+    try:
+        costs = _costs.get(drafter)
+        if costs is None:
+            costs = _costs[drafter] = BatchCosts()
+        return costs
+    except TypeError:  # not weakly referenceable
+        return None
