@@ -7,6 +7,7 @@ needs an activation buffer bigger than one chunk.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,13 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
         from edgeinfer.backends.offload import plan_for_model
 
         cpu = CpuBackend(mf.gguf, threads=options.threads)
-        plan = plan_for_model(mf.gguf, mf.config, options.n_ctx, gpu_layers=options.gpu_layers,
+        gpu_layers = options.gpu_layers
+        if mf.config.has_recurrent and gpu_layers != 0:  # no CUDA DeltaNet kernels yet
+            if isinstance(gpu_layers, int) and gpu_layers > 0:
+                print(f"edgeinfer: {mf.config.arch} runs on the CPU only for now (its recurrent layers have no "
+                      f"GPU kernels yet): -ngl {gpu_layers} ignored", file=sys.stderr)
+            gpu_layers = 0
+        plan = plan_for_model(mf.gguf, mf.config, options.n_ctx, gpu_layers=gpu_layers,
                               prefill_rows=options.prefill_chunk + options.prefill_chunk // 4,
                               n_cpu_moe=options.n_cpu_moe)
         if not plan.on_gpu:

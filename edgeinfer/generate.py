@@ -15,6 +15,7 @@ import numpy as np
 
 from edgeinfer.engine import Engine
 from edgeinfer.errors import ContextOverflowError
+from edgeinfer.kv.recurrent import keep_rollback
 from edgeinfer.kv.view import KVView
 from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, TokenLogprob, Usage
 from edgeinfer.sampling import SamplingParams, make_token_sampler, post_sampling_probs, token_logprobs
@@ -128,6 +129,7 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
                 spec.plain_step(time.perf_counter() - t)
                 continue
             n = 1 + len(proposal)
+            keep_rollback(kv, kv.n_used, kv.n_used + n)  # rejected drafts are cut back: a state keeps copies
             rows = engine.forward(np.array([token, *proposal]), np.arange(kv.n_used, kv.n_used + n), kv,
                                   logits_for=np.arange(n))
             spec.start_round(len(proposal), time.perf_counter() - t, draft_s)

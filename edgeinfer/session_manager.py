@@ -11,6 +11,15 @@ blocks are registered in the prefix cache as they fill.
 After a successful request its sequence stays resident until the next request starts; a
 cancelled or failed request gives all its blocks back at once (hashed ones stay cached).
 
+Hybrid models (qwen35: K/V for the attention layers, a recurrent state for the others,
+edgeinfer.kv.recurrent): a sequence is reused only as far back as its state can be put
+back to. Each request keeps snapshots at its reuse point (the previous turn's end) and at
+its prompt's last-but-one token, so a resent history, a regenerate, an edit of the last
+message and `n > 1` choices prefill only what is new; cached K/V blocks without a matching
+state are never used (the block cache then starts from 0). They never shift the context
+(a state cannot be re-roped): full windows end with finish_reason length, and asking for a
+shift is an error. Their K/V are not exported to saved sessions (the conversation is).
+
 Pool sizes (one pool per layer group: the full-attention layers, and the sliding-window
 layers of one window) are edgeinfer.kv.pool_sizing's. GPU-offloaded layers: the backend's
 `new_block_storage` gives the pool VRAM blocks for those layers
@@ -33,6 +42,7 @@ from edgeinfer.kv.context_shift import shift_context
 from edgeinfer.kv.paged import PagedKVCache
 from edgeinfer.kv.pool_sizing import plan_pools
 from edgeinfer.kv.prefix_cache import common_prefix_len
+from edgeinfer.kv.recurrent import keep_at
 from edgeinfer.kv.sequence import SequenceKV
 from edgeinfer.results import FinishReason, GenerationChunk
 from edgeinfer.sampling import SamplingParams
@@ -49,9 +59,10 @@ class SessionManager:
             raise EdgeInferError(f"the session context {self.n_ctx} exceeds the engine's {engine.n_ctx}")
         self.block_size = block_size
         self.model_id = model_id
-        self.context_shift = context_shift
-        self.n_keep = n_keep
         cfg, backend = engine.config, engine.backend
+        self.recurrent = cfg.has_recurrent  # a sequence is K/V and a recurrent state
+        self.context_shift = context_shift and not self.recurrent  # never the default for them
+        self.n_keep = n_keep
         # GPU-offloaded layers keep their K/V in VRAM blocks of their group's pool (the CUDA
         # paged attention reads them through the sequence's block table).
         device_layers = backend.kv_layers(cfg)
@@ -91,6 +102,9 @@ class SessionManager:
             raise EdgeInferError("the prompt is empty")
         check_prompt_fits(len(ids), self.n_ctx)
         shift = self.context_shift if context_shift is None else context_shift
+        if shift and self.recurrent:
+            raise EdgeInferError(f"context shift is not supported for {self.engine.config.arch} models (their "
+                                 f"recurrent state cannot be re-roped); raise --ctx-size instead")
         keep = self.n_keep if n_keep is None else n_keep
         if keep < 0:
             raise EdgeInferError(f"n_keep must be at least 0, got {keep}")
@@ -155,6 +169,10 @@ class SessionManager:
                     self.cache.release(fork)
             self.cache.release(old)  # its full blocks stay cached; shared ones stay with seq
         seq.record_tokens(ids[seq.n_used:])
+        # a recurrent state is reusable only where it kept a snapshot: this turn's start and
+        # the prompt's last-but-one token (a regenerate, the next of n choices)
+        keep_at(seq, seq.n_used)
+        keep_at(seq, len(ids) - 1)
         return seq
 
     # -- management ---------------------------------------------------------------------------
@@ -178,6 +196,8 @@ class SessionManager:
         seq = self._resident
         if seq is None or seq.n_used == 0 or not np.array_equal(seq.positions, np.arange(seq.n_used)):
             return None
+        if self.recurrent:  # K/V without the recurrent state would resume wrong: not saved
+            return None
         k, v = seq.export()
         return self.resident_tokens(), k, v, np.array(seq.positions)
 
@@ -189,6 +209,9 @@ class SessionManager:
         take only the blocks the next token's window needs.
         """
         cfg = self.engine.config
+        if self.recurrent:
+            raise EdgeInferError(f"saved K/V cannot be restored for {cfg.arch} models (their recurrent state "
+                                 f"is not saved); resume the conversation without --session-kv")
         pos = np.asarray(pos, dtype=np.int64)
         n = len(pos)
         if n == 0 or n >= self.n_ctx:

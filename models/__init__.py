@@ -12,12 +12,16 @@ from edgeinfer.models.nomic_bert import NomicBert
 from edgeinfer.models.qwen2 import Qwen2
 from edgeinfer.models.qwen3 import Qwen3
 from edgeinfer.models.qwen3moe import Qwen3Moe
+from edgeinfer.models.qwen35 import Qwen35
+from edgeinfer.models.qwen35moe import Qwen35Moe
 
 ARCHITECTURES: dict[str, type[Transformer]] = {
     "llama": Llama,
     "qwen2": Qwen2,
     "qwen3": Qwen3,
     "qwen3moe": Qwen3Moe,
+    "qwen35": Qwen35,
+    "qwen35moe": Qwen35Moe,
     "gpt-oss": GptOss,
     "gemma3": Gemma3,
     "bert": Bert,

@@ -45,6 +45,7 @@ class Transformer:
     DEFAULT_ROPE_BASE: ClassVar[float] = 10000.0
     GENERATES: ClassVar[bool] = True  # False for encoders: they only embed
     SWA_ROPE_SCALED: ClassVar[bool] = False  # whether sliding-window layers take the RoPE scaling too
+    DEFAULT_FF: ClassVar[object] = REQUIRED  # feed_forward_length when absent (qwen35moe files have none)
 
     def __init__(self, config: ModelConfig, gguf: "GGUFFile", backend: "Backend") -> None:
         self.config = config
@@ -68,7 +69,7 @@ class Transformer:
                                 f"layers but the file has tensors for {present}")
         n_head = meta_int_per_layer(md, key("attention.head_count"), 1, MAX_HEADS, n_layer)
         n_head_kv = meta_int_per_layer(md, key("attention.head_count_kv"), 1, MAX_HEADS, n_layer, n_head)
-        n_ff = meta_int_per_layer(md, key("feed_forward_length"), 1, MAX_FF, n_layer)
+        n_ff = meta_int_per_layer(md, key("feed_forward_length"), 1, MAX_FF, n_layer, cls.DEFAULT_FF)
         for label, value in (("attention.head_count", n_head), ("attention.head_count_kv", n_head_kv),
                              ("feed_forward_length", n_ff)):
             if isinstance(value, np.ndarray):  # per-layer arrays: supported only when uniform

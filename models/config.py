@@ -9,6 +9,48 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class DeltaNetShape:
+    """The gated DeltaNet layers' sizes (qwen35: `{arch}.ssm.*` keys, as llama.cpp reads them).
+
+    Value head h reads key head h % n_k_heads (tiled). The per-sequence state of one layer
+    is a conv window (conv_kernel - 1, conv_dim) and an SSM state (n_v_heads, head_v_dim,
+    head_k_dim), stored as ggml stores it: row j of head h is column j of the delta rule's S.
+    """
+
+    conv_kernel: int  # ssm.conv_kernel: taps of the short causal convolution
+    n_k_heads: int  # ssm.group_count
+    n_v_heads: int  # ssm.time_step_rank
+    head_k_dim: int  # ssm.state_size
+    head_v_dim: int  # ssm.inner_size / n_v_heads
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_kernel - 1, self.conv_dim)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.n_v_heads, self.head_v_dim, self.head_k_dim)
+
+    @property
+    def state_bytes(self) -> int:
+        """float32 bytes of one layer's state (conv window + SSM state)."""
+        c, s = self.conv_state_shape, self.ssm_state_shape
+        return 4 * (c[0] * c[1] + s[0] * s[1] * s[2])
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters read from GGUF metadata, with llama.cpp's defaults when absent."""
 
@@ -40,6 +82,12 @@ class ModelConfig:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    # hybrid recurrent models (qwen35): per layer, whether it is a gated DeltaNet layer (a
+    # fixed-size state per sequence, edgeinfer.kv.recurrent) rather than attention over K/V
+    recurrent_layers: tuple[bool, ...] = ()
+    delta_net: DeltaNetShape | None = None
+    rope_sections: tuple[int, ...] = ()  # multi-section RoPE (rope.dimension_sections)
+    n_layer_nextn: int = 0  # multi-token-prediction blocks after the n_layer trunk (not run)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -49,6 +97,19 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_head_kv * self.head_dim
+
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
+
+    @property
+    def has_recurrent(self) -> bool:
+        """Whether a sequence of this model is K/V for some layers and a state for others."""
+        return any(self.recurrent_layers)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Layers that keep K/V (every layer but the recurrent ones)."""
+        return tuple(i for i in range(self.n_layer) if not self.is_recurrent(i))
 
     def is_swa(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]

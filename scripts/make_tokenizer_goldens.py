@@ -150,7 +150,7 @@ def write_unicode_tables(src: Path) -> None:
            'Each table is a tuple of inclusive (first, last) code point ranges.\n"""\n\n# fmt: off\n\n',
            "def _pairs(flat):\n    return tuple(zip(flat[0::2], flat[1::2]))\n\n\n",
            fmt("LETTER", ranges(0x4)), "\n", fmt("NUMBER", ranges(0x2)), "\n",
-           fmt("PUNCTUATION", ranges(0x20)), "\n",
+           fmt("PUNCTUATION", ranges(0x20)), "\n", fmt("MARK", ranges(0x10)), "\n",
            "WHITESPACE = (" + ", ".join(f"0x{c:X}" for c in ws) + ",)\n"]
     (ROOT / "edgeinfer" / "tokenizer" / "unicode.py").write_text("".join(out))
 

@@ -146,14 +146,57 @@ class TinyShape:
     n_expert: int = 8
     n_expert_used: int = 2
     n_ff_exp: int = 128
+    # gated DeltaNet layers (qwen35, qwen35moe): heads of the state, their size, conv taps;
+    # every full_attention_interval-th layer is attention (the rest linear attention)
+    ssm_k_heads: int = 2
+    ssm_v_heads: int = 4
+    ssm_state: int = 32
+    ssm_conv: int = 4
+    full_attention_interval: int = 2
+    rope_dims: int = 16  # qwen35: rotated dims of a head (Qwen3.5 rotates a quarter)
+    rope_sections: tuple = (3, 1, 2, 0)  # qwen35's M-RoPE sections; pair 4 falls in none
+    n_ff_shexp: int = 128  # qwen35moe's shared expert
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "qwen35", "qwen35moe")
 MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss")
+HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe")  # gated DeltaNet + gated attention layers
+
+
+def _qwen35_layer_tensors(arch: str, s: TinyShape, i: int) -> dict:
+    """qwen35 / qwen35moe blocks as llama.cpp's qwen35.cpp loads them."""
+    p, e = f"blk.{i}.", s.n_embd
+    t: dict = {p + "attn_norm.weight": (e,), p + "post_attention_norm.weight": (e,)}
+    if (i + 1) % s.full_attention_interval:  # linear attention (gated DeltaNet)
+        key_dim, value_dim = s.ssm_k_heads * s.ssm_state, s.ssm_v_heads * s.ssm_state
+        conv_dim = 2 * key_dim + value_dim
+        t.update({p + "attn_qkv.weight": (e, conv_dim), p + "attn_gate.weight": (e, value_dim),
+                  p + "ssm_conv1d.weight": (s.ssm_conv, conv_dim), p + "ssm_dt.bias": (s.ssm_v_heads,),
+                  p + "ssm_a": (s.ssm_v_heads,), p + "ssm_beta.weight": (e, s.ssm_v_heads),
+                  p + "ssm_alpha.weight": (e, s.ssm_v_heads), p + "ssm_norm.weight": (s.ssm_state,),
+                  p + "ssm_out.weight": (value_dim, e)})
+    else:  # gated attention: q and its gate from attn_q
+        q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+        t.update({p + "attn_q.weight": (e, 2 * q_dim), p + "attn_k.weight": (e, kv_dim),
+                  p + "attn_v.weight": (e, kv_dim), p + "attn_output.weight": (q_dim, e),
+                  p + "attn_q_norm.weight": (s.head_dim,), p + "attn_k_norm.weight": (s.head_dim,)})
+    if arch == "qwen35moe":
+        t.update({p + "ffn_gate_inp.weight": (e, s.n_expert),
+                  p + "ffn_gate_exps.weight": (e, s.n_ff_exp, s.n_expert),
+                  p + "ffn_up_exps.weight": (e, s.n_ff_exp, s.n_expert),
+                  p + "ffn_down_exps.weight": (s.n_ff_exp, e, s.n_expert),
+                  p + "ffn_gate_inp_shexp.weight": (e,), p + "ffn_gate_shexp.weight": (e, s.n_ff_shexp),
+                  p + "ffn_up_shexp.weight": (e, s.n_ff_shexp), p + "ffn_down_shexp.weight": (s.n_ff_shexp, e)})
+    else:
+        t.update({p + "ffn_gate.weight": (e, s.n_ff), p + "ffn_up.weight": (e, s.n_ff),
+                  p + "ffn_down.weight": (s.n_ff, e)})
+    return t
 
 
 def _layer_tensors(arch: str, s: TinyShape, i: int) -> dict[str, tuple[int, int] | tuple[int]]:
     """GGUF tensor name -> GGML shape (row length first) for one block."""
+    if arch in HYBRID_ARCHITECTURES:
+        return _qwen35_layer_tensors(arch, s, i)
     q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
     p = f"blk.{i}."
     t: dict = {
@@ -215,7 +258,8 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
     w.add_context_length(s.n_ctx)
     w.add_embedding_length(s.n_embd)
     w.add_block_count(s.n_layer)
-    w.add_feed_forward_length(s.n_ff)
+    if arch != "qwen35moe":  # llama.cpp's qwen35moe files have no feed_forward_length
+        w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
     w.add_layer_norm_rms_eps(1e-6 if arch == "gemma3" else 1e-5)
@@ -231,6 +275,20 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(s.extra.get("rope_factor", 32.0))
         w.add_rope_scaling_orig_ctx_len(s.extra.get("rope_ctx_orig", 64))
+    if arch in HYBRID_ARCHITECTURES:
+        w.add_rope_dimension_count(s.rope_dims)
+        w.add_array(f"{arch}.rope.dimension_sections", list(s.rope_sections))
+        w.add_uint32(f"{arch}.full_attention_interval", s.full_attention_interval)
+        w.add_uint32(f"{arch}.ssm.conv_kernel", s.ssm_conv)
+        w.add_uint32(f"{arch}.ssm.state_size", s.ssm_state)
+        w.add_uint32(f"{arch}.ssm.group_count", s.ssm_k_heads)
+        w.add_uint32(f"{arch}.ssm.time_step_rank", s.ssm_v_heads)
+        w.add_uint32(f"{arch}.ssm.inner_size", s.ssm_v_heads * s.ssm_state)
+    if arch == "qwen35moe":
+        w.add_expert_count(s.n_expert)
+        w.add_expert_used_count(s.n_expert_used)
+        w.add_expert_feed_forward_length(s.n_ff_exp)
+        w.add_uint32(f"{arch}.expert_shared_feed_forward_length", s.n_ff_shexp)
     if arch in MOE_ARCHITECTURES:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
@@ -281,8 +339,8 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
             continue
         n_cols, n_rows, outer = gshape[0], gshape[1], gshape[2:]  # outer: (n_expert,) of expert tensors
         tq = qtype_of(embd_qtype) if (embd_qtype and name == "token_embd.weight") else qt
-        if name.endswith(("ffn_gate_inp.weight", ".bias")):
-            tq = T.F32  # routers and (per-expert) biases stay F32, as converters write them
+        if name.endswith(("ffn_gate_inp.weight", ".bias", "ssm_conv1d.weight")):
+            tq = T.F32  # routers, (per-expert) biases and conv kernels stay F32, as converters write them
         if n_cols % GGML_QUANT_SIZES[tq][0]:
             tq = T.F16
         plan.append((name, tq, gshape))
@@ -303,6 +361,8 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
             data = rng.standard_normal(gshape).astype(np.float32) * 0.1
             if name.endswith("attn_sinks.weight"):
                 data *= 30.0  # gpt-oss's sinks are logits of a few units: some heads lean on them
+            if name.endswith(".ssm_a"):  # stored as -exp(A_log): a negative decay rate per head
+                data = -np.exp(data * 5.0).astype(np.float32)
             if name.endswith("norm.weight"):
                 # llama-style norms multiply by w; gemma's by (1 + w), baked in at conversion
                 data += 1.0

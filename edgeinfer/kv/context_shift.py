@@ -51,6 +51,8 @@ def shift_context(engine, seq: "SequenceKV", n_keep: int) -> int:
     the keys are re-roped with the engine's model.
     """
     backend, model = engine.backend, engine.model
+    if getattr(seq, "recurrent", None) is not None:  # a recurrent state cannot drop tokens
+        return 0
 
     def rerope(layer: int, k: np.ndarray, delta: np.ndarray) -> np.ndarray:
         return rope_shift(backend, model, layer, k, delta)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edgeinfer.errors import ContextOverflowError
+from edgeinfer.kv.recurrent import new_state
 from edgeinfer.kv.view import KVView
 
 if TYPE_CHECKING:
@@ -25,9 +26,12 @@ class KVCache(KVView):
     def __init__(self, config: ModelConfig, n_ctx: int, dtype: np.dtype = np.float16) -> None:
         self.n_ctx = n_ctx
         kv_heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v
-        # k[layer]: (n_ctx, n_head_kv, head_dim); v[layer]: (n_ctx, n_head_kv, head_dim_v)
-        self.k = [np.zeros((n_ctx, kv_heads, hd), dtype) for _ in range(config.n_layer)]
-        self.v = [np.zeros((n_ctx, kv_heads, hd_v), dtype) for _ in range(config.n_layer)]
+        # k[layer]: (n_ctx, n_head_kv, head_dim); v[layer]: (n_ctx, n_head_kv, head_dim_v);
+        # a recurrent layer keeps none (its state is `recurrent`, edgeinfer.kv.recurrent)
+        rows = [0 if config.is_recurrent(i) else n_ctx for i in range(config.n_layer)]
+        self.k = [np.zeros((r, kv_heads, hd), dtype) for r in rows]
+        self.v = [np.zeros((r, kv_heads, hd_v), dtype) for r in rows]
+        self.recurrent = new_state(config)
         self.pos = np.zeros(n_ctx, dtype=np.int64)  # position of the token in each slot
         self.n_used = 0
 
@@ -39,6 +43,8 @@ class KVCache(KVView):
                 f"context is full: {self.n_used} cached + {n} new tokens exceed --ctx-size {self.n_ctx}")
         slots = np.arange(self.n_used, self.n_used + n)
         self.pos[slots] = positions
+        if self.recurrent is not None:
+            self.recurrent.begin(self.n_used, n)
         self.n_used += n
         return slots
 
@@ -51,9 +57,14 @@ class KVCache(KVView):
         return self.k[layer][:n], self.v[layer][:n], self.pos[:n]
 
     def truncate(self, n: int) -> None:
-        """Forget every token from slot n on (regenerate, edit, cancel)."""
-        self.n_used = min(self.n_used, max(0, n))
+        """Forget every token from slot n on (regenerate, edit, cancel). With a recurrent
+        state, only as far as a point it can be put back to (callers read n_used)."""
+        n = min(self.n_used, max(0, n))
+        if self.recurrent is not None:
+            n = self.recurrent.truncate(n)
+        self.n_used = n
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+        state = self.recurrent.nbytes if self.recurrent is not None else 0
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v) + state

@@ -64,7 +64,7 @@ def layer_groups(config: ModelConfig, device_layers: Sequence[int] = ()) -> list
     w = config.sliding_window if config.sliding_window else 0
     device_window = w if device and w and all(config.is_swa(i) for i in device) else 0
     by_window: dict[int, list[int]] = {}
-    for i in range(config.n_layer):
+    for i in config.kv_layers:  # recurrent layers keep a state instead (edgeinfer.kv.recurrent)
         window = device_window if i in device else (w if w and config.is_swa(i) else 0)
         by_window.setdefault(window, []).append(i)
     return [(window, tuple(by_window[window])) for window in sorted(by_window)]

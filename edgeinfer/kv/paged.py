@@ -67,8 +67,10 @@ class PagedKVCache:
             for i in g.layers:
                 self.group_of[i] = g
 
-        def blocks(layer: int) -> int:  # device layers keep an empty host array
-            return 0 if layer in self.device_layers else self.group_of[layer].num_blocks
+        def blocks(layer: int) -> int:  # device and recurrent layers keep an empty host array
+            if layer in self.device_layers or config.is_recurrent(layer):
+                return 0
+            return self.group_of[layer].num_blocks
 
         # k[layer]: (blocks of its group, block_size, n_head_kv, head_dim); v: (..., head_dim_v)
         self.k = [np.zeros((blocks(i), block_size, kv_heads, hd), dtype) for i in range(config.n_layer)]
@@ -115,6 +117,8 @@ class PagedKVCache:
         child.block_hashes = list(seq.block_hashes)
         child.n_used = seq.n_used
         child._pos = seq._pos.copy()
+        if seq.recurrent is not None:  # n > 1, a branch: the state is copied, not shared
+            child.recurrent = seq.recurrent.fork()
         child._ascending = seq._ascending
         return child
 
@@ -128,7 +132,11 @@ class PagedKVCache:
     def reuse_prefix(self, seq: SequenceKV, token_ids: Sequence[int]) -> int:
         """Put the longest cached prefix of whole blocks of `token_ids` into an EMPTY `seq`;
         returns the tokens now cached (see edgeinfer.kv.prefix_cache)."""
-        return prefix_cache.reuse_prefix(self, seq, token_ids)
+        n = prefix_cache.reuse_prefix(self, seq, token_ids)
+        if seq.recurrent is not None and n != seq.recurrent.n_tokens:
+            seq.truncate(n)  # no state snapshot there: K/V alone are never reused
+            n = seq.n_used
+        return n
 
     def commit_full_blocks(self, seq: SequenceKV) -> int:
         """Register `seq`'s newly full blocks in the prefix cache; returns how many."""

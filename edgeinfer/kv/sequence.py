@@ -41,6 +41,7 @@ from edgeinfer.errors import ContextOverflowError
 from edgeinfer.kv.block_pool import BlockHash, KVPoolExhaustedError
 from edgeinfer.kv.groups import (DROPPED, MASKED_POS, GroupTable, LayerGroup, align_down, ascending_run,
                                  ceil_div, first_above)
+from edgeinfer.kv.recurrent import new_state
 from edgeinfer.kv.view import KVView
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ class SequenceKV(KVView):
         self._pos = np.zeros(64, dtype=np.int64)  # position of token i; valid below n_used
         self._ascending = True  # positions strictly increase (always, from the engine)
         self._last: _Appended | None = None
+        # the recurrent layers' state (hybrid models, edgeinfer.kv.recurrent), else None
+        self.recurrent = new_state(cache.config)
 
     # -- the primary group (the device's; what block_table and friends describe) ---------------
     @property
@@ -130,7 +133,10 @@ class SequenceKV(KVView):
                 f"context is full: {self.n_used} cached + {n} new tokens exceed --ctx-size {self.n_ctx}")
         if n == 0:
             return np.zeros(0, dtype=np.int64)
-        return self._extend(positions, int(positions.min()))
+        slots = self._extend(positions, int(positions.min()))
+        if self.recurrent is not None:
+            self.recurrent.begin(self.n_used - n, n)
+        return slots
 
     def store(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         c = self.cache
@@ -179,11 +185,15 @@ class SequenceKV(KVView):
 
         If a sliding-window group dropped blocks the next token's window needs again, they
         are taken back from the prefix cache; when some are gone the sequence is cut to the
-        longest length every group can serve (down to 0): callers read n_used.
+        longest length every group can serve (down to 0): callers read n_used. A recurrent
+        state is put back to the latest point it kept at or before that length
+        (edgeinfer.kv.recurrent), and the K/V are cut there too.
         """
         n = max(0, n)
         target = min(n, self.n_used)
         m = self._servable(target)
+        if self.recurrent is not None:
+            m = self._servable(self.recurrent.truncate(m))
         del self.tokens[(n if m == target else m):]  # recorded ids may run ahead of n_used
         for t in self.tables:
             self._cut(t, m)

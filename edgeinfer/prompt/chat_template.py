@@ -26,6 +26,7 @@ _ARCH_TEMPLATE = {
     "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma",
     "llama": "llama3",
     "qwen2": "chatml", "qwen2moe": "chatml", "qwen3": "chatml", "qwen3moe": "chatml",
+    "qwen35": "chatml", "qwen35moe": "chatml",
 }
 # Text that ends an assistant turn in each built-in format (a hint for stop strings).
 _STOP_STRINGS = {"gemma": ("<end_of_turn>",), "llama3": ("<|eot_id|>",), "chatml": ("<|im_end|>",)}

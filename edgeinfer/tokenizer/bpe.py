@@ -34,7 +34,7 @@ from edgeinfer.errors import TokenizerError
 
 @dataclass(frozen=True)
 class PreTokenizer:
-    split: str            # which splitter: llama3 | qwen2 | gpt2 | gpt4o | default
+    split: str            # which splitter: llama3 | qwen2 | qwen35 | gpt2 | gpt4o | default
     ignore_merges: bool   # a word that is itself a token skips the merges (Llama 3)
     clean_spaces: bool    # detokenize removes " ." style spaces (clean_up_tokenization_spaces)
     add_bos: bool | None  # llama.cpp's default when the file has no add_bos_token key
@@ -42,6 +42,7 @@ class PreTokenizer:
 
 _LLAMA3 = PreTokenizer("llama3", True, True, True)
 _QWEN2 = PreTokenizer("qwen2", False, False, None)
+_QWEN35 = PreTokenizer("qwen35", False, False, None)  # qwen2's, letter runs take combining marks
 _GPT2 = PreTokenizer("gpt2", False, True, None)
 _DEFAULT = PreTokenizer("default", False, True, None)
 _GPT4O = PreTokenizer("gpt4o", False, False, None)
@@ -50,6 +51,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **{n: _LLAMA3 for n in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1",
                             "pixtral", "midm-2.0", "lfm2", "jina-v5-nano")},
     **{n: _QWEN2 for n in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2")},
+    "qwen35": _QWEN35,
     **{n: _GPT2 for n in ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
                           "jina-v2-de", "a.x-4.0", "mellum", "modern-bert", "mpt", "olmo")},
     **{n: _GPT4O for n in ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2")},
@@ -76,7 +78,7 @@ def _table(ranges) -> tuple[list[int], list[int]]:
     return [a for a, _ in ranges], [b for _, b in ranges]
 
 
-_L, _N, _P = _table(U.LETTER), _table(U.NUMBER), _table(U.PUNCTUATION)
+_L, _N, _P, _M = _table(U.LETTER), _table(U.NUMBER), _table(U.PUNCTUATION), _table(U.MARK)
 
 
 def _in(table, cpt: int) -> bool:
@@ -148,10 +150,13 @@ def _lower_ascii(c: int) -> int:
     return c + 32 if 65 <= c <= 90 else c
 
 
-def split_llama3(cpts: list[int], max_digits: int | None = 3) -> list[int]:
-    """Word lengths (in code points) of llama.cpp's llama3 splitter; max_digits=1 is qwen2."""
+def split_llama3(cpts: list[int], max_digits: int | None = 3, marks_are_letters: bool = False) -> list[int]:
+    """Word lengths (in code points) of llama.cpp's llama3 splitter; max_digits=1 is qwen2,
+    and with marks_are_letters qwen35 (unicode_regex_split_custom_qwen35: [\\p{L}\\p{M}]+ letter
+    runs, and [^\\s\\p{L}\\p{M}\\p{N}] punctuation: a combining mark counts as a letter in
+    every branch)."""
     n = len(cpts)
-    flags = [cpt_class(c) for c in cpts] + [0]
+    flags = [cpt_class(c) | (1 if marks_are_letters and _in(_M, c) else 0) for c in cpts] + [0]
     cp = cpts + [-1]
     out: list[int] = []
     prev = 0
@@ -339,6 +344,8 @@ def split_words(cpts: list[int], split: str) -> list[list[int]]:
         lengths = split_llama3(cpts, 3)
     elif split == "qwen2":
         lengths = split_llama3(cpts, 1)
+    elif split == "qwen35":
+        lengths = split_llama3(cpts, 1, marks_are_letters=True)
     elif split == "gpt2":
         lengths = split_gpt2(cpts)
     elif split == "gpt4o":
@@ -496,6 +503,9 @@ def split_regex(split: str, ascii_only: bool = False) -> str:
         letter, number, ws = clip(U.LETTER), clip(U.NUMBER), clip(ws_all)
     else:
         letter, number, ws = U.LETTER, U.NUMBER, ws_all
+    if split == "qwen35":  # qwen2's regex with [\p{L}\p{M}] for \p{L} (no ASCII marks)
+        letter = list(letter) + ([] if ascii_only else list(U.MARK))
+        split = "qwen2"
     L, N, S = _re_class([letter]), _re_class([number]), _re_class([ws])
     not_S = _re_class([ws], negate=True)
     not_rn_L_N = _re_class([letter, number], extra="\\r\\n", negate=True)
@@ -524,7 +534,7 @@ class FastSplitter:
         # llama3/qwen2 only: no match crosses a newline followed by a non-space, so text
         # cut there splits the same; then each ASCII-only piece takes the fast regex.
         not_ws = _re_class([[(c, c) for c in U.WHITESPACE]], negate=True)
-        self._lines = re.compile(f"(?<=\\n)(?={not_ws})") if split in ("llama3", "qwen2") else None
+        self._lines = re.compile(f"(?<=\\n)(?={not_ws})") if split in ("llama3", "qwen2", "qwen35") else None
 
     def __call__(self, text: str) -> list[str]:
         if self._collapsed is not None:
@@ -548,7 +558,7 @@ class BPEFast:
     def __init__(self, tokens: list[str], merges: list[str], pre: PreTokenizer) -> None:
         from tokenizers import Tokenizer, models, pre_tokenizers
 
-        if pre.split not in ("llama3", "qwen2", "gpt2", "gpt4o"):
+        if pre.split not in ("llama3", "qwen2", "qwen35", "gpt2", "gpt4o"):
             raise ValueError(f"no fast path for the {pre.split} splitter")
         vocab: dict[str, int] = {}
         for i, t in enumerate(tokens):

@@ -1,0 +1,187 @@
+"""A hybrid sequence (K/V for qwen35's attention layers, a recurrent state for its DeltaNet
+layers) through the session features: every answer equals a cache-free greedy run, reuse
+happens only where the state kept a snapshot, forks copy the state, speculative rejections
+roll it back, and what cannot work (a context shift, saved K/V) is refused in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
+from oracles import cold_greedy, greedy, random_ids
+
+import edgeinfer
+from edgeinfer.errors import EdgeInferError
+from edgeinfer.generate import collect
+from edgeinfer.kv.contiguous import KVCache
+from edgeinfer.kv.recurrent import RecurrentState
+from edgeinfer.sampling import SamplingParams
+from edgeinfer.session_manager import SessionManager
+
+N_CTX = 96
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("q35") / "qwen35.gguf", "qwen35", "F32",
+                            vocab=bpe_vocab("qwen35"), shape=TinyShape(n_layer=4))
+    return edgeinfer.load(str(path), backend="reference", n_ctx=N_CTX)
+
+
+def _mgr(model, **kw) -> SessionManager:
+    return SessionManager(model.engine, model.tokenizer, n_ctx=N_CTX, block_size=8, model_id="q35", **kw)
+
+
+def _answer(mgr, ids, n=4, **kw):
+    return collect(mgr.generate(ids, greedy(n), **kw))
+
+
+def test_a_sequence_is_kv_for_attention_layers_and_state_for_the_others(model):
+    cfg = model.engine.config
+    assert cfg.recurrent_layers == (True, False, True, False)
+    kv = KVCache(cfg, 16)
+    assert kv.k[0].shape[0] == 0 and kv.k[1].shape[0] == 16  # no K/V for a recurrent layer
+    assert isinstance(kv.recurrent, RecurrentState) and kv.recurrent.layers == (0, 2)
+    mgr = _mgr(model)
+    seq = mgr.cache.new_sequence(N_CTX)
+    assert seq.recurrent is not None and [g.layers for g in mgr.cache.groups] == [(1, 3)]
+    mgr.cache.release(seq)
+
+
+def test_chat_turns_regenerate_and_edit_reuse_only_where_the_state_was_kept(model):
+    mgr, eng, tok = _mgr(model), model.engine, model.tokenizer
+    rng = np.random.default_rng(1)
+    a = random_ids(rng, 20, eng.config.n_vocab)
+    first = _answer(mgr, a)
+    assert first.tokens == cold_greedy(eng, tok, a, 4) and first.usage.cached_tokens == 0
+    # the next turn resends the history: only the new tokens are prefilled
+    b = a + first.tokens + random_ids(rng, 5, eng.config.n_vocab)
+    second = _answer(mgr, b)
+    assert second.tokens == cold_greedy(eng, tok, b, 4)
+    assert second.usage.cached_tokens == len(a) + len(first.tokens) - 1
+    # regenerate: the prompt's last-but-one token was kept
+    again = _answer(mgr, b)
+    assert again.tokens == second.tokens and again.usage.cached_tokens == len(b) - 1
+    # edit the last message: back to the turn's start (kept), not further
+    c = b[:len(a) + len(first.tokens) + 2] + [7, 8]
+    edited = _answer(mgr, c)
+    assert edited.tokens == cold_greedy(eng, tok, c, 4)
+    assert edited.usage.cached_tokens == len(a) + len(first.tokens) - 1
+    # a branch from the middle of the first prompt: no snapshot there, prefilled from 0
+    d = a[:11] + [9, 10, 11]
+    branch = _answer(mgr, d)
+    assert branch.tokens == cold_greedy(eng, tok, d, 4) and branch.usage.cached_tokens == 0
+    mgr.check_invariants()
+
+
+def test_cached_kv_blocks_without_a_state_are_never_used(model):
+    mgr, eng = _mgr(model), model.engine
+    a = random_ids(np.random.default_rng(2), 30, eng.config.n_vocab)
+    _answer(mgr, a)
+    seq = mgr.cache.new_sequence(N_CTX)
+    assert mgr.cache.reuse_prefix(seq, a) == 0 and seq.n_used == 0  # the blocks are cached, no state
+    mgr.cache.release(seq)
+    mgr.check_invariants()
+
+
+def test_n_choices_fork_the_state(model):
+    mgr, eng, tok = _mgr(model), model.engine, model.tokenizer
+    a = random_ids(np.random.default_rng(3), 17, eng.config.n_vocab)
+    want = cold_greedy(eng, tok, a, 6)
+    for i in range(3):  # as the server runs n choices: one after another on the same prompt
+        got = _answer(mgr, a, 6)
+        assert got.tokens == want
+        assert got.usage.cached_tokens == (0 if i == 0 else len(a) - 1)
+    parent = mgr._resident
+    child = mgr.cache.fork(parent)
+    assert child.recurrent is not parent.recurrent
+    child.recurrent.ssm[0] += 1.0  # writing the child's state leaves the parent's alone
+    assert not np.array_equal(child.recurrent.ssm[0], parent.recurrent.ssm[0])
+    mgr.cache.release(child)
+
+
+def test_speculative_rejections_roll_the_state_back(model):
+    from edgeinfer.speculative import Speculation, SpeculativeParams
+
+    eng, tok = model.engine, model.tokenizer
+    a = random_ids(np.random.default_rng(4), 12, eng.config.n_vocab)
+    want = cold_greedy(eng, tok, a, 24)
+
+    class Drafter:  # the right continuation, one token in three corrupted
+        name = "test"
+
+        def __init__(self):
+            self.calls = 0
+
+        def begin(self, prompt):
+            pass
+
+        def propose(self, context, k):
+            self.calls += 1
+            i = len(context) - len(a)
+            out = list(want[i:i + k])
+            if out and self.calls % 3 == 0:
+                out[self.calls % len(out)] = (out[self.calls % len(out)] + 1) % eng.config.n_vocab
+            return out
+
+        def accept(self, n_drafted, n_accepted):
+            pass
+
+    spec = Speculation(Drafter(), SpeculativeParams(n_max=5))
+    spec.length.next_k = lambda limit: min(5, limit)
+    mgr = _mgr(model)
+    got = collect(mgr.generate(a, greedy(24), speculation=spec))
+    assert got.tokens == want
+    assert 0 < spec.accepted < spec.drafted  # both paths ran
+    seq = mgr._resident
+    assert seq.recurrent.n_tokens == seq.n_used and not seq.recurrent.rollback or \
+        max(seq.recurrent.rollback) <= seq.n_used
+    mgr.check_invariants()
+
+
+def test_context_shift_is_refused_and_not_the_default(model):
+    mgr = _mgr(model, context_shift=True)
+    assert mgr.context_shift is False  # the constructor's default (run, chat) is dropped
+    a = random_ids(np.random.default_rng(5), 20, model.engine.config.n_vocab)
+    with pytest.raises(EdgeInferError, match="context shift is not supported for qwen35"):
+        next(iter(mgr.generate(a, greedy(4), context_shift=True)))
+    # a full window ends the answer (finish_reason length) instead of shifting
+    long = random_ids(np.random.default_rng(6), N_CTX - 3, model.engine.config.n_vocab)
+    out = collect(mgr.generate(long, SamplingParams(temperature=0, max_tokens=20)))
+    assert out.finish_reason == "length" and len(out.tokens) == N_CTX - len(long) + 1
+
+
+def test_saved_kv_is_refused_for_a_recurrent_state(model):
+    mgr = _mgr(model)
+    _answer(mgr, random_ids(np.random.default_rng(7), 10, model.engine.config.n_vocab))
+    assert mgr.export_kv() is None  # the session keeps the conversation, not K/V without the state
+    cfg = model.engine.config
+    k = [np.zeros((4, cfg.n_head_kv, cfg.head_dim), np.float16)] * cfg.n_layer
+    with pytest.raises(EdgeInferError, match="cannot be restored for qwen35"):
+        mgr.import_kv([1, 2, 3, 4], k, k, np.arange(4))
+
+
+def test_streaming_and_the_api_run_the_family(model):
+    model.reset()
+    ids = random_ids(np.random.default_rng(8), 9, model.engine.config.n_vocab)
+    chunks = list(model.sessions.generate(ids, greedy(5)))
+    assert [c.token for c in chunks if c.token is not None] == cold_greedy(model.engine, model.tokenizer, ids, 5)
+
+
+def test_a_failed_forward_leaves_a_state_that_is_cut_back(model):
+    eng = model.engine
+    kv = KVCache(eng.config, 32)
+    eng.prefill([5, 6, 7, 8], kv)
+    kv.recurrent.keep_at(4)
+    boom = RuntimeError("mid-layer")
+    real = eng.model.linear_attention
+    eng.model.linear_attention = lambda *a, **k: (_ for _ in ()).throw(boom)
+    try:
+        with pytest.raises(RuntimeError):
+            eng.decode(9, kv)
+    finally:
+        eng.model.linear_attention = real
+    assert kv.n_used == 4 and kv.recurrent.n_tokens == 4  # back to the kept point
+    want = cold_greedy(eng, model.tokenizer, [5, 6, 7, 8, 9], 3)
+    logits = eng.decode(9, kv)
+    assert int(np.argmax(logits)) == want[0]
