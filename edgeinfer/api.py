@@ -82,9 +82,16 @@ class Model:
         self.engine = Engine(model_file, options)
         general_name = meta_str(model_file.gguf.metadata, "general.name", "") or ""
         self.identity = model_identity(path, general_name)  # for saved sessions and cache keys
-        self.sessions = SessionManager(self.engine, self.tokenizer, n_ctx=self.engine.n_ctx,
-                                       model_id=self.identity["digest"], kv_pool_mb=kv_pool_mb,
-                                       context_shift=context_shift, n_keep=n_keep)
+        from edgeinfer.context_budget import ContextTooLargeError, check_context_memory
+
+        kv_pool_mb = check_context_memory(self.engine, self.engine.n_ctx, kv_pool_mb)
+        try:
+            self.sessions = SessionManager(self.engine, self.tokenizer, n_ctx=self.engine.n_ctx,
+                                           model_id=self.identity["digest"], kv_pool_mb=kv_pool_mb,
+                                           context_shift=context_shift, n_keep=n_keep)
+        except MemoryError:  # where the memory available could not be read beforehand
+            raise ContextTooLargeError(f"--ctx-size {self.engine.n_ctx} needs more memory for its K/V cache "
+                                       f"than this machine can allocate; use a smaller --ctx-size") from None
         self._lock = self.sessions.lock  # held while a generation runs (one at a time)
         from edgeinfer.speculative.setup import make_drafter
 

@@ -117,11 +117,18 @@ def test_total_duration_is_what_ollama_reports(fim_model_path, monkeypatch):
         srv.stop()
 
 
-def test_openapi_contract_with_schemathesis(live):
+def test_openapi_contract_with_schemathesis(live, monkeypatch):
     """/openapi.json for the three dialects (was 404), and schemathesis against it: no 5xx, and
-    responses as documented. Bounded: one example an operation, /api/pull (network) left out."""
+    responses as documented. Bounded: one derandomized example an operation and no shrinking
+    (a failure is reported as found, not minimized over hundreds of requests), the store and
+    the network left out (/api/tags lists only the served model: not every GGUF of this
+    machine's cache, whose metadata it would read), a short timeout a request."""
     import schemathesis
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    from edgeinfer.store import registry
+
+    monkeypatch.setattr(registry, "list_local", lambda: [])
     from schemathesis.checks import not_a_server_error
     from schemathesis.openapi.checks import JsonSchemaError  # noqa: F401 - the schema check's failure type
 
@@ -138,7 +145,7 @@ def test_openapi_contract_with_schemathesis(live):
             continue  # the store and the network: covered by test_server_models
 
         @given(case=op.as_strategy())
-        @settings(max_examples=1, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=1, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
                   suppress_health_check=list(HealthCheck))
         def run(case):
             if isinstance(case.body, dict):
@@ -147,7 +154,7 @@ def test_openapi_contract_with_schemathesis(live):
                     case.body.pop(key, None)
                 if isinstance(case.body.get("options"), dict):
                     case.body["options"] = {}  # load-time options would reload the model each time
-            response = case.call(base_url=live.url, timeout=60)
+            response = case.call(base_url=live.url, timeout=20)
             case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
 
         run()

@@ -46,7 +46,9 @@ def run(args) -> int:
             raise EdgeInferError("--session keeps a chat; it cannot be combined with --raw")
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
-        prompt = sys.stdin.read()
+        from edgeinfer.commands.prompt_input import read_stdin_prompt
+
+        prompt = read_stdin_prompt(sys.stdin, args.ctx_size)  # no more than the context can hold
     if prompt is not None and not prompt.strip():
         print("edgeinfer: error: no prompt given", file=sys.stderr)
         return 2
@@ -56,6 +58,9 @@ def run(args) -> int:
     if session is not None:
         system, history = resume_session(model, session, params, args.system)
     if prompt is not None:
+        from edgeinfer.commands.prompt_input import check_prompt_length
+
+        check_prompt_length(model, prompt)  # a long prompt is not tokenized whole to find it too long
         one_shot = dict(params, constraint=constraint)
         if one_shot["max_tokens"] < 0:
             # The default -n stops where the window ends; only an explicit -n goes past it.
