@@ -219,8 +219,8 @@ class SessionManager:
         if not np.array_equal(pos, np.arange(n)) or len(k) != cfg.n_layer or len(v) != cfg.n_layer:
             raise EdgeInferError("saved K/V do not fit this model")
         for i in range(cfg.n_layer):
-            if (np.shape(k[i]) != (n, cfg.n_head_kv, cfg.head_dim)
-                    or np.shape(v[i]) != (n, cfg.n_head_kv, cfg.head_dim_v)):
+            k_row, v_row = cfg.saved_kv_shapes(i)
+            if np.shape(k[i]) != (n, *k_row) or np.shape(v[i]) != (n, *v_row):
                 raise EdgeInferError("saved K/V do not fit this model")
         with self.lock:
             if self._resident is not None:

@@ -6,6 +6,7 @@ from edgeinfer.models.base import Transformer
 from edgeinfer.models.config import ModelConfig
 from edgeinfer.models.bert import Bert
 from edgeinfer.models.gemma3 import Gemma3
+from edgeinfer.models.gemma4 import Gemma4
 from edgeinfer.models.gptoss import GptOss
 from edgeinfer.models.llama import Llama
 from edgeinfer.models.nomic_bert import NomicBert
@@ -24,6 +25,7 @@ ARCHITECTURES: dict[str, type[Transformer]] = {
     "qwen35moe": Qwen35Moe,
     "gpt-oss": GptOss,
     "gemma3": Gemma3,
+    "gemma4": Gemma4,
     "bert": Bert,
     "nomic-bert": NomicBert,
 }

@@ -46,6 +46,7 @@ class Transformer:
     GENERATES: ClassVar[bool] = True  # False for encoders: they only embed
     SWA_ROPE_SCALED: ClassVar[bool] = False  # whether sliding-window layers take the RoPE scaling too
     DEFAULT_FF: ClassVar[object] = REQUIRED  # feed_forward_length when absent (qwen35moe files have none)
+    PER_LAYER_FF: ClassVar[bool] = False  # feed_forward_length may differ per layer (gemma4: config.n_ff_layers)
 
     def __init__(self, config: ModelConfig, gguf: "GGUFFile", backend: "Backend") -> None:
         self.config = config
@@ -70,6 +71,10 @@ class Transformer:
         n_head = meta_int_per_layer(md, key("attention.head_count"), 1, MAX_HEADS, n_layer)
         n_head_kv = meta_int_per_layer(md, key("attention.head_count_kv"), 1, MAX_HEADS, n_layer, n_head)
         n_ff = meta_int_per_layer(md, key("feed_forward_length"), 1, MAX_FF, n_layer, cls.DEFAULT_FF)
+        n_ff_layers: tuple[int, ...] = ()
+        if cls.PER_LAYER_FF and isinstance(n_ff, np.ndarray) and len(set(n_ff.tolist())) > 1:
+            n_ff_layers = tuple(int(f) for f in n_ff)
+            n_ff = max(n_ff_layers)
         for label, value in (("attention.head_count", n_head), ("attention.head_count_kv", n_head_kv),
                              ("feed_forward_length", n_ff)):
             if isinstance(value, np.ndarray):  # per-layer arrays: supported only when uniform
@@ -117,6 +122,7 @@ class Transformer:
             rope_ctx_orig=meta_int(md, key("rope.scaling.original_context_length"), 1, MAX_CTX, n_ctx_train),
             rope_attn_factor=meta_float(md, key("rope.scaling.attn_factor"), 0.0, 1e3, 1.0, lo_exclusive=True),
             tied_embeddings="output.weight" not in gf.tensors,
+            n_ff_layers=n_ff_layers,
         )
         return cls.adjust_config(cfg, gf)
 

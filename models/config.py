@@ -88,6 +88,15 @@ class ModelConfig:
     delta_net: DeltaNetShape | None = None
     rope_sections: tuple[int, ...] = ()  # multi-section RoPE (rope.dimension_sections)
     n_layer_nextn: int = 0  # multi-token-prediction blocks after the n_layer trunk (not run)
+    # per-layer sizes (gemma4): sliding-window layers' head sizes and rotated dims (0 = as the
+    # global layers'), and each layer's FFN rows (() = n_ff everywhere)
+    head_dim_swa: int = 0
+    head_dim_v_swa: int = 0
+    rope_dims_swa: int = 0
+    n_ff_layers: tuple[int, ...] = ()
+    # shared K/V (gemma4's shared_kv_layers): per layer, the layer whose K/V it attends over
+    # (itself, or an earlier layer whose K/V it reuses and never writes); () = its own
+    kv_source_layers: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -108,8 +117,54 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """Layers that keep K/V (every layer but the recurrent ones)."""
-        return tuple(i for i in range(self.n_layer) if not self.is_recurrent(i))
+        """Layers that keep K/V of their own (every layer but the recurrent ones and those
+        reading another layer's K/V)."""
+        return tuple(i for i in range(self.n_layer) if not self.is_recurrent(i) and self.kv_source(i) == i)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V `layer` attends over (itself unless it shares an earlier one's)."""
+        return self.kv_source_layers[layer] if self.kv_source_layers else layer
+
+    def owns_kv(self, layer: int) -> bool:
+        """Whether `layer` stores K/V of its own (not recurrent, not shared)."""
+        return not self.is_recurrent(layer) and self.kv_source(layer) == layer
+
+    def head_dim_of(self, layer: int) -> int:
+        """Per-head size of layer `layer`'s Q and K."""
+        return self.head_dim_swa if self.head_dim_swa and self.is_swa(layer) else self.head_dim
+
+    def head_dim_v_of(self, layer: int) -> int:
+        """Per-head size of layer `layer`'s V."""
+        return self.head_dim_v_swa if self.head_dim_v_swa and self.is_swa(layer) else self.head_dim_v
+
+    def rope_dims_of(self, layer: int) -> int:
+        return self.rope_dims_swa if self.rope_dims_swa and self.is_swa(layer) else self.rope_dims
+
+    def n_ff_of(self, layer: int) -> int:
+        return self.n_ff_layers[layer] if self.n_ff_layers else self.n_ff
+
+    def kv_values_of(self, layer: int) -> int:
+        """K + V values `layer` stores per token (0 for recurrent and shared layers)."""
+        if not self.owns_kv(layer):
+            return 0
+        return self.n_head_kv * (self.head_dim_of(layer) + self.head_dim_v_of(layer))
+
+    def saved_kv_shapes(self, layer: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, size) of one saved K row and one V row of `layer`: size 0 for a layer
+        whose K/V are another's (saved once, at their owner)."""
+        if not self.owns_kv(layer):
+            return (self.n_head_kv, 0), (self.n_head_kv, 0)
+        return (self.n_head_kv, self.head_dim_of(layer)), (self.n_head_kv, self.head_dim_v_of(layer))
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """K + V values the whole model stores per token (each shared K/V once)."""
+        return sum(self.kv_values_of(i) for i in range(self.n_layer))
+
+    @property
+    def uniform_heads(self) -> bool:
+        """Whether every K/V layer has the same head sizes (what the GPU path needs)."""
+        return len({(self.head_dim_of(i), self.head_dim_v_of(i)) for i in self.kv_layers}) <= 1
 
     def is_swa(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]

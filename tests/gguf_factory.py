@@ -156,9 +156,21 @@ class TinyShape:
     rope_dims: int = 16  # qwen35: rotated dims of a head (Qwen3.5 rotates a quarter)
     rope_sections: tuple = (3, 1, 2, 0)  # qwen35's M-RoPE sections; pair 4 falls in none
     n_ff_shexp: int = 128  # qwen35moe's shared expert
+    # gemma4: sliding layers' head size, the per-layer sliding flags (() = every 4th layer is
+    # global), the last layers reusing earlier K/V, per-layer embedding width (0 = none),
+    # per-layer FFN rows (() = n_ff), a mixture of experts on every layer, the logit cap, and
+    # whether global layers that keep K/V leave out attn_v (V = K)
+    head_dim_swa: int = 32
+    swa_pattern: tuple = ()
+    shared_kv_layers: int = 0
+    n_embd_per_layer: int = 0
+    n_ff_layers: tuple = ()
+    gemma4_moe: bool = False
+    softcap: float = 30.0
+    global_v_is_k: bool = True
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "qwen35", "qwen35moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "qwen35", "qwen35moe", "gemma4")
 MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss")
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe")  # gated DeltaNet + gated attention layers
 
@@ -193,10 +205,47 @@ def _qwen35_layer_tensors(arch: str, s: TinyShape, i: int) -> dict:
     return t
 
 
+def gemma4_swa(s: TinyShape) -> list[bool]:
+    """gemma4's sliding flags: the shape's, else every extra["swa_period"]-th (4th) layer global."""
+    period = s.extra.get("swa_period", 4)
+    return list(s.swa_pattern) if s.swa_pattern else [(i + 1) % period != 0 for i in range(s.n_layer)]
+
+
+def _gemma4_layer_tensors(s: TinyShape, i: int) -> dict:
+    """gemma4 blocks as llama.cpp's gemma4.cpp loads them."""
+    p, e = f"blk.{i}.", s.n_embd
+    swa = gemma4_swa(s)[i]
+    hd = s.head_dim_swa if swa else s.head_dim
+    ff = s.n_ff_layers[i] if s.n_ff_layers else s.n_ff
+    t: dict = {p + "attn_norm.weight": (e,), p + "attn_q.weight": (e, s.n_head * hd),
+               p + "attn_q_norm.weight": (hd,), p + "attn_output.weight": (s.n_head * hd, e),
+               p + "post_attention_norm.weight": (e,), p + "layer_output_scale.weight": (1,)}
+    if i < s.n_layer - s.shared_kv_layers:  # a layer keeping K/V
+        t.update({p + "attn_k.weight": (e, s.n_head_kv * hd), p + "attn_k_norm.weight": (hd,)})
+        if swa or not s.global_v_is_k:
+            t[p + "attn_v.weight"] = (e, s.n_head_kv * hd)
+    t.update({p + "ffn_norm.weight": (e,), p + "ffn_gate.weight": (e, ff), p + "ffn_up.weight": (e, ff),
+              p + "ffn_down.weight": (ff, e), p + "post_ffw_norm.weight": (e,)})
+    if s.gemma4_moe:
+        t.update({p + "ffn_gate_inp.weight": (e, s.n_expert), p + "ffn_gate_inp.scale": (e,),
+                  p + "pre_ffw_norm_2.weight": (e,), p + "post_ffw_norm_1.weight": (e,),
+                  p + "post_ffw_norm_2.weight": (e,),
+                  p + "ffn_gate_exps.weight": (e, s.n_ff_exp, s.n_expert),
+                  p + "ffn_up_exps.weight": (e, s.n_ff_exp, s.n_expert),
+                  p + "ffn_down_exps.weight": (s.n_ff_exp, e, s.n_expert),
+                  p + "ffn_down_exps.scale": (s.n_expert,)})
+    if s.n_embd_per_layer:
+        t.update({p + "inp_gate.weight": (e, s.n_embd_per_layer), p + "proj.weight": (s.n_embd_per_layer, e),
+                  p + "post_norm.weight": (e,)})
+    return t
+
+
 def _layer_tensors(arch: str, s: TinyShape, i: int) -> dict[str, tuple[int, int] | tuple[int]]:
     """GGUF tensor name -> GGML shape (row length first) for one block."""
     if arch in HYBRID_ARCHITECTURES:
         return _qwen35_layer_tensors(arch, s, i)
+    if arch == "gemma4":
+        return _gemma4_layer_tensors(s, i)
     q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
     p = f"blk.{i}."
     t: dict = {
@@ -251,18 +300,20 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
     qt = qtype_of(qtype)
     path = Path(path)
     n_vocab = len(vocab["tokens"])
-    tie = (arch == "gemma3") if tie_embeddings is None else tie_embeddings
+    tie = (arch in ("gemma3", "gemma4")) if tie_embeddings is None else tie_embeddings
 
     w = GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}-{qt.name}")
     w.add_context_length(s.n_ctx)
     w.add_embedding_length(s.n_embd)
     w.add_block_count(s.n_layer)
-    if arch != "qwen35moe":  # llama.cpp's qwen35moe files have no feed_forward_length
+    if arch == "gemma4" and s.n_ff_layers:
+        w.add_array(f"{arch}.feed_forward_length", [int(f) for f in s.n_ff_layers])
+    elif arch != "qwen35moe":  # llama.cpp's qwen35moe files have no feed_forward_length
         w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
-    w.add_layer_norm_rms_eps(1e-6 if arch == "gemma3" else 1e-5)
+    w.add_layer_norm_rms_eps(1e-6 if arch in ("gemma3", "gemma4") else 1e-5)
     w.add_rope_freq_base({"llama": 500_000.0, "gpt-oss": 150_000.0}.get(arch, 1_000_000.0))
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
@@ -270,6 +321,22 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
         w.add_rope_dimension_count(s.head_dim)
     if arch == "gemma3":
         w.add_sliding_window(s.extra.get("sliding_window", 16))
+    if arch == "gemma4":  # E4B's kinds of keys, at a tiny size
+        w.add_sliding_window(s.extra.get("sliding_window", 16))
+        w.add_array(f"{arch}.attention.sliding_window_pattern", gemma4_swa(s))
+        w.add_uint32(f"{arch}.attention.key_length_swa", s.head_dim_swa)
+        w.add_uint32(f"{arch}.attention.value_length_swa", s.head_dim_swa)
+        w.add_rope_dimension_count(s.head_dim)
+        w.add_uint32(f"{arch}.rope.dimension_count_swa", s.head_dim_swa)
+        w.add_float32(f"{arch}.rope.freq_base_swa", 10_000.0)
+        w.add_uint32(f"{arch}.embedding_length_per_layer_input", s.n_embd_per_layer)
+        if s.shared_kv_layers:
+            w.add_uint32(f"{arch}.attention.shared_kv_layers", s.shared_kv_layers)
+        w.add_float32(f"{arch}.final_logit_softcapping", s.softcap)  # 0: off (absent: llama.cpp caps at 30)
+        if s.gemma4_moe:
+            w.add_expert_count(s.n_expert)
+            w.add_expert_used_count(s.n_expert_used)
+            w.add_expert_feed_forward_length(s.n_ff_exp)
     if arch == "gpt-oss":  # gpt-oss-20b's settings, its window scaled to the tiny context
         w.add_sliding_window(s.extra.get("sliding_window", 16))
         w.add_rope_scaling_type(RopeScalingType.YARN)
@@ -322,6 +389,13 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
     tensors: dict = {"token_embd.weight": (s.n_embd, n_vocab), "output_norm.weight": (s.n_embd,)}
     if not tie:
         tensors["output.weight"] = (s.n_embd, n_vocab)
+    if arch == "gemma4":
+        if s.n_embd_per_layer:
+            tensors["per_layer_token_embd.weight"] = (s.n_embd_per_layer * s.n_layer, n_vocab)
+            tensors["per_layer_model_proj.weight"] = (s.n_embd, s.n_embd_per_layer * s.n_layer)
+            tensors["per_layer_proj_norm.weight"] = (s.n_embd_per_layer,)
+        if not all(gemma4_swa(s)):
+            tensors["rope_freqs.weight"] = (s.head_dim // 2,)
     for i in range(s.n_layer):
         tensors.update(_layer_tensors(arch, s, i))
     tensors.update(shape_overrides or {})  # hostile files: a tensor of another shape than the metadata says
@@ -366,6 +440,12 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
             if name.endswith("norm.weight"):
                 # llama-style norms multiply by w; gemma's by (1 + w), baked in at conversion
                 data += 1.0
+            if arch == "gemma4" and name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+                data *= 0.3  # attention is unscaled (1.0): smaller Q/K keep a random model's softmax soft
+            if name.endswith((".scale", "layer_output_scale.weight")):  # gemma4's scales: around 1
+                data = (np.abs(data) + 0.75).astype(np.float32)
+            if name == "rope_freqs.weight":  # gemma4's proportional RoPE: a quarter rotates, the rest not
+                data = np.where(np.arange(gshape[0]) < gshape[0] // 4, 1.0, 1e30).astype(np.float32)
             w.write_tensor_data(data)
             continue
         n_cols, n_rows = gshape[0], gshape[1] * int(np.prod(gshape[2:], dtype=np.int64))

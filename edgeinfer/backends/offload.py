@@ -156,7 +156,7 @@ def model_sizes_from_gguf(gguf: "GGUFFile", cfg: "ModelConfig") -> ModelSizes:
     if "output_norm.weight" in gguf.tensors:
         output += gguf.tensors["output_norm.weight"].n_bytes
     expert_rows = cfg.n_expert_used * (3 * cfg.n_ff_exp + cfg.n_embd) if cfg.n_expert else 0
-    return ModelSizes(tuple(layers), output, (kv_values_per_token(cfg),) * cfg.n_layer,
+    return ModelSizes(tuple(layers), output, _kv_values_per_layer(cfg),
                       _scratch_values_per_row(cfg), cfg.n_vocab, tuple(experts), expert_rows)
 
 
@@ -173,8 +173,16 @@ def estimate_model_sizes(cfg: "ModelConfig", bits_per_weight: float = 4.85) -> M
                         + cfg.n_head * cfg.head_dim_v * cfg.n_embd + 3 * cfg.n_embd * cfg.n_ff)
     layer = int(per_layer_params * bits_per_weight / 8) + 2 * cfg.n_embd * 4
     output = int(cfg.n_vocab * cfg.n_embd * bits_per_weight / 8) + cfg.n_embd * 4
-    return ModelSizes((layer,) * cfg.n_layer, output, (kv_values_per_token(cfg),) * cfg.n_layer,
+    return ModelSizes((layer,) * cfg.n_layer, output, _kv_values_per_layer(cfg),
                       _scratch_values_per_row(cfg), cfg.n_vocab)
+
+
+def _kv_values_per_layer(cfg: "ModelConfig") -> tuple[int, ...]:
+    """K + V values each layer adds per token: its own head sizes, and 0 for a layer that
+    reads an earlier layer's K/V (gemma4's shared K/V is counted once, at its owner).
+    Recurrent layers keep the attention layers' count, as the plan always reserved."""
+    full = kv_values_per_token(cfg)
+    return tuple(full if cfg.is_recurrent(i) else kv_values_per_token(cfg, i) for i in range(cfg.n_layer))
 
 
 # -- the plan -----------------------------------------------------------------------------

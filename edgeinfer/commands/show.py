@@ -14,6 +14,22 @@ def _printable(text: str) -> str:
     return _CONTROL.sub("\ufffd", text)
 
 
+def _kv_per_token(cfg) -> str:
+    """f16 K/V bytes one token of context takes, each shared K/V counted once (gemma4), and
+    what the layers that keep none do instead."""
+    from edgeinfer.kv.pool_sizing import model_kv_bytes_per_token
+
+    n = model_kv_bytes_per_token(cfg)
+    text = f"{n / 1024:.4g} KiB ({n} bytes, f16"
+    shared = sum(1 for i in range(cfg.n_layer) if not cfg.is_recurrent(i) and not cfg.owns_kv(i))
+    if shared:
+        text += f"; {shared} of {cfg.n_layer} layers reuse an earlier layer's K/V"
+    recurrent = sum(1 for i in range(cfg.n_layer) if cfg.is_recurrent(i))
+    if recurrent:
+        text += f"; {recurrent} recurrent layers keep a fixed-size state instead"
+    return text + ")"
+
+
 def register(sub) -> None:
     p = sub.add_parser("show", help="show a model's architecture, size and quantization")
     p.add_argument("name", help="model alias, hf.co/owner/repo[:quant] or path to a .gguf file")
@@ -53,6 +69,7 @@ def run(args) -> int:
         *([("experts", f"{mf.config.n_expert} ({mf.config.n_expert_used} used a token)")]
           if mf.config.n_expert else []),
         ("quantization", info.quantization),
+        ("K/V per token", _kv_per_token(mf.config)),
     ]
     print("  Model")
     for key, value in rows:

@@ -22,13 +22,15 @@ if TYPE_CHECKING:
 
 def swiglu_experts(backend: "Backend", h: Any, experts: np.ndarray, weights: np.ndarray, gate: str,
                    up: str, down: str, *, biases: tuple[str, str, str] | None = None,
-                   activation: Callable[[Any, Any], Any] | None = None) -> Any:
+                   activation: Callable[[Any, Any], Any] | None = None, down_scale: str | None = None) -> Any:
     """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]) for every token t; h (n, n_embd) float32,
     on the host or where the backend keeps the layer's activations.
 
     `biases`: the per-expert bias tensors of gate, up and down (gpt-oss), each (n_expert,
     rows), added to each expert's output rows as ggml_add_id does. `activation(gate, up)`:
-    SiLU(gate) * up unless given (gpt-oss's clamped variant)."""
+    SiLU(gate) * up unless given (gpt-oss's clamped variant, gemma4's GELU). `down_scale`: a
+    per-expert scale vector (n_expert,) multiplying each expert's down output before the
+    routing weights (ggml's `ffn_down_exps.scale`; host arrays only)."""
     n, k = experts.shape
     flat = experts.reshape(-1)  # assignment t * k + j: token t's j-th expert
     order = np.argsort(flat, kind="stable")  # assignments grouped by expert
@@ -43,4 +45,6 @@ def swiglu_experts(backend: "Backend", h: Any, experts: np.ndarray, weights: np.
     y = backend.expert_batch([down], active, starts, np.arange(n * k), act)[0]
     if biases is not None:
         y = backend.expert_bias(y, biases[2], expert_of_row)
+    if down_scale is not None:
+        y = (np.asarray(y, np.float32) * backend.vector(down_scale)[expert_of_row][:, None]).astype(np.float32)
     return backend.expert_combine(y, order, weights)

@@ -25,12 +25,13 @@ if TYPE_CHECKING:
 class KVCache(KVView):
     def __init__(self, config: ModelConfig, n_ctx: int, dtype: np.dtype = np.float16) -> None:
         self.n_ctx = n_ctx
-        kv_heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v
-        # k[layer]: (n_ctx, n_head_kv, head_dim); v[layer]: (n_ctx, n_head_kv, head_dim_v);
-        # a recurrent layer keeps none (its state is `recurrent`, edgeinfer.kv.recurrent)
-        rows = [0 if config.is_recurrent(i) else n_ctx for i in range(config.n_layer)]
-        self.k = [np.zeros((r, kv_heads, hd), dtype) for r in rows]
-        self.v = [np.zeros((r, kv_heads, hd_v), dtype) for r in rows]
+        kv_heads = config.n_head_kv
+        # k[layer]: (n_ctx, n_head_kv, head_dim of the layer); v[layer]: (..., head_dim_v);
+        # a recurrent layer keeps none (its state is `recurrent`, edgeinfer.kv.recurrent), nor
+        # does a layer that reads an earlier layer's K/V (config.kv_source)
+        rows = [n_ctx if config.owns_kv(i) else 0 for i in range(config.n_layer)]
+        self.k = [np.zeros((r, kv_heads, config.head_dim_of(i)), dtype) for i, r in enumerate(rows)]
+        self.v = [np.zeros((r, kv_heads, config.head_dim_v_of(i)), dtype) for i, r in enumerate(rows)]
         self.recurrent = new_state(config)
         self.pos = np.zeros(n_ctx, dtype=np.int64)  # position of the token in each slot
         self.n_used = 0

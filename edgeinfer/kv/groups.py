@@ -79,7 +79,7 @@ class LayerGroup:
     """Layers whose K/V share one block pool; every sequence has one block table per group."""
 
     def __init__(self, index: int, window: int, layers: tuple[int, ...], num_blocks: int, block_size: int,
-                 quantum: int, device, bytes_per_layer_block: int) -> None:
+                 quantum: int, device, bytes_per_block: int) -> None:
         self.index = index
         self.window = window  # 0 = full attention: blocks are never dropped
         self.layers = layers
@@ -90,7 +90,7 @@ class LayerGroup:
         self.quantum = quantum
         self.device = device  # the DeviceBlockStorage holding some of these layers, or None
         self.host_layers = [i for i in layers if device is None or i not in device.layers]
-        self.bytes_per_block = len(layers) * bytes_per_layer_block
+        self.bytes_per_block = bytes_per_block  # K + V of all its layers (their head sizes may differ)
 
     @property
     def num_blocks(self) -> int:

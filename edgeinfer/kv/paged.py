@@ -50,15 +50,16 @@ class PagedKVCache:
         # Optional storage of some layers' K/V outside host memory (see the module docstring).
         self.device = device
         self.device_layers = frozenset(device.layers) if device is not None else frozenset()
-        kv_heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v
-        per_layer_block = layer_block_bytes(config, block_size, np.dtype(dtype).itemsize)
+        kv_heads = config.n_head_kv
+        itemsize = np.dtype(dtype).itemsize
         self.groups: list[LayerGroup] = []
         for index, (window, layers) in enumerate(layer_groups(config, self.device_layers)):
             blocks = num_blocks if isinstance(num_blocks, int) else num_blocks[window]
             on_device = device if any(i in self.device_layers for i in layers) else None
+            block_bytes = sum(layer_block_bytes(config, block_size, itemsize, i) for i in layers)
             self.groups.append(LayerGroup(index, window, layers, blocks, block_size,
                                           drop_quantum(block_size, window, drop_align), on_device,
-                                          per_layer_block))
+                                          block_bytes))
         self.primary = next((g for g in self.groups if g.device is not None), self.groups[0])
         if device is not None and getattr(device, "num_blocks", self.primary.num_blocks) != self.primary.num_blocks:
             raise ValueError(f"device storage has {device.num_blocks} blocks, its group {self.primary.num_blocks}")
@@ -67,17 +68,24 @@ class PagedKVCache:
             for i in g.layers:
                 self.group_of[i] = g
 
-        def blocks(layer: int) -> int:  # device and recurrent layers keep an empty host array
-            if layer in self.device_layers or config.is_recurrent(layer):
+        # a layer reading another's K/V (config.kv_source) is that layer's group's member too
+        for i in range(config.n_layer):
+            if not config.is_recurrent(i) and config.kv_source(i) != i:
+                self.group_of[i] = self.group_of[config.kv_source(i)]
+
+        def blocks(layer: int) -> int:  # device, recurrent and shared layers keep an empty host array
+            if layer in self.device_layers or not config.owns_kv(layer):
                 return 0
             return self.group_of[layer].num_blocks
 
-        # k[layer]: (blocks of its group, block_size, n_head_kv, head_dim); v: (..., head_dim_v)
-        self.k = [np.zeros((blocks(i), block_size, kv_heads, hd), dtype) for i in range(config.n_layer)]
-        self.v = [np.zeros((blocks(i), block_size, kv_heads, hd_v), dtype) for i in range(config.n_layer)]
+        # k[layer]: (blocks of its group, block_size, n_head_kv, head_dim of the layer); v: (..., head_dim_v)
+        hd = [config.head_dim_of(i) for i in range(config.n_layer)]
+        hd_v = [config.head_dim_v_of(i) for i in range(config.n_layer)]
+        self.k = [np.zeros((blocks(i), block_size, kv_heads, hd[i]), dtype) for i in range(config.n_layer)]
+        self.v = [np.zeros((blocks(i), block_size, kv_heads, hd_v[i]), dtype) for i in range(config.n_layer)]
         # Flat views (blocks * block_size, ...) indexed by slot.
-        self.k_flat = [a.reshape(-1, kv_heads, hd) for a in self.k]
-        self.v_flat = [a.reshape(-1, kv_heads, hd_v) for a in self.v]
+        self.k_flat = [a.reshape(-1, kv_heads, hd[i]) for i, a in enumerate(self.k)]
+        self.v_flat = [a.reshape(-1, kv_heads, hd_v[i]) for i, a in enumerate(self.v)]
         self._live: set[SequenceKV] = set()
 
     # The primary group's pool and positions (the only ones when there is one group).

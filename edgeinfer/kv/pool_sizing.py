@@ -35,14 +35,25 @@ KV_BYTES_PER_VALUE = {"f16": 2.0, "f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32}
 F16_BYTES = 2  # the paged pools and VRAM blocks hold f16 K/V
 
 
-def kv_values_per_token(config: "ModelConfig") -> int:
-    """K + V values one layer stores per token."""
+def kv_values_per_token(config: "ModelConfig", layer: int | None = None) -> int:
+    """K + V values one layer stores per token: `layer`'s (0 for a recurrent layer or one
+    reading an earlier layer's K/V, whose K/V are counted once, at their owner), or without
+    a layer a global-attention layer's."""
+    if layer is not None:
+        return config.kv_values_of(layer)
     return config.n_head_kv * (config.head_dim + config.head_dim_v)
 
 
-def layer_block_bytes(config: "ModelConfig", block_size: int, itemsize: int = F16_BYTES) -> int:
-    """Bytes of one layer's K + V in one block of `block_size` tokens."""
-    return block_size * kv_values_per_token(config) * itemsize
+def layer_block_bytes(config: "ModelConfig", block_size: int, itemsize: int = F16_BYTES,
+                      layer: int | None = None) -> int:
+    """Bytes of one layer's K + V in one block of `block_size` tokens (see kv_values_per_token)."""
+    return block_size * kv_values_per_token(config, layer) * itemsize
+
+
+def model_kv_bytes_per_token(config: "ModelConfig", itemsize: int = F16_BYTES) -> int:
+    """Bytes of K/V the whole model stores per token of context, each shared K/V once
+    (sliding-window layers counted as if they kept every token)."""
+    return config.kv_values_per_token * itemsize
 
 
 def context_kv_bytes(values_per_token: int, n_ctx: int, kv_dtype: str = "f16") -> int:
@@ -105,8 +116,7 @@ def plan_pools(config: "ModelConfig", n_ctx: int, block_size: int, device_layers
     """Blocks of every layer group's pool (`group_pool_blocks`, f16 K/V); the group holding
     `device_layers` is capped at `vram_blocks`, never below one sequence's need."""
     groups = layer_groups(config, device_layers)
-    per_layer = layer_block_bytes(config, 1)
-    sizes = [(w, len(layers) * per_layer) for w, layers in groups]
+    sizes = [(w, sum(layer_block_bytes(config, 1, layer=i) for i in layers)) for w, layers in groups]
     blocks = group_pool_blocks(n_ctx, block_size, sizes, pool_tokens, kv_pool_mb, prefill_chunk)
     on_device = next((i for i, (_, layers) in enumerate(groups) if set(layers) & set(device_layers)), None)
     if on_device is not None and vram_blocks is not None:

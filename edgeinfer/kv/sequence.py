@@ -248,6 +248,8 @@ class SequenceKV(KVView):
             missing.append(miss if miss.any() else None)
         slots = self._extend(positions, int(positions[-1]) + 1, stored)
         for layer in range(self.cache.config.n_layer):
+            if not self.cache.config.owns_kv(layer):  # shared K/V: stored once, at its owner
+                continue
             miss = missing[self.cache.group_of[layer].index]
             kl, vl = np.asarray(k[layer]), np.asarray(v[layer])
             if miss is not None:
@@ -257,10 +259,16 @@ class SequenceKV(KVView):
 
     def export(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """(k, v) per layer with n_used rows each, copies; rows a sliding-window group no
-        longer holds (dropped blocks, masked slots) are NaN (`load` knows them)."""
+        longer holds (dropped blocks, masked slots) are NaN (`load` knows them). A layer
+        reading another's K/V (config.kv_source) gives (n_used, n_head_kv, 0) arrays."""
         n = self.n_used
+        cfg = self.cache.config
         ks, vs = [], []
-        for layer in range(self.cache.config.n_layer):
+        for layer in range(cfg.n_layer):
+            if not cfg.owns_kv(layer):  # a shared K/V is saved once, at its owner: no columns here
+                ks.append(np.zeros((n, cfg.n_head_kv, 0), np.float16))
+                vs.append(np.zeros((n, cfg.n_head_kv, 0), np.float16))
+                continue
             k, v, p = self.layer_view(layer)
             k, v = np.array(k), np.array(v)
             gone = n - len(k)

@@ -204,6 +204,15 @@ def load_session(path: str | os.PathLike[str], model: dict, n_layer: int | None 
     return session
 
 
+def _saved_rows(config: Any, layer: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(heads, size) of layer's saved K and V rows (ModelConfig.saved_kv_shapes; plain
+    (n_head_kv, head_dim[_v]) for a config without it)."""
+    shapes = getattr(config, "saved_kv_shapes", None)
+    if shapes is not None:
+        return shapes(layer)
+    return (int(config.n_head_kv), int(config.head_dim)), (int(config.n_head_kv), int(config.head_dim_v))
+
+
 def _warn_stderr(message: str) -> None:
     print(f"edgeinfer: warning: {message}", file=sys.stderr)
 
@@ -222,12 +231,12 @@ def _read_kv(archive: "_Archive", n_kv: int, tokens: np.ndarray, n_layer: int | 
     layers = n_layer if n_layer is not None else archive.count_layers()
     if not 0 < layers <= MAX_LAYERS:
         raise _Bad(f"{layers} layers")
-    want = None
-    if config is not None:
-        want = {"k": (n_kv, int(config.n_head_kv), int(config.head_dim)),
-                "v": (n_kv, int(config.n_head_kv), int(config.head_dim_v))}
     members = []
     for i in range(layers):
+        want = None
+        if config is not None:  # per layer: head sizes may differ, a shared K/V has none (gemma4)
+            rows = _saved_rows(config, i)
+            want = {"k": (n_kv, *rows[0]), "v": (n_kv, *rows[1])}
         for kind in ("k", "v"):
             member = archive.probe(f"{kind}{i}", np.float16, 3, n_kv * MAX_ROW * 2, kv=True)
             if want is not None and member.shape != want[kind]:
