@@ -55,10 +55,13 @@ class Embeddings:
         return sum(self.token_counts)
 
 
-def pooling_of(model: "LoadedModel") -> int:
-    """The pooling this model's embeddings use (see the module docstring)."""
+def pooling_of(model: "LoadedModel", override: int | None = None) -> int:
+    """The pooling this model's embeddings use (see the module docstring); `override` is
+    llama.cpp's --pooling (POOLING_NONE: one vector per token)."""
     md = model.engine.model_file.gguf.metadata
-    declared = meta_int(md, f"{model.config.arch}.pooling_type", 0, 4, None)
+    declared = meta_int(md, f"{model.config.arch}.pooling_type", 0, 4, None) if override is None else override
+    if override == POOLING_NONE:
+        return POOLING_NONE
     if declared == POOLING_RANK:
         raise EdgeInferError(f"{model.name}: rank pooling (a reranker) is not supported for embeddings")
     if declared in (None, POOLING_NONE):
@@ -83,8 +86,11 @@ def normalize_vector(v: np.ndarray, mode: int = 2) -> np.ndarray:
 
 def embed(model: "LoadedModel", inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
           truncate: bool = False, dimensions: int | None = None, normalize: int = 2,
-          cancel: threading.Event | None = None) -> Embeddings:
+          cancel: threading.Event | None = None, pooling: int | None = None) -> Embeddings:
     """Embed one input or a list of them: texts, one list of token ids, or lists of ids.
+
+    `pooling` overrides the file's (llama.cpp's --pooling); POOLING_NONE gives each input a
+    list of per-token vectors, not normalised (as llama-server sends them).
 
     A longer input than the model takes is cut to its first tokens (keeping a final [SEP] /
     EOS the tokenizer adds) with `truncate`, and otherwise is a ContextOverflowError.
@@ -109,14 +115,15 @@ def embed(model: "LoadedModel", inputs: str | Sequence[str] | Sequence[int] | Se
                                            f"this model embeds at once (truncate to cut it)")
             ids = _truncated(model, ids, limit)
         seqs.append([int(t) for t in ids])
-    pooling = pooling_of(model)
+    pooling = pooling_of(model, pooling)
     with model.sessions.lock:  # one forward pass at a time, as generation
         pooled = _run(model, seqs, pooling, cancel)
     vectors = []
     for v in pooled:
         if dimensions is not None:
-            v = v[:dimensions]
-        vectors.append(normalize_vector(v, normalize).tolist())
+            v = v[..., :dimensions]
+        vectors.append(v.astype(np.float32).tolist() if pooling == POOLING_NONE
+                       else normalize_vector(v, normalize).tolist())
     return Embeddings(vectors, [len(s) for s in seqs])
 
 
@@ -148,6 +155,8 @@ def _truncated(model: "LoadedModel", ids: list[int], limit: int) -> list[int]:
 
 
 def _pool(hidden: np.ndarray, pooling: int) -> np.ndarray:
+    if pooling == POOLING_NONE:
+        return hidden
     if pooling == POOLING_MEAN:
         return hidden.astype(np.float64).mean(axis=0).astype(np.float32)
     if pooling == POOLING_CLS:

@@ -38,7 +38,11 @@ class TemplateError(EdgeInferError):
 
 
 class ContextOverflowError(EdgeInferError):
-    """A prompt that does not fit in the context window."""
+    """A prompt that does not fit in the context window (its tokens and the window's, where known)."""
+
+    def __init__(self, message: str, n_prompt: int | None = None, n_ctx: int | None = None) -> None:
+        super().__init__(message)
+        self.n_prompt, self.n_ctx = n_prompt, n_ctx
 
 
 class GrammarError(EdgeInferError, ValueError):

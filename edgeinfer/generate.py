@@ -29,7 +29,7 @@ def check_prompt_fits(n_prompt: int, n_ctx: int) -> None:
     if n_prompt >= n_ctx:
         raise ContextOverflowError(
             f"prompt has {n_prompt} tokens but the context holds {n_ctx}; "
-            f"shorten it or raise --ctx-size")
+            f"shorten it or raise --ctx-size", n_prompt=n_prompt, n_ctx=n_ctx)
 
 
 def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int],

@@ -68,6 +68,9 @@ class SamplingParams:
     # variant, probabilities after the sampler chain instead (see post_sampling_probs).
     logprobs: int | None = None
     post_sampling_probs: bool = False
+    # token id -> added to its logit before everything else (-inf bans it), as llama.cpp's
+    # logit_bias sampler; the OpenAI / llama-server request forms are read by the server
+    logit_bias: dict[int, float] | None = None
 
     def validate(self) -> "SamplingParams":
         """Raise InvalidParameterError on the first out-of-range field; return self."""
@@ -87,6 +90,14 @@ class SamplingParams:
             raise InvalidParameterError("stop must be a list of strings")
         if any(s == "" for s in self.stop):
             raise InvalidParameterError("stop strings must not be empty")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidParameterError("logit_bias must map token ids to biases")
+            for tok, bias in self.logit_bias.items():
+                _check_int("logit_bias token", tok, lambda v: v >= 0, ">= 0")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias) \
+                        or bias == math.inf:
+                    raise InvalidParameterError(f"logit_bias of token {tok} must be a number or -inf, got {bias!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
         if self.constraint is not None and not hasattr(self.constraint, "matcher"):
@@ -98,8 +109,25 @@ class SamplingParams:
         return make_sampler(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
 
     def make_logits_processors(self) -> list[LogitsProcessor]:
-        return make_logits_processors(self.repeat_penalty, self.presence_penalty,
-                                      self.frequency_penalty, self.repeat_last_n)
+        procs = make_logits_processors(self.repeat_penalty, self.presence_penalty,
+                                       self.frequency_penalty, self.repeat_last_n)
+        if self.logit_bias:
+            procs.insert(0, logit_bias_processor(self.logit_bias))
+        return procs
+
+
+def logit_bias_processor(bias: dict[int, float]) -> LogitsProcessor:
+    """Add each token's bias to its logit (-inf bans the token); ids past the logits are skipped."""
+    ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+    values = np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
+
+    def process(logits: np.ndarray, previous_token_ids: Sequence[int]) -> np.ndarray:
+        out = np.array(logits, dtype=np.float32, copy=True).reshape(-1)
+        ok = ids < out.shape[0]
+        np.add.at(out, ids[ok], values[ok].astype(np.float32))
+        return out
+
+    return process
 
 
 def _check_float(name: str, value, ok: Callable[[float], bool], allowed: str) -> None:

@@ -34,18 +34,19 @@ REFUSED = [
     ("/v1/chat/completions", with_(CHAT, mirostat=1), "mirostat"),
     ("/v1/chat/completions", with_(CHAT, web_search_options={}), "web_search_options"),
     ("/v1/completions", with_(CMPL, typical_p=0.5), "typical_p"),
-    ("/v1/completions", with_(CMPL, grammar="root ::= x"), "grammar"),
+    ("/v1/completions", with_(CMPL, grammar="root ::= ("), "grammar"),   # llama-server's field: honoured, checked
     ("/api/generate", with_(GEN, num_gpu=1), "num_gpu"),
     ("/api/generate", with_(GEN, width=512), "width"),
     ("/api/chat", with_(OCHAT, temperature=0.1), "temperature"),
     ("/api/show", {"model": MODEL, "extra": 1}, "extra"),
     ("/completion", with_(LCMPL, mirostat=2), "mirostat"),
-    ("/completion", with_(LCMPL, logit_bias=[[1, -100]]), "logit_bias"),
+    ("/completion", with_(LCMPL, logit_bias=[[1, True]]), "logit_bias"),     # true is no bias (false bans)
+    ("/completion", with_(LCMPL, logit_bias=[[10**6, -1]]), "logit_bias"),   # outside the vocabulary
     ("/completion", with_(LCMPL, ignore_eos=True), "ignore_eos"),
     ("/infill", with_(INFILL, grammar="x"), "grammar"),
     ("/tokenize", {"content": "hi", "add_bos": True}, "add_bos"),
     ("/detokenize", {"tokens": [1], "special": True}, "special"),
-    ("/apply-template", {"messages": [MSG], "tools": []}, "tools"),
+    ("/apply-template", {"messages": [MSG], "tool": []}, "tool"),
     # unknown fields in nested objects
     ("/api/generate", opts(GEN, temprature=0.1), "options.temprature"),
     ("/api/generate", opts(GEN, temprature=None, f16_kv=False), "options.f16_kv"),
@@ -72,7 +73,9 @@ REFUSED = [
         "name": "f"}}]), "tool_choice"),
     ("/v1/chat/completions", with_(CHAT, functions=[{"name": "f"}]), "functions"),
     ("/v1/chat/completions", with_(CHAT, function_call="auto"), "function_call"),
-    ("/v1/chat/completions", with_(CHAT, logit_bias={"1": 5}), "logit_bias"),
+    ("/v1/chat/completions", with_(CHAT, logit_bias={"1": "x"}), "logit_bias"),
+    ("/v1/chat/completions", with_(CHAT, id_slot=1), "id_slot"),
+    ("/v1/chat/completions", with_(CHAT, continue_final_message=True), "continue_final_message"),  # last is user's
     ("/v1/chat/completions", with_(CHAT, logprobs=3), "logprobs"),
     ("/v1/chat/completions", with_(CHAT, top_logprobs=3), "top_logprobs"),      # without logprobs: true
     ("/v1/chat/completions", with_(CHAT, logprobs=True, top_logprobs=21), "top_logprobs"),
@@ -111,7 +114,7 @@ REFUSED = [
     ("/api/show", {"model": MODEL, "verbose": True}, "verbose"),
     ("/completion", with_(LCMPL, n_probs=-1), "n_probs"),
     ("/completion", with_(LCMPL, post_sampling_probs=1), "post_sampling_probs"),
-    ("/completion", with_(LCMPL, return_tokens=True), "return_tokens"),
+    ("/completion", with_(LCMPL, return_tokens=1), "return_tokens"),
     ("/completion", with_(LCMPL, id_slot=3), "id_slot"),
     ("/completion", with_(LCMPL, samplers=["mirostat"]), "samplers"),
     ("/completion", with_(LCMPL, samplers=["temperature", "top_k"]), "samplers"),

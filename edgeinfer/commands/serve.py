@@ -64,6 +64,10 @@ def register(sub) -> None:
                         "least recently used one goes (default 1)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="access log on stderr, one line per request: text (default) or json")
+    p.add_argument("-a", "--alias", default=None, metavar="NAME",
+                   help="the name the served model answers to and responses report (default: NAME as given)")
+    p.add_argument("--pooling", choices=("none", "mean", "cls", "last", "rank"), default=None,
+                   help="embeddings' pooling, over the file's: none gives a vector per token (/embeddings only)")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(func=serve)
@@ -78,7 +82,7 @@ def serve(args) -> int:
     if args.timeout is not None and args.timeout <= 0:
         raise EdgeInferError(f"--timeout must be positive, got {args.timeout}")
     config = ServerConfig(
-        model_name=args.name, max_queue=args.max_queue, timeout_s=args.timeout,
+        model_name=args.alias or args.name, pooling=args.pooling, max_queue=args.max_queue, timeout_s=args.timeout,
         api_key=args.api_key or os.environ.get("EDGEINFER_API_KEY") or None,
         cors_origins=list(args.cors_origin), allowed_hosts=list(args.allowed_host) + _bind_names(args.host),
         max_body_bytes=args.max_body, sampling=sampling_from_args(args), keep_alive_s=args.keep_alive,

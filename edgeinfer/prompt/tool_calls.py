@@ -120,7 +120,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
 
 def render_with_tools(template, messages: Sequence[Mapping[str, Any]], tools: Any = None, *,
                       add_bos: bool, enable_thinking: bool | None = None,
-                      reasoning_effort: str | None = None, cancel=None, **kwargs: Any) -> str:
+                      reasoning_effort: str | None = None, cancel=None, add_generation_prompt: bool = True,
+                      **kwargs: Any) -> str:
     """The prompt for `messages` (+ `tools`) through the model's own template
     (edgeinfer.prompt.chat_template.ChatTemplate.render_prompt: its budget applies); a
     harmony template gets the assistants' reasoning as it reads it (`thinking`)."""
@@ -135,7 +136,7 @@ def render_with_tools(template, messages: Sequence[Mapping[str, Any]], tools: An
     if harmony.is_harmony(template.source):
         messages = harmony.template_messages(messages)
     return template.render_prompt(messages, add_bos=add_bos,
-                                  add_generation_prompt=True, tools=tools or None,
+                                  add_generation_prompt=add_generation_prompt, tools=tools or None,
                                   cancel=cancel, **kwargs)
 
 

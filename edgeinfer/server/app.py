@@ -31,8 +31,8 @@ __all__ = ["ServerConfig", "create_app"]
 log = logging.getLogger("edgeinfer.server")
 
 # Paths that answer without loading a model: they neither load it again nor hold it loaded.
-NO_MODEL_PATHS = frozenset({"/health", "/metrics", "/", "/openapi.json", "/api/version", "/api/ps", "/api/tags", "/v1/models",
-                            "/api/pull", "/api/delete", "/api/copy", "/api/create"})
+NO_MODEL_PATHS = frozenset({"/health", "/metrics", "/", "/openapi.json", "/api/version", "/api/ps", "/api/tags",
+                            "/v1/models", "/models", "/api/pull", "/api/delete", "/api/copy", "/api/create"})
 
 
 def create_app(config: ServerConfig, model=None, loader: Callable[[], Any] | None = None) -> FastAPI:

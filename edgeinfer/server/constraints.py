@@ -127,13 +127,15 @@ def response_format(rf: Any, field: str = "response_format"):
     if rf is None:
         return None
     if not isinstance(rf, Mapping):
-        rf = rf.model_dump(exclude_none=True)
+        rf = rf.model_dump(exclude_none=True, by_alias=True)
     kind = rf.get("type", "text")
     if kind == "text":
-        if rf.get("json_schema") is not None:
-            raise _bad(field, "json_schema is only read with type 'json_schema'")
+        if rf.get("json_schema") is not None or rf.get("schema") is not None:
+            raise _bad(field, "json_schema and schema are only read with type 'json_schema' or 'json_object'")
         return None
     if kind == "json_object":
+        if rf.get("schema") is not None:  # llama-server: the schema beside type json_object
+            return compile_constraint(field + ".schema", json_schema=rf["schema"])
         return compile_constraint(field, json=True)
     if kind != "json_schema":
         raise _bad(field, f"type {kind!r} is not supported (text, json_object or json_schema)")

@@ -13,7 +13,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from edgeinfer.embedding import Embeddings, embed
+from edgeinfer.embedding import POOLING_NAMES, POOLING_NONE, POOLING_RANK, Embeddings, embed
+from edgeinfer.server import llama_compat
 from edgeinfer.results import FinishReason, GenerationChunk, Timings, Usage
 from edgeinfer.server.errors import APIError
 from edgeinfer.server.requests import read_body
@@ -29,10 +30,14 @@ Texts = Union[str, Annotated[list[str], Field(max_length=MAX_INPUTS)]]
 Ids = Union[Annotated[list[TokenId], Field(min_length=1, max_length=MAX_IDS)],
             Annotated[list[Annotated[list[TokenId], Field(max_length=MAX_IDS)]], Field(max_length=MAX_INPUTS)]]
 Dimensions = Annotated[int, Field(ge=1, le=1 << 20)]
+# llama-server's input forms beside texts and ids: ids and text mixed in one input,
+# {"prompt_string": text}, {"content": [{"type": "text", "text": ...}]} (llama_compat reads them)
+Part = Union[int, str, dict, Annotated[list[Union[int, str]], Field(max_length=MAX_IDS)]]
+Inputs = Union[str, dict, Annotated[list[Part], Field(max_length=MAX_IDS)]]
 
 
 class OpenAIEmbeddingRequest(Body):
-    input: Union[Texts, Ids]
+    input: Inputs
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Dimensions | None = None
@@ -56,16 +61,25 @@ class OllamaEmbeddingsRequest(Body):
 
 
 class LlamaEmbeddingRequest(Body):
-    content: Union[Texts, Ids, None] = None
-    input: Union[Texts, Ids, None] = None
+    content: Inputs | None = None
+    input: Inputs | None = None
     model: str | None = None
     embd_normalize: Annotated[int, Field(ge=-1, le=64)] = 2   # llama.cpp's common_embd_normalize
     encoding_format: Literal["float", "base64"] = "float"
 
 
+def _pooling(state) -> int | None:
+    """The server's --pooling (None: the file's)."""
+    name = state.config.pooling
+    return None if name is None else {v: k for k, v in POOLING_NAMES.items()}[name]
+
+
 async def _run(request: Request, model, inputs, **kw) -> Embeddings:
     """One job on the worker: the embeddings, and a final chunk with the usage."""
     state, box = request.app.state.server, {}
+    kw.setdefault("pooling", _pooling(state))
+    if kw["pooling"] == POOLING_RANK:
+        raise APIError(400, "this server runs with --pooling rank (a reranker): embeddings need another pooling")
 
     def start(cancel):
         t0 = time.perf_counter()
@@ -93,7 +107,11 @@ async def openai_embeddings(request: Request) -> JSONResponse:
     state.check_model_name(req.model)
     if req.input == [] or req.input == "":
         raise APIError(400, "invalid field 'input': it is empty", param="input")
-    got = await _run(request, model, req.input, dimensions=req.dimensions)
+    if _pooling(state) == POOLING_NONE:
+        raise APIError(400, "pooling type 'none' is not OpenAI compatible: it gives a vector per token; use "
+                            "/embeddings, or serve with another --pooling", param="input")
+    inputs = llama_compat.embedding_inputs(model, req.input, "input")
+    got = await _run(request, model, inputs, dimensions=req.dimensions)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
             for i, v in enumerate(got.vectors)]
     return JSONResponse({"object": "list", "data": data, "model": state.model_name,
@@ -105,6 +123,9 @@ async def _ollama_model(request: Request, req):
     state.apply_keep_alive(req.keep_alive)
     model = await state.ensure_model()
     state.check_model_name(req.model)
+    if _pooling(state) == POOLING_NONE:
+        raise APIError(400, "this server runs with --pooling none (a vector per token), which Ollama's "
+                            "endpoints cannot send; use /embeddings")
     o = req.options
     if o is not None and o.num_ctx is not None and o.num_ctx > model.n_ctx:
         raise APIError(400, f"num_ctx {o.num_ctx} is larger than the loaded context of {model.n_ctx} "
@@ -148,6 +169,10 @@ async def llama_embedding(request: Request) -> JSONResponse:
     inputs = req.input if req.input is not None else req.content
     if inputs is None or inputs == [] or inputs == "":
         raise APIError(400, "give the text to embed in 'content' (or 'input')", param="content")
-    got = await _run(request, model, inputs, normalize=req.embd_normalize)
+    field = "input" if req.input is not None else "content"
+    got = await _run(request, model, llama_compat.embedding_inputs(model, inputs, field), normalize=req.embd_normalize)
+    if _pooling(state) == POOLING_NONE:  # a vector per token, as they are
+        return JSONResponse([{"index": i, "embedding": [_encoded(t, req.encoding_format) for t in v]}
+                             for i, v in enumerate(got.vectors)])
     return JSONResponse([{"index": i, "embedding": [_encoded(v, req.encoding_format)]}
                          for i, v in enumerate(got.vectors)])

@@ -19,13 +19,24 @@ class APIError(Exception):
     """A request the server refuses: status code + one-line message."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 kind: str | None = None, extra: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.kind = kind          # the error "type", where the status alone does not say it
+        self.extra = extra or {}  # more fields beside message and type (llama-server's n_ctx...)
+
+
+def context_exceeded(n_prompt: int, n_ctx: int) -> APIError:
+    """A prompt longer than the window, as llama-server answers it: type
+    exceed_context_size_error with the prompt's tokens and the context size."""
+    return APIError(400, f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), "
+                         "try increasing it", code="context_length_exceeded", kind="exceed_context_size_error",
+                    extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
 
 
 def dialect(path: str) -> str:
@@ -38,16 +49,19 @@ def dialect(path: str) -> str:
 
 
 def error_body(path: str, status: int, message: str, param: str | None = None,
-               code: str | None = None) -> dict:
-    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+               code: str | None = None, kind: str | None = None, extra: dict | None = None) -> dict:
+    kind = kind or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     d = dialect(path)
     if d == "ollama":
         return {"error": message}
     if d == "openai":
-        return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return {"error": {"code": status, "message": message, "type": kind}}
+        return {"error": {"message": message, "type": kind, "param": param, "code": code, **(extra or {})}}
+    return {"error": {"code": status, "message": message, "type": kind, **(extra or {})}}
+
+
+def error_of(path: str, err: APIError) -> dict:
+    return error_body(path, err.status, err.message, err.param, err.code, err.kind, err.extra)
 
 
 def error_response(path: str, err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(path, err.status, err.message, err.param, err.code),
-                        status_code=err.status, headers=err.headers)
+    return JSONResponse(error_of(path, err), status_code=err.status, headers=err.headers)

@@ -18,7 +18,9 @@ from edgeinfer.server.fim import fim_start
 from edgeinfer.server.requests import chat_message, check_ids, read_body
 from edgeinfer.server.schemas import (ApplyTemplateRequest, DetokenizeRequest, InfillRequest,
                                       LlamaCompletionRequest, LlamaSampling, TokenizeRequest)
+from edgeinfer.server import llama_compat
 from edgeinfer.server import logprobs as lp_format
+from edgeinfer.server.choices import total
 from edgeinfer.server.streaming import collect_chunks, first_chunk, sse, sse_response, stream_events
 from edgeinfer.server.usage import llama_timings
 
@@ -33,11 +35,15 @@ _OFF = {"penalties": {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency
         "temperature": {"temperature": 1.0}}  # no temperature sampler: the raw distribution
 
 
-def sampling_of(state, req: LlamaSampling) -> dict:
+def sampling_of(state, req: LlamaSampling, model=None) -> dict:
+    """The request's sampling settings over the server's (`serve -n` is the n_predict of a
+    request without one); `model` reads logit_bias against its vocabulary."""
+    bias = llama_compat.logit_bias(model, req.logit_bias) if model is not None else None
     params = state.sampling(max_tokens=req.n_predict, temperature=req.temperature, top_k=req.top_k,
                             top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop,
                             repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n,
-                            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+                            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                            logit_bias=bias)
     if req.samplers is not None:
         params.update(sampler_chain(req.samplers))
     if req.n_keep:
@@ -124,13 +130,24 @@ def limited(start, t_max_predict_ms: int | None, n_indent: int):
     return run
 
 
-def final_body(state, text: str, last, params: dict) -> dict:
+def truncated(last, n_ctx: int) -> bool:
+    """llama-server's `truncated`: the window filled up (the answer ended for want of room,
+    or a context shift dropped tokens to go on), seen from the tokens the request ran."""
     u = last.usage
-    return {"index": 0, "content": text, "tokens": [], "id_slot": 0, "stop": True,
+    return u is not None and last.finish_reason == "length" and u.prompt_tokens + u.completion_tokens >= n_ctx
+
+
+def final_body(state, text: str, last, params: dict, index: int = 0, tokens: list[int] | None = None) -> dict:
+    u = last.usage
+    settings = {k: v for k, v in params.items() if k != "logit_bias"}
+    if params.get("logit_bias"):
+        settings["logit_bias"] = [[t, b if b != float("-inf") else False] for t, b in params["logit_bias"].items()]
+    return {"index": index, "content": text, "tokens": tokens or [], "id_slot": 0, "stop": True,
             "model": state.model_name, "tokens_predicted": u.completion_tokens,
             "tokens_evaluated": u.prompt_tokens, "tokens_cached": u.cached_tokens,
-            "generation_settings": {"n_ctx": state.model.n_ctx, **params},
-            "has_new_line": "\n" in text, "truncated": False,
+            "generation_settings": {"n_ctx": state.model.n_ctx, "n_predict": params.get("max_tokens", -1),
+                                    **settings},
+            "has_new_line": "\n" in text, "truncated": truncated(last, state.model.n_ctx),
             "stop_type": _STOP_TYPE[last.finish_reason], "stopping_word": "",
             "timings": llama_timings(last)}
 
@@ -151,10 +168,32 @@ def pick_fields(body: dict, fields: list[str] | None) -> dict:
     return out
 
 
-async def _run(request: Request, req: LlamaSampling, start, params: dict):
+def batched(starts: list):
+    """One worker start function for several prompts, answered one after another; chunks
+    carry their prompt's `index`, and a closing total (index -1) follows (choices.total)."""
+    if len(starts) == 1:
+        return starts[0]
+
+    def run(cancel) -> Iterator:
+        finals = []
+        for i, start in enumerate(starts):
+            for chunk in start(cancel):
+                if chunk.finish_reason is not None:
+                    finals.append(chunk)
+                yield replace(chunk, index=i)
+            if cancel.is_set():
+                break
+        yield total(finals)
+
+    return run
+
+
+async def _run(request: Request, req: LlamaSampling, starts: list, params: dict, batch: bool = False):
+    """Answer one prompt (a JSON object) or a batch (a list of them, by index), whole or streamed."""
     state = request.app.state.server
-    job = state.submit(start)
+    job = state.submit(batched(starts))
     pieces = lp_format.Pieces(state.model.tokenizer)
+    t0 = time.perf_counter()
 
     def probs(lps: list) -> dict:
         """llama-server's completion_probabilities, when n_probs asked for them."""
@@ -163,27 +202,52 @@ async def _run(request: Request, req: LlamaSampling, start, params: dict):
         return {"completion_probabilities": lp_format.llama_server(pieces, lps, req.post_sampling_probs)}
 
     if not req.stream:
-        chunks, last = await collect_chunks(job, request)
-        text = "".join(c.text for c in chunks)
-        body = {**final_body(state, text, last, params), **probs([c.logprobs for c in chunks if c.logprobs])}
-        return JSONResponse(pick_fields(body, req.response_fields))
+        chunks, _ = await collect_chunks(job, request)
+        bodies = []
+        for i in range(len(starts)):
+            mine = [c for c in chunks if c.index == i]
+            last = next((c for c in reversed(mine) if c.finish_reason is not None), None)
+            if last is None:
+                continue
+            tokens = [c.token for c in mine if c.token is not None] if req.return_tokens else None
+            body = {**final_body(state, "".join(c.text for c in mine), last, params, i, tokens),
+                    **probs([c.logprobs for c in mine if c.logprobs])}
+            bodies.append(pick_fields(body, req.response_fields))
+        return JSONResponse(bodies if batch else bodies[0])
     first = await first_chunk(job, request)
-    held: list = []  # probabilities of tokens whose text is still held back (a stop string's start)
+    held: dict[int, list] = {}    # probabilities of tokens whose text is still held back (a stop string's start)
+    tokens: dict[int, list] = {}  # ids of tokens whose text is still held back
+    counts: dict[int, int] = {}
 
     def on_chunk(chunk) -> list[dict]:
-        if chunk.logprobs is not None:
-            held.append(chunk.logprobs)
-        if not chunk.text:
+        i = chunk.index
+        if i < 0:
             return []
-        body = {"index": 0, "content": chunk.text, "tokens": [], "stop": False, "id_slot": 0, **probs(held[:])}
-        held.clear()
-        return [body]
+        lps, toks = held.setdefault(i, []), tokens.setdefault(i, [])
+        if chunk.logprobs is not None:
+            lps.append(chunk.logprobs)
+        if chunk.token is not None and chunk.finish_reason is None:
+            toks.append(chunk.token)
+            counts[i] = counts.get(i, 0) + 1
+        out = []
+        if chunk.text:
+            body = {"index": i, "content": chunk.text, "tokens": toks[:], "stop": False, "id_slot": 0,
+                    **probs(lps[:])}
+            if req.timings_per_token:
+                ms = (time.perf_counter() - t0) * 1e3
+                body["timings"] = {"predicted_n": counts[i], "predicted_ms": ms}
+            out.append(body)
+            lps.clear()
+            toks.clear()
+        if chunk.finish_reason is not None:
+            tail = probs(lps) if lps else {}
+            if req.return_progress:
+                tail["prompt_progress"] = llama_compat.prompt_progress(chunk)
+            out.append(pick_fields({**final_body(state, "", chunk, params, i), **tail}, req.response_fields))
+        return out
 
-    def closing(last) -> list[dict]:
-        tail = probs(held) if held else {}
-        return [pick_fields({**final_body(state, "", last, params), **tail}, req.response_fields)]
-
-    return sse_response(stream_events(job, first, request.url.path, sse, None, closing, on_chunk=on_chunk))
+    return sse_response(stream_events(job, first, request.url.path, sse, None, lambda last: [],
+                                      on_chunk=on_chunk))
 
 
 @router.post("/completion")
@@ -192,14 +256,16 @@ async def completion(request: Request):
     state = request.app.state.server
     req = await read_body(request, LlamaCompletionRequest)
     model = state.require_model()
-    params = sampling_of(state, req)
-    prompt = req.prompt
-    check_ids(model, prompt if isinstance(prompt, list) else [])
+    params = sampling_of(state, req, model)
+    prompts, batch = await _off_loop(request, lambda: llama_compat.prompts(model, req.prompt))
     run = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema,
                                                 req.response_format))
-    start = limited(lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **run),  # noqa: E731
-                    req.t_max_predict_ms, req.n_indent)
-    return await _run(request, req, start, params)
+
+    def start_for(prompt):
+        return limited(lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **run),
+                       req.t_max_predict_ms, req.n_indent)
+
+    return await _run(request, req, [start_for(p) for p in prompts], params, batch)
 
 
 @router.post("/infill")
@@ -207,12 +273,12 @@ async def infill(request: Request):
     state = request.app.state.server
     req = await read_body(request, InfillRequest)
     model = state.require_model()
-    params = sampling_of(state, req)
+    params = sampling_of(state, req, model)
     extra = [(c.filename, c.text) for c in req.input_extra]
     run = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema, None))
     start = fim_start(model, run, prefix=req.input_prefix, suffix=req.input_suffix, extra=extra,
                       prompt=req.prompt)
-    return await _run(request, req, limited(start, req.t_max_predict_ms, req.n_indent), params)
+    return await _run(request, req, [limited(start, req.t_max_predict_ms, req.n_indent)], params)
 
 
 @router.post("/tokenize")
@@ -253,7 +319,26 @@ async def apply_template(request: Request) -> JSONResponse:
     from edgeinfer.prompt.tool_calls import normalize_messages
 
     messages = normalize_messages([chat_message(m) for m in req.messages])  # call arguments as objects
-    return JSONResponse({"prompt": await _off_loop(request, lambda: model.apply_chat_template(messages))})
+    add_generation_prompt, prefill = llama_compat.prefill_mode(messages, req.add_generation_prompt,
+                                                               req.continue_final_message)
+    kwargs = {}
+    if req.chat_template_kwargs is not None and req.chat_template_kwargs.enable_thinking is not None:
+        kwargs["enable_thinking"] = req.chat_template_kwargs.enable_thinking
+    tools = req.tools or None
+
+    def render() -> str:
+        if tools:
+            from edgeinfer.prompt.tool_calls import render_with_tools
+
+            draw = lambda ms, gen: render_with_tools(model.template, ms, tools, add_bos=False,  # noqa: E731
+                                                     add_generation_prompt=gen, **kwargs)
+        else:
+            draw = lambda ms, gen: model.apply_chat_template(ms, add_generation_prompt=gen, **kwargs)  # noqa: E731
+        if prefill:
+            return llama_compat.continued(lambda ms: draw(ms, False), messages)
+        return draw(messages, add_generation_prompt)
+
+    return JSONResponse({"prompt": await _off_loop(request, render)})
 
 
 @router.get("/props")

@@ -240,6 +240,7 @@ def _openai_model(state, name: str, slot=None) -> dict:
 
 
 @router.get("/v1/models")
+@router.get("/models")   # llama-server serves it unprefixed too
 async def models(request: Request) -> JSONResponse:
     state = request.app.state.server
     if not state.default.loaded.is_set():

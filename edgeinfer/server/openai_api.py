@@ -14,8 +14,11 @@ from edgeinfer.server.fim import fim_start
 from edgeinfer.server.requests import chat_message, check_ids, read_body
 from edgeinfer.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from edgeinfer.server import logprobs as lp_format
-from edgeinfer.server.choices import gather, several
-from edgeinfer.server.constraints import compiled, response_format
+from dataclasses import replace
+
+from edgeinfer.server.choices import gather, several, total
+from edgeinfer.server import llama_compat
+from edgeinfer.server.constraints import add_constraint, compiled, llama_constraint
 from edgeinfer.server.tool_output import OpenAIDeltas, chat_plan, openai_message
 from edgeinfer.server.streaming import collect_chunks, first_chunk, sse, sse_response, stream_events
 from edgeinfer.server.usage import llama_timings, usage_dict
@@ -27,16 +30,30 @@ _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 _DONE = "data: [DONE]\n\n"
 
 
-def sampling_of(state, req: OpenAISampling, max_tokens: int | None, logprobs: int | None = None) -> dict:
+def sampling_of(state, req: OpenAISampling, max_tokens: int | None, logprobs: int | None = None,
+                model=None) -> dict:
+    """The request's sampling settings over the server's; llama-server's `n_predict` stands for
+    max_tokens where that is not given; `model` reads logit_bias against its vocabulary."""
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    if max_tokens is None:
+        max_tokens = req.n_predict
+    bias = llama_compat.logit_bias(model, req.logit_bias) if model is not None else None
     return state.sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, min_p=req.min_p, seed=req.seed,
                           repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n,
                           presence_penalty=req.presence_penalty,
-                          frequency_penalty=req.frequency_penalty, stop=stop, logprobs=logprobs)
+                          frequency_penalty=req.frequency_penalty, stop=stop, logprobs=logprobs,
+                          logit_bias=bias)
+
+
+def _partial_timings(t0: float, n: int) -> dict:
+    """llama-server's timings_per_token: the generation's timings so far, on each chunk."""
+    ms = (time.perf_counter() - t0) * 1e3
+    return {"predicted_n": n, "predicted_ms": ms, "predicted_per_second": n / ms * 1e3 if ms > 0 else 0.0}
 
 
 @router.post("/v1/chat/completions")
+@router.post("/chat/completions")   # llama-server serves it unprefixed too
 async def chat_completions(request: Request):
     state = request.app.state.server
     req = await read_body(request, ChatCompletionRequest)
@@ -45,17 +62,22 @@ async def chat_completions(request: Request):
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "invalid field 'top_logprobs': it needs logprobs: true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_of(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    params = sampling_of(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, model)
     messages = [chat_message(m) for m in req.messages]
+    add_generation_prompt, prefill = llama_compat.prefill_mode(messages, req.add_generation_prompt,
+                                                               req.continue_final_message)
     kwargs = req.chat_template_kwargs
     effort, effort_field = _effort(req)
     extra, reader = chat_plan(model, messages, tools=req.tools, tool_choice=req.tool_choice,
                               parallel_tool_calls=req.parallel_tool_calls,
                               think=kwargs.enable_thinking if kwargs else None,
                               effort=effort, effort_field=effort_field,
-                              constraint=await compiled(state, response_format, req.response_format))
-    job = state.submit(several(lambda p: lambda cancel: model.chat(messages, stream=True, cancel=cancel,
-                                                                   **p, **extra), req.n, params))
+                              constraint=await compiled(state, llama_constraint, req.grammar, req.json_schema,
+                                                        req.response_format))
+    chat = _chat_start(model, messages, extra, add_generation_prompt, prefill)
+    t0 = time.perf_counter()
+    counts: dict[int, int] = {}
+    job = state.submit(several(chat, req.n, params))
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": ident, "created": created, "model": state.model_name, "system_fingerprint": "edgeinfer"}
     pieces = lp_format.Pieces(model.tokenizer)
@@ -73,11 +95,17 @@ async def chat_completions(request: Request):
     first = await first_chunk(job, request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def delta(index: int, d: dict, finish: str | None, lps: list) -> dict:
+    def delta(index: int, d: dict, finish: str | None, lps: list, last=None) -> dict:
         body = {**head, "object": "chat.completion.chunk", "choices": [
             {"index": index, "delta": d, "logprobs": logprobs(lps) if lps else None, "finish_reason": finish}]}
         if include_usage:
             body["usage"] = None
+        if last is not None:
+            body["timings"] = llama_timings(last)
+            if req.return_progress:
+                body["prompt_progress"] = llama_compat.prompt_progress(last)
+        elif req.timings_per_token:
+            body["timings"] = _partial_timings(t0, counts.get(index, 0))
         return body
 
     pending: dict[int, list] = {}  # logprobs of tokens whose text is still held back
@@ -93,6 +121,8 @@ async def chat_completions(request: Request):
         held = pending[chunk.index]
         if chunk.logprobs is not None:
             held.append(chunk.logprobs)
+        if chunk.token is not None and chunk.finish_reason is None:
+            counts[chunk.index] = counts.get(chunk.index, 0) + 1
         parts = ([{"content": chunk.text}] if chunk.text else []) if deltas is None else \
             deltas.push(chunk.index, chunk.text)
         if chunk.finish_reason is not None and deltas is not None:
@@ -103,12 +133,34 @@ async def chat_completions(request: Request):
         if chunk.finish_reason is not None:
             finish = _FINISH[chunk.finish_reason]
             out.append(delta(chunk.index, {}, deltas.finish_reason(chunk.index, finish) if deltas else finish,
-                             held[:]))
+                             held[:], chunk))
             held.clear()
         return out
 
     return sse_response(_stream_body(job, first, request.url.path, include_usage, head, "chat.completion.chunk",
                                      on_chunk))
+
+
+def _chat_start(model, messages: list[dict], extra: dict, add_generation_prompt: bool, prefill: bool):
+    """params -> a worker start function for the chat: Model.chat, or, without the generation
+    prompt or continuing the final assistant message (llama-server's prefill), the prompt
+    made here (edgeinfer.server.llama_compat.chat_prompt_ids) and generated from."""
+    if add_generation_prompt and not prefill:
+        return lambda p: lambda cancel: model.chat(messages, stream=True, cancel=cancel, **p, **extra)
+    if extra.get("tools"):
+        raise APIError(400, "invalid field 'continue_final_message': a final assistant message cannot be "
+                            "continued in a request with tools", param="continue_final_message")
+    template_kw = {k: extra[k] for k in ("enable_thinking", "reasoning_effort") if k in extra}
+    constraint = {"constraint": extra["constraint"]} if extra.get("constraint") is not None else {}
+
+    def start_for(p: dict):
+        def start(cancel):
+            ids = llama_compat.chat_prompt_ids(model, messages, add_generation_prompt=add_generation_prompt,
+                                               prefill=prefill, cancel=cancel, **template_kw)
+            return model.generate(ids, stream=True, cancel=cancel, **p, **constraint)
+        return start
+
+    return start_for
 
 
 def _effort(req: ChatCompletionRequest) -> tuple[str | None, str]:
@@ -129,8 +181,16 @@ async def completions(request: Request):
     req = await read_body(request, CompletionRequest)
     model = state.require_model()
     state.check_model_name(req.model)
-    params = sampling_of(state, req, req.max_tokens, req.logprobs)
-    prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
+    params = sampling_of(state, req, req.max_tokens, req.logprobs, model)
+    # llama-server's grammar / json_schema on its OpenAI completions route too
+    if req.grammar is not None or req.json_schema is not None:
+        params = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema,
+                                                       None))
+    batch = _batch(req.prompt)
+    if batch is not None:
+        return await _batched_completions(request, req, model, batch, params)
+    prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) \
+        else req.prompt
     if req.suffix is not None:
         if not isinstance(prompt, str):
             raise APIError(400, "suffix needs a text prompt", param="suffix")
@@ -207,6 +267,90 @@ async def completions(request: Request):
                 held[i].clear()
             if chunk.finish_reason is not None:
                 out.append(piece(i, "", _FINISH[chunk.finish_reason], [], offsets[i]))
+        return out
+
+    return sse_response(_stream_body(job, first, request.url.path, include_usage, head, "text_completion",
+                                     on_chunk))
+
+
+def _batch(prompt) -> list | None:
+    """Several prompts (a list of texts or of token lists, more than one): each its own answer."""
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+        return prompt
+    return None
+
+
+async def _batched_completions(request: Request, req: CompletionRequest, model, prompts: list, params: dict):
+    """/v1/completions with several prompts, as llama-server answers them: prompt i's n
+    choices have indexes i*n .. i*n+n-1, run one after another on the worker."""
+    state = request.app.state.server
+    for field, value in (("suffix", req.suffix), ("echo", req.echo or None)):
+        if value is not None:
+            raise APIError(400, f"invalid field {field!r}: it takes one prompt, not a list of them", param=field)
+    for p in prompts:
+        check_ids(model, p if isinstance(p, list) else [], "prompt")
+    n = req.n
+    runs = [several(lambda q, p=p: lambda cancel: model.generate(p, stream=True, cancel=cancel, **q), n, params)
+            for p in prompts]
+
+    def start(cancel):
+        finals = []
+        for i, run in enumerate(runs):
+            for chunk in run(cancel):
+                if chunk.index < 0:
+                    continue  # a prompt's own total of its n choices: the request's total closes
+                if chunk.finish_reason is not None:
+                    finals.append(chunk)
+                yield replace(chunk, index=i * n + chunk.index)
+            if cancel.is_set():
+                break
+        yield total(finals)
+
+    job = state.submit(start)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name,
+            "system_fingerprint": "edgeinfer"}
+    pieces = lp_format.Pieces(model.tokenizer)
+    starts = [len(p if isinstance(p, str) else model.tokenizer.detokenize(p, skip_special=True)) for p in prompts]
+    count = len(prompts) * n
+
+    def logprobs(items: list, offset: int) -> dict | None:
+        return lp_format.openai_completion(pieces, items, offset) if req.logprobs is not None else None
+
+    if not req.stream:
+        chunks, last = await collect_chunks(job, request)
+        choices = [{"text": c.text, "index": c.index,
+                    "logprobs": logprobs([(x.token, x) for x in c.logprobs], starts[c.index // n]),
+                    "finish_reason": _FINISH[c.finish_reason]} for c in gather(chunks, count)]
+        return JSONResponse({**head, "object": "text_completion", "choices": choices,
+                             "usage": usage_dict(last), "timings": llama_timings(last)})
+    first = await first_chunk(job, request)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    held: dict[int, list] = {}
+    offsets: dict[int, int] = {}
+
+    def piece(index: int, text: str, finish: str | None, items: list) -> dict:
+        body = {**head, "object": "text_completion", "choices": [{
+            "text": text, "index": index, "logprobs": logprobs(items, offsets[index]) if items else None,
+            "finish_reason": finish}]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def on_chunk(chunk) -> list[dict]:
+        i = chunk.index
+        if i < 0:
+            return []
+        if i not in held:
+            held[i], offsets[i] = [], starts[i // n]
+        if chunk.logprobs is not None:
+            held[i].append((chunk.token, chunk.logprobs))
+        out = []
+        if chunk.text or (chunk.finish_reason is not None and held[i]):
+            out.append(piece(i, chunk.text, None, held[i][:]))
+            offsets[i] += sum(len(pieces(t)[0]) for t, _ in held[i])
+            held[i].clear()
+        if chunk.finish_reason is not None:
+            out.append(piece(i, "", _FINISH[chunk.finish_reason], []))
         return out
 
     return sse_response(_stream_body(job, first, request.url.path, include_usage, head, "text_completion",

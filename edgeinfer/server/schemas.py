@@ -22,6 +22,17 @@ TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 Seed = Annotated[int, Field(ge=-1, lt=1 << 63)]
 MAX_CHOICES = 16              # OpenAI `n`: choices run one after another on the one worker
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]   # alternatives per token (OpenAI's and Ollama's bound)
+MAX_PROMPTS = 64              # prompts in one batched completion request
+MAX_BIASES = 4096             # logit_bias entries
+# logit_bias, as OpenAI sends it ({"token id": bias}) and as llama-server also takes it
+# ({"text": bias}, [[id or text, bias], ...]); a bias of false bans the token as -inf does.
+# Read against the vocabulary by edgeinfer.server.llama_compat.logit_bias.
+BiasValue = Union[float, bool]
+LogitBias = Union[Annotated[dict[Annotated[str, StringConstraints(max_length=1024)], BiasValue],
+                            Field(max_length=MAX_BIASES)],
+                  Annotated[list[Annotated[list[Union[int, str, float, bool]], Field(min_length=2, max_length=2)]],
+                            Field(max_length=MAX_BIASES)]]
+OneSlot = "this server has one slot, id 0"   # id_slot: 0, or -1 for any
 
 
 def Unsupported(why: str, *noop: Any) -> Any:  # noqa: N802 - used like a type
@@ -100,6 +111,7 @@ class StreamOptions(Body):
 class ResponseFormat(Body):
     type: str = "text"   # text, json_object or json_schema (edgeinfer.server.constraints)
     json_schema: dict | None = None   # {"name", "schema", "strict"}
+    schema_: dict | None = Field(None, alias="schema")   # llama-server: json_object's schema, beside type
 
 
 class OpenAISampling(Body):
@@ -118,9 +130,16 @@ class OpenAISampling(Body):
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: Unsupported("logit_bias is not supported", {}) = None
+    logit_bias: LogitBias | None = None
     # llama-server extension; the prefix cache is always on, and turning it off changes no output
     cache_prompt: bool = True
+    # llama-server's own fields on its OpenAI routes
+    n_predict: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] | None = None   # max_tokens, by another name
+    grammar: str | None = None               # GBNF (edgeinfer.prompt.grammar)
+    json_schema: dict | None = None          # the answer is JSON valid against it
+    id_slot: Unsupported(OneSlot, -1, 0) = None
+    timings_per_token: bool = False          # each streamed chunk carries the timings so far
+    return_progress: bool = False            # a stream carries prompt_progress (prompt processing)
     # Metadata with no effect on the output: OpenAI uses them for abuse tracking and for
     # tagging stored completions; nothing is stored here.
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
@@ -153,11 +172,16 @@ class ChatCompletionRequest(OpenAISampling):
     modalities: Unsupported("only text output is supported", ["text"]) = None
     audio: Unsupported("audio output is not supported") = None
     prediction: Unsupported("predicted outputs are not supported") = None
+    # llama-server / transformers: leave a final assistant message open and go on from its text
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | \
-        Annotated[list[TokenId], Field(min_length=1)]
+    # one prompt (text or token ids), or several: each answered as its own choice(s)
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+        Annotated[list[TokenId], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
     suffix: str | None = None
     echo: bool = False                              # the prompt's text (and logprobs) before the answer
     logprobs: TopLogprobs | None = None             # alternatives per token; 0 = the chosen token's only
@@ -282,7 +306,8 @@ def _known_samplers(names: list[str]) -> list[str]:
 
 
 class LlamaSampling(Body):
-    n_predict: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] = -1  # -1 = until stop / context end
+    # -1 = until stop / context end; absent: the server's -n (itself -1 by default)
+    n_predict: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] | None = None
     n_keep: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0  # no negatives: cf. CVE-2026-21869
     temperature: Annotated[float, Field(ge=0, le=100)] | None = None
     top_k: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
@@ -299,8 +324,11 @@ class LlamaSampling(Body):
     cache_prompt: bool = True  # always on: the prefix cache is how the model works; off changes no output
     n_probs: Annotated[int, Field(ge=0, le=100)] = 0   # completion_probabilities: this many alternatives
     post_sampling_probs: bool = False                   # the sampler chain's probabilities instead
-    return_tokens: Unsupported("token ids are not returned", False) = None
-    id_slot: Unsupported("this server has one slot", -1, 0) = None
+    return_tokens: bool = False                         # the generated token ids in `tokens`
+    id_slot: Unsupported(OneSlot, -1, 0) = None
+    logit_bias: LogitBias | None = None
+    timings_per_token: bool = False
+    return_progress: bool = False
     t_max_predict_ms: Annotated[int, Field(ge=0, le=1 << 31)] | None = None
     # llama.vim sends it; llama-server does not implement it either (a prompt is always
     # evaluated in full), so it changes nothing
@@ -315,14 +343,22 @@ class LlamaSampling(Body):
     speculative_p_min: float | None = Field(None, ge=0, le=1, alias="speculative.p_min")
 
 
+# llama-server's prompt forms: text, token ids, ids and text mixed, {"prompt_string": text};
+# a list of those is a batch (edgeinfer.server.llama_compat.prompts reads them)
+SubPrompt = Union[str, dict, Annotated[list[Union[int, str]], Field(max_length=1 << 20)]]
+LlamaPrompt = Union[str, dict, Annotated[list[Union[int, str, dict, Annotated[list[Union[int, str]],
+                                                                               Field(max_length=1 << 20)]]],
+                                         Field(max_length=1 << 20)]]
+
+
 class LlamaCompletionRequest(LlamaSampling):
-    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
+    prompt: LlamaPrompt
     response_format: ResponseFormat | None = None   # as OpenAI's; one of it, grammar, json_schema
 
 
 class InfillChunk(Body):
     filename: Annotated[str, StringConstraints(max_length=4096)] = "tmp"
-    text: str = ""
+    text: str                        # required, as llama-server requires it
     time: int | float | None = None  # llama.vim's chunk age; llama-server does not use it either
 
 
@@ -346,3 +382,7 @@ class DetokenizeRequest(Body):
 
 class ApplyTemplateRequest(Body):
     messages: Annotated[list[OpenAIMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    tools: Tools | None = None                     # rendered by templates that take them
+    add_generation_prompt: bool | None = None      # default: true, unless a final assistant message stays open
+    continue_final_message: bool | None = None     # default: a final assistant message stays open
+    chat_template_kwargs: ChatTemplateKwargs | None = None

@@ -154,8 +154,10 @@ class SecurityMiddleware:
         if self.api_key is not None and path not in OPEN_PATHS and not preflight:
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
+            if "authorization" not in headers and "x-api-key" in headers:   # llama-server takes it too
+                scheme, token = "bearer", headers["x-api-key"]
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
-                return 401, "missing or wrong API key (send Authorization: Bearer KEY)", \
+                return 401, "missing or wrong API key (send Authorization: Bearer KEY or X-Api-Key: KEY)", \
                     {"www-authenticate": "Bearer"}
         length = headers.get("content-length")
         if length is not None:

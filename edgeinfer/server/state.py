@@ -53,6 +53,7 @@ class ServerConfig:
     bind_host: str = "127.0.0.1"            # where the server listens (store changes need loopback or a key)
     load_wait_s: float = 60.0               # how long a request waits for its model to load, else 503
     model_options: dict[str, Any] = field(default_factory=dict)  # edgeinfer.load keywords for other models
+    pooling: str | None = None              # embeddings' pooling over the file's (llama.cpp's --pooling)
 
     @property
     def exposed(self) -> bool:

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from edgeinfer.errors import ContextOverflowError, EdgeInferError
 from edgeinfer.results import GenerationChunk
 from edgeinfer.server.access_log import note_usage
-from edgeinfer.server.errors import APIError, error_body
+from edgeinfer.server.errors import APIError, context_exceeded, error_body, error_of
 from edgeinfer.server.worker import Job
 
 log = logging.getLogger("edgeinfer.server")
@@ -30,7 +30,9 @@ def _fail(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ContextOverflowError):
-        return APIError(400, str(exc), code="context_length_exceeded")
+        if exc.n_prompt is not None and exc.n_ctx is not None:
+            return context_exceeded(exc.n_prompt, exc.n_ctx)
+        return APIError(400, str(exc), code="context_length_exceeded", kind="exceed_context_size_error")
     if isinstance(exc, EdgeInferError):
         return APIError(400, str(exc))
     log.error("generation failed", exc_info=exc)
@@ -148,7 +150,7 @@ async def stream_events(job: Job, first: GenerationChunk | None, path: str, enco
             if chunk.finish_reason is not None:
                 last = chunk
     except APIError as exc:
-        yield encode(error_body(path, exc.status, exc.message, code=exc.code))
+        yield encode(error_of(path, exc))
         return
     if job.timed_out:
         yield encode(error_body(path, 504, "the request timed out", code="timeout"))
