@@ -30,7 +30,6 @@ from dataclasses import replace
 import numpy as np
 
 from edgeinfer.errors import MetadataError, UnsupportedModelError
-from edgeinfer.kernels_cpu import delta_net
 from edgeinfer.metadata import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, meta_int, meta_int_array
 from edgeinfer.models.base import Transformer
 from edgeinfer.models.config import DeltaNetShape
@@ -46,6 +45,8 @@ class Qwen35(Transformer):
 
     def __init__(self, config, gguf, backend) -> None:
         super().__init__(config, gguf, backend)
+        from edgeinfer.kernels_cpu import delta_net  # Numba: not at import, the CLI and server start light
+
         self.dn = delta_net.ops_for(backend.name)
         self._conv_w: dict[int, np.ndarray] = {}
         self._unrotated = _unrotated_pairs(config.rope_dims, config.rope_sections)

@@ -25,11 +25,16 @@ def several(start_for: StartFor, n: int, params: dict):
         return start_for(params)
     from edgeinfer.sampling import choice_seed
 
+    return in_turn([start_for({**params, "seed": choice_seed(params.get("seed"), i)}) for i in range(n)])
+
+
+def in_turn(starts: list[Callable]) -> Callable:
+    """One worker start function running `starts` one after another: each chunk tagged with
+    its start's index, then the closing total (index -1)."""
     def run(cancel) -> Iterator[GenerationChunk]:
         finals: list[GenerationChunk] = []
-        for i in range(n):
-            p = {**params, "seed": choice_seed(params.get("seed"), i)}
-            for chunk in start_for(p)(cancel):
+        for i, start in enumerate(starts):
+            for chunk in start(cancel):
                 if chunk.finish_reason is not None:
                     finals.append(chunk)
                 yield replace(chunk, index=i)

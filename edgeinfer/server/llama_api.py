@@ -20,7 +20,7 @@ from edgeinfer.server.schemas import (ApplyTemplateRequest, DetokenizeRequest, I
                                       LlamaCompletionRequest, LlamaSampling, TokenizeRequest)
 from edgeinfer.server import llama_compat
 from edgeinfer.server import logprobs as lp_format
-from edgeinfer.server.choices import total
+from edgeinfer.server.choices import in_turn
 from edgeinfer.server.streaming import collect_chunks, first_chunk, sse, sse_response, stream_events
 from edgeinfer.server.usage import llama_timings
 
@@ -171,21 +171,7 @@ def pick_fields(body: dict, fields: list[str] | None) -> dict:
 def batched(starts: list):
     """One worker start function for several prompts, answered one after another; chunks
     carry their prompt's `index`, and a closing total (index -1) follows (choices.total)."""
-    if len(starts) == 1:
-        return starts[0]
-
-    def run(cancel) -> Iterator:
-        finals = []
-        for i, start in enumerate(starts):
-            for chunk in start(cancel):
-                if chunk.finish_reason is not None:
-                    finals.append(chunk)
-                yield replace(chunk, index=i)
-            if cancel.is_set():
-                break
-        yield total(finals)
-
-    return run
+    return starts[0] if len(starts) == 1 else in_turn(starts)
 
 
 async def _run(request: Request, req: LlamaSampling, starts: list, params: dict, batch: bool = False):

@@ -448,7 +448,9 @@ def _check_context(model, n_ctx: int) -> None:
         per_token = 2 * 2 * cfg.n_layer * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v)  # f16 K+V, 2x pool
     except (AttributeError, TypeError):
         return
-    available = _mem_available()
+    from edgeinfer.context_budget import mem_available
+
+    available = mem_available()
     if available is None:
         return
     available += per_token * getattr(model, "n_ctx", 0)
@@ -456,17 +458,6 @@ def _check_context(model, n_ctx: int) -> None:
     if need > 0.8 * available:
         raise APIError(400, f"invalid field 'options.num_ctx': {n_ctx} tokens need about {need >> 20} MiB of "
                             f"K/V memory; {int(0.8 * available) >> 20} MiB are available", param="options.num_ctx")
-
-
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 _OLLAMA_NAMES = {"n_ctx": "num_ctx", "prefill_chunk": "num_batch", "threads": "num_thread", "gpu_layers": "num_gpu"}
