@@ -30,10 +30,9 @@ from dataclasses import replace
 import numpy as np
 
 from edgeinfer.errors import MetadataError, UnsupportedModelError
-from edgeinfer.experts import ffn, routing
 from edgeinfer.metadata import MAX_CTX, MAX_EMBD, MAX_HEAD_DIM, MAX_ROPE_BASE, meta_float, meta_int
 from edgeinfer.models.base import Transformer
-from edgeinfer.models.moe import with_experts
+from edgeinfer.models.moe import expert_shapes, softmax_routed_experts, with_experts
 from edgeinfer.rope import ROPE_NEOX
 
 ROPE_BASE_SWA = 10_000.0  # llama.cpp's rope_freq_base_train_swa when the file has none
@@ -130,9 +129,7 @@ class Gemma4(Transformer):
                 p + "pre_ffw_norm_2.weight": (e,),
                 p + "post_ffw_norm_1.weight": (e,),
                 p + "post_ffw_norm_2.weight": (e,),
-                p + "ffn_gate_exps.weight": (e, cfg.n_ff_exp, cfg.n_expert),
-                p + "ffn_up_exps.weight": (e, cfg.n_ff_exp, cfg.n_expert),
-                p + "ffn_down_exps.weight": (cfg.n_ff_exp, e, cfg.n_expert),
+                **expert_shapes(cfg, i),
             })
         n_epl = cfg.extra["n_embd_per_layer"]
         if n_epl:
@@ -247,11 +244,9 @@ class Gemma4(Transformer):
         r = r * (np.float32(1.0) / np.float32(math.sqrt(cfg.n_embd)))
         r = (r * be.vector(p + "ffn_gate_inp.scale")).astype(np.float32)
         logits = np.asarray(be.linear(p + "ffn_gate_inp.weight", r), np.float32)
-        experts, weights = routing.softmax_topk(logits, cfg.n_expert_used, normalize=True)
         scale = p + "ffn_down_exps.scale"
-        moe = ffn.swiglu_experts(be, h, experts, weights, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight",
-                                 p + "ffn_down_exps.weight", activation=be.gelu_mul,
-                                 down_scale=scale if scale in self.gguf.tensors else None)
+        moe = softmax_routed_experts(be, cfg, i, h, logits, activation=be.gelu_mul,
+                                     down_scale=scale if scale in self.gguf.tensors else None)
         return shared + be.rms_norm(moe, p + "post_ffw_norm_2.weight", eps)
 
     def rope_args(self, i):

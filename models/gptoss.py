@@ -22,7 +22,7 @@ from edgeinfer.errors import MetadataError
 from edgeinfer.experts import ffn, routing
 from edgeinfer.metadata import MAX_CTX, MAX_LAYERS, MAX_ROPE_BASE, meta_float, meta_int
 from edgeinfer.models.llama import Llama
-from edgeinfer.models.moe import with_experts
+from edgeinfer.models.moe import expert_names, expert_shapes, with_experts
 from edgeinfer.rope import ROPE_NEOX
 
 SWA_PATTERN = 2  # llama.cpp's default for openai-moe: layer i slides when i % 2 == 0
@@ -55,9 +55,7 @@ class GptOss(Llama):
             p + "attn_output.bias": (cfg.n_embd,),
             p + "ffn_gate_inp.weight": (cfg.n_embd, e),
             p + "ffn_gate_inp.bias": (e,),
-            p + "ffn_gate_exps.weight": (cfg.n_embd, ff, e),
-            p + "ffn_up_exps.weight": (cfg.n_embd, ff, e),
-            p + "ffn_down_exps.weight": (ff, cfg.n_embd, e),
+            **expert_shapes(cfg, i),
             p + "ffn_gate_exps.bias": (ff, e),
             p + "ffn_up_exps.bias": (ff, e),
             p + "ffn_down_exps.bias": (cfg.n_embd, e),
@@ -87,9 +85,8 @@ class GptOss(Llama):
         be, cfg, p = self.backend, self.config, f"blk.{i}."
         logits = np.asarray(be.linear(p + "ffn_gate_inp.weight", h), np.float32) + be.vector(p + "ffn_gate_inp.bias")
         chosen, weights = routing.topk_softmax(logits, cfg.n_expert_used)
-        names = [p + f"ffn_{part}_exps." for part in ("gate", "up", "down")]
-        return ffn.swiglu_experts(be, h, chosen, weights, *(n + "weight" for n in names),
-                                  biases=tuple(n + "bias" for n in names), activation=be.swiglu_oai)
+        return ffn.swiglu_experts(be, h, chosen, weights, *expert_names(i),
+                                  biases=tuple(expert_names(i, "bias")), activation=be.swiglu_oai)
 
 
 def swa_layers(gf, key: str, n_layer: int, default_pattern: int) -> tuple[bool, ...]:

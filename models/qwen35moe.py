@@ -14,9 +14,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from edgeinfer.experts import ffn, routing
 from edgeinfer.metadata import MAX_FF, meta_int
-from edgeinfer.models.moe import with_experts
+from edgeinfer.models.moe import expert_shapes, softmax_routed_experts, with_experts
 from edgeinfer.models.qwen35 import Qwen35
 
 
@@ -34,9 +33,7 @@ class Qwen35Moe(Qwen35):
         p, e, n_sh = f"blk.{i}.", cfg.n_embd, cfg.extra["n_ff_shexp"]
         return {
             p + "ffn_gate_inp.weight": (e, cfg.n_expert),
-            p + "ffn_gate_exps.weight": (e, cfg.n_ff_exp, cfg.n_expert),
-            p + "ffn_up_exps.weight": (e, cfg.n_ff_exp, cfg.n_expert),
-            p + "ffn_down_exps.weight": (cfg.n_ff_exp, e, cfg.n_expert),
+            **expert_shapes(cfg, i),
             p + "ffn_gate_inp_shexp.weight": (e,),
             p + "ffn_gate_shexp.weight": (e, n_sh),
             p + "ffn_up_shexp.weight": (e, n_sh),
@@ -47,9 +44,7 @@ class Qwen35Moe(Qwen35):
         be, cfg, p = self.backend, self.config, f"blk.{i}."
         h = be.rms_norm(x, p + "post_attention_norm.weight", cfg.norm_eps)
         logits = np.asarray(be.linear(p + "ffn_gate_inp.weight", h), np.float32)
-        experts, weights = routing.softmax_topk(logits, cfg.n_expert_used, normalize=True)
-        moe = ffn.swiglu_experts(be, h, experts, weights, p + "ffn_gate_exps.weight",
-                                 p + "ffn_up_exps.weight", p + "ffn_down_exps.weight")
+        moe = softmax_routed_experts(be, cfg, i, h, logits)
         g, u = be.linear_many([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"], h)
         shared = be.linear(p + "ffn_down_shexp.weight", be.silu_mul(g, u))
         gate = self.dn.sigmoid_mul(np.ones((h.shape[0], 1), np.float32), self.shared_gate_logits(i, h))

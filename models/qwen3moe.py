@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeinfer.experts import ffn, routing
-from edgeinfer.models.moe import with_experts
+from edgeinfer.models.moe import expert_shapes, softmax_routed_experts, with_experts
 from edgeinfer.models.qwen3 import Qwen3
 
 
@@ -27,16 +26,11 @@ class Qwen3Moe(Qwen3):
         for name in ("ffn_gate", "ffn_up", "ffn_down"):
             del t[p + name + ".weight"]
         t[p + "ffn_gate_inp.weight"] = (cfg.n_embd, cfg.n_expert)
-        t[p + "ffn_gate_exps.weight"] = (cfg.n_embd, cfg.n_ff_exp, cfg.n_expert)
-        t[p + "ffn_up_exps.weight"] = (cfg.n_embd, cfg.n_ff_exp, cfg.n_expert)
-        t[p + "ffn_down_exps.weight"] = (cfg.n_ff_exp, cfg.n_embd, cfg.n_expert)
+        t.update(expert_shapes(cfg, i))
         return t
 
     def feed_forward(self, i, x):
         be, cfg, p = self.backend, self.config, f"blk.{i}."
         h = be.rms_norm(x, p + "ffn_norm.weight", cfg.norm_eps)
         logits = np.asarray(be.linear(p + "ffn_gate_inp.weight", h), np.float32)
-        experts, weights = routing.softmax_topk(logits, cfg.n_expert_used, normalize=True)
-        moe = ffn.swiglu_experts(be, h, experts, weights, p + "ffn_gate_exps.weight",
-                                 p + "ffn_up_exps.weight", p + "ffn_down_exps.weight")
-        return x + moe
+        return x + softmax_routed_experts(be, cfg, i, h, logits)
