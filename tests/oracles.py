@@ -183,3 +183,58 @@ def run_operations(mgr, ops: Iterable[tuple[str, int, int]], engine, tokenizer, 
             outcomes.append(result.finish_reason)
         mgr.check_invariants()
     return outcomes
+
+
+# -- llama.cpp's logits for a family's tiny fixture ---------------------------------------------
+
+def engine_for(path, backend: str = "cpu", n_ctx: int = 96):
+    """An Engine for the file at `path` (no session manager: forward passes only)."""
+    from edgeinfer.engine import Engine, EngineOptions
+    from edgeinfer.loader import open_model
+
+    return Engine(open_model(path), EngineOptions(n_ctx=n_ctx, backend=backend))
+
+
+def greedy_tokens(engine, prompt: list[int], n: int) -> list[int]:
+    """n argmax tokens after `prompt` from a fresh cache (no end-of-generation stop)."""
+    kv = engine.new_cache()
+    logits = engine.prefill(prompt, kv)
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = engine.decode(out[-1], kv)
+    return out
+
+
+def check_against_llama_cpp(path, engine, prompt: list[int], *, steps: int = 32, floor: float = 0.01,
+                            argmax_where_decisive: bool = False):
+    """The engine's logits against llama.cpp's (the oracle wheel) on the prompt's rows, then
+    on `steps` decode steps fed llama.cpp's greedy tokens. The bound is twice llama.cpp's own
+    spread (flash attention off against on), at least `floor`; with `argmax_where_decisive`
+    each step's argmax must agree wherever llama.cpp's top two are further apart than twice
+    the step's difference. Returns (our prompt logits, llama.cpp's, the bound, llama.cpp's
+    greedy tokens) for the caller's further checks; skips without the oracle."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ref = [llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=96, n_batch=96, n_threads=2,
+                           verbose=False, flash_attn=fa) for fa in (False, True)]
+    want = []
+    for m in ref:
+        m.eval(prompt)
+        want.append(np.array(m.scores[:len(prompt)]))
+    kv = engine.new_cache()
+    got = engine.forward(np.array(prompt), np.arange(len(prompt)), kv, logits_for=np.arange(len(prompt)))
+    bound = max(floor, 2 * np.abs(want[1] - want[0]).max())
+    assert np.abs(got - want[0]).max() <= bound
+    m, ours, theirs = ref[0], got[-1], []
+    for step in range(steps):
+        logits = np.array(m.scores[m.n_tokens - 1])
+        diff = np.abs(ours - logits).max()
+        assert diff <= bound, (step, diff, bound)
+        if argmax_where_decisive:
+            top2 = np.sort(logits)[-2:]
+            if top2[1] - top2[0] > 2 * diff:
+                assert int(np.argmax(ours)) == int(np.argmax(logits)), step
+        theirs.append(int(np.argmax(logits)))
+        m.eval(theirs[-1:])
+        ours = engine.forward(np.array(theirs[-1:]), np.array([len(prompt) + step]), kv)[-1]
+    return got, want[0], bound, theirs

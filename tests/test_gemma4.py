@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf_factory import TinyShape, spm_vocab, write_tiny_model
+from oracles import check_against_llama_cpp, engine_for, greedy_tokens
 
 from edgeinfer.engine import Engine, EngineOptions
 from edgeinfer.errors import EdgeInferError
@@ -39,47 +40,15 @@ def gemma4_file(tmp_path, qtype="Q8_0", moe=False, extra=None, name=None, **shap
                                 extra_metadata=extra))
 
 
-def _engine(path, backend="cpu") -> Engine:
-    return Engine(open_model(path), EngineOptions(n_ctx=96, backend=backend))
-
-
-def _greedy(engine, prompt, n):
-    kv = engine.new_cache()
-    logits = engine.prefill(prompt, kv)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = engine.decode(out[-1], kv)
-    return out
-
-
 @pytest.mark.parametrize("moe,qtype,backend", [(False, "Q8_0", "cpu"), (True, "Q8_0", "cpu"),
                                                (False, "F32", "reference")])
 def test_matches_llama_cpp(tmp_path, moe, qtype, backend):
-    llama_cpp = pytest.importorskip("llama_cpp")
     path = gemma4_file(tmp_path, qtype, moe)
-    ref = [llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=96, n_batch=96, n_threads=2, verbose=False,
-                           flash_attn=fa) for fa in (False, True)]
-    want = []
-    for m in ref:
-        m.eval(PROMPT)
-        want.append(np.array(m.scores[:len(PROMPT)]))
-    engine = _engine(path, backend)
-    kv = engine.new_cache()
-    got = engine.forward(np.array(PROMPT), np.arange(len(PROMPT)), kv, logits_for=np.arange(len(PROMPT)))
-    bound = max(0.01, 2 * np.abs(want[1] - want[0]).max())
-    assert np.abs(got - want[0]).max() <= bound
+    engine = engine_for(path, backend)
+    got, want, _, theirs = check_against_llama_cpp(path, engine, PROMPT)
     if moe and qtype == "Q8_0":
-        assert np.abs(got - want[0]).max() <= 1e-6  # ggml's order throughout (tanh to 1 ulp)
-    m, ours, theirs = ref[0], got[-1], []
-    for step in range(32):
-        logits = np.array(m.scores[m.n_tokens - 1])
-        diff = np.abs(ours - logits).max()
-        assert diff <= bound, (step, diff, bound)
-        theirs.append(int(np.argmax(logits)))
-        m.eval(theirs[-1:])
-        ours = engine.forward(np.array(theirs[-1:]), np.array([len(PROMPT) + step]), kv)[-1]
-    assert _greedy(engine, PROMPT, 32) == theirs
+        assert np.abs(got - want).max() <= 1e-6  # ggml's order throughout (tanh to 1 ulp)
+    assert greedy_tokens(engine, PROMPT, 32) == theirs
 
 
 def test_config_as_llama_cpp_reads_it(tmp_path):
@@ -113,7 +82,7 @@ def test_bad_metadata_is_one_line(tmp_path):
 
 
 def test_per_layer_embeddings_are_read_only_for_the_batch(tmp_path):
-    engine = _engine(gemma4_file(tmp_path), "cpu")
+    engine = engine_for(gemma4_file(tmp_path), "cpu")
     seen = []
     get_rows = engine.backend.get_rows
 

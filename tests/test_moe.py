@@ -13,8 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
+from oracles import check_against_llama_cpp, engine_for, greedy_tokens
 
-from edgeinfer.engine import Engine, EngineOptions
+from edgeinfer.engine import Engine
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.experts import routing
 from edgeinfer.loader import open_model
@@ -30,17 +31,11 @@ def _moe(tmp_path, qtype="Q8_0", arch="qwen3moe", **shape) -> str:
 
 
 def _engine(path, backend="cpu") -> Engine:
-    return Engine(open_model(path), EngineOptions(n_ctx=96, backend=backend))
+    return engine_for(path, backend)
 
 
 def _greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    kv = engine.new_cache()
-    logits = engine.forward(np.array(prompt), np.arange(len(prompt)), kv)[-1]
-    out = []
-    for step in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = engine.forward(np.array(out[-1:]), np.array([len(prompt) + step]), kv)[-1]
-    return out
+    return greedy_tokens(engine, prompt, n)
 
 
 # -- routing ---------------------------------------------------------------------------------
@@ -79,32 +74,10 @@ STRICT = ("Q8_0", "Q4_K", "F32", "MXFP4")
 @pytest.mark.parametrize("arch,qtype", [(a, q) for a in ("qwen3moe", "gpt-oss")
                                         for q in ("Q8_0", "Q4_0", "Q4_K", "F32", "MXFP4")])
 def test_moe_matches_llama_cpp(tmp_path, arch, qtype):
-    llama_cpp = pytest.importorskip("llama_cpp")
     path = _moe(tmp_path, qtype, arch)
-    ref = [llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=96, n_batch=96, n_threads=2, verbose=False,
-                           flash_attn=fa) for fa in (False, True)]
-    want = []
-    for m in ref:
-        m.eval(PROMPT)
-        want.append(np.array(m.scores[:len(PROMPT)]))
     engine = _engine(path)
-    kv = engine.new_cache()
-    got = engine.forward(np.array(PROMPT), np.arange(len(PROMPT)), kv, logits_for=np.arange(len(PROMPT)))
-    bound = max(0.01, 2 * np.abs(want[1] - want[0]).max())
-    assert np.abs(got - want[0]).max() <= bound
     # 32 decode steps on llama.cpp's greedy tokens (each step reads only its chosen experts)
-    m = ref[0]
-    theirs, ours = [], got[-1]
-    for step in range(32):
-        logits = np.array(m.scores[m.n_tokens - 1])
-        diff = np.abs(ours - logits).max()
-        top2 = np.sort(logits)[-2:]
-        assert diff <= bound, (step, diff, bound)
-        if top2[1] - top2[0] > 2 * diff:
-            assert int(np.argmax(ours)) == int(np.argmax(logits)), step
-        theirs.append(int(np.argmax(logits)))
-        m.eval(theirs[-1:])
-        ours = engine.forward(np.array(theirs[-1:]), np.array([len(PROMPT) + step]), kv)[-1]
+    *_, theirs = check_against_llama_cpp(path, engine, PROMPT, argmax_where_decisive=True)
     if qtype in STRICT:
         assert _greedy(engine, PROMPT, 32) == theirs
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
+from oracles import check_against_llama_cpp, engine_for, greedy_tokens
 
-from edgeinfer.engine import Engine, EngineOptions
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.loader import open_model
 from edgeinfer.models import family_for
@@ -27,48 +27,16 @@ def _file(tmp_path, arch="qwen35", qtype="Q8_0", extra=None, **shape):
                                 shape=TinyShape(**shape), extra_metadata=extra))
 
 
-def _engine(path, backend="cpu") -> Engine:
-    return Engine(open_model(path), EngineOptions(n_ctx=96, backend=backend))
-
-
-def _greedy(engine, prompt, n):
-    kv = engine.new_cache()
-    logits = engine.prefill(prompt, kv)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = engine.decode(out[-1], kv)
-    return out
-
-
 @pytest.mark.parametrize("arch,qtype,backend", [("qwen35", "Q8_0", "cpu"), ("qwen35", "F32", "cpu"),
                                                 ("qwen35moe", "Q8_0", "cpu"), ("qwen35", "F32", "reference")])
 def test_matches_llama_cpp(tmp_path, arch, qtype, backend):
-    llama_cpp = pytest.importorskip("llama_cpp")
     path = _file(tmp_path, arch, qtype)
-    ref = [llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=96, n_batch=96, n_threads=2, verbose=False,
-                           flash_attn=fa) for fa in (False, True)]
-    want = []
-    for m in ref:
-        m.eval(PROMPT)
-        want.append(np.array(m.scores[:len(PROMPT)]))
-    engine = _engine(path, backend)
-    kv = engine.new_cache()
-    got = engine.forward(np.array(PROMPT), np.arange(len(PROMPT)), kv, logits_for=np.arange(len(PROMPT)))
+    engine = engine_for(path, backend)
     floor = 0.05 if backend == "reference" and qtype != "F32" else 0.01
-    bound = max(floor, 2 * np.abs(want[1] - want[0]).max())
-    assert np.abs(got - want[0]).max() <= bound
+    got, want, _, theirs = check_against_llama_cpp(path, engine, PROMPT, floor=floor)
     if qtype == "Q8_0" and backend == "cpu":
-        assert np.abs(got - want[0]).max() == 0  # ggml's order throughout
-    m, ours, theirs = ref[0], got[-1], []
-    for step in range(32):
-        logits = np.array(m.scores[m.n_tokens - 1])
-        diff = np.abs(ours - logits).max()
-        assert diff <= bound, (step, diff, bound)
-        theirs.append(int(np.argmax(logits)))
-        m.eval(theirs[-1:])
-        ours = engine.forward(np.array(theirs[-1:]), np.array([len(PROMPT) + step]), kv)[-1]
-    assert _greedy(engine, PROMPT, 32) == theirs
+        assert np.abs(got - want).max() == 0  # ggml's order throughout
+    assert greedy_tokens(engine, PROMPT, 32) == theirs
 
 
 def test_config_as_llama_cpp_reads_it(tmp_path):
@@ -94,7 +62,7 @@ def test_nextn_layers_are_counted_in_block_count_and_not_run(tmp_path):
     path = _file(tmp_path, n_layer=5, extra={"qwen35.nextn_predict_layers": 1})
     cfg = open_model(path).config
     assert cfg.n_layer == 4 and cfg.n_layer_nextn == 1 and len(cfg.recurrent_layers) == 4
-    _engine(path, "reference").prefill([1, 2, 3], _engine(path, "reference").new_cache())
+    engine_for(path, "reference").prefill([1, 2, 3], engine_for(path, "reference").new_cache())
 
 
 def test_the_moe_file_has_no_feed_forward_length(tmp_path):
@@ -106,7 +74,7 @@ def test_the_moe_file_has_no_feed_forward_length(tmp_path):
 
 def test_ssm_a_is_stored_negative_and_value_heads_tile_key_heads(tmp_path):
     path = _file(tmp_path, "qwen35", "F32")
-    engine = _engine(path, "reference")
+    engine = engine_for(path, "reference")
     a = engine.backend.vector("blk.0.ssm_a")
     assert (a < 0).all()  # -exp(A_log): every head decays
     assert engine.config.delta_net.n_v_heads % engine.config.delta_net.n_k_heads == 0  # tiled (kernel tests)
