@@ -39,3 +39,36 @@ class ParsedOutput:
     content: str
     tool_calls: list[ToolCall]
     reasoning: str | None = None
+
+
+class IncrementalReader:
+    """The skeleton of a streamed answer's reader (edgeinfer.prompt.tool_calls.ToolCallStream,
+    edgeinfer.prompt.harmony.HarmonyStream): `push(text)` and `flush()` run the reader's state
+    machine until it makes no more progress and return its events. A subclass keeps `_buf` and
+    `_state`, takes one step in `_step(events, final)` and shapes what it returns in
+    `_events(events)`."""
+
+    _buf: str
+    _state: str
+
+    def push(self, text: str) -> list[tuple[str, Any]]:
+        self._buf += text
+        return self._drain(final=False)
+
+    def flush(self) -> list[tuple[str, Any]]:
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> list[tuple[str, Any]]:
+        events: list[tuple[str, Any]] = []
+        while True:
+            before = (self._state, len(self._buf))
+            self._step(events, final)
+            if (self._state, len(self._buf)) == before:
+                break
+        return self._events(events)
+
+    def _step(self, events: list, final: bool) -> None:
+        raise NotImplementedError
+
+    def _events(self, events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        raise NotImplementedError

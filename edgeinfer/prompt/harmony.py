@@ -33,7 +33,7 @@ import json
 import re
 from typing import Any, Mapping, Sequence
 
-from edgeinfer.prompt.answer_parts import ParsedOutput, ToolCall
+from edgeinfer.prompt.answer_parts import IncrementalReader, ParsedOutput, ToolCall
 
 START, CHANNEL, CONSTRAIN, MESSAGE = "<|start|>", "<|channel|>", "<|constrain|>", "<|message|>"
 END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
@@ -119,7 +119,7 @@ def _partial_suffix(text: str, tags: Sequence[str]) -> int:
 
 # -- the stream -----------------------------------------------------------------------------------
 
-class HarmonyStream:
+class HarmonyStream(IncrementalReader):
     """Incremental harmony reader: `push(text)` and `flush()` return events, ("reasoning", text),
     ("content", text) or ("tool_call", ToolCall). `tools`: whether `to=functions.*` messages
     are read as calls (otherwise they stay content). Text that may still be a header or the
@@ -132,23 +132,13 @@ class HarmonyStream:
         self._head_text = ""     # a call's header as written (content again if the call is unreadable)
         self._name = ""          # the called function
 
-    def push(self, text: str) -> list[tuple[str, Any]]:
-        self._buf += text
-        return self._drain(final=False)
+    def _step(self, events, final: bool) -> None:
+        if self._state == "header":
+            self._step_header(events, final)
+        else:
+            self._step_body(events, final)
 
-    def flush(self) -> list[tuple[str, Any]]:
-        return self._drain(final=True)
-
-    def _drain(self, final: bool) -> list[tuple[str, Any]]:
-        events: list[tuple[str, Any]] = []
-        while True:
-            before = (self._state, len(self._buf))
-            if self._state == "header":
-                self._step_header(events, final)
-            else:
-                self._step_body(events, final)
-            if (self._state, len(self._buf)) == before:
-                break
+    def _events(self, events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []
         for kind, value in events:  # one event for a run of the same kind, none empty
             if kind != "tool_call" and not value:

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.prompt import harmony
-from edgeinfer.prompt.answer_parts import ParsedOutput, ToolCall
+from edgeinfer.prompt.answer_parts import IncrementalReader, ParsedOutput, ToolCall
 
 __all__ = ["ToolCall", "ParsedOutput", "ToolsNotSupportedError", "ToolCallError", "detect_format",
            "supports_tools", "normalize_tools", "normalize_messages", "render_with_tools",
@@ -300,7 +300,7 @@ def answer_stream(fmt: str, *, reasoning: bool = False, think_started: bool = Fa
     return ToolCallStream(fmt, reasoning=reasoning, think_started=think_started, tools=tools, forced=forced)
 
 
-class ToolCallStream:
+class ToolCallStream(IncrementalReader):
     """Incremental `parse_output`: push text pieces, get events back.
 
     Events: ("reasoning", text), ("content", text), ("tool_call", ToolCall). Text that may
@@ -322,21 +322,11 @@ class ToolCallStream:
         self._seen_content = False  # anything but whitespace emitted as content
         self._after_think = False
 
-    def push(self, text: str) -> list[tuple[str, Any]]:
-        self._buf += text
-        return self._drain(final=False)
-
-    def flush(self) -> list[tuple[str, Any]]:
-        return self._drain(final=True)
-
     # -- internals -------------------------------------------------------------------------
-    def _drain(self, final: bool) -> list[tuple[str, Any]]:
-        events: list[tuple[str, Any]] = []
-        while True:
-            before = (self._state, len(self._buf))
-            getattr(self, "_step_" + self._state.replace("?", "_q"))(events, final)
-            if (self._state, len(self._buf)) == before:
-                break
+    def _step(self, events, final) -> None:
+        getattr(self, "_step_" + self._state.replace("?", "_q"))(events, final)
+
+    def _events(self, events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         return [e for e in events if e[0] == "tool_call" or e[1]]
 
     def _step_think_q(self, events, final) -> None:
