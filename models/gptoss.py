@@ -22,7 +22,7 @@ from edgeinfer.errors import MetadataError
 from edgeinfer.experts import ffn, routing
 from edgeinfer.metadata import MAX_CTX, MAX_LAYERS, MAX_ROPE_BASE, meta_float, meta_int
 from edgeinfer.models.llama import Llama
-from edgeinfer.models.moe import expert_names, expert_shapes, with_experts
+from edgeinfer.models.moe import expert_names, expert_shapes, with_experts, without_dense_ffn
 from edgeinfer.rope import ROPE_NEOX
 
 SWA_PATTERN = 2  # llama.cpp's default for openai-moe: layer i slides when i % 2 == 0
@@ -43,10 +43,8 @@ class GptOss(Llama):
 
     @classmethod
     def layer_tensors(cls, cfg, i):
-        t = super().layer_tensors(cfg, i)
+        t = without_dense_ffn(super().layer_tensors(cfg, i), i)
         p = f"blk.{i}."
-        for name in ("ffn_gate", "ffn_up", "ffn_down"):
-            del t[p + name + ".weight"]
         del t[p + "ffn_norm.weight"]
         e, ff = cfg.n_expert, cfg.n_ff_exp
         t.update({

@@ -29,6 +29,14 @@ def with_experts(cfg: ModelConfig, gf: "GGUFFile") -> ModelConfig:
     return replace(cfg, n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp)
 
 
+def without_dense_ffn(tensors: dict, i: int) -> dict:
+    """A dense block's tensor table for layer i with its FFN matrices taken out (the experts
+    stand in their place); returns the same dict."""
+    for part in ("gate", "up", "down"):
+        del tensors[f"blk.{i}.ffn_{part}.weight"]
+    return tensors
+
+
 def expert_names(i: int, kind: str = "weight") -> list[str]:
     """Layer i's gate, up and down expert tensors (`kind`: "weight", or "bias" for gpt-oss's)."""
     return [f"blk.{i}.ffn_{part}_exps.{kind}" for part in ("gate", "up", "down")]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeinfer.models.moe import expert_shapes, softmax_routed_experts, with_experts
+from edgeinfer.models.moe import expert_shapes, softmax_routed_experts, with_experts, without_dense_ffn
 from edgeinfer.models.qwen3 import Qwen3
 
 
@@ -21,10 +21,8 @@ class Qwen3Moe(Qwen3):
 
     @classmethod
     def layer_tensors(cls, cfg, i):
-        t = super().layer_tensors(cfg, i)
+        t = without_dense_ffn(super().layer_tensors(cfg, i), i)
         p = f"blk.{i}."
-        for name in ("ffn_gate", "ffn_up", "ffn_down"):
-            del t[p + name + ".weight"]
         t[p + "ffn_gate_inp.weight"] = (cfg.n_embd, cfg.n_expert)
         t.update(expert_shapes(cfg, i))
         return t
