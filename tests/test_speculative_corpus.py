@@ -222,22 +222,23 @@ def test_cli_bad_lookup_files_are_one_line_errors(tiny_models, tmp_path, capsys)
     assert "--draft lookup" in err
 
 
-def test_cli_lookup_cache_flags_run_and_save(tiny_models, tmp_path, capsys):
+def test_cli_lookup_cache_flags_run_and_save(tiny_models, tmp_path):
+    """`run` with -lcs/-lcd answers as without them, and its interpreter's exit writes the
+    dynamic cache (a process of its own: the exit is what saves the file)."""
+    import subprocess
+    import sys
+
     path = str(tiny_models["llama"])
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(PROMPT * 3)
-    assert main(["run", path, PROMPT, *FAST, "-n", "12"]) == 0
-    plain = capsys.readouterr().out
+    run = [sys.executable, "-m", "edgeinfer.cli", "run", path, PROMPT, *FAST, "-n", "12"]
+    plain = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
     dyn = tmp_path / "dyn.bin"
-    assert main(["run", path, PROMPT, *FAST, "-n", "12", "-lcs", str(corpus), "-lcd", str(dyn)]) == 0
-    assert capsys.readouterr().out == plain
-    import gc
-
-    from edgeinfer.speculative.ngram_lookup import NgramLookup as NL
-
-    for obj in gc.get_objects():  # what the interpreter's exit does for the dynamic file
-        if isinstance(obj, NL) and obj.dynamic_path == str(dyn):
-            obj.close()
+    spec = subprocess.run([*run, "-lcs", str(corpus), "-lcd", str(dyn)], capture_output=True, text=True,
+                          timeout=300)
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
     assert dyn.exists()
     NgramCache.load(dyn)  # a well-formed cache
 
