@@ -1,4 +1,4 @@
-"""`edgeinfer bench NAME -p 512 -n 128 -r 3 [-d DEPTH] [-t N] [--json]`: llama-bench's pp/tg table."""
+"""`edgeinfer bench NAME -p 512 -n 128 -r 3 [-d DEPTH] [-t N] [-ngl N] [--json]`: llama-bench's pp/tg table."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ def register(sub) -> None:
     p.add_argument("-r", "--repetitions", type=positive_int, default=3, help="timed runs per test")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads")
     p.add_argument("--backend", choices=("cpu", "reference"), default="cpu")
+    p.add_argument("-ngl", "--gpu-layers", default="auto", metavar="N|auto",
+                   help="layers on a CUDA GPU, as llama-bench's -ngl (default auto: as many as fit; 0 = CPU only)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prefill chunk size")
     p.add_argument("--json", action="store_true", help="print a JSON list like llama-bench -o json")
     p.set_defaults(func=run)
@@ -36,7 +38,7 @@ def run(args) -> int:
     mf = open_model(resolve(args.name, download=False))
     n_ctx = args.n_depth + max(args.n_prompt, args.n_gen) + 1
     engine = Engine(mf, EngineOptions(n_ctx=n_ctx, threads=args.threads, backend=args.backend,
-                                      prefill_chunk=args.prefill_chunk))
+                                      prefill_chunk=args.prefill_chunk, gpu_layers=args.gpu_layers))
     threads = args.threads or kernels_cpu.get_threads()
     info = describe(mf)
     model_type = f"{info.architecture} {human_count(info.parameters)} {info.quantization}"
