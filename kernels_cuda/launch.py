@@ -27,19 +27,45 @@ KERNEL_NAMES = {
 }
 MATVEC_MAX_TOKENS = 4  # up to this many rows re-read the weights per token; more use the GEMM
 MAX_HEAD_DIM = 256  # MAX_HD in attention.cu
-NULL = np.intp(0)
 
 
-def _ptr(a: Any) -> Any:
-    """A kernel pointer argument. GPUArrays are passed as themselves: pycuda reads their address
-    (also for sliced views, whose `.gpudata` is a bare int that pycuda would reject)."""
-    return NULL if a is None else a
+_FORMAT = {np.int32: "i", np.int64: "q", np.float32: "f"}  # pycuda's prepared-call codes; "P" a pointer
+_PREPARED: dict[tuple[str, str], tuple[Any, str]] = {}
+
+
+def _run(source: str, name: str, grid: tuple, block: tuple, *args) -> None:
+    """Launch kernel `name` of `source` with pycuda's prepared call.
+
+    Each argument is a device array or None (a pointer; None is NULL) or a numpy scalar. The
+    struct format is fixed at the kernel's first launch, so a launch packs plain values: pycuda's
+    generic call inspects every argument each time, and at ~250 launches a decode step that
+    overhead was most of the step on a fast GPU."""
+    fmt = "".join("P" if a is None or hasattr(a, "gpudata") else _FORMAT[type(a)] for a in args)
+    key = (source, name)
+    found = _PREPARED.get(key)
+    if found is None or found[0] is not kernel(source, name):
+        found = _PREPARED[key] = (kernel(source, name).prepare(fmt), fmt)
+    if found[1] != fmt:
+        raise TypeError(f"{name}: launched with argument types {fmt}, prepared as {found[1]}")
+    found[0].prepared_call(grid, block, *[0 if a is None else a.ptr if hasattr(a, "gpudata") else a for a in args])
 
 
 def _empty(shape: tuple[int, ...], dtype=np.float32):
     from pycuda import gpuarray
 
     return gpuarray.empty(shape, dtype, allocator=allocator())
+
+
+def zeros(shape, dtype=np.float32):
+    """A zeroed device array of any dtype. pycuda's gpuarray.zeros fills through an elementwise
+    kernel that has no float16 type (it raises "unable to map dtype"); a driver memset has none."""
+    import pycuda.driver as cuda
+    from pycuda import gpuarray
+
+    out = gpuarray.empty(shape, dtype)
+    if out.nbytes:
+        cuda.memset_d8(out.gpudata, 0, out.nbytes)
+    return out
 
 
 def _grid1d(n: int, threads: int = 256) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -61,13 +87,11 @@ def linear(w, qtype: Q, n_rows: int, n_cols: int, x, residual=None):
     y = _empty((n, n_rows))
     s = QTYPE_SUFFIX[qtype]
     if n <= MATVEC_MAX_TOKENS:
-        kernel("quant.cu", f"matvec_{s}")(
-            w, np.int64(row_bytes), np.int32(n_rows), np.int32(n_cols), x, _ptr(residual),
-            y, block=(128, 1, 1), grid=((n_rows + 3) // 4, n, 1))
+        _run("quant.cu", f"matvec_{s}", ((n_rows + 3) // 4, n, 1), (128, 1, 1),
+             w, np.int64(row_bytes), np.int32(n_rows), np.int32(n_cols), x, residual, y)
     else:
-        kernel("quant.cu", f"gemm_{s}")(
-            w, np.int64(row_bytes), np.int32(n_rows), np.int32(n_cols), x, np.int32(n),
-            _ptr(residual), y, block=(128, 1, 1), grid=((n_rows + 63) // 64, (n + 63) // 64, 1))
+        _run("quant.cu", f"gemm_{s}", ((n_rows + 63) // 64, (n + 63) // 64, 1), (128, 1, 1),
+             w, np.int64(row_bytes), np.int32(n_rows), np.int32(n_cols), x, np.int32(n), residual, y)
     return y
 
 
@@ -77,13 +101,12 @@ def expert_linear(w, qtype: Q, n_rows: int, n_cols: int, x, route: "ExpertRoute"
     y = _empty((route.n, n_rows))
     s, row_bytes = QTYPE_SUFFIX[qtype], np.int64(w.shape[1])
     if route.max_group <= MATVEC_MAX_TOKENS:
-        kernel("quant.cu", f"matvec_id_{s}")(
-            w, row_bytes, np.int32(n_rows), np.int32(n_cols), x, route.xrow, route.row_expert, y,
-            block=(128, 1, 1), grid=((n_rows + 3) // 4, route.n, 1))
+        _run("quant.cu", f"matvec_id_{s}", ((n_rows + 3) // 4, route.n, 1), (128, 1, 1),
+             w, row_bytes, np.int32(n_rows), np.int32(n_cols), x, route.xrow, route.row_expert, y)
     else:
-        kernel("quant.cu", f"gemm_id_{s}")(
-            w, row_bytes, np.int32(n_rows), np.int32(n_cols), x, route.xrow, route.experts, route.starts, y,
-            block=(128, 1, 1), grid=((n_rows + 63) // 64, (route.max_group + 63) // 64, route.n_groups))
+        _run("quant.cu", f"gemm_id_{s}", ((n_rows + 63) // 64, (route.max_group + 63) // 64, route.n_groups),
+             (128, 1, 1), w, row_bytes, np.int32(n_rows), np.int32(n_cols), x, route.xrow, route.experts,
+             route.starts, y)
     return y
 
 
@@ -107,8 +130,8 @@ class ExpertRoute:
 def dequantize(w, qtype: Q, n_rows: int, n_cols: int):
     out = _empty((n_rows, n_cols))
     grid, block = _grid1d(n_rows * (n_cols // 32))
-    kernel("quant.cu", f"dequant_{QTYPE_SUFFIX[qtype]}")(
-        w, np.int64(w.shape[1]), np.int32(n_rows), np.int32(n_cols), out, block=block, grid=grid)
+    _run("quant.cu", f"dequant_{QTYPE_SUFFIX[qtype]}", grid, block,
+         w, np.int64(w.shape[1]), np.int32(n_rows), np.int32(n_cols), out)
     return out
 
 
@@ -118,8 +141,8 @@ def rms_norm(x, weight, eps: float, residual=None):
     rows = x.size // n_cols
     out = _empty(x.shape)
     threads = min(1024, max(32, (n_cols + 31) // 32 * 32))
-    kernel("elementwise.cu", "rms_norm")(x, weight, _ptr(residual), out, np.int32(n_cols),
-                                         np.float32(eps), block=(threads, 1, 1), grid=(rows, 1, 1))
+    _run("elementwise.cu", "rms_norm", (rows, 1, 1), (threads, 1, 1),
+         x, weight, residual, out, np.int32(n_cols), np.float32(eps))
     return out
 
 
@@ -129,17 +152,16 @@ def rope(x, positions, n_dims: int, base: float, freq_scale: float, neox: bool, 
     out = _empty(x.shape)
     grid, block = _grid1d(n * heads * (hd // 2))
     ext, mscale, low, high = yarn if yarn is not None else (0.0, 1.0, 0.0, 0.0)
-    kernel("elementwise.cu", "rope")(x, out, positions, np.int32(n), np.int32(heads),
-                                     np.int32(hd), np.int32(n_dims), np.float32(base), np.float32(freq_scale),
-                                     np.int32(1 if neox else 0), _ptr(freq_factors), np.float32(ext),
-                                     np.float32(mscale), np.float32(low), np.float32(high), block=block, grid=grid)
+    _run("elementwise.cu", "rope", grid, block, x, out, positions, np.int32(n), np.int32(heads),
+         np.int32(hd), np.int32(n_dims), np.float32(base), np.float32(freq_scale), np.int32(1 if neox else 0),
+         freq_factors, np.float32(ext), np.float32(mscale), np.float32(low), np.float32(high))
     return out
 
 
 def _binary(name: str, a, b):
     out = _empty(a.shape)
     grid, block = _grid1d(a.size)
-    kernel("elementwise.cu", name)(a, b, out, np.int64(a.size), block=block, grid=grid)
+    _run("elementwise.cu", name, grid, block, a, b, out, np.int64(a.size))
     return out
 
 
@@ -158,15 +180,15 @@ def add(a, b):
 def swiglu_oai(gate, up, alpha: float, limit: float):
     out = _empty(gate.shape)
     grid, block = _grid1d(gate.size)
-    kernel("elementwise.cu", "swiglu_oai")(gate, up, out, np.int64(gate.size), np.float32(alpha), np.float32(limit),
-                                           block=block, grid=grid)
+    _run("elementwise.cu", "swiglu_oai", grid, block,
+         gate, up, out, np.int64(gate.size), np.float32(alpha), np.float32(limit))
     return out
 
 
 def add_id(x, bias, ids) -> None:
     """x[m] += bias[ids[m]] for every row m, in place; bias (n_expert, n_cols), ids int32 in VRAM."""
     grid, block = _grid1d(x.size)
-    kernel("elementwise.cu", "add_id")(x, bias, ids, np.int64(x.size), np.int32(x.shape[-1]), block=block, grid=grid)
+    _run("elementwise.cu", "add_id", grid, block, x, bias, ids, np.int64(x.size), np.int32(x.shape[-1]))
 
 
 def moe_combine(y, slot, weights, n_tok: int, k: int):
@@ -174,16 +196,15 @@ def moe_combine(y, slot, weights, n_tok: int, k: int):
     n_cols = y.shape[-1]
     out = _empty((n_tok, n_cols))
     grid, block = _grid1d(n_tok * n_cols)
-    kernel("elementwise.cu", "moe_combine")(y, slot, weights, out, np.int64(n_tok * n_cols), np.int32(k),
-                                            np.int32(n_cols), block=block, grid=grid)
+    _run("elementwise.cu", "moe_combine", grid, block,
+         y, slot, weights, out, np.int64(n_tok * n_cols), np.int32(k), np.int32(n_cols))
     return out
 
 
 def add_rows(x, bias) -> None:
     """x += bias broadcast over rows, in place."""
     grid, block = _grid1d(x.size)
-    kernel("elementwise.cu", "add_rows")(x, bias, np.int64(x.size), np.int32(bias.size),
-                                         block=block, grid=grid)
+    _run("elementwise.cu", "add_rows", grid, block, x, bias, np.int64(x.size), np.int32(bias.size))
 
 
 def kv_store(k, v, k_cache, v_cache, block_table, slots, block_size: int) -> None:
@@ -191,9 +212,8 @@ def kv_store(k, v, k_cache, v_cache, block_table, slots, block_size: int) -> Non
     device), each in physical slot block_table[s // block_size] * block_size + s % block_size."""
     n, n_kv, hd = k.shape
     hd_v = v.shape[2]
-    kernel("attention.cu", "kv_store")(
-        k, v, k_cache, v_cache, block_table, slots, np.int32(n),
-        np.int32(block_size), np.int32(n_kv), np.int32(hd), np.int32(hd_v), block=(128, 1, 1), grid=(n, n_kv, 1))
+    _run("attention.cu", "kv_store", (n, n_kv, 1), (128, 1, 1), k, v, k_cache, v_cache, block_table, slots,
+         np.int32(n), np.int32(block_size), np.int32(n_kv), np.int32(hd), np.int32(hd_v))
 
 
 def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_size: int, n_kv: int,
@@ -208,11 +228,11 @@ def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_s
     out = _empty((n, n_head, hd_v))
     args = (q, k_cache, v_cache, block_table, kpos, qpos,
             out, np.int32(n), np.int32(n_keys), np.int32(block_size), np.int32(n_head), np.int32(n_kv),
-            np.int32(hd), np.int32(hd_v), np.float32(scale), np.int32(window), _ptr(sinks))
+            np.int32(hd), np.int32(hd_v), np.float32(scale), np.int32(window), sinks)
     if n >= 8:  # enough queries per head to share K/V tiles in shared memory
-        kernel("attention.cu", "flash_attention_prefill")(*args, block=(256, 1, 1), grid=((n + 7) // 8, n_head, 1))
+        _run("attention.cu", "flash_attention_prefill", ((n + 7) // 8, n_head, 1), (256, 1, 1), *args)
     else:
-        kernel("attention.cu", "paged_decode_attention")(*args, block=(128, 1, 1), grid=(n_head, n, 1))
+        _run("attention.cu", "paged_decode_attention", (n_head, n, 1), (128, 1, 1), *args)
     return out
 
 

@@ -102,6 +102,17 @@ def test_new_device_memory_is_nan():
     assert (gpuarray.zeros(7, np.int32).get() == 0).all()
 
 
+def test_f16_fill_is_refused_as_pycuda_refuses_it():
+    """pycuda's fill kernel (behind gpuarray.zeros) has no float16; launch.zeros memsets instead."""
+    with pytest.raises(ValueError, match="unable to map dtype 'float16'"):
+        gpuarray.zeros(4, np.float16)
+    with pytest.raises(ValueError, match="float16"):
+        gpuarray.empty(4, np.float16).fill(0)
+    zeroed = gpuarray.empty((3, 5), np.float16)
+    driver.memset_d8(zeroed.gpudata, 0, zeroed.nbytes)
+    assert (zeroed.get() == 0).all()
+
+
 FAST_MATH_SOURCE = r"""
 extern "C" __global__ void funcs(const float* x, float* e, float* t, float* s, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -240,6 +251,21 @@ def test_arguments_are_checked_against_the_signature(build_dir):
         f(y, np.intp(x.ptr + 2), np.int64(64), np.float32(2.0), block=(64, 1, 1), grid=(1, 1))
     with pytest.raises(ArgumentError, match="takes 4 arguments"):
         f(y, x, np.int64(64), block=(64, 1, 1), grid=(1, 1))
+
+
+def test_prepared_calls_are_checked_as_calls_are(build_dir):
+    """launch.py launches through prepare/prepared_call: the format's widths and the pointers are checked."""
+    x, y = gpuarray.to_gpu(np.ones(64, np.float32)), gpuarray.empty(64, np.float32)
+    f = _module(ARGS_SOURCE, build_dir).get_function("scale").prepare("PPqf")
+    f.prepared_call((1, 1), (64, 1, 1), y.ptr, x.ptr, 64, 3.0)
+    np.testing.assert_array_equal(y.get(), 3.0)
+    with pytest.raises(ValueError, match="in no live allocation"):
+        f.prepared_call((1, 1), (64, 1, 1), y.ptr, 0x1234, 64, 3.0)
+    with pytest.raises(ArgumentError, match="prepared for 4 arguments, got 3"):
+        f.prepared_call((1, 1), (64, 1, 1), y.ptr, x.ptr, 64)
+    g = _module(ARGS_SOURCE, build_dir).get_function("scale").prepare("PPif")  # n is a long long
+    with pytest.raises(ArgumentError, match=r"argument 2 \(n\).*8-byte signed integer, got int32"):
+        g.prepared_call((1, 1), (64, 1, 1), y.ptr, x.ptr, 64, 3.0)
 
 
 def test_an_access_past_an_allocation_faults_and_says_where(build_dir):

@@ -275,8 +275,8 @@ def test_paged_attention(n_q, hd, window, sinks):
 
     n_phys = 5  # 3 logical blocks scattered over 5 physical ones
     table = np.array([4, 0, 2], np.int32)
-    k_cache = gpuarray.zeros((n_phys, block_size, n_kv, hd), np.float16)
-    v_cache = gpuarray.zeros((n_phys, block_size, n_kv, hd), np.float16)
+    k_cache = launch.zeros((n_phys, block_size, n_kv, hd), np.float16)
+    v_cache = launch.zeros((n_phys, block_size, n_kv, hd), np.float16)
     table_d = gpuarray.to_gpu(table)
     launch.kv_store(gpuarray.to_gpu(k), gpuarray.to_gpu(v), k_cache, v_cache, table_d,
                     gpuarray.to_gpu(np.arange(n_keys, dtype=np.int32)), block_size)

@@ -41,13 +41,13 @@ class CudaKVCache(KVCache):
 
         self.gpu_layers = set(gpu_layers)
         kv_heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v
-        self.k_dev = {i: gpuarray.zeros((n_ctx, kv_heads, hd), np.float16) for i in self.gpu_layers}
-        self.v_dev = {i: gpuarray.zeros((n_ctx, kv_heads, hd_v), np.float16) for i in self.gpu_layers}
+        self.k_dev = {i: launch.zeros((n_ctx, kv_heads, hd), np.float16) for i in self.gpu_layers}
+        self.v_dev = {i: launch.zeros((n_ctx, kv_heads, hd_v), np.float16) for i in self.gpu_layers}
         for i in self.gpu_layers:  # their host copies are filled on demand only (layer_view)
             self.k[i] = np.zeros((0, kv_heads, hd), np.float16)
             self.v[i] = np.zeros((0, kv_heads, hd_v), np.float16)
         self.block_table = gpuarray.to_gpu(np.zeros(1, np.int32))  # one block of n_ctx slots
-        self.pos_dev = gpuarray.zeros(n_ctx, np.int32)
+        self.pos_dev = launch.zeros(n_ctx, np.int32)
 
     def append(self, positions: np.ndarray) -> np.ndarray:
         slots = super().append(positions)
@@ -143,12 +143,12 @@ class DeviceBlockStorage:
         self.layers = frozenset(layers)
         self.num_blocks, self.block_size = num_blocks, block_size
         kv_heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v
-        self.k = {i: gpuarray.zeros((num_blocks, block_size, kv_heads, hd), np.float16) for i in sorted(self.layers)}
-        self.v = {i: gpuarray.zeros((num_blocks, block_size, kv_heads, hd_v), np.float16) for i in sorted(self.layers)}
+        self.k = {i: launch.zeros((num_blocks, block_size, kv_heads, hd), np.float16) for i in sorted(self.layers)}
+        self.v = {i: launch.zeros((num_blocks, block_size, kv_heads, hd_v), np.float16) for i in sorted(self.layers)}
         # flat views (num_blocks * block_size, n_kv, hd): what the kernels index by physical slot
         self.k_flat = {i: a.reshape(num_blocks * block_size, kv_heads, hd) for i, a in self.k.items()}
         self.v_flat = {i: a.reshape(num_blocks * block_size, kv_heads, hd_v) for i, a in self.v.items()}
-        self.pos = gpuarray.zeros(num_blocks * block_size, np.int32)
+        self.pos = launch.zeros(num_blocks * block_size, np.int32)
         self._seqs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
@@ -203,7 +203,7 @@ class DeviceBlockStorage:
         if st.table is None:
             from pycuda import gpuarray
 
-            st.table = gpuarray.zeros(max(1, -(-seq.n_ctx // self.block_size)), np.int32)
+            st.table = launch.zeros(max(1, -(-seq.n_ctx // self.block_size)), np.int32)
         if not np.array_equal(kept, st.table_host):
             st.table[:len(kept)].set(kept.astype(np.int32))
             st.table_host = np.array(kept)

@@ -32,6 +32,9 @@ MAX_STATIC_SHARED = 48 * 1024
 ORDERS = ("forward", "reverse", "alternate", "both")
 _KIND_NAMES = {"i": "signed integer", "u": "unsigned integer", "f": "floating-point", "p": "pointer"}
 _launches = count()
+# pycuda's prepared-call codes (struct format) and the numpy scalar each one packs
+_PREPARED_TYPES = {"P": np.intp, "i": np.int32, "I": np.uint32, "q": np.int64, "Q": np.uint64, "f": np.float32,
+                   "d": np.float64}
 
 
 class LaunchError(RuntimeError):
@@ -77,6 +80,7 @@ class Function:
         self._shared_at = (ctypes.c_void_p * max(1, len(shared)))(*[library.load_base + a for a, _ in shared])
         self._shared_size = (ctypes.c_longlong * max(1, len(shared)))(*[s for _, s in shared])
         self._n_shared = len(shared)
+        self._prepared: list | None = None
 
     def __call__(self, *args, block=(1, 1, 1), grid=(1, 1), shared: int = 0, stream=None, **unknown) -> None:
         if unknown:
@@ -94,6 +98,23 @@ class Function:
             return
         reverse = mode == "reverse" or (mode == "alternate" and next(_launches) % 2 == 1)
         self._run(packed, block3, grid3, reverse)
+
+    def prepare(self, arg_types: str) -> "Function":
+        """pycuda's Function.prepare: the argument types once, as a struct format ("P" a pointer)."""
+        unknown = sorted(set(arg_types) - set(_PREPARED_TYPES))
+        if unknown:
+            raise ArgumentError(f"{self.name}: prepare() with format codes the emulator does not know: {unknown}")
+        self._prepared = [_PREPARED_TYPES[c] for c in arg_types]
+        return self
+
+    def prepared_call(self, grid, block, *args, shared_size: int = 0) -> None:
+        """pycuda's prepared call: plain values packed by the prepared format, then the same checks
+        as a call (a pointer must lie in a live allocation, each width must match the kernel's)."""
+        if self._prepared is None:
+            raise LaunchError(f"{self.name}: prepared_call before prepare")
+        if len(args) != len(self._prepared):
+            raise ArgumentError(f"{self.name}: prepared for {len(self._prepared)} arguments, got {len(args)}")
+        self(*(t(a) for t, a in zip(self._prepared, args)), block=block, grid=grid, shared=shared_size)
 
     # -- checks ------------------------------------------------------------------------------
     def _check_launch(self, block: tuple[int, int, int], grid: tuple[int, int, int]) -> None:

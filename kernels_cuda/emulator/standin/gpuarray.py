@@ -56,6 +56,7 @@ class GPUArray:
             ctypes.memmove(self.ptr, ary.ctypes.data, self.nbytes)
 
     def fill(self, value) -> "GPUArray":
+        _elementwise_type(self.dtype)
         self.set(np.full(self.shape, value, self.dtype))
         return self
 
@@ -117,7 +118,20 @@ def empty(shape, dtype=np.float32, allocator: Callable[[int], Any] | None = None
     return GPUArray(shape, dtype, allocator=allocator)
 
 
+# The dtypes pycuda's elementwise kernels (fill, hence zeros) can name in C. float16 is not
+# one: real pycuda raises there, so the emulator does too, and code that zeroes f16 arrays
+# uses a driver memset (launch.zeros) on either.
+_C_TYPES = {np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+                                  np.uint64, np.float32, np.float64, np.complex64, np.complex128, np.bool_)}
+
+
+def _elementwise_type(dtype) -> None:
+    if np.dtype(dtype) not in _C_TYPES:
+        raise ValueError(f"unable to map dtype '{np.dtype(dtype)}'")
+
+
 def zeros(shape, dtype=np.float32, allocator: Callable[[int], Any] | None = None, order: str = "C") -> GPUArray:
+    _elementwise_type(dtype)
     out = empty(shape, dtype, allocator, order)
     if out.nbytes:
         ctypes.memset(out.ptr, 0, out.nbytes)
