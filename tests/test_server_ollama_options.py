@@ -143,6 +143,8 @@ def test_openapi_contract_with_schemathesis(live, monkeypatch):
         op = result.ok()
         if op.path in ("/api/pull", "/api/delete", "/api/create", "/api/copy"):
             continue  # the store and the network: covered by test_server_models
+        if op.path == "/slots/{id_slot}":
+            continue  # 501 without --slot-save-path, as llama-server answers: covered by test_server_slots
 
         @given(case=op.as_strategy())
         @settings(max_examples=1, deadline=None, database=None, derandomize=True, phases=[Phase.generate],

@@ -68,6 +68,9 @@ def register(sub) -> None:
                    help="the name the served model answers to and responses report (default: NAME as given)")
     p.add_argument("--pooling", choices=("none", "mean", "cls", "last", "rank"), default=None,
                    help="embeddings' pooling, over the file's: none gives a vector per token (/embeddings only)")
+    p.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="enable llama-server's POST /slots/0?action=save|restore|erase, with files in DIR "
+                        "(an existing folder; default: those are refused)")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(func=serve)
@@ -81,12 +84,13 @@ def serve(args) -> int:
 
     if args.timeout is not None and args.timeout <= 0:
         raise EdgeInferError(f"--timeout must be positive, got {args.timeout}")
+    slot_save_path = _slot_folder(args.slot_save_path)
     config = ServerConfig(
         model_name=args.alias or args.name, pooling=args.pooling, max_queue=args.max_queue, timeout_s=args.timeout,
         api_key=args.api_key or os.environ.get("EDGEINFER_API_KEY") or None,
         cors_origins=list(args.cors_origin), allowed_hosts=list(args.allowed_host) + _bind_names(args.host),
         max_body_bytes=args.max_body, sampling=sampling_from_args(args), keep_alive_s=args.keep_alive,
-        max_models=args.max_models, bind_host=args.host,
+        max_models=args.max_models, bind_host=args.host, slot_save_path=slot_save_path,
         # other local models load with the same options, but their own chat templates
         model_options={k: v for k, v in model_kwargs(args).items() if k != "chat_template"})
     if not _is_loopback(args.host):
@@ -124,6 +128,15 @@ def serve(args) -> int:
     if state.load_error:
         raise EdgeInferError(state.load_error)
     return 0
+
+
+def _slot_folder(path: str | None) -> str | None:
+    """--slot-save-path: an existing folder (as llama-server requires), made absolute."""
+    if path is None:
+        return None
+    if not os.path.isdir(path):
+        raise EdgeInferError(f"--slot-save-path {path!r} is not a folder; create it first")
+    return os.path.abspath(path)
 
 
 def _is_loopback(host: str) -> bool:

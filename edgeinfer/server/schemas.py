@@ -386,3 +386,14 @@ class ApplyTemplateRequest(Body):
     add_generation_prompt: bool | None = None      # default: true, unless a final assistant message stays open
     continue_final_message: bool | None = None     # default: a final assistant message stays open
     chat_template_kwargs: ChatTemplateKwargs | None = None
+
+
+class SlotFileRequest(Body):
+    """POST /slots/0?action=save|restore: the file, by name, in the --slot-save-path folder
+    (checked as a plain file name by edgeinfer.server.slot_files)."""
+
+    filename: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+
+
+class SlotEraseRequest(Body):
+    """POST /slots/0?action=erase takes no fields (an empty body or {})."""

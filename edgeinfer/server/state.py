@@ -28,6 +28,7 @@ from edgeinfer.results import GenerationChunk
 from edgeinfer.server.errors import APIError
 from edgeinfer.server.keep_alive import FOREVER, parse_duration
 from edgeinfer.server.metrics import Metrics
+from edgeinfer.server.slot_status import LastTask
 from edgeinfer.server.slots import Slot, current_slot
 from edgeinfer.server.worker import Job, QueueFullError, Worker
 
@@ -36,6 +37,10 @@ log = logging.getLogger("edgeinfer.server")
 MODEL_ALIASES = ("", "default")
 # seconds the request's model took to load for it (0 when it was resident): Ollama's load_duration
 load_seconds: contextvars.ContextVar[float] = contextvars.ContextVar("edgeinfer_load_seconds", default=0.0)
+# the sampling settings `sampling` checked for this request: `submit` hands them to the job, so
+# GET /slots can show the last request's (every dialect calls both, none passes them on itself)
+request_params: contextvars.ContextVar[dict | None] = contextvars.ContextVar("edgeinfer_request_params",
+                                                                            default=None)
 
 
 @dataclass
@@ -54,6 +59,7 @@ class ServerConfig:
     load_wait_s: float = 60.0               # how long a request waits for its model to load, else 503
     model_options: dict[str, Any] = field(default_factory=dict)  # edgeinfer.load keywords for other models
     pooling: str | None = None              # embeddings' pooling over the file's (llama.cpp's --pooling)
+    slot_save_path: str | None = None       # folder of /slots save/restore files; None: those are refused
 
     @property
     def exposed(self) -> bool:
@@ -81,7 +87,8 @@ class ServerState:
         self.slots: list[Slot] = [self.default]
         self.load_error: str | None = None
         self.metrics = Metrics()
-        self.worker = Worker(config.max_queue, on_job_done=lambda job, _s: self.metrics.record_generation(job.last))
+        self.worker = Worker(config.max_queue, on_job_done=self._job_done)
+        self.last_task: LastTask | None = None  # the last generation, as GET /slots reports it
         self.metrics.bind(queue_depth=lambda: self.worker.queue_depth,
                           running=lambda: 1 if self.worker.busy else 0,
                           kv_used=self._kv_used, kv_capacity=self._kv_capacity)
@@ -90,6 +97,11 @@ class ServerState:
         self._loads_done = 0             # loads finished (or failed): a waiter sees the line move
         self._load_s = 5.0               # moving mean of a load's seconds, for Retry-After
         self.file_facts: dict[tuple, Any] = {}  # (path, size, mtime) -> model_info.describe(...)
+
+    def _job_done(self, job: Job, _seconds: float) -> None:
+        self.metrics.record_generation(job.last)
+        if job.params is not None:  # a generation (not a /slots action)
+            self.last_task = LastTask.of(job)
 
     # -- the request's slot -------------------------------------------------------------------
     @property
@@ -395,6 +407,7 @@ class ServerState:
             SamplingParams(**params).validate()
         except EdgeInferError as exc:
             raise APIError(400, str(exc)) from None
+        request_params.set(params)  # the same dict: what the endpoint adds to it later shows too
         return params
 
     # -- generation ------------------------------------------------------------------------
@@ -402,7 +415,8 @@ class ServerState:
         self.require_model()
         loop = asyncio.get_running_loop()
         try:
-            job = self.worker.submit(start, loop)
+            params = request_params.get()
+            job = self.worker.submit(start, loop, dict(params) if params is not None else None)
         except QueueFullError as exc:
             self.metrics.rejected.inc()
             raise APIError(429, f"the server is busy: {self.worker.max_queue} requests are already "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import math
 import threading
 import time
@@ -22,6 +23,7 @@ from edgeinfer.results import GenerationChunk
 StartFn = Callable[[threading.Event], Iterator[GenerationChunk]]
 
 _END = object()       # the worker is done with a job
+_job_ids = itertools.count(1)  # llama-server's id_task, as GET /slots shows it
 
 
 class QueueFullError(Exception):
@@ -38,6 +40,7 @@ class Job:
     def __init__(self, start: StartFn, loop: asyncio.AbstractEventLoop,
                  on_cancel: Callable[["Job"], None] | None = None) -> None:
         self.start = start
+        self.id = next(_job_ids)
         self._on_cancel = on_cancel  # the worker's hook: take a waiting job out of the line
         self.cancel = threading.Event()
         self.timed_out = False
@@ -46,6 +49,8 @@ class Job:
         self.last: GenerationChunk | None = None  # the final chunk (usage, timings)
         self.on_last: Callable[[GenerationChunk], None] | None = None  # told the final chunk (access log)
         self.watcher: asyncio.Future | None = None  # the request's disconnect watcher, stopped at the end
+        self.params: dict | None = None  # the request's sampling settings (GET /slots shows the last ones)
+        self.n_decoded = 0               # tokens generated so far (GET /slots' next_token.n_decoded)
         self._loop = loop
         self._chunks: asyncio.Queue = asyncio.Queue()
         self._ended = False
@@ -134,9 +139,16 @@ class Worker:
     def busy(self) -> bool:
         return self._running is not None
 
-    def submit(self, start: StartFn, loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue a job; raises QueueFullError when max_queue jobs already wait."""
+    @property
+    def running(self) -> Job | None:
+        """The job the worker runs now (GET /slots reads its progress)."""
+        return self._running
+
+    def submit(self, start: StartFn, loop: asyncio.AbstractEventLoop, params: dict | None = None) -> Job:
+        """Queue a job (`params`: its request's sampling settings, None for other work); raises
+        QueueFullError when max_queue jobs already wait."""
         job = Job(start, loop, on_cancel=self._drop)
+        job.params = params
         with self._cond:
             if self._stop:
                 raise QueueFullError(1)
@@ -189,6 +201,8 @@ class Worker:
             for chunk in job.start(job.cancel):
                 if chunk.finish_reason is not None:
                     job.last = chunk
+                elif chunk.token is not None:
+                    job.n_decoded += 1
                 job._put(chunk)
         except BaseException as exc:  # noqa: BLE001 - handed to the request, which answers it
             job._put(exc)
