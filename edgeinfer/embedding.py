@@ -111,8 +111,8 @@ def embed(model: "LoadedModel", inputs: str | Sequence[str] | Sequence[int] | Se
             raise EdgeInferError(f"input {k}: token id {bad[0]!r} is out of range 0..{model.config.n_vocab - 1}")
         if len(ids) > limit:
             if not truncate:
-                raise ContextOverflowError(f"input {k} has {len(ids)} tokens, more than the {limit} "
-                                           f"this model embeds at once (truncate to cut it)")
+                raise ContextOverflowError(f"input {k} has {len(ids)} tokens: too large to process, more than "
+                                           f"the {limit} this model embeds at once (truncate to cut it)")
             ids = _truncated(model, ids, limit)
         seqs.append([int(t) for t in ids])
     pooling = pooling_of(model, pooling)

@@ -235,3 +235,42 @@ def test_x_api_key_is_an_alternative_to_bearer(model):
         assert httpx.post(url, json={"content": "hi"}).status_code == 401
     finally:
         srv.stop()
+
+
+def test_completion_result_shows_its_prompt_and_response_fields_pick_it(http, model):
+    r = greedy(http)
+    want = model.tokenizer.detokenize(model.tokenize("hello"), as_pieces=True)
+    assert r["prompt"] == want and want.endswith("hello")
+    r = greedy(http, response_fields=["content", "prompt", "generation_settings/n_predict"])
+    assert set(r) == {"content", "prompt", "generation_settings/n_predict"}
+    assert r["prompt"] == want and r["generation_settings/n_predict"] == 4
+
+
+def test_verbose_echoes_the_prompt_the_model_saw(http, model):
+    chat = {"messages": [{"role": "system", "content": "Book"}, *MSG], "max_tokens": 2}
+    plain = http.post("/chat/completions", json=chat).json()
+    assert "__verbose" not in plain
+    r = http.post("/chat/completions", json={**chat, "verbose": True}).json()
+    seen = r["__verbose"]
+    assert "Book" in seen["prompt"] and seen["content"] == r["choices"][0]["message"]["content"]
+    assert seen["tokens_evaluated"] == r["usage"]["prompt_tokens"]
+    s = http.post("/chat/completions", json={**chat, "verbose": True, "stream": True})
+    closing = [e for e in events(s) if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert "Book" in closing[-1]["__verbose"]["prompt"]
+    r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "verbose": True}).json()
+    assert r["__verbose"]["prompt"].endswith("hello")
+    assert http.post("/v1/completions", json={"prompt": "a", "suffix": "b", "verbose": True}).status_code == 400
+    assert greedy(http, verbose=True)["__verbose"]["content"] == greedy(http)["content"]
+
+
+def test_backend_sampling_is_accepted_and_changes_nothing(http):
+    assert greedy(http, backend_sampling=True)["content"] == greedy(http)["content"]
+    assert http.post("/completion", json={"prompt": "a", "backend_sampling": "yes"}).status_code == 400
+
+
+def test_two_assistant_messages_at_the_end_are_refused(http):
+    msgs = [*MSG, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
+    r = http.post("/chat/completions", json={"messages": msgs, "max_tokens": 2})
+    assert r.status_code == 400 and "two assistant messages" in r.json()["error"]["message"]
+    ok = http.post("/chat/completions", json={"messages": msgs[:-1], "max_tokens": 2})
+    assert ok.status_code == 200  # one final assistant message: llama-server's prefill

@@ -137,7 +137,8 @@ def truncated(last, n_ctx: int) -> bool:
     return u is not None and last.finish_reason == "length" and u.prompt_tokens + u.completion_tokens >= n_ctx
 
 
-def final_body(state, text: str, last, params: dict, index: int = 0, tokens: list[int] | None = None) -> dict:
+def final_body(state, text: str, last, params: dict, index: int = 0, tokens: list[int] | None = None,
+               prompt: str | None = None) -> dict:
     u = last.usage
     settings = {k: v for k, v in params.items() if k != "logit_bias"}
     if params.get("logit_bias"):
@@ -149,7 +150,18 @@ def final_body(state, text: str, last, params: dict, index: int = 0, tokens: lis
                                     **settings},
             "has_new_line": "\n" in text, "truncated": truncated(last, state.model.n_ctx),
             "stop_type": _STOP_TYPE[last.finish_reason], "stopping_word": "",
-            "timings": llama_timings(last)}
+            "timings": llama_timings(last), **({"prompt": prompt} if prompt is not None else {})}
+
+
+def prompt_text(model, prompt: list[int] | str) -> str:
+    """llama-server's `prompt` in a result: the prompt's tokens as their pieces, BOS included."""
+    ids = prompt if isinstance(prompt, list) else model.tokenize(prompt, add_special=True)
+    return model.tokenizer.detokenize(ids, as_pieces=True)
+
+
+def _with_verbose(body: dict, verbose: bool) -> dict:
+    """llama-server's `verbose`: the body again under `__verbose` (its OpenAI routes carry only this part)."""
+    return {**body, "__verbose": dict(body)} if verbose else body
 
 
 def pick_fields(body: dict, fields: list[str] | None) -> dict:
@@ -174,8 +186,11 @@ def batched(starts: list):
     return starts[0] if len(starts) == 1 else in_turn(starts)
 
 
-async def _run(request: Request, req: LlamaSampling, starts: list, params: dict, batch: bool = False):
-    """Answer one prompt (a JSON object) or a batch (a list of them, by index), whole or streamed."""
+async def _run(request: Request, req: LlamaSampling, starts: list, params: dict, batch: bool = False,
+               texts: list[str] | None = None):
+    """Answer one prompt (a JSON object) or a batch (a list of them, by index), whole or streamed;
+    `texts`: each prompt as its final result shows it (llama-server's `prompt`)."""
+    texts = texts or [None] * len(starts)
     state = request.app.state.server
     job = state.submit(batched(starts))
     pieces = lp_format.Pieces(state.model.tokenizer)
@@ -196,9 +211,9 @@ async def _run(request: Request, req: LlamaSampling, starts: list, params: dict,
             if last is None:
                 continue
             tokens = [c.token for c in mine if c.token is not None] if req.return_tokens else None
-            body = {**final_body(state, "".join(c.text for c in mine), last, params, i, tokens),
+            body = {**final_body(state, "".join(c.text for c in mine), last, params, i, tokens, texts[i]),
                     **probs([c.logprobs for c in mine if c.logprobs])}
-            bodies.append(pick_fields(body, req.response_fields))
+            bodies.append(pick_fields(_with_verbose(body, req.verbose), req.response_fields))
         return JSONResponse(bodies if batch else bodies[0])
     first = await first_chunk(job, request)
     held: dict[int, list] = {}    # probabilities of tokens whose text is still held back (a stop string's start)
@@ -229,7 +244,8 @@ async def _run(request: Request, req: LlamaSampling, starts: list, params: dict,
             tail = probs(lps) if lps else {}
             if req.return_progress:
                 tail["prompt_progress"] = llama_compat.prompt_progress(chunk)
-            out.append(pick_fields({**final_body(state, "", chunk, params, i), **tail}, req.response_fields))
+            body = {**final_body(state, "", chunk, params, i, prompt=texts[i]), **tail}
+            out.append(pick_fields(_with_verbose(body, req.verbose), req.response_fields))
         return out
 
     return sse_response(stream_events(job, first, request.url.path, sse, None, lambda last: [],
@@ -244,6 +260,7 @@ async def completion(request: Request):
     model = state.require_model()
     params = sampling_of(state, req, model)
     prompts, batch = await _off_loop(request, lambda: llama_compat.prompts(model, req.prompt))
+    texts = await _off_loop(request, lambda: [prompt_text(model, p) for p in prompts])
     run = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema,
                                                 req.response_format))
 
@@ -251,7 +268,7 @@ async def completion(request: Request):
         return limited(lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **run),
                        req.t_max_predict_ms, req.n_indent)
 
-    return await _run(request, req, [start_for(p) for p in prompts], params, batch)
+    return await _run(request, req, [start_for(p) for p in prompts], params, batch, texts)
 
 
 @router.post("/infill")

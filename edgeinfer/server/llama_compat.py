@@ -124,6 +124,9 @@ def prefill_mode(messages: list[dict], add_generation_prompt: bool | None,
         return False, True
     if continue_final_message is None and last.get("role") == "assistant" and not last.get("tool_calls") \
             and not add_generation_prompt:
+        if len(messages) > 1 and messages[-2].get("role") == "assistant":  # which one would go on?
+            raise APIError(400, "invalid field 'messages': two assistant messages end the list, so the one to "
+                                "continue is ambiguous", param="messages")
         return False, True  # llama-server's assistant prefill
     return (True if add_generation_prompt is None else add_generation_prompt), False
 
@@ -168,7 +171,7 @@ def continued(render, messages: list[dict]) -> str:
 
 
 def chat_prompt_ids(model, messages: list[dict], *, add_generation_prompt: bool, prefill: bool,
-                    cancel=None, **template_kw) -> list[int]:
+                    cancel=None, tools: list | None = None, **template_kw) -> list[int]:
     """The chat prompt's token ids as Model.chat makes them (only the template's markup
     becomes control tokens), without the generation prompt or with the final message left
     open; `template_kw` are the template switches (enable_thinking, reasoning_effort)."""
@@ -179,7 +182,7 @@ def chat_prompt_ids(model, messages: list[dict], *, add_generation_prompt: bool,
     protected = literal.protect(messages)
 
     def render(ms: list[dict]) -> str:
-        return render_with_tools(model.template, ms, None, add_bos=model.tokenizer.add_bos, cancel=cancel,
+        return render_with_tools(model.template, ms, tools, add_bos=model.tokenizer.add_bos, cancel=cancel,
                                  add_generation_prompt=add_generation_prompt and not prefill, **template_kw)
 
     text = continued(render, protected) if prefill else render(protected)

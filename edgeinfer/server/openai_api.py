@@ -6,6 +6,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -21,6 +22,7 @@ from edgeinfer.server import llama_compat
 from edgeinfer.server.constraints import add_constraint, compiled, llama_constraint
 from edgeinfer.server.tool_output import OpenAIDeltas, chat_plan, openai_message
 from edgeinfer.server.streaming import collect_chunks, first_chunk, sse, sse_response, stream_events
+from edgeinfer.server.llama_api import final_body
 from edgeinfer.server.usage import llama_timings, usage_dict
 from edgeinfer.server.worker import Job
 
@@ -75,6 +77,9 @@ async def chat_completions(request: Request):
                               constraint=await compiled(state, llama_constraint, req.grammar, req.json_schema,
                                                         req.response_format))
     chat = _chat_start(model, messages, extra, add_generation_prompt, prefill)
+    shown = await _shown_prompt(req, lambda: llama_compat.chat_prompt_ids(
+        model, messages, add_generation_prompt=add_generation_prompt, prefill=prefill, tools=extra.get("tools"),
+        **{k: extra[k] for k in ("enable_thinking", "reasoning_effort") if k in extra}), model)
     t0 = time.perf_counter()
     counts: dict[int, int] = {}
     job = state.submit(several(chat, req.n, params))
@@ -91,7 +96,8 @@ async def chat_completions(request: Request):
         return JSONResponse({**head, "object": "chat.completion", "choices": [{
             "index": c.index, "message": message, "logprobs": logprobs(c.logprobs), "finish_reason": finish}
             for c, message, finish in answers],
-            "usage": usage_dict(last), "timings": llama_timings(last)})
+            "usage": usage_dict(last), "timings": llama_timings(last),
+            **_verbose(state, shown, answers[0][0].text if answers else "", last, params)})
     first = await first_chunk(job, request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -102,6 +108,7 @@ async def chat_completions(request: Request):
             body["usage"] = None
         if last is not None:
             body["timings"] = llama_timings(last)
+            body.update(_verbose(state, shown, "", last, params))
             if req.return_progress:
                 body["prompt_progress"] = llama_compat.prompt_progress(last)
         elif req.timings_per_token:
@@ -187,6 +194,8 @@ async def completions(request: Request):
         params = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema,
                                                        None))
     batch = _batch(req.prompt)
+    if batch is not None and req.verbose:
+        raise APIError(400, "invalid field 'verbose': it takes one prompt, not a batch", param="verbose")
     if batch is not None:
         return await _batched_completions(request, req, model, batch, params)
     prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) \
@@ -203,6 +212,10 @@ async def completions(request: Request):
         start_for = lambda p: lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **p)  # noqa: E731
     echoed = (prompt if isinstance(prompt, str) else model.tokenizer.detokenize(prompt, skip_special=True)) \
         if req.echo else ""
+    if req.verbose and req.suffix is not None:
+        raise APIError(400, "invalid field 'verbose': it cannot be combined with suffix (fill-in-the-middle)",
+                       param="verbose")
+    shown = await _shown_prompt(req, lambda: prompt if isinstance(prompt, list) else model.tokenize(prompt), model)
     prompt_lps: list = []  # with echo and logprobs: (token, logprob) of the prompt, made on the worker
     start = several(start_for, req.n, params)
     if req.echo and req.logprobs is not None:
@@ -233,7 +246,8 @@ async def completions(request: Request):
             choices.append({"text": echoed + c.text, "index": c.index, "logprobs": logprobs(items, text_start()),
                             "finish_reason": _FINISH[c.finish_reason]})
         return JSONResponse({**head, "object": "text_completion", "choices": choices,
-                             "usage": usage_dict(last), "timings": llama_timings(last)})
+                             "usage": usage_dict(last), "timings": llama_timings(last),
+                             **_verbose(state, shown, choices[0]["text"] if choices else "", last, params)})
     first = await first_chunk(job, request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -266,11 +280,27 @@ async def completions(request: Request):
                 offsets[i] += sum(len(pieces(t)[0]) for t, _ in held[i])
                 held[i].clear()
             if chunk.finish_reason is not None:
-                out.append(piece(i, "", _FINISH[chunk.finish_reason], [], offsets[i]))
+                out.append({**piece(i, "", _FINISH[chunk.finish_reason], [], offsets[i]),
+                            **_verbose(state, shown, "", chunk, params)})
         return out
 
     return sse_response(_stream_body(job, first, request.url.path, include_usage, head, "text_completion",
                                      on_chunk))
+
+
+async def _shown_prompt(req: OpenAISampling, ids, model) -> str | None:
+    """With llama-server's `verbose`: the prompt as the model sees it (its tokens' pieces),
+    made off the event loop; None otherwise."""
+    if not req.verbose:
+        return None
+    return await anyio.to_thread.run_sync(lambda: model.tokenizer.detokenize(ids(), as_pieces=True))
+
+
+def _verbose(state, shown: str | None, content: str, last, params: dict) -> dict:
+    """llama-server's `__verbose` debug field: the /completion body of the answer, prompt included."""
+    if shown is None or last is None or last.usage is None:
+        return {}
+    return {"__verbose": final_body(state, content, last, params, prompt=shown)}
 
 
 def _batch(prompt) -> list | None:
