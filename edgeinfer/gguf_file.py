@@ -5,6 +5,9 @@ for a 262k-token vocabulary. This parser walks the header once with `struct` and
 the tensor data as views into one read-only mmap, so opening a 250 MB file takes
 milliseconds once the OS cache is warm and nothing is dequantized or copied.
 
+A split model (llama.cpp's gguf-split: `NAME-00001-of-0000N.gguf` ...) is opened by its first
+part: every part is mapped and checked (see `gguf_split`), and each tensor reads from its part.
+
 Every problem ends in a `GGUFError` whose one line names the file and the problem. Strings
 are decoded here, once, with invalid UTF-8 replaced by U+FFFD, so nothing downstream meets
 undecodable text; no claimed count is believed before it is checked against the bytes left.
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from edgeinfer import gguf_split
 from edgeinfer.errors import GGUFError
 from edgeinfer.metadata import Metadata, check_common_keys, meta_int, meta_str
 
@@ -63,8 +67,9 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]
     qtype: GGMLQuantizationType
-    offset: int  # absolute byte offset in the file
+    offset: int  # absolute byte offset in the file (its part's file, for a split model)
     n_bytes: int
+    part: int = 0  # which file of a split model holds it (0: the first part, `GGUFFile.path`)
 
     @property
     def n_cols(self) -> int:
@@ -174,19 +179,28 @@ class GGUFFile:
 
     def __init__(self, path: Path, version: int, metadata: Metadata,
                  tensors: dict[str, TensorInfo], data_offset: int, mapped: np.ndarray) -> None:
-        self.path = path
+        self.path = path  # the first part, for a split model
         self.version = version
         self.metadata = metadata
         self.tensors = tensors
         self.data_offset = data_offset
-        self._mapped = mapped  # read-only uint8 view of the whole file
+        self.part_paths = [path]  # every file of a split model, in order
+        self._maps = [mapped]  # per part: a read-only uint8 view of the whole file
+        self._mmaps: list[mmap.mmap | None] = [None]  # the mapping behind each view, where it is one
         self._raw_views: dict[str, np.ndarray] = {}  # decode asks for each matrix every token
-        self._mmap: mmap.mmap | None = None   # the mapping behind `mapped`, where it is one
 
     # -- opening ---------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> "GGUFFile":
-        path = Path(path)
+        """Open a GGUF file, or all parts of a split one given its first part."""
+        gf = cls._open_one(Path(path))
+        keys = gguf_split.read_keys(gf.metadata, gf.path)
+        if keys is not None:
+            gf._add_parts(keys)
+        return gf
+
+    @classmethod
+    def _open_one(cls, path: Path) -> "GGUFFile":
         if not path.exists():
             raise GGUFError(f"{path}: no such file")
         if path.is_dir():
@@ -201,8 +215,22 @@ class GGUFFile:
             raise GGUFError(f"{path}: cannot read file: {exc}") from None
         mapped = np.frombuffer(mm, dtype=np.uint8)
         gf = _parse(path, memoryview(mm), mapped)
-        gf._mmap = mm
+        gf._mmaps = [mm]
         return gf
+
+    def _add_parts(self, keys: gguf_split.SplitKeys) -> None:
+        """Map parts 2..N next to this first part and take their tensors into the table."""
+        opened = []
+        # other_parts checks that every part exists before any is mapped
+        for no, part_path in enumerate(gguf_split.other_parts(self.path, keys), start=1):
+            part = GGUFFile._open_one(part_path)
+            gguf_split.check_part(part.metadata, part_path, no, keys)
+            opened.append(part)
+        tables = [(self.path, self.tensors)] + [(p.path, p.tensors) for p in opened]
+        self.tensors = gguf_split.join_tensors(tables, keys)
+        self.part_paths += [p.path for p in opened]
+        self._maps += [p._maps[0] for p in opened]
+        self._mmaps += [p._mmaps[0] for p in opened]
 
     # -- access ----------------------------------------------------------------------
     @property
@@ -211,7 +239,8 @@ class GGUFFile:
 
     @property
     def file_size(self) -> int:
-        return int(self._mapped.shape[0])
+        """Bytes on disk: all parts together, for a split model."""
+        return sum(int(m.shape[0]) for m in self._maps)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -221,7 +250,7 @@ class GGUFFile:
         view = self._raw_views.get(name)
         if view is None:
             info = self.tensors[name]
-            flat = self._mapped[info.offset : info.offset + info.n_bytes]
+            flat = self._maps[info.part][info.offset : info.offset + info.n_bytes]
             view = self._raw_views[name] = flat.reshape(info.n_rows, info.row_bytes)
         return view
 
@@ -229,13 +258,14 @@ class GGUFFile:
         """Let the OS take the tensor's mapped pages out of this process's memory (the CPU
         backend calls it once it holds a copy in another layout): they stay in the page
         cache, and a later read maps them back. Only pages wholly inside the tensor."""
-        if self._mmap is None or not hasattr(self._mmap, "madvise"):
-            return
         info = self.tensors[name]
+        mm = self._mmaps[info.part]
+        if mm is None or not hasattr(mm, "madvise"):
+            return
         start = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE
         end = (info.offset + info.n_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start:
-            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def array(self, name: str) -> np.ndarray:
         """An F32/F16/BF16 tensor as a numpy array in row-major (numpy) shape, zero copy."""
@@ -243,7 +273,7 @@ class GGUFFile:
         dtypes = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
         if info.qtype not in dtypes:
             raise TypeError(f"{name} is {info.qtype.name}, not a float tensor")
-        flat = self._mapped[info.offset : info.offset + info.n_bytes].view(dtypes[info.qtype])
+        flat = self._maps[info.part][info.offset : info.offset + info.n_bytes].view(dtypes[info.qtype])
         return flat.reshape(tuple(reversed(info.shape)))
 
     def type_counts(self) -> dict[str, int]:

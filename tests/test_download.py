@@ -12,6 +12,9 @@ from huggingface_hub import scan_cache_dir
 from edgeinfer.store import download, registry
 from edgeinfer.cli import main
 from edgeinfer.errors import DownloadError, ModelNotFoundError
+from edgeinfer.gguf_file import GGUFFile
+from gguf_factory import write_tiny_model
+from gguf_split_factory import split_gguf
 from hub_standin import HubStandin, use_standin
 
 REPO = "acme/Tiny-GGUF"
@@ -259,6 +262,73 @@ def test_list_shows_the_alias_name(hub, payloads):
     assert [m.name for m in registry.list_local()] == ["qwen3-0.6b"]
     registry.remove("qwen3-0.6b")
     assert registry.list_local() == []
+
+
+# --- split GGUFs: pulled, listed and removed as one model ------------------------------------
+
+BIG = "acme/Big-GGUF"
+
+
+@pytest.fixture(scope="module")
+def split_payloads(tmp_path_factory):
+    root = tmp_path_factory.mktemp("split")
+    whole = write_tiny_model(root / "big-Q4_K_M.gguf", "llama", "Q8_0")
+    parts = split_gguf(whole, root / "parts", "big-Q4_K_M", 3)
+    return {f"Q4_K_M/{p.name}": p.read_bytes() for p in parts}, whole
+
+
+@pytest.fixture
+def split_hub(hub, split_payloads):
+    for name, data in split_payloads[0].items():
+        hub.add_file(BIG, name, data)
+    hub.add_file(BIG, "big-Q8_0.gguf", b"another quant, never fetched here")
+    return hub
+
+
+def test_pull_split_model_downloads_every_part_and_opens_from_the_first(split_hub, split_payloads):
+    files, whole = split_payloads
+    path = registry.pull(f"hf.co/{BIG}", progress=False)
+    assert path.name == "big-Q4_K_M-00001-of-00003.gguf"
+    for name, data in files.items():
+        assert (path.parent / name.split("/")[1]).read_bytes() == data
+    assert split_hub.gets("big-Q8_0.gguf") == []
+    gf = GGUFFile.open(path)
+    assert len(gf.part_paths) == 3 and list(gf.tensors) == list(GGUFFile.open(whole).tensors)
+    assert gf.file_size == sum(len(d) for d in files.values())
+
+
+def test_resolve_split_model_fetches_only_its_missing_parts(split_hub, split_payloads):
+    path = registry.pull(f"hf.co/{BIG}:Q4_K_M", progress=False)
+    split_hub.requests.clear()
+    assert registry.resolve(f"hf.co/{BIG}:Q4_K_M", progress=False) == path
+    assert split_hub.requests == []  # cached: no request at all
+    third = path.with_name("big-Q4_K_M-00003-of-00003.gguf")
+    blob = third.resolve()
+    third.unlink(), blob.unlink()  # as if the pull had stopped before the last part
+    assert registry.resolve(f"hf.co/{BIG}:Q4_K_M", progress=False) == path
+    assert third.is_file() and [r.path.rsplit("/", 1)[1] for r in split_hub.gets(".gguf")] == [third.name]
+
+
+def test_offline_split_model_with_a_missing_part_is_not_cached(split_hub, monkeypatch):
+    path = registry.pull(f"hf.co/{BIG}:Q4_K_M", progress=False)
+    path.with_name("big-Q4_K_M-00002-of-00003.gguf").unlink()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DownloadError, match="not in the local cache"):
+        registry.resolve(f"hf.co/{BIG}:Q4_K_M", progress=False)
+
+
+def test_split_model_is_listed_once_and_removed_whole(split_hub, split_payloads):
+    path = registry.pull(f"hf.co/{BIG}:Q4_K_M", progress=False)
+    registry.pull(f"hf.co/{REPO}:Q8_0", progress=False)
+    models = {m.name: m for m in registry.list_local()}
+    assert set(models) == {f"hf.co/{BIG}:Q4_K_M", f"hf.co/{REPO}:Q8_0"}
+    big = models[f"hf.co/{BIG}:Q4_K_M"]
+    assert big.path == path and big.size_bytes == sum(len(d) for d in split_payloads[0].values())
+    assert registry.resolve(big.name, download=False) == path
+    removed = registry.remove(big.name)
+    assert len(removed) == 6  # three snapshot links and their three blobs
+    assert not download.repo_folder(BIG).exists()
+    assert [m.name for m in registry.list_local()] == [f"hf.co/{REPO}:Q8_0"]
 
 
 # --- CLI -----------------------------------------------------------------------------------

@@ -121,11 +121,18 @@ def test_pick_gguf_no_gguf_at_all():
         registry.pick_gguf(["README.md", "model.safetensors"], None, "o/r")
 
 
-def test_pick_gguf_split_files_are_refused_clearly():
-    files = [f"Q4_K_M/big-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)] + ["big-Q8_0.gguf"]
-    with pytest.raises(ModelNotFoundError, match=r"split GGUF \(3 parts\).*not supported"):
-        registry.pick_gguf(files, None, "o/r")
+def test_pick_gguf_split_model_is_one_model_named_by_its_first_part():
+    files = [f"Q4_K_M/big-Q4_K_M-0000{i}-of-00003.gguf" for i in (3, 1, 2)] + ["big-Q8_0.gguf"]
+    first = "Q4_K_M/big-Q4_K_M-00001-of-00003.gguf"
+    assert registry.pick_gguf(files, None, "o/r") == first
+    assert registry.pick_gguf(files, "q4_k_m", "o/r") == first
+    assert registry.pick_gguf(files, "big-Q4_K_M-00002-of-00003.gguf", "o/r") == first  # any part names the set
     assert registry.pick_gguf(files, "Q8_0", "o/r") == "big-Q8_0.gguf"
+    only_split = [f for f in files if "Q8_0" not in f]
+    assert registry.pick_gguf([f.replace("Q4_K_M", "Q5_K_M") for f in only_split], None, "o/r") == \
+        first.replace("Q4_K_M", "Q5_K_M")  # its parts count once: the repo's only model
+    with pytest.raises(ModelNotFoundError, match="add :QUANT, one of: Q5_K_M, Q8_0"):
+        registry.pick_gguf([f.replace("Q4_K_M", "Q5_K_M") for f in files], None, "o/r")
 
 
 def test_quant_of():

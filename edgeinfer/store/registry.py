@@ -10,6 +10,9 @@ NAME forms, in the order they are tried:
 
 `resolve` never touches the network for a model that is already cached (like `ollama run`);
 `pull` always asks the Hub, to pick up a newer revision (like `ollama pull`).
+
+A split GGUF (`NAME-00001-of-0000N.gguf` ...) is one model here: it is picked, downloaded,
+listed and removed as a whole, and its path is its first part's (what `GGUFFile.open` takes).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from edgeinfer import gguf_split
 from edgeinfer.store import download, model_names
 from edgeinfer.errors import DownloadError, ModelNotFoundError
 
@@ -139,14 +143,16 @@ def pick_gguf(filenames: list[str], quant: str | None, repo_id: str) -> str:
             if len(_distinct_models(models)) != 1:
                 raise ModelNotFoundError(f"{where} has several GGUF files; add :QUANT, one of: {_choices(models)}")
             chosen = models
-    if any(_SPLIT.search(f) for f in chosen):
-        parts = len(chosen) if len(chosen) > 1 else int(_SPLIT.search(chosen[0]).group(2))
-        raise ModelNotFoundError(f"{where}: {Path(chosen[0]).name} is a split GGUF ({parts} parts); "
-                                 "split files are not supported yet, merge them with llama-gguf-split --merge")
+    chosen = sorted({_first_part(f) for f in chosen})  # a split model's parts count once
     if len(chosen) > 1:
         raise ModelNotFoundError(f"{where}: {quant} matches several files ({', '.join(chosen)}); "
                                  "name one exactly with :FILENAME.gguf")
     return chosen[0]
+
+
+def _first_part(filename: str) -> str:
+    """A split GGUF's part -> its first part (the file that opens the model); others unchanged."""
+    return gguf_split.part_names(filename)[0]
 
 
 def _distinct_models(files: list[str]) -> set[str]:
@@ -232,6 +238,8 @@ def _resolve_hf(ref: HfRef, name: str, *, allow_download: bool, progress: bool, 
             picked = pick_gguf(cached, ref.quant, ref.repo_id) if cached else None
         except ModelNotFoundError:
             picked = None  # the cache holds other quants of this repo
+        if picked and not all(download.cached_file(ref.repo_id, p) for p in gguf_split.part_names(picked)):
+            picked = None  # a split model whose download stopped part way: fetch the rest
         # Without a quant, the cache's only file is not necessarily the repo's default: ask the Hub.
         if picked and (not online or ref.quant or _matches_quant(picked, DEFAULT_QUANT)):
             return _fetch_file(ref.repo_id, picked, name, allow_download=False, progress=progress, refresh=False)
@@ -244,16 +252,17 @@ def _resolve_hf(ref: HfRef, name: str, *, allow_download: bool, progress: bool, 
 
 def _fetch_file(repo_id: str, filename: str, name: str, *, allow_download: bool, progress: bool,
                 refresh: bool) -> Path:
-    if not refresh:
-        cached = download.cached_file(repo_id, filename)
-        if cached is not None:
-            return cached
-    if not allow_download or download.is_offline():
-        cached = download.cached_file(repo_id, filename)
-        if cached is not None:
-            return cached
-        raise DownloadError(_not_cached_message(name, allow_download))
-    return download.fetch(repo_id, filename, progress=progress)
+    """The local path of `filename`, downloading it if needed and allowed; every part of a
+    split GGUF (the first part's path is returned)."""
+    parts = gguf_split.part_names(filename)
+    if not refresh or not allow_download or download.is_offline():
+        cached = [download.cached_file(repo_id, part) for part in parts]
+        if all(cached):  # a split model counts as cached only when every part is
+            return cached[0]
+        if not allow_download or download.is_offline():
+            raise DownloadError(_not_cached_message(name, allow_download))
+    paths = [download.fetch(repo_id, part, progress=progress) for part in parts]
+    return paths[0]
 
 
 def _not_cached_message(name: str, allow_download: bool) -> str:
@@ -321,7 +330,7 @@ def _display_name(repo_id: str, filename: str, siblings: list[str]) -> str:
         if entry.repo == repo_id and entry.file == filename and not entry.embedded:
             return entry.name
     quant = quant_of(filename)
-    if quant and sum(_matches_quant(f, quant) for f in siblings) == 1:
+    if quant and sum(_matches_quant(f, quant) for f in _distinct_models(siblings)) == 1:
         return f"hf.co/{repo_id}:{quant}"
     return f"hf.co/{repo_id}:{filename}"
 
@@ -356,13 +365,18 @@ def list_local() -> list[LocalModel]:
     for repo, _, _, rel in found:
         by_repo.setdefault(repo.repo_id, []).append(rel)
     seen: set[tuple[str, str]] = set()
-    models = []
+    groups: dict[tuple[str, str], list] = {}  # (repo, file or a split model's first part) -> files
     for repo, _, f, rel in sorted(found, key=lambda t: -t[2].blob_last_modified):
         if (repo.repo_id, rel) in seen:  # same file cached for several revisions: newest wins
             continue
         seen.add((repo.repo_id, rel))
-        name = _display_name(repo.repo_id, rel, by_repo[repo.repo_id])
-        models.append(LocalModel(name, f.file_path, f.size_on_disk, datetime.fromtimestamp(f.blob_last_modified)))
+        groups.setdefault((repo.repo_id, _first_part(rel)), []).append(f)
+    models = []
+    for (repo_id, first), files in groups.items():
+        name = _display_name(repo_id, first, by_repo[repo_id])
+        path = next((f.file_path for f in files if f.file_path.name == Path(first).name), files[0].file_path)
+        modified = datetime.fromtimestamp(max(f.blob_last_modified for f in files))
+        models.append(LocalModel(name, path, sum(f.size_on_disk for f in files), modified))
     models.extend(_embedded_local())
     for named in model_names.all_names():  # names made by /api/copy and /api/create
         try:
@@ -424,15 +438,17 @@ def _not_local_message(name: str) -> str:
 
 
 def _delete_cached_file(repo_id: str, filename: str, found) -> list[Path]:
+    """Delete `filename` (every part, for a split GGUF) from all cached revisions."""
     removed: list[Path] = []
+    names = set(gguf_split.part_names(filename))
     repo_path = found[0][0].repo_path
     for repo, rev, f, rel in found:
-        if rel != filename:
+        if rel not in names:
             continue
         if f.file_path.is_symlink() or f.file_path.exists():
             f.file_path.unlink()
             removed.append(f.file_path)
-        still_used = any(o.blob_path == f.blob_path for *_, o, orel in found if orel != filename)
+        still_used = any(o.blob_path == f.blob_path for *_, o, orel in found if orel not in names)
         if f.blob_path != f.file_path and f.blob_path.exists() and not still_used:
             f.blob_path.unlink()
             removed.append(f.blob_path)
