@@ -130,6 +130,32 @@ def bpe_vocab(pre: str = "llama-bpe") -> dict:
     }
 
 
+def gemma4_vocab() -> dict:
+    """A small Gemma 4 vocabulary (`tokenizer.ggml.model = gemma4`): SentencePiece-style BPE
+    with U+2581 for spaces, merges over raw UTF-8, `<0xXX>` byte fallback, newline tokens that
+    the merges do not build ("\n\n" is taken whole), and add_bos_token false (llama.cpp forces it)."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<turn|>"]
+    types = [3, 3, 3, 2, 3, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    base = ["\n", "\n\n", "\u2581", "é"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + list(".,!?")
+    tokens += base
+    types += [1] * len(base)
+    merges: list[str] = []
+    for word in ["\u2581the", "\u2581and", "he", "in", "\u2581hello", "\u2581world", "er", "on", "\u2581\u2581",
+                 "\u2581café", "world"]:
+        cur = word[0]
+        for ch in word[1:]:
+            merged = cur + ch
+            if merged not in tokens:
+                merges.append(f"{cur} {ch}")
+                tokens.append(merged)
+                types.append(1)
+            cur = merged
+    return {"model": "gemma4", "pre": "gemma4", "tokens": tokens, "types": types, "merges": merges,
+            "bos": 2, "eos": 1, "unk": 3, "add_bos": False}
+
+
 # -- model shapes -----------------------------------------------------------------------
 
 @dataclass

@@ -28,6 +28,7 @@ from edgeinfer.errors import TokenizerError
 from edgeinfer.metadata import meta_bool, meta_float_array, meta_int, meta_int_array, meta_str, meta_str_array
 from edgeinfer.tokenizer.bpe import CHAR_TO_BYTE, BPEFast, BPEReference, lenient_text, pre_tokenizer_for
 from edgeinfer.tokenizer.spm import SPMSession
+from edgeinfer.tokenizer.spm_bpe import SpmBPEFast, SpmBPEReference
 from edgeinfer.tokenizer.wpm import WordPiece
 
 __all__ = ["Tokenizer", "StreamDecoder", "load_tokenizer", "TokenAttr"]
@@ -183,6 +184,8 @@ class Tokenizer:
         def flag(key: str, default: bool) -> bool:
             return meta_bool(meta, f"tokenizer.ggml.{key}", default)
 
+        self._escaped_spaces = model in ("llama", "bert")  # U+2581 for spaces, not GPT-2's byte characters
+        spm_style = False  # SentencePiece-style BPE (Gemma 4's pre-tokenizer)
         if model == "llama":
             self.add_bos, self.add_eos = True, False
             self.add_space_prefix = flag("add_space_prefix", True)
@@ -190,19 +193,23 @@ class Tokenizer:
             defaults = {"bos_id": 1, "eos_id": 2, "unk_id": 0}
             self._spm = SPMSession(self._id_of, self._scores, n)
             self._bpe_ref = self._bpe_fast = None
-        elif model == "gpt2":
-            spec = pre_tokenizer_for(pre)
+        elif model in ("gpt2", "gemma4"):
+            # "gemma4" is SentencePiece-style BPE (edgeinfer.tokenizer.spm_bpe); llama.cpp takes
+            # that pre-tokenizer for it whatever tokenizer.ggml.pre says
+            spec = pre_tokenizer_for("gemma4" if model == "gemma4" else pre)
             self.add_bos = bool(spec.add_bos) if spec.add_bos is not None else False
             self.add_eos = False
             self.add_space_prefix = flag("add_space_prefix", False)
             self.clean_spaces = spec.clean_spaces
-            defaults = {"bos_id": 11, "eos_id": 11}
+            defaults = {"bos_id": 11, "eos_id": 11} if model == "gpt2" else {}
             if merges is None:
-                raise TokenizerError("gpt2 tokenizer without tokenizer.ggml.merges")
+                raise TokenizerError(f"{model} tokenizer without tokenizer.ggml.merges")
             self._spm = None
-            self._bpe_ref = BPEReference(self._id_of, list(merges), spec)
+            spm_style = spec.split == "gemma4"
+            self._escaped_spaces = spm_style
+            self._bpe_ref = (SpmBPEReference if spm_style else BPEReference)(self._id_of, list(merges), spec)
             try:
-                self._bpe_fast: BPEFast | None = BPEFast(list(tokens), list(merges), spec)
+                self._bpe_fast = (SpmBPEFast if spm_style else BPEFast)(list(tokens), list(merges), spec)
             except Exception:  # noqa: BLE001 - a vocabulary HF rejects still works, slower
                 self._bpe_fast = None
         elif model == "bert":  # WordPiece: [CLS] text [SEP]
@@ -212,9 +219,10 @@ class Tokenizer:
             self._spm = self._bpe_ref = self._bpe_fast = None
         else:
             raise TokenizerError(f"unsupported tokenizer model tokenizer.ggml.model={model!r} "
-                                 f"(edgeinfer supports 'llama', 'gpt2' and 'bert')")
+                                 f"(edgeinfer supports 'llama', 'gpt2', 'gemma4' and 'bert')")
         self.add_sep = model == "bert" and flag("add_sep_token", True)
-        self.add_bos = flag("add_bos_token", self.add_bos)
+        # llama.cpp forces BOS on for Gemma 4's pre-tokenizer whatever add_bos_token says
+        self.add_bos = True if spm_style else flag("add_bos_token", self.add_bos)
         self.add_eos = flag("add_eos_token", self.add_eos)
         self._init_special_ids(defaults, meta)
         self._wpm = WordPiece(self._id_of, self.unk_id) if model == "bert" else None
@@ -494,7 +502,7 @@ class Tokenizer:
         if attr & (TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED):
             return text
         if attr & TokenAttr.NORMAL:
-            if self.model in ("llama", "bert"):
+            if self._escaped_spaces:
                 return text.replace(_ESCAPED_SPACE, _SPACE)
             return _decode_byte_level(text)
         if attr & TokenAttr.BYTE:

@@ -46,6 +46,7 @@ _QWEN35 = PreTokenizer("qwen35", False, False, None)  # qwen2's, letter runs tak
 _GPT2 = PreTokenizer("gpt2", False, True, None)
 _DEFAULT = PreTokenizer("default", False, True, None)
 _GPT4O = PreTokenizer("gpt4o", False, False, None)
+_GEMMA4 = PreTokenizer("gemma4", False, True, True)  # SentencePiece-style BPE: edgeinfer.tokenizer.spm_bpe
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **{n: _LLAMA3 for n in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1",
@@ -55,6 +56,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **{n: _GPT2 for n in ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
                           "jina-v2-de", "a.x-4.0", "mellum", "modern-bert", "mpt", "olmo")},
     **{n: _GPT4O for n in ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2")},
+    **{n: _GEMMA4 for n in ("gemma4", "granite-embed-multi-311m")},
     "default": _DEFAULT,
     "": _DEFAULT,
 }

@@ -1,0 +1,91 @@
+"""SentencePiece-style BPE (Gemma 4's `tokenizer.ggml.model = "gemma4"`), as llama.cpp runs it.
+
+Unlike GPT-2's byte-level BPE, the vocabulary holds raw UTF-8 text with spaces written as
+U+2581, and bytes with no token of their own fall back to `<0xXX>` byte tokens. llama.cpp
+(`llama-vocab.cpp`, LLAMA_VOCAB_PRE_TYPE_GEMMA4):
+- escapes every space of a text fragment to U+2581 first;
+- splits only at newlines (`[^\\n]+|[\\n]+`): the merges run over whole lines;
+- a run of newlines that is itself a token is taken whole (the merges would not reach it);
+- merges by rank over UTF-8 characters; a symbol left outside the vocabulary becomes the
+  `<0xXX>` tokens of its bytes (bytes without one are dropped, as llama.cpp drops them).
+Detokenizing turns U+2581 back into spaces and `<0xXX>` into its byte (Tokenizer._piece).
+"""
+
+from __future__ import annotations
+
+import re
+
+from edgeinfer.tokenizer.bpe import BPEReference, PreTokenizer, _split_merge, lenient_text
+
+ESCAPED_SPACE = "\u2581"
+_LINES = re.compile(r"[^\n]+|\n+")
+
+
+def byte_token(b: int) -> bytes:
+    return b"<0x%02X>" % b
+
+
+def lines(data: bytes | str) -> list[str]:
+    """The fragment's words: spaces escaped, split into newline runs and the text between.
+    Bytes are read as llama.cpp reads them (a bad byte is U+FFFD)."""
+    text = data if isinstance(data, str) else lenient_text(data)
+    if text is None:  # a code point Python cannot hold (a surrogate): U+FFFD for its bytes
+        text = data.decode("utf-8", "replace")
+    return _LINES.findall(text.replace(" ", ESCAPED_SPACE))
+
+
+class SpmBPEReference(BPEReference):
+    """Plain-Python SentencePiece-style BPE; `encode(bytes)` -> ids (the checking path)."""
+
+    def encode(self, data: bytes) -> list[int]:
+        out: list[int] = []
+        for word in lines(data):
+            whole = self.id_of.get(word.encode()) if word[0] == "\n" else None
+            out += [whole] if whole is not None else self.encode_word(word)
+        return out
+
+    def _token_or_bytes(self, sym: str, out: list[int]) -> list[int]:
+        raw = sym.encode("utf-8", "surrogatepass")
+        tid = self.id_of.get(raw)
+        if tid is not None:
+            out.append(tid)
+            return out
+        for b in raw:
+            tid = self.id_of.get(byte_token(b))
+            if tid is not None:
+                out.append(tid)
+        return out
+
+
+class SpmBPEFast:
+    """The same with HF `tokenizers` doing the merges (byte fallback on), each distinct line
+    merged once and remembered; takes bytes like the reference."""
+
+    MAX_CACHE = 200_000
+
+    def __init__(self, tokens: list[str], merges: list[str], pre: PreTokenizer) -> None:
+        from tokenizers import Tokenizer, models
+
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            vocab[t] = i  # last one wins, like llama.cpp's token_to_id
+        pairs = list(dict.fromkeys(_split_merge(m) for m in merges))
+        self._tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False, fuse_unk=False,
+                                         byte_fallback=True))
+        self._vocab = vocab
+        self._cache: dict[str, list[int]] = {}
+
+    def encode(self, data: bytes | str) -> list[int]:
+        words = lines(data)
+        cache = self._cache
+        missing = [w for w in dict.fromkeys(words) if w not in cache]
+        if missing:
+            if len(cache) + len(missing) > self.MAX_CACHE:
+                cache.clear()
+            for word, enc in zip(missing, self._tok.encode_batch(missing, add_special_tokens=False)):
+                whole = self._vocab.get(word) if word[0] == "\n" else None
+                cache[word] = [whole] if whole is not None else enc.ids
+        out: list[int] = []
+        for w in words:
+            out += cache[w]
+        return out
