@@ -302,3 +302,23 @@ def test_a_request_for_a_model_still_loading_gets_503_with_retry_after(store, fi
         assert httpx.post(srv.url + "/api/generate", json=body, timeout=30).status_code == 200
     finally:
         srv.stop()
+
+
+def test_pull_of_a_split_model_fetches_every_part_as_its_layers(live, store, other_model, tmp_path):
+    from gguf_split_factory import split_gguf
+
+    parts = split_gguf(other_model, tmp_path / "parts", "big-Q8_0", 3)
+    for part in parts:
+        store.add_file("acme/Big-GGUF", part.name, part.read_bytes())
+    lines = [json.loads(x) for x in httpx.post(live.url + "/api/pull", json={"model": "hf.co/acme/Big-GGUF"},
+                                               timeout=60).text.splitlines()]
+    assert lines[-1] == {"status": "success"}
+    digests = {x["digest"] for x in lines if "digest" in x}
+    assert len(digests) == 3  # one layer a part, each reported to its end
+    for d in digests:
+        assert any(x.get("digest") == d and x["completed"] == x["total"] for x in lines)
+    path = registry.resolve_stored("hf.co/acme/Big-GGUF")
+    assert path is not None and path.name == parts[0].name
+    from edgeinfer.gguf_file import GGUFFile
+
+    assert GGUFFile.open(path).file_size == sum(p.stat().st_size for p in parts)

@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
+from edgeinfer import gguf_split
 from edgeinfer.store import model_names, registry
 from edgeinfer.errors import DownloadError, EdgeInferError, ModelNotFoundError
 from edgeinfer.server.constraints import thinks
@@ -273,7 +274,8 @@ class _Stopped(Exception):
 
 
 def plan_pull(name: str):
-    """(repo_id, RemoteFile) to download for `name`, or None for the packaged demo model."""
+    """(repo_id, [RemoteFile]) to download for `name` (every part of a split GGUF, in order),
+    or None for the packaged demo model."""
     from edgeinfer.store import download
 
     ref = registry.parse_hf_ref(name)
@@ -289,10 +291,11 @@ def plan_pull(name: str):
     files = download.list_remote_files(repo)
     if wanted is None:
         wanted = registry.pick_gguf([f.path for f in files], ref.quant, repo)
-    remote = next((f for f in files if f.path == wanted), None)
-    if remote is None:
-        raise ModelNotFoundError(f"hf.co/{repo} has no file {wanted}")
-    return repo, remote
+    by_path = {f.path: f for f in files}
+    missing = [p for p in gguf_split.part_names(wanted) if p not in by_path]
+    if missing:
+        raise ModelNotFoundError(f"hf.co/{repo} has no file {missing[0]}")
+    return repo, [by_path[p] for p in gguf_split.part_names(wanted)]
 
 
 def _store_error(exc: EdgeInferError) -> APIError:
@@ -316,17 +319,18 @@ async def pull(request: Request):
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     stop = threading.Event()
-    digest = f"sha256:{plan[1].sha256}" if plan and plan[1].sha256 else ""
-    total = plan[1].size if plan else 0
+    parts = plan[1] if plan else []  # each part is a layer of its own, as Ollama reports a model's layers
     last = [0.0]
 
-    def report(done: int, size) -> None:
-        if stop.is_set():
-            raise _Stopped()
-        now = time.monotonic()
-        if now - last[0] >= 0.1 or done == (size or total):
-            last[0] = now
-            loop.call_soon_threadsafe(queue.put_nowait, ("progress", done))
+    def reporter(k: int):
+        def report(done: int, size) -> None:
+            if stop.is_set():
+                raise _Stopped()
+            now = time.monotonic()
+            if now - last[0] >= 0.1 or done == (size or parts[k].size):
+                last[0] = now
+                loop.call_soon_threadsafe(queue.put_nowait, ("progress", (k, done)))
+        return report
 
     def run() -> None:
         from edgeinfer.store import download
@@ -335,7 +339,9 @@ async def pull(request: Request):
             if plan is None:
                 result = registry.embedded_path(registry._alias(name))
             else:
-                result = download.fetch(plan[0], plan[1].path, progress=report)
+                for k, part in enumerate(parts):
+                    got = download.fetch(plan[0], part.path, progress=reporter(k))
+                    result = got if k == 0 else result  # the first part is the model's path
             loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
         except BaseException as exc:  # noqa: BLE001 - handed to the request
             try:
@@ -343,9 +349,10 @@ async def pull(request: Request):
             except RuntimeError:
                 pass
 
-    def progress_line(done: int) -> dict:
+    def progress_line(k: int, done: int) -> dict:
+        digest = f"sha256:{parts[k].sha256}" if parts[k].sha256 else ""
         short = digest.removeprefix("sha256:")[:12]
-        return {"status": f"pulling {short}", "digest": digest, "total": total, "completed": done}
+        return {"status": f"pulling {short}", "digest": digest, "total": parts[k].size, "completed": done}
 
     async def events():
         try:
@@ -354,7 +361,7 @@ async def pull(request: Request):
             while True:
                 kind, value = await queue.get()
                 if kind == "progress":
-                    yield progress_line(value)
+                    yield progress_line(*value)
                 elif kind == "error":
                     if isinstance(value, EdgeInferError):
                         yield {"error": str(value)}
@@ -363,7 +370,8 @@ async def pull(request: Request):
                     return
                 else:
                     if plan is not None:
-                        yield progress_line(total)
+                        for k, part in enumerate(parts):
+                            yield progress_line(k, part.size)
                         yield {"status": "verifying sha256 digest"}  # download.fetch checked size and hash
                     yield {"status": "writing manifest"}
                     yield {"status": "success"}
