@@ -222,11 +222,12 @@ class Model:
         shift = params.pop("context_shift", None)
         _constraint(params)
         n_keep = params.pop("n_keep", None)
+        report = bool(params.pop("prompt_progress", False))  # PromptProgress chunks while the prompt runs
         from edgeinfer.speculative.setup import speculation_for
 
         spec = speculation_for(self.drafter, self.draft_defaults, params)
         return self.sessions.generate(ids, _sampling(params), cancel, context_shift=shift, n_keep=n_keep,
-                                      speculation=spec)
+                                      speculation=spec, report_progress=report)
 
     def embed(self, inputs, *, truncate: bool = False, dimensions: int | None = None,
               normalize: bool = True) -> list[list[float]]:

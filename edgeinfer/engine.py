@@ -130,18 +130,23 @@ class Engine:
 
     def prefill(self, tokens: list[int] | np.ndarray, kv: KVView, progress=None) -> np.ndarray:
         """Append `tokens` after what `kv` holds, in chunks; logits of the last token (n_vocab,)."""
+        logits = None
+        for done, total, logits in self.prefill_steps(tokens, kv):
+            if progress is not None:
+                progress(done, total)
+        if logits is None:
+            raise EdgeInferError("nothing to evaluate: the prompt is empty")
+        return logits
+
+    def prefill_steps(self, tokens: list[int] | np.ndarray, kv: KVView):
+        """`prefill` one chunk at a time: yields (tokens done, tokens in all, logits of the
+        chunk's last token) after each chunk, so a caller can report progress in between."""
         tokens = np.asarray(tokens, dtype=np.int64)
         start = kv.n_used
         cuts = self.chunk_bounds(len(tokens))
-        logits = None
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             positions = np.arange(start + lo, start + hi)
-            logits = self.forward(tokens[lo:hi], positions, kv)
-            if progress is not None:
-                progress(hi, len(tokens))
-        if logits is None:
-            raise EdgeInferError("nothing to evaluate: the prompt is empty")
-        return logits[0]
+            yield hi, len(tokens), self.forward(tokens[lo:hi], positions, kv)[0]
 
     def chunk_bounds(self, n: int) -> list[int]:
         """Where a prefill of n tokens is cut: every prefill_chunk tokens, except that a last

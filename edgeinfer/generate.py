@@ -17,7 +17,8 @@ from edgeinfer.engine import Engine
 from edgeinfer.errors import ContextOverflowError
 from edgeinfer.kv.recurrent import keep_rollback
 from edgeinfer.kv.view import KVView
-from edgeinfer.results import FinishReason, GenerationChunk, GenerationResult, Timings, TokenLogprob, Usage
+from edgeinfer.results import (FinishReason, GenerationChunk, GenerationResult, PromptProgress, Timings,
+                               TokenLogprob, Usage)
 from edgeinfer.sampling import SamplingParams, make_token_sampler, post_sampling_probs, token_logprobs
 from edgeinfer.stopping import StopStringMatcher
 
@@ -35,7 +36,8 @@ def check_prompt_fits(n_prompt: int, n_ctx: int) -> None:
 def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int],
                     params: SamplingParams, *, cancel: threading.Event | None = None,
                     progress=None, make_room: Callable[[], bool] | None = None,
-                    speculation: "Speculation | None" = None) -> Iterator[GenerationChunk]:
+                    speculation: "Speculation | None" = None,
+                    report_progress: bool = False) -> Iterator[GenerationChunk]:
     """Generate after `prompt`; `kv` must already hold exactly the prompt's first kv.n_used tokens.
 
     When the window is full, `make_room()` (a context shift) may free space and return True
@@ -47,6 +49,9 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
     ones (greedy output is the same token for token; sampling keeps its distribution and
     its random draws). K/V of drafted tokens not taken are truncated off before anything
     else touches `kv` (a context shift, the next step, the end of the request).
+
+    `report_progress` yields a PromptProgress chunk before the prompt's first evaluated chunk
+    and after each one (llama-server's return_progress).
     """
     from edgeinfer.tokenizer import StreamDecoder
 
@@ -62,7 +67,19 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
     stopper = StopStringMatcher(params.stop)
 
     t_start = time.perf_counter()
-    logits = engine.prefill(prompt[n_cached:], kv, progress=progress)
+
+    def progress_chunk(done: int) -> GenerationChunk:
+        ms = (time.perf_counter() - t_start) * 1e3
+        return GenerationChunk("", None, prompt_progress=PromptProgress(len(prompt), n_cached, n_cached + done, ms))
+
+    if report_progress:
+        yield progress_chunk(0)
+    logits = None
+    for done, total, logits in engine.prefill_steps(prompt[n_cached:], kv):
+        if progress is not None:
+            progress(done, total)
+        if report_progress:
+            yield progress_chunk(done)
     t_first: float | None = None
     history = list(prompt)
     generated: list[int] = []

@@ -82,12 +82,27 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]    # (token id, logprob), most likely first, ties by lower id
 
 
+@dataclass(frozen=True)
+class PromptProgress:
+    """How far the prompt's evaluation has come (llama-server's prompt_progress): its tokens,
+    those found in the cache, those evaluated so far (the cached ones included), milliseconds."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed, "time_ms": self.time_ms}
+
+
 @dataclass
 class GenerationChunk:
     """One streamed piece; the last chunk carries finish_reason, usage and timings.
 
     `logprobs` rides on a token's chunk when the request asked for them; `index` is the
-    choice a chunk belongs to when one request asks for several (OpenAI's n)."""
+    choice a chunk belongs to when one request asks for several (OpenAI's n). A chunk with
+    `prompt_progress` (asked for with prompt_progress=True) carries no text and no token."""
 
     text: str
     token: int | None
@@ -96,6 +111,7 @@ class GenerationChunk:
     timings: Timings | None = None
     logprobs: TokenLogprob | None = None
     index: int = 0
+    prompt_progress: PromptProgress | None = None
 
 
 @dataclass

@@ -88,7 +88,8 @@ class SessionManager:
     # -- generation ---------------------------------------------------------------------------
     def generate(self, ids: Sequence[int], params: SamplingParams, cancel: threading.Event | None = None,
                  progress: Callable[[int, int], None] | None = None, *, context_shift: bool | None = None,
-                 n_keep: int | None = None, speculation=None) -> Iterator[GenerationChunk]:
+                 n_keep: int | None = None, speculation=None, report_progress: bool = False
+                 ) -> Iterator[GenerationChunk]:
         """Stream a completion of `ids`, reusing the longest cached prefix.
 
         `speculation` (edgeinfer.speculative.Speculation) drafts and verifies several tokens
@@ -129,6 +130,7 @@ class SessionManager:
                 last = None
                 for chunk in stream_generate(self.engine, seq, self.tokenizer, ids, params, cancel=cancel,
                                              progress=on_progress, make_room=make_room,
+                                             report_progress=report_progress,
                                              speculation=speculation):
                     if chunk.token is not None:
                         seq.record_tokens([chunk.token])  # K/V written by the next decode

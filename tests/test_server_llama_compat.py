@@ -65,9 +65,11 @@ def test_llama_server_fields_on_the_openai_routes(http):
     r = http.post("/v1/chat/completions", json={**chat, "stream": True, "timings_per_token": True,
                                                 "return_progress": True})
     chunks = events(r)
-    assert all("timings" in c for c in chunks)
-    assert chunks[-1]["prompt_progress"]["total"] == chunks[-1]["timings"]["prompt_n"] + \
-        chunks[-1]["timings"]["cache_n"]
+    progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+    answer = [c for c in chunks if c["choices"]]
+    assert all("timings" in c for c in answer) and chunks.index(answer[0]) == len(progress)  # progress first
+    assert progress[0]["processed"] == progress[0]["cache"] and progress[-1]["processed"] == progress[-1]["total"]
+    assert progress[-1]["total"] == answer[-1]["timings"]["prompt_n"] + answer[-1]["timings"]["cache_n"]
     bad = http.post("/v1/chat/completions", json={**chat, "id_slot": 2})
     assert bad.status_code == 400 and "id_slot" in bad.json()["error"]["message"]
 
@@ -274,3 +276,22 @@ def test_two_assistant_messages_at_the_end_are_refused(http):
     assert r.status_code == 400 and "two assistant messages" in r.json()["error"]["message"]
     ok = http.post("/chat/completions", json={"messages": msgs[:-1], "max_tokens": 2})
     assert ok.status_code == 200  # one final assistant message: llama-server's prefill
+
+
+def test_prompt_progress_is_reported_after_each_prefill_chunk(fim_model_path):
+    import edgeinfer
+
+    m = edgeinfer.load(str(fim_model_path), backend="reference", n_ctx=256, prefill_chunk=16)
+    prompt = list(range(5, 75))  # 70 tokens: chunks of 16, the last 6 joining the one before
+    for round_ in range(2):
+        chunks = list(m.generate(prompt + [round_ + 3], stream=True, max_tokens=2, temperature=0,
+                                 prompt_progress=True))
+        steps = [c.prompt_progress for c in chunks if c.prompt_progress is not None]
+        assert all(c.token is None and c.text == "" for c in chunks if c.prompt_progress is not None)
+        assert chunks.index(next(c for c in chunks if c.token is not None)) == len(steps)  # all before the answer
+        first, last = steps[0], steps[-1]
+        assert first.processed == first.cache and last.processed == last.total == len(prompt) + 1
+        assert all(b.processed > a.processed for a, b in zip(steps, steps[1:]))
+        assert first.cache == (0 if round_ == 0 else len(prompt))  # the second reuses the first's prompt
+    plain = list(m.generate(prompt, stream=True, max_tokens=1))
+    assert all(c.prompt_progress is None for c in plain)

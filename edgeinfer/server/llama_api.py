@@ -159,6 +159,11 @@ def prompt_text(model, prompt: list[int] | str) -> str:
     return model.tokenizer.detokenize(ids, as_pieces=True)
 
 
+def _with_progress(run: dict, req: LlamaSampling) -> dict:
+    """return_progress on a stream: the generation yields PromptProgress chunks while the prompt runs."""
+    return {**run, "prompt_progress": True} if req.return_progress and req.stream else run
+
+
 def _with_verbose(body: dict, verbose: bool) -> dict:
     """llama-server's `verbose`: the body again under `__verbose` (its OpenAI routes carry only this part)."""
     return {**body, "__verbose": dict(body)} if verbose else body
@@ -224,6 +229,9 @@ async def _run(request: Request, req: LlamaSampling, starts: list, params: dict,
         i = chunk.index
         if i < 0:
             return []
+        if chunk.prompt_progress is not None:  # return_progress
+            return [{"index": i, "content": "", "tokens": [], "stop": False, "id_slot": 0,
+                     "prompt_progress": chunk.prompt_progress.to_dict()}]
         lps, toks = held.setdefault(i, []), tokens.setdefault(i, [])
         if chunk.logprobs is not None:
             lps.append(chunk.logprobs)
@@ -242,8 +250,6 @@ async def _run(request: Request, req: LlamaSampling, starts: list, params: dict,
             toks.clear()
         if chunk.finish_reason is not None:
             tail = probs(lps) if lps else {}
-            if req.return_progress:
-                tail["prompt_progress"] = llama_compat.prompt_progress(chunk)
             body = {**final_body(state, "", chunk, params, i, prompt=texts[i]), **tail}
             out.append(pick_fields(_with_verbose(body, req.verbose), req.response_fields))
         return out
@@ -263,6 +269,7 @@ async def completion(request: Request):
     texts = await _off_loop(request, lambda: [prompt_text(model, p) for p in prompts])
     run = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema,
                                                 req.response_format))
+    run = _with_progress(run, req)
 
     def start_for(prompt):
         return limited(lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **run),
@@ -279,6 +286,7 @@ async def infill(request: Request):
     params = sampling_of(state, req, model)
     extra = [(c.filename, c.text) for c in req.input_extra]
     run = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema, None))
+    run = _with_progress(run, req)
     start = fim_start(model, run, prefix=req.input_prefix, suffix=req.input_suffix, extra=extra,
                       prompt=req.prompt)
     return await _run(request, req, [limited(start, req.t_max_predict_ms, req.n_indent)], params)

@@ -187,12 +187,3 @@ def chat_prompt_ids(model, messages: list[dict], *, add_generation_prompt: bool,
 
     text = continued(render, protected) if prefill else render(protected)
     return literal.tokenize(text, add_special=True, cancel=cancel)
-
-
-def prompt_progress(last) -> dict:
-    """llama-server's prompt_progress (return_progress), from the final chunk: the prompt's
-    tokens, those found in the cache, those processed, and the prefill's milliseconds."""
-    u, t = last.usage, last.timings
-    n = u.prompt_tokens if u is not None else 0
-    return {"total": n, "cache": u.cached_tokens if u is not None else 0, "processed": n,
-            "time_ms": t.prompt_s * 1e3 if t is not None else 0.0}

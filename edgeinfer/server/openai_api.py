@@ -65,6 +65,8 @@ async def chat_completions(request: Request):
         raise APIError(400, "invalid field 'top_logprobs': it needs logprobs: true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_of(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, model)
+    if req.return_progress and req.stream:
+        params["prompt_progress"] = True
     messages = [chat_message(m) for m in req.messages]
     add_generation_prompt, prefill = llama_compat.prefill_mode(messages, req.add_generation_prompt,
                                                                req.continue_final_message)
@@ -109,8 +111,6 @@ async def chat_completions(request: Request):
         if last is not None:
             body["timings"] = llama_timings(last)
             body.update(_verbose(state, shown, "", last, params))
-            if req.return_progress:
-                body["prompt_progress"] = llama_compat.prompt_progress(last)
         elif req.timings_per_token:
             body["timings"] = _partial_timings(t0, counts.get(index, 0))
         return body
@@ -121,6 +121,9 @@ async def chat_completions(request: Request):
     def on_chunk(chunk) -> list[dict]:
         if chunk.index < 0:
             return []  # the total of several choices: its usage closes the stream
+        if chunk.prompt_progress is not None:  # return_progress: as llama-server, a chunk with no choices
+            return [{**head, "object": "chat.completion.chunk", "choices": [],
+                     "prompt_progress": chunk.prompt_progress.to_dict()}]
         out = []
         if chunk.index not in pending:
             pending[chunk.index] = []
