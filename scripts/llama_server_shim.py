@@ -6,7 +6,7 @@ tiny local models that `scripts/llama_server_tests.sh` generated with tests/gguf
     EDGEINFER_SHIM_MODELS=DIR llama_server_shim.py --port 8080 --hf-repo ggml-org/models ...
 
 Flags with no counterpart are dropped where they change nothing an edgeinfer server does
-(`--no-slots`, `--cont-batching`, `-fa`, `--parallel`: one slot), and named on stderr.
+(`--cont-batching`, `-fa`, `--parallel`: one slot), and named on stderr.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ FLAGS: dict[str, tuple[str | None, bool]] = {
     "--n-gpu-layers": ("--gpu-layers", True), "-ngl": ("--gpu-layers", True),
     "--api-key": ("--api-key", True), "--alias": ("--alias", True), "-a": ("--alias", True),
     "--context-shift": ("--context-shift", False), "--pooling": ("--pooling", True),
-    "--slot-save-path": ("--slot-save-path", True),
+    "--slot-save-path": ("--slot-save-path", True), "--slots": ("--slots", False),
+    "--no-slots": ("--no-slots", False),
     "--cors-origins": (None, True),  # split below into --cors-origin each
     "--chat-template": ("--chat-template", True), "--chat-template-file": (None, True),
     "--model-draft": (None, True),
@@ -38,7 +39,7 @@ FLAGS: dict[str, tuple[str | None, bool]] = {
     "--media-path": (None, True), "--mmproj-url": (None, True), "--lora": (None, True),
     "--cont-batching": (None, False), "--embedding": (None, False), "--embeddings": (None, False),
     "--reranking": (None, False), "--metrics": (None, False), "--kv-unified": (None, False),
-    "--swa-full": (None, False), "--slots": (None, False), "--no-slots": (None, False),
+    "--swa-full": (None, False),
     "--no-ui": (None, False), "--jinja": (None, False), "--no-jinja": (None, False),
     "--offline": (None, False), "--verbose": (None, False), "--no-mmproj": (None, False),
     "--no-models-autoload": (None, False), "--no-cache-idle-slots": (None, False),

@@ -183,3 +183,15 @@ def test_serve_checks_the_folder(tmp_path):
     assert _slot_folder(None) is None
     with pytest.raises(EdgeInferError, match="slot-save-path"):
         _slot_folder(str(tmp_path / "nope"))
+
+
+
+def test_no_slots_turns_the_monitoring_endpoint_off(model):
+    from edgeinfer.cli import build_parser
+
+    app = create_app(ServerConfig(model_name="tiny", sampling=GREEDY, slots_endpoint=False), model)
+    with TestClient(app, base_url="http://127.0.0.1") as c:
+        r = c.get("/slots")
+        assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+    assert build_parser().parse_args(["serve", "x", "--no-slots"]).slots_endpoint is False
+    assert build_parser().parse_args(["serve", "x"]).slots_endpoint is True

@@ -29,6 +29,9 @@ _INT = re.compile(r"[+-]?\d{1,10}")
 @router.get("/slots")
 async def slots(request: Request) -> JSONResponse:
     state = request.app.state.server
+    if not state.config.slots_endpoint:
+        raise APIError(501, "This server does not support slots endpoint. Start it with `--slots`",
+                       kind="not_supported_error")
     query = _query(request, {"fail_on_no_slot"})
     model = state.require_model()
     slot = slot_json(model, state.worker.running, state.last_task)

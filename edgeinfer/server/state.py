@@ -60,6 +60,7 @@ class ServerConfig:
     model_options: dict[str, Any] = field(default_factory=dict)  # edgeinfer.load keywords for other models
     pooling: str | None = None              # embeddings' pooling over the file's (llama.cpp's --pooling)
     slot_save_path: str | None = None       # folder of /slots save/restore files; None: those are refused
+    slots_endpoint: bool = True             # GET /slots (llama-server's --slots / --no-slots)
 
     @property
     def exposed(self) -> bool:
