@@ -35,6 +35,9 @@ MODEL = "tiny"
 class FakeTokenizer:
     vocab_size = 100
 
+    def detokenize(self, ids, as_pieces=False):
+        return "a" * len(ids)
+
 
 class FakeModel:
     """Streams one token every 2 ms (up to `limit`), stopping at once when cancelled; records
@@ -69,6 +72,9 @@ class FakeModel:
 
     def chat(self, messages, **kw):
         return self.generate("", **kw)
+
+    def tokenize(self, text, add_special=True, parse_special=False):
+        return [1] * max(1, len(text))
 
 
 # -- servers -------------------------------------------------------------------------------------

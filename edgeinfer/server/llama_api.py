@@ -153,12 +153,6 @@ def final_body(state, text: str, last, params: dict, index: int = 0, tokens: lis
             "timings": llama_timings(last), **({"prompt": prompt} if prompt is not None else {})}
 
 
-def prompt_text(model, prompt: list[int] | str) -> str:
-    """llama-server's `prompt` in a result: the prompt's tokens as their pieces, BOS included."""
-    ids = prompt if isinstance(prompt, list) else model.tokenize(prompt, add_special=True)
-    return model.tokenizer.detokenize(ids, as_pieces=True)
-
-
 def _with_progress(run: dict, req: LlamaSampling) -> dict:
     """return_progress on a stream: the generation yields PromptProgress chunks while the prompt runs."""
     return {**run, "prompt_progress": True} if req.return_progress and req.stream else run
@@ -266,7 +260,9 @@ async def completion(request: Request):
     model = state.require_model()
     params = sampling_of(state, req, model)
     prompts, batch = await _off_loop(request, lambda: llama_compat.prompts(model, req.prompt))
-    texts = await _off_loop(request, lambda: [prompt_text(model, p) for p in prompts])
+    # tokenized once here, as generate would: the ids run and their pieces are the result's `prompt`
+    prompts = await _off_loop(request, lambda: [p if isinstance(p, list) else model.tokenize(p) for p in prompts])
+    texts = await _off_loop(request, lambda: [model.tokenizer.detokenize(p, as_pieces=True) for p in prompts])
     run = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema,
                                                 req.response_format))
     run = _with_progress(run, req)
