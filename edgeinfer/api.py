@@ -35,7 +35,8 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
          backend: str = "cpu", chat_template: str | None = None, download: bool = True,
          prefill_chunk: int = 256, gpu_layers: int | str = "auto", kv_pool_mb: float | None = None,
          context_shift: bool = False, n_keep: int = 0, draft: str | None = None, draft_max: int = 16,
-         draft_min: int = 0, draft_p_min: float = 0.75, n_cpu_moe: int | None = None) -> "Model":
+         draft_min: int = 0, draft_p_min: float = 0.75, n_cpu_moe: int | None = None,
+         cache_type_k: str = "f16", cache_type_v: str = "f16") -> "Model":
     """Resolve a model name (alias, hf.co/..., or path), open and check it, build the engine.
 
     `n_cpu_moe` is llama.cpp's --n-cpu-moe: the first N layers keep their experts on the
@@ -52,13 +53,16 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
     n-grams of the prompt and the answer so far, any other value names a draft model with
     the same vocabulary; `draft_max` / `draft_min` / `draft_p_min` are the defaults of the
     per-request `draft_max` / `draft_min` / `draft_p_min` keywords (draft_max=0: off).
+
+    `cache_type_k` / `cache_type_v` are llama.cpp's -ctk / -ctv (edgeinfer.kv.cache_types):
+    f16 (default), q8_0, q4_0, q4_1, q5_0, q5_1; a quantized type runs on the CPU only.
     """
     from edgeinfer.store.registry import resolve
 
     path = resolve(str(name_or_path), download=download)
     return Model(str(name_or_path), path, EngineOptions(
         n_ctx=n_ctx, threads=threads, backend=backend, prefill_chunk=prefill_chunk,
-        gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe),
+        gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, cache_type_k=cache_type_k, cache_type_v=cache_type_v),
         chat_template=chat_template, kv_pool_mb=kv_pool_mb, context_shift=context_shift, n_keep=n_keep,
         draft=draft, draft_defaults=dict(draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min))
 

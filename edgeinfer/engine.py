@@ -15,6 +15,7 @@ import numpy as np
 
 from edgeinfer.backends.base import Backend, ReferenceBackend
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.kv.cache_types import CacheTypeError, CacheTypes, of_config, parse
 from edgeinfer.kv.contiguous import KVCache
 from edgeinfer.kv.view import KVView
 from edgeinfer.loader import ModelFile
@@ -34,6 +35,13 @@ class EngineOptions:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     gpu_layers: int | str = "auto"  # like llama.cpp's -ngl: N, "auto" (what fits) or 0
     n_cpu_moe: int | None = None  # llama.cpp's --n-cpu-moe: layers whose experts stay on the CPU (None: the plan's)
+    cache_type_k: str = "f16"  # llama.cpp's --cache-type-k / -ctk (edgeinfer.kv.cache_types)
+    cache_type_v: str = "f16"  # --cache-type-v / -ctv
+
+    @property
+    def cache_types(self) -> CacheTypes:
+        """The K/V types, checked by name (one line naming the flag otherwise)."""
+        return CacheTypes(parse(self.cache_type_k, "--cache-type-k"), parse(self.cache_type_v, "--cache-type-v"))
 
 
 def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "OffloadPlan | None"]:
@@ -50,6 +58,12 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
 
         cpu = CpuBackend(mf.gguf, threads=options.threads)
         gpu_layers = options.gpu_layers
+        if options.cache_types.quantized and gpu_layers != 0:
+            # the GPU kernels read f16 K/V only, for now
+            if str(gpu_layers).strip().isdigit() and int(str(gpu_layers).strip()) > 0:
+                raise CacheTypeError(f"--cache-type-k/--cache-type-v: quantized K/V ({options.cache_types}) run on "
+                                     f"the CPU only for now: use -ngl 0, or f16")
+            gpu_layers = 0
         why = _cpu_only(mf.config)
         if why and gpu_layers != 0:
             if isinstance(gpu_layers, int) and gpu_layers > 0:
@@ -86,6 +100,8 @@ class Engine:
             raise EdgeInferError(f"--prefill-chunk must be at least 1, got {self.options.prefill_chunk}")
         self.model_file = mf
         self.config = mf.config
+        # K/V types: every cache this engine's users make holds these (edgeinfer.kv.cache_types)
+        self.cache_types = of_config(mf.config, self.options.cache_types)
         self.backend, self.offload = make_backend(mf, self.options)
         self.model = mf.family(mf.config, mf.gguf, self.backend)
         self.warm_up()
@@ -101,7 +117,7 @@ class Engine:
         from edgeinfer.kernels_cpu import compile_progress
 
         def forward() -> None:
-            kv = KVCache(self.config, 16)   # scratch: a short prompt, then one decoded token
+            kv = KVCache(self.config, 16, cache_types=self.cache_types)   # scratch: a short prompt, then one decoded token
             top = self.config.n_vocab - 1
             self.prefill([min(1, top), min(2, top)], kv)
             self.decode(min(3, top), kv)
@@ -114,6 +130,8 @@ class Engine:
 
     def new_cache(self) -> KVView:
         """A contiguous cache of n_ctx tokens, the backend's own (GPU layers keep K/V in VRAM)."""
+        if self.cache_types.quantized:   # host-only (make_backend kept every layer on the CPU)
+            return KVCache(self.config, self.n_ctx, cache_types=self.cache_types)
         return self.backend.new_cache(self.config, self.n_ctx)
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, kv: KVView,

@@ -68,7 +68,8 @@ class SessionManager:
         device_layers = backend.kv_layers(cfg)
         pools = plan_pools(cfg, self.n_ctx, block_size, device_layers, pool_tokens=pool_tokens,
                            kv_pool_mb=kv_pool_mb, prefill_chunk=engine.max_prefill_rows,
-                           vram_blocks=backend.max_kv_blocks(cfg, block_size))
+                           vram_blocks=backend.max_kv_blocks(cfg, block_size),
+                           types=getattr(engine, "cache_types", None))
         self._device = None  # VRAM blocks of the GPU layers, kept across reset()
         if pools.device_blocks is not None:
             self._device = backend.new_block_storage(cfg, pools.device_blocks, block_size)
@@ -83,7 +84,8 @@ class SessionManager:
 
     def _new_cache(self) -> PagedKVCache:
         return PagedKVCache(self.engine.config, self._group_blocks, self.block_size,
-                            extra_keys=(self.model_id,), device=self._device)
+                            extra_keys=(self.model_id,), device=self._device,
+                            cache_types=getattr(self.engine, "cache_types", None))
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, ids: Sequence[int], params: SamplingParams, cancel: threading.Event | None = None,
@@ -189,12 +191,21 @@ class SessionManager:
         seq = self._resident
         return [] if seq is None else list(seq.tokens[:seq.n_used])
 
+    @property
+    def quantized_kv(self):
+        """The engine's K/V cache types when quantized (edgeinfer.kv.cache_types), else None."""
+        types = getattr(self.engine, "cache_types", None)
+        return types if types is not None and types.quantized else None
+
     def export_kv(self) -> tuple[list[int], list, list, np.ndarray] | None:
         """(tokens, k per layer, v per layer, positions) of the resident sequence, or None.
 
         Rows a sliding-window layer no longer holds (out of its window) are NaN; import_kv
-        knows them.
+        knows them. Saved sessions hold f16 K/V: under a quantized cache type (-ctk / -ctv)
+        there is nothing to export (None: the session keeps its tokens, resuming prefills).
         """
+        if self.quantized_kv is not None:
+            return None
         seq = self._resident
         if seq is None or seq.n_used == 0 or not np.array_equal(seq.positions, np.arange(seq.n_used)):
             return None
@@ -211,6 +222,9 @@ class SessionManager:
         take only the blocks the next token's window needs.
         """
         cfg = self.engine.config
+        if self.quantized_kv is not None:
+            raise EdgeInferError(f"saved K/V are f16 and this run's cache is {self.quantized_kv} (-ctk/-ctv): "
+                                 f"resume without --session-kv, or with f16 cache types")
         if self.recurrent:
             raise EdgeInferError(f"saved K/V cannot be restored for {cfg.arch} models (their recurrent state "
                                  f"is not saved); resume the conversation without --session-kv")

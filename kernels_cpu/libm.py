@@ -22,3 +22,17 @@ def expf(x) -> np.ndarray:
     out = np.empty_like(x)
     _expf_kernel(x.reshape(-1), out.reshape(-1))
     return out
+
+
+@njit(cache=True, nogil=True)
+def _tanhf_kernel(x, out):
+    for i in range(x.shape[0]):
+        out[i] = math.tanh(x[i])  # float32 math.tanh lowers to the C library's tanhf
+
+
+def tanhf(x) -> np.ndarray:
+    """libm tanhf of every element of x (float32, any shape): ggml's attention softcap."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    _tanhf_kernel(x.reshape(-1), out.reshape(-1))
+    return out

@@ -230,6 +230,14 @@ class Backend:
         k, v, kpos = kv.layer_view(layer)  # (S, n_kv, hd), (S, n_kv, hd_v), (S,) in slot order
         if q_scale != 1.0:
             q = q * np.float32(q_scale)
+        types = getattr(kv, "cache_types", None)
+        if types is not None and types.quantized:   # quantized K/V: llama.cpp's flash-attention order
+            from edgeinfer.kernels_cpu import flash_attention_ref
+
+            sink = None if sinks is None else np.asarray(self.vector(sinks), np.float32)
+            out = flash_attention_ref.flash_attention(types.rotate("k", q), k, v, kpos, positions, types.k, types.v,
+                                                      scale, window, sink)
+            return types.rotate("v", out)   # llama.cpp's rotations (edgeinfer.kv.cache_types)
         n, n_head, hd = q.shape
         n_keys, n_kv = k.shape[0], k.shape[1]
         group = n_head // n_kv

@@ -12,7 +12,7 @@ import numpy as np
 from edgeinfer import kernels_cpu
 from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.backends.offload import is_expert_tensor
-from edgeinfer.kernels_cpu import fused_layer, kv_attention, ops
+from edgeinfer.kernels_cpu import flash_attention, fused_layer, kv_attention, ops
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
 from edgeinfer.kernels_cpu.repack import repack, repacks
 from edgeinfer.kernels_cpu.threads import worker_pool
@@ -139,6 +139,11 @@ class CpuBackend(Backend):
         if q_scale != 1.0:
             q = q * np.float32(q_scale)
         head_sinks = self.vector(sinks) if sinks is not None else None
+        types = getattr(kv, "cache_types", None)
+        if types is not None and types.quantized:   # llama.cpp's flash-attention order over the blocks
+            out = flash_attention.flash_attention(types.rotate("k", q), k, v, kpos, positions, types.k, types.v,
+                                                  scale, window, head_sinks)
+            return types.rotate("v", out)
         if q.shape[0] <= kv_attention.EXACT_MAX_QUERIES:  # decode, short prompts: llama.cpp's order
             return kv_attention.attention(q, k, v, kpos, positions, scale, window, head_sinks)
         return kv_attention.attention_blas(q, k, v, kpos, np.asarray(positions), scale, window, head_sinks)

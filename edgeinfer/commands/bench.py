@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from edgeinfer.commands.arg_types import positive_int
+from edgeinfer.commands.model_flags import add_cache_type_options, cache_type_kwargs
 
 
 def register(sub) -> None:
@@ -20,6 +21,7 @@ def register(sub) -> None:
     p.add_argument("-ngl", "--gpu-layers", default="auto", metavar="N|auto",
                    help="layers on a CUDA GPU, as llama-bench's -ngl (default auto: as many as fit; 0 = CPU only)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prefill chunk size")
+    add_cache_type_options(p)
     p.add_argument("--json", action="store_true", help="print a JSON list like llama-bench -o json")
     p.set_defaults(func=run)
 
@@ -35,10 +37,12 @@ def run(args) -> int:
 
     if args.n_prompt < 0 or args.n_gen < 0 or args.n_depth < 0:
         raise EdgeInferError("-p, -n and -d must be >= 0")
+    cache_type_kwargs(args)   # a bad type: one line before the model loads
     mf = open_model(resolve(args.name, download=False))
     n_ctx = args.n_depth + max(args.n_prompt, args.n_gen) + 1
     engine = Engine(mf, EngineOptions(n_ctx=n_ctx, threads=args.threads, backend=args.backend,
-                                      prefill_chunk=args.prefill_chunk, gpu_layers=args.gpu_layers))
+                                      prefill_chunk=args.prefill_chunk, gpu_layers=args.gpu_layers,
+                                      **cache_type_kwargs(args)))
     threads = args.threads or kernels_cpu.get_threads()
     info = describe(mf)
     model_type = f"{info.architecture} {human_count(info.parameters)} {info.quantization}"

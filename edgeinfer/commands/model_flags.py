@@ -4,6 +4,8 @@ llama.cpp's --lookup-cache-static/-dynamic among them)."""
 
 from __future__ import annotations
 
+import os
+
 from edgeinfer.commands.arg_types import non_negative_int, positive_float, positive_int
 from edgeinfer.errors import EdgeInferError
 
@@ -26,6 +28,7 @@ def add_model_options(p) -> None:
     p.add_argument("--n-cpu-moe", type=non_negative_int, default=None, metavar="N",
                    help="keep the first N layers' experts on the CPU (default: the GPU takes the last "
                         "layers' experts as far as its VRAM goes)")
+    add_cache_type_options(p)
     p.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
                    help="built-in template name (gemma, llama3, chatml) or a Jinja template")
     p.add_argument("--prefill-chunk", type=positive_int, default=256, metavar="N",
@@ -55,6 +58,28 @@ def add_model_options(p) -> None:
                         "every answer; written atomically when the session ends (implies --draft lookup)")
 
 
+def add_cache_type_options(p) -> None:
+    """llama.cpp's -ctk / -ctv (run, chat, serve, bench)."""
+    from edgeinfer.kv.cache_types import ALLOWED
+
+    for short, name, what in (("-ctk", "--cache-type-k", "K"), ("-ctv", "--cache-type-v", "V")):
+        p.add_argument(short, name, default=None, metavar="TYPE",
+                       help=f"{what} cache type: {', '.join(ALLOWED)} (default f16; quantized types run "
+                            f"llama.cpp's flash-attention order on the CPU)")
+
+
+def cache_type_kwargs(args) -> dict:
+    """cache_type_k / cache_type_v from -ctk / -ctv, checked (one line naming the flag); where
+    the command takes it (serve), OLLAMA_KV_CACHE_TYPE sets both when neither flag is given."""
+    from edgeinfer.kv.cache_types import parse
+
+    k, v = getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)
+    env = os.environ.get("OLLAMA_KV_CACHE_TYPE", "").strip() if getattr(args, "kv_cache_env", False) else ""
+    if k is None and v is None and env:
+        k = v = parse(env, "OLLAMA_KV_CACHE_TYPE")
+    return dict(cache_type_k=parse(k or "f16", "--cache-type-k"), cache_type_v=parse(v or "f16", "--cache-type-v"))
+
+
 def model_kwargs(args, context_shift: bool = False) -> dict:
     """edgeinfer.load keywords from the add_model_options flags; `context_shift` = this
     command's default when neither --context-shift nor --no-context-shift is given."""
@@ -65,7 +90,7 @@ def model_kwargs(args, context_shift: bool = False) -> dict:
                 chat_template=args.chat_template, gpu_layers=args.gpu_layers,
                 prefill_chunk=args.prefill_chunk, kv_pool_mb=args.kv_pool_mb,
                 context_shift=shift, n_keep=args.keep, n_cpu_moe=CPU_MOE_ALL if args.cpu_moe else args.n_cpu_moe,
-                **draft_kwargs(args))
+                **cache_type_kwargs(args), **draft_kwargs(args))
 
 
 def draft_kwargs(args) -> dict:

@@ -44,6 +44,9 @@ def save_run_session(model, name: str, system: str | None, history: list[dict], 
         kv = model.sessions.export_kv()
         if kv is not None:
             saved.tokens, saved.k, saved.v, saved.pos = kv
+        elif model.sessions.quantized_kv is not None:
+            print(f"edgeinfer: K/V not saved: sessions hold f16 K/V and this run's cache is "
+                  f"{model.sessions.quantized_kv} (-ctk/-ctv); resuming prefills the conversation", file=sys.stderr)
     save_session(session_path(name), saved, model.identity)
 
 

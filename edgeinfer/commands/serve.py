@@ -74,6 +74,7 @@ def register(sub) -> None:
                    help="enable llama-server's POST /slots/0?action=save|restore|erase, with files in DIR "
                         "(an existing folder; default: those are refused)")
     add_model_options(p)
+    p.set_defaults(kv_cache_env=True)   # OLLAMA_KV_CACHE_TYPE when -ctk / -ctv are absent
     add_sampling_options(p)
     p.set_defaults(func=serve)
 

@@ -14,10 +14,15 @@ def _printable(text: str) -> str:
     return _CONTROL.sub("\ufffd", text)
 
 
-def _kv_per_token(cfg) -> str:
+def _kv_per_token(cfg, types=None) -> str:
     """f16 K/V bytes one token of context takes, each shared K/V counted once (gemma4), and
-    what the layers that keep none do instead."""
+    what the layers that keep none do instead; with quantized `types` (-ctk / -ctv), theirs too."""
     from edgeinfer.kv.pool_sizing import model_kv_bytes_per_token
+
+    if types is not None and types.quantized:
+        f16, q = model_kv_bytes_per_token(cfg), model_kv_bytes_per_token(cfg, types=types)
+        return (f"{q / 1024:.4g} KiB ({q} bytes, {types}; {q / f16:.2f}x f16's "
+                f"{f16 / 1024:.4g} KiB)")
 
     n = model_kv_bytes_per_token(cfg)
     text = f"{n / 1024:.4g} KiB ({n} bytes, f16"
@@ -30,10 +35,21 @@ def _kv_per_token(cfg) -> str:
     return text + ")"
 
 
+def _cache_types(args):
+    from edgeinfer.commands.model_flags import cache_type_kwargs
+    from edgeinfer.kv.cache_types import CacheTypes
+
+    kw = cache_type_kwargs(args)
+    return CacheTypes(kw["cache_type_k"], kw["cache_type_v"])
+
+
 def register(sub) -> None:
     p = sub.add_parser("show", help="show a model's architecture, size and quantization")
     p.add_argument("name", help="model alias, hf.co/owner/repo[:quant] or path to a .gguf file")
     p.add_argument("--json", action="store_true", help="print the facts as JSON")
+    from edgeinfer.commands.model_flags import add_cache_type_options
+
+    add_cache_type_options(p)
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size for the GPU plan")
     p.add_argument("-ngl", "--gpu-layers", default="auto", help="GPU layers for the plan (N|auto|0)")
     p.add_argument("--vram-gb", type=float, default=None, metavar="GB",
@@ -69,7 +85,7 @@ def run(args) -> int:
         *([("experts", f"{mf.config.n_expert} ({mf.config.n_expert_used} used a token)")]
           if mf.config.n_expert else []),
         ("quantization", info.quantization),
-        ("K/V per token", _kv_per_token(mf.config)),
+        ("K/V per token", _kv_per_token(mf.config, _cache_types(args))),
     ]
     print("  Model")
     for key, value in rows:

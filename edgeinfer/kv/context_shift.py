@@ -71,6 +71,10 @@ def shift_sequence(seq: "SequenceKV", n_keep: int,
     that dropped blocks is rebuilt from the rows it holds, rows it lacks (out of its
     window, or the kept prefix it already gave back, as llama.cpp's SWA cache lacks
     them too) get no K/V and a masked position. `tokens` loses the same range.
+
+    Quantized K (edgeinfer.kv.cache_types): the moved keys are dequantized and rotated back,
+    re-roped, rotated and quantized again, as llama.cpp's K-shift does; other rows move as
+    raw blocks.
     """
     c, bs = seq.cache, seq.cache.block_size
     n = seq.n_used
@@ -109,14 +113,19 @@ def shift_sequence(seq: "SequenceKV", n_keep: int,
         stored = new_pos[keep:].copy()
         stored[np.concatenate([np.zeros(first_row - keep, bool), ~held])] = MASKED_POS
         kv = {}
+        types = c.cache_types
         for layer in t.group.layers:
             k, v, _ = seq.layer_view(layer)
-            kn = np.zeros((n2 - first_row,) + k.shape[1:], np.float32)
-            vn = np.zeros((n2 - first_row,) + v.shape[1:], np.float32)
+            kn = np.zeros((n2 - first_row,) + k.shape[1:], np.float32 if types.k == "f16" else k.dtype)
+            vn = np.zeros((n2 - first_row,) + v.shape[1:], np.float32 if types.v == "f16" else v.dtype)
             kn[held] = k[rows[held] - h0]
             vn[held] = v[rows[held] - h0]
             if moved.any():
-                kn[moved] = rerope(layer, kn[moved], np.full(int(moved.sum()), -n_discard, np.int64))
+                delta = np.full(int(moved.sum()), -n_discard, np.int64)
+                if types.k == "f16":
+                    kn[moved] = rerope(layer, kn[moved], delta)
+                else:
+                    kn[moved] = types.encode("k", rerope(layer, types.decode("k", kn[moved]), delta))
             kv[layer] = (kn, vn)
         data.append((stored, kv))
     tokens = list(seq.tokens)

@@ -5,7 +5,8 @@ so attention masks by position, not slot (which is what lets a context shift or 
 paged block table reorder things later without touching the attention code).
 
 K/V are stored as float16 by default, like llama.cpp's default cache type, so logits
-match it closely and the cache takes half the memory.
+match it closely and the cache takes half the memory; `cache_types` (edgeinfer.kv.cache_types)
+picks quantized rows instead (raw ggml blocks, quantized as they are stored).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edgeinfer.errors import ContextOverflowError
+from edgeinfer.kv.cache_types import CacheTypes, of_config
 from edgeinfer.kv.recurrent import new_state
 from edgeinfer.kv.view import KVView
 
@@ -23,15 +25,19 @@ if TYPE_CHECKING:
 
 
 class KVCache(KVView):
-    def __init__(self, config: ModelConfig, n_ctx: int, dtype: np.dtype = np.float16) -> None:
+    def __init__(self, config: ModelConfig, n_ctx: int, dtype: np.dtype = np.float16,
+                 cache_types: CacheTypes | None = None) -> None:
         self.n_ctx = n_ctx
+        self.cache_types = t = of_config(config, cache_types)
         kv_heads = config.n_head_kv
         # k[layer]: (n_ctx, n_head_kv, head_dim of the layer); v[layer]: (..., head_dim_v);
         # a recurrent layer keeps none (its state is `recurrent`, edgeinfer.kv.recurrent), nor
         # does a layer that reads an earlier layer's K/V (config.kv_source)
         rows = [n_ctx if config.owns_kv(i) else 0 for i in range(config.n_layer)]
-        self.k = [np.zeros((r, kv_heads, config.head_dim_of(i)), dtype) for i, r in enumerate(rows)]
-        self.v = [np.zeros((r, kv_heads, config.head_dim_v_of(i)), dtype) for i, r in enumerate(rows)]
+        dk = dtype if t.k == "f16" else t.dtype("k")
+        dv = dtype if t.v == "f16" else t.dtype("v")
+        self.k = [np.zeros((r, kv_heads, t.width("k", config.head_dim_of(i))), dk) for i, r in enumerate(rows)]
+        self.v = [np.zeros((r, kv_heads, t.width("v", config.head_dim_v_of(i))), dv) for i, r in enumerate(rows)]
         self.recurrent = new_state(config)
         self.pos = np.zeros(n_ctx, dtype=np.int64)  # position of the token in each slot
         self.n_used = 0
@@ -50,8 +56,8 @@ class KVCache(KVView):
         return slots
 
     def store(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        self.k[layer][slots] = k
-        self.v[layer][slots] = v
+        self.k[layer][slots] = self.cache_types.encode("k", k)
+        self.v[layer][slots] = self.cache_types.encode("v", v)
 
     def layer_view(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = self.n_used

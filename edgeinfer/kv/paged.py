@@ -24,6 +24,7 @@ import numpy as np
 
 from edgeinfer.kv import prefix_cache
 from edgeinfer.kv.block_pool import BlockPool
+from edgeinfer.kv.cache_types import CacheTypes, of_config
 from edgeinfer.kv.groups import DROP_ALIGN, DROPPED, LayerGroup, ceil_div, drop_quantum, layer_groups
 from edgeinfer.kv.pool_sizing import layer_block_bytes
 from edgeinfer.kv.sequence import SequenceKV
@@ -42,11 +43,15 @@ class PagedKVCache:
 
     def __init__(self, config: "ModelConfig", num_blocks: int | Mapping[int, int], block_size: int = 16,
                  dtype: np.dtype = np.float16, extra_keys: tuple = (), device=None,
-                 drop_align: int = DROP_ALIGN) -> None:
+                 drop_align: int = DROP_ALIGN, cache_types: CacheTypes | None = None) -> None:
         self.config = config
         self.block_size = block_size
-        # The cached K/V depend on the model and the cache dtype as well as the tokens.
-        self.extra_keys = (str(np.dtype(dtype)),) + tuple(extra_keys)
+        # K/V types (edgeinfer.kv.cache_types): f16 values, or quantized rows as raw ggml blocks
+        self.cache_types = types = of_config(config, cache_types)
+        if types.quantized and device is not None:
+            raise ValueError("quantized K/V blocks are host-only (run with -ngl 0)")
+        # The cached K/V depend on the model and the cache type as well as the tokens.
+        self.extra_keys = (types.key if types.quantized else str(np.dtype(dtype)),) + tuple(extra_keys)
         # Optional storage of some layers' K/V outside host memory (see the module docstring).
         self.device = device
         self.device_layers = frozenset(device.layers) if device is not None else frozenset()
@@ -56,7 +61,7 @@ class PagedKVCache:
         for index, (window, layers) in enumerate(layer_groups(config, self.device_layers)):
             blocks = num_blocks if isinstance(num_blocks, int) else num_blocks[window]
             on_device = device if any(i in self.device_layers for i in layers) else None
-            block_bytes = sum(layer_block_bytes(config, block_size, itemsize, i) for i in layers)
+            block_bytes = sum(layer_block_bytes(config, block_size, itemsize, i, types) for i in layers)
             self.groups.append(LayerGroup(index, window, layers, blocks, block_size,
                                           drop_quantum(block_size, window, drop_align), on_device,
                                           block_bytes))
@@ -79,10 +84,13 @@ class PagedKVCache:
             return self.group_of[layer].num_blocks
 
         # k[layer]: (blocks of its group, block_size, n_head_kv, head_dim of the layer); v: (..., head_dim_v)
-        hd = [config.head_dim_of(i) for i in range(config.n_layer)]
-        hd_v = [config.head_dim_v_of(i) for i in range(config.n_layer)]
-        self.k = [np.zeros((blocks(i), block_size, kv_heads, hd[i]), dtype) for i in range(config.n_layer)]
-        self.v = [np.zeros((blocks(i), block_size, kv_heads, hd_v[i]), dtype) for i in range(config.n_layer)]
+        # (last dimension: values for f16, bytes of the row's blocks for a quantized type)
+        hd = [types.width("k", config.head_dim_of(i)) for i in range(config.n_layer)]
+        hd_v = [types.width("v", config.head_dim_v_of(i)) for i in range(config.n_layer)]
+        dk = dtype if types.k == "f16" else types.dtype("k")
+        dv = dtype if types.v == "f16" else types.dtype("v")
+        self.k = [np.zeros((blocks(i), block_size, kv_heads, hd[i]), dk) for i in range(config.n_layer)]
+        self.v = [np.zeros((blocks(i), block_size, kv_heads, hd_v[i]), dv) for i in range(config.n_layer)]
         # Flat views (blocks * block_size, ...) indexed by slot.
         self.k_flat = [a.reshape(-1, kv_heads, hd[i]) for i, a in enumerate(self.k)]
         self.v_flat = [a.reshape(-1, kv_heads, hd_v[i]) for i, a in enumerate(self.v)]

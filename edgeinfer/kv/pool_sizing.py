@@ -26,12 +26,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from edgeinfer.kv.cache_types import CacheTypes
 from edgeinfer.kv.groups import DROP_ALIGN, drop_quantum, layer_groups
 
 if TYPE_CHECKING:
     from edgeinfer.models.config import ModelConfig
 
-KV_BYTES_PER_VALUE = {"f16": 2.0, "f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32}
+KV_BYTES_PER_VALUE = {"f16": 2.0, "f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+                      "q5_0": 22 / 32, "q5_1": 24 / 32}
 F16_BYTES = 2  # the paged pools and VRAM blocks hold f16 K/V
 
 
@@ -45,15 +47,25 @@ def kv_values_per_token(config: "ModelConfig", layer: int | None = None) -> int:
 
 
 def layer_block_bytes(config: "ModelConfig", block_size: int, itemsize: int = F16_BYTES,
-                      layer: int | None = None) -> int:
-    """Bytes of one layer's K + V in one block of `block_size` tokens (see kv_values_per_token)."""
-    return block_size * kv_values_per_token(config, layer) * itemsize
+                      layer: int | None = None, types: CacheTypes | None = None) -> int:
+    """Bytes of one layer's K + V in one block of `block_size` tokens (see kv_values_per_token);
+    with quantized `types` (edgeinfer.kv.cache_types), the bytes of their blocks."""
+    if types is None or not types.quantized:
+        return block_size * kv_values_per_token(config, layer) * itemsize
+    if layer is not None and kv_values_per_token(config, layer) == 0:
+        return 0
+    hd = config.head_dim if layer is None else config.head_dim_of(layer)
+    hd_v = config.head_dim_v if layer is None else config.head_dim_v_of(layer)
+    return int(block_size * types.token_bytes(config.n_head_kv * hd, config.n_head_kv * hd_v))
 
 
-def model_kv_bytes_per_token(config: "ModelConfig", itemsize: int = F16_BYTES) -> int:
+def model_kv_bytes_per_token(config: "ModelConfig", itemsize: int = F16_BYTES,
+                             types: CacheTypes | None = None) -> int:
     """Bytes of K/V the whole model stores per token of context, each shared K/V once
-    (sliding-window layers counted as if they kept every token)."""
-    return config.kv_values_per_token * itemsize
+    (sliding-window layers counted as if they kept every token); `types` as layer_block_bytes."""
+    if types is None or not types.quantized:
+        return config.kv_values_per_token * itemsize
+    return sum(layer_block_bytes(config, 1, layer=i, types=types) for i in range(config.n_layer))
 
 
 def context_kv_bytes(values_per_token: int, n_ctx: int, kv_dtype: str = "f16") -> int:
@@ -112,11 +124,11 @@ class PoolPlan:
 
 def plan_pools(config: "ModelConfig", n_ctx: int, block_size: int, device_layers: Sequence[int] = (), *,
                pool_tokens: int | None = None, kv_pool_mb: float | None = None, prefill_chunk: int = 256,
-               vram_blocks: int | None = None) -> PoolPlan:
+               vram_blocks: int | None = None, types: CacheTypes | None = None) -> PoolPlan:
     """Blocks of every layer group's pool (`group_pool_blocks`, f16 K/V); the group holding
     `device_layers` is capped at `vram_blocks`, never below one sequence's need."""
     groups = layer_groups(config, device_layers)
-    sizes = [(w, sum(layer_block_bytes(config, 1, layer=i) for i in layers)) for w, layers in groups]
+    sizes = [(w, sum(layer_block_bytes(config, 1, layer=i, types=types) for i in layers)) for w, layers in groups]
     blocks = group_pool_blocks(n_ctx, block_size, sizes, pool_tokens, kv_pool_mb, prefill_chunk)
     on_device = next((i for i, (_, layers) in enumerate(groups) if set(layers) & set(device_layers)), None)
     if on_device is not None and vram_blocks is not None:

@@ -33,7 +33,7 @@ layer_view of a device layer asks it for a download.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -55,6 +55,7 @@ class BlockOwner(Protocol):
     config: ModelConfig
     block_size: int
     extra_keys: tuple
+    cache_types: Any  # edgeinfer.kv.cache_types.CacheTypes
     groups: list[LayerGroup]
     primary: LayerGroup
     group_of: list[LayerGroup]
@@ -90,6 +91,11 @@ class SequenceKV(KVView):
         self._last: _Appended | None = None
         # the recurrent layers' state (hybrid models, edgeinfer.kv.recurrent), else None
         self.recurrent = new_state(cache.config)
+
+    @property
+    def cache_types(self):
+        """The pool's K/V types (edgeinfer.kv.cache_types.CacheTypes): what layer_view's rows are."""
+        return self.cache.cache_types
 
     # -- the primary group (the device's; what block_table and friends describe) ---------------
     @property
@@ -155,8 +161,8 @@ class SequenceKV(KVView):
         if layer in c.device_layers:
             c.device.store(self, layer, device_slots, k, v)
             return
-        c.k_flat[layer][gslots] = k
-        c.v_flat[layer][gslots] = v
+        c.k_flat[layer][gslots] = c.cache_types.encode("k", k)
+        c.v_flat[layer][gslots] = c.cache_types.encode("v", v)
 
     def layer_view(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(k (S, n_head_kv, hd), v (S, n_head_kv, hd_v), pos (S,)) in token order.

@@ -1,0 +1,139 @@
+"""K/V cache types (llama.cpp's --cache-type-k / --cache-type-v): which are allowed, how a
+row of each is stored and read back, its bytes per token, and the one-line errors.
+
+F16 (the default) is stored as float16 values, exactly as before; a quantized type stores
+each head's row as raw ggml blocks (uint8, kernels_cpu/kv_quant.py writes them the way
+llama.cpp's CPU K/V store does). Attention over a cache with any quantized side runs
+llama.cpp's flash-attention order (kernels_cpu/flash_attention.py); F16/F16 keeps the
+non-flash path.
+
+As llama.cpp does with a quantized cache, rows are rotated before they are quantized: K (and
+Q with it) by a Hadamard transform of `rot_k` values, V by one of `rot_v` (the attention
+output is rotated back); `of_config` sets the sizes from the model's head sizes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from gguf import GGMLQuantizationType
+
+from edgeinfer.errors import EdgeInferError
+
+
+class _KvQuant:
+    """kernels_cpu.kv_quant, imported at first use: importing the kernels_cpu package loads
+    Numba, which a process that only parses flags or refuses a file should not pay for."""
+
+    def __getattr__(self, name: str):
+        from edgeinfer.kernels_cpu import kv_quant
+
+        return getattr(kv_quant, name)
+
+
+kv_quant = _KvQuant()
+
+# what llama.cpp allows that edgeinfer stores too (iq4_nl: its quantizer is not ported yet)
+ALLOWED = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+NOT_YET = {"iq4_nl": "iq4_nl is not supported yet", "f32": "f32 is not supported",
+           "bf16": "bf16 is not supported"}
+GGML_TYPE_ID = {name: int(GGMLQuantizationType[name.upper()]) for name in ALLOWED}
+
+
+class CacheTypeError(EdgeInferError):
+    """An unknown or unusable K/V cache type; the message is the one line a user sees."""
+
+
+def parse(value: str, flag: str) -> str:
+    """A type name from a flag's value (case-insensitive), or CacheTypeError naming the flag."""
+    name = str(value).strip().lower()
+    if name in ALLOWED:
+        return name
+    why = NOT_YET.get(name, f"unknown cache type {value!r}")
+    raise CacheTypeError(f"{flag}: {why} (allowed: {', '.join(ALLOWED)})")
+
+
+@dataclass(frozen=True)
+class CacheTypes:
+    """The K and V types of one cache."""
+    k: str = "f16"
+    v: str = "f16"
+    rot_k: int = 0   # Hadamard size of K and Q rotations (0: none)
+    rot_v: int = 0   # of V and the attention output
+
+    @property
+    def quantized(self) -> bool:
+        return self.k != "f16" or self.v != "f16"
+
+    @property
+    def key(self) -> str:
+        """What the prefix cache's block hashes include: blocks of other types never match."""
+        return f"k={self.k},v={self.v}"
+
+    def of(self, which: str) -> str:
+        return self.k if which == "k" else self.v
+
+    def dtype(self, which: str) -> np.dtype:
+        return np.dtype(np.float16) if self.of(which) == "f16" else np.dtype(np.uint8)
+
+    def width(self, which: str, head_dim: int) -> int:
+        """The stored row's last dimension: values (f16) or bytes (a quantized type)."""
+        t = self.of(which)
+        return head_dim if t == "f16" else kv_quant.row_bytes(t, head_dim)
+
+    def rotation(self, which: str) -> int:
+        return self.rot_k if which == "k" else self.rot_v
+
+    def rotate(self, which: str, x: np.ndarray) -> np.ndarray:
+        """x rotated as llama.cpp rotates `which` (Q goes as "k", the output as "v"); x unchanged
+        without a rotation."""
+        n = self.rotation(which)
+        return kv_quant.fwht(x, n) if n else x
+
+    def encode(self, which: str, x: np.ndarray) -> np.ndarray:
+        """float rows (..., head_dim) -> what the cache stores (f16 casts on assignment):
+        rotated, then quantized."""
+        t = self.of(which)
+        return x if t == "f16" else kv_quant.quantize(t, self.rotate(which, np.asarray(x, np.float32)))
+
+    def decode(self, which: str, raw: np.ndarray) -> np.ndarray:
+        """Stored rows -> float32 (..., head_dim), as ggml's to_float, rotated back."""
+        return self.rotate(which, kv_quant.dequantize(self.of(which), raw))
+
+    def bytes_per_value(self, which: str) -> float:
+        t = self.of(which)
+        return 2.0 if t == "f16" else kv_quant.BLOCK_BYTES[t] / kv_quant.QK
+
+    def token_bytes(self, k_values: int, v_values: int) -> float:
+        """Bytes one token's K/V takes with k_values K and v_values V values (all layers)."""
+        return k_values * self.bytes_per_value("k") + v_values * self.bytes_per_value("v")
+
+    def check_head_dims(self, head_dims_k, head_dims_v) -> None:
+        """Quantized rows are whole 32-value blocks: refuse a head size that is not."""
+        for which, flag, dims in (("k", "--cache-type-k", head_dims_k), ("v", "--cache-type-v", head_dims_v)):
+            t = self.of(which)
+            bad = sorted({int(d) for d in dims if t != "f16" and int(d) % kv_quant.QK})
+            if bad:
+                raise CacheTypeError(f"{flag}: {t} needs head sizes that are multiples of {kv_quant.QK}, "
+                                     f"this model has {bad[0]} (allowed here: f16)")
+
+    def __str__(self) -> str:
+        return f"K {self.k}, V {self.v}"
+
+
+F16 = CacheTypes()
+
+
+def of_config(config, types: CacheTypes | None) -> CacheTypes:
+    """`types` (F16 for None) after checking it fits the model's head sizes."""
+    types = types or F16
+    if types.quantized:
+        owns = [i for i in range(config.n_layer) if config.owns_kv(i)]
+        dk, dv = {config.head_dim_of(i) for i in owns}, {config.head_dim_v_of(i) for i in owns}
+        types.check_head_dims(dk, dv)
+        # llama.cpp rotates only where every layer has one head size (n_embd_head_k_all > 0)
+        rot_k = kv_quant.rotation_size(dk.pop(), True) if types.k != "f16" and len(dk) == 1 else 0
+        rot_v = kv_quant.rotation_size(dv.pop(), False) if types.v != "f16" and len(dv) == 1 else 0
+        types = replace(types, rot_k=rot_k, rot_v=rot_v)
+    return types

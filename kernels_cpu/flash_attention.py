@@ -1,0 +1,221 @@
+"""Flash attention over a quantized (or mixed F16 / quantized) K/V cache, compiled: llama.cpp's
+CPU `flash_attn_ext` one-chunk path in its exact order.
+
+kernels_cpu/flash_attention_ref.py is the readable numpy form of the same math (and says which
+rounding comes from where); tests/test_kv_quant.py requires the two to agree bit for bit and the
+reference to agree with the oracle's own ggml op. The F16/F16 cache never comes here: it keeps
+the non-flash path of kv_attention.py, as llama.cpp without flash attention.
+
+One job per (query row, head), decode and prefill alike; each job walks the keys once
+(online softmax), reading K and V rows straight from their ggml blocks. Type codes are
+the K/V type names' indices in TYPES.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from . import kv_quant
+from .f16 import f16_round
+from .ggml_math import fma_f32, hsum8
+from .quant_kernels import f16
+from .threads import apply_threads
+
+_JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
+
+TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = range(6)
+_BLOCK = np.array([0, 34, 18, 20, 22, 24], np.int64)
+
+
+@njit(inline="always", **_JIT)
+def _code(row, o, t, e):
+    """Element e (0..31) of the block at byte o of a K/V row: the signed value for q8_0 /
+    q4_0 / q5_0, the unsigned code for q4_1 / q5_1."""
+    if t == Q8_0:
+        return np.int32(np.int8(row[o + 2 + e]))
+    qs = o + (4 if t == Q4_1 else (6 if t == Q5_0 else (8 if t == Q5_1 else 2)))
+    byte = np.int32(row[qs + (e & 15)])
+    c = (byte & 15) if e < 16 else (byte >> 4)
+    if t == Q5_0 or t == Q5_1:
+        qo = o + (2 if t == Q5_0 else 4)
+        c |= ((np.int32(row[qo + (e >> 3)]) >> (e & 7)) & 1) << 4
+    if t == Q4_0:
+        c -= 8
+    elif t == Q5_0:
+        c -= 16
+    return c
+
+
+@njit(inline="always", **_JIT)
+def _dot_quant(krow, qrow, tk, nb, acc):
+    """vec_dot of a quantized K row with Q in q8_0 / q8_1 (qrow bytes): 8 lanes of 4 products
+    per block, fma(dK*dQ, lanes, acc), hsum_float_8, then + summs for q4_1 / q5_1."""
+    bk = _BLOCK[tk]
+    has_min = tk == Q4_1 or tk == Q5_1
+    bq = 36 if has_min else 34
+    qv = 4 if has_min else 2
+    for l in range(8):
+        acc[l] = np.float32(0.0)
+    summs = np.float32(0.0)
+    for b in range(nb):
+        ko = b * bk
+        qo = b * bq
+        d = np.float32(f16(krow[ko], krow[ko + 1]) * f16(qrow[qo], qrow[qo + 1]))
+        if has_min:
+            summs = fma_f32(f16(krow[ko + 2], krow[ko + 3]), f16(qrow[qo + 2], qrow[qo + 3]), summs)
+        for l in range(8):
+            s = np.int32(0)
+            for i in range(4):
+                e = 4 * l + i
+                s += _code(krow, ko, tk, e) * np.int32(np.int8(qrow[qo + qv + e]))
+            acc[l] = fma_f32(d, np.float32(s), acc[l])
+    r = hsum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7])
+    if has_min:
+        r = np.float32(r + summs)
+    return r
+
+
+@njit(inline="always", **_JIT)
+def _dot_f16(krow, q16, hd, slots):
+    """ggml_vec_dot_f16 (K row as F16 bytes, Q rounded to F16): 32 float32 slots in order
+    (the products are exact), the fixed reduction, leftovers in double."""
+    n_vec = hd - hd % 32
+    for i in range(32):
+        slots[i] = np.float32(0.0)
+    for c in range(0, n_vec, 32):
+        for i in range(32):
+            e = c + i
+            slots[i] = np.float32(slots[i] + f16(krow[2 * e], krow[2 * e + 1]) * q16[e])
+    x = np.empty(8, np.float32)
+    for i in range(8):
+        x[i] = np.float32(np.float32(slots[i] + slots[16 + i]) + np.float32(slots[8 + i] + slots[24 + i]))
+    t0 = np.float32(x[0] + x[4])
+    t1 = np.float32(x[1] + x[5])
+    t2 = np.float32(x[2] + x[6])
+    t3 = np.float32(x[3] + x[7])
+    dot = np.float64(np.float32(np.float32(t0 + t1) + np.float32(t2 + t3)))
+    for e in range(n_vec, hd):
+        dot += np.float64(f16(krow[2 * e], krow[2 * e + 1])) * np.float64(q16[e])
+    return np.float32(dot)
+
+
+@njit(inline="always", **_JIT)
+def _dequant_v(vrow, tv, out):
+    """ggml-base to_float of a V row into out (float32): q*d, or q*d + m rounded twice."""
+    n = out.shape[0]
+    if tv == F16:
+        for e in range(n):
+            out[e] = f16(vrow[2 * e], vrow[2 * e + 1])
+        return
+    bv = _BLOCK[tv]
+    for b in range(n // 32):
+        o = b * bv
+        d = f16(vrow[o], vrow[o + 1])
+        if tv == Q4_1 or tv == Q5_1:
+            m = f16(vrow[o + 2], vrow[o + 3])
+            for e in range(32):
+                out[b * 32 + e] = np.float32(np.float32(np.float32(_code(vrow, o, tv, e)) * d) + m)
+        else:
+            for e in range(32):
+                out[b * 32 + e] = np.float32(np.float32(_code(vrow, o, tv, e)) * d)
+
+
+@njit(parallel=True, **_JIT)
+def _flash_rows(qq, q16, kb, vb, tk, tv, hd, kpos, qpos, window, scale, softcap, sinks, has_sinks, out):
+    """out[t, h] for every query row t and head h (one job each)."""
+    n_tok, n_head, hdv = out.shape
+    n_keys = kb.shape[0]
+    group = n_head // kb.shape[1]
+    nb = hd // 32
+    for job in prange(n_tok * n_head):
+        t = job // n_head
+        h = job % n_head
+        g = h // group
+        qp = qpos[t]
+        lanes = np.empty(32, np.float32)
+        vbuf = np.empty(hdv, np.float32)
+        acc = np.zeros(hdv, np.float32)   # F16 values when V is F16
+        M = np.float32(-np.inf)
+        S = np.float32(0.0)
+        for j in range(n_keys):
+            kp = kpos[j]
+            if kp > qp or (window > 0 and qp - kp >= window):
+                continue
+            if tk == F16:
+                s = _dot_f16(kb[j, g], q16[t, h], hd, lanes)
+            else:
+                s = _dot_quant(kb[j, g], qq[t, h], tk, nb, lanes)
+            s = np.float32(s * scale)
+            if softcap != 0.0:
+                s = np.float32(softcap * np.float32(math.tanh(s)))   # libm tanhf
+            ms = np.float32(1.0)
+            vs = np.float32(1.0)
+            if s > M:
+                ms = np.float32(math.exp(np.float32(M - s)))   # float32 math.exp: libm expf
+                M = s
+                if tv == F16:
+                    for d in range(hdv):
+                        acc[d] = f16_round(np.float32(acc[d] * ms))
+                else:
+                    for d in range(hdv):
+                        acc[d] = np.float32(acc[d] * ms)
+            else:
+                vs = np.float32(math.exp(np.float32(s - M)))
+            _dequant_v(vb[j, g], tv, vbuf)
+            if tv == F16:
+                for d in range(hdv):
+                    acc[d] = f16_round(fma_f32(vbuf[d], vs, acc[d]))
+            else:
+                for d in range(hdv):
+                    acc[d] = fma_f32(vbuf[d], vs, acc[d])
+            S = fma_f32(S, ms, vs)
+        if has_sinks:
+            sk = sinks[h]
+            ms = np.float32(1.0)
+            vs = np.float32(1.0)
+            if sk > M:
+                ms = np.float32(math.exp(np.float32(M - sk)))
+                M = sk
+                for d in range(hdv):
+                    acc[d] = np.float32(acc[d] * ms)
+            else:
+                vs = np.float32(math.exp(np.float32(sk - M)))
+            S = np.float32(np.float32(S * ms) + vs)   # not fused here (the oracle's build)
+        inv = np.float32(0.0) if S == 0.0 else np.float32(np.float32(1.0) / S)
+        for d in range(hdv):
+            out[t, h, d] = np.float32(acc[d] * inv)
+
+
+def _as_bytes(a: np.ndarray) -> np.ndarray:
+    """A layer view's rows as bytes (S, n_kv, row bytes): F16 values or raw blocks."""
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8).reshape(a.shape[0], a.shape[1], -1)
+
+
+def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpos: np.ndarray,
+                    type_k: str, type_v: str, kq_scale: float, window: int = 0,
+                    sinks: np.ndarray | None = None, softcap: float = 0.0) -> np.ndarray:
+    """As flash_attention_ref.flash_attention (same arguments, same bits), compiled."""
+    apply_threads()
+    q = np.ascontiguousarray(q, np.float32)
+    n, n_head, hd = q.shape
+    tk, tv = TYPES.index(type_k), TYPES.index(type_v)
+    hdv = v.shape[2] if type_v == "f16" else v.shape[2] // kv_quant.BLOCK_BYTES[type_v] * 32
+    if tk == F16:
+        q16 = q.astype(np.float16).astype(np.float32)
+        qq = np.zeros((n, n_head, 1), np.uint8)
+    else:
+        q16 = np.zeros((n, n_head, 1), np.float32)
+        qq = np.ascontiguousarray(kv_quant.quantize(kv_quant.VEC_DOT_TYPE[type_k], q))
+    scale = np.float32(kq_scale)
+    if softcap:
+        scale = np.float32(scale / np.float32(softcap))
+    out = np.empty((n, n_head, hdv), np.float32)
+    sk = np.zeros(n_head, np.float32) if sinks is None else np.ascontiguousarray(sinks, np.float32)
+    _flash_rows(qq, q16, _as_bytes(k), _as_bytes(v), tk, tv, hd, np.ascontiguousarray(kpos, np.int64),
+                np.ascontiguousarray(qpos, np.int64), int(window), scale, np.float32(softcap), sk,
+                sinks is not None, out)
+    return out

@@ -1,0 +1,97 @@
+"""K/V cache types in the caches: quantized rows stored as ggml blocks (rotated as llama.cpp
+rotates them), block hashes that never mix types, the paged pool giving the same logits as
+the contiguous cache, the context shift re-roping quantized keys, and the one-line errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgeinfer.kernels_cpu import kv_quant
+from edgeinfer.kv.cache_types import CacheTypeError, CacheTypes, of_config, parse
+from edgeinfer.kv.contiguous import KVCache
+from edgeinfer.kv.paged import PagedKVCache
+from gguf_factory import write_tiny_model
+
+from dataclasses import replace
+
+from test_paged_kv import CFG as _SMALL
+
+CFG = replace(_SMALL, head_dim=64, head_dim_v=64, rope_dims=64)   # whole 32-value blocks, a 64 rotation
+
+
+def test_parse_names_the_flag_and_the_allowed_types():
+    assert parse("Q8_0", "--cache-type-k") == "q8_0"
+    with pytest.raises(CacheTypeError, match=r"^--cache-type-v: unknown cache type 'q9' \(allowed: f16, q8_0"):
+        parse("q9", "--cache-type-v")
+    with pytest.raises(CacheTypeError, match="iq4_nl is not supported yet"):
+        parse("iq4_nl", "--cache-type-k")
+
+
+def test_contiguous_cache_stores_rotated_quantized_rows():
+    types = of_config(CFG, CacheTypes("q8_0", "q4_0"))
+    kv = KVCache(CFG, 8, cache_types=types)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((3, CFG.n_head_kv, CFG.head_dim)).astype(np.float32)
+    v = rng.standard_normal((3, CFG.n_head_kv, CFG.head_dim_v)).astype(np.float32)
+    kv.append(np.arange(3))
+    kv.store(0, np.arange(3), k, v)
+    kr, vr, _ = kv.layer_view(0)
+    assert kr.dtype == np.uint8 and kr.shape[-1] == kv_quant.row_bytes("q8_0", CFG.head_dim)
+    assert (types.rot_k, types.rot_v) == (64, 64)
+    want = kv_quant.quantize("q8_0", kv_quant.fwht(k, 64))
+    assert np.array_equal(kr, want)
+    assert np.allclose(types.decode("k", kr), k, atol=0.05)
+    assert np.allclose(types.decode("v", vr), v, atol=0.5)
+
+
+def test_head_sizes_not_in_whole_blocks_are_refused():
+    with pytest.raises(CacheTypeError, match="^--cache-type-k: q8_0 needs head sizes that are multiples of 32"):
+        of_config(_SMALL, CacheTypes("q8_0", "f16"))
+
+
+def test_block_hashes_differ_by_cache_type():
+    tokens = list(range(32))
+    hashes = []
+    for types in (None, CacheTypes("q8_0", "q8_0"), CacheTypes("q8_0", "f16")):
+        cache = PagedKVCache(CFG, 8, block_size=4, cache_types=types)
+        from edgeinfer.kv.block_pool import compute_block_hashes
+
+        hashes.append(compute_block_hashes(tokens, 4, cache.extra_keys)[0])
+    assert len(set(hashes)) == 3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("kvt") / "m.gguf", "llama", "Q8_0", seed=5)
+
+
+def test_paged_pool_matches_contiguous_and_shift_and_sessions(tiny):
+    import edgeinfer
+    from edgeinfer.errors import EdgeInferError
+    from edgeinfer.sampling import SamplingParams
+
+    model = edgeinfer.load(tiny, n_ctx=48, cache_type_k="q4_0", cache_type_v="q8_0", context_shift=True, n_keep=4)
+    engine = model.engine
+    assert engine.cache_types.quantized
+    prompt = [1] + list(range(5, 25))
+    kv = engine.new_cache()
+    want = engine.prefill(prompt, kv)
+    seq = model.sessions.cache.new_sequence(48)
+    got = engine.prefill(prompt, seq)
+    assert np.array_equal(got, want)
+    model.sessions.cache.release(seq)
+    # a generation past the window shifts the context (quantized K re-roped) and goes on
+    chunks = list(model.sessions.generate(prompt, SamplingParams(temperature=0, max_tokens=40)))
+    assert chunks[-1].finish_reason is not None
+    assert model.sessions.shifts >= 1
+    assert model.sessions.export_kv() is None   # sessions hold f16 K/V only
+    with pytest.raises(EdgeInferError, match="saved K/V are f16"):
+        model.sessions.import_kv([1, 2], [], [], np.arange(2))
+
+
+def test_gpu_layers_refused_with_quantized_types(tiny):
+    from edgeinfer.engine import Engine, EngineOptions
+    from edgeinfer.loader import open_model
+
+    with pytest.raises(CacheTypeError, match="-ngl 0"):
+        Engine(open_model(tiny), EngineOptions(n_ctx=16, cache_type_k="q8_0", gpu_layers=2))

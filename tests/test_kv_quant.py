@@ -1,0 +1,111 @@
+"""Quantized K/V cache math: the row quantizers against gguf.quants and the oracle's ggml,
+the numpy flash attention against ggml's own flash_attn_ext op, and the compiled kernel
+against the numpy reference, all bit for bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgeinfer.kernels_cpu import flash_attention, flash_attention_ref, kv_quant
+from ggml_lib import oracle_ggml
+from ggml_flash_oracle import flash_attn_ext
+
+TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+PAIRS = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16"), ("f16", "q8_0"), ("q4_1", "q5_1"), ("q5_0", "q4_1")]
+# (queries, keys, head dim, heads, K/V heads, window, sinks, softcap)
+SHAPES = [(1, 37, 64, 4, 2, 0, False, 0.0), (5, 40, 128, 2, 1, 7, True, 0.0), (3, 20, 96, 4, 4, 0, False, 30.0)]
+
+
+def _rows(rng, shape):
+    x = (rng.standard_normal(shape) * rng.uniform(0.01, 10, shape[:-1] + (1,))).astype(np.float32)
+    x.reshape(-1, 32)[0] = 0.0        # an all-zero block: d = 0
+    x.reshape(-1, 32)[1, 3] = 1e-8    # a tiny value beside normal ones
+    return x
+
+
+def _store(t, x):
+    return x.astype(np.float16) if t == "f16" else kv_quant.quantize(t, x)
+
+
+@pytest.mark.parametrize("name", TYPES + ["q8_1"])
+def test_quantizers_match_ggml_cpu_from_float(name):
+    g = oracle_ggml()
+    x = _rows(np.random.default_rng(0), (16, 128))
+    out = np.empty((16, kv_quant.row_bytes(name, 128)), np.uint8)
+    g.cpu.ggml_get_type_traits_cpu(kv_quant.GGML_TYPE_ID[name]).contents.from_float(x.ctypes.data, out.ctypes.data,
+                                                                                     x.size)
+    assert np.array_equal(kv_quant.quantize(name, x), out)
+    if name != "q8_1":
+        ref = g.to_float(kv_quant.GGML_TYPE_ID[name], out, 128)
+        assert np.array_equal(kv_quant.dequantize(name, out).view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_reference_quantizers_match_gguf(name):
+    import gguf
+    from gguf.quants import quantize
+
+    x = _rows(np.random.default_rng(1), (16, 128))
+    mine = kv_quant.quantize_q8_0_ref(x) if name == "q8_0" else kv_quant.quantize(name, x)
+    assert np.array_equal(quantize(x, gguf.GGMLQuantizationType[name.upper()]), mine)
+
+
+def test_q8_0_store_rounds_to_even_unlike_the_file_reference():
+    # 0.5 * 127/127: the CPU store (rint) gives 0 where the file quantizer (roundf) gives 1
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0], x[0, 1] = 127.0, 0.5
+    assert kv_quant.quantize("q8_0", x)[0, 3] == 0
+    assert kv_quant.quantize_q8_0_ref(x)[0, 3] == 1
+
+
+def test_row_bytes():
+    assert kv_quant.row_bytes("f16", 128) == 256
+    assert kv_quant.row_bytes("q8_0", 128) == 136
+    assert kv_quant.row_bytes("q4_0", 128) == 72
+    with pytest.raises(ValueError):
+        kv_quant.row_bytes("q8_0", 48)
+
+
+def _case(rng, tk, tv, n, S, hd, nh, nkv):
+    q = (rng.standard_normal((n, nh, hd)) * 2).astype(np.float32)
+    k = _store(tk, rng.standard_normal((S, nkv, hd)).astype(np.float32))
+    v = _store(tv, rng.standard_normal((S, nkv, hd)).astype(np.float32))
+    return q, k, v, np.arange(S), np.arange(S - n, S)
+
+
+@pytest.mark.parametrize("tk,tv", PAIRS)
+def test_reference_matches_ggml_flash_attn_ext(tk, tv):
+    g = oracle_ggml()
+    rng = np.random.default_rng(2)
+    for n, S, hd, nh, nkv, window, sink, cap in SHAPES:
+        q, k, v, kpos, qpos = _case(rng, tk, tv, n, S, hd, nh, nkv)
+        sinks = rng.standard_normal(nh).astype(np.float32) if sink else None
+        want = flash_attn_ext(g, q, k, v, kv_quant.GGML_TYPE_ID[tk], kv_quant.GGML_TYPE_ID[tv], hd, hd, kpos, qpos,
+                              0.125, window, sinks, cap)
+        got = flash_attention_ref.flash_attention(q, k, v, kpos, qpos, tk, tv, 0.125, window, sinks, cap)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (tk, tv, n, S, hd)
+
+
+@pytest.mark.parametrize("tk,tv", PAIRS)
+def test_kernel_matches_reference(tk, tv):
+    rng = np.random.default_rng(3)
+    for n, S, hd, nh, nkv, window, sink, cap in SHAPES:
+        q, k, v, kpos, qpos = _case(rng, tk, tv, n, S, hd, nh, nkv)
+        kpos = rng.permutation(kpos)   # keys in any slot order (a shifted or gathered cache)
+        sinks = rng.standard_normal(nh).astype(np.float32) if sink else None
+        want = flash_attention_ref.flash_attention(q, k, v, kpos, qpos, tk, tv, 0.125, window, sinks, cap)
+        got = flash_attention.flash_attention(q, k, v, kpos, qpos, tk, tv, 0.125, window, sinks, cap)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (tk, tv, n, S, hd)
+
+
+def test_fwht_is_the_scaled_hadamard_matrix_and_its_own_inverse():
+    h = np.ones((1, 1))
+    while h.shape[0] < 64:   # Sylvester's construction
+        h = np.block([[h, h], [h, -h]])
+    h = h / 8.0
+    x = np.random.default_rng(4).standard_normal((3, 128)).astype(np.float32)
+    y = kv_quant.fwht(x, 64)
+    assert np.allclose(y.reshape(-1, 64), x.reshape(-1, 64) @ h.T, atol=1e-5)
+    assert np.allclose(kv_quant.fwht(y, 64), x, atol=1e-5)
+    assert kv_quant.rotation_size(64, True) == 64 and kv_quant.rotation_size(256, True) == 256
+    assert kv_quant.rotation_size(192, True) == 64 and kv_quant.rotation_size(96, False) == 0
