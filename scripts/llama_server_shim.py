@@ -25,14 +25,14 @@ FLAGS: dict[str, tuple[str | None, bool]] = {
     "--api-key": ("--api-key", True), "--alias": ("--alias", True), "-a": ("--alias", True),
     "--context-shift": ("--context-shift", False), "--pooling": ("--pooling", True),
     "--slot-save-path": ("--slot-save-path", True), "--slots": ("--slots", False),
-    "--no-slots": ("--no-slots", False),
+    "--no-slots": ("--no-slots", False), "--reasoning": ("--reasoning", True),
     "--cors-origins": (None, True),  # split below into --cors-origin each
-    "--chat-template": ("--chat-template", True), "--chat-template-file": (None, True),
+    "--chat-template": ("--chat-template", True), "--chat-template-file": ("--chat-template-file", True),
     "--model-draft": (None, True),
     # no effect on an edgeinfer server (one slot, jinja templates always, metrics always on)
     "--ubatch-size": (None, True), "-ub": (None, True), "--parallel": (None, True), "-np": (None, True),
     "-ctk": (None, True), "-ctv": (None, True), "-fa": (None, True), "--grp-attn-n": (None, True),
-    "--grp-attn-w": (None, True), "--reasoning-format": (None, True), "--reasoning": (None, True),
+    "--grp-attn-w": (None, True), "--reasoning-format": (None, True),
     "--tags": (None, True), "--cache-ram": (None, True), "--sleep-idle-seconds": (None, True),
     "--spec-type": (None, True), "--spec-draft-n-max": (None, True), "--spec-draft-n-min": (None, True),
     "--models-dir": (None, True), "--models-max": (None, True), "--models-preset": (None, True),
@@ -79,11 +79,6 @@ def translate(argv: list[str], models: str) -> list[str]:
             for origin in (value or "").split(","):
                 if origin.strip():
                     out += ["--cors-origin", origin.strip()]
-            i += 2
-            continue
-        if arg == "--chat-template-file":
-            with open(value, encoding="utf-8") as f:
-                out += ["--chat-template", f.read()]
             i += 2
             continue
         mapped, takes = FLAGS.get(arg, (None, False))

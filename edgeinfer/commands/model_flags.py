@@ -5,6 +5,7 @@ llama.cpp's --lookup-cache-static/-dynamic among them)."""
 from __future__ import annotations
 
 import os
+import stat
 
 from edgeinfer.commands.arg_types import non_negative_int, positive_float, positive_int
 from edgeinfer.errors import EdgeInferError
@@ -31,6 +32,8 @@ def add_model_options(p) -> None:
     add_cache_type_options(p)
     p.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
                    help="built-in template name (gemma, llama3, chatml) or a Jinja template")
+    p.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="a Jinja chat template read from FILE (llama.cpp's flag), in place of the model's")
     p.add_argument("--prefill-chunk", type=positive_int, default=256, metavar="N",
                    help="prompt tokens evaluated per forward pass (default 256)")
     p.add_argument("--kv-pool-mb", type=positive_float(), default=None, metavar="MB",
@@ -87,10 +90,43 @@ def model_kwargs(args, context_shift: bool = False) -> dict:
         raise EdgeInferError(f"--keep must be at least 0, got {args.keep}")
     shift = context_shift if args.context_shift is None else args.context_shift
     return dict(n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
-                chat_template=args.chat_template, gpu_layers=args.gpu_layers,
+                chat_template=chat_template_of(args), gpu_layers=args.gpu_layers,
                 prefill_chunk=args.prefill_chunk, kv_pool_mb=args.kv_pool_mb,
                 context_shift=shift, n_keep=args.keep, n_cpu_moe=CPU_MOE_ALL if args.cpu_moe else args.n_cpu_moe,
                 **cache_type_kwargs(args), **draft_kwargs(args))
+
+
+MAX_TEMPLATE_FILE = 1 << 20  # bytes: the largest chat templates in use are ~20 KB
+
+
+def chat_template_of(args) -> str | None:
+    """--chat-template, or the text of --chat-template-file (a regular UTF-8 file of at most
+    MAX_TEMPLATE_FILE bytes). Text with no Jinja markup is still a template, as llama.cpp
+    takes it: it renders as itself."""
+    path = getattr(args, "chat_template_file", None)
+    if path is None:
+        return args.chat_template
+    if args.chat_template is not None:
+        raise EdgeInferError("--chat-template and --chat-template-file: give one of them")
+    flag = f"--chat-template-file {path!r}"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise EdgeInferError(f"{flag}: cannot open it ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, a FIFO, a device: never read
+        os.close(fd)
+        raise EdgeInferError(f"{flag}: not a regular file")
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(MAX_TEMPLATE_FILE + 1)
+    if len(data) > MAX_TEMPLATE_FILE:
+        raise EdgeInferError(f"{flag}: larger than {MAX_TEMPLATE_FILE} bytes; is it a chat template?")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise EdgeInferError(f"{flag}: not UTF-8 text (byte {exc.start})") from None
+    if not text.strip():
+        raise EdgeInferError(f"{flag}: the file is empty")
+    return text if "{{" in text or "{%" in text else "{% raw %}" + text + "{% endraw %}"
 
 
 def draft_kwargs(args) -> dict:

@@ -25,10 +25,11 @@ def load_with_spinner(args):
 
 def completion_mode(model, args) -> bool:
     """Whether `run` completes plain text rather than chatting: --raw, or (as llama-cli) a
-    model whose file has no chat template, unless --chat-template or --session asks for chat."""
+    model whose file has no chat template, unless --chat-template(-file) or --session asks for chat."""
     if args.raw:
         return True
-    if args.chat_template is not None or model.template.from_file:
+    if args.chat_template is not None or getattr(args, "chat_template_file", None) is not None \
+            or model.template.from_file:
         return False
     if getattr(args, "session", None) is not None:
         print(f"{args.name} has no chat template: the session chats through the built-in "

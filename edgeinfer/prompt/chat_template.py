@@ -99,7 +99,10 @@ class ChatTemplate:
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs,
                    "messages": [dict(m) for m in messages], "tools": tools,
                    "add_generation_prompt": add_generation_prompt}
-        return render_budgeted(self._template, context, self.name, cancel)
+        text = render_budgeted(self._template, context, self.name, cancel)
+        if add_generation_prompt and kwargs.get("enable_thinking") is False:
+            text = close_forced_thinking(text)
+        return text
 
     def render_prompt(self, messages: Sequence[Mapping[str, Any]], add_bos: bool,
                       add_eos: bool = False, **kwargs: Any) -> str:
@@ -111,6 +114,13 @@ class ChatTemplate:
         if add_eos and self.eos_token and text.endswith(self.eos_token):
             text = text[:-len(self.eos_token)]
         return text
+
+
+def close_forced_thinking(prompt: str) -> str:
+    """A template that opens the thinking block itself (DeepSeek R1, QwQ: the generation prompt
+    ends with `<think>`) has no switch to honour enable_thinking=False: close the block, so
+    the answer starts after it, as llama.cpp does with reasoning off."""
+    return prompt + "</think>" if prompt.rstrip().endswith("<think>") else prompt
 
 
 def _special_text(metadata: Mapping[str, Any], which: str) -> str:

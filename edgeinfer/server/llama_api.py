@@ -22,6 +22,7 @@ from edgeinfer.server import llama_compat
 from edgeinfer.server import logprobs as lp_format
 from edgeinfer.server.choices import in_turn
 from edgeinfer.server.streaming import collect_chunks, first_chunk, sse, sse_response, stream_events
+from edgeinfer.server.tool_output import chat_plan
 from edgeinfer.server.usage import llama_timings
 
 router = APIRouter()
@@ -328,9 +329,10 @@ async def apply_template(request: Request) -> JSONResponse:
     messages = normalize_messages([chat_message(m) for m in req.messages])  # call arguments as objects
     add_generation_prompt, prefill = llama_compat.prefill_mode(messages, req.add_generation_prompt,
                                                                req.continue_final_message)
-    kwargs = {}
-    if req.chat_template_kwargs is not None and req.chat_template_kwargs.enable_thinking is not None:
-        kwargs["enable_thinking"] = req.chat_template_kwargs.enable_thinking
+    think = req.chat_template_kwargs.enable_thinking if req.chat_template_kwargs is not None else None
+    # the thinking switch as a chat request gets it (its own, a /no_think, else serve --reasoning)
+    extra, _ = chat_plan(model, messages, think=think, default_think=state.config.default_think)
+    kwargs = {"enable_thinking": extra["enable_thinking"]} if "enable_thinking" in extra else {}
     tools = req.tools or None
 
     def render() -> str:

@@ -149,7 +149,8 @@ async def generate(request: Request):
         else:
             messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
                 [{"role": "user", "content": req.prompt}]
-            extra, reader = chat_plan(model, messages, think=thinking, effort=effort, effort_field="think")
+            extra, reader = chat_plan(model, messages, think=thinking, effort=effort, effort_field="think",
+                                      default_think=state.config.default_think)
             start = lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params, **extra)  # noqa: E731
         start = _recording(start, tokens)
     job = state.submit(start)
@@ -208,7 +209,7 @@ async def chat(request: Request):
                              "done_reason": "load"})
     messages = ollama_history(req.messages)
     extra, reader = chat_plan(model, messages, tools=req.tools, think=thinking, effort=effort,
-                              effort_field="think")
+                              effort_field="think", default_think=state.config.default_think)
     job = state.submit(lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params, **extra))
     head = {"model": state.model_name}
 

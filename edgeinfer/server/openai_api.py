@@ -75,7 +75,7 @@ async def chat_completions(request: Request):
     extra, reader = chat_plan(model, messages, tools=req.tools, tool_choice=req.tool_choice,
                               parallel_tool_calls=req.parallel_tool_calls,
                               think=kwargs.enable_thinking if kwargs else None,
-                              effort=effort, effort_field=effort_field,
+                              effort=effort, effort_field=effort_field, default_think=state.config.default_think,
                               constraint=await compiled(state, llama_constraint, req.grammar, req.json_schema,
                                                         req.response_format))
     chat = _chat_start(model, messages, extra, add_generation_prompt, prefill)

@@ -61,6 +61,12 @@ class ServerConfig:
     pooling: str | None = None              # embeddings' pooling over the file's (llama.cpp's --pooling)
     slot_save_path: str | None = None       # folder of /slots save/restore files; None: those are refused
     slots_endpoint: bool = True             # GET /slots (llama-server's --slots / --no-slots)
+    reasoning: str = "auto"                 # thinking when a request does not say: on, off, auto (the template's)
+
+    @property
+    def default_think(self) -> bool | None:
+        """`reasoning` as a thinking switch: True, False, or None for the template's default."""
+        return {"on": True, "off": False}.get(self.reasoning)
 
     @property
     def exposed(self) -> bool:

@@ -189,10 +189,12 @@ class OllamaPieces:
 def chat_plan(model, messages: list[dict], *, tools: list | None = None, tool_choice: Any = None,
               parallel_tool_calls: bool | None = None, think: bool | None = None,
               effort: str | None = None, effort_field: str = "reasoning_effort",
-              constraint=None) -> tuple[dict, OutputReader | None]:
+              constraint=None, default_think: bool | None = None) -> tuple[dict, OutputReader | None]:
     """The Model.chat keywords for a chat request's tools, thinking switch, reasoning effort
     and constraint (checked: 400s name the field), and the reader for its answers. `think`
-    false on a harmony model comes from chat_template_kwargs (Ollama's is checked before)."""
+    false on a harmony model comes from chat_template_kwargs (Ollama's is checked before).
+    `default_think` (serve --reasoning on/off) applies where neither the request nor a
+    /think or /no_think in it says."""
     from edgeinfer.server.constraints import effort_keywords, harmony_think, thinking_switch, tool_keywords
 
     kw = tool_keywords(model, tools, tool_choice, parallel_tool_calls)
@@ -200,6 +202,8 @@ def chat_plan(model, messages: list[dict], *, tools: list | None = None, tool_ch
     harmony_think(model, think, "chat_template_kwargs.enable_thinking")
     # harmony has no switch, so neither the request's nor Qwen's /no_think applies
     thinking = thinking_switch(messages, think) if thinks(model) and not speaks_harmony(model) else None
+    if thinking is None and thinks(model) and not speaks_harmony(model):
+        thinking = default_think
     if thinking is not None:
         kw["enable_thinking"] = thinking
     if constraint is not None:
