@@ -41,7 +41,7 @@ FLAGS: dict[str, tuple[str | None, bool]] = {
     "--reranking": (None, False), "--metrics": (None, False), "--kv-unified": (None, False),
     "--swa-full": (None, False),
     "--no-ui": (None, False), "--jinja": (None, False), "--no-jinja": (None, False),
-    "--offline": (None, False), "--verbose": (None, False), "--no-mmproj": (None, False),
+    "--offline": (None, False), "--verbose": ("--verbose", False), "--no-mmproj": (None, False),
     "--no-models-autoload": (None, False), "--no-cache-idle-slots": (None, False),
 }
 

@@ -295,3 +295,18 @@ def test_prompt_progress_is_reported_after_each_prefill_chunk(fim_model_path):
         assert first.cache == (0 if round_ == 0 else len(prompt))  # the second reuses the first's prompt
     plain = list(m.generate(prompt, stream=True, max_tokens=1))
     assert all(c.prompt_progress is None for c in plain)
+
+
+def test_serve_verbose_makes_every_answer_carry_it(model):
+    from starlette.testclient import TestClient
+
+    from edgeinfer.server import ServerConfig, create_app
+
+    app = create_app(ServerConfig(model_name="tiny", verbose=True), model)
+    with TestClient(app, base_url="http://127.0.0.1") as c:
+        chat = {"messages": MSG, "max_tokens": 2}
+        assert "__verbose" in c.post("/chat/completions", json=chat).json()
+        assert "__verbose" not in c.post("/chat/completions", json={**chat, "verbose": False}).json()
+        assert "__verbose" in c.post("/completion", json={"prompt": "hi", "n_predict": 2}).json()
+        batch = c.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1})
+        assert batch.status_code == 200  # the server's default leaves batches alone

@@ -68,6 +68,9 @@ def register(sub) -> None:
                    help="the name the served model answers to and responses report (default: NAME as given)")
     p.add_argument("--pooling", choices=("none", "mean", "cls", "last", "rank"), default=None,
                    help="embeddings' pooling, over the file's: none gives a vector per token (/embeddings only)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="llama-server's --verbose: every answer carries __verbose, the prompt as the model saw "
+                        "it (a request's \"verbose\": false still turns it off)")
     p.add_argument("--reasoning", choices=("on", "off", "auto"), default="auto",
                    help="thinking for requests that do not say (llama-server's flag): on, off (a template "
                         "that opens <think> itself gets it closed), or auto, the template's default")
@@ -97,7 +100,7 @@ def serve(args) -> int:
         cors_origins=list(args.cors_origin), allowed_hosts=list(args.allowed_host) + _bind_names(args.host),
         max_body_bytes=args.max_body, sampling=sampling_from_args(args), keep_alive_s=args.keep_alive,
         max_models=args.max_models, bind_host=args.host, slot_save_path=slot_save_path,
-        slots_endpoint=args.slots_endpoint, reasoning=args.reasoning,
+        slots_endpoint=args.slots_endpoint, reasoning=args.reasoning, verbose=args.verbose,
         # other local models load with the same options, but their own chat templates
         model_options={k: v for k, v in model_kwargs(args).items() if k != "chat_template"})
     if not _is_loopback(args.host):

@@ -192,6 +192,7 @@ async def _run(request: Request, req: LlamaSampling, starts: list, params: dict,
     `texts`: each prompt as its final result shows it (llama-server's `prompt`)."""
     texts = texts or [None] * len(starts)
     state = request.app.state.server
+    verbose = state.config.verbose if req.verbose is None else req.verbose
     job = state.submit(batched(starts))
     pieces = lp_format.Pieces(state.model.tokenizer)
     t0 = time.perf_counter()
@@ -213,7 +214,7 @@ async def _run(request: Request, req: LlamaSampling, starts: list, params: dict,
             tokens = [c.token for c in mine if c.token is not None] if req.return_tokens else None
             body = {**final_body(state, "".join(c.text for c in mine), last, params, i, tokens, texts[i]),
                     **probs([c.logprobs for c in mine if c.logprobs])}
-            bodies.append(pick_fields(_with_verbose(body, req.verbose), req.response_fields))
+            bodies.append(pick_fields(_with_verbose(body, verbose), req.response_fields))
         return JSONResponse(bodies if batch else bodies[0])
     first = await first_chunk(job, request)
     held: dict[int, list] = {}    # probabilities of tokens whose text is still held back (a stop string's start)
@@ -246,7 +247,7 @@ async def _run(request: Request, req: LlamaSampling, starts: list, params: dict,
         if chunk.finish_reason is not None:
             tail = probs(lps) if lps else {}
             body = {**final_body(state, "", chunk, params, i, prompt=texts[i]), **tail}
-            out.append(pick_fields(_with_verbose(body, req.verbose), req.response_fields))
+            out.append(pick_fields(_with_verbose(body, verbose), req.response_fields))
         return out
 
     return sse_response(stream_events(job, first, request.url.path, sse, None, lambda last: [],

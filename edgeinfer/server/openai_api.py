@@ -79,7 +79,7 @@ async def chat_completions(request: Request):
                               constraint=await compiled(state, llama_constraint, req.grammar, req.json_schema,
                                                         req.response_format))
     chat = _chat_start(model, messages, extra, add_generation_prompt, prefill)
-    shown = await _shown_prompt(req, lambda: llama_compat.chat_prompt_ids(
+    shown = await _shown_prompt(state, req, lambda: llama_compat.chat_prompt_ids(
         model, messages, add_generation_prompt=add_generation_prompt, prefill=prefill, tools=extra.get("tools"),
         **{k: extra[k] for k in ("enable_thinking", "reasoning_effort") if k in extra}), model)
     t0 = time.perf_counter()
@@ -197,7 +197,7 @@ async def completions(request: Request):
         params = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema,
                                                        None))
     batch = _batch(req.prompt)
-    if batch is not None and req.verbose:
+    if batch is not None and req.verbose:  # asked for explicitly; serve --verbose leaves batches alone
         raise APIError(400, "invalid field 'verbose': it takes one prompt, not a batch", param="verbose")
     if batch is not None:
         return await _batched_completions(request, req, model, batch, params)
@@ -218,7 +218,8 @@ async def completions(request: Request):
     if req.verbose and req.suffix is not None:
         raise APIError(400, "invalid field 'verbose': it cannot be combined with suffix (fill-in-the-middle)",
                        param="verbose")
-    shown = await _shown_prompt(req, lambda: prompt if isinstance(prompt, list) else model.tokenize(prompt), model)
+    shown = None if req.suffix is not None else await _shown_prompt(
+        state, req, lambda: prompt if isinstance(prompt, list) else model.tokenize(prompt), model)
     prompt_lps: list = []  # with echo and logprobs: (token, logprob) of the prompt, made on the worker
     start = several(start_for, req.n, params)
     if req.echo and req.logprobs is not None:
@@ -291,10 +292,10 @@ async def completions(request: Request):
                                      on_chunk))
 
 
-async def _shown_prompt(req: OpenAISampling, ids, model) -> str | None:
-    """With llama-server's `verbose`: the prompt as the model sees it (its tokens' pieces),
-    made off the event loop; None otherwise."""
-    if not req.verbose:
+async def _shown_prompt(state, req: OpenAISampling, ids, model) -> str | None:
+    """With llama-server's `verbose` (the request's, else serve --verbose): the prompt as the
+    model sees it (its tokens' pieces), made off the event loop; None otherwise."""
+    if not (req.verbose if req.verbose is not None else state.config.verbose):
         return None
     return await anyio.to_thread.run_sync(lambda: model.tokenizer.detokenize(ids(), as_pieces=True))
 

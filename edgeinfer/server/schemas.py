@@ -140,7 +140,7 @@ class OpenAISampling(Body):
     id_slot: Unsupported(OneSlot, -1, 0) = None
     timings_per_token: bool = False          # each streamed chunk carries the timings so far
     return_progress: bool = False            # a stream carries prompt_progress (prompt processing)
-    verbose: bool = False                    # the result carries `__verbose`: /completion's body, prompt included
+    verbose: bool | None = None              # `__verbose`: /completion's body, prompt included (None: serve --verbose)
     backend_sampling: bool = False           # llama-server samples on the GPU when true; same tokens either way
     # Metadata with no effect on the output: OpenAI uses them for abuse tracking and for
     # tagging stored completions; nothing is stored here.
@@ -331,7 +331,7 @@ class LlamaSampling(Body):
     logit_bias: LogitBias | None = None
     timings_per_token: bool = False
     return_progress: bool = False
-    verbose: bool = False           # the result carries `__verbose`: the same body, prompt included
+    verbose: bool | None = None     # `__verbose`: the same body, prompt included (None: serve --verbose)
     backend_sampling: bool = False  # llama-server samples on the GPU when true; same tokens either way
     t_max_predict_ms: Annotated[int, Field(ge=0, le=1 << 31)] | None = None
     # llama.vim sends it; llama-server does not implement it either (a prompt is always

@@ -62,6 +62,7 @@ class ServerConfig:
     slot_save_path: str | None = None       # folder of /slots save/restore files; None: those are refused
     slots_endpoint: bool = True             # GET /slots (llama-server's --slots / --no-slots)
     reasoning: str = "auto"                 # thinking when a request does not say: on, off, auto (the template's)
+    verbose: bool = False                   # llama-server's --verbose: answers carry `__verbose` unless asked not to
 
     @property
     def default_think(self) -> bool | None:
