@@ -110,16 +110,8 @@ def bpe_vocab(pre: str = "llama-bpe") -> dict:
     """A small byte-level BPE vocabulary (GPT-2 style) with merges for a few words."""
     b2u = _bytes_to_unicode()  # GPT-2's byte -> printable character table
     tokens = [b2u[b] for b in range(256)]
-    merges: list[str] = []
-    for word in ["\u0120the", "\u0120and", "he", "in", "\u0120hello", "\u0120world", "er", "on"]:
-        word = word.replace("\u0120", b2u[32])
-        cur = word[0]
-        for ch in word[1:]:
-            merged = cur + ch
-            if merged not in tokens:
-                merges.append(f"{cur} {ch}")
-                tokens.append(merged)
-            cur = merged
+    merges = merge_chains(tokens, [w.replace("\u0120", b2u[32]) for w in
+                                   ["\u0120the", "\u0120and", "he", "in", "\u0120hello", "\u0120world", "er", "on"]])
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
     n_normal = len(tokens)
     tokens += specials
@@ -128,6 +120,21 @@ def bpe_vocab(pre: str = "llama-bpe") -> dict:
         "types": [1] * n_normal + [3] * len(specials),
         "bos": n_normal, "eos": n_normal + 1, "eot": n_normal + 2, "add_bos": True,
     }
+
+
+def merge_chains(tokens: list[str], words: list[str]) -> list[str]:
+    """Left-to-right merges that build each word from its first character on; every new
+    piece is appended to `tokens`. Returns the merges in rank order."""
+    merges: list[str] = []
+    for word in words:
+        cur = word[0]
+        for ch in word[1:]:
+            merged = cur + ch
+            if merged not in tokens:
+                merges.append(f"{cur} {ch}")
+                tokens.append(merged)
+            cur = merged
+    return merges
 
 
 def gemma4_vocab() -> dict:
@@ -141,17 +148,10 @@ def gemma4_vocab() -> dict:
     base = ["\n", "\n\n", "\u2581", "é"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + list(".,!?")
     tokens += base
     types += [1] * len(base)
-    merges: list[str] = []
-    for word in ["\u2581the", "\u2581and", "he", "in", "\u2581hello", "\u2581world", "er", "on", "\u2581\u2581",
-                 "\u2581café", "world"]:
-        cur = word[0]
-        for ch in word[1:]:
-            merged = cur + ch
-            if merged not in tokens:
-                merges.append(f"{cur} {ch}")
-                tokens.append(merged)
-                types.append(1)
-            cur = merged
+    n_before = len(tokens)
+    merges = merge_chains(tokens, ["\u2581the", "\u2581and", "he", "in", "\u2581hello", "\u2581world", "er", "on",
+                                   "\u2581\u2581", "\u2581café", "world"])
+    types += [1] * (len(tokens) - n_before)
     return {"model": "gemma4", "pre": "gemma4", "tokens": tokens, "types": types, "merges": merges,
             "bos": 2, "eos": 1, "unk": 3, "add_bos": False}
 

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gguf_factory import bpe_vocab, write_tiny_model
+from gguf_factory import bpe_vocab, merge_chains, write_tiny_model
 from edgeinfer.gguf_file import GGUFFile
 from edgeinfer.tokenizer import TokenAttr, Tokenizer, load_tokenizer
 from edgeinfer.tokenizer.bpe import FastSplitter, byte_encode, cpt_class, cpt_to_utf8, \
@@ -73,14 +73,7 @@ RANDOM_TEXTS = [_gen(random.Random(seed), 1 + seed % 60) for seed in range(400)]
 def _add_word(tokens: list[str], merges: list[str], word: bytes) -> None:
     """Merges that build `word` left to right (bpe_vocab's way), so it shows up as one token
     when a split keeps it whole."""
-    chars = byte_encode(word)
-    cur = chars[0]
-    for ch in chars[1:]:
-        merged = cur + ch
-        if merged not in tokens:
-            merges.append(f"{cur} {ch}")
-            tokens.append(merged)
-        cur = merged
+    merges += merge_chains(tokens, [byte_encode(word)])
 
 
 def small_harmony_vocab(pre: str = "gpt-4o", specials: tuple[str, ...] = HARMONY,

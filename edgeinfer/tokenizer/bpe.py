@@ -447,10 +447,15 @@ class BPEReference:
             out.append(tid)
             return out
         for b in raw:  # llama.cpp looks each byte of the symbol's UTF-8 up as a string
-            tid = self.id_of.get(bytes((b,)))
+            tid = self.id_of.get(self.byte_token(b))
             if tid is not None:
                 out.append(tid)
         return out
+
+    @staticmethod
+    def byte_token(b: int) -> bytes:
+        """The vocabulary text of byte b's fallback token (GPT-2's byte-level character)."""
+        return bytes((b,))
 
     def merge(self, word: str) -> list[str]:
         if self.pre.ignore_merges and word.encode("utf-8", "surrogatepass") in self.id_of:

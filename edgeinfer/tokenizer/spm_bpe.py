@@ -21,10 +21,6 @@ ESCAPED_SPACE = "\u2581"
 _LINES = re.compile(r"[^\n]+|\n+")
 
 
-def byte_token(b: int) -> bytes:
-    return b"<0x%02X>" % b
-
-
 def lines(data: bytes | str) -> list[str]:
     """The fragment's words: spaces escaped, split into newline runs and the text between.
     Bytes are read as llama.cpp reads them (a bad byte is U+FFFD)."""
@@ -44,17 +40,9 @@ class SpmBPEReference(BPEReference):
             out += [whole] if whole is not None else self.encode_word(word)
         return out
 
-    def _token_or_bytes(self, sym: str, out: list[int]) -> list[int]:
-        raw = sym.encode("utf-8", "surrogatepass")
-        tid = self.id_of.get(raw)
-        if tid is not None:
-            out.append(tid)
-            return out
-        for b in raw:
-            tid = self.id_of.get(byte_token(b))
-            if tid is not None:
-                out.append(tid)
-        return out
+    @staticmethod
+    def byte_token(b: int) -> bytes:
+        return b"<0x%02X>" % b  # SentencePiece's byte fallback
 
 
 class SpmBPEFast:
