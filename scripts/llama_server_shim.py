@@ -170,7 +170,8 @@ def known_to_serve(args: list[str]) -> list[str]:
     return out
 
 
-_SWITCHES = {"--context-shift"}
+# serve flags that take no value: the mapped llama-server flags that take none
+_SWITCHES = {mapped for mapped, takes in FLAGS.values() if mapped is not None and not takes}
 
 
 if __name__ == "__main__":
