@@ -310,3 +310,10 @@ def test_serve_verbose_makes_every_answer_carry_it(model):
         assert "__verbose" in c.post("/completion", json={"prompt": "hi", "n_predict": 2}).json()
         batch = c.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1})
         assert batch.status_code == 200  # the server's default leaves batches alone
+
+
+def test_text_parts_are_joined_by_a_blank_line(http):
+    parts = [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]
+    r = http.post("/chat/completions", json={"messages": [*MSG, {"role": "assistant", "content": parts}],
+                                             "max_tokens": 1, "verbose": True}).json()
+    assert r["__verbose"]["prompt"].endswith("Wh\n\nill")  # the open assistant message, as llama-server's

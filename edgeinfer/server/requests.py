@@ -70,7 +70,9 @@ def check_ids(model, ids: list[int], field: str | None = None) -> None:
 
 
 def message_text(m: OpenAIMessage) -> str:
-    """OpenAI content may be a string or a list of parts; only text parts are supported."""
+    """OpenAI content may be a string or a list of parts; only text parts are supported. Parts
+    are joined by a blank line, as llama-server joins them (agents send their task and the
+    workspace as separate parts: run together, the last word of one meets the first of the next)."""
     if m.content is None:
         return ""
     if isinstance(m.content, str):
@@ -82,7 +84,7 @@ def message_text(m: OpenAIMessage) -> str:
                                 "(text only)",
                            param="messages")
         parts.append(part.text or "")
-    return "".join(parts)
+    return "\n\n".join(parts)
 
 
 def chat_message(m: OpenAIMessage) -> dict:
