@@ -95,3 +95,19 @@ def test_gpu_layers_refused_with_quantized_types(tiny):
 
     with pytest.raises(CacheTypeError, match="-ngl 0"):
         Engine(open_model(tiny), EngineOptions(n_ctx=16, cache_type_k="q8_0", gpu_layers=2))
+
+
+def test_props_and_ps_report_the_cache_types(tmp_path):
+    from starlette.testclient import TestClient
+
+    import edgeinfer
+    from edgeinfer.server import ServerConfig, create_app
+    from gguf_factory import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "m.gguf", "llama", "F32")
+    model = edgeinfer.load(str(path), n_ctx=64, gpu_layers=0, cache_type_k="q8_0", cache_type_v="q4_0")
+    with TestClient(create_app(ServerConfig(model_name="tiny"), model), base_url="http://127.0.0.1") as c:
+        props = c.get("/props").json()
+        assert (props["cache_type_k"], props["cache_type_v"]) == ("q8_0", "q4_0")
+        ps = c.get("/api/ps").json()["models"][0]
+        assert (ps["cache_type_k"], ps["cache_type_v"]) == ("q8_0", "q4_0")

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.server.errors import APIError
+from edgeinfer.server.state import kv_cache_types
 from edgeinfer.server.constraints import add_constraint, compiled, llama_constraint
 from edgeinfer.server.fim import fim_start
 from edgeinfer.server.requests import chat_message, check_ids, read_body
@@ -358,7 +359,7 @@ async def props(request: Request) -> JSONResponse:
     template = getattr(getattr(model, "template", None), "source", "") or ""
     return JSONResponse({
         "default_generation_settings": {"n_ctx": model.n_ctx, "params": dict(state.config.sampling)},
-        "total_slots": 1, "model_alias": state.model_name, "model_path": str(model.path),
+        "total_slots": 1, "model_alias": state.model_name, "model_path": str(model.path), **kv_cache_types(model),
         "chat_template": template, "modalities": {"vision": False, "audio": False},
         "build_info": "edgeinfer"})
 

@@ -30,6 +30,7 @@ from edgeinfer.store import model_names, registry
 from edgeinfer.errors import DownloadError, EdgeInferError, ModelNotFoundError
 from edgeinfer.server.constraints import thinks
 from edgeinfer.server.errors import APIError
+from edgeinfer.server.state import kv_cache_types
 from edgeinfer.server.fim import has_fim
 from edgeinfer.server.requests import describe, read_body
 from edgeinfer.server.schemas import Body, OllamaOptions, OllamaShowRequest, Unsupported
@@ -194,7 +195,7 @@ async def ps(request: Request) -> JSONResponse:
             expires = slot.expires_at()
             del entry["modified_at"]
             out.append({**entry, "expires_at": FOREVER_ISO if expires is None else iso(expires),
-                        "size_vram": 0, "context_length": model.n_ctx})
+                        "size_vram": 0, "context_length": model.n_ctx, **kv_cache_types(model)})
         return out
 
     return JSONResponse({"models": await anyio.to_thread.run_sync(collect)})

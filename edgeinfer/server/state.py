@@ -43,6 +43,12 @@ request_params: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ed
                                                                             default=None)
 
 
+def kv_cache_types(model) -> dict:
+    """The model's K/V cache types as llama.cpp names them (-ctk / -ctv), for /props and /api/ps."""
+    types = getattr(getattr(model, "engine", None), "cache_types", None)
+    return {"cache_type_k": getattr(types, "k", "f16"), "cache_type_v": getattr(types, "v", "f16")}
+
+
 @dataclass
 class ServerConfig:
     model_name: str = "default"
