@@ -37,6 +37,8 @@ class BenchResult:
     n_prompt: int
     n_gen: int
     n_depth: int = 0
+    type_k: str = "f16"   # the K/V cache types (-ctk / -ctv)
+    type_v: str = "f16"
     samples_ts: list[float] = field(default_factory=list)
 
     @property
@@ -131,7 +133,7 @@ def run_bench(engine: Engine, *, n_prompt: int, n_gen: int, repetitions: int, n_
     gf = engine.model_file.gguf
     base = dict(model_filename=str(gf.path), model_type=model_type, model_size=gf.file_size,
                 model_n_params=gf.parameter_count(), backend=engine.backend.name.upper(),
-                n_threads=n_threads)
+                n_threads=n_threads, type_k=engine.cache_types.k, type_v=engine.cache_types.v)
     tests = [(kind, n, time_prompt if kind == "pp" else time_generation)
              for kind, n in (("pp", n_prompt), ("tg", n_gen)) if n > 0]
     wait_for_compiles(stream)

@@ -48,3 +48,10 @@ def test_bench_depth_fills_the_context_first(tiny_models, capsys, monkeypatch):
     assert [r["test"] for r in rows] == ["pp8 @ d20", "tg3 @ d20"]
     assert all(r["n_depth"] == 20 for r in rows)
     assert depths and all(d == (20, 20) for d in depths)   # warm-up and timed runs alike
+
+
+def test_bench_json_names_the_cache_types(tiny_models, capsys):
+    assert main(["bench", str(tiny_models["llama"]), "-p", "8", "-n", "2", "-r", "1", "-t", "1",
+                 "--backend", "reference", "-ctk", "q8_0", "-ctv", "q4_0", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["type_k"], r["type_v"]) for r in rows} == {("q8_0", "q4_0")}
