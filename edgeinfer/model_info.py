@@ -44,7 +44,7 @@ def describe(mf: ModelFile) -> ModelInfo:
     return ModelInfo(
         path=str(gf.path),
         architecture=cfg.arch,
-        name=meta_str(md, "general.name", "") or gf.path.stem,
+        name=meta_str(md, "general.name", "") or _stem(gf.path.name),
         parameters=gf.parameter_count(),
         context_length=cfg.n_ctx_train,
         embedding_length=cfg.n_embd,
@@ -57,3 +57,11 @@ def describe(mf: ModelFile) -> ModelInfo:
         has_chat_template=bool(meta_str(md, "tokenizer.chat_template", "")),
         license=meta_str(md, "general.license", None),
     )
+
+
+def _stem(filename: str) -> str:
+    """A file's model name: its name without `.gguf`, and without a split part's `-0000N-of-0000M`."""
+    from edgeinfer.gguf_split import parse_part_name
+
+    part = parse_part_name(filename)
+    return part[0] if part is not None else filename.removesuffix(".gguf")

@@ -172,3 +172,13 @@ def test_a_count_of_one_is_an_ordinary_file(whole, tmp_path):
     paths = split_gguf(whole, tmp_path, PREFIX, 1)
     gf = GGUFFile.open(paths[0])
     assert gf.part_paths == paths and len(gf.tensors) == len(_names(whole))
+
+
+def test_a_split_model_is_named_without_its_part_suffix(tmp_path):
+    from edgeinfer.loader import open_model
+    from edgeinfer.model_info import describe
+
+    unnamed = write_tiny_model(tmp_path / "nameless.gguf", "llama", "Q8_0", extra_metadata={"general.name": None})
+    first = split_gguf(unnamed, tmp_path / "parts", "nameless-Q8_0", 2)[0]
+    assert first.name == "nameless-Q8_0-00001-of-00002.gguf"
+    assert describe(open_model(first)).name == "nameless-Q8_0"
