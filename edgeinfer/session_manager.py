@@ -43,6 +43,7 @@ from edgeinfer.kv.paged import PagedKVCache
 from edgeinfer.kv.pool_sizing import plan_pools
 from edgeinfer.kv.prefix_cache import common_prefix_len
 from edgeinfer.kv.recurrent import keep_at
+from edgeinfer.kv.saved import SavedKV
 from edgeinfer.kv.sequence import SequenceKV
 from edgeinfer.results import FinishReason, GenerationChunk
 from edgeinfer.sampling import SamplingParams
@@ -197,8 +198,9 @@ class SessionManager:
         types = getattr(self.engine, "cache_types", None)
         return types if types is not None and types.quantized else None
 
-    def export_kv(self) -> tuple[list[int], list, list, np.ndarray] | None:
-        """(tokens, k per layer, v per layer, positions) of the resident sequence, or None.
+    def export_kv(self) -> SavedKV | None:
+        """The resident sequence's tokens, K/V per layer and positions, and a hybrid model's
+        recurrent state after them (edgeinfer.kv.saved.SavedKV), or None.
 
         Rows a sliding-window layer no longer holds (out of its window) are NaN; import_kv
         knows them. Saved sessions hold f16 K/V: under a quantized cache type (-ctk / -ctv)
@@ -209,13 +211,18 @@ class SessionManager:
         seq = self._resident
         if seq is None or seq.n_used == 0 or not np.array_equal(seq.positions, np.arange(seq.n_used)):
             return None
-        if self.recurrent:  # K/V without the recurrent state would resume wrong: not saved
-            return None
+        state = None
+        if self.recurrent:  # K/V go only with the state after exactly those tokens
+            if seq.recurrent.n_tokens != seq.n_used:
+                return None
+            state = seq.recurrent.export()
         k, v = seq.export()
-        return self.resident_tokens(), k, v, np.array(seq.positions)
+        return SavedKV(self.resident_tokens(), k, v, np.array(seq.positions), state)
 
-    def import_kv(self, tokens: Sequence[int], k: list, v: list, pos: np.ndarray) -> int:
+    def import_kv(self, tokens: Sequence[int], k: list, v: list, pos: np.ndarray,
+                  state: dict[str, np.ndarray] | None = None) -> int:
         """Make saved K/V of `tokens[:len(pos)]` the resident sequence; returns tokens restored.
+        A hybrid model needs `state`, its recurrent state after those tokens (SavedKV.state).
 
         Positions must be 0..n-1 (K/V as a fresh run computes them); the full blocks are
         registered in the prefix cache like freshly prefilled ones. Sliding-window groups
@@ -225,9 +232,9 @@ class SessionManager:
         if self.quantized_kv is not None:
             raise EdgeInferError(f"saved K/V are f16 and this run's cache is {self.quantized_kv} (-ctk/-ctv): "
                                  f"resume without --session-kv, or with f16 cache types")
-        if self.recurrent:
-            raise EdgeInferError(f"saved K/V cannot be restored for {cfg.arch} models (their recurrent state "
-                                 f"is not saved); resume the conversation without --session-kv")
+        if self.recurrent and state is None:
+            raise EdgeInferError(f"the saved K/V of this {cfg.arch} session come without its recurrent state "
+                                 f"(an older file); resume the conversation without --session-kv")
         pos = np.asarray(pos, dtype=np.int64)
         n = len(pos)
         if n == 0 or n >= self.n_ctx:
@@ -246,6 +253,9 @@ class SessionManager:
             try:
                 try:
                     seq.load(pos, k, v)
+                    if seq.recurrent is not None:
+                        seq.recurrent.load(state, n)
+                        seq.recurrent.keep_at(n)  # a regenerate may cut back to here
                 except ValueError:
                     raise EdgeInferError("saved K/V do not fit this model") from None
                 seq.record_tokens(list(tokens)[:n])

@@ -151,14 +151,44 @@ def test_context_shift_is_refused_and_not_the_default(model):
     assert out.finish_reason == "length" and len(out.tokens) == N_CTX - len(long) + 1
 
 
-def test_saved_kv_is_refused_for_a_recurrent_state(model):
+def test_saved_sessions_carry_the_state_and_resume_exactly(model, tmp_path):
+    from edgeinfer.sessions.session_file import SavedSession, load_session, save_session
+
+    rng = np.random.default_rng(7)
+    prompt = random_ids(rng, 10, model.engine.config.n_vocab)
     mgr = _mgr(model)
-    _answer(mgr, random_ids(np.random.default_rng(7), 10, model.engine.config.n_vocab))
-    assert mgr.export_kv() is None  # the session keeps the conversation, not K/V without the state
+    first = _answer(mgr, prompt)
+    saved = mgr.export_kv()
+    assert saved is not None and saved.state and len(saved.pos) == len(prompt) + len(first.tokens) - 1
+    path = save_session(tmp_path / "s.npz", SavedSession(tokens=saved.tokens, k=saved.k, v=saved.v, pos=saved.pos,
+                                                         state=saved.state), model.identity)
+    back = load_session(path, model.identity, config=model.engine.config, n_ctx=N_CTX)
+    assert back.kv_refused is None and set(back.state) == set(saved.state)
+    more = random_ids(rng, 5, model.engine.config.n_vocab)
+    follow = list(saved.tokens) + more
+    want = _answer(mgr, follow).tokens  # the same manager, still holding the conversation
+    fresh = _mgr(model)
+    assert fresh.import_kv(back.tokens, back.k, back.v, back.pos, back.state) == len(back.pos)
+    got = _answer(fresh, follow)
+    assert got.tokens == want and got.usage.cached_tokens == len(back.pos)  # nothing before them re-run
+    # without the state (a version 1 file) the K/V are refused with one line
     cfg = model.engine.config
-    k = [np.zeros((4, cfg.n_head_kv, cfg.head_dim), np.float16)] * cfg.n_layer
-    with pytest.raises(EdgeInferError, match="cannot be restored for qwen35"):
-        mgr.import_kv([1, 2, 3, 4], k, k, np.arange(4))
+    with pytest.raises(EdgeInferError, match="without its recurrent state"):
+        _mgr(model).import_kv(back.tokens, back.k, back.v, back.pos)
+
+
+def test_a_saved_state_of_the_wrong_shape_is_refused(model, tmp_path):
+    from edgeinfer.sessions.session_file import SavedSession, load_session, save_session
+
+    mgr = _mgr(model)
+    _answer(mgr, random_ids(np.random.default_rng(8), 10, model.engine.config.n_vocab))
+    saved = mgr.export_kv()
+    bad = {name: (a[:-1] if name.startswith("ssm") else a) for name, a in saved.state.items()}
+    path = save_session(tmp_path / "bad.npz", SavedSession(tokens=saved.tokens, k=saved.k, v=saved.v, pos=saved.pos,
+                                                           state=bad), model.identity)
+    warned: list[str] = []
+    back = load_session(path, model.identity, config=model.engine.config, n_ctx=N_CTX, warn=warned.append)
+    assert back.state is None and back.k is None and "ssm." in warned[0] and "\n" not in warned[0]
 
 
 def test_streaming_and_the_api_run_the_family(model):

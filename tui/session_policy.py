@@ -126,7 +126,7 @@ class ChatSession:
         self.initial_settings = dict(self.default_settings)  # the command line's, for Ctrl+N's notice
         self.default_system = system or ""
         self.resident: str | None = None  # the conversation whose tokens the loaded model's K/V hold
-        self.kv: tuple | None = None  # (tokens, k, v, pos) last exported for conv: saved with it (save_kv)
+        self.kv: tuple | None = None  # SavedKV fields last exported for conv: saved with it (save_kv)
         self.conv = self.fresh(None, "")
 
     # -- which conversation ----------------------------------------------------------------------
@@ -208,7 +208,8 @@ class ChatSession:
     def import_kv(self, model: Any, conv: Conversation) -> tuple[Any, int]:
         """(saved K/V or None, tokens imported): reads `conv`'s K/V into `model` (runs in a worker)."""
         saved = self.store.load_kv(conv, model.identity, model.config.n_layer)
-        return saved, (model.sessions.import_kv(saved.tokens, saved.k, saved.v, saved.pos) if saved else 0)
+        return saved, (model.sessions.import_kv(saved.tokens, saved.k, saved.v, saved.pos, saved.state)
+                       if saved else 0)
 
     def kv_restored(self, conv_id: str, saved: Any, n: int) -> bool:
         """After import_kv for the model still loaded: True when the open conversation (`conv_id`)
@@ -217,7 +218,7 @@ class ChatSession:
             return False
         self.resident = conv_id
         if self.conv.settings.get("save_kv"):
-            self.kv = (saved.tokens, saved.k, saved.v, saved.pos)
+            self.kv = (saved.tokens, saved.k, saved.v, saved.pos, saved.state)
         return True
 
     # -- answers and saving --------------------------------------------------------------------------

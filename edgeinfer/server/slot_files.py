@@ -73,13 +73,10 @@ def save(model, folder: str, name: str) -> dict:
     if problem:
         raise APIError(400, f"invalid field 'filename': {name!r} {problem}", param="filename")
     sessions = model.sessions
-    if sessions.recurrent and sessions.resident_tokens():
-        raise APIError(400, f"slot save is not supported for {model.config.arch} models: their recurrent "
-                            "state is not saved")
     saved = SavedSession(meta={"kind": "llama-server slot", "id_slot": 0})  # meta given: the old file is not read
     kv = sessions.export_kv()
     if kv is not None:
-        saved.tokens, saved.k, saved.v, saved.pos = kv
+        saved.tokens, saved.k, saved.v, saved.pos, saved.state = kv
     try:
         save_session(path, saved, model.identity)
         n_written = os.stat(path).st_size
@@ -104,7 +101,7 @@ def restore(model, folder: str, name: str) -> dict:
             raise EdgeInferError(refused[0])
         n_read = os.stat(path).st_size
         if saved.n_kv:
-            n = model.sessions.import_kv(saved.tokens, saved.k, saved.v, saved.pos)
+            n = model.sessions.import_kv(saved.tokens, saved.k, saved.v, saved.pos, saved.state)
         else:  # an empty slot was saved: the slot becomes empty
             model.reset()
             n = 0

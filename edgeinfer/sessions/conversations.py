@@ -33,6 +33,7 @@ from typing import Any
 
 from edgeinfer.atomic_file import remove_stale_temps
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.kv.saved import SavedKV
 from edgeinfer.sessions.safe_open import RefusedFile, open_regular
 from edgeinfer.sampling import SamplingParams
 from edgeinfer.sessions.session_file import (SavedSession, SessionFileError, check_name, load_session,
@@ -209,7 +210,7 @@ class ConversationStore:
             try:
                 old = load_session(path, conv.identity, warn=_quiet)  # refused K/V: not kept
                 if old.n_kv:
-                    kv = (old.tokens, old.k, old.v, old.pos)
+                    kv = SavedKV(old.tokens, old.k, old.v, old.pos, old.state)
             except SessionFileError:
                 pass  # another model's or unreadable: the K/V were only a cache
         conv.updated = time.time()
@@ -217,7 +218,9 @@ class ConversationStore:
                 "model_path": conv.model_path, "settings": dict(conv.settings), "created": conv.created}
         session = SavedSession(messages=_file_messages(conv), sampling=dict(sampling), meta=meta)
         if kv is not None:
-            session.tokens, session.k, session.v, session.pos = list(kv[0]), kv[1], kv[2], kv[3]
+            kv = SavedKV(*kv)
+            session.tokens, session.k, session.v, session.pos, session.state = list(kv.tokens), kv.k, kv.v, \
+                kv.pos, kv.state
         save_session(path, session, conv.identity)
         conv.n_kv = session.n_kv
         return path

@@ -3,12 +3,16 @@ on disk, so `edgeinfer run NAME --session S` resumes it.
 
 File: `<data dir>/sessions/<S>.npz` (data dir = `$EDGEINFER_HOME` or ~/.local/share/edgeinfer),
 a numpy .npz archive:
-- `header`: UTF-8 JSON {"format": "edgeinfer-session", "version": 1, "model": identity,
-  "messages": [...], "sampling": {...}, "n_kv": tokens with saved K/V (0 = none)}, and
+- `header`: UTF-8 JSON {"format": "edgeinfer-session", "version": 2, "model": identity,
+  "messages": [...], "sampling": {...}, "n_kv": tokens with saved K/V (0 = none),
+  "n_state": tokens the saved recurrent state summarizes (0 = none; a hybrid model's), and
   optionally "meta": {...}, what a front end keeps beside the chat (the TUI: title, model
   reference, settings such as the context size, creation time); readers ignore it
 - `tokens`: int64 token ids of the conversation so far
 - `pos`, `k<i>`, `v<i>` (layer i): positions and f16 K/V of tokens[:n_kv], when saved.
+- `conv.<i>`, `ssm.<i>` (recurrent layer i, version 2): float32 recurrent state after
+  tokens[:n_state], n_state = n_kv (edgeinfer.kv.recurrent.RecurrentState.export).
+Version 1 files (no state) still load.
 
 The model identity (file size + sha256 of its first and last MiB + general.name) is cheap
 to compute and catches a different or re-quantized file; a mismatch is refused. Writes are
@@ -52,7 +56,8 @@ from edgeinfer.errors import EdgeInferError
 from edgeinfer.sessions.safe_open import RefusedFile, open_regular
 
 FORMAT = "edgeinfer-session"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: before recurrent states
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _EDGE = 1 << 20  # bytes hashed at each end of the model file
 
@@ -116,6 +121,8 @@ class SavedSession:
     # Front-end metadata kept in the header. None on save = keep what the file already has
     # (so `edgeinfer run --session` continuing a TUI conversation keeps its title).
     meta: dict[str, Any] | None = None
+    # A hybrid model's recurrent state after the K/V's tokens (RecurrentState.export's arrays).
+    state: dict[str, np.ndarray] | None = None
     # Set by load_session when the file held K/V it refused (the one line saying why).
     kv_refused: str | None = None
 
@@ -129,7 +136,8 @@ def save_session(path: str | os.PathLike[str], session: SavedSession, model: dic
     path = Path(path)
     _first_use(path.parent)
     header = {"format": FORMAT, "version": VERSION, "model": model, "messages": session.messages,
-              "sampling": session.sampling, "n_kv": session.n_kv}
+              "sampling": session.sampling, "n_kv": session.n_kv,
+              "n_state": session.n_kv if session.n_kv and session.state else 0}
     meta = session.meta if session.meta is not None else _existing_meta(path)
     if meta:
         header["meta"] = meta
@@ -142,6 +150,8 @@ def save_session(path: str | os.PathLike[str], session: SavedSession, model: dic
         for i, (k, v) in enumerate(zip(session.k, session.v)):
             arrays[f"k{i}"] = np.asarray(k, dtype=np.float16)
             arrays[f"v{i}"] = np.asarray(v, dtype=np.float16)
+        for name, a in (session.state or {}).items():
+            arrays[name] = np.asarray(a, dtype=np.float32)
     try:
         _write_atomically(path, arrays)
     except OSError as exc:
@@ -197,7 +207,9 @@ def load_session(path: str | os.PathLike[str], model: dict, n_layer: int | None 
             if not isinstance(n_kv, int) or isinstance(n_kv, bool):
                 raise _Bad(f"n_kv is {n_kv!r}")
             if n_kv:
-                session.k, session.v, session.pos = _read_kv(archive, n_kv, tokens_array, n_layer, config, n_ctx)
+                kv = _read_kv(archive, n_kv, tokens_array, n_layer, config, n_ctx)
+                state = _read_state(archive, header, n_kv, config)
+                (session.k, session.v, session.pos), session.state = kv, state  # all or nothing
         except _Bad as exc:
             session.kv_refused = f"{where}: its saved K/V were not loaded ({exc}); the conversation is read again"
             (warn or _warn_stderr)(session.kv_refused)
@@ -269,6 +281,33 @@ def _read_kv(archive: "_Archive", n_kv: int, tokens: np.ndarray, n_layer: int | 
         k.append(ka)
         v.append(va)
     return k, v, pos
+
+
+def _read_state(archive: "_Archive", header: dict, n_kv: int, config: Any) -> dict[str, np.ndarray] | None:
+    """A hybrid model's saved recurrent state (conv.<i>, ssm.<i>), each member of exactly the
+    model's shape and finite; None when the file has none. Without the model's config (a
+    listing) nothing is read."""
+    n_state = header.get("n_state") or 0
+    if not isinstance(n_state, int) or isinstance(n_state, bool) or n_state not in (0, n_kv):
+        raise _Bad(f"n_state is {n_state!r} for {n_kv} K/V rows")
+    dn = getattr(config, "delta_net", None)
+    if config is None or not n_state:
+        return None
+    if dn is None:
+        raise _Bad("a recurrent state for a model that has none")
+    state = {}
+    for i in range(int(config.n_layer)):
+        if not config.is_recurrent(i):
+            continue
+        for name, shape in ((f"conv.{i}", tuple(dn.conv_state_shape)), (f"ssm.{i}", tuple(dn.ssm_state_shape))):
+            member = archive.probe(name, np.float32, len(shape), int(np.prod(shape)) * 4)
+            if member.shape != shape:
+                raise _Bad(f"{name} has shape {member.shape}; this model's is {shape}")
+            a = archive.read(member)
+            if not np.isfinite(a).all():
+                raise _Bad(f"{name} holds NaN or Inf")
+            state[name] = a
+    return state
 
 
 def _check_values(k: np.ndarray, v: np.ndarray, layer: int) -> None:
@@ -498,9 +537,9 @@ def _first_use(folder: Path) -> None:
 def _check_header(header: Any, where: str) -> None:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise SessionFileError(f"{where} is not an edgeinfer session")
-    if header.get("version") != VERSION:
+    if header.get("version") not in READABLE_VERSIONS:
         raise SessionFileError(f"{where} has format version {header.get('version')!r}; "
-                               f"this edgeinfer reads version {VERSION}")
+                               f"this edgeinfer reads versions {', '.join(map(str, READABLE_VERSIONS))}")
 
 
 def _header_fields(header: dict) -> tuple[list[dict], dict, dict | None]:
