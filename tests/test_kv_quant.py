@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgeinfer.kernels_cpu import flash_attention, flash_attention_ref, kv_quant
+from edgeinfer.kernels_cpu import flash_attention, flash_attention_ref, kv_quant, kv_quant_jit
 from ggml_lib import oracle_ggml
 from ggml_flash_oracle import flash_attn_ext
 
@@ -109,3 +109,17 @@ def test_fwht_is_the_scaled_hadamard_matrix_and_its_own_inverse():
     assert np.allclose(kv_quant.fwht(y, 64), x, atol=1e-5)
     assert kv_quant.rotation_size(64, True) == 64 and kv_quant.rotation_size(256, True) == 256
     assert kv_quant.rotation_size(192, True) == 64 and kv_quant.rotation_size(96, False) == 0
+
+
+def test_compiled_fwht_and_q8_0_store_match_numpy():
+    rng = np.random.default_rng(5)
+    x = _rows(rng, (7, 3, 128))
+    x.reshape(-1, 32)[2, :] = np.float32(-3.5)   # a block of equal values: ties of rint
+    for n in (64, 128):
+        assert np.array_equal(kv_quant_jit.fwht(x, n).view(np.uint32), kv_quant.fwht(x, n).view(np.uint32))
+    want = kv_quant.quantize_q8_0(x)
+    assert np.array_equal(kv_quant_jit.quantize_q8_0(x), want)
+    qx, qd = kv_quant_jit.quantize_q8_0_split(x)
+    vals, d, _ = kv_quant.fields("q8_0", want)
+    assert np.array_equal(qx.reshape(vals.shape), vals.astype(np.int8))
+    assert np.array_equal(qd.view(np.uint32), d.view(np.uint32))

@@ -22,17 +22,21 @@ from gguf import GGMLQuantizationType
 from edgeinfer.errors import EdgeInferError
 
 
-class _KvQuant:
-    """kernels_cpu.kv_quant, imported at first use: importing the kernels_cpu package loads
+class _Lazy:
+    """A kernels_cpu module, imported at first use: importing the kernels_cpu package loads
     Numba, which a process that only parses flags or refuses a file should not pay for."""
 
+    def __init__(self, module: str):
+        self._module = module
+
     def __getattr__(self, name: str):
-        from edgeinfer.kernels_cpu import kv_quant
+        import importlib
 
-        return getattr(kv_quant, name)
+        return getattr(importlib.import_module(f"edgeinfer.kernels_cpu.{self._module}"), name)
 
 
-kv_quant = _KvQuant()
+kv_quant = _Lazy("kv_quant")
+kv_quant_jit = _Lazy("kv_quant_jit")   # the compiled fwht and q8_0 store (same bits)
 
 # what llama.cpp allows that edgeinfer stores too (iq4_nl: its quantizer is not ported yet)
 ALLOWED = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
@@ -89,13 +93,16 @@ class CacheTypes:
         """x rotated as llama.cpp rotates `which` (Q goes as "k", the output as "v"); x unchanged
         without a rotation."""
         n = self.rotation(which)
-        return kv_quant.fwht(x, n) if n else x
+        return kv_quant_jit.fwht(x, n) if n else x
 
     def encode(self, which: str, x: np.ndarray) -> np.ndarray:
         """float rows (..., head_dim) -> what the cache stores (f16 casts on assignment):
         rotated, then quantized."""
         t = self.of(which)
-        return x if t == "f16" else kv_quant.quantize(t, self.rotate(which, np.asarray(x, np.float32)))
+        if t == "f16":
+            return x
+        rows = self.rotate(which, np.asarray(x, np.float32))
+        return kv_quant_jit.quantize_q8_0(rows) if t == "q8_0" else kv_quant.quantize(t, rows)
 
     def decode(self, which: str, raw: np.ndarray) -> np.ndarray:
         """Stored rows -> float32 (..., head_dim), as ggml's to_float, rotated back."""

@@ -1,0 +1,103 @@
+"""Compiled forms of kv_quant.py's per-token work on a quantized K/V cache: the Hadamard
+rotation (fwht) and the q8_0 row quantizer (the CPU store's AVX2 one), bit for bit the numpy
+functions there (tests/test_kv_quant.py holds them together).
+
+Decode calls these a few times a layer on a handful of rows, where numpy's per-call cost
+(a dozen small array ops each) was ~5% of a token of the 1B model.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .f16 import f16_bits_of, f16_round
+
+_JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
+
+
+@njit(**_JIT)
+def _fwht_rows(y, n, inv):
+    """In place on y (R, n) float32: y *= inv, then butterflies u + v, u - v for len = 1, 2, 4, ..."""
+    for r in range(y.shape[0]):
+        for e in range(n):
+            y[r, e] = np.float32(y[r, e] * inv)
+        length = 1
+        while length < n:
+            for b0 in range(0, n, 2 * length):
+                for i in range(b0, b0 + length):
+                    u = y[r, i]
+                    v = y[r, i + length]
+                    y[r, i] = np.float32(u + v)
+                    y[r, i + length] = np.float32(u - v)
+            length *= 2
+
+
+def fwht(x: np.ndarray, n: int) -> np.ndarray:
+    """As kv_quant.fwht (same bits), compiled."""
+    x = np.asarray(x, np.float32)
+    y = np.array(x, np.float32, order="C").reshape(-1, n)
+    _fwht_rows(y, n, np.float32(np.float32(1.0) / np.sqrt(np.float32(n))))
+    return y.reshape(x.shape)
+
+
+@njit(inline="always", **_JIT)
+def _block_q8_0(x, r, b):
+    """Block b of row r: (d as float32, 127/amax or 0)."""
+    amax = np.float32(0.0)
+    for e in range(32):
+        a = abs(x[r, 32 * b + e])
+        if a > amax:
+            amax = a
+    d = np.float32(amax / np.float32(127.0))
+    idv = np.float32(np.float32(127.0) / amax) if amax != 0 else np.float32(0.0)
+    return d, idv
+
+
+@njit(**_JIT)
+def _q8_0_rows(x, out):
+    """x (R, n) float32 -> out (R, n // 32 * 34) raw q8_0 blocks (fp16 d, then 32 int8)."""
+    for r in range(x.shape[0]):
+        for b in range(x.shape[1] // 32):
+            d, idv = _block_q8_0(x, r, b)
+            h = f16_bits_of(np.float32(d).view(np.uint32))
+            o = 34 * b
+            out[r, o] = np.uint8(h & np.uint32(255))
+            out[r, o + 1] = np.uint8(h >> np.uint32(8))
+            for e in range(32):
+                out[r, o + 2 + e] = np.uint8(np.int8(np.rint(np.float32(x[r, 32 * b + e] * idv))) & 255)
+
+
+@njit(**_JIT)
+def _q8_0_split_rows(x, qx, qd):
+    """As _q8_0_rows, split: values into qx (R, n) int8, the fp16 scales as float32 into qd (R, n // 32)."""
+    for r in range(x.shape[0]):
+        for b in range(x.shape[1] // 32):
+            d, idv = _block_q8_0(x, r, b)
+            qd[r, b] = f16_round(d)
+            for e in range(32):
+                qx[r, 32 * b + e] = np.int8(np.rint(np.float32(x[r, 32 * b + e] * idv)))
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, np.float32)
+    if x.shape[-1] % 32:
+        raise ValueError(f"K/V rows need a multiple of 32 values, got {x.shape[-1]}")
+    return x.reshape(-1, x.shape[-1])
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """As kv_quant.quantize_q8_0 (same bytes), compiled."""
+    x2 = _rows(x)
+    out = np.empty((x2.shape[0], x2.shape[1] // 32 * 34), np.uint8)
+    _q8_0_rows(x2, out)
+    return out.reshape(np.shape(x)[:-1] + (-1,))
+
+
+def quantize_q8_0_split(x: np.ndarray):
+    """Rows quantized as quantize_q8_0, as (int8 values (..., n), fp16 scales as float32 (..., n // 32))."""
+    x2 = _rows(x)
+    qx = np.empty(x2.shape, np.int8)
+    qd = np.empty((x2.shape[0], x2.shape[1] // 32), np.float32)
+    _q8_0_split_rows(x2, qx, qd)
+    lead = np.shape(x)[:-1]
+    return qx.reshape(lead + (-1,)), qd.reshape(lead + (-1,))
