@@ -34,6 +34,9 @@ def oracle(path):
 
 
 def test_bos_is_forced_and_spaces_are_escaped(tok):
+    from edgeinfer.tokenizer.spm_bpe import SpmBPEFast
+
+    assert isinstance(tok._bpe_fast, SpmBPEFast)  # the fast path is the one tokenize() takes
     assert tok.add_bos and tok.tokenize("hello")[0] == tok.bos_id
     ids = tok.tokenize("hello world", add_special=False)
     assert "".join(tok.token_text(i) for i in ids) == "hello\u2581world" and tok.token_text(ids[-1]) == "\u2581world"

@@ -556,6 +556,16 @@ class FastSplitter:
         return words
 
 
+def hf_vocab_and_merges(tokens: list[str], merges: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """HF `tokenizers`' BPE vocabulary and merge pairs as llama.cpp reads the GGUF: of two equal
+    texts the last id wins (token_to_id); "a b" splits at the first space after index 0 and a
+    repeated pair keeps its first rank (dict.fromkeys does both orders the same way)."""
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab[t] = i
+    return vocab, list(dict.fromkeys(_split_merge(m) for m in merges))
+
+
 class BPEFast:
     """Split with `FastSplitter`, merge each distinct word once with HF `tokenizers` (Rust)
     and remember it; takes text (the caller decodes, see `lenient_text`)."""
@@ -567,12 +577,7 @@ class BPEFast:
 
         if pre.split not in ("llama3", "qwen2", "qwen35", "gpt2", "gpt4o"):
             raise ValueError(f"no fast path for the {pre.split} splitter")
-        vocab: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            vocab[t] = i  # last one wins, like llama.cpp's token_to_id
-        # llama.cpp splits "a b" at the first space after index 0 and keeps the first rank
-        # of a repeated pair (dict.fromkeys does both orders the same way)
-        pairs = list(dict.fromkeys(_split_merge(m) for m in merges))
+        vocab, pairs = hf_vocab_and_merges(tokens, merges)
         model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre.ignore_merges,
                            fuse_unk=False, byte_fallback=False)
         tok = Tokenizer(model)
@@ -589,8 +594,12 @@ class BPEFast:
             if len(cache) + len(missing) > self.MAX_CACHE:
                 cache.clear()
             for word, enc in zip(missing, self._tok.encode_batch(missing, add_special_tokens=False)):
-                cache[word] = enc.ids
+                cache[word] = self._word_ids(word, enc.ids)
         out: list[int] = []
         for w in words:
             out += cache[w]
         return out
+
+    def _word_ids(self, word: str, merged: list[int]) -> list[int]:
+        """A word's ids from HF's merges (a subclass may take some words whole)."""
+        return merged

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from edgeinfer.tokenizer.bpe import BPEReference, PreTokenizer, _split_merge, lenient_text
+from edgeinfer.tokenizer.bpe import BPEFast, BPEReference, PreTokenizer, hf_vocab_and_merges, lenient_text
 
 ESCAPED_SPACE = "\u2581"
 _LINES = re.compile(r"[^\n]+|\n+")
@@ -45,35 +45,22 @@ class SpmBPEReference(BPEReference):
         return b"<0x%02X>" % b  # SentencePiece's byte fallback
 
 
-class SpmBPEFast:
+class SpmBPEFast(BPEFast):
     """The same with HF `tokenizers` doing the merges (byte fallback on), each distinct line
-    merged once and remembered; takes bytes like the reference."""
+    merged once and remembered (BPEFast.encode, split into lines); takes bytes or text."""
 
     MAX_CACHE = 200_000
 
     def __init__(self, tokens: list[str], merges: list[str], pre: PreTokenizer) -> None:
         from tokenizers import Tokenizer, models
 
-        vocab: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            vocab[t] = i  # last one wins, like llama.cpp's token_to_id
-        pairs = list(dict.fromkeys(_split_merge(m) for m in merges))
+        vocab, pairs = hf_vocab_and_merges(tokens, merges)
         self._tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False, fuse_unk=False,
                                          byte_fallback=True))
         self._vocab = vocab
         self._cache: dict[str, list[int]] = {}
+        self.split = lines
 
-    def encode(self, data: bytes | str) -> list[int]:
-        words = lines(data)
-        cache = self._cache
-        missing = [w for w in dict.fromkeys(words) if w not in cache]
-        if missing:
-            if len(cache) + len(missing) > self.MAX_CACHE:
-                cache.clear()
-            for word, enc in zip(missing, self._tok.encode_batch(missing, add_special_tokens=False)):
-                whole = self._vocab.get(word) if word[0] == "\n" else None
-                cache[word] = [whole] if whole is not None else enc.ids
-        out: list[int] = []
-        for w in words:
-            out += cache[w]
-        return out
+    def _word_ids(self, word: str, merged: list[int]) -> list[int]:
+        whole = self._vocab.get(word) if word[0] == "\n" else None  # a newline run that is a token
+        return [whole] if whole is not None else merged
