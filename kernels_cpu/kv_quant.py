@@ -78,14 +78,20 @@ def _inv(d: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- quantizers
 
-def quantize_q8_0(x: np.ndarray) -> np.ndarray:
-    """ggml-cpu's AVX2 quantize_row_q8_0 (K/V store, and Q for q8_0/q4_0/q5_0 K)."""
-    b = _blocks(x)
+def _q8_avx2(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(d, int8 codes) of 32-value blocks as ggml-cpu's AVX2 q8 quantizers make them:
+    id = 127 / amax, round half to even."""
     amax = np.abs(b).max(axis=-1)
     d = (amax / np.float32(127.0)).astype(np.float32)
     with np.errstate(divide="ignore"):
         idv = np.where(amax != 0, np.float32(127.0) / np.where(amax != 0, amax, 1), 0).astype(np.float32)
-    q = np.rint((b * idv[..., None]).astype(np.float32)).astype(np.int8)
+    return d, np.rint((b * idv[..., None]).astype(np.float32)).astype(np.int8)
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """ggml-cpu's AVX2 quantize_row_q8_0 (K/V store, and Q for q8_0/q4_0/q5_0 K)."""
+    b = _blocks(x)
+    d, q = _q8_avx2(b)
     return _pack([_f16_bytes(d), q.view(np.uint8)], b.shape[:-2])
 
 
@@ -102,11 +108,7 @@ def quantize_q8_0_ref(x: np.ndarray) -> np.ndarray:
 def quantize_q8_1(x: np.ndarray) -> np.ndarray:
     """ggml-cpu's AVX2 quantize_row_q8_1 (Q for q4_1/q5_1 K): as q8_0, plus s = fp16(d * sum q)."""
     b = _blocks(x)
-    amax = np.abs(b).max(axis=-1)
-    d = (amax / np.float32(127.0)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        idv = np.where(amax != 0, np.float32(127.0) / np.where(amax != 0, amax, 1), 0).astype(np.float32)
-    q = np.rint((b * idv[..., None]).astype(np.float32)).astype(np.int8)
+    d, q = _q8_avx2(b)
     s = (d * q.astype(np.int32).sum(axis=-1).astype(np.float32)).astype(np.float32)
     return _pack([_f16_bytes(d), _f16_bytes(s), q.view(np.uint8)], b.shape[:-2])
 
