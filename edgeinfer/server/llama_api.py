@@ -262,10 +262,14 @@ async def completion(request: Request):
     req = await read_body(request, LlamaCompletionRequest)
     model = state.require_model()
     params = sampling_of(state, req, model)
-    prompts, batch = await _off_loop(request, lambda: llama_compat.prompts(model, req.prompt))
-    # tokenized once here, as generate would: the ids run and their pieces are the result's `prompt`
-    prompts = await _off_loop(request, lambda: [p if isinstance(p, list) else model.tokenize(p) for p in prompts])
-    texts = await _off_loop(request, lambda: [model.tokenizer.detokenize(p, as_pieces=True) for p in prompts])
+    def read_prompts() -> tuple[list[list[int]], bool, list[str]]:
+        """The request's prompts as ids, tokenized once here as generate would, and their pieces
+        (the result's `prompt`), in one trip off the event loop."""
+        prompts, batch = llama_compat.prompts(model, req.prompt)
+        ids = [p if isinstance(p, list) else model.tokenize(p) for p in prompts]
+        return ids, batch, [model.tokenizer.detokenize(p, as_pieces=True) for p in ids]
+
+    prompts, batch, texts = await _off_loop(request, read_prompts)
     run = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema,
                                                 req.response_format))
     run = _with_progress(run, req)
