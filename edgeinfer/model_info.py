@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from edgeinfer.gguf_split import parse_part_name
 from edgeinfer.loader import ModelFile
 from edgeinfer.metadata import meta_int, meta_str
 from edgeinfer.units import human_bytes, human_count  # noqa: F401 - re-exported for show/bench
@@ -61,7 +62,5 @@ def describe(mf: ModelFile) -> ModelInfo:
 
 def _stem(filename: str) -> str:
     """A file's model name: its name without `.gguf`, and without a split part's `-0000N-of-0000M`."""
-    from edgeinfer.gguf_split import parse_part_name
-
     part = parse_part_name(filename)
     return part[0] if part is not None else filename.removesuffix(".gguf")
