@@ -1,13 +1,14 @@
 """Where one decoded token's time goes on the CPU backend: a per-op profile.
 
-    python benchmarks/profile_decode.py MODEL.gguf [-n 24] [-t 2] [--depth 0]
+    python benchmarks/profile_decode.py MODEL.gguf [-n 24] [-t 2] [--depth 0] [--prompt 32]
 
 Wraps the CpuBackend's methods with wall-clock timers, decodes `-n` tokens (after a
 warm-up token), and prints, for each op kind, milliseconds a token, its share, and for
 the matrix ops the weight bytes they read a token and the GB/s that makes. "python" is
 the rest of the step: the forward pass's own numpy and interpreter time. Each matvec is
 also attributed to its tensor kind (attn_qkv, attn_output, ffn, output) so a slow matrix
-shape shows. Times are medians over the tokens.
+shape shows. Times are medians over the tokens. --prompt N profiles a prefill of N
+tokens instead (each of the -n repetitions a fresh one, times per prefill).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def main(argv=None) -> None:
     ap.add_argument("-n", type=int, default=24, help="tokens to decode (timed)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--depth", type=int, default=0, help="tokens in the cache before")
+    ap.add_argument("--prompt", type=int, default=0, help="profile prefills of this many tokens instead")
     ap.add_argument("--matrices", action="store_true",
                     help="also time each matrix kind alone (per type), cycling through the layers")
     args = ap.parse_args(argv)
@@ -49,7 +51,8 @@ def main(argv=None) -> None:
     from edgeinfer.loader import open_model
 
     mf = open_model(args.model)
-    engine = Engine(mf, EngineOptions(n_ctx=args.depth + args.n + 16, threads=args.threads, gpu_layers=0))
+    engine = Engine(mf, EngineOptions(n_ctx=args.depth + max(args.n, args.prompt) + 16, threads=args.threads,
+                                      gpu_layers=0, prefill_chunk=max(512, args.prompt)))
     be = engine.backend
     assert isinstance(be, CpuBackend), type(be)
     gf = mf.gguf
@@ -91,24 +94,33 @@ def main(argv=None) -> None:
     if args.depth:
         engine.prefill(np.random.default_rng(1).integers(0, engine.config.n_vocab, args.depth), kv)
     tokens = np.random.default_rng(0).integers(0, engine.config.n_vocab, args.n + 2)
-    engine.decode(int(tokens[0]), kv)   # warm-up: compile, page in
-    engine.decode(int(tokens[1]), kv)
+    depth = kv.n_used
+
+    def step_once(tok) -> None:
+        if args.prompt:   # a fresh prefill of --prompt tokens after the depth
+            kv.truncate(depth)
+            engine.prefill(np.random.default_rng(int(tok)).integers(0, engine.config.n_vocab, args.prompt), kv)
+        else:
+            engine.decode(int(tok), kv)
+    step_once(tokens[0])   # warm-up: compile, page in
+    step_once(tokens[1])
     per_token: dict[str, list[float]] = defaultdict(list)
     totals = []
     for tok in tokens[2:]:
         step.clear()
         nbytes.clear()
         t0 = time.perf_counter()
-        engine.decode(int(tok), kv)
+        step_once(tok)
         total = time.perf_counter() - t0
         totals.append(total)
         for k, v in step.items():
             per_token[k].append(v)
         per_token["python"].append(total - sum(step.values()))
     total = statistics.median(totals)
-    print(f"{args.model}: {args.threads} threads, median of {args.n} tokens: {total * 1e3:.1f} ms a token "
-          f"({1 / total:.2f} tok/s; spread {min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f} ms)")
-    print(f"{'op':<14}{'ms/token':>10}{'share':>8}{'MiB/token':>11}{'GB/s':>8}")
+    what = f"prefills of {args.prompt} tokens" if args.prompt else "tokens"
+    print(f"{args.model}: {args.threads} threads, median of {args.n} {what}: {total * 1e3:.1f} ms a step "
+          f"({(args.prompt or 1) / total:.2f} tok/s; spread {min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f} ms)")
+    print(f"{'op':<14}{'ms/step':>10}{'share':>8}{'MiB/token':>11}{'GB/s':>8}")
     rows = sorted(per_token.items(), key=lambda kv: -statistics.median(kv[1]))
     for k, samples in rows:
         ms = statistics.median(samples)
