@@ -135,28 +135,36 @@ class Engine:
         return self.backend.new_cache(self.config, self.n_ctx)
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, kv: KVView,
-                logits_for: np.ndarray | None = None) -> np.ndarray:
+                logits_for: np.ndarray | None = None, decode_bits: bool = False) -> np.ndarray:
+        """Logits of the rows `logits_for` (default: the last token) after appending `tokens`
+        at `positions`. decode_bits: each row exactly as decoding its token alone would give
+        it (speculative verification); otherwise a short prompt may take faster GEMMs."""
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.n_vocab):
             raise EdgeInferError(f"token id out of range 0..{self.config.n_vocab - 1}")
         before = kv.n_used
         try:
+            if decode_bits:
+                with self.backend.decode_order():
+                    return self.model.forward(tokens, np.asarray(positions, dtype=np.int64), kv, logits_for)
             return self.model.forward(tokens, np.asarray(positions, dtype=np.int64), kv, logits_for)
         except BaseException:  # Ctrl-C or an error mid-layer: drop the half-written tokens
             kv.truncate(before)
             raise
 
-    def prefill(self, tokens: list[int] | np.ndarray, kv: KVView, progress=None) -> np.ndarray:
-        """Append `tokens` after what `kv` holds, in chunks; logits of the last token (n_vocab,)."""
+    def prefill(self, tokens: list[int] | np.ndarray, kv: KVView, progress=None,
+                decode_bits: bool = False) -> np.ndarray:
+        """Append `tokens` after what `kv` holds, in chunks; logits of the last token (n_vocab,).
+        decode_bits: as Engine.forward's."""
         logits = None
-        for done, total, logits in self.prefill_steps(tokens, kv):
+        for done, total, logits in self.prefill_steps(tokens, kv, decode_bits):
             if progress is not None:
                 progress(done, total)
         if logits is None:
             raise EdgeInferError("nothing to evaluate: the prompt is empty")
         return logits
 
-    def prefill_steps(self, tokens: list[int] | np.ndarray, kv: KVView):
+    def prefill_steps(self, tokens: list[int] | np.ndarray, kv: KVView, decode_bits: bool = False):
         """`prefill` one chunk at a time: yields (tokens done, tokens in all, logits of the
         chunk's last token) after each chunk, so a caller can report progress in between."""
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -164,7 +172,7 @@ class Engine:
         cuts = self.chunk_bounds(len(tokens))
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             positions = np.arange(start + lo, start + hi)
-            yield hi, len(tokens), self.forward(tokens[lo:hi], positions, kv)[0]
+            yield hi, len(tokens), self.forward(tokens[lo:hi], positions, kv, decode_bits=decode_bits)[0]
 
     def chunk_bounds(self, n: int) -> list[int]:
         """Where a prefill of n tokens is cut: every prefill_chunk tokens, except that a last

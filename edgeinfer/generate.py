@@ -148,7 +148,7 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
             n = 1 + len(proposal)
             keep_rollback(kv, kv.n_used, kv.n_used + n)  # rejected drafts are cut back: a state keeps copies
             rows = engine.forward(np.array([token, *proposal]), np.arange(kv.n_used, kv.n_used + n), kv,
-                                  logits_for=np.arange(n))
+                                  logits_for=np.arange(n), decode_bits=True)
             spec.start_round(len(proposal), time.perf_counter() - t, draft_s)
             logits = rows[0]
             drafts = list(zip(proposal, rows[1:]))

@@ -27,7 +27,7 @@ _cache_dir.configure()   # before any kernel is defined: Numba's cache keyed to 
 _cache_load.install()    # cached kernels load without Numba's full registry refresh
 
 from .matvec import (  # noqa: E402
-                     dequantize_rows, expert_matvec, get_rows, matmul, matmul_many, matmul_uses_int8, matvec,
+                     decode_order, dequantize_rows, expert_matvec, get_rows, matmul, matmul_many, matmul_uses_int8, matvec,
                      matvec_many,
                      quantize_activation_rows, quantize_activations, use_model_types)
 from .kv_attention import attention
@@ -37,7 +37,7 @@ from .reference import reference_dequantize, reference_matmul, reference_matvec
 from .threads import get_threads, set_threads
 
 __all__ = [
-    "matvec", "matvec_many", "expert_matvec", "matmul", "matmul_many", "get_rows", "dequantize_rows", "quantize_activations", "quantize_activation_rows",
+    "decode_order", "matvec", "matvec_many", "expert_matvec", "matmul", "matmul_many", "get_rows", "dequantize_rows", "quantize_activations", "quantize_activation_rows",
     "matmul_uses_int8", "use_model_types", "supported_types", "quant_info", "row_bytes", "QuantInfo", "QUANT_INFO",
     "set_threads", "get_threads", "rms_norm", "rope_inplace", "gelu_mul", "attention",
     "reference_dequantize", "reference_matvec", "reference_matmul",

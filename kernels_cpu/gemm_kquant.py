@@ -35,6 +35,7 @@ from numba.core import cgutils
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
+from . import gemm_parallel
 from .dot_kquant import k_nibbles, q4k_block_bytes, q4k_qs32, q4k_scales_heads
 from .ir_helpers import (F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, row_ptrs,
                          target_features, vec)
@@ -331,3 +332,12 @@ def matmul_rows(w_raw: np.ndarray, qt: int, g0: int, g1: int, packed, out: np.nd
     a GEMM_TYPES matrix with rows % 8 == 0 and `pack_activations` output. Releases the GIL."""
     xq, xd, xb = packed
     _gemm_rows(w_raw, qt, g0, g1, xq, xd, xb, TILE_TOKENS, out)
+
+
+def matmul_many(ws: list, qts: list, packed, outs: list, n_threads: int) -> None:
+    """outs[i] = activations . ws[i] for 1 to 3 GEMM_TYPES matrices (rows % 8 == 0) on the
+    same `pack_activations` output, in one parallel region (gemm_parallel.py)."""
+    _PARALLEL.run(ws, qts, packed, outs, n_threads)
+
+
+_PARALLEL = gemm_parallel.Driver(_gemm_rows, TILE_TOKENS, "kquant")

@@ -6,8 +6,10 @@ quant_kernels.Q4_K_X8, see repack.py), which every entry point here reads as wel
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -18,7 +20,7 @@ from . import quant_kernels as qk
 from .quant_types import QuantInfo, check_weight
 from .threads import apply_threads, get_threads, worker_pool
 
-from . import dispatch, f32_ggml, gemm_kquant, tile_gemm
+from . import dispatch, f32_ggml, gemm_kquant, gemm_q32, tile_gemm
 
 # EDGEINFER_PLAIN_KERNELS=1 routes every type through the plain Numba kernels (debugging).
 _FAST = not os.environ.get("EDGEINFER_PLAIN_KERNELS")
@@ -164,10 +166,57 @@ def expert_matvec(ws: list[np.ndarray], qtypes: list, experts: np.ndarray, start
                     matvec(w[e * n_per:(e + 1) * n_per], qt, X[rows_of[a]], out[a])
         return outs
     apply_threads()
-    xq, xd, xs = quantize_activation_rows(X, infos[0])
-    dispatch.expert_matvec_fast([_readonly(w) for w in ws], [int(i.qtype) for i in infos], experts, starts,
-                                rows_of, n_per, xq, xd, xs, outs)
+    ws = [_readonly(w) for w in ws]
+    qts = [int(i.qtype) for i in infos]
+    counts = np.diff(starts)
+    path = _expert_gemm_path(qts, n_per, X.shape[0])
+    big = counts >= _GEMM_MIN_TOKENS[qts[0]] if path else np.zeros(len(experts), bool)
+    if big.any():
+        _expert_gemm(path, ws, qts, infos[0], experts[big], starts[:-1][big], counts[big], rows_of, n_per, X, outs)
+    if big.all():
+        return outs
+    if big.any():   # the experts with few tokens: the row kernels on their assignments alone
+        keep = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in np.flatnonzero(~big)])
+        sub = [np.empty((keep.shape[0], n_per), np.float32) for _ in ws]
+        sub_starts = np.concatenate([[0], np.cumsum(counts[~big])])
+        _expert_rows(ws, qts, infos[0], experts[~big], sub_starts, rows_of[keep], n_per, X, sub)
+        for out, part in zip(outs, sub):
+            out[keep] = part
+        return outs
+    _expert_rows(ws, qts, infos[0], experts, starts, rows_of, n_per, X, outs)
     return outs
+
+
+def _expert_rows(ws, qts, info, experts, starts, rows_of, n_per, X, outs) -> None:
+    """The row kernels on every listed expert's assignments (matvec's bits), one parallel region."""
+    xq, xd, xs = quantize_activation_rows(X, info)
+    dispatch.expert_matvec_fast(ws, qts, experts, starts, rows_of, n_per, xq, xd, xs, outs)
+
+
+def _expert_gemm_path(qts: list, n_per: int, n_tok: int) -> str | None:
+    """The GEMM ("kquant" or "q32") every tensor of an expert matmul can take on a prompt
+    chunk of n_tok tokens, or None (a decoded token, decode_order, a mixed pair, a CPU
+    with other kernels for long prompts)."""
+    if n_tok < 2 or _in_decode_order():
+        return None
+    paths = {matmul_path(qt, n_per, _INT8_MATMUL_MAX_TOKENS + 1) for qt in qts}
+    path = paths.pop() if len(paths) == 1 else None
+    return path if path in ("kquant", "q32") else None
+
+
+def _expert_gemm(path, ws, qts, info, experts, firsts, counts, rows_of, n_per, X, outs) -> None:
+    """Each listed expert's tokens as one batch through the GEMM: its slab of every tensor
+    read once per 256 of its tokens. X is quantized once; each expert's rows are gathered
+    and packed (small against the products: n_per x n_cols MACs a token)."""
+    gemm = gemm_kquant if path == "kquant" else gemm_q32
+    xq, xd, xs = quantize_activation_rows(X, info)
+    _wait_compiled(gemm)
+    nt = get_threads()
+    for e, a0, n in zip(experts.tolist(), firsts.tolist(), counts.tolist()):
+        rows = rows_of[a0:a0 + n]
+        packed = gemm.pack_activations(xq[rows], xd[rows], xs[rows])
+        gemm.matmul_many([w[e * n_per:(e + 1) * n_per] for w in ws], qts, packed,
+                         [out[a0:a0 + n] for out in outs], nt)
 
 
 def matvec_many(ws: list[np.ndarray], qtypes: list, x: np.ndarray) -> list[np.ndarray]:
@@ -263,24 +312,82 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
     return out
 
 
+# ----------------------------------------------------------------------------- prefill routing
+# Which kernel serves a matmul of n tokens (matmul_path), on an AVX2 CPU without VNNI:
+# - "rows": the decode row kernels, token by token on each row chunk (matvec's bits);
+# - "kquant": gemm_kquant (Q4_K, Q6_K): for Q4_K also matvec's bits;
+# - "q32": gemm_q32 (Q8_0, Q4_0, Q5_0, MXFP4);
+# - "blas": dequantized float tiles and BLAS; "tiles": the VNNI tiles (VNNI CPUs).
+# The crossovers were measured on Zen 3 with 2 threads (benchmarks/bench_kernels.py
+# --batch --paths): the GEMMs stage each 8-row block once for every token, which pays
+# from a few tokens (_GEMM_MIN_TOKENS: Q5_0 2048 x 640 at 4 tokens 0.30 ms against 0.37
+# for rows, at 16 0.40 against 1.05; Q6_K 640 x 2048 at 16 0.38 against 0.66) and beats
+# BLAS on long prompts (512 tokens: Q5_0 9.7 against 12.6 ms, Q4_0 2048 x 2048 18 against
+# 37, MXFP4 2880 x 2880 42 against 90).
+# Speculative verification needs every row to be what decoding that token alone would
+# give: inside `decode_order()` the short batches keep to the paths with matvec's bits.
+# q32 and kquant from this many tokens (outside decode_order). Q8_0 keeps the row kernels
+# up to _INT8_MATMUL_MAX_TOKENS: they gain little there (16 tokens on 2048 x 2048: 1.9 ms
+# rows, 1.6 q32), and llama.cpp's own batches of Q8_0 have exactly the row kernels' bits.
+_GEMM_MIN_TOKENS = {qk.Q5_0: 4, qk.Q4_0: 8, qk.MXFP4: 8, qk.Q8_0: 65, qk.Q6_K: 16, qk.Q4_K: 16, qk.Q4_K_X8: 16}
+_Q32_GEMM = _FAST and not os.environ.get("EDGEINFER_NO_Q32_GEMM")
+_ORDER = threading.local()
+
+
+@contextlib.contextmanager
+def decode_order():
+    """Within this block (on this thread), a matmul of up to _INT8_MATMUL_MAX_TOKENS tokens
+    gives each token exactly matvec's numbers (speculative verification)."""
+    before = getattr(_ORDER, "on", False)
+    _ORDER.on = True
+    try:
+        yield
+    finally:
+        _ORDER.on = before
+
+
+def _in_decode_order() -> bool:
+    return getattr(_ORDER, "on", False)
+
+
+def matmul_path(qtype, n_rows: int, n_tokens: int) -> str:
+    """The kernel matmul takes for this matrix and token count (see above)."""
+    qt = int(qtype)
+    if qt == qk.F32:
+        return "f32"
+    if not _fast(qt):
+        return "blas"
+    short = n_tokens <= _INT8_MATMUL_MAX_TOKENS
+    exact = short and _in_decode_order()
+    avx2_gemms = gemm_kquant.host_has_avx2() and not tile_gemm.has_vnni() and n_rows % 8 == 0
+    if avx2_gemms and _KQUANT_GEMM and qt in gemm_kquant.GEMM_TYPES:
+        if qt in (qk.Q4_K, qk.Q4_K_X8) and n_tokens >= _Q4K_GEMM_MIN_TOKENS:   # matvec's bits
+            return "kquant"
+        if not short or (not exact and n_tokens >= _GEMM_MIN_TOKENS[qt]):
+            return "kquant"
+    if (avx2_gemms and _Q32_GEMM and qt in gemm_q32.GEMM_TYPES
+            and (not short or (not exact and n_tokens >= _GEMM_MIN_TOKENS[qt]))):
+        return "q32"
+    if short:
+        return "rows"
+    return "tiles" if _uses_tiles(qt) else "blas"
+
+
 def matmul_uses_int8(qtype: T, n_tokens: int, n_rows: int) -> bool:
-    """Whether matmul takes an 8-bit activation path: the decode row kernels (the same
-    numbers as matvec), gemm_kquant or the VNNI tiles (else dequantized tiles + BLAS)."""
-    return matmul_uses_rows(qtype, n_tokens) or _uses_tiles(int(qtype)) or uses_kquant_gemm(qtype, n_rows)
+    """Whether matmul takes an 8-bit activation path (else dequantized tiles + BLAS)."""
+    return matmul_path(qtype, n_rows, n_tokens) in ("rows", "kquant", "q32", "tiles")
 
 
-def matmul_uses_rows(qtype: T, n_tokens: int) -> bool:
+def matmul_uses_rows(qtype: T, n_tokens: int, n_rows: int = 1) -> bool:
     """Whether matmul's results equal matvec's token by token: the decode row kernels, or
-    for Q4_K from _Q4K_GEMM_MIN_TOKENS tokens gemm_kquant, which keeps their bits."""
-    return _fast(int(qtype)) and n_tokens <= _INT8_MATMUL_MAX_TOKENS
+    for Q4_K gemm_kquant, which keeps their bits."""
+    path = matmul_path(qtype, n_rows, n_tokens)
+    return path == "rows" or (path == "kquant" and int(qtype) in (qk.Q4_K, qk.Q4_K_X8))
 
 
 def _kquant_gemm_for(qtype, n_rows: int, n_tokens: int) -> bool:
-    """Whether matmul takes gemm_kquant for this call: the long prompts of its types, and
-    Q4_K from _Q4K_GEMM_MIN_TOKENS tokens."""
-    if not uses_kquant_gemm(qtype, n_rows):
-        return False
-    return n_tokens > _INT8_MATMUL_MAX_TOKENS or (int(qtype) in (qk.Q4_K, qk.Q4_K_X8) and n_tokens >= _Q4K_GEMM_MIN_TOKENS)
+    """Whether matmul takes gemm_kquant for this call."""
+    return matmul_path(qtype, n_rows, n_tokens) == "kquant"
 
 
 def _uses_tiles(qt: int) -> bool:
@@ -328,15 +435,14 @@ def _split(n: int, total: int, step: int):
 
 def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | None = None) -> list[np.ndarray]:
     """[matmul(w, qt, X) for w, qt in zip(ws, qtypes)] for matrices on the same input
-    (Q/K/V, gate/up). Where every one takes the 8-bit tiles or every one gemm_kquant, X is
-    quantized and packed once and each thread gets its share of the rows of all of them
-    in one batch (the worker pool, not a Numba parallel region: its OpenMP worker would
-    spin beside them)."""
+    (Q/K/V, gate/up). Where every one takes the same 8-bit GEMM (the VNNI tiles,
+    gemm_kquant or gemm_q32), X is quantized and packed once and the rows of all of them
+    are shared out in one batch."""
     infos = [check_weight(w, qt) for w, qt in zip(ws, qtypes)]
     qts = [int(info.qtype) for info in infos]
-    tiles = not matmul_uses_rows(qts[0], X.shape[0]) and all(_uses_tiles(qt) for qt in qts)
-    kquant = all(_kquant_gemm_for(qt, w.shape[0], X.shape[0]) for qt, w in zip(qts, ws))
-    if not (tiles or kquant):
+    paths = {matmul_path(qt, w.shape[0], X.shape[0]) for qt, w in zip(qts, ws)}
+    path = paths.pop() if len(paths) == 1 else None
+    if path not in ("tiles", "kquant", "q32") or len(ws) > 3:
         return [matmul(w, qt, X) for w, qt in zip(ws, qtypes)]
     ws = [_readonly(w) for w in ws]
     X = np.ascontiguousarray(X, dtype=np.float32)
@@ -347,19 +453,24 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
     if outs is None:
         outs = [np.empty((X.shape[0], w.shape[0]), np.float32) for w in ws]
     apply_threads()
-    total = sum(w.shape[0] for w in ws)
-    if tiles:
+    if path == "tiles":
+        total = sum(w.shape[0] for w in ws)
         packed = tile_gemm.pack_activations(X)
         pieces = [(w, qt, a, b, out) for w, qt, out in zip(ws, qts, outs)
                   for a, b in _split(w.shape[0], total, tile_gemm.TILE_ROWS)]
         _run_pieces(pieces, lambda w, qt, a, b, out: tile_gemm.matmul_rows(w, qt, a, b, packed, out))
     else:
-        packed = gemm_kquant.pack_activations(*quantize_activation_rows(X, infos[0]))
-        g = gemm_kquant.GROUP_ROWS
-        pieces = [(w, qt, a, b, out) for w, qt, out in zip(ws, qts, outs)
-                  for a, b in _split(w.shape[0] // g, total // g, 1)]
-        _run_pieces(pieces, lambda w, qt, a, b, out: gemm_kquant.matmul_rows(w, qt, a, b, packed, out))
+        gemm = gemm_kquant if path == "kquant" else gemm_q32
+        packed = gemm.pack_activations(*quantize_activation_rows(X, infos[0]))
+        _wait_compiled(gemm)
+        gemm.matmul_many(ws, qts, packed, outs, get_threads())
     return outs
+
+
+def _wait_compiled(gemm) -> None:
+    """Nothing to wait for unless a background compile owes this process the GEMM's kernel."""
+    if compile_progress._pending:
+        compile_progress.wait_for(gemm._PARALLEL.kernel)
 
 
 def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -386,18 +497,16 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
     elif out.shape != (n_tok, n_rows) or out.dtype != np.float32:
         raise ValueError(f"out must be float32 ({n_tok}, {n_rows}), got {out.dtype} {out.shape}")
     qt = int(info.qtype)
-    if qt == qk.F32:
+    path = matmul_path(qt, n_rows, n_tok)
+    if path == "f32":
         f32_ggml.matmul(w_raw.view(np.float32), np.ascontiguousarray(X, np.float32), out)
         return out
-    if _kquant_gemm_for(qt, n_rows, n_tok):
+    if path in ("kquant", "q32", "tiles"):
         matmul_many([w_raw], [qt], X, [out])
         return out
-    if matmul_uses_rows(info.qtype, n_tok):
+    if path == "rows":
         xq, xd, xs = quantize_activation_rows(X, info)
         dispatch.matmul_int(w_raw, qt, xq, xd, xs, out)
-        return out
-    if _uses_tiles(qt):
-        matmul_many([w_raw], [qt], X, [out])
         return out
     n_threads = get_threads()
     if n_threads > 1 and _fast(qt) and n_rows >= 2 * _PREFILL_TILE_ROWS:

@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 from . import quant_kernels as qk
 from .dot_kquant import q4k_block_bytes, q4k_qs32, q4k_scales_vec
 from .dot_q32 import Q32, q32_values
-from .ir_helpers import (F32T, I8, I32, IRHelpers, c64, const_vec, counted_loop, has_vnni_features, mask,
+from .ir_helpers import (F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, has_vnni_features, mask,
                          row_ptrs, target_features, vec)
 from .quant_kernels import Q4_0, Q4_K, Q4_K_X8, Q5_0, Q6_K, Q8_0
 from .quant_types import TILE_IDS, tile_types
@@ -57,13 +57,19 @@ def has_vnni() -> bool:
 def _dpbusd(h, acc, a_u8, b_s8):
     """acc + (<32 x i8> unsigned a . <32 x i8> signed b): <8 x i32>, lane i adding the
     products 4i..4i+3 (the accumulator also takes the correction, so no zeroed register
-    and no subtraction per dot); the portable emulation where vpdpbusd is missing."""
+    and no subtraction per dot). Without VNNI: vpmaddubsw + vpmaddwd, exact while every
+    pair a_2k b_2k + a_2k+1 b_2k+1 stays under 2^15, which holds for codes up to 127 (the
+    callers' Q4_0, Q5_0, Q4_K and Q6_K codes; Q8_0 takes _dot_signed there)."""
     b = h.b
     if h.vnni:
         return h.dpbusd(acc, a_u8, b_s8)
-    p = b.mul(b.zext(a_u8, vec(I32, 32)), b.sext(b_s8, vec(I32, 32)))
-    quads = [b.shuffle_vector(p, p, mask(range(k, 32, 4))) for k in range(4)]
-    return b.add(acc, b.add(b.add(quads[0], quads[1]), b.add(quads[2], quads[3])))
+    return b.add(acc, h.madd_i16(h.maddubs(a_u8, b_s8), const_vec(I16, 16, 1)))
+
+
+def _dot_signed(h, acc, w_s8, b_s8):
+    """acc + (<32 x i8> signed w . <32 x i8> signed b) summed in fours, without VNNI: |w| .
+    sign(b, w), pairs <= 2 * 128 * 127 (the activations are in -127..127)."""
+    return h.b.add(acc, h.madd_i16(h.maddubs(h.abs_i8(w_s8), h.sign_i8(b_s8, w_s8)), const_vec(I16, 16, 1)))
 
 
 GROUP = 8                # tokens in one vector: lane j of every accumulator is token j
@@ -71,10 +77,18 @@ TILE_GROUPS = 2          # token groups a tile (16 tokens)
 _OFFSET = {Q8_0: 128, Q4_0: 8, Q5_0: 16}   # weight = code - offset (Q8_0: its byte + 128)
 
 
+def _signed_q8(h, qt):
+    """Whether this tile takes Q8_0's bytes as signed values (_dot_signed): without VNNI,
+    whose unsigned codes (byte + 128) would overflow vpmaddubsw's pairs."""
+    return qt == Q8_0 and not h.vnni
+
+
 def _codes(h, wrow, wo, qt):
-    """Block at byte wo of a row as <32 x i8> unsigned codes (value = code - _OFFSET[qt])."""
+    """Block at byte wo of a row as <32 x i8> unsigned codes (value = code - _OFFSET[qt]),
+    or Q8_0's signed bytes themselves where _signed_q8."""
     if qt == Q8_0:
-        return h.b.xor(h.load(wrow, h.b.add(wo, c64(2)), vec(I8, 32)), const_vec(I8, 32, -128))
+        raw = h.load(wrow, h.b.add(wo, c64(2)), vec(I8, 32))
+        return raw if _signed_q8(h, qt) else h.b.xor(raw, const_vec(I8, 32, -128))
     return q32_values(h, wrow, wo, qt)
 
 
@@ -85,18 +99,19 @@ def _lane(h, v, i):
     return h.b.shuffle_vector(v, v, mask([i] * 8))
 
 
-def _dots(h, isums, codes, xgs, act, steps=range(8)):
+def _dots(h, isums, codes, xgs, act, steps=range(8), signed=False):
     """isums[row][group] += (row's 32 codes) . (activation block `act` of the group's 8
     tokens): each row's 4-byte group i broadcast against the tokens' groups i, for i in
-    `steps` (all 8: the whole block)."""
+    `steps` (all 8: the whole block). signed: the codes are signed values (_dot_signed)."""
     b = h.b
+    dot = _dot_signed if signed else _dpbusd
     isums = [list(row) for row in isums]
     for i in steps:
         xvs = [h.load(xg, b.add(b.mul(act, c64(256)), c64(32 * i)), vec(I8, 32)) for xg in xgs]
         for k, c in enumerate(codes):
             bc = b.bitcast(_lane(h, c, i), vec(I8, 32))
             for gi, xv in enumerate(xvs):
-                isums[k][gi] = _dpbusd(h, isums[k][gi], bc, xv)
+                isums[k][gi] = dot(h, isums[k][gi], bc, xv)
     return isums
 
 
@@ -109,8 +124,12 @@ def _q32_block(h, qt, wrows, xgs, dgs, sgs, bi, accs):
     dw = [h.splat(h.load_f16(wrow, wo), 8) for wrow in wrows]
     # -offset * each token's block sum starts the integer sums, so the dots leave
     # code . x - offset * sum(x): the block's exact integer dot
-    starts = [b.shl(h.load(sg, b.mul(bi, c64(32)), vec(I32, 8)), const_vec(I32, 8, shift)) for sg in sgs]
-    isums = _dots(h, [list(starts) for _ in wrows], codes, xgs, bi)
+    signed = _signed_q8(h, qt)
+    if signed:
+        starts = [ir.Constant(vec(I32, 8), [0] * 8)] * len(sgs)
+    else:
+        starts = [b.shl(h.load(sg, b.mul(bi, c64(32)), vec(I32, 8)), const_vec(I32, 8, shift)) for sg in sgs]
+    isums = _dots(h, [list(starts) for _ in wrows], codes, xgs, bi, signed=signed)
     new = list(accs)
     for gi, dg in enumerate(dgs):
         dx = h.load(dg, b.mul(bi, c64(32)), vec(F32T, 8))

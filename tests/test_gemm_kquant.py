@@ -124,19 +124,27 @@ def test_long_prompts_take_it_through_matmul_and_matmul_many():
 
 @pytest.mark.skipif(not gemm_kquant.host_has_avx2() or tile_gemm.has_vnni(),
                     reason="gemm_kquant serves Q4_K batches on AVX2 CPUs without VNNI only; this one is not")
-def test_short_q4_k_batches_from_32_tokens_take_it_with_matvec_bits():
-    # a short prompt or a large speculative batch: the same bits as decoding token by token
+def test_short_batches_route_by_size_and_keep_matvec_bits_in_decode_order():
+    # a short prompt takes gemm_kquant from 16 tokens; a speculative batch (decode_order)
+    # only where it keeps matvec's bits: Q4_K from 32 tokens, never Q6_K
     rng = np.random.default_rng(5)
     w = _readonly(random_blocks(T.Q4_K, 32, 512, rng))
     w6 = _readonly(random_blocks(T.Q6_K, 32, 512, rng))
-    for n_tok, takes in ((17, False), (32, True), (40, True)):
-        assert MATVEC._kquant_gemm_for(T.Q4_K, 32, n_tok) == takes
-        assert not MATVEC._kquant_gemm_for(T.Q6_K, 32, n_tok)   # its bits differ: the row kernels
+    for n_tok, q4k_prompt, q4k_exact, q6k_prompt in ((8, False, False, False), (17, True, False, True),
+                                                    (32, True, True, True), (40, True, True, True)):
+        assert MATVEC._kquant_gemm_for(T.Q4_K, 32, n_tok) == q4k_prompt
+        assert MATVEC._kquant_gemm_for(T.Q6_K, 32, n_tok) == q6k_prompt
+        with K.decode_order():
+            assert MATVEC._kquant_gemm_for(T.Q4_K, 32, n_tok) == q4k_exact
+            assert not MATVEC._kquant_gemm_for(T.Q6_K, 32, n_tok)   # its bits differ: the row kernels
         X = rng.standard_normal((n_tok, 512)).astype(np.float32)
-        for m, qt in ((w, T.Q4_K), (w6, T.Q6_K)):
-            got = K.matmul(m, qt, X)
-            for t in range(n_tok):
-                np.testing.assert_array_equal(got[t], K.matvec(m, qt, X[t]), err_msg=f"{qt.name} {n_tok} {t}")
+        got = K.matmul(w, T.Q4_K, X)         # either path: matvec's bits
+        with K.decode_order():
+            got6 = K.matmul(w6, T.Q6_K, X)
+        for t in range(n_tok):
+            np.testing.assert_array_equal(got[t], K.matvec(w, T.Q4_K, X[t]), err_msg=f"Q4_K {n_tok} {t}")
+            np.testing.assert_array_equal(got6[t], K.matvec(w6, T.Q6_K, X[t]), err_msg=f"Q6_K {n_tok} {t}")
+        assert not MATVEC._in_decode_order()
 
 
 def test_the_interleaved_copy_gives_the_same_bits():

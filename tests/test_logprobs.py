@@ -170,13 +170,15 @@ def test_ollama_logprobs_with_the_official_client(live):
 def test_gemma_logprobs_match_llama_cpp(gemma_path):
     """Greedy on Gemma 3 270M: our logprobs (generated and echoed prompt) against
     llama-cpp-python's create_completion(logprobs=..., echo=True) with logits_all, one token
-    per batch so llama.cpp runs its decode path; within 1e-3, and the same top ids."""
+    per batch so llama.cpp runs its decode path (and ours, prefill_chunk=1, too: a short
+    prompt's GEMMs sum in another order, which can flip a near tie); within 1e-3, and the
+    same top ids."""
     llama_cpp = pytest.importorskip("llama_cpp")
     ref = llama_cpp.Llama(model_path=str(gemma_path), logits_all=True, n_ctx=256, n_batch=1, n_threads=2,
                           verbose=False)
     theirs = ref.create_completion(PROMPT, max_tokens=12, temperature=0, logprobs=3, echo=True)
     tlp = theirs["choices"][0]["logprobs"]
-    model = edgeinfer.load(gemma_path, n_ctx=256, threads=2)
+    model = edgeinfer.load(gemma_path, n_ctx=256, threads=2, prefill_chunk=1)
     ours = model.generate(PROMPT, max_tokens=12, temperature=0, logprobs=3)
     assert PROMPT + ours.text == theirs["choices"][0]["text"]
     n = len(ours.logprobs)

@@ -18,6 +18,7 @@ backend which block the forward pass runs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,12 @@ class Backend:
     def new_cache(self, config: "ModelConfig", n_ctx: int) -> "KVView":
         """A contiguous cache for one sequence of up to n_ctx tokens."""
         return KVCache(config, n_ctx)
+
+    def decode_order(self):
+        """A context in which a forward pass of several tokens gives each one's logits with the
+        bits of decoding it alone (speculative verification). The host backends' short
+        prompts otherwise take GEMMs with their own summation order."""
+        return contextlib.nullcontext()
 
     def at_layer(self, layer: int | None) -> None:
         """The forward pass is about to run block `layer` (None: the output head). A backend

@@ -62,6 +62,9 @@ class CpuBackend(Backend):
         # numpy copies without the GIL: the worker threads share the matrices out
         list(worker_pool(kernels_cpu.get_threads()).map(self.weight, names))
 
+    def decode_order(self):
+        return kernels_cpu.decode_order()
+
     def forward_kernels(self, config) -> list:
         """The Numba kernels a forward pass of this model compiles on its first tokens (a
         short prompt, then decode): what kernels_cpu.compile_progress.warm_up checks."""

@@ -54,6 +54,9 @@ class HybridBackend(Backend):
         self._pinned: np.ndarray | None = None
         self._int_cache: list[tuple[np.ndarray, Any]] = []  # the last few uploads
 
+    def decode_order(self):
+        return self.cpu.decode_order()   # the GPU kernels have one order for any batch
+
     def new_cache(self, config: "ModelConfig", n_ctx: int) -> CudaKVCache:
         return CudaKVCache(config, n_ctx, self.plan.gpu_layers)
 

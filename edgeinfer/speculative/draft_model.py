@@ -64,7 +64,10 @@ class DraftModel:
         if self.seq.n_used != keep:  # a sliding window could not serve the cut: start over
             self._reset()
         del self.held[self.seq.n_used:]
-        logits = self.engine.prefill(context[self.seq.n_used:], self.seq)
+        # the prompt as the target prefilled it, the tokens since with matvec's bits as the
+        # target verified them: a drafter with the target's weights then drafts exactly
+        # what the target picks
+        logits = self.engine.prefill(context[self.seq.n_used:], self.seq, decode_bits=self.seq.n_used > 0)
         self.held = list(context)
         out: list[int] = []
         while True:
