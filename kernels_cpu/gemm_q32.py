@@ -1,6 +1,7 @@
 """Short and long prompts on the 32-element block types without VNNI: 8 rows in lanes, tokens broadcast.
 
-gemm_kquant's design for Q8_0, Q4_0, Q5_0 and MXFP4. The row kernels these types had for a
+gemm_kquant's design for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and MXFP4. The row kernels these
+types had for a
 prompt ran decode's dot once per (row, token): every token unpacked every weight block
 again and paid an abs, a sign, a vpmaddubsw and a vpmaddwd per 32 products, ~12-20 GMAC/s
 on 2 Zen 3 cores. Here:
@@ -14,8 +15,9 @@ on 2 Zen 3 cores. Here:
   Unsigned codes (Q4_0: 0..15, Q5_0: 0..31) add their vpmaddubsw results in i16 while they
   fit (8 and 4 of them: <= 8 * 2 * 15 * 127, 4 * 2 * 31 * 127), then one vpmaddwd against
   ones; the offset (value = code - 8 or - 16) comes off as offset * the token's block sum.
-  Signed values (Q8_0, MXFP4's table values) go in as |w| . sign(x, w): MXFP4's |w| <= 12
-  adds 8 in i16, Q8_0's one.
+  Q4_1 and Q5_1 add m * dx * (the token's block sum). Signed values (Q8_0, the table
+  values of IQ4_NL and MXFP4) go in as |w| . sign(x, w): MXFP4's |w| <= 12 adds 8 in i16,
+  the others one.
 - Per block and token one float fma: acc += (d_row d_x) * I, blocks in order, so the
   result does not depend on how the tokens or rows were split. That is not decode's
   order (8 float lanes per row, summed at the end): a prompt's products differ from a
@@ -35,17 +37,21 @@ from .dot_mxfp4 import KVALUES_MXFP4, e8m0_half
 from .dot_q32 import Q32, nibbles32, q32_values
 from .gemm_kquant import GROUP_ROWS, TOKENS, _bcast, _store, _store_d, _transpose8
 from .ir_helpers import F32T, I8, I16, I32, IRHelpers, c64, const_vec, row_ptrs, target_features, vec
-from .quant_kernels import MXFP4, Q4_0, Q5_0, Q8_0
+from .quant_kernels import IQ4_NL, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
-GEMM_TYPES = (Q8_0, Q4_0, Q5_0, MXFP4)
+GEMM_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4)
 NBLK = 8                 # blocks staged at once (a row's tail runs one block at a time)
-_BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q5_0: 22, MXFP4: 17}
+_BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, IQ4_NL: 18, MXFP4: 17}
 _OFFSET = {Q4_0: 8, Q5_0: 16}          # unsigned codes: value = code - offset
-_I16_STEPS = {Q4_0: 8, Q5_0: 4, MXFP4: 8, Q8_0: 1}   # vpmaddubsw results an i16 sum takes
-# scratch per staged block: the bytes (signed types: |w| then w), then 8 row scales
+_MIN = (Q4_1, Q5_1)                    # unsigned codes: value = d * code + m
+# vpmaddubsw results an i16 sum takes: codes <= 15 (8 * 2 * 15 * 127 < 2^15), <= 31 (4),
+# MXFP4's |w| <= 12 (8), Q8_0's and IQ4_NL's |w| <= 127 (1)
+_I16_STEPS = {Q4_0: 8, Q4_1: 8, Q5_0: 4, Q5_1: 4, MXFP4: 8, Q8_0: 1, IQ4_NL: 1}
+# scratch per staged block: the bytes (signed types: |w| then w), then 8 row scales (and
+# for Q4_1/Q5_1 8 row mins)
 _CODE_BYTES = 256
-_SIGNED = (Q8_0, MXFP4)
-_PER_BLOCK = {qt: (2 if qt in _SIGNED else 1) * _CODE_BYTES + 32 for qt in GEMM_TYPES}
+_SIGNED = (Q8_0, MXFP4, IQ4_NL)
+_PER_BLOCK = {qt: (2 if qt in _SIGNED else 1) * _CODE_BYTES + (64 if qt in _MIN else 32) for qt in GEMM_TYPES}
 SCRATCH_BYTES = NBLK * max(_PER_BLOCK.values())
 TILE_TOKENS = 256        # tokens a staged run serves (a multiple of TOKENS)
 _JIT = dict(cache=True, nogil=True)
@@ -57,7 +63,7 @@ def _values(h, row, wo, qt):
         return h.load(row, h.b.add(wo, c64(2)), vec(I8, 32))
     if qt == MXFP4:
         return h.lut16(nibbles32(h, h.load(row, h.b.add(wo, c64(1)), vec(I8, 16))), KVALUES_MXFP4)
-    return q32_values(h, row, wo, qt)
+    return q32_values(h, row, wo, qt)   # IQ4_NL: its signed table values
 
 
 def _stage(h, qt, rows, bi, j, sbase):
@@ -80,6 +86,8 @@ def _stage(h, qt, rows, bi, j, sbase):
         _store(h, sbase, at, d)
     else:
         _store_d(h, sbase, rows, wo, at)
+    if qt in _MIN:
+        _store_d(h, sbase, rows, b.add(wo, c64(2)), at + 32)
 
 
 def _block_isums(h, qt, sbase, j, xs, bs, blk):
@@ -126,6 +134,7 @@ def _make_tokens(qt, nblk):
         xrow, drow, srow, arow = rows_of(xq), rows_of(xd), rows_of(xs), rows_of(acc)
         scale_at = [_PER_BLOCK[qt] * j + _CODE_BYTES * (2 if qt in _SIGNED else 1) for j in range(nblk)]
         d_rows = [h.load(sbase, c64(at), vec(F32T, 8)) for at in scale_at]
+        m_rows = [h.load(sbase, c64(at + 32), vec(F32T, 8)) for at in scale_at] if qt in _MIN else None
 
         def quad(i, _):
             ts = [b.add(b.add(t_lo, i), c64(ti)) for ti in range(TOKENS)]
@@ -135,7 +144,11 @@ def _make_tokens(qt, nblk):
                 isum = _block_isums(h, qt, sbase, j, xs_, bs_, j)
                 for ti in range(TOKENS):
                     dx = h.load(ds_[ti], c64(4 * j), F32T)
-                    accs[ti] = h.fma(b.fmul(d_rows[j], h.splat(dx, 8)), b.sitofp(isum[ti], vec(F32T, 8)), accs[ti])
+                    dxv = h.splat(dx, 8)
+                    accs[ti] = h.fma(b.fmul(d_rows[j], dxv), b.sitofp(isum[ti], vec(F32T, 8)), accs[ti])
+                    if m_rows is not None:   # + m dx sum(x)
+                        xsum = h.splat(b.sitofp(h.load(bs_[ti], c64(4 * j), I32), F32T), 8)
+                        accs[ti] = h.fma(b.fmul(m_rows[j], dxv), xsum, accs[ti])
             for t, a in zip(ts, accs):
                 _store(h, arow(t), 0, a)
             return []
@@ -172,7 +185,10 @@ _KERNELS = {qt: (_make_stage(qt, NBLK), _make_tokens(qt, NBLK), _make_stage(qt, 
             for qt in GEMM_TYPES}
 _st8_q8_0, _tk8_q8_0, _st1_q8_0, _tk1_q8_0 = _KERNELS[Q8_0]
 _st8_q4_0, _tk8_q4_0, _st1_q4_0, _tk1_q4_0 = _KERNELS[Q4_0]
+_st8_q4_1, _tk8_q4_1, _st1_q4_1, _tk1_q4_1 = _KERNELS[Q4_1]
 _st8_q5_0, _tk8_q5_0, _st1_q5_0, _tk1_q5_0 = _KERNELS[Q5_0]
+_st8_q5_1, _tk8_q5_1, _st1_q5_1, _tk1_q5_1 = _KERNELS[Q5_1]
+_st8_iq4_nl, _tk8_iq4_nl, _st1_iq4_nl, _tk1_iq4_nl = _KERNELS[IQ4_NL]
 _st8_mxfp4, _tk8_mxfp4, _st1_mxfp4, _tk1_mxfp4 = _KERNELS[MXFP4]
 
 
@@ -180,29 +196,51 @@ _st8_mxfp4, _tk8_mxfp4, _st1_mxfp4, _tk1_mxfp4 = _KERNELS[MXFP4]
 def _run(w, qt, g, bi, n, s, xq, xd, xs, t0, acc, t1):
     """Blocks bi..bi+n (n: NBLK or 1) of row group g against tokens t0..t1."""
     x, d, m = xq[:, 32 * bi:], xd[:, bi:], xs[:, bi:]
+    full = n == NBLK
     if qt == Q8_0:
-        if n == NBLK:
+        if full:
             _st8_q8_0(w, g, bi, s)
             _tk8_q8_0(s, x, d, m, t0, acc, t1)
         else:
             _st1_q8_0(w, g, bi, s)
             _tk1_q8_0(s, x, d, m, t0, acc, t1)
     elif qt == Q4_0:
-        if n == NBLK:
+        if full:
             _st8_q4_0(w, g, bi, s)
             _tk8_q4_0(s, x, d, m, t0, acc, t1)
         else:
             _st1_q4_0(w, g, bi, s)
             _tk1_q4_0(s, x, d, m, t0, acc, t1)
+    elif qt == Q4_1:
+        if full:
+            _st8_q4_1(w, g, bi, s)
+            _tk8_q4_1(s, x, d, m, t0, acc, t1)
+        else:
+            _st1_q4_1(w, g, bi, s)
+            _tk1_q4_1(s, x, d, m, t0, acc, t1)
     elif qt == Q5_0:
-        if n == NBLK:
+        if full:
             _st8_q5_0(w, g, bi, s)
             _tk8_q5_0(s, x, d, m, t0, acc, t1)
         else:
             _st1_q5_0(w, g, bi, s)
             _tk1_q5_0(s, x, d, m, t0, acc, t1)
+    elif qt == Q5_1:
+        if full:
+            _st8_q5_1(w, g, bi, s)
+            _tk8_q5_1(s, x, d, m, t0, acc, t1)
+        else:
+            _st1_q5_1(w, g, bi, s)
+            _tk1_q5_1(s, x, d, m, t0, acc, t1)
+    elif qt == IQ4_NL:
+        if full:
+            _st8_iq4_nl(w, g, bi, s)
+            _tk8_iq4_nl(s, x, d, m, t0, acc, t1)
+        else:
+            _st1_iq4_nl(w, g, bi, s)
+            _tk1_iq4_nl(s, x, d, m, t0, acc, t1)
     else:
-        if n == NBLK:
+        if full:
             _st8_mxfp4(w, g, bi, s)
             _tk8_mxfp4(s, x, d, m, t0, acc, t1)
         else:

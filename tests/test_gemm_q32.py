@@ -71,10 +71,12 @@ def test_extreme_values_do_not_overflow_the_i16_sums():
             blocks[:, :, 2:] = np.uint8(0x81)          # -127
         elif qtype == T.MXFP4:
             blocks[:, :, 1:] = np.uint8(0xFF)          # code 15: -12
+        elif qtype == T.IQ4_NL:
+            blocks[:, :, 2:] = np.uint8(0x00)          # code 0: -127
         else:
-            blocks[:, :, -16:] = np.uint8(0xFF)        # code 15 (Q5_0: with its fifth bits set too)
-            if qtype == T.Q5_0:
-                blocks[:, :, 2:6] = np.uint8(0xFF)
+            blocks[:, :, -16:] = np.uint8(0xFF)        # code 15 (Q5_0, Q5_1: with their fifth bits set too)
+            if qtype in (T.Q5_0, T.Q5_1):
+                blocks[:, :, bs - 20:bs - 16] = np.uint8(0xFF)
         _readonly(w)
         X = np.where(rng.random((5, 256)) < 0.5, -1.0, 1.0).astype(np.float32)
         out = np.empty((5, 8), np.float32)
