@@ -39,9 +39,9 @@ from . import gemm_parallel
 from .dot_kquant import k_nibbles, q4k_block_bytes, q4k_qs32, q4k_scales_heads
 from .ir_helpers import (F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, row_ptrs,
                          target_features, vec)
-from .quant_kernels import Q4_K, Q4_K_X8, Q6_K
+from .quant_kernels import Q4_K, Q4_K_X8, Q5_K, Q6_K
 
-GEMM_TYPES = (Q4_K, Q4_K_X8, Q6_K)   # Q4_K_X8: repack.py's copy of a Q4_K matrix
+GEMM_TYPES = (Q4_K, Q4_K_X8, Q5_K, Q6_K)   # Q4_K_X8: repack.py's copy of a Q4_K matrix
 GROUP_ROWS = 8           # rows a group: one per 32-bit lane
 TOKENS = 4               # tokens a step of the token loop
 # scratch offsets (bytes): the codes, then Q4_K's scales, min pairs, d and dmin, or Q6_K's
@@ -117,13 +117,24 @@ def _store_d(h, sbase, rows, off, at):
     _store(h, sbase, at, h.f16_lanes(v))
 
 
-def _stage_q4_k(h, rows, bi, sbase, x8=False):
+def _stage_q4_k(h, rows, bi, sbase, x8=False, q5=False):
+    """Q4_K (and Q5_K, q5: each code's fifth bit from qh) codes of sub-block j, 6-bit
+    scales and mins as i16 pairs, d and dmin; value = d * sc_j * q - dmin * m_j."""
     b = h.b
-    wo = b.mul(bi, c64(q4k_block_bytes(x8)))
+    wo = b.mul(bi, c64(176 if q5 else q4k_block_bytes(x8)))
+    qh = [h.load(row, b.add(wo, c64(16)), vec(I8, 32)) for row in rows] if q5 else None
     for c in range(4):
-        qs = [q4k_qs32(h, row, wo, c, x8) for row in rows]
+        if q5:   # qs at byte 48 (after qh)
+            qs = [h.load(row, b.add(wo, c64(48 + 32 * c)), vec(I8, 32)) for row in rows]
+        else:
+            qs = [q4k_qs32(h, row, wo, c, x8) for row in rows]
         for hi in range(2):
-            _store_codes(h, sbase, 2 * c + hi, [k_nibbles(h, q, hi) for q in qs])
+            codes = [k_nibbles(h, q, hi) for q in qs]
+            if q5:   # bit j of each qh byte is the fifth bit of sub-block j's element
+                j = 2 * c + hi
+                codes = [b.or_(v, b.shl(b.and_(b.lshr(bits, const_vec(I8, 32, j)), const_vec(I8, 32, 1)),
+                                        const_vec(I8, 32, 4))) for v, bits in zip(codes, qh)]
+            _store_codes(h, sbase, 2 * c + hi, codes)
     allsm = q4k_scales_heads(h, _concat(b, [h.load(row, wo, vec(I32, 4)) for row in rows]))   # 8 scales, 8 mins a row
     for j in range(8):
         _store(h, sbase, _SCALES + 32 * j, _pairs_i16(b, allsm, j, j, False))
@@ -164,7 +175,7 @@ def _make_stage(qt):
         if qt == Q6_K:
             _stage_q6_k(h, rows, args[2], sbase)
         else:
-            _stage_q4_k(h, rows, args[2], sbase, qt == Q4_K_X8)
+            _stage_q4_k(h, rows, args[2], sbase, qt == Q4_K_X8, qt == Q5_K)
         return context.get_dummy_value()
 
     @intrinsic
@@ -174,19 +185,22 @@ def _make_stage(qt):
     return stage_block
 
 
-def _q4_k_quad(h, sbase, xs, bs):
-    """One block of 4 tokens against staged Q4_K rows: ([I], [M]) <8 x i32> a token."""
+def _q4_k_quad(h, sbase, xs, bs, q5=False):
+    """One block of 4 tokens against staged Q4_K (q5: Q5_K) rows: ([I], [M]) <8 x i32> a
+    token. Q4_K's codes <= 15 add 8 vpmaddubsw results in i16, Q5_K's <= 31 four."""
     b = h.b
-    z16 = ir.Constant(vec(I16, 16), [0] * 16)
     isum = [ir.Constant(vec(I32, 8), [0] * 8)] * TOKENS
+    n16 = 4 if q5 else 8
     for j in range(8):
-        s16 = [z16] * TOKENS
-        for k in range(8):
-            wv = h.load(sbase, c64(_CODES + 256 * j + 32 * k), vec(I8, 32))
-            for ti in range(TOKENS):
-                s16[ti] = b.add(s16[ti], h.maddubs(wv, _bcast(h, xs[ti], 32 * j + 4 * k, I8)))
         sc = h.load(sbase, c64(_SCALES + 32 * j), vec(I16, 16))
-        isum = [b.add(isum[ti], h.madd_i16(s16[ti], sc)) for ti in range(TOKENS)]
+        for k0 in range(0, 8, n16):
+            s16 = [None] * TOKENS
+            for k in range(k0, k0 + n16):
+                wv = h.load(sbase, c64(_CODES + 256 * j + 32 * k), vec(I8, 32))
+                for ti in range(TOKENS):
+                    p = h.maddubs(wv, _bcast(h, xs[ti], 32 * j + 4 * k, I8))
+                    s16[ti] = p if s16[ti] is None else b.add(s16[ti], p)
+            isum = [b.add(isum[ti], h.madd_i16(s16[ti], sc)) for ti in range(TOKENS)]
     msum = [ir.Constant(vec(I32, 8), [0] * 8)] * TOKENS
     for i in range(4):
         mn = h.load(sbase, c64(_MINS + 32 * i), vec(I16, 16))
@@ -243,16 +257,16 @@ def _make_tokens(qt):
             return lambda t: b.gep(base, [b.mul(t, stride)])
         xrow, drow, brow = (rows_of(a, True) for a in (xq, xd, xb))
         arow = rows_of(acc, False)
-        d = h.load(sbase, c64(_D if qt == Q4_K else _D6), vec(F32T, 8))
-        dmin = h.load(sbase, c64(_DMIN), vec(F32T, 8)) if qt == Q4_K else None
+        d = h.load(sbase, c64(_D6 if qt == Q6_K else _D), vec(F32T, 8))
+        dmin = h.load(sbase, c64(_DMIN), vec(F32T, 8)) if qt != Q6_K else None
 
         def quad(i, _):
             ts = [b.add(b.add(t_lo, i), c64(ti)) for ti in range(TOKENS)]
             xs, bs = [xrow(t) for t in ts], [brow(t) for t in ts]
-            if qt == Q4_K:
-                isum, msum = _q4_k_quad(h, sbase, xs, bs)
-            else:
+            if qt == Q6_K:
                 isum, msum = _q6_k_quad(h, sbase, xs, bs), None
+            else:
+                isum, msum = _q4_k_quad(h, sbase, xs, bs, qt == Q5_K)
             for ti in range(TOKENS):
                 dx = h.load(drow(ts[ti]), c64(0), F32T)
                 ap = arow(ts[ti])
@@ -276,6 +290,7 @@ def _make_tokens(qt):
 
 _stage_q4k, _stage_q4k_x8, _tokens_q4k = _make_stage(Q4_K), _make_stage(Q4_K_X8), _make_tokens(Q4_K)
 _stage_q6k, _tokens_q6k = _make_stage(Q6_K), _make_tokens(Q6_K)
+_stage_q5k, _tokens_q5k = _make_stage(Q5_K), _make_tokens(Q5_K)
 
 
 @njit(**_JIT)
@@ -298,6 +313,9 @@ def _gemm_rows(w, qt, g0, g1, xq, xd, xb, tile, out):
                 elif qt == Q4_K_X8:   # the same staged bytes from the interleaved copy
                     _stage_q4k_x8(w, g, bi, s)
                     _tokens_q4k(s, xq, xd, xb, bi, t0, acc, t1)
+                elif qt == Q5_K:
+                    _stage_q5k(w, g, bi, s)
+                    _tokens_q5k(s, xq, xd, xb, bi, t0, acc, t1)
                 else:
                     _stage_q6k(w, g, bi, s)
                     _tokens_q6k(s, xq, xd, xb, bi, t0, acc, t1)

@@ -329,7 +329,7 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
 # q32 and kquant from this many tokens (outside decode_order). Q8_0 keeps the row kernels
 # up to _INT8_MATMUL_MAX_TOKENS: they gain little there (16 tokens on 2048 x 2048: 1.9 ms
 # rows, 1.6 q32), and llama.cpp's own batches of Q8_0 have exactly the row kernels' bits.
-_GEMM_MIN_TOKENS = {qk.Q5_0: 4, qk.Q4_0: 8, qk.MXFP4: 8, qk.Q8_0: 65, qk.Q6_K: 16, qk.Q4_K: 16, qk.Q4_K_X8: 16,
+_GEMM_MIN_TOKENS = {qk.Q5_0: 4, qk.Q4_0: 8, qk.MXFP4: 8, qk.Q8_0: 65, qk.Q6_K: 16, qk.Q4_K: 16, qk.Q4_K_X8: 16, qk.Q5_K: 16,
                     qk.Q4_1: 8, qk.Q5_1: 8, qk.IQ4_NL: 8}   # the last three: as Q4_0's, not measured apart
 _Q32_GEMM = _FAST and not os.environ.get("EDGEINFER_NO_Q32_GEMM")
 _ORDER = threading.local()

@@ -57,6 +57,27 @@ def test_q6_k_matches_the_reference(n_tok):
     _within_rounding(_gemm(w, X, T.Q6_K), w, T.Q6_K, X)
 
 
+@pytest.mark.parametrize("n_tok", [3, 70, 300])
+def test_q5_k_matches_the_reference(n_tok):
+    rng = np.random.default_rng(20 + n_tok)
+    w = _readonly(random_blocks(T.Q5_K, 16, 1024, rng))
+    X = rng.standard_normal((n_tok, 1024)).astype(np.float32)
+    _within_rounding(_gemm(w, X, T.Q5_K), w, T.Q5_K, X)
+
+
+def test_q5_k_largest_codes_do_not_overflow():
+    # every code 31 (nibble 15, fifth bit set), scales and mins 63, activations at +-127:
+    # the i16 sums of four vpmaddubsw reach 4 * 2*31*127
+    rng = np.random.default_rng(2)
+    w = random_blocks(T.Q5_K, 8, 512, rng).reshape(8, 2, 176)
+    w[:, :, 4:] = 0xFF
+    w = _readonly(np.ascontiguousarray(w.reshape(8, 352)))
+    X = np.full((5, 512), -1.0, np.float32)
+    X[1] = 1.0
+    X[2, ::2] = 0.0
+    _within_rounding(_gemm(w, X, T.Q5_K), w, T.Q5_K, X)
+
+
 def test_q6_k_extreme_codes_and_scales():
     # codes 0 and 63 (the i16 pair sums of two vpmaddubsw reach 2 * 2*63*128 = 32256),
     # scales -128 and 127, activations at -128 and 127

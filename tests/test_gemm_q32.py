@@ -95,7 +95,10 @@ def test_routing_by_size_and_decode_order():
     assert MATVEC.matmul_path(T.Q8_0, 64, 65) == "q32"
     assert MATVEC.matmul_path(T.MXFP4, 64, 512) == "q32"
     assert MATVEC.matmul_path(T.Q6_K, 64, 16) == "kquant"
+    assert MATVEC.matmul_path(T.Q5_K, 64, 16) == "kquant"
+    assert MATVEC.matmul_path(T.Q5_K, 64, 8) == "rows"
     with K.decode_order():
+        assert MATVEC.matmul_path(T.Q5_K, 64, 16) == "rows"
         assert MATVEC.matmul_path(T.Q5_0, 64, 40) == "rows"
         assert MATVEC.matmul_path(T.Q6_K, 64, 16) == "rows"
         assert MATVEC.matmul_path(T.Q4_K, 64, 32) == "kquant"   # matvec's bits anyway
