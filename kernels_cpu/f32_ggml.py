@@ -18,11 +18,15 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
 from numba.core.registry import cpu_target
+from numba.extending import intrinsic
 
 from edgeinfer.kernels_cpu.ggml_math import hsum8
-from edgeinfer.kernels_cpu.ir_helpers import target_features
+from edgeinfer.kernels_cpu.ir_helpers import (F32T, I32, IRHelpers, c64, counted_loop, row_ptrs, target_features,
+                                              vec)
 
 _JIT = dict(cache=True, nogil=True, fastmath={"contract"})
 
@@ -80,19 +84,63 @@ def vec_dot_rows(w, x, out, lanes):
         out[r] = s
 
 
+SGEMM_TOKENS = 4   # tokens a tile: 4 independent accumulator chains a row
+
+
+def _sgemm_tile_codegen(lanes):
+    def codegen(context, builder, sig, args):
+        b = builder
+        w = context.make_array(sig.args[0])(context, builder, args[0])
+        X = context.make_array(sig.args[2])(context, builder, args[2])
+        acc = context.make_array(sig.args[4])(context, builder, args[4])
+        r, t0 = args[1], args[3]
+        h = IRHelpers(b, target_features(context))
+        wrow = row_ptrs(b, w, r, 1)[0]
+        xrows = row_ptrs(b, X, t0, SGEMM_TOKENS)
+        n = cgutils.unpack_tuple(b, X.shape)[1]
+        zero = ir.Constant(vec(F32T, lanes), [0.0] * lanes)
+
+        def step(i, accs):
+            off = b.mul(i, c64(4))
+            wv = h.load(wrow, off, vec(F32T, lanes))
+            return [h.fma(wv, h.load(xr, off, vec(F32T, lanes)), a) for xr, a in zip(xrows, accs)]
+        fin = counted_loop(b, n, lanes, [zero] * SGEMM_TOKENS, step, "sgemm")
+        base = b.bitcast(acc.data, vec(F32T, lanes).as_pointer())
+        for j, v in enumerate(fin):
+            b.store(v, b.gep(base, [ir.Constant(I32, j)]), align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _make_sgemm_tile(lanes):
+    @intrinsic
+    def tile(typingctx, w, r, X, t0, acc):
+        """acc[j] = the `lanes` partial sums of w[r] . X[t0 + j], j < SGEMM_TOKENS: one fused
+        multiply-add chain a token over k, as tinyBLAS's accumulator (X rows t0.. must exist)."""
+        return types.void(w, r, X, t0, acc), codegen_for[lanes]
+    codegen_for = {lanes: _sgemm_tile_codegen(lanes)}
+    return tile
+
+
+_sgemm_tile8, _sgemm_tile16 = _make_sgemm_tile(8), _make_sgemm_tile(16)
+
+
 @njit(parallel=True, **_JIT)
 def sgemm_rows(w, X, out, lanes):
-    """out[t, r] = tinyBLAS's dot of w[r] and X[t] (n % lanes == 0); w (n_rows, n), X (n_tok, n)."""
-    n = X.shape[1]
+    """out[t, r] = tinyBLAS's dot of w[r] and X[t] (n % lanes == 0); w (n_rows, n), X (n_tok
+    padded to a multiple of SGEMM_TOKENS, n); out (n_tok, n_rows). Each output is one
+    accumulator chain over k then its horizontal sum, as before; SGEMM_TOKENS tokens run
+    side by side so the chains overlap (one chain alone waits on each fma's latency)."""
+    n_tok = out.shape[0]
     for r in prange(w.shape[0]):
-        acc = np.empty(lanes, np.float32)
-        for t in range(X.shape[0]):
-            for l in range(lanes):
-                acc[l] = 0.0
-            for i in range(0, n, lanes):
-                for l in range(lanes):
-                    acc[l] += w[r, i + l] * X[t, i + l]
-            out[t, r] = _hsum_sgemm(acc, lanes)
+        acc = np.empty((SGEMM_TOKENS, lanes), np.float32)
+        for t0 in range(0, n_tok, SGEMM_TOKENS):
+            if lanes == 16:
+                _sgemm_tile16(w, r, X, t0, acc)
+            else:
+                _sgemm_tile8(w, r, X, t0, acc)
+            for j in range(min(SGEMM_TOKENS, n_tok - t0)):
+                out[t0 + j, r] = _hsum_sgemm(acc[j], lanes)
 
 
 def matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -105,7 +153,11 @@ def matmul(w: np.ndarray, X: np.ndarray, out: np.ndarray) -> np.ndarray:
     vector, else ggml's vec_dot per token (its fallback)."""
     lanes = host_lanes()
     if X.shape[1] % lanes == 0:
-        sgemm_rows(w, X, out, lanes)
+        n_tok = X.shape[0]
+        pad = -n_tok % SGEMM_TOKENS
+        Xp = np.ascontiguousarray(X, np.float32) if not pad else np.concatenate(
+            [X, np.zeros((pad, X.shape[1]), np.float32)])
+        sgemm_rows(np.ascontiguousarray(w, np.float32), Xp, out, lanes)
     else:
         for t in range(X.shape[0]):
             vec_dot_rows(w, X[t], out[t], lanes)

@@ -238,3 +238,25 @@ def test_matvec_prepared_equals_matvec():
     assert prepare_weight(np.zeros((4, 512 * 2), np.uint8), T.F16) is None   # float types: general path
     with pytest.raises(ValueError, match="C-contiguous float32 \\(512,\\)"):
         matvec_prepared([prepare_weight(*ws[0])], x[:256])          # never reads past a row
+
+
+@pytest.mark.parametrize("n_tok", [2, 5, 9])
+def test_f32_prompt_products_follow_tinyblas(n_tok):
+    # a router's F32 matrix on a prompt (llamafile's sgemm, which ggml calls for n >= 2): one
+    # fma chain of 8 lanes per output over k, then AVX's horizontal sum; the tokens of a
+    # tile run side by side, each keeping its own chain (on AVX-512 hosts the lanes are 16)
+    from edgeinfer.kernels_cpu import f32_ggml
+
+    if f32_ggml.host_lanes() != 8:
+        pytest.skip("the numpy order below is the 8-lane one; this CPU's ggml uses 16")
+    rng = np.random.default_rng(n_tok)
+    W = rng.standard_normal((24, 256)).astype(np.float32)
+    X = rng.standard_normal((n_tok, 256)).astype(np.float32)
+    want = np.empty((n_tok, 24), np.float32)
+    for t in range(n_tok):
+        acc = np.zeros((24, 8), np.float32)
+        for i in range(0, 256, 8):
+            acc = fma_f32(W[:, i:i + 8], X[t, i:i + 8], acc)
+        want[t] = hsum8(acc)
+    got = K.matmul(W.view(np.uint8), T.F32, X)
+    np.testing.assert_array_equal(got, want)
