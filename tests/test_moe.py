@@ -350,3 +350,17 @@ def test_moe_families_embed_and_stream(tmp_path, arch):
     pieces = list(model.generate([5, 30, 40], max_tokens=12, temperature=0, stream=True))
     assert "".join(p.text for p in pieces) == whole.text
     assert [p.token for p in pieces if p.token is not None] == whole.tokens and whole.tokens
+
+
+def test_compiled_combine_equals_the_reference_sum():
+    # the CPU backend's one-pass combine: each product rounded, slots added in order, as
+    # Backend.expert_combine (the reference every backend is checked against)
+    from edgeinfer.backends.base import Backend
+    from edgeinfer.kernels_cpu import moe_routing
+
+    rng = np.random.default_rng(9)
+    n, k = 37, 4
+    y = (rng.standard_normal((n * k, 96)) * 1e3).astype(np.float32)
+    order = rng.permutation(n * k)
+    w = rng.random((n, k)).astype(np.float32)
+    np.testing.assert_array_equal(moe_routing.combine(y, order, w), Backend.expert_combine(None, y, order, w))

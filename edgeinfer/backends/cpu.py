@@ -113,6 +113,12 @@ class CpuBackend(Backend):
         qts = [self.gguf.tensors[name].qtype for name in names]
         return kernels_cpu.expert_matvec(ws, qts, experts, starts, rows_of, self.gguf.tensors[names[0]].shape[1], x)
 
+    def expert_combine(self, y, order, weights):
+        """The base class's sum (the same bits) in one compiled pass over the outputs."""
+        from edgeinfer.kernels_cpu import moe_routing
+
+        return moe_routing.combine(y, order, weights)
+
     def _weights_of(self, names) -> tuple[list, list]:
         """([blocks], [type ids]) of these matrices, as `weight` gives them."""
         got = [self.weight(n) for n in names]
