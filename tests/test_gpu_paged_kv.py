@@ -124,8 +124,8 @@ def test_second_conversation_prefills_only_its_new_tokens(tiny_models, device):
     b = a[:16] + random_ids(rng, 3, vocab)
     positions: list[int] = []
     forward = engine.forward
-    engine.forward = lambda tokens, pos, kv, logits_for=None: (positions.extend(int(p) for p in pos),
-                                                              forward(tokens, pos, kv, logits_for))[1]
+    engine.forward = lambda tokens, pos, kv, logits_for=None, **kw: (positions.extend(int(p) for p in pos),
+                                                                   forward(tokens, pos, kv, logits_for, **kw))[1]
     device.clear()
     result = collect(mgr.generate(b, greedy(3)))
     assert result.usage.cached_tokens == 16  # a's four full blocks, from the prefix cache (in VRAM)

@@ -116,9 +116,9 @@ def test_silu_mul_is_ggml_swiglu_bit_for_bit():
 
 def test_prefill_sized_inputs_take_the_parallel_kernels_with_the_same_bits():
     # from ops._PARALLEL_MIN elements the ops run on all threads, in pieces whose edges
-    # fall inside rows (70 x 1001 is not a multiple of the piece size)
+    # fall inside rows (300 x 1001 is not a multiple of the piece size)
     rng = np.random.default_rng(4)
-    n_tok, n = 70, 1001
+    n_tok, n = 300, 1001
     assert n_tok * n >= ops._PARALLEL_MIN
     x = (rng.standard_normal((n_tok, n)) * 3).astype(np.float32)
     y = rng.standard_normal((n_tok, n)).astype(np.float32)
