@@ -51,6 +51,8 @@ _SCALES6, _PAIRS6, _D6 = 2048, 2560, 2816
 SCRATCH_BYTES = 2848
 ACC_COLS = 2 * GROUP_ROWS   # per token: acc (8 floats), then accm (8 floats)
 TILE_TOKENS = 256           # tokens a staged block serves (a multiple of TOKENS)
+# _gemm_rows' branches: every type here (matmul_rows); the drivers' copies keep only theirs
+_HAS_Q4_K = _HAS_Q4_K_X8 = _HAS_Q5_K = _HAS_Q6_K = True
 _JIT = dict(cache=True, nogil=True)
 
 
@@ -307,16 +309,16 @@ def _gemm_rows(w, qt, g0, g1, xq, xd, xb, tile, out):
         for g in range(g0, g1):
             acc[t0:t1] = 0.0
             for bi in range(nb):
-                if qt == Q4_K:
+                if _HAS_Q4_K and qt == Q4_K:
                     _stage_q4k(w, g, bi, s)
                     _tokens_q4k(s, xq, xd, xb, bi, t0, acc, t1)
-                elif qt == Q4_K_X8:   # the same staged bytes from the interleaved copy
+                elif _HAS_Q4_K_X8 and qt == Q4_K_X8:   # the same staged bytes from the interleaved copy
                     _stage_q4k_x8(w, g, bi, s)
                     _tokens_q4k(s, xq, xd, xb, bi, t0, acc, t1)
-                elif qt == Q5_K:
+                elif _HAS_Q5_K and qt == Q5_K:
                     _stage_q5k(w, g, bi, s)
                     _tokens_q5k(s, xq, xd, xb, bi, t0, acc, t1)
-                else:
+                elif _HAS_Q6_K:
                     _stage_q6k(w, g, bi, s)
                     _tokens_q6k(s, xq, xd, xb, bi, t0, acc, t1)
             for t in range(t0, min(t1, n_tok)):
@@ -354,8 +356,15 @@ def matmul_rows(w_raw: np.ndarray, qt: int, g0: int, g1: int, packed, out: np.nd
 
 def matmul_many(ws: list, qts: list, packed, outs: list, n_threads: int) -> None:
     """outs[i] = activations . ws[i] for 1 to 3 GEMM_TYPES matrices (rows % 8 == 0) on the
-    same `pack_activations` output, in one parallel region (gemm_parallel.py)."""
-    _PARALLEL.run(ws, qts, packed, outs, n_threads)
+    same `pack_activations` output, in one parallel region (gemm_parallel.py), compiled for
+    these types only."""
+    driver(qts).run(ws, qts, packed, outs, n_threads)
 
 
-_PARALLEL = gemm_parallel.Driver(_gemm_rows, TILE_TOKENS, "kquant")
+def driver(qts) -> gemm_parallel.Driver:
+    """The parallel driver compiled for these type ids."""
+    return _DRIVERS.for_types(qts)
+
+
+_DRIVERS = gemm_parallel.Drivers(globals(), ("_gemm_rows",), {Q4_K: "Q4_K", Q4_K_X8: "Q4_K_X8", Q5_K: "Q5_K",
+                                                            Q6_K: "Q6_K"}, TILE_TOKENS, "kquant")

@@ -60,6 +60,15 @@ def _kernel(w1, q1, o1, w2, q2, o2, w3, q3, o3, xa, xb, xc, nt):
         _claimed(claims, nt, w1, q1, o1, w2, q2, o2, w3, q3, o3, xa, xb, xc)
 
 
+def _copy(generic, g: dict, name: str):
+    """A copy of the jitted function `generic` reading the globals g, named `name`."""
+    f = generic.py_func
+    copy = FunctionType(f.__code__, g, name, f.__defaults__, f.__closure__)
+    copy.__qualname__, copy.__module__ = name, f.__module__
+    opts = {k: v for k, v in generic.targetoptions.items() if k in ("parallel", "nogil", "inline")}
+    return njit(cache=True, **opts)(copy)
+
+
 class Driver:
     """The parallel region of one GEMM: `run(ws, qts, packed, outs, n_threads)`."""
 
@@ -67,12 +76,7 @@ class Driver:
         g = dict(globals())
         g.update(_gemm_rows=gemm_rows, _TILE=tile)
         for fname in ("_claimed", "_kernel"):   # callee first
-            generic = globals()[fname]
-            f = generic.py_func
-            copy = FunctionType(f.__code__, g, f"{fname}_{name}", f.__defaults__, f.__closure__)
-            copy.__qualname__, copy.__module__ = f"{fname}_{name}", f.__module__
-            opts = {k: v for k, v in generic.targetoptions.items() if k in ("parallel", "nogil", "inline")}
-            g[fname] = njit(cache=True, **opts)(copy)
+            g[fname] = _copy(globals()[fname], g, f"{fname}_{name}")
         self.kernel = g["_kernel"]
 
     def run(self, ws: list, qts: list, packed, outs: list, n_threads: int) -> None:
@@ -84,3 +88,33 @@ class Driver:
         for k in range(3):
             args += [ws[k], int(qts[k]), outs[k]] if k < len(ws) else [ws[0], int(qts[0]), none]
         self.kernel(*args, *packed, n_threads)
+
+
+class Drivers:
+    """A GEMM's drivers per set of weight types, each compiling only those types' code.
+
+    The GEMM module's dispatching functions (`specialised`, callees first, ending with its
+    `_gemm_rows`) test `_HAS_<TYPE> and qt == <TYPE>`; each type set gets copies of them
+    with the other types' flags False, which Numba prunes before typing (as dispatch.py's
+    kernel sets do). A cold start then compiles a model's one or two types, not all of
+    them (gemm_q32's seven took ~30 s)."""
+
+    def __init__(self, module_globals: dict, specialised: tuple, type_names: dict, tile: int, name: str) -> None:
+        self._g, self._specialised, self._names = module_globals, specialised, type_names
+        self._tile, self._name = tile, name
+        self._drivers: dict = {}
+
+    def for_types(self, qts) -> Driver:
+        key = tuple(sorted({int(q) for q in qts}))
+        got = self._drivers.get(key)
+        if got is None:
+            unknown = [q for q in key if q not in self._names]
+            if unknown:
+                raise ValueError(f"the {self._name} GEMM has no kernels for type ids {unknown}")
+            g = dict(self._g)
+            g.update({f"_HAS_{n}": q in key for q, n in self._names.items()})
+            suffix = "_".join(self._names[q] for q in key)
+            for fname in self._specialised:
+                g[fname] = _copy(self._g[fname], g, f"{fname}_{suffix}")
+            got = self._drivers[key] = Driver(g[self._specialised[-1]], self._tile, f"{self._name}_{suffix}")
+        return got

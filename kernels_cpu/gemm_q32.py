@@ -53,6 +53,10 @@ _CODE_BYTES = 256
 _SIGNED = (Q8_0, MXFP4, IQ4_NL)
 _PER_BLOCK = {qt: (2 if qt in _SIGNED else 1) * _CODE_BYTES + (64 if qt in _MIN else 32) for qt in GEMM_TYPES}
 SCRATCH_BYTES = NBLK * max(_PER_BLOCK.values())
+_TYPE_NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", IQ4_NL: "IQ4_NL", MXFP4: "MXFP4"}
+# _run's branches: every type in this module's own functions (matmul_rows); the drivers'
+# copies keep only theirs (gemm_parallel.Drivers)
+_HAS_Q8_0 = _HAS_Q4_0 = _HAS_Q4_1 = _HAS_Q5_0 = _HAS_Q5_1 = _HAS_IQ4_NL = _HAS_MXFP4 = True
 TILE_TOKENS = 256        # tokens a staged run serves (a multiple of TOKENS)
 _JIT = dict(cache=True, nogil=True)
 
@@ -197,49 +201,49 @@ def _run(w, qt, g, bi, n, s, xq, xd, xs, t0, acc, t1):
     """Blocks bi..bi+n (n: NBLK or 1) of row group g against tokens t0..t1."""
     x, d, m = xq[:, 32 * bi:], xd[:, bi:], xs[:, bi:]
     full = n == NBLK
-    if qt == Q8_0:
+    if _HAS_Q8_0 and qt == Q8_0:
         if full:
             _st8_q8_0(w, g, bi, s)
             _tk8_q8_0(s, x, d, m, t0, acc, t1)
         else:
             _st1_q8_0(w, g, bi, s)
             _tk1_q8_0(s, x, d, m, t0, acc, t1)
-    elif qt == Q4_0:
+    elif _HAS_Q4_0 and qt == Q4_0:
         if full:
             _st8_q4_0(w, g, bi, s)
             _tk8_q4_0(s, x, d, m, t0, acc, t1)
         else:
             _st1_q4_0(w, g, bi, s)
             _tk1_q4_0(s, x, d, m, t0, acc, t1)
-    elif qt == Q4_1:
+    elif _HAS_Q4_1 and qt == Q4_1:
         if full:
             _st8_q4_1(w, g, bi, s)
             _tk8_q4_1(s, x, d, m, t0, acc, t1)
         else:
             _st1_q4_1(w, g, bi, s)
             _tk1_q4_1(s, x, d, m, t0, acc, t1)
-    elif qt == Q5_0:
+    elif _HAS_Q5_0 and qt == Q5_0:
         if full:
             _st8_q5_0(w, g, bi, s)
             _tk8_q5_0(s, x, d, m, t0, acc, t1)
         else:
             _st1_q5_0(w, g, bi, s)
             _tk1_q5_0(s, x, d, m, t0, acc, t1)
-    elif qt == Q5_1:
+    elif _HAS_Q5_1 and qt == Q5_1:
         if full:
             _st8_q5_1(w, g, bi, s)
             _tk8_q5_1(s, x, d, m, t0, acc, t1)
         else:
             _st1_q5_1(w, g, bi, s)
             _tk1_q5_1(s, x, d, m, t0, acc, t1)
-    elif qt == IQ4_NL:
+    elif _HAS_IQ4_NL and qt == IQ4_NL:
         if full:
             _st8_iq4_nl(w, g, bi, s)
             _tk8_iq4_nl(s, x, d, m, t0, acc, t1)
         else:
             _st1_iq4_nl(w, g, bi, s)
             _tk1_iq4_nl(s, x, d, m, t0, acc, t1)
-    else:
+    elif _HAS_MXFP4:
         if full:
             _st8_mxfp4(w, g, bi, s)
             _tk8_mxfp4(s, x, d, m, t0, acc, t1)
@@ -295,8 +299,14 @@ def matmul_rows(w_raw: np.ndarray, qt: int, g0: int, g1: int, packed, out: np.nd
 
 def matmul_many(ws: list, qts: list, packed, outs: list, n_threads: int) -> None:
     """outs[i] = activations . ws[i] for 1 to 3 GEMM_TYPES matrices (rows % 8 == 0) on the
-    same `pack_activations` output, in one parallel region (gemm_parallel.py)."""
-    _PARALLEL.run(ws, qts, packed, outs, n_threads)
+    same `pack_activations` output, in one parallel region (gemm_parallel.py), compiled for
+    these types only."""
+    driver(qts).run(ws, qts, packed, outs, n_threads)
 
 
-_PARALLEL = gemm_parallel.Driver(_gemm_rows, TILE_TOKENS, "q32")
+def driver(qts) -> gemm_parallel.Driver:
+    """The parallel driver compiled for these type ids."""
+    return _DRIVERS.for_types(qts)
+
+
+_DRIVERS = gemm_parallel.Drivers(globals(), ("_run", "_gemm_rows"), _TYPE_NAMES, TILE_TOKENS, "q32")

@@ -210,7 +210,7 @@ def _expert_gemm(path, ws, qts, info, experts, firsts, counts, rows_of, n_per, X
     and packed (small against the products: n_per x n_cols MACs a token)."""
     gemm = gemm_kquant if path == "kquant" else gemm_q32
     xq, xd, xs = quantize_activation_rows(X, info)
-    _wait_compiled(gemm)
+    _wait_compiled(gemm, qts)
     nt = get_threads()
     for e, a0, n in zip(experts.tolist(), firsts.tolist(), counts.tolist()):
         rows = rows_of[a0:a0 + n]
@@ -463,15 +463,15 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
     else:
         gemm = gemm_kquant if path == "kquant" else gemm_q32
         packed = gemm.pack_activations(*quantize_activation_rows(X, infos[0]))
-        _wait_compiled(gemm)
+        _wait_compiled(gemm, qts)
         gemm.matmul_many(ws, qts, packed, outs, get_threads())
     return outs
 
 
-def _wait_compiled(gemm) -> None:
+def _wait_compiled(gemm, qts) -> None:
     """Nothing to wait for unless a background compile owes this process the GEMM's kernel."""
     if compile_progress._pending:
-        compile_progress.wait_for(gemm._PARALLEL.kernel)
+        compile_progress.wait_for(gemm.driver(qts).kernel)
 
 
 def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
