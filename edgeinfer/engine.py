@@ -7,6 +7,7 @@ needs an activation buffer bigger than one chunk.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -144,10 +145,8 @@ class Engine:
             raise EdgeInferError(f"token id out of range 0..{self.config.n_vocab - 1}")
         before = kv.n_used
         try:
-            if decode_bits:
-                with self.backend.decode_order():
-                    return self.model.forward(tokens, np.asarray(positions, dtype=np.int64), kv, logits_for)
-            return self.model.forward(tokens, np.asarray(positions, dtype=np.int64), kv, logits_for)
+            with self.backend.decode_order() if decode_bits else contextlib.nullcontext():
+                return self.model.forward(tokens, np.asarray(positions, dtype=np.int64), kv, logits_for)
         except BaseException:  # Ctrl-C or an error mid-layer: drop the half-written tokens
             kv.truncate(before)
             raise

@@ -113,12 +113,13 @@ def _sgemm_tile_codegen(lanes):
 
 
 def _make_sgemm_tile(lanes):
+    codegen = _sgemm_tile_codegen(lanes)
+
     @intrinsic
     def tile(typingctx, w, r, X, t0, acc):
         """acc[j] = the `lanes` partial sums of w[r] . X[t0 + j], j < SGEMM_TOKENS: one fused
         multiply-add chain a token over k, as tinyBLAS's accumulator (X rows t0.. must exist)."""
-        return types.void(w, r, X, t0, acc), codegen_for[lanes]
-    codegen_for = {lanes: _sgemm_tile_codegen(lanes)}
+        return types.void(w, r, X, t0, acc), codegen
     return tile
 
 

@@ -354,17 +354,6 @@ def matmul_rows(w_raw: np.ndarray, qt: int, g0: int, g1: int, packed, out: np.nd
     _gemm_rows(w_raw, qt, g0, g1, xq, xd, xb, TILE_TOKENS, out)
 
 
-def matmul_many(ws: list, qts: list, packed, outs: list, n_threads: int) -> None:
-    """outs[i] = activations . ws[i] for 1 to 3 GEMM_TYPES matrices (rows % 8 == 0) on the
-    same `pack_activations` output, in one parallel region (gemm_parallel.py), compiled for
-    these types only."""
-    driver(qts).run(ws, qts, packed, outs, n_threads)
-
-
-def driver(qts) -> gemm_parallel.Driver:
-    """The parallel driver compiled for these type ids."""
-    return _DRIVERS.for_types(qts)
-
-
-_DRIVERS = gemm_parallel.Drivers(globals(), ("_gemm_rows",), {Q4_K: "Q4_K", Q4_K_X8: "Q4_K_X8", Q5_K: "Q5_K",
-                                                            Q6_K: "Q6_K"}, TILE_TOKENS, "kquant")
+# the parallel region over 1 to 3 matrices, per type set: DRIVERS.run(ws, qts, packed, outs, n_threads)
+DRIVERS = gemm_parallel.Drivers(globals(), ("_gemm_rows",), {Q4_K: "Q4_K", Q4_K_X8: "Q4_K_X8", Q5_K: "Q5_K",
+                                                           Q6_K: "Q6_K"}, TILE_TOKENS, "kquant")

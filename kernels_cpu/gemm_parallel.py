@@ -104,6 +104,11 @@ class Drivers:
         self._tile, self._name = tile, name
         self._drivers: dict = {}
 
+    def run(self, ws: list, qts: list, packed, outs: list, n_threads: int) -> None:
+        """outs[i] = the packed activations . ws[i] for 1 to 3 matrices (rows % 8 == 0), in one
+        parallel region compiled for these types only."""
+        self.for_types(qts).run(ws, qts, packed, outs, n_threads)
+
     def for_types(self, qts) -> Driver:
         key = tuple(sorted({int(q) for q in qts}))
         got = self._drivers.get(key)

@@ -36,7 +36,7 @@ from . import gemm_parallel
 from .dot_mxfp4 import KVALUES_MXFP4, e8m0_half
 from .dot_q32 import Q32, nibbles32, q32_values
 from .gemm_kquant import GROUP_ROWS, TOKENS, _bcast, _store, _store_d, _transpose8
-from .ir_helpers import F32T, I8, I16, I32, IRHelpers, c64, const_vec, row_ptrs, target_features, vec
+from .ir_helpers import F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, row_ptrs, target_features, vec
 from .quant_kernels import IQ4_NL, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 GEMM_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4)
@@ -156,7 +156,6 @@ def _make_tokens(qt, nblk):
             for t, a in zip(ts, accs):
                 _store(h, arow(t), 0, a)
             return []
-        from .ir_helpers import counted_loop
         counted_loop(b, b.sub(t_hi, t_lo), TOKENS, [], quad, "q32_tok")
         return context.get_dummy_value()
 
@@ -297,16 +296,5 @@ def matmul_rows(w_raw: np.ndarray, qt: int, g0: int, g1: int, packed, out: np.nd
     _gemm_rows(w_raw, qt, g0, g1, xq, xd, xs, TILE_TOKENS, out)
 
 
-def matmul_many(ws: list, qts: list, packed, outs: list, n_threads: int) -> None:
-    """outs[i] = activations . ws[i] for 1 to 3 GEMM_TYPES matrices (rows % 8 == 0) on the
-    same `pack_activations` output, in one parallel region (gemm_parallel.py), compiled for
-    these types only."""
-    driver(qts).run(ws, qts, packed, outs, n_threads)
-
-
-def driver(qts) -> gemm_parallel.Driver:
-    """The parallel driver compiled for these type ids."""
-    return _DRIVERS.for_types(qts)
-
-
-_DRIVERS = gemm_parallel.Drivers(globals(), ("_run", "_gemm_rows"), _TYPE_NAMES, TILE_TOKENS, "q32")
+# the parallel region over 1 to 3 matrices, per type set: DRIVERS.run(ws, qts, packed, outs, n_threads)
+DRIVERS = gemm_parallel.Drivers(globals(), ("_run", "_gemm_rows"), _TYPE_NAMES, TILE_TOKENS, "q32")

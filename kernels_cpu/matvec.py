@@ -215,7 +215,7 @@ def _expert_gemm(path, ws, qts, info, experts, firsts, counts, rows_of, n_per, X
     for e, a0, n in zip(experts.tolist(), firsts.tolist(), counts.tolist()):
         rows = rows_of[a0:a0 + n]
         packed = gemm.pack_activations(xq[rows], xd[rows], xs[rows])
-        gemm.matmul_many([w[e * n_per:(e + 1) * n_per] for w in ws], qts, packed,
+        gemm.DRIVERS.run([w[e * n_per:(e + 1) * n_per] for w in ws], qts, packed,
                          [out[a0:a0 + n] for out in outs], nt)
 
 
@@ -315,8 +315,8 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
 # ----------------------------------------------------------------------------- prefill routing
 # Which kernel serves a matmul of n tokens (matmul_path), on an AVX2 CPU without VNNI:
 # - "rows": the decode row kernels, token by token on each row chunk (matvec's bits);
-# - "kquant": gemm_kquant (Q4_K, Q6_K): for Q4_K also matvec's bits;
-# - "q32": gemm_q32 (Q8_0, Q4_0, Q5_0, MXFP4);
+# - "kquant": gemm_kquant (gemm_kquant.GEMM_TYPES: Q4_K, Q5_K, Q6_K): for Q4_K also matvec's bits;
+# - "q32": gemm_q32 (gemm_q32.GEMM_TYPES: the 32-element block types and MXFP4);
 # - "blas": dequantized float tiles and BLAS; "tiles": the VNNI tiles (VNNI CPUs).
 # The crossovers were measured on Zen 3 with 2 threads (benchmarks/bench_kernels.py
 # --batch --paths): the GEMMs stage each 8-row block once for every token, which pays
@@ -379,7 +379,7 @@ def matmul_uses_int8(qtype: T, n_tokens: int, n_rows: int) -> bool:
     return matmul_path(qtype, n_rows, n_tokens) in ("rows", "kquant", "q32", "tiles")
 
 
-def matmul_uses_rows(qtype: T, n_tokens: int, n_rows: int = 1) -> bool:
+def matmul_uses_rows(qtype: T, n_tokens: int, n_rows: int) -> bool:
     """Whether matmul's results equal matvec's token by token: the decode row kernels, or
     for Q4_K gemm_kquant, which keeps their bits."""
     path = matmul_path(qtype, n_rows, n_tokens)
@@ -395,14 +395,6 @@ def _uses_tiles(qt: int) -> bool:
     """Long prompts of these types take the 8-bit tile kernels (VNNI CPUs only: elsewhere
     the float BLAS GEMM is faster)."""
     return _FAST and qt in tile_gemm.TILE_LAYOUTS and tile_gemm.has_vnni()
-
-
-def uses_kquant_gemm(qtype, n_rows: int) -> bool:
-    """Whether a long prompt on this matrix takes gemm_kquant (Q4_K, its Q4_K_X8 copy or
-    Q6_K, rows in eights, an AVX2 CPU without VNNI): about twice the float GEMM; for Q4_K
-    the decoded token's bits."""
-    return (_KQUANT_GEMM and int(qtype) in gemm_kquant.GEMM_TYPES and n_rows % gemm_kquant.GROUP_ROWS == 0
-            and gemm_kquant.host_has_avx2() and not tile_gemm.has_vnni())
 
 
 def _run_pieces(pieces: list, run_piece) -> None:
@@ -464,14 +456,14 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
         gemm = gemm_kquant if path == "kquant" else gemm_q32
         packed = gemm.pack_activations(*quantize_activation_rows(X, infos[0]))
         _wait_compiled(gemm, qts)
-        gemm.matmul_many(ws, qts, packed, outs, get_threads())
+        gemm.DRIVERS.run(ws, qts, packed, outs, get_threads())
     return outs
 
 
 def _wait_compiled(gemm, qts) -> None:
     """Nothing to wait for unless a background compile owes this process the GEMM's kernel."""
     if compile_progress._pending:
-        compile_progress.wait_for(gemm.driver(qts).kernel)
+        compile_progress.wait_for(gemm.DRIVERS.for_types(qts).kernel)
 
 
 def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -129,7 +129,7 @@ def test_long_prompts_take_it_through_matmul_and_matmul_many():
     ws = [_readonly(random_blocks(T.Q4_K, n, 512, rng)) for n in (16, 40)] + [_readonly(random_blocks(T.Q6_K, 24, 512, rng))]
     qts = [T.Q4_K, T.Q4_K, T.Q6_K]
     X = rng.standard_normal((80, 512)).astype(np.float32)
-    assert K.matmul_uses_int8(T.Q4_K, 80, 16) and not MATVEC.matmul_uses_rows(T.Q4_K, 80)
+    assert K.matmul_uses_int8(T.Q4_K, 80, 16) and MATVEC.matmul_path(T.Q4_K, 16, 80) == "kquant"   # not the row kernels
     assert K.matmul_uses_int8(T.Q6_K, 80, 16)
     assert not K.matmul_uses_int8(T.Q4_K, 80, 20)    # rows not in eights: the float GEMM
     one = K.matmul(ws[0], T.Q4_K, X)

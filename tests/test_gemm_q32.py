@@ -51,7 +51,7 @@ def test_gemm_matches_numpy(qtype, n_rows, n_cols, n_tok):
     # the parallel driver: three matrices in one region, each the single call's bits
     ws = [w, _readonly(random_blocks(qtype, 16, n_cols, rng)), w[:8]]
     outs = [np.empty((n_tok, m.shape[0]), np.float32) for m in ws]
-    gemm_q32.matmul_many(ws, [int(qtype)] * 3, packed, outs, 2)
+    gemm_q32.DRIVERS.run(ws, [int(qtype)] * 3, packed, outs, 2)
     np.testing.assert_array_equal(outs[0], out)
     np.testing.assert_array_equal(outs[2], out[:, :8])
     single = np.empty_like(outs[1])

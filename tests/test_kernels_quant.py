@@ -94,7 +94,7 @@ def test_matmul_matches_reference(qtype):
         Y = K.matmul(w, qtype, X)
         assert Y.shape == (n_tok, n_rows) and Y.dtype == np.float32
         if K.matmul_uses_int8(qtype, n_tok, n_rows):    # 8-bit activations, as matvec: same bounds
-            rows = MATVEC.matmul_uses_rows(qtype, n_tok)   # else the VNNI tiles: 32-blocks
+            rows = MATVEC.matmul_uses_rows(qtype, n_tok, n_rows)   # else the VNNI tiles: 32-blocks
             Xq = np.stack([reference_quantize_act(x, act if rows else 32) for x in X])
             tol = 2e-5 * (np.abs(Xq) @ np.abs(W).T) + 1e-30
             assert np.all(np.abs(Y - Xq @ W.T) <= tol), (qtype.name, n_tok)

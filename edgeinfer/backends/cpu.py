@@ -12,7 +12,7 @@ import numpy as np
 from edgeinfer import kernels_cpu
 from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.backends.offload import is_expert_tensor
-from edgeinfer.kernels_cpu import flash_attention, fused_layer, kv_attention, ops
+from edgeinfer.kernels_cpu import flash_attention, fused_layer, kv_attention, moe_routing, ops
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
 from edgeinfer.kernels_cpu.repack import repack, repacks
 from edgeinfer.kernels_cpu.threads import worker_pool
@@ -115,8 +115,6 @@ class CpuBackend(Backend):
 
     def expert_combine(self, y, order, weights):
         """The base class's sum (the same bits) in one compiled pass over the outputs."""
-        from edgeinfer.kernels_cpu import moe_routing
-
         return moe_routing.combine(y, order, weights)
 
     def _weights_of(self, names) -> tuple[list, list]:
