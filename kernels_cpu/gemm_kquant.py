@@ -43,7 +43,7 @@ from .quant_kernels import Q4_K, Q4_K_X8, Q5_K, Q6_K
 
 GEMM_TYPES = (Q4_K, Q4_K_X8, Q5_K, Q6_K)   # Q4_K_X8: repack.py's copy of a Q4_K matrix
 GROUP_ROWS = 8           # rows a group: one per 32-bit lane
-TOKENS = 4               # tokens a step of the token loop
+TOKENS = gemm_parallel.TOKENS_PAD   # tokens a step of the token loop (4; packed segments pad to it)
 # scratch offsets (bytes): the codes, then Q4_K's scales, min pairs, d and dmin, or Q6_K's
 # 16 scales, scale pairs and d
 _CODES, _SCALES, _MINS, _D, _DMIN = 0, 2048, 2304, 2432, 2464
@@ -333,18 +333,41 @@ def pack_activations(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray):
     padded to a multiple of TOKENS with zeros: xq (K/256, n_pad, 256), xd (K/256, n_pad),
     and xb (K/256, n_pad, 12) holding per block the per-32 sums (Q4_K's min terms), then
     the per-16 sums (Q6_K's offset), as i16 pairs (2i, 2i + 1) in one int32 each."""
+    nb = xq.shape[1] // 256
+    (pq, pd, pb), _ = pack_segments(xq, xd, xs, [xq.shape[0]])
+    return pq.reshape(nb, -1, 256), pd.reshape(nb, -1), pb.reshape(nb, -1, 12)
+
+
+def pack_segments(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, counts):
+    """Q8_K rows in consecutive segments (counts[j] rows each: an expert's tokens) packed as
+    `pack_activations` packs each segment, one after the other: returns ((xq, xd, xb), seg)
+    with segment j in packed rows seg[j]..seg[j + 1] of xq (P, K), xd (P, K/256) and xb
+    (P, K/256 * 12), which `_segment` views in the kernel's layout."""
     n, k = xq.shape
     nb = k // 256
-    n_pad = -(-n // TOKENS) * TOKENS
+    seg, which, pos = gemm_parallel.segment_layout(counts)
+    n_pad = np.diff(seg)[which]
+    # block bi of row i goes to 256-byte row seg * nb + bi * n_pad + pos of the packed buffer
+    dest = ((seg[which] * nb + pos)[:, None] + np.arange(nb) * n_pad[:, None]).reshape(-1)
+    total = int(seg[-1]) * nb
     s32 = xs.reshape(n, k // 32, 2).sum(axis=2, dtype=np.int32)     # |s| <= 32 * 128: i16
-    xq_p = np.zeros((nb, n_pad, 256), np.int8)
-    xq_p[:, :n] = xq.reshape(n, nb, 256).transpose(1, 0, 2)
-    xd_p = np.zeros((nb, n_pad), np.float32)
-    xd_p[:, :n] = xd.T
-    xb = np.zeros((nb, n_pad, 12), np.int32)
-    xb[:, :n, :4] = s32.astype(np.int16).view(np.int32).reshape(n, nb, 4).transpose(1, 0, 2)
-    xb[:, :n, 4:] = xs.astype(np.int16).view(np.int32).reshape(n, nb, 8).transpose(1, 0, 2)
-    return xq_p, xd_p, xb
+    xq_p = np.zeros((total, 256), np.int8)
+    xq_p[dest] = xq.reshape(n * nb, 256)
+    xd_p = np.zeros(total, np.float32)
+    xd_p[dest] = xd.reshape(-1)
+    xb = np.zeros((total, 12), np.int32)
+    xb[dest, :4] = s32.astype(np.int16).view(np.int32).reshape(n * nb, 4)
+    xb[dest, 4:] = xs.astype(np.int16).view(np.int32).reshape(n * nb, 8)
+    p = int(seg[-1])
+    return (xq_p.reshape(p, k), xd_p.reshape(p, nb), xb.reshape(p, nb * 12)), seg
+
+
+@njit(inline="always", **_JIT)
+def _segment(xq, xd, xb, p0, p1):
+    """Packed rows p0..p1 of `pack_segments` output in the kernel's layout."""
+    nb = xd.shape[1]
+    n = p1 - p0
+    return xq[p0:p1].reshape(nb, n, 256), xd[p0:p1].reshape(nb, n), xb[p0:p1].reshape(nb, n, 12)
 
 
 def matmul_rows(w_raw: np.ndarray, qt: int, g0: int, g1: int, packed, out: np.ndarray) -> None:

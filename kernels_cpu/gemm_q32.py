@@ -277,16 +277,30 @@ def pack_activations(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray):
     """Q8_0 rows (quantize_activation_rows for a 32-block type: xq (n, K) int8, xd (n, K/32)
     scales, xs (n, K/32) block sums) padded with zero tokens to a multiple of TOKENS."""
     n = xq.shape[0]
-    n_pad = -(-n // TOKENS) * TOKENS
-    if n_pad == n:
+    if n % TOKENS == 0:
         return (np.ascontiguousarray(xq), np.ascontiguousarray(xd, np.float32),
                 np.ascontiguousarray(xs, np.int32))
+    return pack_segments(xq, xd, xs, [n])[0]
+
+
+def pack_segments(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, counts):
+    """Q8_0 rows in consecutive segments (counts[j] rows each: an expert's tokens), each
+    segment padded with zero tokens to a multiple of TOKENS: returns ((xq, xd, xs), seg)
+    with segment j in packed rows seg[j]..seg[j + 1]."""
+    seg, which, pos = gemm_parallel.segment_layout(counts)
+    dest = seg[which] + pos
     out = []
     for a, dt in ((xq, np.int8), (xd, np.float32), (xs, np.int32)):
-        p = np.zeros((n_pad, a.shape[1]), dt)
-        p[:n] = a
+        p = np.zeros((int(seg[-1]), a.shape[1]), dt)
+        p[dest] = a
         out.append(p)
-    return tuple(out)
+    return tuple(out), seg
+
+
+@njit(inline="always", **_JIT)
+def _segment(xq, xd, xs, p0, p1):
+    """Packed rows p0..p1 of `pack_segments` output."""
+    return xq[p0:p1], xd[p0:p1], xs[p0:p1]
 
 
 def matmul_rows(w_raw: np.ndarray, qt: int, g0: int, g1: int, packed, out: np.ndarray) -> None:

@@ -206,17 +206,19 @@ def _expert_gemm_path(qts: list, n_per: int, n_tok: int) -> str | None:
 
 def _expert_gemm(path, ws, qts, info, experts, firsts, counts, rows_of, n_per, X, outs) -> None:
     """Each listed expert's tokens as one batch through the GEMM: its slab of every tensor
-    read once per 256 of its tokens. X is quantized once; each expert's rows are gathered
-    and packed (small against the products: n_per x n_cols MACs a token)."""
+    read once per 256 of its tokens. X is quantized once, the experts' token rows packed
+    once, and every expert runs in one parallel region."""
     gemm = gemm_kquant if path == "kquant" else gemm_q32
     xq, xd, xs = quantize_activation_rows(X, info)
-    _wait_compiled(gemm, qts)
-    nt = get_threads()
-    for e, a0, n in zip(experts.tolist(), firsts.tolist(), counts.tolist()):
-        rows = rows_of[a0:a0 + n]
-        packed = gemm.pack_activations(xq[rows], xd[rows], xs[rows])
-        gemm.DRIVERS.run([w[e * n_per:(e + 1) * n_per] for w in ws], qts, packed,
-                         [out[a0:a0 + n] for out in outs], nt)
+    # the listed experts' assignments, expert after expert
+    ends = np.cumsum(counts)
+    assigned = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(firsts - (ends - counts), counts)
+    rows = rows_of[assigned]
+    packed, seg = gemm.pack_segments(xq[rows], xd[rows], xs[rows], counts)
+    driver = gemm.DRIVERS.for_types(qts)
+    if compile_progress._pending:
+        compile_progress.wait_for(driver.expert_kernel)
+    driver.run_experts(ws, qts, experts, seg, firsts, counts, n_per, packed, outs, get_threads())
 
 
 def matvec_many(ws: list[np.ndarray], qtypes: list, x: np.ndarray) -> list[np.ndarray]:

@@ -127,22 +127,28 @@ def test_matmul_takes_the_gemm_and_decode_order_keeps_matvec_bits():
 @pytest.mark.skipif(not AVX2_GEMMS, reason="the AVX2 GEMMs serve prompts only on AVX2 CPUs without VNNI")
 @pytest.mark.parametrize("qtype", [T.MXFP4, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_expert_matmul_runs_busy_experts_through_the_gemm(qtype):
-    # 4 experts of 16 rows: expert 2 with 20 tokens and expert 0 with 9 take the GEMM,
-    # experts 1 and 3 with one token each the row kernels; outputs land in each
-    # assignment's row either way
+    # 5 experts of 48 rows (3 work items a matrix), gate and up: experts 2 (261 tokens: two
+    # token tiles), 0 (9) and 4 (17) take the GEMM in one region, experts 1 and 3 with one
+    # token each the row kernels; outputs land in each assignment's row either way
     rng = np.random.default_rng(5)
-    n_expert, n_per, n_cols = 4, 16, 512
+    n_expert, n_per, n_cols = 5, 48, 512
     w = _readonly(random_blocks(qtype, n_expert * n_per, n_cols, rng))
-    X = rng.standard_normal((30, n_cols)).astype(np.float32)
-    experts = np.array([0, 1, 2, 3])
-    counts = np.array([9, 1, 20, 1])
+    w_up = _readonly(random_blocks(qtype, n_expert * n_per, n_cols, rng))
+    X = rng.standard_normal((300, n_cols)).astype(np.float32)
+    experts = np.array([0, 1, 2, 3, 4])
+    counts = np.array([9, 1, 261, 1, 17])
     starts = np.concatenate([[0], np.cumsum(counts)])
-    rows_of = rng.integers(0, 30, counts.sum())   # each assignment's token
-    got = K.expert_matvec([w], [qtype], experts, starts, rows_of, n_per, X)[0]
+    rows_of = rng.integers(0, 300, counts.sum())   # each assignment's token
+    got, got_up = K.expert_matvec([w, w_up], [qtype] * 2, experts, starts, rows_of, n_per, X)
     with K.decode_order():
         rows = K.expert_matvec([w], [qtype], experts, starts, rows_of, n_per, X)[0]
     for i, e in enumerate(experts):
         slab = w[e * n_per:(e + 1) * n_per]
+        mine = slice(starts[i], starts[i + 1])
+        if counts[i] > 1:   # the region's bits are the expert's own GEMM call's
+            np.testing.assert_array_equal(got[mine], K.matmul(slab, qtype, X[rows_of[mine]]))
+            np.testing.assert_array_equal(got_up[mine], K.matmul(w_up[e * n_per:(e + 1) * n_per], qtype,
+                                                                 X[rows_of[mine]]))
         for a in range(starts[i], starts[i + 1]):
             x = X[rows_of[a]]
             np.testing.assert_array_equal(rows[a], K.matvec(slab, qtype, x))
