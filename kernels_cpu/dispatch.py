@@ -12,15 +12,17 @@ from types import FunctionType
 
 import numpy as np
 from numba import njit, prange, types
+from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
 from .dot_kquant import (deq_row_iq4_xs, deq_row_q2_k, deq_row_q3_k, deq_row_q4_k, deq_row_q5_k, deq_row_q6_k,
                          row_iq4_xs, row_q2_k, row_q3_k, row_q4_k, row_q5_k, row_q6_k, rows_q5_k, rows_q6_k)
 from .dot_q32 import (deq_row_iq4_nl, deq_row_q4_0, deq_row_q4_1, deq_row_q5_0, deq_row_q5_1, deq_row_q8_0,
-                      row_iq4_nl, row_q4_0, row_q4_1, row_q5_0, row_q5_1, row_q8_0, rows_q8_0)
-from .dot_mxfp4 import deq_row_mxfp4, row_mxfp4
+                      row_iq4_nl, row_q4_0, row_q4_1, row_q5_0, row_q5_1, row_q8_0, rows_q4_0, rows_q4_1,
+                      rows_q5_0, rows_q5_1, rows_q8_0)
+from .dot_mxfp4 import deq_row_mxfp4, row_mxfp4, rows_mxfp4
 from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
-from .ir_helpers import I64, ROWS, X8_ROWS
+from .ir_helpers import I64, ROWS, X8_ROWS, has_vnni_features, target_features
 from .quant_kernels import (IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K,
                             Q8_0)
 from . import compile_progress
@@ -28,6 +30,9 @@ from .quant_types import FAST_IDS, quant_info, row_bytes
 from .threads import get_threads
 
 _JIT = dict(cache=True, nogil=True)
+# Q4_0, Q4_1, Q5_0 and Q5_1 rows four a loop (dot_q32.rows_*) where there is no VNNI; with
+# it, their one-row vpdpbusd loop was measured faster above ~1000 columns
+_QUARTER_Q32 = not has_vnni_features(target_features(cpu_target.target_context))
 
 # Which types the dispatching functions below (_dot_rows, _quartered_rows, _deq_row) and
 # the kernels calling them handle: every one in these definitions; `kernels_for` copies
@@ -57,7 +62,8 @@ CHUNK = 16   # rows per work item: the type dispatch and call overhead, once per
 
 @njit(**_JIT)
 def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
-    """Q8_0, Q6_K, Q5_K and Q4_K (rows % 8 == 0) "rows" r0..r1 in a quartered order: with
+    """Q8_0, Q6_K, Q5_K, Q4_K (rows % 8 == 0) and, without VNNI, Q4_0, Q4_1, Q5_0, Q5_1 and
+    MXFP4 "rows" r0..r1 in a quartered order: with
     q = n_rows // 4, slot v < 4q is row v // 4 + (v % 4) * q, slots from 4q on are rows
     themselves. Four rows a quarter of the matrix apart run in one loop: four long
     sequential streams for the prefetchers (four adjacent short rows were slower from
@@ -79,9 +85,19 @@ def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
             a, b, c, d = rows_q6_k(w, i, xq, xd, xs, q)
         elif _HAS_Q5_K and qt == Q5_K:
             a, b, c, d = rows_q5_k(w, i, xq, xd, xs, q)
+        elif _HAS_Q4_0 and qt == Q4_0:
+            a, b, c, d = rows_q4_0(w, i, xq, xd, xs, q)
+        elif _HAS_Q4_1 and qt == Q4_1:
+            a, b, c, d = rows_q4_1(w, i, xq, xd, xs, q)
+        elif _HAS_Q5_0 and qt == Q5_0:
+            a, b, c, d = rows_q5_0(w, i, xq, xd, xs, q)
+        elif _HAS_Q5_1 and qt == Q5_1:
+            a, b, c, d = rows_q5_1(w, i, xq, xd, xs, q)
+        elif _HAS_MXFP4 and qt == MXFP4:
+            a, b, c, d = rows_mxfp4(w, i, xq, xd, xs, q)
         elif _HAS_Q4_K:
             a, b, c, d = rows4_q4_k(w, i, xq, xd, xs, q)
-        else:   # not reached: the callers pass only these four types
+        else:   # not reached: the callers pass only the types above
             a = b = c = d = np.float32(0.0)
         out[i] = a
         out[i + q] = b
@@ -93,8 +109,18 @@ def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
             out[r] = row_q8_0(w, r, xq, xd, xs)
         elif _HAS_Q5_K and qt == Q5_K:
             out[r] = row_q5_k(w, r, xq, xd, xs)
-        elif _HAS_Q6_K:
+        elif _HAS_Q6_K and qt == Q6_K:
             out[r] = row_q6_k(w, r, xq, xd, xs)
+        elif _HAS_Q4_0 and qt == Q4_0:
+            out[r] = row_q4_0(w, r, xq, xd, xs)
+        elif _HAS_Q4_1 and qt == Q4_1:
+            out[r] = row_q4_1(w, r, xq, xd, xs)
+        elif _HAS_Q5_0 and qt == Q5_0:
+            out[r] = row_q5_0(w, r, xq, xd, xs)
+        elif _HAS_Q5_1 and qt == Q5_1:
+            out[r] = row_q5_1(w, r, xq, xd, xs)
+        elif _HAS_MXFP4 and qt == MXFP4:
+            out[r] = row_mxfp4(w, r, xq, xd, xs)
 
 
 @njit(**_JIT)
@@ -107,7 +133,10 @@ def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
             for k in range(X8_ROWS):
                 out[X8_ROWS * g + k] = vals[k]
     elif ((_HAS_Q6_K and qt == Q6_K) or (_HAS_Q8_0 and qt == Q8_0) or (_HAS_Q5_K and qt == Q5_K)
-          or (_HAS_Q4_K and qt == Q4_K and w.shape[0] % 8 == 0)):
+          or (_HAS_Q4_K and qt == Q4_K and w.shape[0] % 8 == 0)
+          or (_QUARTER_Q32 and ((_HAS_Q4_0 and qt == Q4_0) or (_HAS_Q4_1 and qt == Q4_1)
+                                or (_HAS_Q5_0 and qt == Q5_0) or (_HAS_Q5_1 and qt == Q5_1)
+                                or (_HAS_MXFP4 and qt == MXFP4)))):
         _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
     elif _HAS_Q4_K and qt == Q4_K:   # llama.cpp repacks only matrices with rows % 8 == 0
         for r in range(r0, r1):

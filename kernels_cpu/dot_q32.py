@@ -63,7 +63,8 @@ def q32_values(h, wrow, wo, qt):
     bs, has_min, has_qh, offset, table = Q32[qt]
     qo = 4 if has_min else 2
     qs = b.add(wo, c64(qo + (4 if has_qh else 0)))
-    q = nibbles32(h, h.load(wrow, qs, vec(I8, 16)))
+    raw = h.load(wrow, qs, vec(I8, 16))
+    q = nibbles32_avx2(h, raw) if h.avx2 else nibbles32(h, raw)
     if has_qh:
         q = b.or_(q, _qh_bits(h, h.load(wrow, b.add(wo, c64(qo)), I32), 16))
     if table:
@@ -130,6 +131,60 @@ def _make_body_q32(qt):
     return body
 
 
+def offset_pairs(h, xv, offset):
+    """offset * (x summed in pairs) as <16 x i16> (vpmaddubsw): what the offset of unsigned
+    codes takes off a block's vpmaddubsw pairs, before they widen to i32 lanes. In a loop
+    over several rows one block's x is the same for all of them, and LLVM computes this
+    once."""
+    return h.maddubs(const_vec(I8, 32, offset), xv)
+
+
+def nibbles32_avx2(h, raw):
+    """nibbles32 from one 16-byte broadcast, a per-half dword shift (vpsrlvd) and one
+    mask: 3 instructions, not 5 (AVX2 has no byte shift)."""
+    b = h.b
+    both = b.bitcast(b.shuffle_vector(raw, raw, mask(list(range(16)) * 2)), vec(I32, 8))
+    return b.and_(b.bitcast(b.lshr(both, const_vec(I32, 8, [0] * 4 + [4] * 4)), vec(I8, 32)), const_vec(I8, 32, 15))
+
+
+def _codes_avx2(h, wrow, wo, qt):
+    """q32_values' unsigned codes for a non-table type (nibbles32_avx2)."""
+    b = h.b
+    bs, has_min, has_qh, offset, table = Q32[qt]
+    qo = 4 if has_min else 2
+    q = nibbles32_avx2(h, h.load(wrow, b.add(wo, c64(qo + (4 if has_qh else 0))), vec(I8, 16)))
+    if has_qh:
+        q = b.or_(q, _qh_bits(h, h.load(wrow, b.add(wo, c64(qo)), I32), 16))
+    return q
+
+
+def _make_body_q32_rows(qt):
+    """The AVX2 body of `_make_body_q32` for the several-rows loop (`rows_*`): the same lane
+    integers (so the same bits) from the unsigned codes, maddubs(code, x) - offset * (x
+    in pairs) in i16, the second term shared by the loop's rows: no abs and sign a row."""
+    bs, has_min, has_qh, offset, table = Q32[qt]
+    assert not table   # codes <= 31 and offsets <= 16: every vpmaddubsw pair fits i16
+
+    def body(h, wrow, xq, xd, xs, bi, acc):
+        b = h.b
+        wo = b.mul(bi, c64(bs))
+        dx = h.load(xd, b.mul(bi, c64(4)), F32T)
+        xv = h.load(xq, b.mul(bi, c64(32)), vec(I8, 32))
+        # d * dx formed in all lanes (vpbroadcastw + vcvtph2ps, no false dependency): the same product
+        d = b.fmul(h.load_f16_splat(wrow, wo, 8), h.splat(dx, 8))
+        p16 = h.maddubs(_codes_avx2(h, wrow, wo, qt), xv)   # pairs <= 2 * 31 * 128
+        if offset:   # pairs - offset pairs: |difference| <= 2 * 31 * 128, exact in i16
+            p16 = b.sub(p16, offset_pairs(h, xv, offset))
+        s = h.madd_i16(p16, const_vec(I16, 16, 1))
+        acc = h.fma(d, b.sitofp(s, vec(F32T, 8)), acc)
+        if has_min:  # + m * dx * sum(x), in lane 0
+            xsum = h.load(xs, b.mul(bi, c64(4)), I32)
+            mt = b.fmul(b.fmul(h.load_f16(wrow, b.add(wo, c64(2))), dx), b.sitofp(xsum, F32T))
+            acc = b.fadd(acc, b.insert_element(ir.Constant(vec(F32T, 8), [0.0] * 8), mt, ir.Constant(I32, 0)))
+        return acc
+    return body
+
+
 def _deq_q8_0(h, wrow, yrow, bi):
     b = h.b
     wo = b.mul(bi, c64(34))
@@ -166,6 +221,11 @@ row_q4_1 = make_row_intrinsic(_make_body_q32(Q4_1))
 row_q5_0 = make_row_intrinsic(_make_body_q32(Q5_0))
 row_q5_1 = make_row_intrinsic(_make_body_q32(Q5_1))
 row_iq4_nl = make_row_intrinsic(_make_body_q32(IQ4_NL))
+# four rows a loop (dispatch's quartered order) on AVX2 without VNNI
+rows_q4_0 = make_row_intrinsic(_make_body_q32_rows(Q4_0), nrows=ROWS)
+rows_q4_1 = make_row_intrinsic(_make_body_q32_rows(Q4_1), nrows=ROWS)
+rows_q5_0 = make_row_intrinsic(_make_body_q32_rows(Q5_0), nrows=ROWS)
+rows_q5_1 = make_row_intrinsic(_make_body_q32_rows(Q5_1), nrows=ROWS)
 
 deq_row_q8_0 = make_deq_intrinsic(32, _deq_q8_0)
 deq_row_q4_0 = make_deq_intrinsic(32, _make_deq_q32(Q4_0))

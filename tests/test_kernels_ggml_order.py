@@ -178,6 +178,9 @@ def test_mxfp4_equals_llama_cpp_s_compiled_ggml(n_cols):
     (T.Q8_0, 4, 4096), (T.Q8_0, 37, 4096),
     (T.Q6_K, 4, 4096), (T.Q6_K, 38, 4096),
     (T.Q4_K, 8, 14336), (T.Q4_K, 24, 14336),  # one row per lane (_rows4_q4_k)
+    # without VNNI also the 32-element types (dot_q32.rows_*, dot_mxfp4.rows_mxfp4); an odd
+    # MXFP4 block count (91) runs its scalar tail in each of the four rows
+    (T.Q4_0, 37, 4096), (T.Q5_0, 38, 2880), (T.MXFP4, 4, 2912), (T.MXFP4, 37, 2880),
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_multi_row_loops_keep_the_order(qtype, n_rows, n_cols):
     # 37, 38 and 24 rows also leave a partial 16-row chunk, and 37 and 38 leftover rows
@@ -185,6 +188,18 @@ def test_multi_row_loops_keep_the_order(qtype, n_rows, n_cols):
     w = random_blocks(qtype, n_rows, n_cols, rng)
     x = (rng.standard_normal(n_cols) * 3).astype(np.float32)
     np.testing.assert_array_equal(K.matvec(w, qtype, x), ORDERS[qtype](w, x))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4, T.IQ4_NL], ids=lambda t: t.name)
+def test_rows_in_fours_equal_one_row_at_a_time(qtype):
+    # a 1-row matrix takes the one-row kernel; 39 rows take the four-a-loop kernels
+    # (where this CPU has them) and a 3-row remainder
+    rng = np.random.default_rng(int(qtype))
+    w = random_blocks(qtype, 39, 2912, rng)
+    x = (rng.standard_normal(2912) * 3).astype(np.float32)
+    got = K.matvec(w, qtype, x)
+    for r in range(39):
+        np.testing.assert_array_equal(got[r], K.matvec(w[r:r + 1], qtype, x)[0])
 
 
 def test_matvec_many_equals_separate_matvecs():
