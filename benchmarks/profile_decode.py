@@ -1,6 +1,6 @@
 """Where one decoded token's time goes on the CPU backend: a per-op profile.
 
-    python benchmarks/profile_decode.py MODEL.gguf [-n 24] [-t 2] [--depth 0] [--prompt 32]
+    python benchmarks/profile_decode.py MODEL.gguf [-n 24] [-t 2] [--depth 0] [--prompt 32] [-ctk q8_0 -ctv q8_0]
 
 Wraps the CpuBackend's methods with wall-clock timers, decodes `-n` tokens (after a
 warm-up token), and prints, for each op kind, milliseconds a token, its share, and for
@@ -40,6 +40,8 @@ def main(argv=None) -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--depth", type=int, default=0, help="tokens in the cache before")
     ap.add_argument("--prompt", type=int, default=0, help="profile prefills of this many tokens instead")
+    ap.add_argument("-ctk", "--cache-type-k", default="f16", help="K cache type (as run's)")
+    ap.add_argument("-ctv", "--cache-type-v", default="f16", help="V cache type (as run's)")
     ap.add_argument("--matrices", action="store_true",
                     help="also time each matrix kind alone (per type), cycling through the layers")
     args = ap.parse_args(argv)
@@ -52,7 +54,8 @@ def main(argv=None) -> None:
 
     mf = open_model(args.model)
     engine = Engine(mf, EngineOptions(n_ctx=args.depth + max(args.n, args.prompt) + 16, threads=args.threads,
-                                      gpu_layers=0, prefill_chunk=max(512, args.prompt)))
+                                      gpu_layers=0, prefill_chunk=max(512, args.prompt),
+                                      cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v))
     be = engine.backend
     assert isinstance(be, CpuBackend), type(be)
     gf = mf.gguf

@@ -122,6 +122,7 @@ class Engine:
             top = self.config.n_vocab - 1
             self.prefill([min(1, top), min(2, top)], kv)
             self.decode(min(3, top), kv)
+            self.backend.warm_prompt_kernels()
 
         return compile_progress.warm_up(forward, self.backend.forward_kernels(self.config), report)
 

@@ -182,6 +182,20 @@ class Drivers:
         self._g, self._specialised, self._names = module_globals, specialised, type_names
         self._tile, self._name = tile, name
         self._drivers: dict = {}
+        self._unions: list = []   # the type sets of use_types, latest first
+
+    def use_types(self, qts) -> Driver | None:
+        """Make one driver serve every call on these types (a model's: `for_types` of any
+        subset then returns it), so that a model compiles one driver, not one per type
+        set its calls happen to group. Each model loaded (a target and its draft) keeps
+        its own. Returns it, or None where no type is this GEMM's."""
+        key = tuple(sorted({int(q) for q in qts} & set(self._names)))
+        if not key:
+            return None
+        if key in self._unions:
+            self._unions.remove(key)
+        self._unions.insert(0, key)
+        return self.for_types(key)
 
     def run(self, ws: list, qts: list, packed, outs: list, n_threads: int) -> None:
         """outs[i] = the packed activations . ws[i] for 1 to 3 matrices (rows % 8 == 0), in one
@@ -190,6 +204,7 @@ class Drivers:
 
     def for_types(self, qts) -> Driver:
         key = tuple(sorted({int(q) for q in qts}))
+        key = next((u for u in self._unions if set(key) <= set(u)), key)
         got = self._drivers.get(key)
         if got is None:
             unknown = [q for q in key if q not in self._names]

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as T
 
 from . import compile_progress
 from . import quant_kernels as qk
-from .quant_types import QuantInfo, check_weight
+from .quant_types import QuantInfo, check_weight, quant_info, row_bytes
 from .threads import apply_threads, get_threads, worker_pool
 
 from . import dispatch, f32_ggml, gemm_kquant, gemm_q32, tile_gemm
@@ -40,15 +40,70 @@ _INT8_MATMUL_MAX_TOKENS = 64   # up to here the 8-bit row kernels beat dequantiz
 _Q4K_GEMM_MIN_TOKENS = 32
 
 
-def use_model_types(tensors) -> list:
+def use_model_types(tensors, experts: bool = False) -> list:
     """Register the types of a model's matrices (`tensors`: objects with .qtype and .n_rows;
     repacked ids as `repack` will give them) so that one kernel set serves all of them
-    and only their code compiles (dispatch.use_types). Returns the kernels its first
-    tokens compile."""
+    and only their code compiles (dispatch.use_types), and one driver per prompt GEMM
+    (`use_prompt_gemms`). Returns the kernels its first tokens and prompts compile."""
     from .repack import repacks
 
-    ks = dispatch.use_types(qk.Q4_K_X8 if repacks(t.qtype, t.n_rows) else int(t.qtype) for t in tensors)
-    return ks.forward_kernels() if ks is not None else []
+    ids = [qk.Q4_K_X8 if repacks(t.qtype, t.n_rows) else int(t.qtype) for t in tensors]
+    ks = dispatch.use_types(ids)
+    return (ks.forward_kernels() if ks is not None else []) + use_prompt_gemms(ids, experts)
+
+
+_PROMPT_GEMMS: list = []   # (path, types, experts) of the GEMM drivers the loaded models' prompts run
+
+
+def use_prompt_gemms(qts, experts: bool = False) -> list:
+    """Make one driver of each prompt GEMM serve all of these types (gemm_parallel.Drivers.
+    use_types) and return its kernels (with experts: the experts' region too), given to a
+    cold start's second process to compile. `warm_prompt_gemms` then loads them, so a
+    first prompt does not stop for seconds to compile them unannounced."""
+    kernels = []
+    for gemm, path in ((gemm_kquant, "kquant"), (gemm_q32, "q32")):
+        types = sorted({int(qt) for qt in qts
+                        if _fast(int(qt)) and matmul_path(qt, 8, _INT8_MATMUL_MAX_TOKENS + 1) == path})
+        driver = gemm.DRIVERS.use_types(types)   # None where none is this GEMM's
+        if driver is None:
+            continue
+        if (path, tuple(types), experts) not in _PROMPT_GEMMS:
+            _PROMPT_GEMMS.append((path, tuple(types), experts))
+        job = (f"import importlib; importlib.import_module('edgeinfer.kernels_cpu.matvec')"
+               f".compile_prompt_gemm({path!r}, {tuple(types)!r}, {experts})")
+        for kernel in [driver.kernel] + ([driver.expert_kernel] if experts else []):
+            compile_progress.compile_elsewhere(kernel, job, 4)
+            kernels.append(kernel)
+    return kernels
+
+
+def warm_prompt_gemms() -> None:
+    """Compile (or load) the registered prompt GEMM drivers: Engine.warm_up's forward pass
+    is too short to reach them."""
+    for path, types, experts in _PROMPT_GEMMS:
+        compile_prompt_gemm(path, types, experts)
+
+
+def compile_prompt_gemm(path: str, types: tuple, experts: bool = False) -> None:
+    """Call the `path` GEMM's driver for `types` (and its experts' region) once on zeros,
+    with the argument types a prompt passes: it compiles, or loads from Numba's cache."""
+    gemm = gemm_kquant if path == "kquant" else gemm_q32
+    driver = gemm.DRIVERS.use_types(types)
+    qt = int(types[0])
+    info = quant_info(qt)
+    k = info.act_block
+    w = _readonly(np.zeros((8, row_bytes(qt, k)), np.uint8))
+    xq, xd, xs = quantize_activation_rows(np.zeros((4, k), np.float32), info)
+    out = np.empty((4, 8), np.float32)
+    if compile_progress._pending:
+        compile_progress.wait_for(driver.kernel)
+    driver.run([w], [qt], gemm.pack_activations(xq, xd, xs), [out], get_threads())
+    if experts:
+        packed, seg = gemm.pack_segments(xq, xd, xs, [4])
+        if compile_progress._pending:
+            compile_progress.wait_for(driver.expert_kernel)
+        one = np.zeros(1, np.int64)
+        driver.run_experts([w], [qt], one, seg, one, np.array([4]), 8, packed, [out], get_threads())
 
 
 def _f32_vec(x: np.ndarray, n: int, what: str) -> np.ndarray:

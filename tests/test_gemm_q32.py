@@ -161,3 +161,37 @@ def test_expert_matmul_runs_busy_experts_through_the_gemm(qtype):
         assert not np.array_equal(got[busy], rows[busy])
     else:
         np.testing.assert_array_equal(got[busy], rows[busy])
+
+
+def test_a_models_types_share_one_driver():
+    # a model's types (use_types) compile one driver that serves any subset; other type
+    # sets keep their own
+    union = gemm_q32.DRIVERS.use_types([T.Q5_0, T.Q8_0, T.Q6_K])   # Q6_K is gemm_kquant's
+    assert union is gemm_q32.DRIVERS.for_types([T.Q5_0]) is gemm_q32.DRIVERS.for_types([T.Q8_0, T.Q5_0])
+    assert gemm_q32.DRIVERS.for_types([T.Q4_0]) is not union
+    assert gemm_q32.DRIVERS.use_types([T.Q6_K]) is None            # none of this GEMM's types
+    # a second model (a draft) keeps its own, and the first one's stays
+    draft = gemm_q32.DRIVERS.use_types([T.Q4_0, T.Q8_0])
+    assert draft is gemm_q32.DRIVERS.for_types([T.Q4_0]) is not union
+    assert gemm_q32.DRIVERS.for_types([T.Q5_0]) is union
+
+
+@pytest.mark.skipif(not AVX2_GEMMS, reason="the AVX2 GEMMs serve prompts only on AVX2 CPUs without VNNI")
+@pytest.mark.parametrize("path, types", [("q32", (T.MXFP4,)), ("kquant", (T.Q4_K, T.Q6_K))])
+def test_warm_up_compiles_the_drivers_a_prompt_calls(path, types):
+    # Engine.warm_up's pass is two tokens: the GEMMs a longer prompt takes are compiled by
+    # calling them on zeros with the argument types a prompt passes, so the prompt's call
+    # adds no new signature (no compile at the first real prompt)
+    gemm = gemm_q32 if path == "q32" else gemm_kquant
+    kernels = MATVEC.use_prompt_gemms(list(types), experts=True)
+    driver = gemm.DRIVERS.for_types(types)
+    assert kernels == [driver.kernel, driver.expert_kernel]
+    MATVEC.warm_prompt_gemms()
+    before = (len(driver.kernel.signatures), len(driver.expert_kernel.signatures))
+    assert min(before) >= 1
+    rng = np.random.default_rng(3)
+    w = _readonly(random_blocks(types[0], 4 * 16, 512, rng))
+    X = rng.standard_normal((40, 512)).astype(np.float32)
+    K.matmul(w, types[0], X)
+    K.expert_matvec([w], [types[0]], np.array([1, 3]), np.array([0, 20, 40]), np.arange(40) % 40, 16, X)
+    assert (len(driver.kernel.signatures), len(driver.expert_kernel.signatures)) == before

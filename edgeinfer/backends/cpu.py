@@ -34,7 +34,8 @@ class CpuBackend(Backend):
         threadpool_limits(1, user_api="blas")
         self._rope_angles: dict = {}
         # one kernel set for the model's types: only their code compiles
-        self._type_kernels = kernels_cpu.use_model_types(gguf.tensors.values())
+        experts = any(is_expert_tensor(name, info.shape) for name, info in gguf.tensors.items())
+        self._type_kernels = kernels_cpu.use_model_types(gguf.tensors.values(), experts)
         self._prepared: dict = {}
         self._weights: dict = {}
 
@@ -64,6 +65,13 @@ class CpuBackend(Backend):
 
     def decode_order(self):
         return kernels_cpu.decode_order()
+
+    def warm_prompt_kernels(self) -> None:
+        """Compile (or load) the prompt GEMMs, which Engine.warm_up's two-token prompt does
+        not reach (kernels_cpu.matvec.warm_prompt_gemms)."""
+        from edgeinfer.kernels_cpu.matvec import warm_prompt_gemms
+
+        warm_prompt_gemms()
 
     def forward_kernels(self, config) -> list:
         """The Numba kernels a forward pass of this model compiles on its first tokens (a
