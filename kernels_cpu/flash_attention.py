@@ -12,7 +12,7 @@ heads that share that K/V head over each chunk in turn (the chunk's rows stay in
 job per head re-read them from memory: a 1B layer's decode at 4096 keys 1.89 -> 1.38 ms
 in the engine). Per head, three passes keep every float op of ggml's one-pass online
 softmax in its order: (1) the chunk's scores (independent dots: q8_0 / q4_0 / q5_0 K
-through dot_q32's IR row dots, four q8_0 keys a call), (2) the running maximum M, the
+through dot_q32's IR row dots, four keys a call), (2) the running maximum M, the
 weights ms / vs (glibc's expf, inlined: expf_glibc.py) and the sum S, which depend on the
 scores alone, (3) the V
 rows, acc = fma(v, vs, acc) key by key with acc rescaled by ms before a key that raised
@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import kv_quant, kv_quant_jit
-from .dot_q32 import row_q4_0, row_q5_0, row_q8_0, rows_q8_0
+from .dot_q32 import row_q4_0, row_q5_0, row_q8_0, rows_q4_0, rows_q5_0, rows_q8_0
 from .flash_attention_ir import v_keys_q4_0, v_keys_q4_1, v_keys_q5_0, v_keys_q5_1, v_keys_q8_0
 from .expf_glibc import expf
 from .f16 import f16_round
@@ -198,10 +198,15 @@ def _make_rows(tk: int, tv: int):
                     n = 0
                     j1 = min(j0 + CHUNK, n_keys)
                     j = j0
-                    while TK == Q8_0 and j + 4 <= j1 and _all_seen4(kpos, j, qp, window):
+                    while (TK == Q8_0 or TK == Q4_0 or TK == Q5_0) and j + 4 <= j1 and _all_seen4(kpos, j, qp, window):
                         # four keys a call, sharing Q's loads (each key its own accumulator)
                         r = j * n_kv + g
-                        s4 = rows_q8_0(kb2, r, qxr, qdr, qsr, n_kv)
+                        if TK == Q8_0:
+                            s4 = rows_q8_0(kb2, r, qxr, qdr, qsr, n_kv)
+                        elif TK == Q4_0:
+                            s4 = rows_q4_0(kb2, r, qxr, qdr, qsr, n_kv)
+                        else:
+                            s4 = rows_q5_0(kb2, r, qxr, qdr, qsr, n_kv)
                         for u in range(4):
                             s = np.float32(s4[u] * scale)
                             if softcap != 0.0:
