@@ -190,8 +190,10 @@ import edgeinfer
 model = edgeinfer.load(sys.argv[1], n_ctx=256)
 at_load = len(compiled)
 text = model.generate("The capital of France is", max_tokens=6, temperature=0).text
-# a 40-token prompt: past every type's short-batch GEMM crossover
-model.generate("one two three four five six seven eight nine ten " * 4, max_tokens=1, temperature=0)
+# an 80-token prompt: past every type's short-batch GEMM crossover and the long-prompt
+# attention's threshold (64 queries)
+model.generate(model.tokenize("one two three four five six seven eight nine ten " * 8)[:80], max_tokens=1,
+               temperature=0)
 print(json.dumps({"compiled": compiled, "after_load": compiled[at_load:], "text": text}))
 """
 
@@ -215,8 +217,8 @@ def test_a_cold_start_splits_the_kernels_between_two_processes(tmp_path, gemma_p
     assert names[:2] and names[0].startswith("_matvec_kernel") and names[1] == "quantize_act", names
     for elsewhere in ("attention_rows", "quantize_rows_q8_k", "_gelu_mul_kernel"):
         assert not any(elsewhere in n for n in names), (elsewhere, names)
-    # the prompt GEMMs are compiled at load (by the second process), not at a first
-    # prompt long enough to take them
+    # the prompt GEMMs and the long-prompt attention are compiled at load, not at a
+    # first prompt long enough to take them
     assert cold["after_load"] == [], cold["after_load"]
     warm = _load_in_child(gemma_path, tmp_path)
     assert warm["compiled"] == [] and warm["text"] == cold["text"]

@@ -67,11 +67,15 @@ class CpuBackend(Backend):
         return kernels_cpu.decode_order()
 
     def warm_prompt_kernels(self) -> None:
-        """Compile (or load) the prompt GEMMs, which Engine.warm_up's two-token prompt does
-        not reach (kernels_cpu.matvec.warm_prompt_gemms)."""
+        """Compile (or load) what Engine.warm_up's two-token prompt does not reach: the
+        prompt GEMMs (kernels_cpu.matvec.warm_prompt_gemms) and the long-prompt attention's
+        helpers (a prompt past kv_attention.EXACT_MAX_QUERIES tokens)."""
         from edgeinfer.kernels_cpu.matvec import warm_prompt_gemms
 
         warm_prompt_gemms()
+        n = kv_attention.EXACT_MAX_QUERIES + 1
+        kv = np.zeros((n, 1, 32), np.float16)
+        kv_attention.attention_blas(np.zeros((n, 1, 32), np.float32), kv, kv, np.arange(n), np.arange(n), 1.0)
 
     def forward_kernels(self, config) -> list:
         """The Numba kernels a forward pass of this model compiles on its first tokens (a
@@ -81,7 +85,9 @@ class CpuBackend(Backend):
         from edgeinfer.kernels_cpu.matvec import compile_quantize_act_first
 
         kernels = [*self._type_kernels, qk.quantize_act, ops._rms_norm_kernel, ops._rope_kernel, ops._rope_cache_kernel,
-                   f16._round_f16_kernel, kv_attention.attention_kernel(config.head_dim, config.head_dim_v)]
+                   f16._round_f16_kernel, kv_attention.attention_kernel(config.head_dim, config.head_dim_v),
+                   # the long-prompt attention's (warm_prompt_kernels)
+                   f16._f16_to_f32_kernel, kv_attention._mask_and_center, kv_attention._normalize_f16]
         blocks = {kernels_cpu.quant_info(t.qtype).act_block for t in self.gguf.tensors.values()
                   if t.qtype in kernels_cpu.QUANT_INFO}
         kernels += [qk.quantize_rows_q8_0] if 32 in blocks else []
