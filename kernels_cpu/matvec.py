@@ -71,8 +71,12 @@ def use_prompt_gemms(qts, experts: bool = False) -> list:
             _PROMPT_GEMMS.append((path, tuple(types), experts))
         job = (f"import importlib; importlib.import_module('edgeinfer.kernels_cpu.matvec')"
                f".compile_prompt_gemm({path!r}, {tuple(types)!r}, {experts})")
+        # the second process gets the first GEMM; a second one compiles here after the
+        # warm-up pass, while that process is still busy (~5 s a type each)
+        elsewhere = not kernels
         for kernel in [driver.kernel] + ([driver.expert_kernel] if experts else []):
-            compile_progress.compile_elsewhere(kernel, job, 4)
+            if elsewhere:
+                compile_progress.compile_elsewhere(kernel, job, 4)
             kernels.append(kernel)
     return kernels
 
