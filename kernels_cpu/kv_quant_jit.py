@@ -101,3 +101,55 @@ def quantize_q8_0_split(x: np.ndarray):
     _q8_0_split_rows(x2, qx, qd)
     lead = np.shape(x)[:-1]
     return qx.reshape(lead + (-1,)), qd.reshape(lead + (-1,))
+
+
+@njit(**_JIT)
+def _q_offset_rows(x, out, half):
+    """quantize_row_q4_0_ref (half 8) / quantize_row_q5_0_ref (half 16) of x (R, n) into raw
+    blocks: d = (the first value of largest magnitude) / -half, code = min(2 half - 1,
+    trunc(x * id + half + 0.5)); q5_0 keeps each code's fifth bit in qh (a u32 before qs)."""
+    top = 2 * half - 1
+    bs = 18 if half == 8 else 22
+    qs0 = 2 if half == 8 else 6
+    for r in range(x.shape[0]):
+        for b in range(x.shape[1] // 32):
+            amax = np.float32(0.0)
+            mx = np.float32(0.0)
+            for e in range(32):
+                v = x[r, 32 * b + e]
+                if amax < abs(v):
+                    amax = abs(v)
+                    mx = v
+            d = np.float32(mx / np.float32(-half))
+            idv = np.float32(np.float32(1.0) / d) if d != 0 else np.float32(0.0)
+            h = f16_bits_of(np.float32(d).view(np.uint32))
+            o = bs * b
+            out[r, o] = np.uint8(h & np.uint32(255))
+            out[r, o + 1] = np.uint8(h >> np.uint32(8))
+            qh = np.uint32(0)
+            for j in range(16):
+                c0 = min(top, np.int32(np.float32(np.float32(x[r, 32 * b + j] * idv) + np.float32(half + 0.5))))
+                c1 = min(top, np.int32(np.float32(np.float32(x[r, 32 * b + 16 + j] * idv) + np.float32(half + 0.5))))
+                out[r, o + qs0 + j] = np.uint8((c0 & 15) | ((c1 & 15) << 4))
+                qh |= np.uint32((c0 >> 4) & 1) << np.uint32(j)
+                qh |= np.uint32((c1 >> 4) & 1) << np.uint32(j + 16)
+            if half == 16:
+                for k in range(4):
+                    out[r, o + 2 + k] = np.uint8((qh >> np.uint32(8 * k)) & np.uint32(255))
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """As kv_quant.quantize_q4_0 (same bytes), compiled."""
+    return _quantize_offset(x, 8)
+
+
+def quantize_q5_0(x: np.ndarray) -> np.ndarray:
+    """As kv_quant.quantize_q5_0 (same bytes), compiled."""
+    return _quantize_offset(x, 16)
+
+
+def _quantize_offset(x: np.ndarray, half: int) -> np.ndarray:
+    x2 = _rows(x)
+    out = np.empty((x2.shape[0], x2.shape[1] // 32 * (18 if half == 8 else 22)), np.uint8)
+    _q_offset_rows(x2, out, half)
+    return out.reshape(np.shape(x)[:-1] + (-1,))

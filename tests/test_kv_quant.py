@@ -123,3 +123,13 @@ def test_compiled_fwht_and_q8_0_store_match_numpy():
     vals, d, _ = kv_quant.fields("q8_0", want)
     assert np.array_equal(qx.reshape(vals.shape), vals.astype(np.int8))
     assert np.array_equal(qd.view(np.uint32), d.view(np.uint32))
+
+
+def test_compiled_q4_0_and_q5_0_stores_match_numpy():
+    rng = np.random.default_rng(6)
+    x = _rows(rng, (5, 3, 128)) * rng.choice([1e-3, 1.0, 300.0], size=(5, 3, 1)).astype(np.float32)
+    x.reshape(-1, 32)[1, :] = 0                                   # an all-zero block: d = 0
+    x.reshape(-1, 32)[3, :2] = (np.float32(9.0), np.float32(-9.0))   # the first largest magnitude sets d's sign
+    x.reshape(-1, 32)[3, 2:] = 0
+    assert np.array_equal(kv_quant_jit.quantize_q4_0(x), kv_quant.quantize_q4_0(x))
+    assert np.array_equal(kv_quant_jit.quantize_q5_0(x), kv_quant.quantize_q5_0(x))

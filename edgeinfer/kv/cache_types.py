@@ -36,7 +36,9 @@ class _Lazy:
 
 
 kv_quant = _Lazy("kv_quant")
-kv_quant_jit = _Lazy("kv_quant_jit")   # the compiled fwht and q8_0 store (same bits)
+kv_quant_jit = _Lazy("kv_quant_jit")   # the compiled fwht and q8_0/q4_0/q5_0 stores (same bits)
+# the types whose store kv_quant_jit compiles (the others: kv_quant's numpy)
+_COMPILED_STORE = {"q8_0": "quantize_q8_0", "q4_0": "quantize_q4_0", "q5_0": "quantize_q5_0"}
 
 # what llama.cpp allows that edgeinfer stores too (iq4_nl: its quantizer is not ported yet)
 ALLOWED = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
@@ -102,7 +104,8 @@ class CacheTypes:
         if t == "f16":
             return x
         rows = self.rotate(which, np.asarray(x, np.float32))
-        return kv_quant_jit.quantize_q8_0(rows) if t == "q8_0" else kv_quant.quantize(t, rows)
+        compiled = _COMPILED_STORE.get(t)
+        return getattr(kv_quant_jit, compiled)(rows) if compiled is not None else kv_quant.quantize(t, rows)
 
     def decode(self, which: str, raw: np.ndarray) -> np.ndarray:
         """Stored rows -> float32 (..., head_dim), as ggml's to_float, rotated back."""
