@@ -12,7 +12,6 @@ from types import FunctionType
 
 import numpy as np
 from numba import njit, prange, types
-from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
 from .dot_kquant import (deq_row_iq4_xs, deq_row_q2_k, deq_row_q3_k, deq_row_q4_k, deq_row_q5_k, deq_row_q6_k,
@@ -22,17 +21,18 @@ from .dot_q32 import (deq_row_iq4_nl, deq_row_q4_0, deq_row_q4_1, deq_row_q5_0, 
                       rows_q5_0, rows_q5_1, rows_q8_0)
 from .dot_mxfp4 import deq_row_mxfp4, row_mxfp4, rows_mxfp4
 from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
-from .ir_helpers import I64, ROWS, X8_ROWS, has_vnni_features, target_features
+from .ir_helpers import I64, ROWS, X8_ROWS
 from .quant_kernels import (IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K,
                             Q8_0)
 from . import compile_progress
 from .quant_types import FAST_IDS, quant_info, row_bytes
+from .tile_gemm import has_vnni
 from .threads import get_threads
 
 _JIT = dict(cache=True, nogil=True)
 # Q4_0, Q4_1, Q5_0 and Q5_1 rows four a loop (dot_q32.rows_*) where there is no VNNI; with
 # it, their one-row vpdpbusd loop was measured faster above ~1000 columns
-_QUARTER_Q32 = not has_vnni_features(target_features(cpu_target.target_context))
+_QUARTER_Q32 = not has_vnni()
 
 # Which types the dispatching functions below (_dot_rows, _quartered_rows, _deq_row) and
 # the kernels calling them handle: every one in these definitions; `kernels_for` copies

@@ -15,7 +15,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dot_q32 import nibbles32, nibbles32_avx2, offset_pairs
+from .dot_q32 import nibbles32, offset_pairs
 from .ir_helpers import (F32T, I8, I16, I32, I64, IRHelpers, array_ptrs, c64, const_vec, counted_loop,
                          make_deq_intrinsic, store, target_features, vec, ROWS)
 
@@ -54,20 +54,10 @@ def e8m0_half_splat(h, wrow, wo, n):
     return h.splat(b.load(b.gep(_e8m0_half_table(h), [ir.Constant(I64, 0), e])), n)
 
 
-def _values(h, wrow, wo):
-    """The block's 32 signed table values as <32 x i8> (elements in order)."""
-    raw = h.load(wrow, h.b.add(wo, c64(1)), vec(I8, 16))
-    return h.lut16(nibbles32_avx2(h, raw) if h.avx2 else nibbles32(h, raw), KVALUES_MXFP4)
-
-
-def _lanes(h, wrow, xq, bi):
-    """Block bi's <8 x i32> lane sums (lane L: products 4L..4L+3); |value| <= 12, so a
-    vpmaddubsw pair is at most 2*12*128."""
-    b = h.b
-    wo = b.mul(bi, c64(BLOCK_BYTES))
-    q = _values(h, wrow, wo)
-    xv = h.load(xq, b.mul(bi, c64(32)), vec(I8, 32))
-    return h.madd_i16(h.maddubs(h.abs_i8(q), h.sign_i8(xv, q)), const_vec(I16, 16, 1))
+def mxfp4_values(h, wrow, wo, table=KVALUES_MXFP4):
+    """The block at byte wo's 32 table values as <32 x i8> (elements in order): the signed
+    E2M1 values doubled, or another 16-entry table indexed by the same codes."""
+    return h.lut16(nibbles32(h, h.load(wrow, h.b.add(wo, c64(1)), vec(I8, 16))), table)
 
 
 def _scale(h, wrow, xd, bi):
@@ -83,19 +73,19 @@ def _scale8(h, wrow, xd, bi):
     return b.fmul(h.splat(h.load(xd, b.mul(bi, c64(4)), F32T), 8), e8m0_half_splat(h, wrow, b.mul(bi, c64(BLOCK_BYTES)), 8))
 
 
-def _lanes_unsigned(h, wrow, xq, bi):
-    """_lanes' integers from the table values + 12 (0..24: vpmaddubsw takes them as they
-    are) less 12 * (x summed in pairs), which a several-rows loop computes once a block
+def _lanes(h, wrow, xq, bi):
+    """Block bi's <8 x i32> lane sums (lane L: products 4L..4L+3) as ggml's |q| . sign(x, q)
+    gives them, from the table values + 12 (0..24: vpmaddubsw takes them as they are) less
+    12 * (x summed in pairs), which a several-rows loop computes once a block
     (dot_q32.offset_pairs): no abs and sign a row."""
     b = h.b
-    wo = b.mul(bi, c64(BLOCK_BYTES))
-    q = h.lut16(nibbles32_avx2(h, h.load(wrow, b.add(wo, c64(1)), vec(I8, 16))), [v + 12 for v in KVALUES_MXFP4])
+    q = mxfp4_values(h, wrow, b.mul(bi, c64(BLOCK_BYTES)), [v + 12 for v in KVALUES_MXFP4])
     xv = h.load(xq, b.mul(bi, c64(32)), vec(I8, 32))
     # pairs <= 2 * 24 * 128; less the offset's pairs (<= 2 * 12 * 128): exact in i16
     return h.madd_i16(b.sub(h.maddubs(q, xv), offset_pairs(h, xv, 12)), const_vec(I16, 16, 1))
 
 
-def _rows_dot(context, builder, sig, args, nrows, lanes, step2=False):
+def _rows_dot(context, builder, sig, args, nrows, step2=False):
     """The dots of nrows rows (array_ptrs' rows r, r + step, ...; step2: r, r + 2 step)
     in ggml's order, each row with its own pair of accumulators; a float per row."""
     if step2:
@@ -110,7 +100,7 @@ def _rows_dot(context, builder, sig, args, nrows, lanes, step2=False):
         for r, wrow in enumerate(wrows):
             for k in (0, 1):   # block i into the first accumulator, block i + 1 into the second
                 bi = builder.add(i, c64(k))
-                s = lanes(h, wrow, xq, bi)
+                s = _lanes(h, wrow, xq, bi)
                 out.append(h.fma(_scale8(h, wrow, xd, bi), builder.sitofp(s, vec(F32T, 8)),
                                  accs[2 * r + k]))
         return out
@@ -126,7 +116,7 @@ def _rows_dot(context, builder, sig, args, nrows, lanes, step2=False):
     builder.position_at_end(tail)
     with_tail = []
     for wrow, total in zip(wrows, totals):
-        isum = lanes(h, wrow, xq, n_even)
+        isum = _lanes(h, wrow, xq, n_even)
         while isum.type.count > 1:   # exact: the order of integer adds does not matter
             isum = builder.add(h.half(isum, 0), h.half(isum, 1))
         isum = builder.extract_element(isum, ir.Constant(I32, 0))
@@ -147,22 +137,22 @@ def _rows_dot(context, builder, sig, args, nrows, lanes, step2=False):
 def row_mxfp4(typingctx, w, r, xq, xd, xs):
     """Row r of MXFP4 blocks w . Q8_0 activations (xq, xd; xs unused), in ggml's order."""
     def codegen(context, builder, sig, args):
-        return _rows_dot(context, builder, sig, args, 1, _lanes_unsigned)[0]
+        return _rows_dot(context, builder, sig, args, 1)[0]
     return types.float32(w, r, xq, xd, xs), codegen
 
 
 @intrinsic
 def rows_mxfp4(typingctx, w, r, xq, xd, xs, step):
-    """Rows r, r + step, ... (ROWS of them) as row_mxfp4 computes each (AVX2: _lanes_unsigned)."""
+    """Rows r, r + step, ... (ROWS of them) as row_mxfp4 computes each."""
     sig = types.UniTuple(types.float32, ROWS)(w, r, xq, xd, xs, step)
 
     def codegen(context, builder, sig, args):
         # two loops of two rows: four rows' eight accumulators and the constants spill
         step = args[5]
-        first = _rows_dot(context, builder, sig, args, 2, _lanes_unsigned, step2=True)
+        first = _rows_dot(context, builder, sig, args, 2, step2=True)
         args2 = list(args)
         args2[1] = builder.add(args[1], step)
-        second = _rows_dot(context, builder, sig, args2, 2, _lanes_unsigned, step2=True)
+        second = _rows_dot(context, builder, sig, args2, 2, step2=True)
         return context.make_tuple(builder, sig.return_type, [first[0], second[0], first[1], second[1]])
     return sig, codegen
 
@@ -170,7 +160,7 @@ def rows_mxfp4(typingctx, w, r, xq, xd, xs, step):
 def _deq_mxfp4(h, wrow, yrow, bi):
     b = h.b
     wo = b.mul(bi, c64(BLOCK_BYTES))
-    f = b.sitofp(_values(h, wrow, wo), vec(F32T, 32))
+    f = b.sitofp(mxfp4_values(h, wrow, wo), vec(F32T, 32))
     store(h, yrow, b.mul(bi, c64(128)), b.fmul(f, h.splat(e8m0_half(h, wrow, wo), 32)))
 
 

@@ -27,8 +27,14 @@ def _body_q8_0(h, wrow, xq, xd, xs, bi, acc):
 
 
 def nibbles32(h, q16):
-    """<16 x i8> packed nibbles -> <32 x i8>: low nibbles then high nibbles."""
+    """<16 x i8> packed nibbles -> <32 x i8>: low nibbles then high nibbles. With AVX2 from
+    one 16-byte broadcast, a per-half dword shift (vpsrlvd) and one mask: 3 instructions,
+    not 5 (AVX2 has no byte shift; the shuffle port was MXFP4's decode bottleneck)."""
     b = h.b
+    if h.avx2:
+        both = b.bitcast(b.shuffle_vector(q16, q16, mask(list(range(16)) * 2)), vec(I32, 8))
+        return b.and_(b.bitcast(b.lshr(both, const_vec(I32, 8, [0] * 4 + [4] * 4)), vec(I8, 32)),
+                      const_vec(I8, 32, 15))
     lo = b.and_(q16, const_vec(I8, 16, 15))
     hi = b.lshr(q16, const_vec(I8, 16, 4))
     return b.shuffle_vector(lo, hi, mask(range(32)))
@@ -63,8 +69,7 @@ def q32_values(h, wrow, wo, qt):
     bs, has_min, has_qh, offset, table = Q32[qt]
     qo = 4 if has_min else 2
     qs = b.add(wo, c64(qo + (4 if has_qh else 0)))
-    raw = h.load(wrow, qs, vec(I8, 16))
-    q = nibbles32_avx2(h, raw) if h.avx2 else nibbles32(h, raw)
+    q = nibbles32(h, h.load(wrow, qs, vec(I8, 16)))
     if has_qh:
         q = b.or_(q, _qh_bits(h, h.load(wrow, b.add(wo, c64(qo)), I32), 16))
     if table:
@@ -139,25 +144,6 @@ def offset_pairs(h, xv, offset):
     return h.maddubs(const_vec(I8, 32, offset), xv)
 
 
-def nibbles32_avx2(h, raw):
-    """nibbles32 from one 16-byte broadcast, a per-half dword shift (vpsrlvd) and one
-    mask: 3 instructions, not 5 (AVX2 has no byte shift)."""
-    b = h.b
-    both = b.bitcast(b.shuffle_vector(raw, raw, mask(list(range(16)) * 2)), vec(I32, 8))
-    return b.and_(b.bitcast(b.lshr(both, const_vec(I32, 8, [0] * 4 + [4] * 4)), vec(I8, 32)), const_vec(I8, 32, 15))
-
-
-def _codes_avx2(h, wrow, wo, qt):
-    """q32_values' unsigned codes for a non-table type (nibbles32_avx2)."""
-    b = h.b
-    bs, has_min, has_qh, offset, table = Q32[qt]
-    qo = 4 if has_min else 2
-    q = nibbles32_avx2(h, h.load(wrow, b.add(wo, c64(qo + (4 if has_qh else 0))), vec(I8, 16)))
-    if has_qh:
-        q = b.or_(q, _qh_bits(h, h.load(wrow, b.add(wo, c64(qo)), I32), 16))
-    return q
-
-
 def _make_body_q32_rows(qt):
     """The AVX2 body of `_make_body_q32` for the several-rows loop (`rows_*`): the same lane
     integers (so the same bits) from the unsigned codes, maddubs(code, x) - offset * (x
@@ -172,7 +158,7 @@ def _make_body_q32_rows(qt):
         xv = h.load(xq, b.mul(bi, c64(32)), vec(I8, 32))
         # d * dx formed in all lanes (vpbroadcastw + vcvtph2ps, no false dependency): the same product
         d = b.fmul(h.load_f16_splat(wrow, wo, 8), h.splat(dx, 8))
-        p16 = h.maddubs(_codes_avx2(h, wrow, wo, qt), xv)   # pairs <= 2 * 31 * 128
+        p16 = h.maddubs(q32_values(h, wrow, wo, qt), xv)   # codes <= 31: pairs <= 2 * 31 * 128
         if offset:   # pairs - offset pairs: |difference| <= 2 * 31 * 128, exact in i16
             p16 = b.sub(p16, offset_pairs(h, xv, offset))
         s = h.madd_i16(p16, const_vec(I16, 16, 1))

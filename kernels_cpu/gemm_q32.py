@@ -33,8 +33,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import gemm_parallel
-from .dot_mxfp4 import KVALUES_MXFP4, e8m0_half
-from .dot_q32 import Q32, nibbles32, q32_values
+from .dot_mxfp4 import e8m0_half, mxfp4_values
+from .dot_q32 import q32_values
 from .gemm_kquant import GROUP_ROWS, TOKENS, _bcast, _store, _store_d, _transpose8
 from .ir_helpers import F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, row_ptrs, target_features, vec
 from .quant_kernels import IQ4_NL, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
@@ -66,7 +66,7 @@ def _values(h, row, wo, qt):
     if qt == Q8_0:
         return h.load(row, h.b.add(wo, c64(2)), vec(I8, 32))
     if qt == MXFP4:
-        return h.lut16(nibbles32(h, h.load(row, h.b.add(wo, c64(1)), vec(I8, 16))), KVALUES_MXFP4)
+        return mxfp4_values(h, row, wo)
     return q32_values(h, row, wo, qt)   # IQ4_NL: its signed table values
 
 
