@@ -1,10 +1,10 @@
-"""Long prompts on Q4_K and Q6_K weights without VNNI: 8 rows in lanes, each token's bytes broadcast.
+"""Prompts on the 256-element types (Q2_K-Q6_K, IQ4_XS) without VNNI: 8 rows in lanes, each token's bytes broadcast.
 
 Why: on AVX2-only CPUs a long prompt's K-quant products were dequantized to float32 tiles
 for BLAS, which runs at the float FMA peak (~75 GFLOP/s a Zen 3 core). `vpmaddubsw` does
 32 u8 x s8 products an instruction, twice the float rate, if the work around it is small:
-- For each group of 8 rows and 256-element block, the rows are staged once into a ~2.8 KB
-  scratch (`_stage_q4_k`, `_stage_q6_k`): codes as unsigned bytes laid out [sub-block j]
+- For each group of 8 rows and 256-element block, the rows are staged once into a ~3-4 KB
+  scratch (`_stage_q4_k`, `_stage_q6_k`, ...): codes as unsigned bytes laid out [sub-block j]
   [step k][row r][4 bytes], so one 32-byte load holds elements 4k..4k+3 of sub-block j for
   all 8 rows, one row a 32-bit lane; the scales as i16 pairs a row, d (and dmin) as floats.
   Staging is paid once per block for every token of the tile.
@@ -14,6 +14,9 @@ for BLAS, which runs at the float FMA peak (~75 GFLOP/s a Zen 3 core). `vpmaddub
   fit (Q4_K: 8 of them, at most 8 * 2 * 15 * 128 = 30720; Q6_K: 2, at most 2 * 2 * 63 * 128),
   then one vpmaddwd applies each row's scale. Q4_K's min term and Q6_K's -32 offset are
   vpmaddwd against the token's packed per-32 / per-16 sums (`pack_activations`).
+- The other per-16 types follow Q6_K: Q3_K's codes are value + 4 (offset 4), Q2_K's min
+  term is Q4_K's with per-16 mins. IQ4_XS's table values are signed, so it stages |v| and
+  v and multiplies |v| by sign(x, v), one vpmaddwd (with the sub-block's scale) each.
 - Q4_K: per block and token, the decode kernel's float work: acc += (d dx) I and accm +=
   (dmin (-dx)) M with the same exact integers I and M (dot_q4k_x8's llama.cpp-repacked-gemv
   order), so a long prompt's products have the decoded token's bits. Q6_K: one fma per
@@ -22,7 +25,8 @@ The activations are the Q8_K rows the decode path quantizes (quantize_rows_q8_k)
 block-major so each block's tokens stream sequentially.
 
 Measured on Zen 3 (AVX2), 512 tokens, 2 threads, against dequantize + BLAS in alternating
-runs: Q4_K 14336 x 4096 206-211 vs 81-96 GFLOP/s, 4096 x 14336 199 vs 106.
+runs: Q4_K 14336 x 4096 206-211 vs 81-96 GFLOP/s, 4096 x 14336 199 vs 106. Q2_K, Q3_K and
+IQ4_XS 8192 x 2048: 111-139 against 231-260 ms.
 """
 from __future__ import annotations
 
@@ -36,23 +40,28 @@ from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
 from . import gemm_parallel
-from .dot_kquant import k_nibbles, q4k_block_bytes, q4k_qs32, q4k_scales_heads
+from .dot_kquant import _q3k_scales, _q23k_codes, k_nibbles, q4k_block_bytes, q4k_qs32, q4k_scales_heads
+from .dot_q32 import q32_values
 from .ir_helpers import (F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, row_ptrs,
                          target_features, vec)
-from .quant_kernels import Q4_K, Q4_K_X8, Q5_K, Q6_K
+from .quant_kernels import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q4_K_X8, Q5_K, Q6_K
 
-GEMM_TYPES = (Q4_K, Q4_K_X8, Q5_K, Q6_K)   # Q4_K_X8: repack.py's copy of a Q4_K matrix
+GEMM_TYPES = (Q4_K, Q4_K_X8, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS)   # Q4_K_X8: repack.py's copy of a Q4_K matrix
 GROUP_ROWS = 8           # rows a group: one per 32-bit lane
 TOKENS = gemm_parallel.TOKENS_PAD   # tokens a step of the token loop (4; packed segments pad to it)
-# scratch offsets (bytes): the codes, then Q4_K's scales, min pairs, d and dmin, or Q6_K's
-# 16 scales, scale pairs and d
+# scratch offsets (bytes): the codes, then Q4_K's scales, min pairs, d and dmin, or the
+# per-16 types' (Q6_K, Q3_K, Q2_K) 16 scales, pairs (Q6_K, Q3_K: of scales, for the code
+# offset; Q2_K: of mins), d and Q2_K's dmin; IQ4_XS: |values|, then the signed values,
+# then its 8 scales and d
 _CODES, _SCALES, _MINS, _D, _DMIN = 0, 2048, 2304, 2432, 2464
-_SCALES6, _PAIRS6, _D6 = 2048, 2560, 2816
-SCRATCH_BYTES = 2848
+_SCALES6, _PAIRS6, _D6, _DMIN6 = 2048, 2560, 2816, 2848
+_SIGNS_XS, _SCALES_XS, _D_XS = 2048, 4096, 4352
+SCRATCH_BYTES = 4384
 ACC_COLS = 2 * GROUP_ROWS   # per token: acc (8 floats), then accm (8 floats)
 TILE_TOKENS = 256           # tokens a staged block serves (a multiple of TOKENS)
 # _gemm_rows' branches: every type here (matmul_rows); the drivers' copies keep only theirs
-_HAS_Q4_K = _HAS_Q4_K_X8 = _HAS_Q5_K = _HAS_Q6_K = True
+_HAS_Q4_K = _HAS_Q4_K_X8 = _HAS_Q5_K = _HAS_Q6_K = _HAS_Q3_K = _HAS_Q2_K = _HAS_IQ4_XS = True
+_CODE_OFFSET = {Q6_K: 32, Q3_K: 4}   # value = code - offset (times the group's scale)
 _JIT = dict(cache=True, nogil=True)
 
 
@@ -103,11 +112,11 @@ def _pairs_i16(b, allb, first, second, signed):
     return (b.sext if signed else b.zext)(v, vec(I16, 16))
 
 
-def _store_codes(h, sbase, j, per_row):
+def _store_codes(h, sbase, j, per_row, at=_CODES):
     """Sub-block j's 32 codes of each row (<32 x i8> each) at their scratch places."""
     codes = _transpose8(h.b, [h.b.bitcast(v, vec(I32, 8)) for v in per_row])
     for k in range(8):
-        _store(h, sbase, _CODES + 256 * j + 32 * k, codes[k])
+        _store(h, sbase, at + 256 * j + 32 * k, codes[k])
 
 
 def _store_d(h, sbase, rows, off, at):
@@ -161,11 +170,60 @@ def _stage_q6_k(h, rows, bi, sbase):
                 per_row.append(b.or_(k_nibbles(h, ql, part // 2), b.shl(hi2, const_vec(I8, 32, 4))))
             _store_codes(h, sbase, 4 * half + part, per_row)
     allsc = _concat(b, [h.load(row, b.add(wo, c64(192)), vec(I8, 16)) for row in rows])
-    for g in range(16):
-        _store(h, sbase, _SCALES6 + 32 * g, _pairs_i16(b, allsc, g, g, True))
-    for i in range(8):
-        _store(h, sbase, _PAIRS6 + 32 * i, _pairs_i16(b, allsc, 2 * i, 2 * i + 1, True))
+    _store_scales16(h, sbase, allsc, allsc, True)
     _store_d(h, sbase, rows, b.add(wo, c64(208)), _D6)
+
+
+def _store_scales16(h, sbase, allsc, allpairs, signed):
+    """Per-16 types: 16 scales a row (<128 x i8>, row r at lanes 16r..) as i16 pairs, and
+    pairs (2i, 2i + 1) of `allpairs` (the scales again, or Q2_K's mins)."""
+    b = h.b
+    for g in range(16):
+        _store(h, sbase, _SCALES6 + 32 * g, _pairs_i16(b, allsc, g, g, signed))
+    for i in range(8):
+        _store(h, sbase, _PAIRS6 + 32 * i, _pairs_i16(b, allpairs, 2 * i, 2 * i + 1, signed))
+
+
+def _stage_q23_k(h, rows, bi, sbase, three):
+    """Q3_K codes value + 4 (0..7) and 16 signed scales; Q2_K codes 0..3, 16 scales and 16
+    mins (value = d * sc_g * q - dmin * m_g) and dmin. Sub-block 4hh + j holds elements
+    hh*128 + j*32 + (0..31) in order, as every other type's."""
+    b = h.b
+    wo = b.mul(bi, c64(110 if three else 84))
+    for hh in range(2):
+        for j in range(4):
+            _store_codes(h, sbase, 4 * hh + j, [_q23k_codes(h, row, wo, hh, j, three) for row in rows])
+    if three:
+        allsc = _concat(b, [b.trunc(_q3k_scales(h, row, wo), vec(I8, 16)) for row in rows])
+        _store_scales16(h, sbase, allsc, allsc, True)
+        _store_d(h, sbase, rows, b.add(wo, c64(108)), _D6)
+        return
+    raw = _concat(b, [h.load(row, wo, vec(I8, 16)) for row in rows])
+    _store_scales16(h, sbase, b.and_(raw, const_vec(I8, 128, 15)), b.lshr(raw, const_vec(I8, 128, 4)), False)
+    _store_d(h, sbase, rows, b.add(wo, c64(80)), _D6)
+    _store_d(h, sbase, rows, b.add(wo, c64(82)), _DMIN6)
+
+
+def _stage_iq4_xs(h, rows, bi, sbase):
+    """IQ4_XS: each sub-block's table values (signed) as |value| and value (vpmaddubsw
+    takes |w| against sign(x, w)), its 8 signed 6-bit scales (ls - 32) as i16 pairs, d."""
+    b = h.b
+    wo = b.mul(bi, c64(136))
+    for ib in range(8):   # sub-block ib: an IQ4_NL-style 16 bytes of nibbles at 8 + 16 ib
+        vals = [q32_values(h, row, b.add(wo, c64(6 + 16 * ib)), IQ4_NL) for row in rows]
+        _store_codes(h, sbase, ib, [h.abs_i8(v) for v in vals])
+        _store_codes(h, sbase, ib, vals, _SIGNS_XS)
+    heads = _concat(b, [h.load(row, wo, vec(I8, 8)) for row in rows])   # d, scales_h, scales_l
+    lane = [(r, ib % 8) for r in range(8) for ib in range(16)]          # 8 scales, repeated
+    lo = b.lshr(b.shuffle_vector(heads, heads, mask([8 * r + 4 + ib // 2 for r, ib in lane])),
+                const_vec(I8, 128, [4 * (ib % 2) for _, ib in lane]))
+    hi = b.lshr(b.shuffle_vector(heads, heads, mask([8 * r + 2 + ib // 4 for r, ib in lane])),
+                const_vec(I8, 128, [2 * (ib % 4) for _, ib in lane]))
+    sc = b.sub(b.or_(b.and_(lo, const_vec(I8, 128, 15)), b.shl(b.and_(hi, const_vec(I8, 128, 3)), const_vec(I8, 128, 4))),
+               const_vec(I8, 128, 32))
+    for j in range(8):
+        _store(h, sbase, _SCALES_XS + 32 * j, _pairs_i16(b, sc, j, j, True))
+    _store_d(h, sbase, rows, wo, _D_XS)
 
 
 def _make_stage(qt):
@@ -176,6 +234,10 @@ def _make_stage(qt):
         h, sbase = IRHelpers(builder, target_features(context)), builder.bitcast(s.data, I8.as_pointer())
         if qt == Q6_K:
             _stage_q6_k(h, rows, args[2], sbase)
+        elif qt in (Q3_K, Q2_K):
+            _stage_q23_k(h, rows, args[2], sbase, qt == Q3_K)
+        elif qt == IQ4_XS:
+            _stage_iq4_xs(h, rows, args[2], sbase)
         else:
             _stage_q4_k(h, rows, args[2], sbase, qt == Q4_K_X8, qt == Q5_K)
         return context.get_dummy_value()
@@ -210,9 +272,10 @@ def _q4_k_quad(h, sbase, xs, bs, q5=False):
     return isum, msum
 
 
-def _q6_k_quad(h, sbase, xs, bs):
-    """One block of 4 tokens against staged Q6_K rows: [I] <8 x i32> a token, the exact
-    sum_g scale_g * ((q - 32) . x)_g (two vpmaddubsw add in i16: <= 2 * 2*63*128)."""
+def _per16_quad(h, sbase, xs, bs, qt):
+    """One block of 4 tokens against staged per-16 rows: ([I], [M]) <8 x i32> a token.
+    Q6_K, Q3_K: I = the exact sum_g scale_g * ((q - offset) . x)_g (two vpmaddubsw add in
+    i16: <= 2 * 2*63*128), M None; Q2_K: I = sum_g scale_g (q . x)_g, M = sum_g min_g sum_g(x)."""
     b = h.b
     isum = [ir.Constant(vec(I32, 8), [0] * 8)] * TOKENS
     for j in range(8):
@@ -225,10 +288,33 @@ def _q6_k_quad(h, sbase, xs, bs):
                     s16[ti] = p if s16[ti] is None else b.add(s16[ti], p)
             sc = h.load(sbase, c64(_SCALES6 + 32 * (2 * j + kp // 2)), vec(I16, 16))
             isum = [b.add(isum[ti], h.madd_i16(s16[ti], sc)) for ti in range(TOKENS)]
-    for i in range(8):    # minus 32 * sum_g scale_g * (the token's sum over group g)
+    if qt == Q2_K:   # the min pairs against the token's per-16 sums
+        msum = [ir.Constant(vec(I32, 8), [0] * 8)] * TOKENS
+        for i in range(8):
+            mp = h.load(sbase, c64(_PAIRS6 + 32 * i), vec(I16, 16))
+            msum = [b.add(msum[ti], h.madd_i16(mp, _bcast(h, bs[ti], 16 + 4 * i, I16))) for ti in range(TOKENS)]
+        return isum, msum
+    shift = const_vec(I32, 8, _CODE_OFFSET[qt].bit_length() - 1)
+    for i in range(8):    # minus offset * sum_g scale_g * (the token's sum over group g)
         sp = h.load(sbase, c64(_PAIRS6 + 32 * i), vec(I16, 16))
-        isum = [b.sub(isum[ti], b.shl(h.madd_i16(sp, _bcast(h, bs[ti], 16 + 4 * i, I16)), const_vec(I32, 8, 5)))
+        isum = [b.sub(isum[ti], b.shl(h.madd_i16(sp, _bcast(h, bs[ti], 16 + 4 * i, I16)), shift))
                 for ti in range(TOKENS)]
+    return isum, None
+
+
+def _iq4_xs_quad(h, sbase, xs):
+    """One block of 4 tokens against staged IQ4_XS rows: [I] <8 x i32> a token, sum_j
+    scale_j (v . x)_j with |v| . sign(x, v) (one vpmaddubsw a vpmaddwd: <= 2 * 127 * 127)."""
+    b = h.b
+    isum = [ir.Constant(vec(I32, 8), [0] * 8)] * TOKENS
+    for j in range(8):
+        sc = h.load(sbase, c64(_SCALES_XS + 32 * j), vec(I16, 16))
+        for k in range(8):
+            wv = h.load(sbase, c64(_CODES + 256 * j + 32 * k), vec(I8, 32))
+            sw = h.load(sbase, c64(_SIGNS_XS + 256 * j + 32 * k), vec(I8, 32))
+            for ti in range(TOKENS):
+                p = h.maddubs(wv, h.sign_i8(_bcast(h, xs[ti], 32 * j + 4 * k, I8), sw))
+                isum[ti] = b.add(isum[ti], h.madd_i16(p, sc))
     return isum
 
 
@@ -259,14 +345,18 @@ def _make_tokens(qt):
             return lambda t: b.gep(base, [b.mul(t, stride)])
         xrow, drow, brow = (rows_of(a, True) for a in (xq, xd, xb))
         arow = rows_of(acc, False)
-        d = h.load(sbase, c64(_D6 if qt == Q6_K else _D), vec(F32T, 8))
-        dmin = h.load(sbase, c64(_DMIN), vec(F32T, 8)) if qt != Q6_K else None
+        per16 = qt in (Q6_K, Q3_K, Q2_K)
+        d = h.load(sbase, c64(_D6 if per16 else _D_XS if qt == IQ4_XS else _D), vec(F32T, 8))
+        dmin = (h.load(sbase, c64(_DMIN6 if qt == Q2_K else _DMIN), vec(F32T, 8))
+                if qt in (Q4_K, Q4_K_X8, Q5_K, Q2_K) else None)
 
         def quad(i, _):
             ts = [b.add(b.add(t_lo, i), c64(ti)) for ti in range(TOKENS)]
             xs, bs = [xrow(t) for t in ts], [brow(t) for t in ts]
-            if qt == Q6_K:
-                isum, msum = _q6_k_quad(h, sbase, xs, bs), None
+            if per16:
+                isum, msum = _per16_quad(h, sbase, xs, bs, qt)
+            elif qt == IQ4_XS:
+                isum, msum = _iq4_xs_quad(h, sbase, xs), None
             else:
                 isum, msum = _q4_k_quad(h, sbase, xs, bs, qt == Q5_K)
             for ti in range(TOKENS):
@@ -293,6 +383,9 @@ def _make_tokens(qt):
 _stage_q4k, _stage_q4k_x8, _tokens_q4k = _make_stage(Q4_K), _make_stage(Q4_K_X8), _make_tokens(Q4_K)
 _stage_q6k, _tokens_q6k = _make_stage(Q6_K), _make_tokens(Q6_K)
 _stage_q5k, _tokens_q5k = _make_stage(Q5_K), _make_tokens(Q5_K)
+_stage_q3k, _tokens_q3k = _make_stage(Q3_K), _make_tokens(Q3_K)
+_stage_q2k, _tokens_q2k = _make_stage(Q2_K), _make_tokens(Q2_K)
+_stage_iq4xs, _tokens_iq4xs = _make_stage(IQ4_XS), _make_tokens(IQ4_XS)
 
 
 @njit(**_JIT)
@@ -318,9 +411,18 @@ def _gemm_rows(w, qt, g0, g1, xq, xd, xb, tile, out):
                 elif _HAS_Q5_K and qt == Q5_K:
                     _stage_q5k(w, g, bi, s)
                     _tokens_q5k(s, xq, xd, xb, bi, t0, acc, t1)
-                elif _HAS_Q6_K:
+                elif _HAS_Q6_K and qt == Q6_K:
                     _stage_q6k(w, g, bi, s)
                     _tokens_q6k(s, xq, xd, xb, bi, t0, acc, t1)
+                elif _HAS_Q3_K and qt == Q3_K:
+                    _stage_q3k(w, g, bi, s)
+                    _tokens_q3k(s, xq, xd, xb, bi, t0, acc, t1)
+                elif _HAS_Q2_K and qt == Q2_K:
+                    _stage_q2k(w, g, bi, s)
+                    _tokens_q2k(s, xq, xd, xb, bi, t0, acc, t1)
+                elif _HAS_IQ4_XS:
+                    _stage_iq4xs(w, g, bi, s)
+                    _tokens_iq4xs(s, xq, xd, xb, bi, t0, acc, t1)
             for t in range(t0, min(t1, n_tok)):
                 for k in range(GROUP_ROWS):
                     out[t, GROUP_ROWS * g + k] = acc[t, k] + acc[t, GROUP_ROWS + k]
@@ -379,4 +481,5 @@ def matmul_rows(w_raw: np.ndarray, qt: int, g0: int, g1: int, packed, out: np.nd
 
 # the parallel region over 1 to 3 matrices, per type set: DRIVERS.run(ws, qts, packed, outs, n_threads)
 DRIVERS = gemm_parallel.Drivers(globals(), ("_gemm_rows",), {Q4_K: "Q4_K", Q4_K_X8: "Q4_K_X8", Q5_K: "Q5_K",
-                                                           Q6_K: "Q6_K"}, TILE_TOKENS, "kquant")
+                                                           Q6_K: "Q6_K", Q3_K: "Q3_K", Q2_K: "Q2_K",
+                                                           IQ4_XS: "IQ4_XS"}, TILE_TOKENS, "kquant")

@@ -24,7 +24,7 @@ from . import dispatch, f32_ggml, gemm_kquant, gemm_q32, tile_gemm
 
 # EDGEINFER_PLAIN_KERNELS=1 routes every type through the plain Numba kernels (debugging).
 _FAST = not os.environ.get("EDGEINFER_PLAIN_KERNELS")
-# EDGEINFER_NO_KQUANT_GEMM=1 sends long Q4_K / Q6_K prompts to dequantize + BLAS (A/B benchmarks).
+# EDGEINFER_NO_KQUANT_GEMM=1 sends long K-quant / IQ4_XS prompts to dequantize + BLAS (A/B benchmarks).
 _KQUANT_GEMM = _FAST and not os.environ.get("EDGEINFER_NO_KQUANT_GEMM")
 
 
@@ -376,7 +376,7 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
 # ----------------------------------------------------------------------------- prefill routing
 # Which kernel serves a matmul of n tokens (matmul_path), on an AVX2 CPU without VNNI:
 # - "rows": the decode row kernels, token by token on each row chunk (matvec's bits);
-# - "kquant": gemm_kquant (gemm_kquant.GEMM_TYPES: Q4_K, Q5_K, Q6_K): for Q4_K also matvec's bits;
+# - "kquant": gemm_kquant (gemm_kquant.GEMM_TYPES: Q2_K-Q6_K, IQ4_XS): for Q4_K also matvec's bits;
 # - "q32": gemm_q32 (gemm_q32.GEMM_TYPES: the 32-element block types and MXFP4);
 # - "blas": dequantized float tiles and BLAS; "tiles": the VNNI tiles (VNNI CPUs).
 # The crossovers were measured on Zen 3 with 2 threads (benchmarks/bench_kernels.py
@@ -384,14 +384,16 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
 # from a few tokens (_GEMM_MIN_TOKENS: Q5_0 2048 x 640 at 4 tokens 0.30 ms against 0.37
 # for rows, at 16 0.40 against 1.05; Q6_K 640 x 2048 at 16 0.38 against 0.66) and beats
 # BLAS on long prompts (512 tokens: Q5_0 9.7 against 12.6 ms, Q4_0 2048 x 2048 18 against
-# 37, MXFP4 2880 x 2880 42 against 90).
+# 37, MXFP4 2880 x 2880 42 against 90). Q2_K, Q3_K and IQ4_XS on 8192 x 2048 and 2048 x 8192:
+# about even at 4 tokens, the GEMM 1.2-3.3x faster at 8, 2.0-2.6x faster than BLAS at 512.
 # Speculative verification needs every row to be what decoding that token alone would
 # give: inside `decode_order()` the short batches keep to the paths with matvec's bits.
 # q32 and kquant from this many tokens (outside decode_order). Q8_0 keeps the row kernels
 # up to _INT8_MATMUL_MAX_TOKENS: they gain little there (16 tokens on 2048 x 2048: 1.9 ms
 # rows, 1.6 q32), and llama.cpp's own batches of Q8_0 have exactly the row kernels' bits.
 _GEMM_MIN_TOKENS = {qk.Q5_0: 4, qk.Q4_0: 8, qk.MXFP4: 8, qk.Q8_0: 65, qk.Q6_K: 16, qk.Q4_K: 16, qk.Q4_K_X8: 16, qk.Q5_K: 16,
-                    qk.Q4_1: 8, qk.Q5_1: 8, qk.IQ4_NL: 8}   # the last three: as Q4_0's, not measured apart
+                    qk.Q4_1: 8, qk.Q5_1: 8, qk.IQ4_NL: 8,   # these three: as Q4_0's, not measured apart
+                    qk.Q3_K: 8, qk.Q2_K: 8, qk.IQ4_XS: 8}
 _Q32_GEMM = _FAST and not os.environ.get("EDGEINFER_NO_Q32_GEMM")
 _ORDER = threading.local()
 
@@ -533,7 +535,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
     Up to _INT8_MATMUL_MAX_TOKENS tokens, fast-path types quantize each token to 8 bits and
     use the decode row kernels (each weight row read once for all tokens; llama.cpp's
     numerics). Longer prompts take 8-bit kernels where there are some: the VNNI tiles
-    (tile_gemm), or on AVX2 CPUs without VNNI gemm_kquant for Q4_K / Q6_K. Otherwise tiles
+    (tile_gemm), or on AVX2 CPUs without VNNI gemm_kquant for the K-quants and IQ4_XS. Otherwise tiles
     of rows are dequantized into a small float32 buffer and multiplied with BLAS (numpy's
     OpenBLAS).
     """

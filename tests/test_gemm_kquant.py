@@ -1,4 +1,4 @@
-"""gemm_kquant, the long-prompt Q4_K / Q6_K GEMM of AVX2 CPUs: Q4_K tokens get matvec's bits."""
+"""gemm_kquant, the prompt GEMM of the 256-element types on AVX2 CPUs: Q4_K tokens get matvec's bits."""
 from __future__ import annotations
 
 import importlib
@@ -49,20 +49,35 @@ def test_each_token_equals_matvec_bit_for_bit(n_tok):
     _within_rounding(got, w, T.Q4_K, X)
 
 
+@pytest.mark.parametrize("qt", [T.Q6_K, T.Q5_K, T.Q3_K, T.Q2_K, T.IQ4_XS])
 @pytest.mark.parametrize("n_tok", [3, 70, 300])
-def test_q6_k_matches_the_reference(n_tok):
-    rng = np.random.default_rng(10 + n_tok)
-    w = _readonly(random_blocks(T.Q6_K, 16, 1024, rng))
+def test_each_type_matches_the_reference(qt, n_tok):
+    rng = np.random.default_rng(10 * int(qt) + n_tok)
+    w = _readonly(random_blocks(qt, 16, 1024, rng))
     X = rng.standard_normal((n_tok, 1024)).astype(np.float32)
-    _within_rounding(_gemm(w, X, T.Q6_K), w, T.Q6_K, X)
+    _within_rounding(_gemm(w, X, qt), w, qt, X)
 
 
-@pytest.mark.parametrize("n_tok", [3, 70, 300])
-def test_q5_k_matches_the_reference(n_tok):
-    rng = np.random.default_rng(20 + n_tok)
-    w = _readonly(random_blocks(T.Q5_K, 16, 1024, rng))
-    X = rng.standard_normal((n_tok, 1024)).astype(np.float32)
-    _within_rounding(_gemm(w, X, T.Q5_K), w, T.Q5_K, X)
+# byte offset and f16 bytes of d (and dmin) in a block, for filling every other byte
+_D_BYTES = {T.Q3_K: (110, {108: 0x3C00}), T.Q2_K: (84, {80: 0x3C00, 82: 0x3800}), T.IQ4_XS: (136, {0: 0x3C00})}
+
+
+@pytest.mark.parametrize("qt", [T.Q3_K, T.Q2_K, T.IQ4_XS])
+@pytest.mark.parametrize("fill", [0x00, 0xFF])
+def test_extreme_codes_scales_and_activations(qt, fill):
+    # every byte but d 0x00 or 0xFF: Q3_K's codes -4 / 3 with scales -32 / 31, Q2_K's codes 0 / 3
+    # with scales and mins 0 / 15, IQ4_XS's value -127 (|v| . x = 2 * 127 * 127 a pair, the
+    # vpmaddubsw edge) / 113 with scales -32 / 31; activation bytes at -127 and 127
+    size, ds = _D_BYTES[qt]
+    w = np.full((8, 2 * size), fill, np.uint8)
+    for at, bits in ds.items():
+        for blk in range(2):
+            w[:, blk * size + at:blk * size + at + 2] = np.frombuffer(np.uint16(bits).tobytes(), np.uint8)
+    w = _readonly(w)
+    rng = np.random.default_rng(fill)
+    X = np.stack([np.full(512, -1.0, np.float32), np.full(512, 1.0, np.float32),
+                  rng.standard_normal(512).astype(np.float32)])
+    _within_rounding(_gemm(w, X, qt), w, qt, X)
 
 
 def test_q5_k_largest_codes_do_not_overflow():
@@ -174,3 +189,30 @@ def test_the_interleaved_copy_gives_the_same_bits():
     w = _readonly(random_blocks(T.Q4_K, 16, 768, rng))
     X = rng.standard_normal((9, 768)).astype(np.float32)
     np.testing.assert_array_equal(_gemm(repack.interleave_q4_k(w), X, 1012), _gemm(w, X))
+
+
+@pytest.mark.skipif(not gemm_kquant.host_has_avx2() or tile_gemm.has_vnni(),
+                    reason="gemm_kquant serves prompts on AVX2 CPUs without VNNI only; this one is not")
+def test_q3_k_q2_k_iq4_xs_prompts_route_to_it_outside_decode_order():
+    # a Q3_K_M-style Q/K/V (Q3_K, Q2_K, IQ4_XS mixed with Q4_K) from 8 tokens: one packing for
+    # all, each matrix's rows what the kernel alone gives; fewer tokens, or a speculative
+    # batch, the row kernels (matvec's bits)
+    rng = np.random.default_rng(6)
+    qts = [T.Q3_K, T.Q2_K, T.IQ4_XS]
+    ws = [_readonly(random_blocks(qt, 24, 512, rng)) for qt in qts]
+    for n_tok in (4, 8, 70):
+        X = rng.standard_normal((n_tok, 512)).astype(np.float32)
+        for qt in qts:
+            assert MATVEC._kquant_gemm_for(qt, 24, n_tok) == (n_tok >= 8)
+        many = K.matmul_many(ws, qts, X)
+        for w, qt, got in zip(ws, qts, many):
+            if n_tok >= 8:
+                np.testing.assert_array_equal(got, _gemm(w, X, qt))
+            else:
+                for t in range(n_tok):
+                    np.testing.assert_array_equal(got[t], K.matvec(w, qt, X[t]))
+        with K.decode_order():
+            exact = K.matmul_many(ws, qts, X[:8])
+        for w, qt, got in zip(ws, qts, exact):
+            for t in range(min(n_tok, 8)):
+                np.testing.assert_array_equal(got[t], K.matvec(w, qt, X[t]))
