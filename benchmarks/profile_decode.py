@@ -35,7 +35,7 @@ def _kind(names) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model")
+    ap.add_argument("model", help="model alias or .gguf path")
     ap.add_argument("-n", type=int, default=24, help="tokens to decode (timed)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--depth", type=int, default=0, help="tokens in the cache before")
@@ -52,7 +52,9 @@ def main(argv=None) -> None:
     from edgeinfer.engine import Engine, EngineOptions
     from edgeinfer.loader import open_model
 
-    mf = open_model(args.model)
+    from edgeinfer.store.registry import resolve
+
+    mf = open_model(str(resolve(args.model, download=False)))
     engine = Engine(mf, EngineOptions(n_ctx=args.depth + max(args.n, args.prompt) + 16, threads=args.threads,
                                       gpu_layers=0, prefill_chunk=max(512, args.prompt),
                                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v))

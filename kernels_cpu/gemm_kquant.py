@@ -435,9 +435,30 @@ def pack_activations(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray):
     padded to a multiple of TOKENS with zeros: xq (K/256, n_pad, 256), xd (K/256, n_pad),
     and xb (K/256, n_pad, 12) holding per block the per-32 sums (Q4_K's min terms), then
     the per-16 sums (Q6_K's offset), as i16 pairs (2i, 2i + 1) in one int32 each."""
-    nb = xq.shape[1] // 256
-    (pq, pd, pb), _ = pack_segments(xq, xd, xs, [xq.shape[0]])
-    return pq.reshape(nb, -1, 256), pd.reshape(nb, -1), pb.reshape(nb, -1, 12)
+    n, k = xq.shape
+    nb, n_pad = k // 256, -(-n // TOKENS) * TOKENS
+    pq = np.zeros((nb, n_pad, 256), np.int8)
+    pd = np.zeros((nb, n_pad), np.float32)
+    pb = np.zeros((nb, n_pad, 12), np.int32)
+    # compiled: pack_segments' numpy steps cost ~50 us a call, as much as a short prompt's
+    # product on a small matrix
+    _pack_one(np.ascontiguousarray(xq, np.int8), np.ascontiguousarray(xd, np.float32),
+              np.ascontiguousarray(xs, np.int32), pq, pd, pb.view(np.int16))
+    return pq, pd, pb
+
+
+@njit(**_JIT)
+def _pack_one(xq, xd, xs, pq, pd, pb16):
+    """pack_activations' layout for n tokens into zeroed outputs (pb16: xb as i16 pairs)."""
+    for t in range(xq.shape[0]):
+        for bi in range(pd.shape[0]):
+            pq[bi, t, :] = xq[t, 256 * bi:256 * bi + 256]
+            pd[bi, t] = xd[t, bi]
+            g = 16 * bi
+            for i in range(8):    # the per-32 sums, then the per-16 ones
+                pb16[bi, t, i] = xs[t, g + 2 * i] + xs[t, g + 2 * i + 1]
+            for i in range(16):
+                pb16[bi, t, 8 + i] = xs[t, g + i]
 
 
 def pack_segments(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, counts):

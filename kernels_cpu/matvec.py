@@ -33,11 +33,12 @@ def _fast(qt: int) -> bool:
 
 _PREFILL_TILE_ROWS = 64        # rows dequantized at once for the BLAS GEMM (measured: 32-64 best)
 _INT8_MATMUL_MAX_TOKENS = 64   # up to here the 8-bit row kernels beat dequantize + BLAS (measured)
-# From here Q4_K takes gemm_kquant even below _INT8_MATMUL_MAX_TOKENS (the same bits as the
-# row kernels). Measured on 14336 x 4096, 2 threads, Zen 3: 8 tokens 9.8 vs 8.0 ms (rows
-# better), 16: 15.8 vs 16.1 (even), 32: 17.5 vs 25.5, 64: 50 vs 93. Not from 16: a short
-# first prompt would compile gemm_kquant (~2 s on a cold start) for no gain.
-_Q4K_GEMM_MIN_TOKENS = 32
+# From here Q4_K takes gemm_kquant even in decode_order (the same bits as the row kernels).
+# Measured with 2 threads on Zen 3, rows against gemm_kquant: 14336 x 4096 at 8 tokens 7.4
+# against 7.4 ms, at 12 10.3 against 7.0; 4096 x 14336 at 12 9.5 against 6.3; 640 x 1024
+# (gemma3-270m's attn_output) at 12 0.175 against 0.163. The GEMM drivers compile at warm-up,
+# so a first short prompt compiles nothing.
+_Q4K_GEMM_MIN_TOKENS = 12
 
 
 def use_model_types(tensors, experts: bool = False) -> list:
@@ -382,7 +383,8 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
 # The crossovers were measured on Zen 3 with 2 threads (benchmarks/bench_kernels.py
 # --batch --paths): the GEMMs stage each 8-row block once for every token, which pays
 # from a few tokens (_GEMM_MIN_TOKENS: Q5_0 2048 x 640 at 4 tokens 0.30 ms against 0.37
-# for rows, at 16 0.40 against 1.05; Q6_K 640 x 2048 at 16 0.38 against 0.66) and beats
+# for rows, at 16 0.40 against 1.05; Q6_K 640 x 2048 at 8 0.32 against 0.32, at 12 0.36
+# against 0.45; 2048 x 8192 at 8 2.1 against 3.1) and beats
 # BLAS on long prompts (512 tokens: Q5_0 9.7 against 12.6 ms, Q4_0 2048 x 2048 18 against
 # 37, MXFP4 2880 x 2880 42 against 90). Q2_K, Q3_K and IQ4_XS on 8192 x 2048 and 2048 x 8192:
 # about even at 4 tokens, the GEMM 1.2-3.3x faster at 8, 2.0-2.6x faster than BLAS at 512.
@@ -391,7 +393,7 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
 # q32 and kquant from this many tokens (outside decode_order). Q8_0 keeps the row kernels
 # up to _INT8_MATMUL_MAX_TOKENS: they gain little there (16 tokens on 2048 x 2048: 1.9 ms
 # rows, 1.6 q32), and llama.cpp's own batches of Q8_0 have exactly the row kernels' bits.
-_GEMM_MIN_TOKENS = {qk.Q5_0: 4, qk.Q4_0: 8, qk.MXFP4: 8, qk.Q8_0: 65, qk.Q6_K: 16, qk.Q4_K: 16, qk.Q4_K_X8: 16, qk.Q5_K: 16,
+_GEMM_MIN_TOKENS = {qk.Q5_0: 4, qk.Q4_0: 8, qk.MXFP4: 8, qk.Q8_0: 65, qk.Q6_K: 12, qk.Q4_K: 12, qk.Q4_K_X8: 12, qk.Q5_K: 12,
                     qk.Q4_1: 8, qk.Q5_1: 8, qk.IQ4_NL: 8,   # these three: as Q4_0's, not measured apart
                     qk.Q3_K: 8, qk.Q2_K: 8, qk.IQ4_XS: 8}
 _Q32_GEMM = _FAST and not os.environ.get("EDGEINFER_NO_Q32_GEMM")

@@ -161,13 +161,14 @@ def test_long_prompts_take_it_through_matmul_and_matmul_many():
 @pytest.mark.skipif(not gemm_kquant.host_has_avx2() or tile_gemm.has_vnni(),
                     reason="gemm_kquant serves Q4_K batches on AVX2 CPUs without VNNI only; this one is not")
 def test_short_batches_route_by_size_and_keep_matvec_bits_in_decode_order():
-    # a short prompt takes gemm_kquant from 16 tokens; a speculative batch (decode_order)
-    # only where it keeps matvec's bits: Q4_K from 32 tokens, never Q6_K
+    # a short prompt takes gemm_kquant from 12 tokens; a speculative batch
+    # (decode_order) only where it keeps matvec's bits: Q4_K from 12 tokens, never Q6_K
     rng = np.random.default_rng(5)
     w = _readonly(random_blocks(T.Q4_K, 32, 512, rng))
     w6 = _readonly(random_blocks(T.Q6_K, 32, 512, rng))
-    for n_tok, q4k_prompt, q4k_exact, q6k_prompt in ((8, False, False, False), (17, True, False, True),
-                                                    (32, True, True, True), (40, True, True, True)):
+    for n_tok, q4k_prompt, q4k_exact, q6k_prompt in ((4, False, False, False), (8, False, False, False),
+                                                    (12, True, True, True), (17, True, True, True),
+                                                    (40, True, True, True)):
         assert MATVEC._kquant_gemm_for(T.Q4_K, 32, n_tok) == q4k_prompt
         assert MATVEC._kquant_gemm_for(T.Q6_K, 32, n_tok) == q6k_prompt
         with K.decode_order():
