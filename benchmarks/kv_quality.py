@@ -1,7 +1,7 @@
 """What a quantized K/V cache costs in quality: the mean KL divergence of the next-token
 distribution against an f16 cache, for each cache type, edgeinfer and llama.cpp side by side.
 
-    python benchmarks/kv_quality.py MODEL.gguf [-n 512] [--types q8_0 q4_0 q4_1 q5_0 q5_1]
+    python benchmarks/kv_quality.py MODEL.gguf [-n 512] [--types q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl]
 
 The text below (fixed, written for this script) is tokenized by the model (edgeinfer's
 tokenizer, BOS first) and cut to n tokens; each engine evaluates those tokens once with an
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("model", help=".gguf path")
     ap.add_argument("-n", "--n-tokens", type=int, default=512)
     ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--types", nargs="+", default=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+    ap.add_argument("--types", nargs="+", default=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"])
     args = ap.parse_args()
 
     from edgeinfer.loader import open_model

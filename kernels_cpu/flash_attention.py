@@ -38,23 +38,27 @@ from .flash_attention_ir import v_keys_q4_0, v_keys_q4_1, v_keys_q5_0, v_keys_q5
 from .expf_glibc import expf
 from .f16 import f16_round
 from .ggml_math import fma_f32, hsum8
-from .quant_kernels import f16
+from .quant_kernels import KVALUES_IQ4NL, f16
 from .threads import apply_threads
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
 
-TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = range(6)
-_BLOCK = np.array([0, 34, 18, 20, 22, 24], np.int64)
+TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL = range(7)
+_BLOCK = np.array([0, 34, 18, 20, 22, 24, 18], np.int64)
+_IQ4_NL_VALUES = np.asarray(KVALUES_IQ4NL, np.int32)
 CHUNK = 128   # keys a job scores before it weighs them and adds their V rows
 
 
 @njit(inline="always", **_JIT)
 def _code(row, o, t, e):
     """Element e (0..31) of the block at byte o of a K/V row: the signed value for q8_0 /
-    q4_0 / q5_0, the unsigned code for q4_1 / q5_1."""
+    q4_0 / q5_0 / iq4_nl, the unsigned code for q4_1 / q5_1."""
     if t == Q8_0:
         return np.int32(np.int8(row[o + 2 + e]))
+    if t == IQ4_NL:
+        byte = np.int32(row[o + 2 + (e & 15)])
+        return _IQ4_NL_VALUES[(byte & 15) if e < 16 else (byte >> 4)]
     qs = o + (4 if t == Q4_1 else (6 if t == Q5_0 else (8 if t == Q5_1 else 2)))
     byte = np.int32(row[qs + (e & 15)])
     c = (byte & 15) if e < 16 else (byte >> 4)
@@ -94,6 +98,36 @@ def _dot_quant(krow, qrow, tk, nb, acc):
     r = hsum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7])
     if has_min:
         r = np.float32(r + summs)
+    return r
+
+
+@njit(inline="always", **_JIT)
+def _dot_iq4_nl(krow, qx, qd, nb, acc):
+    """ggml_vec_dot_iq4_nl_q8_0 (Q as q8_0 values qx and float scales qd): even blocks into
+    acc[0:8], odd ones into acc[8:16], hsum_float_8 of the lane sums, then an odd last
+    block as sum + d * (its integer dot), not fused."""
+    for l in range(16):
+        acc[l] = np.float32(0.0)
+    paired = nb - nb % 2
+    for b in range(paired):
+        o = 18 * b
+        at = 8 * (b & 1)
+        d = np.float32(f16(krow[o], krow[o + 1]) * qd[b])
+        for l in range(8):
+            s = np.int32(0)
+            for i in range(4):
+                s += _code(krow, o, IQ4_NL, 4 * l + i) * np.int32(qx[32 * b + 4 * l + i])
+            acc[at + l] = fma_f32(d, np.float32(s), acc[at + l])
+    for l in range(8):
+        acc[l] = np.float32(acc[l] + acc[8 + l])
+    r = hsum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7])
+    if paired < nb:
+        b = nb - 1
+        o = 18 * b
+        s = np.int32(0)
+        for e in range(32):
+            s += _code(krow, o, IQ4_NL, e) * np.int32(qx[32 * b + e])
+        r = np.float32(r + np.float32(np.float32(f16(krow[o], krow[o + 1]) * qd[b]) * np.float32(s)))
     return r
 
 
@@ -228,6 +262,8 @@ def _make_rows(tk: int, tv: int):
                             s = row_q5_0(kb2, r, qxr, qdr, qsr)
                         elif TK == F16:
                             s = _dot_f16(kb2[r], q16row, hd, lanes)
+                        elif TK == IQ4_NL:
+                            s = _dot_iq4_nl(kb2[r], qxr, qdr, nb, lanes)
                         else:
                             s = _dot_quant(kb2[r], qrow, TK, nb, lanes)
                         s = np.float32(s * scale)
@@ -288,8 +324,14 @@ def _make_rows(tk: int, tv: int):
                                 v_keys_q4_1(vb2, rows, i, e, vsv, acc)
                             elif TV == Q5_0:
                                 v_keys_q5_0(vb2, rows, i, e, vsv, acc)
-                            else:
+                            elif TV == Q5_1:
                                 v_keys_q5_1(vb2, rows, i, e, vsv, acc)
+                            else:   # iq4_nl: to_float, then the same fma per value
+                                for kk in range(i, e):
+                                    _dequant_v(vb2[rows[kk]], TV, vbuf)
+                                    vs = vsv[kk]
+                                    for d in range(hdv):
+                                        acc[d] = fma_f32(vbuf[d], vs, acc[d])
                             i = e
                     Ms[hh] = M
                     Ss[hh] = S
@@ -334,11 +376,11 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
 
 
 def _q_fields(type_k: str, q: np.ndarray):
-    """Q in q8_0 as dot_q32's row dots read it (for q8_0 / q4_0 / q5_0 K): int8 values
+    """Q in q8_0 as dot_q32's row dots and _dot_iq4_nl read it (q8_0 / q4_0 / q5_0 / iq4_nl K): int8 values
     (n, n_head, hd), the fp16 scales as float32 (n, n_head, nb), and (unused by these
     types) int32 sums; placeholders for the other K types."""
     n, n_head = q.shape[:2]
-    if type_k not in ("q8_0", "q4_0", "q5_0"):
+    if type_k not in ("q8_0", "q4_0", "q5_0", "iq4_nl"):
         return (np.zeros((n, n_head, 1), np.int8), np.zeros((n, n_head, 1), np.float32),
                 np.zeros((n, n_head, 1), np.int32))
     qx, qd = kv_quant_jit.quantize_q8_0_split(q)

@@ -10,6 +10,9 @@ need F16 K and V of one type). Per query row and head, in ggml's order:
    s = vec_dot(K row, Q) — quantized: per 32-block 8 int32 lane sums of 4 products each,
    acc = fma(dK*dQ, lanes, acc) (an <8 x float> accumulator), then hsum_float_8; q4_1/q5_1
    add summs = sum of mK*sQ (float32, fused by the compiler) after the horizontal sum.
+   iq4_nl K (ggml_vec_dot_iq4_nl_q8_0): even blocks in one accumulator, odd ones in a
+   second, hsum_float_8 of their sum, then an odd last block's d * (its integer dot) added
+   unfused.
    F16 K: ggml_vec_dot_f16 (32 float32 slots, the fixed reduction into double).
    s = s*scale; with a softcap, scale was divided by it and s = softcap*tanhf(s).
 3. Online softmax with libm expf (not ggml_v_expf): a new maximum scales the accumulator
@@ -85,6 +88,17 @@ def kq_dots(type_k: str, k: np.ndarray, qq: np.ndarray) -> np.ndarray:
     lanes = np.einsum("skble,tkgble->tkgsbl", kv4, qv4).astype(np.float32)   # exact integers
     d = (kd.transpose(1, 0, 2)[None, :, None] * qd.reshape(n, n_kv, g, 1, nb)).astype(np.float32)
     acc = np.zeros((n, n_kv, g, n_keys, 8), np.float32)
+    if type_k == "iq4_nl":
+        acc2 = acc.copy()
+        paired = nb - nb % 2
+        for b in range(0, paired, 2):
+            acc = _fma(d[..., b, None], lanes[..., b, :], acc)
+            acc2 = _fma(d[..., b + 1, None], lanes[..., b + 1, :], acc2)
+        out = _hsum8((acc + acc2).astype(np.float32))
+        if paired < nb:    # the scalar tail: sumf += d * sumi, not fused
+            tail = lanes[..., nb - 1, :].sum(axis=-1, dtype=np.float64).astype(np.float32)
+            out = (out + (d[..., nb - 1] * tail).astype(np.float32)).astype(np.float32)
+        return out.reshape(n, n_head, n_keys)
     summs = np.zeros((n, n_kv, g, n_keys), np.float32)
     for b in range(nb):
         acc = _fma(d[..., b, None], lanes[..., b, :], acc)

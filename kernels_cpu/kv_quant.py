@@ -9,6 +9,8 @@ use ggml-quants.c's reference quantizers (`quantize_row_q4_0_ref`, ...: truncati
 x*id + 8.5 etc.). `quantize_q8_0_ref` (id = 1/d, roundf) is the file-writing reference that
 gguf.quants also implements; it is here to test against gguf, not used by the cache.
 V rows are read back with ggml-base's `to_float` (plain C, no fma: q*d + m rounds twice).
+iq4_nl's store is `quantize_row_iq4_nl_ref` (a non-uniform 16-value table; ggml-cpu's from_float
+calls it): d from the value of largest magnitude, then the weighted least-squares scale.
 """
 from __future__ import annotations
 
@@ -16,10 +18,15 @@ import numpy as np
 
 QK = 32
 # bytes of one 32-value block (q8_1 is only the Q side of q4_1 / q5_1 K dots)
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_1": 36}
-GGML_TYPE_ID = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q8_1": 9}
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_1": 36, "iq4_nl": 18}
+GGML_TYPE_ID = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q8_1": 9, "iq4_nl": 20}
 # the type K . Q runs in (ggml's vec_dot_type): Q is quantized to it before the dot
-VEC_DOT_TYPE = {"q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1", "f16": "f16"}
+VEC_DOT_TYPE = {"q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1", "f16": "f16",
+                "iq4_nl": "q8_0"}
+# iq4_nl's 16 values (kvalues_iq4nl)
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+_IQ4_NL_F32 = IQ4_NL_VALUES.astype(np.float32)
+_GROUP_MAX_EPS = np.float32(1e-15)
 
 
 def row_bytes(type_name: str, n: int) -> int:
@@ -154,8 +161,45 @@ def quantize_q5_1(x: np.ndarray) -> np.ndarray:
     return _pack([_f16_bytes(d), _f16_bytes(mn), _qh_bytes(c), _nibbles(c[..., :16], c[..., 16:])], b.shape[:-2])
 
 
+def _best_index_iq4_nl(al: np.ndarray) -> np.ndarray:
+    """ggml's best_index_int8 over the iq4_nl values: the nearest value's index, the upper
+    one on a tie (float32 differences, as the C compares them)."""
+    v = _IQ4_NL_F32
+    mu = np.clip(np.searchsorted(v, al, side="right"), 1, 15)     # v[mu - 1] <= al < v[mu]
+    lower = (al - v[mu - 1]).astype(np.float32) < (v[mu] - al).astype(np.float32)
+    idx = np.where(lower, mu - 1, mu)
+    return np.where(al <= v[0], 0, np.where(al >= v[15], 15, idx))
+
+
+def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_iq4_nl_ref (quantize_row_iq4_nl_impl with ntry -1: no scale search):
+    d0 = max / -127 for the value of largest magnitude, indices of al = x / d0, then
+    d = sum(w q x) / sum(w q q) with w = x^2, accumulated in element order in float32. An
+    all-zero block (amax < 1e-15) gets d = 0; its nibbles (left over from earlier blocks
+    in ggml) are 0 here: with d = 0 they add nothing."""
+    b = _blocks(x)
+    vmax = _amax_signed(b)
+    live = np.abs(vmax) >= _GROUP_MAX_EPS
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d0 = (vmax / np.float32(-127.0)).astype(np.float32)
+        inv = (np.float32(1.0) / np.where(live, d0, 1)).astype(np.float32)
+    idx = _best_index_iq4_nl((inv[..., None] * b).astype(np.float32))
+    q = _IQ4_NL_F32[idx]
+    w = (b * b).astype(np.float32)
+    sumqx = np.zeros(b.shape[:-1], np.float32)
+    sumq2 = np.zeros(b.shape[:-1], np.float32)
+    for j in range(QK):
+        wq = (w[..., j] * q[..., j]).astype(np.float32)
+        sumqx = (sumqx + (wq * b[..., j]).astype(np.float32)).astype(np.float32)
+        sumq2 = (sumq2 + (wq * q[..., j]).astype(np.float32)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = np.where(live & (sumq2 > 0), sumqx / np.where(sumq2 > 0, sumq2, 1), 0).astype(np.float32)
+    idx = np.where(live[..., None], idx, 0)
+    return _pack([_f16_bytes(d), _nibbles(idx[..., :16], idx[..., 16:])], b.shape[:-2])
+
+
 QUANTIZE = {"q8_0": quantize_q8_0, "q4_0": quantize_q4_0, "q4_1": quantize_q4_1, "q5_0": quantize_q5_0,
-            "q5_1": quantize_q5_1, "q8_1": quantize_q8_1}
+            "q5_1": quantize_q5_1, "q8_1": quantize_q8_1, "iq4_nl": quantize_iq4_nl}
 
 
 def quantize(type_name: str, x: np.ndarray) -> np.ndarray:
@@ -168,7 +212,7 @@ def quantize(type_name: str, x: np.ndarray) -> np.ndarray:
 def fields(type_name: str, raw: np.ndarray):
     """Raw rows (..., row_bytes) -> (values int32 (..., nb, 32), d f32 (..., nb), second f32
     (..., nb): m for q4_1/q5_1, s for q8_1, else None). Values are the signed q8 values, or
-    code - offset for q4_0/q5_0, or the unsigned codes of q4_1/q5_1."""
+    code - offset for q4_0/q5_0, the unsigned codes of q4_1/q5_1, or iq4_nl's table values."""
     bs = BLOCK_BYTES[type_name]
     raw = np.asarray(raw, np.uint8)
     blk = raw.reshape(raw.shape[:-1] + (raw.shape[-1] // bs, bs))
@@ -190,6 +234,8 @@ def fields(type_name: str, raw: np.ndarray):
     codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
     if qh is not None:
         codes = codes | (((qh[..., None] >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.int32) << 4)
+    if type_name == "iq4_nl":
+        return IQ4_NL_VALUES[codes].astype(np.int32), d, second
     offset = {"q4_0": 8, "q5_0": 16}.get(type_name, 0)
     return codes - offset, d, second
 

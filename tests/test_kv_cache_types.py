@@ -23,8 +23,9 @@ def test_parse_names_the_flag_and_the_allowed_types():
     assert parse("Q8_0", "--cache-type-k") == "q8_0"
     with pytest.raises(CacheTypeError, match=r"^--cache-type-v: unknown cache type 'q9' \(allowed: f16, q8_0"):
         parse("q9", "--cache-type-v")
-    with pytest.raises(CacheTypeError, match="iq4_nl is not supported yet"):
-        parse("iq4_nl", "--cache-type-k")
+    assert parse("IQ4_NL", "--cache-type-k") == "iq4_nl"
+    with pytest.raises(CacheTypeError, match=r"^--cache-type-k: bf16 is not supported \(allowed: .*iq4_nl\)$"):
+        parse("bf16", "--cache-type-k")
 
 
 def test_contiguous_cache_stores_rotated_quantized_rows():

@@ -17,7 +17,8 @@ def tiny(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("kvq") / "m.gguf", "llama", "Q8_0", seed=3)
 
 
-@pytest.mark.parametrize("tk,tv", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16"), ("f16", "q8_0")])
+@pytest.mark.parametrize("tk,tv", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16"), ("f16", "q8_0"),
+                                   ("iq4_nl", "iq4_nl")])
 def test_logits_and_greedy_tokens_equal_llama_cpp(tiny, tk, tv):
     llama_cpp = pytest.importorskip("llama_cpp")
     prompt = [1] + np.random.default_rng(0).integers(3, 200, 20).tolist()

@@ -40,10 +40,9 @@ kv_quant_jit = _Lazy("kv_quant_jit")   # the compiled fwht and q8_0/q4_0/q5_0 st
 # the types whose store kv_quant_jit compiles (the others: kv_quant's numpy)
 _COMPILED_STORE = {"q8_0": "quantize_q8_0", "q4_0": "quantize_q4_0", "q5_0": "quantize_q5_0"}
 
-# what llama.cpp allows that edgeinfer stores too (iq4_nl: its quantizer is not ported yet)
-ALLOWED = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-NOT_YET = {"iq4_nl": "iq4_nl is not supported yet", "f32": "f32 is not supported",
-           "bf16": "bf16 is not supported"}
+# what llama.cpp allows that edgeinfer stores too
+ALLOWED = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+NOT_YET = {"f32": "f32 is not supported", "bf16": "bf16 is not supported"}
 GGML_TYPE_ID = {name: int(GGMLQuantizationType[name.upper()]) for name in ALLOWED}
 
 

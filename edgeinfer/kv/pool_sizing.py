@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from edgeinfer.models.config import ModelConfig
 
 KV_BYTES_PER_VALUE = {"f16": 2.0, "f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
-                      "q5_0": 22 / 32, "q5_1": 24 / 32}
+                      "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
 F16_BYTES = 2  # the paged pools and VRAM blocks hold f16 K/V
 
 
