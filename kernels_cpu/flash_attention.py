@@ -34,7 +34,7 @@ from numba import njit, prange
 
 from . import kv_quant, kv_quant_jit
 from .dot_q32 import row_q4_0, row_q5_0, row_q8_0, rows_q4_0, rows_q5_0, rows_q8_0
-from .flash_attention_ir import v_keys_q4_0, v_keys_q4_1, v_keys_q5_0, v_keys_q5_1, v_keys_q8_0
+from .flash_attention_ir import v_keys_iq4_nl, v_keys_q4_0, v_keys_q4_1, v_keys_q5_0, v_keys_q5_1, v_keys_q8_0
 from .expf_glibc import expf
 from .f16 import f16_round
 from .ggml_math import fma_f32, hsum8
@@ -326,12 +326,8 @@ def _make_rows(tk: int, tv: int):
                                 v_keys_q5_0(vb2, rows, i, e, vsv, acc)
                             elif TV == Q5_1:
                                 v_keys_q5_1(vb2, rows, i, e, vsv, acc)
-                            else:   # iq4_nl: to_float, then the same fma per value
-                                for kk in range(i, e):
-                                    _dequant_v(vb2[rows[kk]], TV, vbuf)
-                                    vs = vsv[kk]
-                                    for d in range(hdv):
-                                        acc[d] = fma_f32(vbuf[d], vs, acc[d])
+                            else:
+                                v_keys_iq4_nl(vb2, rows, i, e, vsv, acc)
                             i = e
                     Ms[hh] = M
                     Ss[hh] = S

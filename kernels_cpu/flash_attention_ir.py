@@ -18,7 +18,7 @@ from numba.extending import intrinsic
 
 from .dot_q32 import Q32, q32_values
 from .ir_helpers import F32T, I8, I32, IRHelpers, c64, const_vec, counted_loop, target_features, vec
-from .quant_kernels import Q4_0, Q4_1, Q5_0, Q5_1
+from .quant_kernels import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1
 
 _Q8_0 = "q8_0"
 
@@ -30,10 +30,13 @@ def _v_block(h, vrow, bi, qt):
         vo = b.mul(bi, c64(34))
         f = b.sitofp(h.load(vrow, b.add(vo, c64(2)), vec(I8, 32)), vec(F32T, 32))
         return b.fmul(f, h.splat(h.load_f16(vrow, vo), 32))
-    bs, has_min, _, offset, _ = Q32[qt]
+    bs, has_min, _, offset, table = Q32[qt]
     vo = b.mul(bi, c64(bs))
-    q = b.zext(q32_values(h, vrow, vo, qt), vec(I32, 32))
-    f = b.sitofp(b.sub(q, const_vec(I32, 32, offset)), vec(F32T, 32))
+    if table:   # iq4_nl: the signed table values, d * value
+        f = b.sitofp(q32_values(h, vrow, vo, qt), vec(F32T, 32))
+    else:
+        q = b.zext(q32_values(h, vrow, vo, qt), vec(I32, 32))
+        f = b.sitofp(b.sub(q, const_vec(I32, 32, offset)), vec(F32T, 32))
     y = b.fmul(f, h.splat(h.load_f16(vrow, vo), 32))
     if has_min:   # q*d + m: two roundings, as the plain C to_float
         y = b.fadd(y, h.splat(h.load_f16(vrow, b.add(vo, c64(2))), 32))
@@ -95,4 +98,5 @@ v_keys_q4_0 = _make_v_keys(Q4_0)
 v_keys_q4_1 = _make_v_keys(Q4_1)
 v_keys_q5_0 = _make_v_keys(Q5_0)
 v_keys_q5_1 = _make_v_keys(Q5_1)
+v_keys_iq4_nl = _make_v_keys(IQ4_NL)
 
