@@ -180,9 +180,7 @@ def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
     b = _blocks(x)
     vmax = _amax_signed(b)
     live = np.abs(vmax) >= _GROUP_MAX_EPS
-    with np.errstate(divide="ignore", invalid="ignore"):
-        d0 = (vmax / np.float32(-127.0)).astype(np.float32)
-        inv = (np.float32(1.0) / np.where(live, d0, 1)).astype(np.float32)
+    inv = _inv(np.where(live, vmax / np.float32(-127.0), 0).astype(np.float32))
     idx = _best_index_iq4_nl((inv[..., None] * b).astype(np.float32))
     q = _IQ4_NL_F32[idx]
     w = (b * b).astype(np.float32)
