@@ -15,8 +15,8 @@ Hybrid models (qwen35: K/V for the attention layers, a recurrent state for the o
 edgeinfer.kv.recurrent): a sequence is reused only as far back as its state can be put
 back to. Each request keeps snapshots at its reuse point (the previous turn's end) and at
 its prompt's last-but-one token, so a resent history, a regenerate, an edit of the last
-message and `n > 1` choices prefill only what is new; cached K/V blocks without a matching
-state are never used (the block cache then starts from 0). They never shift the context
+message and `n > 1` choices prefill only what is new. Cached K/V blocks are used only as
+far as the state cache (edgeinfer.kv.state_cache) has the state after them. They never shift the context
 (a state cannot be re-roped): full windows end with finish_reason length, and asking for a
 shift is an error. Their K/V are not exported to saved sessions (the conversation is).
 

@@ -14,7 +14,7 @@ import edgeinfer
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.generate import collect
 from edgeinfer.kv.contiguous import KVCache
-from edgeinfer.kv.recurrent import RecurrentState
+from edgeinfer.kv.recurrent import RecurrentState, state_nbytes
 from edgeinfer.sampling import SamplingParams
 from edgeinfer.session_manager import SessionManager
 
@@ -62,11 +62,13 @@ def test_chat_turns_regenerate_and_edit_reuse_only_where_the_state_was_kept(mode
     # regenerate: the prompt's last-but-one token was kept
     again = _answer(mgr, b)
     assert again.tokens == second.tokens and again.usage.cached_tokens == len(b) - 1
-    # edit the last message: back to the turn's start (kept), not further
-    c = b[:len(a) + len(first.tokens) + 2] + [7, 8]
+    # edit the last message: back to the last point with a state at or before the edit: the
+    # block boundary (8) the second turn's prefill crossed, past the turn's start (23)
+    edit_at = len(a) + len(first.tokens) + 2
+    c = b[:edit_at] + [7, 8]
     edited = _answer(mgr, c)
     assert edited.tokens == cold_greedy(eng, tok, c, 4)
-    assert edited.usage.cached_tokens == len(a) + len(first.tokens) - 1
+    assert edited.usage.cached_tokens == edit_at // 8 * 8 > len(a) + len(first.tokens) - 1
     # a branch from the middle of the first prompt: no snapshot there, prefilled from 0
     d = a[:11] + [9, 10, 11]
     branch = _answer(mgr, d)
@@ -74,14 +76,53 @@ def test_chat_turns_regenerate_and_edit_reuse_only_where_the_state_was_kept(mode
     mgr.check_invariants()
 
 
-def test_cached_kv_blocks_without_a_state_are_never_used(model):
+def test_cached_kv_blocks_are_used_only_as_far_as_a_cached_state(model):
     mgr, eng = _mgr(model), model.engine
     a = random_ids(np.random.default_rng(2), 30, eng.config.n_vocab)
-    _answer(mgr, a)
+    _answer(mgr, a)  # one prefill pass over 30 tokens: a state after block 3 (24 tokens), none before
     seq = mgr.cache.new_sequence(N_CTX)
-    assert mgr.cache.reuse_prefix(seq, a) == 0 and seq.n_used == 0  # the blocks are cached, no state
+    assert mgr.cache.reuse_prefix(seq, a) == 24 and seq.recurrent.n_tokens == 24
+    mgr.cache.release(seq)
+    seq = mgr.cache.new_sequence(N_CTX)
+    assert mgr.cache.reuse_prefix(seq, a[:20]) == 0 and seq.n_used == 0  # blocks 0-1 cached, no state
     mgr.cache.release(seq)
     mgr.check_invariants()
+
+
+def test_conversations_take_turns_through_the_state_cache(model):
+    """Two chats with one system prompt, alternating (the resident sequence is always the
+    other one): each resumes from the block-boundary state of its own last turn, the second
+    from the shared prompt's, and every answer equals a cache-free run."""
+    mgr, eng, tok = _mgr(model), model.engine, model.tokenizer
+    mgr.cache.states.every_blocks = 2  # a state every 16 tokens (the default is every 256)
+    rng = np.random.default_rng(7)
+    system = random_ids(rng, 19, eng.config.n_vocab)
+    chats = {name: system + random_ids(rng, 6, eng.config.n_vocab) for name in "AB"}
+    first = {}
+    for name, ids in chats.items():
+        first[name] = got = _answer(mgr, ids)
+        assert got.tokens == cold_greedy(eng, tok, ids, 4)
+    assert first["B"].usage.cached_tokens == 16  # the system prompt's blocks and A's state after them
+    for name in "AB":  # each chat resends its history plus a new message; the other one ran last
+        ids = chats[name] + first[name].tokens + random_ids(rng, 3, eng.config.n_vocab)
+        got = _answer(mgr, ids)
+        assert got.tokens == cold_greedy(eng, tok, ids, 4)
+        assert got.usage.cached_tokens == 24  # the block its own last turn completed while decoding
+    stats = mgr.cache.stats()["states"]
+    assert 0 < stats["snapshots"] <= stats["max_snapshots"]
+    assert stats["bytes"] == stats["snapshots"] * state_nbytes(eng.config)
+    mgr.check_invariants()
+
+
+def test_the_state_cache_is_bounded(model):
+    mgr, eng = _mgr(model), model.engine
+    states = mgr.cache.states
+    states.max_entries = 3
+    rng = np.random.default_rng(8)
+    for _ in range(6):  # six unrelated prompts of several blocks each
+        _answer(mgr, random_ids(rng, 40, eng.config.n_vocab), n=2)
+        assert len(states) <= 3
+    assert len(states) == 3 and states.nbytes == 3 * states.snapshot_bytes
 
 
 def test_n_choices_fork_the_state(model):

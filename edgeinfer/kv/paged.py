@@ -27,7 +27,9 @@ from edgeinfer.kv.block_pool import BlockPool
 from edgeinfer.kv.cache_types import CacheTypes, of_config
 from edgeinfer.kv.groups import DROP_ALIGN, DROPPED, LayerGroup, ceil_div, drop_quantum, layer_groups
 from edgeinfer.kv.pool_sizing import layer_block_bytes
+from edgeinfer.kv.recurrent import state_nbytes
 from edgeinfer.kv.sequence import SequenceKV
+from edgeinfer.kv.state_cache import StateCache
 
 if TYPE_CHECKING:
     from edgeinfer.models.config import ModelConfig
@@ -95,6 +97,8 @@ class PagedKVCache:
         self.k_flat = [a.reshape(-1, kv_heads, hd[i]) for i, a in enumerate(self.k)]
         self.v_flat = [a.reshape(-1, kv_heads, hd_v[i]) for i, a in enumerate(self.v)]
         self._live: set[SequenceKV] = set()
+        # hybrid models: the recurrent state after cached blocks (edgeinfer.kv.state_cache)
+        self.states = StateCache(state_nbytes(config)) if config.has_recurrent else None
 
     # The primary group's pool and positions (the only ones when there is one group).
     @property
@@ -120,6 +124,8 @@ class PagedKVCache:
     # -- sequences ------------------------------------------------------------------------------
     def new_sequence(self, n_ctx: int) -> SequenceKV:
         seq = SequenceKV(self, n_ctx)
+        if seq.recurrent is not None:
+            seq.recurrent.mark_blocks(self.block_size, self.states.every_blocks)  # states for self.states
         self._live.add(seq)
         return seq
 
@@ -149,14 +155,27 @@ class PagedKVCache:
         """Put the longest cached prefix of whole blocks of `token_ids` into an EMPTY `seq`;
         returns the tokens now cached (see edgeinfer.kv.prefix_cache)."""
         n = prefix_cache.reuse_prefix(self, seq, token_ids)
-        if seq.recurrent is not None and n != seq.recurrent.n_tokens:
-            seq.truncate(n)  # no state snapshot there: K/V alone are never reused
+        if seq.recurrent is not None and n:
+            # K/V alone are never reused: only as far as a state after those blocks is cached
+            j, snap = self.states.latest(seq.block_hashes)
+            if snap is not None:
+                seq.recurrent.restore(j * self.block_size, snap)
+            seq.truncate(j * self.block_size)
             n = seq.n_used
         return n
 
     def commit_full_blocks(self, seq: SequenceKV) -> int:
-        """Register `seq`'s newly full blocks in the prefix cache; returns how many."""
-        return prefix_cache.commit_full_blocks(self, seq)
+        """Register `seq`'s newly full blocks in the prefix cache (and, for a hybrid model,
+        the state a forward pass marked at their end); returns how many."""
+        before = len(seq.block_hashes)
+        added = prefix_cache.commit_full_blocks(self, seq)
+        if seq.recurrent is not None:
+            bs = self.block_size
+            for i in range(before, before + added):
+                snap = seq.recurrent.take_mark((i + 1) * bs)
+                if snap is not None:
+                    self.states.put(seq.block_hashes[i], snap)
+        return added
 
     @property
     def hits(self) -> int:
@@ -179,6 +198,8 @@ class PagedKVCache:
                  kv_bytes_used=sum(p["used"] * p["block_bytes"] for p in per),
                  kv_bytes_total=sum(p["total"] * p["block_bytes"] for p in per),
                  groups=per)
+        if self.states is not None:
+            s["states"] = self.states.stats()
         return s
 
     def check_invariants(self) -> None:

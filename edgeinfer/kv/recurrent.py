@@ -14,12 +14,17 @@ state at 0) and reports the point it reached, and the K/V are cut to the same po
 
 Snapshots are taken inside a forward pass, at token counts asked for beforehand
 (`keep_at`): the kernels copy the state after those tokens (kernels_cpu/delta_net.py,
-`snap_at`). Two kinds:
+`snap_at`). Three kinds:
 - rollback points (`keep_rollback`): every token of a speculative verify pass, so rejected
   drafts roll the state back; dropped as soon as the next forward pass starts past them.
 - kept points (`keep_at`): turn ends, for the prefix cache (a regenerate, an edit of the last
   message, a resent history), at most `max_kept` of them (the oldest go first), so the memory
   they take is bounded: max_kept x `nbytes`.
+- block marks (`mark_blocks`): in a paged sequence, the state at every `every` blocks and
+  at the last block boundary each forward pass crosses (the end of every prefill chunk, of
+  the prompt's full blocks, each block a decode completes). The prefix cache takes them
+  (`take_mark`) as it registers those blocks, so the state goes along its hash chain
+  (edgeinfer.kv.state_cache); marks nobody takes are dropped by the next pass.
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ class RecurrentState:
         self._want_rollback: set[int] = set()
         self._chunk: tuple[int, int] = (0, 0)  # (start, n) of the forward pass in progress
         self._taking: dict[int, tuple[dict, dict]] = {}
+        self.mark_block = 0  # block size of the paged sequence whose boundaries are marked (0: none)
+        self.mark_every = 0  # ... and every how many tokens (a multiple of it) within a pass
+        self.marks: dict[int, tuple[dict, dict]] = {}
+        self._want_marks: set[int] = set()
 
     # -- the forward pass ------------------------------------------------------------------------
     def begin(self, start: int, n: int) -> None:
@@ -68,11 +77,17 @@ class RecurrentState:
         self._chunk = (start, n)
         self._taking = {}
         self.n_tokens = start + n
+        bs, every = self.mark_block, self.mark_every
+        self.marks = {m: s for m, s in self.marks.items() if m > start - bs}
+        self._want_marks = set()
+        if bs and (start + n) // bs * bs > start:
+            self._want_marks = {(start + n) // bs * bs, *range((start // every + 1) * every, start + n + 1, every)}
 
     def snap_at(self) -> np.ndarray:
         """Token counts 1..n within the current pass after which the kernels copy the state."""
         start, n = self._chunk
         want = {m - start for m in self._want_kept | self._want_rollback if start < m <= start + n}
+        want |= {m - start for m in self._want_marks}
         return np.array(sorted(want), dtype=np.int64)
 
     def put_snapshots(self, layer: int, conv: np.ndarray, ssm: np.ndarray) -> None:
@@ -87,6 +102,8 @@ class RecurrentState:
                     self.rollback[m] = snap
                 if m in self._want_kept:
                     self._keep(m, snap)
+                if m in self._want_marks:
+                    self.marks[m] = snap
             self._taking = {}
 
     # -- what the sequence may be cut back to ------------------------------------------------------
@@ -103,6 +120,29 @@ class RecurrentState:
         if start == self.n_tokens:
             self.rollback[start] = self._copy()
         self._want_rollback |= set(range(start + 1, stop + 1))
+
+    def mark_blocks(self, block_size: int, every: int) -> None:
+        """Mark every `every` blocks and the last block boundary each forward pass crosses."""
+        self.mark_block, self.mark_every = block_size, block_size * max(1, every)
+
+    def take_mark(self, m: int) -> tuple[dict, dict] | None:
+        """The state after m tokens if a forward pass marked it (the snapshot stays shared)."""
+        return self.marks.pop(m, None)
+
+    def restore(self, m: int, snap: tuple[dict, dict]) -> None:
+        """Put the state to `snap`, the state after m tokens (a snapshot of the prefix cache);
+        it is kept as a point this sequence can be cut back to."""
+        convs, ssms = snap
+        for i in self.layers:
+            self.conv[i][...] = convs[i]
+            self.ssm[i][...] = ssms[i]
+        self.n_tokens = m
+        self.rollback.clear()
+        self.marks.clear()
+        self._want_rollback = set()
+        self._want_kept = {p for p in self._want_kept if p > m}
+        self.kept = OrderedDict((p, s) for p, s in self.kept.items() if p < m)
+        self._keep(m, snap)
 
     def points(self) -> list[int]:
         """Token counts this state can be put back to (0 always)."""
@@ -129,6 +169,7 @@ class RecurrentState:
         self.n_tokens = m
         self.kept = OrderedDict((p, s) for p, s in self.kept.items() if p <= m)
         self.rollback = {p: s for p, s in self.rollback.items() if p <= m}
+        self.marks = {p: s for p, s in self.marks.items() if p <= m}
         self._want_kept = {p for p in self._want_kept if p > m}
         self._want_rollback = set()
         return m
@@ -142,6 +183,7 @@ class RecurrentState:
         child.ssm = {i: a.copy() for i, a in self.ssm.items()}
         child.kept = OrderedDict(self.kept)
         child.rollback = dict(self.rollback)
+        child.marks = dict(self.marks)
         child._want_kept, child._want_rollback = set(self._want_kept), set(self._want_rollback)
         child._taking = {}
         return child
@@ -150,6 +192,7 @@ class RecurrentState:
         self.truncate(0)
         self.kept.clear()
         self.rollback.clear()
+        self.marks.clear()
         self._want_kept.clear()
 
     # -- saving ------------------------------------------------------------------------------------
@@ -170,6 +213,7 @@ class RecurrentState:
         self.n_tokens = n_tokens
         self.kept.clear()
         self.rollback.clear()
+        self.marks.clear()
 
     # -- accounting --------------------------------------------------------------------------------
     @property
@@ -179,7 +223,7 @@ class RecurrentState:
 
     @property
     def snapshot_bytes(self) -> int:
-        return (len(self.kept) + len(self.rollback)) * self.nbytes
+        return (len(self.kept) + len(self.rollback) + len(self.marks)) * self.nbytes
 
     # -- internals ---------------------------------------------------------------------------------
     def _copy(self) -> tuple[dict, dict]:
@@ -196,6 +240,13 @@ class RecurrentState:
 def state_of(kv) -> RecurrentState | None:
     """The sequence's recurrent state, or None for a model with K/V only."""
     return getattr(kv, "recurrent", None)
+
+
+def state_nbytes(config: "ModelConfig") -> int:
+    """Bytes of one sequence's recurrent state (and of each snapshot of it)."""
+    dn = config.delta_net
+    n = sum(1 for i in range(config.n_layer) if config.is_recurrent(i))
+    return 4 * n * (int(np.prod(dn.conv_state_shape)) + int(np.prod(dn.ssm_state_shape)))
 
 
 def new_state(config: "ModelConfig") -> RecurrentState | None:
