@@ -16,15 +16,16 @@ transposed (M[j, i] = S[i, j]):
 tokens: what a sequence keeps to be cut back to later (edgeinfer.kv.recurrent).
 
 Shapes: q, k (n, n_k, S); v (n, n_v, S); g, beta (n, n_v); state (n_v, S, S);
-conv window (d_conv - 1, C); conv input x (n, C); conv weight (C, d_conv).
+conv window (d_conv - 1, C); conv input x (n, C); conv weight, taps first (d_conv, C).
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
+from .delta_net_ir import ROWS, fma32, rows_step
 from .ggml_math import ggml_expf_any
 from .threads import get_threads, worker_pool
 
@@ -94,18 +95,19 @@ def sigmoid_reference(x) -> np.ndarray:
     return (one / (one + _expf(-_f32(x)))).astype(np.float32)
 
 
-def conv_silu_reference(window: np.ndarray, x: np.ndarray, w: np.ndarray, snap_at=(),
+def conv_silu_reference(window: np.ndarray, x: np.ndarray, w_t: np.ndarray, snap_at=(),
                         fma: bool = CONV_FMA) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ggml_ssm_conv then ggml_silu: out[t, c] = silu(sum_i inp[t + i, c] * w[c, i]) over
-    inp = window ++ x. Returns (out (n, C), the new window (d_conv - 1, C), the windows
-    after each token count in snap_at (len, d_conv - 1, C))."""
-    x, w = _f32(x), _f32(w)
-    n, K = x.shape[0], w.shape[1]
+    """ggml_ssm_conv then ggml_silu: out[t, c] = silu(sum_i inp[t + i, c] * w_t[i, c]) over
+    inp = window ++ x; w_t is the file's (C, d_conv) weight transposed (conv_weight_t).
+    Returns (out (n, C), the new window (d_conv - 1, C), the windows after each token count
+    in snap_at (len, d_conv - 1, C))."""
+    x, w_t = _f32(x), _f32(w_t)
+    n, K = x.shape[0], w_t.shape[0]
     inp = np.concatenate([_f32(window), x])
     acc = np.zeros_like(x)
     for i in range(K):
-        prod = inp[i:i + n] * w[:, i]
-        acc = _fma(inp[i:i + n], w[:, i], acc) if fma else (acc + prod).astype(np.float32)
+        prod = inp[i:i + n] * w_t[i]
+        acc = _fma(inp[i:i + n], w_t[i], acc) if fma else (acc + prod).astype(np.float32)
     with np.errstate(over="ignore"):
         out = (acc / (np.float32(1.0) + ggml_expf_any_np(-acc))).astype(np.float32)
     snaps = np.stack([inp[m:m + K - 1] for m in snap_at]) if len(snap_at) else np.zeros((0,) + window.shape,
@@ -228,30 +230,53 @@ def _delta_rule_kernel(q, k, v, g, beta, state, out, snap_at, snaps, h0, h1):
                 si += 1
 
 
-@njit(error_model="numpy", **_JIT)
-def _conv_silu_kernel(window, x, w, out, new_window, snap_at, snaps, fma, c0, c1):
-    n = x.shape[0]
-    K = w.shape[1]
-    W = K - 1
-    for c in range(c0, c1):
+@njit(parallel=True, **_JIT)
+def _delta_rule_rows_kernel(q, k, v, g, beta, state, out, snap_at, snaps, h0, h1):
+    """_delta_rule_kernel's bits for S a multiple of 32, ROWS rows at a time in vector IR
+    (kernels_cpu/delta_net_ir.py): a row stays in L1 across its four passes. Heads in one
+    Numba parallel region (a decode step's 16 heads take ~60 us: a Python thread hand-off
+    would cost more than the work)."""
+    n, n_k, S = q.shape
+    n_v = v.shape[1]
+    scale = np.float32(1.0) / np.float32(math.sqrt(np.float32(S)))
+    chunks = S // 32
+    qa, ka, va, oa, sa = q.ctypes.data, k.ctypes.data, v.ctypes.data, out.ctypes.data, state.ctypes.data
+    for h in prange(h0, h1):
+        kh = h % n_k
+        m0 = sa + h * S * S * 4
+        si = 0
         for t in range(n):
-            acc = np.float32(0.0)
-            for i in range(K):
-                r = t + i  # row of window ++ x
-                s = window[r, c] if r < W else x[r - W, c]
-                if fma:
-                    acc = _fma32(s, w[c, i], acc)
-                else:
-                    acc = np.float32(acc + np.float32(s * w[c, i]))
-            out[t, c] = np.float32(acc / np.float32(np.float32(1.0) + ggml_expf_any(-acc)))
-        for r in range(W):  # the last d_conv - 1 rows of window ++ x
-            rr = n + r
-            new_window[r, c] = window[rr, c] if rr < W else x[rr - W, c]
-        for si in range(snap_at.shape[0]):
-            m = snap_at[si]
-            for r in range(W):
-                rr = m + r
-                snaps[si, r, c] = window[rr, c] if rr < W else x[rr - W, c]
+            eg = np.float32(math.exp(g[t, h]))  # libm expf
+            kp = ka + (t * n_k + kh) * S * 4
+            qp = qa + (t * n_k + kh) * S * 4
+            row = (t * n_v + h) * S  # of v and out
+            for j in range(0, S, ROWS):
+                rows_step(m0 + j * S * 4, kp, qp, eg, va + (row + j) * 4, beta[t, h], scale, chunks,
+                          oa + (row + j) * 4)
+            if si < snap_at.shape[0] and snap_at[si] == t + 1:
+                snaps[si, h] = state[h]
+                si += 1
+
+
+@njit(error_model="numpy", **_JIT)
+def _conv_silu_kernel(inp, w_t, out, acc, c0, c1):
+    """out[t, c] for channels c0..c1 of inp = window ++ x: an fma per tap in tap order
+    (ggml_ssm_conv's `sumf += s * c`, contracted), then silu; channels innermost, one
+    pass over a row per tap (measured: 4x faster than the taps innermost)."""
+    K = w_t.shape[0]
+    one = np.float32(1.0)
+    for t in range(out.shape[0]):
+        for c in range(c0, c1):
+            acc[c] = np.float32(0.0)
+        for i in range(K):
+            src = inp[t + i]
+            wi = w_t[i]
+            for c in range(c0, c1):
+                acc[c] = fma32(src[c], wi[c], acc[c])
+        o = out[t]
+        for c in range(c0, c1):
+            a = acc[c]
+            o[c] = np.float32(a / np.float32(one + ggml_expf_any(-a)))
 
 
 @njit(**_JIT)
@@ -335,17 +360,24 @@ def _snap_array(snap_at) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(snap_at, dtype=np.int64).reshape(-1))
 
 
-def conv_silu(window, x, w, snap_at=()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def conv_silu(window, x, w_t, snap_at=()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """conv_silu_reference's bits; w_t (d_conv, C) from conv_weight_t (the family caches it)."""
     x = np.ascontiguousarray(x, np.float32)
     window = np.ascontiguousarray(window, np.float32)
-    w = np.ascontiguousarray(w, np.float32)
-    snap = _snap_array(snap_at)
+    w_t = np.ascontiguousarray(w_t, np.float32)
+    W = window.shape[0]
+    n, C = x.shape
+    inp = np.concatenate([window, x])
     out = np.empty_like(x)
-    new_window = np.empty_like(window)
-    snaps = np.empty((len(snap),) + window.shape, np.float32)
-    C = x.shape[1]
-    _run(_conv_silu_kernel, _pieces(C, x.size * w.shape[1]), window, x, w, out, new_window, snap, snaps, CONV_FMA)
-    return out, new_window, snaps
+    _run(_conv_silu_kernel, _pieces(C, x.size * (W + 1)), inp, w_t, out, np.empty(C, np.float32))
+    snaps = np.stack([inp[int(m):int(m) + W] for m in _snap_array(snap_at)]) if len(snap_at) else \
+        np.zeros((0, W, C), np.float32)
+    return out, inp[n:].copy(), snaps
+
+
+def conv_weight_t(w) -> np.ndarray:
+    """(C, d_conv) conv weights as the kernel reads them: (d_conv, C) float32, contiguous."""
+    return np.ascontiguousarray(np.asarray(w, np.float32).T)
 
 
 def delta_rule(q, k, v, g, beta, state, snap_at=()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -357,7 +389,10 @@ def delta_rule(q, k, v, g, beta, state, snap_at=()) -> tuple[np.ndarray, np.ndar
     n, n_v, S = v.shape
     out = np.empty((n, n_v, S), np.float32)
     snaps = np.empty((len(snap),) + state.shape, np.float32)
-    _run(_delta_rule_kernel, _pieces(n_v, n * n_v * S * S), q, k, v, g, beta, state, out, snap, snaps)
+    if S % 32 == 0:
+        _delta_rule_rows_kernel(q, k, v, g, beta, state, out, snap, snaps, 0, n_v)
+    else:
+        _run(_delta_rule_kernel, _pieces(n_v, n * n_v * S * S), q, k, v, g, beta, state, out, snap, snaps)
     return out, state, snaps
 
 
@@ -377,8 +412,8 @@ class ReferenceOps:
         return l2_norm_reference(x, eps)
 
     @staticmethod
-    def conv_silu(window, x, w, snap_at=()):
-        return conv_silu_reference(window, x, w, snap_at)
+    def conv_silu(window, x, w_t, snap_at=()):
+        return conv_silu_reference(window, x, w_t, snap_at)
 
     @staticmethod
     def delta_rule(q, k, v, g, beta, state, snap_at=()):

@@ -207,11 +207,13 @@ class Qwen35(Transformer):
         return be.linear(p + "ssm_out.weight", out.reshape(n, -1))
 
     def conv_weight(self, i: int) -> np.ndarray:
-        """ssm_conv1d of layer i as float32 (conv_dim, conv_kernel)."""
+        """ssm_conv1d of layer i as the conv kernels read it: float32 (conv_kernel, conv_dim)."""
         w = self._conv_w.get(i)
         if w is None:
             dn = self.config.delta_net
-            w = self._conv_w[i] = np.ascontiguousarray(
+            from edgeinfer.kernels_cpu.delta_net import conv_weight_t
+
+            w = self._conv_w[i] = conv_weight_t(
                 self.backend.vector(f"blk.{i}.ssm_conv1d.weight").reshape(dn.conv_dim, dn.conv_kernel))
         return w
 

@@ -22,7 +22,7 @@ def _inputs(rng, n, n_k=2, n_v=4, S=32):
     return q, k, v, g, beta, state
 
 
-@pytest.mark.parametrize("S", [32, 64, 48, 16])  # 48, 16: the dot product's tail in double
+@pytest.mark.parametrize("S", [32, 64, 128, 48, 16])  # 48, 16: the dot product's tail in double
 def test_delta_rule_kernel_equals_reference(S):
     rng = np.random.default_rng(S)
     q, k, v, g, beta, state = _inputs(rng, 9, S=S)
@@ -34,6 +34,26 @@ def test_delta_rule_kernel_equals_reference(S):
     np.testing.assert_array_equal(out, want_out)
     np.testing.assert_array_equal(s, want_state)
     np.testing.assert_array_equal(snaps, want_snaps)
+
+
+def test_vector_rows_equal_the_scalar_kernel():
+    """The row-at-a-time vector kernel (S a multiple of 32) and the scalar one give the same
+    bits, including states far from 1 and gates that decay nearly to 0."""
+    rng = np.random.default_rng(11)
+    q, k, v, g, beta, state = _inputs(rng, 5, n_k=2, n_v=4, S=128)
+    state *= np.float32(1e4)
+    g[2] = -30.0
+    args = [np.ascontiguousarray(a) for a in (q, k, v, g, beta)]
+    outs = []
+    for kernel in (dn._delta_rule_kernel, dn._delta_rule_rows_kernel):
+        s = state.copy()
+        out = np.empty((5, 4, 128), np.float32)
+        snap = np.array([3, 5], np.int64)
+        snaps = np.empty((2,) + s.shape, np.float32)
+        kernel(*args, s, out, snap, snaps, 0, 4)
+        outs.append((out, s, snaps))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_value_heads_tile_key_heads():
@@ -64,14 +84,16 @@ def test_a_chunk_equals_decode_steps_and_its_snapshots_equal_the_steps_states():
     np.testing.assert_array_equal(step_state, chunk_state)
 
 
-def test_conv_kernel_equals_reference_and_steps():
+@pytest.mark.parametrize("n", [6, 2])  # 2: fewer tokens than the window
+def test_conv_kernel_equals_reference_and_steps(n):
     rng = np.random.default_rng(2)
-    C, K, n = 96, 4, 6
+    C, K = 96, 4
     window = rng.standard_normal((K - 1, C)).astype(np.float32)
     x = rng.standard_normal((n, C)).astype(np.float32)
-    w = rng.standard_normal((C, K)).astype(np.float32)
-    want, want_window, want_snaps = dn.conv_silu_reference(window, x, w, [1, 3])
-    got, got_window, snaps = dn.conv_silu(window, x, w, [1, 3])
+    w = dn.conv_weight_t(rng.standard_normal((C, K)).astype(np.float32))
+    points = [1, min(3, n)]
+    want, want_window, want_snaps = dn.conv_silu_reference(window, x, w, points)
+    got, got_window, snaps = dn.conv_silu(window, x, w, points)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got_window, want_window)
     np.testing.assert_array_equal(snaps, want_snaps)
@@ -79,8 +101,8 @@ def test_conv_kernel_equals_reference_and_steps():
     for t in range(n):
         o, win, _ = dn.conv_silu(win, x[t:t + 1], w)
         np.testing.assert_array_equal(o[0], got[t])
-        if t + 1 == 3:
-            np.testing.assert_array_equal(win, snaps[1])
+        if t + 1 in points:
+            np.testing.assert_array_equal(win, snaps[points.index(t + 1)])
     np.testing.assert_array_equal(win, got_window)
 
 

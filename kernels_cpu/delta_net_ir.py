@@ -1,0 +1,149 @@
+"""One state row of the gated delta rule in LLVM IR, vectorized with ggml's bits.
+
+The recurrence (kernels_cpu/delta_net.py) touches row j of a head's transposed state M only
+through row j itself, k, q, v[j] and the step's scalars. So the four whole-state passes
+llama.cpp makes per token (decay, k dots, the rank-1 update, q dots) can run row by row,
+two passes over 32-float chunks of a row that stays in L1:
+
+    pass 1: x = M[j, c] * exp(g)    acc_k = fma(x, k[c], acc_k)
+            delta = (v[j] - reduce(acc_k)) * beta
+    pass 2: x = fma(k[c], delta, M[j, c] * exp(g))  (stored)    acc_q = fma(x, q[c], acc_q)
+            returns reduce(acc_q)
+
+Pass 2 multiplies by exp(g) again rather than pass 1 storing the product: the same bits,
+one store of the row instead of two (stores bound this loop).
+
+Every element gets the same operations in the same order as ggml_vec_scale_f32,
+ggml_vec_mad_f32 and ggml_vec_dot_f32 (AVX2: 4 x 8 lanes of fma over 32-float steps,
+GGML_F32x8_REDUCE) give it, so the result is bit-identical to the scalar kernel and the
+numpy reference. Rows whose length is not a multiple of 32 stay on the scalar kernel
+(ggml adds that tail in double).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .ir_helpers import F32T, I32, I64, vec
+
+_V8 = vec(F32T, 8)
+
+
+def _fma(b, x, y, acc):
+    name = "llvm.fma.v8f32"
+    fn = b.module.globals.get(name) or ir.Function(b.module, ir.FunctionType(_V8, [_V8] * 3), name)
+    return b.call(fn, [x, y, acc])
+
+
+def _splat(b, s):
+    v = b.insert_element(ir.Constant(_V8, ir.Undefined), s, ir.Constant(I32, 0))
+    return b.shuffle_vector(v, ir.Constant(_V8, ir.Undefined), ir.Constant(vec(I32, 8), [0] * 8))
+
+
+def _lane_vec(b, base, c, q):
+    """Pointer to floats c*32 + 8q .. +8 of base (float*) as <8 x float>*."""
+    off = b.add(b.mul(c, ir.Constant(I64, 32)), ir.Constant(I64, 8 * q))
+    return b.bitcast(b.gep(base, [off]), _V8.as_pointer())
+
+
+def _reduce(b, accs):
+    """GGML_F32x8_REDUCE: (x0 + x2) + (x1 + x3), halves added, then two horizontal adds."""
+    x = b.fadd(b.fadd(accs[0], accs[2]), b.fadd(accs[1], accs[3]))
+
+    def pick(v, idx):
+        return b.shuffle_vector(v, v, ir.Constant(vec(I32, len(idx)), list(idx)))
+
+    t = b.fadd(pick(x, range(4)), pick(x, range(4, 8)))
+    t01 = b.fadd(b.extract_element(t, ir.Constant(I32, 0)), b.extract_element(t, ir.Constant(I32, 1)))
+    t23 = b.fadd(b.extract_element(t, ir.Constant(I32, 2)), b.extract_element(t, ir.Constant(I32, 3)))
+    return b.fadd(t01, t23)
+
+
+def _chunks(b, n, inits, body, name):
+    """for c in range(n): accs = body(c, accs) (n >= 1: callers pass whole rows)."""
+    entry = b.block
+    loop = b.append_basic_block(f"{name}.loop")
+    done = b.append_basic_block(f"{name}.done")
+    b.branch(loop)
+    b.position_at_end(loop)
+    c = b.phi(I64)
+    c.add_incoming(ir.Constant(I64, 0), entry)
+    accs = [b.phi(v.type) for v in inits]
+    for a, v in zip(accs, inits):
+        a.add_incoming(v, entry)
+    new = body(c, accs)
+    nxt = b.add(c, ir.Constant(I64, 1))
+    end = b.block
+    c.add_incoming(nxt, end)
+    for a, v in zip(accs, new):
+        a.add_incoming(v, end)
+    b.cbranch(b.icmp_signed("<", nxt, n), loop, done)
+    b.position_at_end(done)
+    return new
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """a * b + c in float32, rounded once (llvm.fma.f32; loops over it vectorize)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, sig, args):
+        f = builder.module.declare_intrinsic("llvm.fma", [F32T], ir.FunctionType(F32T, [F32T] * 3))
+        return builder.call(f, args)
+    return sig, codegen
+
+
+ROWS = 2  # rows a call: their independent chains overlap (one row alone waits on its reductions)
+
+
+@intrinsic
+def rows_step(typingctx, m_addr, k_addr, q_addr, eg, v_addr, beta, scale, n_chunks, out_addr):
+    """Pass 1 and 2 above on ROWS consecutive rows from m_addr (each n_chunks x 32 float32,
+    updated in place) with k and q at k_addr, q_addr and the rows' v values at v_addr;
+    writes each row's q dot times `scale` to out_addr."""
+    sig = types.void(types.int64, types.int64, types.int64, types.float32, types.int64, types.float32,
+                     types.float32, types.int64, types.int64)
+
+    def codegen(context, b, sig, args):
+        m_a, k_a, q_a, egv, v_a, betav, scalev, n, o_a = args
+        fp = F32T.as_pointer()
+        m0, k, q, v, out = (b.inttoptr(a, fp) for a in (m_a, k_a, q_a, v_a, o_a))
+        row_len = b.mul(n, ir.Constant(I64, 32))
+        rows = [b.gep(m0, [b.mul(row_len, ir.Constant(I64, r))]) for r in range(ROWS)]
+        zero = ir.Constant(_V8, [0.0] * 8)
+        eg8 = _splat(b, egv)
+
+        def decay_and_k(c, accs):
+            out = list(accs)
+            for lane in range(4):
+                kc = b.load(_lane_vec(b, k, c, lane), align=4)
+                for r, m in enumerate(rows):
+                    x = b.fmul(b.load(_lane_vec(b, m, c, lane), align=4), eg8)  # stored by pass 2
+                    out[4 * r + lane] = _fma(b, x, kc, accs[4 * r + lane])
+            return out
+
+        acc_k = _chunks(b, n, [zero] * (4 * ROWS), decay_and_k, "dn.k")
+        d8 = []
+        for r in range(ROWS):
+            vj = b.load(b.gep(v, [ir.Constant(I64, r)]), align=4)
+            d8.append(_splat(b, b.fmul(b.fsub(vj, _reduce(b, acc_k[4 * r:4 * r + 4])), betav)))
+
+        def update_and_q(c, accs):
+            out = list(accs)
+            for lane in range(4):
+                kc = b.load(_lane_vec(b, k, c, lane), align=4)
+                qc = b.load(_lane_vec(b, q, c, lane), align=4)
+                for r, m in enumerate(rows):
+                    mp = _lane_vec(b, m, c, lane)
+                    x = _fma(b, kc, d8[r], b.fmul(b.load(mp, align=4), eg8))
+                    b.store(x, mp, align=4)
+                    out[4 * r + lane] = _fma(b, x, qc, accs[4 * r + lane])
+            return out
+
+        acc_q = _chunks(b, n, [zero] * (4 * ROWS), update_and_q, "dn.q")
+        for r in range(ROWS):
+            b.store(b.fmul(_reduce(b, acc_q[4 * r:4 * r + 4]), scalev), b.gep(out, [ir.Constant(I64, r)]), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
