@@ -184,6 +184,10 @@ class Transformer:
                 _check_shape(gf, name, shape)
 
     # -- forward --------------------------------------------------------------------------
+    # Called by forward with (tokens, positions, final normed hidden state of every row) when set:
+    # what a multi-token-prediction drafter reads (edgeinfer.speculative.mtp).
+    hidden_sink = None
+
     def forward(self, tokens: np.ndarray, positions: np.ndarray, kv: "KVView",
                 logits_for: np.ndarray | None = None) -> np.ndarray:
         """Run `tokens` at `positions`, appending their K/V to `kv`.
@@ -195,7 +199,12 @@ class Transformer:
         if logits_for is None:
             logits_for = np.array([len(tokens) - 1])
         be = self.backend
-        x = self.hidden(tokens, positions, kv, logits_for)
+        if self.hidden_sink is None:
+            x = self.hidden(tokens, positions, kv, logits_for)
+        else:  # every row's normed hidden state for the sink, the same rows' bits for the head
+            x = self.hidden(tokens, positions, kv, np.arange(len(tokens)))
+            self.hidden_sink(tokens, positions, np.asarray(x))
+            x = x[np.asarray(logits_for)]
         head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         return be.linear(head, x)
 

@@ -182,6 +182,7 @@ class TinyShape:
     rope_dims: int = 16  # qwen35: rotated dims of a head (Qwen3.5 rotates a quarter)
     rope_sections: tuple = (3, 1, 2, 0)  # qwen35's M-RoPE sections; pair 4 falls in none
     n_ff_shexp: int = 128  # qwen35moe's shared expert
+    nextn: int = 0  # qwen35: multi-token-prediction blocks after the n_layer trunk (block_count counts them)
     # gemma4: sliding layers' head size, the per-layer sliding flags (() = every 4th layer is
     # global), the last layers reusing earlier K/V, per-layer embedding width (0 = none),
     # per-layer FFN rows (() = n_ff), a mixture of experts on every layer, the logit cap, and
@@ -205,7 +206,10 @@ def _qwen35_layer_tensors(arch: str, s: TinyShape, i: int) -> dict:
     """qwen35 / qwen35moe blocks as llama.cpp's qwen35.cpp loads them."""
     p, e = f"blk.{i}.", s.n_embd
     t: dict = {p + "attn_norm.weight": (e,), p + "post_attention_norm.weight": (e,)}
-    if (i + 1) % s.full_attention_interval:  # linear attention (gated DeltaNet)
+    if i >= s.n_layer:  # an MTP block: gated attention and the FFN, plus its nextn tensors
+        t.update({p + "nextn.eh_proj.weight": (2 * e, e), p + "nextn.enorm.weight": (e,),
+                  p + "nextn.hnorm.weight": (e,), p + "nextn.shared_head_norm.weight": (e,)})
+    if i < s.n_layer and (i + 1) % s.full_attention_interval:  # linear attention (gated DeltaNet)
         key_dim, value_dim = s.ssm_k_heads * s.ssm_state, s.ssm_v_heads * s.ssm_state
         conv_dim = 2 * key_dim + value_dim
         t.update({p + "attn_qkv.weight": (e, conv_dim), p + "attn_gate.weight": (e, value_dim),
@@ -332,7 +336,7 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
     w.add_name(f"tiny-{arch}-{qt.name}")
     w.add_context_length(s.n_ctx)
     w.add_embedding_length(s.n_embd)
-    w.add_block_count(s.n_layer)
+    w.add_block_count(s.n_layer + s.nextn)
     if arch == "gemma4" and s.n_ff_layers:
         w.add_array(f"{arch}.feed_forward_length", [int(f) for f in s.n_ff_layers])
     elif arch != "qwen35moe":  # llama.cpp's qwen35moe files have no feed_forward_length
@@ -377,6 +381,8 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
         w.add_uint32(f"{arch}.ssm.group_count", s.ssm_k_heads)
         w.add_uint32(f"{arch}.ssm.time_step_rank", s.ssm_v_heads)
         w.add_uint32(f"{arch}.ssm.inner_size", s.ssm_v_heads * s.ssm_state)
+        if s.nextn:
+            w.add_uint32(f"{arch}.nextn_predict_layers", s.nextn)
     if arch == "qwen35moe":
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
@@ -422,7 +428,7 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
             tensors["per_layer_proj_norm.weight"] = (s.n_embd_per_layer,)
         if not all(gemma4_swa(s)):
             tensors["rope_freqs.weight"] = (s.head_dim // 2,)
-    for i in range(s.n_layer):
+    for i in range(s.n_layer + s.nextn):
         tensors.update(_layer_tensors(arch, s, i))
     tensors.update(shape_overrides or {})  # hostile files: a tensor of another shape than the metadata says
 

@@ -44,9 +44,10 @@ def add_model_options(p) -> None:
                    help="stop with finish reason 'length' when the context fills")
     p.add_argument("--keep", type=non_negative_int, default=0, metavar="N",
                    help="tokens at the start kept by a context shift (default 0)")
-    p.add_argument("--draft", default=None, metavar="lookup|NAME",
+    p.add_argument("--draft", default=None, metavar="lookup|mtp|NAME",
                    help="speculative decoding: 'lookup' drafts from n-grams of the prompt and answer, "
-                        "NAME is a draft model with the same vocabulary")
+                        "'mtp' from the model's own multi-token-prediction layer (Qwen3.5 files that "
+                        "have one), NAME is a draft model with the same vocabulary")
     p.add_argument("--draft-max", type=non_negative_int, default=16, metavar="N",
                    help="most tokens drafted per step (default 16; 0 = off)")
     p.add_argument("--draft-min", type=non_negative_int, default=0, metavar="N",

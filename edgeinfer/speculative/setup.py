@@ -1,4 +1,4 @@
-"""Making a model's drafter (`--draft lookup|NAME`, with `--lookup-cache-static/-dynamic`)
+"""Making a model's drafter (`--draft lookup|mtp|NAME`, with `--lookup-cache-static/-dynamic`)
 and each request's Speculation (its draft lengths chosen from the drafter's measured
 batch costs, kept across requests)."""
 
@@ -15,13 +15,17 @@ DRAFT_KEYS = ("draft_max", "draft_min", "draft_p_min", "draft_adaptive")
 
 
 def make_drafter(model, draft: str, options):
-    """The drafter for `model`: "lookup" (or a LookupCorpus naming its files), or a draft
-    model's name or path."""
+    """The drafter for `model`: "lookup" (or a LookupCorpus naming its files), "mtp" (the
+    model's own multi-token-prediction block), or a draft model's name or path."""
     if is_lookup(draft):
         corpus = draft if isinstance(draft, LookupCorpus) else None
         if corpus is not None:
             corpus.check_files()
         return NgramLookup.for_model(model, corpus)
+    if draft == "mtp":
+        from edgeinfer.speculative.mtp import MtpDrafter
+
+        return MtpDrafter(model.engine, p_min=model.draft_defaults["draft_p_min"])
     from dataclasses import replace
 
     from edgeinfer.engine import Engine
