@@ -24,6 +24,7 @@ KERNEL_NAMES = {
     "attention.cu": ["kv_store", "flash_attention_prefill", "paged_decode_attention"],
     "elementwise.cu": ["rms_norm", "rope", "silu_mul", "gelu_mul", "add", "add_rows", "swiglu_oai", "add_id",
                        "moe_combine"],
+    "recurrent.cu": ["gated_delta_net", "ssm_conv_silu", "delta_gates", "l2_norm_rows", "sigmoid_mul"],
 }
 MATVEC_MAX_TOKENS = 4  # up to this many rows re-read the weights per token; more use the GEMM
 MAX_HEAD_DIM = 256  # MAX_HD in attention.cu
@@ -159,10 +160,7 @@ def rope(x, positions, n_dims: int, base: float, freq_scale: float, neox: bool, 
 
 
 def _binary(name: str, a, b):
-    out = _empty(a.shape)
-    grid, block = _grid1d(a.size)
-    _run("elementwise.cu", name, grid, block, a, b, out, np.int64(a.size))
-    return out
+    return _binary_in("elementwise.cu", name, a, b)
 
 
 def silu_mul(gate, up):
@@ -248,3 +246,66 @@ def copy_rows(cache, src: int, dst: int, n: int) -> None:
     row = cache.nbytes // cache.shape[0]
     base = int(cache.gpudata)
     drv.memcpy_dtod(base + dst * row, base + src * row, n * row)
+
+
+# -- gated DeltaNet (recurrent.cu) -------------------------------------------------------------
+DELTA_WARPS = 4  # DN_WARPS: state rows a block
+DELTA_MAX_S = 256  # DN_MAX_PER_LANE x 32
+
+
+def delta_net_supports(S: int) -> bool:
+    return S % 32 == 0 and S <= DELTA_MAX_S
+
+
+def delta_rule(q, k, v, g, beta, state, snap_at=None, n_snap: int = 0):
+    """The delta rule over n tokens: q, k (n, n_k, S), v (n, n_v, S), g, beta (n, n_v), state
+    (n_v, S, S) updated in place; snap_at (int32 token counts 1..n in VRAM) asks for copies of
+    the state after them. Returns (out (n, n_v, S), snaps (n_snap, n_v, S, S))."""
+    n, n_k, S = q.shape
+    n_v = v.shape[1]
+    out = _empty((n, n_v, S))
+    snaps = _empty((max(n_snap, 1), n_v, S, S))
+    _run("recurrent.cu", "gated_delta_net", (n_v, (S + DELTA_WARPS - 1) // DELTA_WARPS, 1), (32 * DELTA_WARPS, 1, 1),
+         q, k, v, g, beta, state, out, snaps, snap_at, np.int32(n_snap), np.int32(n), np.int32(n_k), np.int32(n_v),
+         np.int32(S))
+    return out, snaps
+
+
+def conv_silu(inp, w_t):
+    """silu of the short causal conv: inp (n + K - 1, C) = window ++ x, w_t (K, C) -> (n, C)."""
+    K, C = w_t.shape
+    n = inp.shape[0] - K + 1
+    out = _empty((n, C))
+    grid, block = _grid1d(n * C)
+    _run("recurrent.cu", "ssm_conv_silu", grid, block, inp, w_t, out, np.int32(n), np.int32(C), np.int32(K))
+    return out
+
+
+def delta_gates(b, a, dt_bias, ssm_a):
+    """(beta, g) of the (n, n_v) projections b and a."""
+    n, n_v = b.shape
+    beta, g = _empty((n, n_v)), _empty((n, n_v))
+    grid, block = _grid1d(n * n_v)
+    _run("recurrent.cu", "delta_gates", grid, block, b, a, dt_bias, ssm_a, beta, g, np.int32(n), np.int32(n_v))
+    return beta, g
+
+
+def l2_norm_rows(x, eps: float):
+    """Each row of the last axis scaled to unit L2 norm as build_gdn_l2_norm does."""
+    n = x.shape[-1]
+    rows = x.size // n
+    out = _empty(x.shape)
+    _run("recurrent.cu", "l2_norm_rows", ((rows + 3) // 4, 1, 1), (128, 1, 1), x, out, np.int32(rows), np.int32(n),
+         np.float32(eps))
+    return out
+
+
+def sigmoid_mul(x, gate):
+    return _binary_in("recurrent.cu", "sigmoid_mul", x, gate)
+
+
+def _binary_in(source: str, name: str, a, b):
+    out = _empty(a.shape)
+    grid, block = _grid1d(a.size)
+    _run(source, name, grid, block, a, b, out, np.int64(a.size))
+    return out
