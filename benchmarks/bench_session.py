@@ -6,6 +6,14 @@ Targets (issue 7): each later turn's TTFT within 1.5x of turn 1's (only the new 
 prefilled) and <= 10% of the cold run's.
 
     python benchmarks/bench_session.py [--turns 10] [--words 175] [--max-tokens 64] [--threads N] [--repeat 5]
+                                       [--model NAME] [--raw] [--chats N]
+
+--raw sends token ids instead of chat messages (files without a chat template, such as the
+random-weight shaped files): each turn appends its answer and `--words` random token ids.
+--chats N runs N conversations that take turns (each turn of a chat follows another
+chat's): the resident sequence is then never the chat's own, so only the block prefix
+cache serves it (for a hybrid model, through the recurrent states it keeps along the hash
+chain, edgeinfer.kv.state_cache).
 
 The machine is noisy, so the whole chat (from an empty cache) and the cold run are each
 repeated --repeat times and every TTFT is the median over the repetitions.
@@ -14,6 +22,7 @@ repeated --repeat times and every TTFT is the median over the repetitions.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 
@@ -60,6 +69,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--ctx-size", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=5, help="runs of the whole chat and of the cold run")
+    ap.add_argument("--raw", action="store_true", help="token ids, not chat messages (no template needed)")
+    ap.add_argument("--chats", type=int, default=1, help="conversations taking turns (rows: the first)")
     args = ap.parse_args()
 
     try:
@@ -68,30 +79,46 @@ def main() -> None:
     except ImportError:
         name = args.model
     model = edgeinfer.load(name, n_ctx=args.ctx_size, threads=args.threads)
-    model.chat([{"role": "user", "content": "warm up the kernels"}], max_tokens=2, temperature=0)
+    if args.raw:
+        model.generate([5, 6, 7, 8, 9], max_tokens=2, temperature=0)
+    else:
+        model.chat([{"role": "user", "content": "warm up the kernels"}], max_tokens=2, temperature=0)
     model.reset()
 
     runs, colds = [], []
+    rng = random.Random(0)
     for rep in range(args.repeat):
         model.reset()
-        messages: list[dict] = []
+        chats: list[list] = [[] for _ in range(args.chats)]
         rows = []
         for turn in range(args.turns):
-            messages.append({"role": "user", "content": user_message(turn, args.words)})
-            result = model.chat(messages, max_tokens=args.max_tokens, temperature=0)
-            messages.append({"role": "assistant", "content": result.text})
-            rows.append((turn + 1, result.usage.prompt_tokens, result.usage.cached_tokens,
-                         result.timings.ttft_s))
-            print(f"run {rep + 1} turn {turn + 1}: {result.usage.prompt_tokens} prompt tokens, "
-                  f"{result.usage.cached_tokens} cached, TTFT {result.timings.ttft_s * 1e3:.0f} ms",
-                  file=sys.stderr, flush=True)
+            for c, history in enumerate(chats):
+                if args.raw:
+                    history.extend(rng.randrange(3, model.config.n_vocab) for _ in range(args.words))
+                    result = model.generate(list(history), max_tokens=args.max_tokens, temperature=0)
+                    history.extend(result.tokens)
+                else:
+                    history.append({"role": "user", "content": user_message(turn * args.chats + c, args.words)})
+                    result = model.chat(history, max_tokens=args.max_tokens, temperature=0)
+                    history.append({"role": "assistant", "content": result.text})
+                if c == 0:
+                    rows.append((turn + 1, result.usage.prompt_tokens, result.usage.cached_tokens,
+                                 result.timings.ttft_s))
+                print(f"run {rep + 1} turn {turn + 1} chat {c + 1}: {result.usage.prompt_tokens} prompt tokens, "
+                      f"{result.usage.cached_tokens} cached, TTFT {result.timings.ttft_s * 1e3:.0f} ms",
+                      file=sys.stderr, flush=True)
         runs.append(rows)
         if rep == 0:
             warm_stats = model.stats()  # before reset(): the chat's own pool use and hit rates
         # Cold: an empty cache over the last turn's full history (after each chat, so that
         # slow and fast spells of a shared machine hit both alike).
         model.reset()
-        cold = model.chat(messages[:-1], max_tokens=args.max_tokens, temperature=0)
+        if args.raw:
+            history = chats[0][:len(chats[0]) - len(result.tokens)] if args.chats == 1 else \
+                chats[0][:len(chats[0]) - args.max_tokens]
+            cold = model.generate(list(history), max_tokens=args.max_tokens, temperature=0)
+        else:
+            cold = model.chat(chats[0][:-1], max_tokens=args.max_tokens, temperature=0)
         colds.append(cold.timings.ttft_s)
     # greedy decoding: every repetition sees the same tokens, only the times differ
     rows = [(*runs[0][i][:3], statistics.median(r[i][3] for r in runs)) for i in range(args.turns)]
@@ -114,6 +141,10 @@ def main() -> None:
     s = warm_stats
     print(f"prefix reuse over the chat: {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens "
           f"({100 * s['token_hit_rate']:.0f}%), {s['requests']} requests")
+    if "states" in s:
+        st = s["states"]
+        print(f"recurrent states along the prefix chain: {st['snapshots']} kept (at most {st['max_snapshots']}), "
+              f"{st['snapshot_bytes'] / 2**20:.1f} MiB each, {st['bytes'] / 2**20:.1f} MiB in all, {st['hits']} reused")
     for g in s.get("groups", []):
         kind = f"sliding-window {g['window']}" if g["window"] else "full-attention"
         print(f"KV {kind} group ({g['layers']} layers): {g['used']} of {g['total']} blocks in use, "

@@ -25,7 +25,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .ir_helpers import F32T, I32, I64, vec
+from .ir_helpers import F32T, I32, I64, counted_loop, vec
 
 _V8 = vec(F32T, 8)
 
@@ -58,29 +58,6 @@ def _reduce(b, accs):
     t01 = b.fadd(b.extract_element(t, ir.Constant(I32, 0)), b.extract_element(t, ir.Constant(I32, 1)))
     t23 = b.fadd(b.extract_element(t, ir.Constant(I32, 2)), b.extract_element(t, ir.Constant(I32, 3)))
     return b.fadd(t01, t23)
-
-
-def _chunks(b, n, inits, body, name):
-    """for c in range(n): accs = body(c, accs) (n >= 1: callers pass whole rows)."""
-    entry = b.block
-    loop = b.append_basic_block(f"{name}.loop")
-    done = b.append_basic_block(f"{name}.done")
-    b.branch(loop)
-    b.position_at_end(loop)
-    c = b.phi(I64)
-    c.add_incoming(ir.Constant(I64, 0), entry)
-    accs = [b.phi(v.type) for v in inits]
-    for a, v in zip(accs, inits):
-        a.add_incoming(v, entry)
-    new = body(c, accs)
-    nxt = b.add(c, ir.Constant(I64, 1))
-    end = b.block
-    c.add_incoming(nxt, end)
-    for a, v in zip(accs, new):
-        a.add_incoming(v, end)
-    b.cbranch(b.icmp_signed("<", nxt, n), loop, done)
-    b.position_at_end(done)
-    return new
 
 
 @intrinsic
@@ -123,7 +100,7 @@ def rows_step(typingctx, m_addr, k_addr, q_addr, eg, v_addr, beta, scale, n_chun
                     out[4 * r + lane] = _fma(b, x, kc, accs[4 * r + lane])
             return out
 
-        acc_k = _chunks(b, n, [zero] * (4 * ROWS), decay_and_k, "dn.k")
+        acc_k = counted_loop(b, n, 1, [zero] * (4 * ROWS), decay_and_k, "dn.k")
         d8 = []
         for r in range(ROWS):
             vj = b.load(b.gep(v, [ir.Constant(I64, r)]), align=4)
@@ -141,7 +118,7 @@ def rows_step(typingctx, m_addr, k_addr, q_addr, eg, v_addr, beta, scale, n_chun
                     out[4 * r + lane] = _fma(b, x, qc, accs[4 * r + lane])
             return out
 
-        acc_q = _chunks(b, n, [zero] * (4 * ROWS), update_and_q, "dn.q")
+        acc_q = counted_loop(b, n, 1, [zero] * (4 * ROWS), update_and_q, "dn.q")
         for r in range(ROWS):
             b.store(b.fmul(_reduce(b, acc_q[4 * r:4 * r + 4]), scalev), b.gep(out, [ir.Constant(I64, r)]), align=4)
         return context.get_dummy_value()
