@@ -85,8 +85,6 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
 
 def _cpu_only(cfg) -> str | None:
     """Why this model cannot offload layers to the GPU yet (None: it can)."""
-    if cfg.has_recurrent:  # no CUDA DeltaNet kernels yet
-        return "its recurrent layers have no GPU kernels yet"
     if cfg.kv_source_layers or not cfg.uniform_heads or cfg.n_ff_layers:
         return "its shared K/V layers and per-layer head sizes are not in the GPU path yet"
     return None

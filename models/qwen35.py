@@ -179,6 +179,8 @@ class Qwen35(Transformer):
     def mrope(self, i: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """ggml_rope_multi (IMROPE) for text: NeoX pairs over rope_dims with the token's
         position in the t/h/w sections; pairs in no section keep their values (position 0)."""
+        if len(self._unrotated):  # pairs in no section keep their values: set on the host
+            x = np.asarray(x)
         out = self.backend.rope(x, positions, *self.rope_args(i))
         if len(self._unrotated):
             half = self.config.rope_dims // 2

@@ -48,7 +48,9 @@ class Qwen35Moe(Qwen35):
         g, u = be.linear_many([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"], h)
         shared = be.linear(p + "ffn_down_shexp.weight", be.silu_mul(g, u))
         gate = self.dn.sigmoid_mul(np.ones((h.shape[0], 1), np.float32), self.shared_gate_logits(i, h))
-        return x + (moe + shared * gate).astype(np.float32)
+        # the gate is a per-token scalar from the host: on an offloaded layer the sum is formed
+        # there too (np.asarray downloads; a host array passes through)
+        return x + (np.asarray(moe) + np.asarray(shared) * gate).astype(np.float32)
 
     def shared_gate_logits(self, i: int, h: np.ndarray) -> np.ndarray:
         """ffn_gate_inp_shexp (a vector) . h per token, as ggml's F32 mul_mat sums it: (n, 1)."""

@@ -366,6 +366,16 @@ def test_tiny_model_logits_match_cpu(tmp_path, arch, qtype):
     _compare(path, ks=[0, 1, 3])
 
 
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_hybrid_recurrent_model_logits_match_cpu(tmp_path, arch):
+    """Qwen3.5: the offloaded layers' matrices, norms and gated attention (K/V in VRAM) on the
+    GPU, the DeltaNet recurrence on the host with the sequence's state."""
+    from gguf_factory import bpe_vocab
+
+    path = write_tiny_model(tmp_path / "m.gguf", arch, "Q8_0", vocab=bpe_vocab("qwen35"), shape=TinyShape(n_layer=4))
+    _compare(path, ks=[0, 2, 4])
+
+
 @pytest.mark.slow
 def test_gemma3_270m_logits_match_cpu(gemma_path, monkeypatch):
     # on the emulator, one order a launch: the kernel tests above check both
@@ -375,17 +385,23 @@ def test_gemma3_270m_logits_match_cpu(gemma_path, monkeypatch):
 
 # -- the session manager's paged KV in VRAM -----------------------------------------------
 
-def test_session_manager_paged_vram_kv_matches_cpu(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_session_manager_paged_vram_kv_matches_cpu(tmp_path, arch):
     """Prefix-cache hits, forks and regenerations with GPU layers' K/V in paged VRAM blocks give
     the logits of a CPU-only session manager (to the kernels' float tolerance), reuse the same
-    cached prefixes, and keep the pool's accounting exact."""
+    cached prefixes, and keep the pool's accounting exact. qwen35: VRAM blocks for its
+    attention layers only, the recurrent state on the host, reused as the CPU path reuses it."""
     import edgeinfer
     from edgeinfer.kv.device_storage import DeviceBlockStorage
     from edgeinfer.generate import collect
     from edgeinfer.sampling import SamplingParams
     from edgeinfer.session_manager import SessionManager
 
-    path = write_tiny_model(tmp_path / "m.gguf", "llama", "Q8_0", shape=TinyShape(n_layer=3))
+    from gguf_factory import bpe_vocab
+
+    extra = dict(vocab=bpe_vocab("qwen35"), shape=TinyShape(n_layer=4)) if arch == "qwen35" else \
+        dict(shape=TinyShape(n_layer=3))
+    path = write_tiny_model(tmp_path / "m.gguf", arch, "Q8_0", **extra)
     cpu = edgeinfer.load(str(path), backend="reference", n_ctx=64, prefill_chunk=5)
     gpu = edgeinfer.load(str(path), backend="reference", n_ctx=64, prefill_chunk=5)
     mf = gpu.engine.model_file
@@ -397,6 +413,8 @@ def test_session_manager_paged_vram_kv_matches_cpu(tmp_path):
         m.engine.forward = lambda *a, _f=forward, _o=out, **kw: _o.append(_f(*a, **kw)) or _o[-1]
     managers = [SessionManager(m.engine, m.tokenizer, n_ctx=64, block_size=4) for m in (cpu, gpu)]
     assert isinstance(managers[1].cache.device, DeviceBlockStorage)
+    owning = [i for i in range(2) if mf.config.owns_kv(i)]  # the GPU layers that keep K/V
+    assert sorted(managers[1].cache.device.layers) == owning
     rng = np.random.default_rng(0)
     a = [int(t) for t in rng.integers(3, mf.config.n_vocab, 17)]
     b = a[:16] + [int(t) for t in rng.integers(3, mf.config.n_vocab, 5)]

@@ -58,14 +58,15 @@ class HybridBackend(Backend):
         return self.cpu.decode_order()   # the GPU kernels have one order for any batch
 
     def new_cache(self, config: "ModelConfig", n_ctx: int) -> CudaKVCache:
-        return CudaKVCache(config, n_ctx, self.plan.gpu_layers)
+        return CudaKVCache(config, n_ctx, self.kv_layers(config))
 
     def kv_layers(self, config: "ModelConfig") -> list[int]:
         """GPU layers whose K/V live in VRAM: those the CUDA attention kernels can read (a head
-        dim they lack keeps that layer's K/V on the host, where its CPU attention runs)."""
+        dim they lack keeps that layer's K/V on the host, where its CPU attention runs); a
+        recurrent layer keeps none (its state is the sequence's, edgeinfer.kv.recurrent)."""
         if not launch.attention_supports(config.head_dim, config.head_dim_v):
             return []
-        return [i for i in range(config.n_layer) if self._layer_side(i) == CUDA]
+        return [i for i in range(config.n_layer) if self._layer_side(i) == CUDA and config.owns_kv(i)]
 
     def new_block_storage(self, config: "ModelConfig", num_blocks: int, block_size: int
                           ) -> DeviceBlockStorage | None:
