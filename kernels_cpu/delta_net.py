@@ -432,6 +432,25 @@ class KernelOps:
     delta_rule = staticmethod(delta_rule)
 
 
+def run_layer(ops, state, i: int, qkv, b, a, dt_bias, ssm_a, w_t, eps: float, shape) -> np.ndarray:
+    """One DeltaNet layer's recurrence on the host: gates, the short conv over the state's
+    window, q/k L2-normed, the delta rule on the state; the state after the pass's snapshot
+    points is handed to `state` (edgeinfer.kv.recurrent). qkv (n, conv_dim), b and a
+    (n, n_v) are the layer's projections; returns (n, n_v, head_v_dim)."""
+    n = qkv.shape[0]
+    beta, g = ops.gates(b, a, dt_bias, ssm_a)
+    snap_at = state.snap_at()
+    xc, window, conv_snaps = ops.conv_silu(state.conv[i], qkv, w_t, snap_at)
+    state.conv[i][...] = window
+    kd = shape.key_dim
+    q = ops.l2_norm(xc[:, :kd].reshape(n, shape.n_k_heads, shape.head_k_dim), eps)
+    k = ops.l2_norm(xc[:, kd:2 * kd].reshape(n, shape.n_k_heads, shape.head_k_dim), eps)
+    v = xc[:, 2 * kd:].reshape(n, shape.n_v_heads, shape.head_v_dim)
+    out, _, ssm_snaps = ops.delta_rule(q, k, v, g, beta, state.ssm[i], snap_at)
+    state.put_snapshots(i, conv_snaps, ssm_snaps)
+    return out
+
+
 def ops_for(backend_name: str):
     """The reference backend runs the numpy references; every other one the kernels."""
     return ReferenceOps if backend_name == "reference" else KernelOps

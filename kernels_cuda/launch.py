@@ -24,7 +24,8 @@ KERNEL_NAMES = {
     "attention.cu": ["kv_store", "flash_attention_prefill", "paged_decode_attention"],
     "elementwise.cu": ["rms_norm", "rope", "silu_mul", "gelu_mul", "add", "add_rows", "swiglu_oai", "add_id",
                        "moe_combine"],
-    "recurrent.cu": ["gated_delta_net", "ssm_conv_silu", "delta_gates", "l2_norm_rows", "sigmoid_mul"],
+    "recurrent.cu": ["gated_delta_net", "ssm_conv_silu", "delta_gates", "l2_norm_rows", "sigmoid_mul",
+                     "qkv_split_norm"],
 }
 MATVEC_MAX_TOKENS = 4  # up to this many rows re-read the weights per token; more use the GEMM
 MAX_HEAD_DIM = 256  # MAX_HD in attention.cu
@@ -298,6 +299,16 @@ def l2_norm_rows(x, eps: float):
     _run("recurrent.cu", "l2_norm_rows", ((rows + 3) // 4, 1, 1), (128, 1, 1), x, out, np.int32(rows), np.int32(n),
          np.float32(eps))
     return out
+
+
+def qkv_split_norm(xc, n_k: int, n_v: int, S: int, eps: float):
+    """The conv's output (n, (2 n_k + n_v) S) -> (q, k L2-normed per head (n, n_k, S), v (n, n_v, S))."""
+    n = xc.shape[0]
+    q, k, v = _empty((n, n_k, S)), _empty((n, n_k, S)), _empty((n, n_v, S))
+    rows = n * (2 * n_k + n_v)
+    _run("recurrent.cu", "qkv_split_norm", ((rows + 3) // 4, 1, 1), (128, 1, 1), xc, q, k, v, np.int32(n),
+         np.int32(n_k), np.int32(n_v), np.int32(S), np.float32(eps))
+    return q, k, v
 
 
 def sigmoid_mul(x, gate):

@@ -120,3 +120,27 @@ extern "C" __global__ void sigmoid_mul(const float* x, const float* gate, float*
     if (idx >= n) return;
     out[idx] = x[idx] / (1.0f + expf(-gate[idx]));
 }
+
+extern "C" __global__ void qkv_split_norm(const float* xc, float* q, float* k, float* v, int n_tok, int n_k,
+                                          int n_v, int S, float eps) {
+    // the conv's output rows (n_tok, 2 n_k S + n_v S) -> q, k (n_tok, n_k, S) L2-normed per head
+    // and v (n_tok, n_v, S); one warp per head row
+    const int per_tok = 2 * n_k + n_v;
+    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (r >= (long long)n_tok * per_tok) return;
+    const int t = (int)(r / per_tok);
+    const int j = (int)(r % per_tok);  // q heads, then k heads, then v heads
+    const float* src = xc + (long long)t * per_tok * S + (long long)j * S;
+    float* dst = j < n_k ? q + ((long long)t * n_k + j) * S
+               : j < 2 * n_k ? k + ((long long)t * n_k + j - n_k) * S
+               : v + ((long long)t * n_v + j - 2 * n_k) * S;
+    float scale = 1.0f;
+    if (j < 2 * n_k) {
+        float s = 0.0f;
+        for (int i = lane; i < S; i += 32) s += src[i] * src[i];
+        s = dn_warp_sum(s);
+        scale = rsqrtf(s / (float)S + eps / (float)S) * rsqrtf((float)S);
+    }
+    for (int i = lane; i < S; i += 32) dst[i] = src[i] * scale;
+}

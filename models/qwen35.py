@@ -191,22 +191,21 @@ class Qwen35(Transformer):
     def linear_attention(self, i, h, kv):
         be, cfg, dn, p = self.backend, self.config, self.config.delta_net, f"blk.{i}."
         n = h.shape[0]
-        state = kv.recurrent
         qkv, z, b, a = be.linear_many([p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
                                        p + "ssm_alpha.weight"], h)
-        beta, g = self.dn.gates(b, a, be.vector(p + "ssm_dt.bias"), be.vector(p + "ssm_a"))
-        snap_at = state.snap_at()
-        xc, window, conv_snaps = self.dn.conv_silu(state.conv[i], qkv, self.conv_weight(i), snap_at)
-        state.conv[i][...] = window
-        kd = dn.key_dim
-        q = self.dn.l2_norm(xc[:, :kd].reshape(n, dn.n_k_heads, dn.head_k_dim), cfg.norm_eps)
-        k = self.dn.l2_norm(xc[:, kd:2 * kd].reshape(n, dn.n_k_heads, dn.head_k_dim), cfg.norm_eps)
-        v = xc[:, 2 * kd:].reshape(n, dn.n_v_heads, dn.head_v_dim)
-        out, _, ssm_snaps = self.dn.delta_rule(q, k, v, g, beta, state.ssm[i], snap_at)
-        state.put_snapshots(i, conv_snaps, ssm_snaps)
+        args = (kv.recurrent, i, qkv, b, a, be.vector(p + "ssm_dt.bias"), be.vector(p + "ssm_a"),
+                self.conv_weight(i), cfg.norm_eps, dn)
+        on_device = be.recurrence(i, dn.head_k_dim)  # an offloaded layer: the recurrence and its state in VRAM
+        out = on_device.run_layer(*args) if on_device is not None else self._run_layer(self.dn, *args)
         out = be.rms_norm(out, p + "ssm_norm.weight", cfg.norm_eps)
         out = be.silu_mul(z.reshape(n, dn.n_v_heads, dn.head_v_dim), out)
         return be.linear(p + "ssm_out.weight", out.reshape(n, -1))
+
+    @staticmethod
+    def _run_layer(ops, *args):
+        from edgeinfer.kernels_cpu.delta_net import run_layer
+
+        return run_layer(ops, *args)
 
     def conv_weight(self, i: int) -> np.ndarray:
         """ssm_conv1d of layer i as the conv kernels read it: float32 (conv_kernel, conv_dim)."""

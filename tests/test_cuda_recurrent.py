@@ -94,3 +94,15 @@ def test_gates_norm_and_sigmoid():
     y = rng.standard_normal((4, 32)).astype(np.float32)
     np.testing.assert_allclose(launch.sigmoid_mul(_up(y), _up(gate)).get(), y * dn.sigmoid_reference(gate),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_qkv_split_norm():
+    rng = np.random.default_rng(12)
+    n, n_k, n_v, S = 3, 2, 4, 32
+    xc = rng.standard_normal((n, (2 * n_k + n_v) * S)).astype(np.float32)
+    q, k, v = launch.qkv_split_norm(_up(xc), n_k, n_v, S, 1e-6)
+    kd = n_k * S
+    np.testing.assert_allclose(q.get(), dn.l2_norm_reference(xc[:, :kd].reshape(n, n_k, S), 1e-6), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(k.get(), dn.l2_norm_reference(xc[:, kd:2 * kd].reshape(n, n_k, S), 1e-6),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(v.get(), xc[:, 2 * kd:].reshape(n, n_v, S))

@@ -87,6 +87,11 @@ class Backend:
         """x (n, n_cols) @ W^T -> (n, n_rows) for the GGUF matrix `name`."""
         raise NotImplementedError
 
+    def recurrence(self, layer: int, head_dim: int = 128):
+        """What runs a recurrent (DeltaNet) layer's recurrence on this backend's own device, with
+        its state there (edgeinfer.backends.cuda_recurrence), or None: the host kernels."""
+        return None
+
     def linear_many(self, names: list[str], x: np.ndarray) -> list[np.ndarray]:
         """[linear(name, x) for name in names]: several matrices on the same input (Q/K/V,
         gate/up), which a backend may run together."""

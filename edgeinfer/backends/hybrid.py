@@ -53,6 +53,7 @@ class HybridBackend(Backend):
         self._down: tuple[DeviceTensor, np.ndarray] | None = None  # last download, by identity
         self._pinned: np.ndarray | None = None
         self._int_cache: list[tuple[np.ndarray, Any]] = []  # the last few uploads
+        self._recurrence = None  # edgeinfer.backends.cuda_recurrence, made on first use
 
     def decode_order(self):
         return self.cpu.decode_order()   # the GPU kernels have one order for any batch
@@ -81,6 +82,16 @@ class HybridBackend(Backend):
 
     def vector(self, name: str) -> np.ndarray:
         return self.cpu.vector(name)
+
+    def recurrence(self, layer: int, head_dim: int = 128):
+        """An offloaded DeltaNet layer's recurrence runs in VRAM (None: on the host)."""
+        if self._layer_side(layer) != CUDA or not launch.delta_net_supports(head_dim):
+            return None
+        if self._recurrence is None:
+            from edgeinfer.backends.cuda_recurrence import CudaRecurrence
+
+            self._recurrence = CudaRecurrence(self)
+        return self._recurrence
 
     # -- placement and transfers ------------------------------------------------------------
     def at_layer(self, layer: int | None) -> None:

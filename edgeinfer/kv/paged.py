@@ -27,7 +27,7 @@ from edgeinfer.kv.block_pool import BlockPool
 from edgeinfer.kv.cache_types import CacheTypes, of_config
 from edgeinfer.kv.groups import DROP_ALIGN, DROPPED, LayerGroup, ceil_div, drop_quantum, layer_groups
 from edgeinfer.kv.pool_sizing import layer_block_bytes
-from edgeinfer.kv.recurrent import state_nbytes
+from edgeinfer.kv.recurrent import host_snapshot, state_nbytes
 from edgeinfer.kv.sequence import SequenceKV
 from edgeinfer.kv.state_cache import StateCache
 
@@ -173,8 +173,8 @@ class PagedKVCache:
             bs = self.block_size
             for i in range(before, before + added):
                 snap = seq.recurrent.take_mark((i + 1) * bs)
-                if snap is not None:
-                    self.states.put(seq.block_hashes[i], snap)
+                if snap is not None:  # kept in host memory (an offloaded layer's is in VRAM)
+                    self.states.put(seq.block_hashes[i], host_snapshot(snap))
         return added
 
     @property

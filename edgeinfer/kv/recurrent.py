@@ -134,8 +134,8 @@ class RecurrentState:
         it is kept as a point this sequence can be cut back to."""
         convs, ssms = snap
         for i in self.layers:
-            self.conv[i][...] = convs[i]
-            self.ssm[i][...] = ssms[i]
+            assign(self.conv[i], convs[i])
+            assign(self.ssm[i], ssms[i])
         self.n_tokens = m
         self.rollback.clear()
         self.marks.clear()
@@ -164,8 +164,8 @@ class RecurrentState:
         else:
             convs, ssms = self.kept[m] if m in self.kept else self.rollback[m]
             for i in self.layers:
-                self.conv[i][...] = convs[i]
-                self.ssm[i][...] = ssms[i]
+                assign(self.conv[i], convs[i])
+                assign(self.ssm[i], ssms[i])
         self.n_tokens = m
         self.kept = OrderedDict((p, s) for p, s in self.kept.items() if p <= m)
         self.rollback = {p: s for p, s in self.rollback.items() if p <= m}
@@ -198,8 +198,8 @@ class RecurrentState:
     # -- saving ------------------------------------------------------------------------------------
     def export(self) -> dict[str, np.ndarray]:
         """The current state as named arrays (saved sessions): conv.L / ssm.L per layer."""
-        out = {f"conv.{i}": self.conv[i].copy() for i in self.layers}
-        out.update({f"ssm.{i}": self.ssm[i].copy() for i in self.layers})
+        out = {f"conv.{i}": host_copy(self.conv[i]) for i in self.layers}
+        out.update({f"ssm.{i}": host_copy(self.ssm[i]) for i in self.layers})
         return out
 
     def load(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
@@ -207,9 +207,9 @@ class RecurrentState:
         for i in self.layers:
             for name, dst in ((f"conv.{i}", self.conv[i]), (f"ssm.{i}", self.ssm[i])):
                 a = np.asarray(arrays.get(name, np.zeros(0)))
-                if a.shape != dst.shape:
-                    raise ValueError(f"saved state {name} has shape {a.shape}, expected {dst.shape}")
-                dst[...] = a
+                if a.shape != tuple(dst.shape):
+                    raise ValueError(f"saved state {name} has shape {a.shape}, expected {tuple(dst.shape)}")
+                assign(dst, a)
         self.n_tokens = n_tokens
         self.kept.clear()
         self.rollback.clear()
@@ -235,6 +235,32 @@ class RecurrentState:
         self.kept.move_to_end(m)
         while len(self.kept) > self.max_kept:
             self.kept.popitem(last=False)
+
+
+# A layer's arrays are numpy, or GPUArrays once an offloaded layer ran there
+# (edgeinfer.backends.cuda_recurrence): these four work on either.
+def assign(dst, src) -> None:
+    """dst[...] = src, across host and VRAM."""
+    if isinstance(dst, np.ndarray):
+        dst[...] = src if isinstance(src, np.ndarray) else src.get()
+    elif isinstance(src, np.ndarray):
+        dst.set(np.ascontiguousarray(src, np.float32))
+    else:
+        import pycuda.driver as drv
+
+        drv.memcpy_dtod(int(dst.gpudata), int(src.gpudata), dst.nbytes)
+
+
+def host_copy(a) -> np.ndarray:
+    return a.copy() if isinstance(a, np.ndarray) else a.get()
+
+
+def host_snapshot(snap: tuple[dict, dict]) -> tuple[dict, dict]:
+    """A snapshot with every layer's arrays in host memory (the state cache keeps them there)."""
+    convs, ssms = snap
+    if all(isinstance(a, np.ndarray) for a in (*convs.values(), *ssms.values())):
+        return snap
+    return {i: host_copy(a) for i, a in convs.items()}, {i: host_copy(a) for i, a in ssms.items()}
 
 
 def state_of(kv) -> RecurrentState | None:
