@@ -256,3 +256,36 @@ def test_a_failed_forward_leaves_a_state_that_is_cut_back(model):
     want = cold_greedy(eng, model.tokenizer, [5, 6, 7, 8, 9], 3)
     logits = eng.decode(9, kv)
     assert int(np.argmax(logits)) == want[0]
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_the_three_api_dialects_serve_the_family(tmp_path):
+    """OpenAI, Ollama and llama-server requests on a qwen35 model: each answers as the Python
+    API does, and a resent conversation reuses the prefix through the recurrent state."""
+    from starlette.testclient import TestClient
+
+    from edgeinfer.server import ServerConfig, create_app
+
+    path = write_tiny_model(tmp_path / "q35-chat.gguf", "qwen35", "F32", vocab=bpe_vocab("qwen35"),
+                            shape=TinyShape(n_layer=4), chat_template=CHATML)
+    model = edgeinfer.load(str(path), backend="reference", n_ctx=256)
+    direct = edgeinfer.load(str(path), backend="reference", n_ctx=256)
+    messages = [{"role": "user", "content": "hello there"}]
+    want = direct.chat(messages, max_tokens=6, temperature=0).text
+    with TestClient(create_app(ServerConfig(model_name="q35"), model), base_url="http://127.0.0.1") as c:
+        r = c.post("/v1/chat/completions", json={"model": "q35", "messages": messages, "max_tokens": 6,
+                                                  "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want
+        again = messages + [{"role": "assistant", "content": want}, {"role": "user", "content": "and then?"}]
+        r = c.post("/api/chat", json={"model": "q35", "messages": again, "stream": False,
+                                       "options": {"num_predict": 6, "temperature": 0}})
+        assert r.status_code == 200
+        assert r.json()["message"]["content"] == direct.chat(again, max_tokens=6, temperature=0).text
+        r = c.post("/completion", json={"prompt": "hello there", "n_predict": 6, "temperature": 0,
+                                         "cache_prompt": True})
+        assert r.status_code == 200
+        assert r.json()["content"] == direct.generate("hello there", max_tokens=6, temperature=0).text
+    assert model.stats()["cached_tokens"] > 0  # the second chat turn reused the first's prefix

@@ -142,6 +142,29 @@ async def test_send_streams_the_greedy_answer_and_saves_it(tiny, store):
     assert saved.sampling["temperature"] == 0.0 and saved.sampling["max_tokens"] == 16
 
 
+async def test_a_hybrid_model_chats_in_the_tui(tmp_path, store):
+    """qwen35 (K/V and a recurrent state per sequence): two turns stream the greedy answers,
+    the second resuming from the first's state."""
+    from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
+
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    path = str(write_tiny_model(tmp_path / "q35.gguf", "qwen35", "F32", vocab=bpe_vocab("qwen35"),
+                                shape=TinyShape(n_layer=4), chat_template=template))
+    app = make_app(path, store)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await send(app, pilot, "hello there")
+        first = direct_answer(path, [{"role": "user", "content": "hello there"}])
+        assert app.conv.messages[-1]["content"] == first.text
+        await send(app, pilot, "and then?")
+        history = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first.text},
+                   {"role": "user", "content": "and then?"}]
+        assert app.conv.messages[-1]["content"] == direct_answer(path, history).text
+        assert app.model.stats()["cached_tokens"] > 0
+        assert not errors(app)
+
+
 async def test_newline_key_and_input_usable_while_answering(tiny, store):
     gate = threading.Event()  # holds the answer after its first piece, so "while answering" is certain
     app = RecordingApp(tiny, load_model=gated_loader(gate), store=store, sampling=dict(GREEDY), n_ctx=256)
