@@ -106,3 +106,15 @@ def test_qwen35_pre_tokenizer_matches_llama_cpp(tmp_path, text):
     want = ref.tokenize(text.encode(), add_bos=False, special=False)
     assert tok.tokenize(text, add_special=False) == want
     assert tok.tokenize_reference(text, add_special=False) == want
+
+
+def test_the_gpu_plan_counts_states_not_kv_for_recurrent_layers(tmp_path):
+    from edgeinfer.backends.offload import STATE_COPIES, model_sizes_from_gguf
+
+    mf = open_model(_file(tmp_path, n_layer=4, full_attention_interval=2))
+    cfg, sizes = mf.config, model_sizes_from_gguf(mf.gguf, mf.config)
+    dn = cfg.delta_net
+    state = STATE_COPIES * 4 * (int(np.prod(dn.conv_state_shape)) + int(np.prod(dn.ssm_state_shape)))
+    tensors = [sum(t.n_bytes for n, t in mf.gguf.tensors.items() if n.startswith(f"blk.{i}.")) for i in range(4)]
+    assert sizes.kv_values_per_token == (0, 2 * cfg.kv_dim, 0, 2 * cfg.kv_dim)
+    assert list(sizes.layer_weights) == [tensors[0] + state, tensors[1], tensors[2] + state, tensors[3]]

@@ -29,6 +29,7 @@ goes, so that the experts of the first N layers stay on the CPU. `n_cpu_moe` fix
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -151,6 +152,8 @@ def model_sizes_from_gguf(gguf: "GGUFFile", cfg: "ModelConfig") -> ModelSizes:
                 experts[int(m.group(1))] += info.n_bytes
             else:
                 layers[int(m.group(1))] += info.n_bytes
+    for i in range(cfg.n_layer):  # an offloaded DeltaNet layer keeps its state in VRAM
+        layers[i] += recurrent_state_bytes(cfg, i)
     head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     output = gguf.tensors[head].n_bytes
     if "output_norm.weight" in gguf.tensors:
@@ -173,16 +176,29 @@ def estimate_model_sizes(cfg: "ModelConfig", bits_per_weight: float = 4.85) -> M
                         + cfg.n_head * cfg.head_dim_v * cfg.n_embd + 3 * cfg.n_embd * cfg.n_ff)
     layer = int(per_layer_params * bits_per_weight / 8) + 2 * cfg.n_embd * 4
     output = int(cfg.n_vocab * cfg.n_embd * bits_per_weight / 8) + cfg.n_embd * 4
-    return ModelSizes((layer,) * cfg.n_layer, output, _kv_values_per_layer(cfg),
+    return ModelSizes(tuple(layer + recurrent_state_bytes(cfg, i) for i in range(cfg.n_layer)), output,
+                      _kv_values_per_layer(cfg),
                       _scratch_values_per_row(cfg), cfg.n_vocab)
 
 
 def _kv_values_per_layer(cfg: "ModelConfig") -> tuple[int, ...]:
     """K + V values each layer adds per token: its own head sizes, and 0 for a layer that
-    reads an earlier layer's K/V (gemma4's shared K/V is counted once, at its owner).
-    Recurrent layers keep the attention layers' count, as the plan always reserved."""
-    full = kv_values_per_token(cfg)
-    return tuple(full if cfg.is_recurrent(i) else kv_values_per_token(cfg, i) for i in range(cfg.n_layer))
+    reads an earlier layer's K/V (gemma4's shared K/V is counted once, at its owner) or keeps
+    a recurrent state instead (counted with the layer's weights: recurrent_state_bytes)."""
+    return tuple(0 if cfg.is_recurrent(i) else kv_values_per_token(cfg, i) for i in range(cfg.n_layer))
+
+
+STATE_COPIES = 2  # a DeltaNet layer's live state and one snapshot a pass takes, in VRAM
+
+
+def recurrent_state_bytes(cfg: "ModelConfig", layer: int) -> int:
+    """VRAM an offloaded DeltaNet layer's state takes (float32 conv window and delta-rule
+    state, STATE_COPIES of them); 0 for other layers. A speculative verify pass keeps one
+    more copy per drafted token while it runs."""
+    if not cfg.is_recurrent(layer):
+        return 0
+    dn = cfg.delta_net
+    return STATE_COPIES * 4 * (math.prod(dn.conv_state_shape) + math.prod(dn.ssm_state_shape))
 
 
 # -- the plan -----------------------------------------------------------------------------
