@@ -108,8 +108,16 @@ def test_proposals_equal_the_block_run_from_scratch(mtp_file):
     np.testing.assert_allclose(np.array(logits), np.array(want), rtol=0, atol=2e-3)
 
 
-def test_speculation_keeps_greedy_and_seeded_output(mtp_file):
-    plain, spec = _load(mtp_file), _load(mtp_file, draft="mtp", draft_p_min=0.0)
+@pytest.fixture(scope="module")
+def moe_mtp_file(tmp_path_factory):  # qwen35moe: the MTP block's FFN is a mixture of experts
+    return str(write_tiny_model(tmp_path_factory.mktemp("mtp") / "qwen35moe-mtp.gguf", "qwen35moe", "Q8_0",
+                                vocab=bpe_vocab("qwen35"), shape=TinyShape(n_layer=4, nextn=1)))
+
+
+@pytest.mark.parametrize("which", ["mtp_file", "moe_mtp_file"])
+def test_speculation_keeps_greedy_and_seeded_output(which, request):
+    path = request.getfixturevalue(which)
+    plain, spec = _load(path), _load(path, draft="mtp", draft_p_min=0.0)
     rng = np.random.default_rng(5)
     for _ in range(3):
         prompt = random_ids(rng, 21, plain.config.n_vocab)
@@ -117,6 +125,7 @@ def test_speculation_keeps_greedy_and_seeded_output(mtp_file):
             plain.generate(prompt, max_tokens=32, temperature=0).tokens
         kw = dict(max_tokens=24, temperature=0.9, seed=11)
         assert spec.generate(prompt, **kw).tokens == plain.generate(prompt, **kw).tokens
+    assert spec.stats()["requests"] == 6
 
 
 def test_a_file_without_the_block_is_refused(tmp_path):

@@ -262,14 +262,15 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def test_the_three_api_dialects_serve_the_family(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_the_three_api_dialects_serve_the_family(tmp_path, arch):
     """OpenAI, Ollama and llama-server requests on a qwen35 model: each answers as the Python
     API does, and a resent conversation reuses the prefix through the recurrent state."""
     from starlette.testclient import TestClient
 
     from edgeinfer.server import ServerConfig, create_app
 
-    path = write_tiny_model(tmp_path / "q35-chat.gguf", "qwen35", "F32", vocab=bpe_vocab("qwen35"),
+    path = write_tiny_model(tmp_path / "q35-chat.gguf", arch, "F32", vocab=bpe_vocab("qwen35"),
                             shape=TinyShape(n_layer=4), chat_template=CHATML)
     model = edgeinfer.load(str(path), backend="reference", n_ctx=256)
     direct = edgeinfer.load(str(path), backend="reference", n_ctx=256)
