@@ -10,15 +10,12 @@ recurrent), so a decode step moves no state over the bus.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from edgeinfer.backends.device_tensor import DeviceTensor
 from edgeinfer.kernels_cuda import launch
-
-if TYPE_CHECKING:
-    from edgeinfer.backends.hybrid import HybridBackend
 
 
 def to_vram(a: Any) -> Any:
@@ -43,8 +40,8 @@ def _rows_dtod(dst, dst_row: int, src, src_row: int, n: int) -> None:
 class CudaRecurrence:
     """The recurrence of the hybrid backend's offloaded DeltaNet layers."""
 
-    def __init__(self, backend: "HybridBackend") -> None:
-        self.backend = backend
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend  # the hybrid backend: to_device, cuda.upload_vector_array (no import: a cycle)
         self._weights: dict[int, Any] = {}  # id of the host conv weight -> its VRAM copy
 
     def run_layer(self, state, i: int, qkv, b, a, dt_bias, ssm_a, w_t, eps: float, shape) -> DeviceTensor:
