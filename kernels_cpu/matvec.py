@@ -193,8 +193,13 @@ def matvec(w_raw: np.ndarray, qtype: T, x: np.ndarray, out: np.ndarray | None = 
     if qt == qk.F32:  # ggml's order: a router's choice of experts hangs on these bits
         f32_ggml.matvec(w_raw.view(np.float32), x, out)
         return out
-    if qt in (qk.F16, qk.BF16):
-        qk.matvec_half_kernel(w_raw.view(np.uint16), qt == qk.BF16, x, out)
+    if qt == qk.F16:
+        from .matvec_half_ir import matvec_f16
+
+        matvec_f16(w_raw.view(np.uint16), x, out)
+        return out
+    if qt == qk.BF16:
+        qk.matvec_half_kernel(w_raw.view(np.uint16), True, x, out)
         return out
     xq, xd, xs = quantize_activations(x, info)
     if _fast(qt):

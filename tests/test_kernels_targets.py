@@ -57,6 +57,14 @@ for qt, n_rows, n_cols in cases:
     err = np.abs(y - W @ xq)
     if not np.all(err <= tol):
         sys.exit(f"{qt.name}: max err {err.max()} rows {np.nonzero(err > tol)[0]}")
+# F16 rows (vcvtph2ps, or integer conversion without F16C) with a 32-value tail and specials
+wh = (rng.standard_normal((13, 100)) * 0.5).astype(np.float16)
+wh[0, :4] = [6e-8, -0.0, 6.5e4, 1e-5]
+x = rng.standard_normal(100).astype(np.float32)
+y = K.matvec(wh.view(np.uint8).reshape(13, -1), T.F16, x)
+if not np.allclose(y, wh.astype(np.float64) @ x, rtol=1e-5, atol=1e-4):
+    sys.exit("F16 matvec off the float64 product")
+results["F16_13x100"] = y
 # Q4_K_X8, the backend's interleaved copy (the 256-bit loop off AVX-512): the plain layout's bits
 from edgeinfer.kernels_cpu import repack
 for n_rows, n_cols in ((16, 1024), (8, 14336)):
