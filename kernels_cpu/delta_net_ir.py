@@ -25,7 +25,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .ir_helpers import F32T, I32, I64, counted_loop, vec
+from .ir_helpers import F32T, I32, I64, counted_loop, reduce_f32x8, vec
 
 _V8 = vec(F32T, 8)
 
@@ -45,19 +45,6 @@ def _lane_vec(b, base, c, q):
     """Pointer to floats c*32 + 8q .. +8 of base (float*) as <8 x float>*."""
     off = b.add(b.mul(c, ir.Constant(I64, 32)), ir.Constant(I64, 8 * q))
     return b.bitcast(b.gep(base, [off]), _V8.as_pointer())
-
-
-def _reduce(b, accs):
-    """GGML_F32x8_REDUCE: (x0 + x2) + (x1 + x3), halves added, then two horizontal adds."""
-    x = b.fadd(b.fadd(accs[0], accs[2]), b.fadd(accs[1], accs[3]))
-
-    def pick(v, idx):
-        return b.shuffle_vector(v, v, ir.Constant(vec(I32, len(idx)), list(idx)))
-
-    t = b.fadd(pick(x, range(4)), pick(x, range(4, 8)))
-    t01 = b.fadd(b.extract_element(t, ir.Constant(I32, 0)), b.extract_element(t, ir.Constant(I32, 1)))
-    t23 = b.fadd(b.extract_element(t, ir.Constant(I32, 2)), b.extract_element(t, ir.Constant(I32, 3)))
-    return b.fadd(t01, t23)
 
 
 @intrinsic
@@ -104,7 +91,7 @@ def rows_step(typingctx, m_addr, k_addr, q_addr, eg, v_addr, beta, scale, n_chun
         d8 = []
         for r in range(ROWS):
             vj = b.load(b.gep(v, [ir.Constant(I64, r)]), align=4)
-            d8.append(_splat(b, b.fmul(b.fsub(vj, _reduce(b, acc_k[4 * r:4 * r + 4])), betav)))
+            d8.append(_splat(b, b.fmul(b.fsub(vj, reduce_f32x8(b, acc_k[4 * r:4 * r + 4])), betav)))
 
         def update_and_q(c, accs):
             out = list(accs)
@@ -120,7 +107,7 @@ def rows_step(typingctx, m_addr, k_addr, q_addr, eg, v_addr, beta, scale, n_chun
 
         acc_q = counted_loop(b, n, 1, [zero] * (4 * ROWS), update_and_q, "dn.q")
         for r in range(ROWS):
-            b.store(b.fmul(_reduce(b, acc_q[4 * r:4 * r + 4]), scalev), b.gep(out, [ir.Constant(I64, r)]), align=4)
+            b.store(b.fmul(reduce_f32x8(b, acc_q[4 * r:4 * r + 4]), scalev), b.gep(out, [ir.Constant(I64, r)]), align=4)
         return context.get_dummy_value()
 
     return sig, codegen

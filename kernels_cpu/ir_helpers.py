@@ -267,6 +267,15 @@ class IRHelpers:
         return self.b.call(fn, [a, x, acc])
 
 
+def reduce_f32x8(b, accs):
+    """GGML_F32x8_REDUCE of four <8 x float> accumulators (ggml_vec_dot_f32/f16 on AVX2):
+    (x0 + x2) + (x1 + x3), the halves added, then two horizontal adds."""
+    x = b.fadd(b.fadd(accs[0], accs[2]), b.fadd(accs[1], accs[3]))
+    t = b.fadd(b.shuffle_vector(x, x, mask(range(4))), b.shuffle_vector(x, x, mask(range(4, 8))))
+    e = [b.extract_element(t, ir.Constant(I32, k)) for k in range(4)]
+    return b.fadd(b.fadd(e[0], e[1]), b.fadd(e[2], e[3]))
+
+
 def target_features(context) -> set[str]:
     """Features of the CPU Numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, else the host).
 

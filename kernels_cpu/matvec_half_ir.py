@@ -15,23 +15,11 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .ir_helpers import F32T, I16, I32, I64, IRHelpers, counted_loop, target_features, vec
+from .ir_helpers import F32T, I16, I64, IRHelpers, counted_loop, reduce_f32x8, target_features, vec
 from .quant_kernels import f16
 
 _V8 = vec(F32T, 8)
 _JIT = dict(cache=True, nogil=True)
-
-
-def _reduce(b, accs):
-    """GGML_F32x8_REDUCE: (x0 + x2) + (x1 + x3), halves added, then two horizontal adds."""
-    x = b.fadd(b.fadd(accs[0], accs[2]), b.fadd(accs[1], accs[3]))
-
-    def pick(v, idx):
-        return b.shuffle_vector(v, v, ir.Constant(vec(I32, len(idx)), list(idx)))
-
-    t = b.fadd(pick(x, range(4)), pick(x, range(4, 8)))
-    e = [b.extract_element(t, ir.Constant(I32, k)) for k in range(4)]
-    return b.fadd(b.fadd(e[0], e[1]), b.fadd(e[2], e[3]))
 
 
 @intrinsic
@@ -54,7 +42,7 @@ def dot_f16_row(typingctx, w_addr, x_addr, n_chunks):
                 out.append(h.fma(wv, xv, accs[lane]))
             return out
 
-        return _reduce(b, counted_loop(b, args[2], 1, [zero] * 4, step, "f16dot"))
+        return reduce_f32x8(b, counted_loop(b, args[2], 1, [zero] * 4, step, "f16dot"))
 
     return sig, codegen
 
