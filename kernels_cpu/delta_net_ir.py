@@ -25,20 +25,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .ir_helpers import F32T, I32, I64, counted_loop, reduce_f32x8, vec
+from .ir_helpers import F32T, I64, IRHelpers, counted_loop, reduce_f32x8, target_features, vec
 
 _V8 = vec(F32T, 8)
-
-
-def _fma(b, x, y, acc):
-    name = "llvm.fma.v8f32"
-    fn = b.module.globals.get(name) or ir.Function(b.module, ir.FunctionType(_V8, [_V8] * 3), name)
-    return b.call(fn, [x, y, acc])
-
-
-def _splat(b, s):
-    v = b.insert_element(ir.Constant(_V8, ir.Undefined), s, ir.Constant(I32, 0))
-    return b.shuffle_vector(v, ir.Constant(_V8, ir.Undefined), ir.Constant(vec(I32, 8), [0] * 8))
 
 
 def _lane_vec(b, base, c, q):
@@ -71,12 +60,13 @@ def rows_step(typingctx, m_addr, k_addr, q_addr, eg, v_addr, beta, scale, n_chun
 
     def codegen(context, b, sig, args):
         m_a, k_a, q_a, egv, v_a, betav, scalev, n, o_a = args
+        h = IRHelpers(b, target_features(context))
         fp = F32T.as_pointer()
         m0, k, q, v, out = (b.inttoptr(a, fp) for a in (m_a, k_a, q_a, v_a, o_a))
         row_len = b.mul(n, ir.Constant(I64, 32))
         rows = [b.gep(m0, [b.mul(row_len, ir.Constant(I64, r))]) for r in range(ROWS)]
         zero = ir.Constant(_V8, [0.0] * 8)
-        eg8 = _splat(b, egv)
+        eg8 = h.splat(egv, 8)
 
         def decay_and_k(c, accs):
             out = list(accs)
@@ -84,14 +74,14 @@ def rows_step(typingctx, m_addr, k_addr, q_addr, eg, v_addr, beta, scale, n_chun
                 kc = b.load(_lane_vec(b, k, c, lane), align=4)
                 for r, m in enumerate(rows):
                     x = b.fmul(b.load(_lane_vec(b, m, c, lane), align=4), eg8)  # stored by pass 2
-                    out[4 * r + lane] = _fma(b, x, kc, accs[4 * r + lane])
+                    out[4 * r + lane] = h.fma(x, kc, accs[4 * r + lane])
             return out
 
         acc_k = counted_loop(b, n, 1, [zero] * (4 * ROWS), decay_and_k, "dn.k")
         d8 = []
         for r in range(ROWS):
             vj = b.load(b.gep(v, [ir.Constant(I64, r)]), align=4)
-            d8.append(_splat(b, b.fmul(b.fsub(vj, reduce_f32x8(b, acc_k[4 * r:4 * r + 4])), betav)))
+            d8.append(h.splat(b.fmul(b.fsub(vj, reduce_f32x8(b, acc_k[4 * r:4 * r + 4])), betav), 8))
 
         def update_and_q(c, accs):
             out = list(accs)
@@ -100,9 +90,9 @@ def rows_step(typingctx, m_addr, k_addr, q_addr, eg, v_addr, beta, scale, n_chun
                 qc = b.load(_lane_vec(b, q, c, lane), align=4)
                 for r, m in enumerate(rows):
                     mp = _lane_vec(b, m, c, lane)
-                    x = _fma(b, kc, d8[r], b.fmul(b.load(mp, align=4), eg8))
+                    x = h.fma(kc, d8[r], b.fmul(b.load(mp, align=4), eg8))
                     b.store(x, mp, align=4)
-                    out[4 * r + lane] = _fma(b, x, qc, accs[4 * r + lane])
+                    out[4 * r + lane] = h.fma(x, qc, accs[4 * r + lane])
             return out
 
         acc_q = counted_loop(b, n, 1, [zero] * (4 * ROWS), update_and_q, "dn.q")

@@ -235,18 +235,23 @@ def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_s
     return out
 
 
+def copy_rows_between(dst, dst_row: int, src, src_row: int, n: int) -> None:
+    """dst[dst_row:dst_row + n] = src[src_row:src_row + n] along the first axis, device to
+    device: C-contiguous arrays with rows of one size, so one cuMemcpyDtoD."""
+    if n <= 0:
+        return
+    import pycuda.driver as drv
+
+    row = src.nbytes // src.shape[0]
+    drv.memcpy_dtod(int(dst.gpudata) + dst_row * row, int(src.gpudata) + src_row * row, n * row)
+
+
 def copy_rows(cache, src: int, dst: int, n: int) -> None:
     """cache[dst:dst + n] = cache[src:src + n] along the first axis, device to device.
 
     `cache` is C-contiguous (a flat K/V or position pool: rows of whole slots), so a run of rows
     is one contiguous byte range: one cuMemcpyDtoD, no kernel (copy-on-write of a block)."""
-    if n <= 0:
-        return
-    import pycuda.driver as drv
-
-    row = cache.nbytes // cache.shape[0]
-    base = int(cache.gpudata)
-    drv.memcpy_dtod(base + dst * row, base + src * row, n * row)
+    copy_rows_between(cache, dst, cache, src, n)
 
 
 # -- gated DeltaNet (recurrent.cu) -------------------------------------------------------------

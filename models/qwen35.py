@@ -47,6 +47,7 @@ class Qwen35(Transformer):
         super().__init__(config, gguf, backend)
         from edgeinfer.kernels_cpu import delta_net  # Numba: not at import, the CLI and server start light
 
+        self.delta_net = delta_net
         self.dn = delta_net.ops_for(backend.name)
         self._conv_w: dict[int, np.ndarray] = {}
         self._unrotated = _unrotated_pairs(config.rope_dims, config.rope_sections)
@@ -196,25 +197,17 @@ class Qwen35(Transformer):
         args = (kv.recurrent, i, qkv, b, a, be.vector(p + "ssm_dt.bias"), be.vector(p + "ssm_a"),
                 self.conv_weight(i), cfg.norm_eps, dn)
         on_device = be.recurrence(i, dn.head_k_dim)  # an offloaded layer: the recurrence and its state in VRAM
-        out = on_device.run_layer(*args) if on_device is not None else self._run_layer(self.dn, *args)
+        out = on_device.run_layer(*args) if on_device is not None else self.delta_net.run_layer(self.dn, *args)
         out = be.rms_norm(out, p + "ssm_norm.weight", cfg.norm_eps)
         out = be.silu_mul(z.reshape(n, dn.n_v_heads, dn.head_v_dim), out)
         return be.linear(p + "ssm_out.weight", out.reshape(n, -1))
-
-    @staticmethod
-    def _run_layer(ops, *args):
-        from edgeinfer.kernels_cpu.delta_net import run_layer
-
-        return run_layer(ops, *args)
 
     def conv_weight(self, i: int) -> np.ndarray:
         """ssm_conv1d of layer i as the conv kernels read it: float32 (conv_kernel, conv_dim)."""
         w = self._conv_w.get(i)
         if w is None:
             dn = self.config.delta_net
-            from edgeinfer.kernels_cpu.delta_net import conv_weight_t
-
-            w = self._conv_w[i] = conv_weight_t(
+            w = self._conv_w[i] = self.delta_net.conv_weight_t(
                 self.backend.vector(f"blk.{i}.ssm_conv1d.weight").reshape(dn.conv_dim, dn.conv_kernel))
         return w
 

@@ -87,7 +87,7 @@ class Backend:
         """x (n, n_cols) @ W^T -> (n, n_rows) for the GGUF matrix `name`."""
         raise NotImplementedError
 
-    def recurrence(self, layer: int, head_dim: int = 128):
+    def recurrence(self, layer: int, head_dim: int):
         """What runs a recurrent (DeltaNet) layer's recurrence on this backend's own device, with
         its state there (edgeinfer.backends.cuda_recurrence), or None: the host kernels."""
         return None

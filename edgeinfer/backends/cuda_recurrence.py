@@ -27,16 +27,6 @@ def to_vram(a: Any) -> Any:
     return a
 
 
-def _rows_dtod(dst, dst_row: int, src, src_row: int, n: int) -> None:
-    """dst[dst_row:dst_row + n] = src[src_row:src_row + n] (C-contiguous, same row size)."""
-    if n <= 0:
-        return
-    import pycuda.driver as drv
-
-    row = src.nbytes // src.shape[0]
-    drv.memcpy_dtod(int(dst.gpudata) + dst_row * row, int(src.gpudata) + src_row * row, n * row)
-
-
 class CudaRecurrence:
     """The recurrence of the hybrid backend's offloaded DeltaNet layers."""
 
@@ -54,13 +44,13 @@ class CudaRecurrence:
         window = state.conv[i]
         W, C = window.shape
         inp = launch.zeros((W + n, C))
-        _rows_dtod(inp, 0, window, 0, W)
-        _rows_dtod(inp, W, qkv.reshape(n, C), 0, n)
+        launch.copy_rows_between(inp, 0, window, 0, W)
+        launch.copy_rows_between(inp, W, qkv.reshape(n, C), 0, n)
         xc = launch.conv_silu(inp, self._weight(w_t))
         conv_snaps = launch.zeros((max(len(snap_at), 1), W, C))
         for j, m in enumerate(snap_at):  # the window after m tokens: rows m .. m + W - 1 of inp
-            _rows_dtod(conv_snaps[j], 0, inp, int(m), W)
-        _rows_dtod(window, 0, inp, n, W)
+            launch.copy_rows_between(conv_snaps[j], 0, inp, int(m), W)
+        launch.copy_rows_between(window, 0, inp, n, W)
         q, k, v = launch.qkv_split_norm(xc, shape.n_k_heads, shape.n_v_heads, shape.head_k_dim, eps)
         snaps_dev = None
         if len(snap_at):

@@ -83,7 +83,7 @@ class HybridBackend(Backend):
     def vector(self, name: str) -> np.ndarray:
         return self.cpu.vector(name)
 
-    def recurrence(self, layer: int, head_dim: int = 128):
+    def recurrence(self, layer: int, head_dim: int):
         """An offloaded DeltaNet layer's recurrence runs in VRAM (None: on the host)."""
         if self._layer_side(layer) != CUDA or not launch.delta_net_supports(head_dim):
             return None

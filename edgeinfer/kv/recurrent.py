@@ -246,9 +246,9 @@ def assign(dst, src) -> None:
     elif isinstance(src, np.ndarray):
         dst.set(np.ascontiguousarray(src, np.float32))
     else:
-        import pycuda.driver as drv
+        from edgeinfer.kernels_cuda.launch import copy_rows_between
 
-        drv.memcpy_dtod(int(dst.gpudata), int(src.gpudata), dst.nbytes)
+        copy_rows_between(dst, 0, src, 0, dst.shape[0])
 
 
 def host_copy(a) -> np.ndarray:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.kv.prefix_cache import common_prefix_len
 from edgeinfer.kv.paged import PagedKVCache
+from edgeinfer.speculative.drafter import confident_argmax
 
 
 def check_same_vocab(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int,
@@ -71,12 +70,9 @@ class DraftModel:
         self.held = list(context)
         out: list[int] = []
         while True:
-            tok = int(np.argmax(logits))
-            if self.p_min > 0:
-                x = np.asarray(logits, dtype=np.float64)
-                p_top = 1.0 / np.exp(x - x[tok]).sum()
-                if p_top < self.p_min:
-                    break
+            tok = confident_argmax(logits, self.p_min)
+            if tok is None:
+                break
             out.append(tok)
             if len(out) >= k:
                 break

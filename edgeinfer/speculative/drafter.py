@@ -60,6 +60,16 @@ from edgeinfer.sampling import InvalidParameterError
 MAX_DRAFT = 63  # verify batches of up to 64 rows take the decode path's arithmetic
 
 
+def confident_argmax(logits: np.ndarray, p_min: float) -> int | None:
+    """The argmax token of `logits`, or None when its probability is below p_min (a model
+    drafter's stop rule)."""
+    x = np.asarray(logits, dtype=np.float64)
+    tok = int(np.argmax(x))
+    if p_min > 0 and 1.0 / np.exp(x - x[tok]).sum() < p_min:
+        return None
+    return tok
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """Proposes tokens; one instance serves one request at a time."""

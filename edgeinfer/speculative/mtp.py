@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from edgeinfer.kv.prefix_cache import common_prefix_len
-from edgeinfer.speculative.drafter import MAX_DRAFT
+from edgeinfer.speculative.drafter import MAX_DRAFT, confident_argmax
 
 
 class MtpDrafter:
@@ -91,9 +91,8 @@ class MtpDrafter:
         while len(out) < k:
             logits, h_out = self.head.forward(np.array([token]), np.array([pos]), h[None, :], self.kv)
             self.held.append(token)
-            x = np.asarray(logits[0], dtype=np.float64)
-            token = int(np.argmax(x))
-            if self.p_min > 0 and 1.0 / np.exp(x - x[token]).sum() < self.p_min:
+            token = confident_argmax(logits[0], self.p_min)
+            if token is None:
                 break
             out.append(token)
             h, pos = h_out[0], pos + 1
