@@ -65,12 +65,6 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
                 raise CacheTypeError(f"--cache-type-k/--cache-type-v: quantized K/V ({options.cache_types}) run on "
                                      f"the CPU only for now: use -ngl 0, or f16")
             gpu_layers = 0
-        why = _cpu_only(mf.config)
-        if why and gpu_layers != 0:
-            if isinstance(gpu_layers, int) and gpu_layers > 0:
-                print(f"edgeinfer: {mf.config.arch} runs on the CPU only for now ({why}): "
-                      f"-ngl {gpu_layers} ignored", file=sys.stderr)
-            gpu_layers = 0
         plan = plan_for_model(mf.gguf, mf.config, options.n_ctx, gpu_layers=gpu_layers,
                               prefill_rows=options.prefill_chunk + options.prefill_chunk // 4,
                               n_cpu_moe=options.n_cpu_moe)
@@ -81,13 +75,6 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
 
         return make_hybrid(mf.gguf, plan, cpu), plan
     raise EdgeInferError(f"unknown backend {options.backend!r} (choose from {', '.join(BACKENDS)})")
-
-
-def _cpu_only(cfg) -> str | None:
-    """Why this model cannot offload layers to the GPU yet (None: it can)."""
-    if cfg.kv_source_layers or not cfg.uniform_heads or cfg.n_ff_layers:
-        return "its shared K/V layers and per-layer head sizes are not in the GPU path yet"
-    return None
 
 
 class Engine:

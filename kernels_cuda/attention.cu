@@ -15,13 +15,18 @@
 //                            in shared memory; online softmax; GQA by head // group.
 //   paged_decode_attention:  one (query, head) per block; 4 warps split the keys, each with
 //                            its own online softmax, merged at the end (flash-decoding).
-// q: (n_q, n_head, hd) f32, prescaled inside; out: (n_q, n_head, hd_v) f32. hd even, <= 256.
+//   paged_decode_attention_wide: the same for head dims up to 512 (Gemma 4's global layers),
+//                            for any number of queries: the prefill kernel's K/V tiles of
+//                            512 would not fit a block's 48 KiB of shared memory.
+// q: (n_q, n_head, hd) f32, prescaled inside; out: (n_q, n_head, hd_v) f32. hd even, <= 256
+// (<= 512 for the wide kernel).
 #include <cuda_fp16.h>
 #include <math_constants.h>
 #include <limits.h>
 #include <stdint.h>
 
-#define MAX_HD 256
+#define MAX_HD 256       // the prefill kernel and paged_decode_attention
+#define MAX_HD_WIDE 512  // paged_decode_attention_wide
 #define PER_LANE (MAX_HD / 32)
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -50,23 +55,25 @@ __device__ __forceinline__ bool visible(int kp, int qp, int window) {
     return kp <= qp && (window <= 0 || qp - kp < window);
 }
 
-// One warp's running softmax state; lane owns output dims lane, lane+32, ...
+// One warp's running softmax state; lane owns output dims lane, lane+32, ... (NL of them)
+template <int NL = PER_LANE>
 struct Online {
     float m, l;
-    float o[PER_LANE];
+    float o[NL];
 };
 
-__device__ __forceinline__ void online_init(Online& st) {
+template <int NL>
+__device__ __forceinline__ void online_init(Online<NL>& st) {
     st.m = -CUDART_INF_F;
     st.l = 0.0f;
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) st.o[i] = 0.0f;
+    for (int i = 0; i < NL; ++i) st.o[i] = 0.0f;
 }
 
 // Fold one tile of up to 32 keys into st. Lane j scored key j (score = -inf when masked);
 // vrow(j) gives key j's V row. Returns without work when the whole tile is masked.
-template <typename VRow>
-__device__ __forceinline__ void online_update(Online& st, float score, int hd_v, VRow vrow) {
+template <int NL, typename VRow>
+__device__ __forceinline__ void online_update(Online<NL>& st, float score, int hd_v, VRow vrow) {
     const int lane = threadIdx.x & 31;
     const float tmax = warp_max(score);
     if (tmax == -CUDART_INF_F) return;
@@ -75,13 +82,13 @@ __device__ __forceinline__ void online_update(Online& st, float score, int hd_v,
     const float p = score == -CUDART_INF_F ? 0.0f : __expf(score - m_new);
     st.l = st.l * corr + warp_sum(p);
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) st.o[i] *= corr;
+    for (int i = 0; i < NL; ++i) st.o[i] *= corr;
     for (int j = 0; j < 32; ++j) {
         const float pj = __shfl_sync(0xffffffffu, p, j);
         if (pj == 0.0f) continue;  // warp-uniform: pj is a broadcast
         const __half* v = vrow(j);
 #pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
+        for (int i = 0; i < NL; ++i) {
             const int d = lane + 32 * i;
             if (d < hd_v) st.o[i] += pj * __half2float(v[d]);
         }
@@ -90,12 +97,13 @@ __device__ __forceinline__ void online_update(Online& st, float score, int hd_v,
 }
 
 // An attention sink (gpt-oss): one more logit in the softmax, with no value row.
-__device__ __forceinline__ void sink_fold(Online& st, float sink) {
+template <int NL>
+__device__ __forceinline__ void sink_fold(Online<NL>& st, float sink) {
     const float m_new = fmaxf(st.m, sink);
     const float corr = st.m == -CUDART_INF_F ? 0.0f : __expf(st.m - m_new);
     st.l = st.l * corr + __expf(sink - m_new);
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) st.o[i] *= corr;
+    for (int i = 0; i < NL; ++i) st.o[i] *= corr;
     st.m = m_new;
 }
 
@@ -131,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     const int qp = active ? qpos[qi] : 0;
     for (int d = lane; d < hd; d += 32)
         qs[warp][d] = active ? q[((long long)qi * n_head + head) * hd + d] * scale : 0.0f;
-    Online st;
+    Online<> st;
     online_init(st);
     for (int base = 0; base < n_keys; base += FA_KEYS) {
         __syncthreads();  // previous tile fully consumed
@@ -168,19 +176,21 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
 
 #define DA_WARPS 4
 
-extern "C" __global__ void __launch_bounds__(DA_WARPS * 32)
-    paged_decode_attention(const float* q, const __half* k_cache, const __half* v_cache, const int* block_table,
-                           const int* kpos, const int* qpos, float* out, int n_q, int n_keys, int block_size,
-                           int n_head, int n_kv, int hd, int hd_v, float scale, int window, const float* sinks) {
-    __shared__ float qs[MAX_HD];
+template <int HD>
+__device__ __forceinline__ void decode_attention(const float* q, const __half* k_cache, const __half* v_cache,
+                                                 const int* block_table, const int* kpos, const int* qpos, float* out,
+                                                 int n_keys, int block_size, int n_head, int n_kv, int hd, int hd_v,
+                                                 float scale, int window, const float* sinks) {
+    constexpr int NL = HD / 32;
+    __shared__ float qs[HD];
     __shared__ float m_s[DA_WARPS], l_s[DA_WARPS];
-    __shared__ float o_s[DA_WARPS][MAX_HD];
+    __shared__ float o_s[DA_WARPS][HD];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int head = blockIdx.x, qi = blockIdx.y, kvh = head / (n_head / n_kv);
     const int qp = qpos[qi];
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[((long long)qi * n_head + head) * hd + d] * scale;
     __syncthreads();
-    Online st;
+    Online<NL> st;
     online_init(st);
     for (int base = warp * 32; base < n_keys; base += 32 * DA_WARPS) {
         const int s = base + lane;
@@ -206,7 +216,7 @@ extern "C" __global__ void __launch_bounds__(DA_WARPS * 32)
         l_s[warp] = st.l;
     }
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
+    for (int i = 0; i < NL; ++i) {
         const int d = lane + 32 * i;
         if (d < hd_v) o_s[warp][d] = st.o[i];
     }
@@ -221,4 +231,19 @@ extern "C" __global__ void __launch_bounds__(DA_WARPS * 32)
             if (m_s[w] != -CUDART_INF_F) acc += o_s[w][d] * __expf(m_s[w] - m);
         out[((long long)qi * n_head + head) * hd_v + d] = l > 0.0f ? acc / l : 0.0f;
     }
+}
+
+#define DECODE_ARGS                                                                                              \
+    const float *q, const __half *k_cache, const __half *v_cache, const int *block_table, const int *kpos,       \
+        const int *qpos, float *out, int n_q, int n_keys, int block_size, int n_head, int n_kv, int hd, int hd_v, \
+        float scale, int window, const float *sinks
+
+extern "C" __global__ void __launch_bounds__(DA_WARPS * 32) paged_decode_attention(DECODE_ARGS) {
+    decode_attention<MAX_HD>(q, k_cache, v_cache, block_table, kpos, qpos, out, n_keys, block_size, n_head, n_kv,
+                             hd, hd_v, scale, window, sinks);
+}
+
+extern "C" __global__ void __launch_bounds__(DA_WARPS * 32) paged_decode_attention_wide(DECODE_ARGS) {
+    decode_attention<MAX_HD_WIDE>(q, k_cache, v_cache, block_table, kpos, qpos, out, n_keys, block_size, n_head,
+                                  n_kv, hd, hd_v, scale, window, sinks);
 }

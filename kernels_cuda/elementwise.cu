@@ -93,17 +93,45 @@ extern "C" __global__ void silu_mul(const float* gate, const float* up, float* o
     }
 }
 
+// GELU, tanh approximation, as ggml_gelu. tanh(z) = 1 - 2 / (exp(2z) + 1): under --use_fast_math
+// tanhf becomes tanh.approx.f32 (relative error 2^-11, far from the CPU's result), while expf
+// stays within a few ulp. |z| <= 10 keeps exp finite; tanh(10) is 1.0f already.
+__device__ __forceinline__ float gelu_tanh(float g) {
+    const float z = fminf(fmaxf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g), -10.0f), 10.0f);
+    const float t = 1.0f - 2.0f / (expf(2.0f * z) + 1.0f);
+    return 0.5f * g * (1.0f + t);
+}
+
 extern "C" __global__ void gelu_mul(const float* gate, const float* up, float* out, long long n) {
-    // tanh approximation, as ggml_gelu. tanh(z) = 1 - 2 / (exp(2z) + 1): under --use_fast_math
-    // tanhf becomes tanh.approx.f32 (relative error 2^-11, far from the CPU's result), while
-    // expf stays within a few ulp. |z| <= 10 keeps exp finite; tanh(10) is 1.0f already.
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        const float g = gate[i];
-        const float z = fminf(fmaxf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g), -10.0f), 10.0f);
-        const float t = 1.0f - 2.0f / (expf(2.0f * z) + 1.0f);
-        out[i] = 0.5f * g * (1.0f + t) * up[i];
-    }
+    if (i < n) out[i] = gelu_tanh(gate[i]) * up[i];
+}
+
+extern "C" __global__ void gelu(const float* x, float* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = gelu_tanh(x[i]);
+}
+
+extern "C" __global__ void mul(const float* a, const float* b, float* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] * b[i];
+}
+
+extern "C" __global__ void mul_rows(const float* x, const float* row, float* out, long long n, int n_cols) {
+    // x times one row broadcast over its rows (a per-feature scale)
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] * row[i % n_cols];
+}
+
+extern "C" __global__ void scale_rows(const float* x, const float* factors, float* out, long long n, int n_cols) {
+    // each row of x times its own factor
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] * factors[i / n_cols];
+}
+
+extern "C" __global__ void scale(const float* x, float* out, long long n, float s) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] * s;
 }
 
 extern "C" __global__ void add(const float* a, const float* b, float* out, long long n) {

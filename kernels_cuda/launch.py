@@ -21,14 +21,15 @@ QTYPE_SUFFIX = cuda_types()
 KERNEL_NAMES = {
     "quant.cu": [f"{op}_{s}" for s in QTYPE_SUFFIX.values()
                  for op in ("matvec", "gemm", "dequant", "matvec_id", "gemm_id")],
-    "attention.cu": ["kv_store", "flash_attention_prefill", "paged_decode_attention"],
-    "elementwise.cu": ["rms_norm", "rope", "silu_mul", "gelu_mul", "add", "add_rows", "swiglu_oai", "add_id",
-                       "moe_combine"],
+    "attention.cu": ["kv_store", "flash_attention_prefill", "paged_decode_attention", "paged_decode_attention_wide"],
+    "elementwise.cu": ["rms_norm", "rope", "silu_mul", "gelu_mul", "gelu", "mul", "mul_rows", "scale_rows", "scale", "add",
+                       "add_rows", "swiglu_oai", "add_id", "moe_combine"],
     "recurrent.cu": ["gated_delta_net", "ssm_conv_silu", "delta_gates", "l2_norm_rows", "sigmoid_mul",
                      "qkv_split_norm"],
 }
 MATVEC_MAX_TOKENS = 4  # up to this many rows re-read the weights per token; more use the GEMM
-MAX_HEAD_DIM = 256  # MAX_HD in attention.cu
+FLASH_MAX_HEAD_DIM = 256  # MAX_HD in attention.cu: the prefill kernel and paged_decode_attention
+MAX_HEAD_DIM = 512  # MAX_HD_WIDE: paged_decode_attention_wide, for any number of queries
 
 
 _FORMAT = {np.int32: "i", np.int64: "q", np.float32: "f"}  # pycuda's prepared-call codes; "P" a pointer
@@ -176,6 +177,43 @@ def add(a, b):
     return _binary("add", a, b)
 
 
+def mul(a, b):
+    """a * b, elementwise, of one shape."""
+    return _binary("mul", a, b)
+
+
+def mul_rows(x, row):
+    """x (..., n_cols) times `row` (n_cols,) broadcast over the rows."""
+    out = _empty(x.shape)
+    grid, block = _grid1d(x.size)
+    _run("elementwise.cu", "mul_rows", grid, block, x, row, out, np.int64(x.size), np.int32(row.size))
+    return out
+
+
+def scale_rows(x, factors):
+    """x (n, n_cols), row r times factors[r] (float32, device)."""
+    out = _empty(x.shape)
+    grid, block = _grid1d(x.size)
+    _run("elementwise.cu", "scale_rows", grid, block, x, factors, out, np.int64(x.size), np.int32(x.shape[-1]))
+    return out
+
+
+def scale(x, s: float):
+    """x * s (a float32 scalar)."""
+    out = _empty(x.shape)
+    grid, block = _grid1d(x.size)
+    _run("elementwise.cu", "scale", grid, block, x, out, np.int64(x.size), np.float32(s))
+    return out
+
+
+def gelu(x):
+    """GELU (tanh approximation) of x, as gelu_mul's gate."""
+    out = _empty(x.shape)
+    grid, block = _grid1d(x.size)
+    _run("elementwise.cu", "gelu", grid, block, x, out, np.int64(x.size))
+    return out
+
+
 def swiglu_oai(gate, up, alpha: float, limit: float):
     out = _empty(gate.shape)
     grid, block = _grid1d(gate.size)
@@ -228,7 +266,9 @@ def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_s
     args = (q, k_cache, v_cache, block_table, kpos, qpos,
             out, np.int32(n), np.int32(n_keys), np.int32(block_size), np.int32(n_head), np.int32(n_kv),
             np.int32(hd), np.int32(hd_v), np.float32(scale), np.int32(window), sinks)
-    if n >= 8:  # enough queries per head to share K/V tiles in shared memory
+    if max(hd, hd_v) > FLASH_MAX_HEAD_DIM:  # wide heads: K/V tiles would not fit in shared memory
+        _run("attention.cu", "paged_decode_attention_wide", (n_head, n, 1), (128, 1, 1), *args)
+    elif n >= 8:  # enough queries per head to share K/V tiles in shared memory
         _run("attention.cu", "flash_attention_prefill", ((n + 7) // 8, n_head, 1), (256, 1, 1), *args)
     else:
         _run("attention.cu", "paged_decode_attention", (n_head, n, 1), (128, 1, 1), *args)

@@ -29,6 +29,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from edgeinfer.backends.base import unit_weight
 from edgeinfer.errors import MetadataError, UnsupportedModelError
 from edgeinfer.metadata import MAX_CTX, MAX_EMBD, MAX_HEAD_DIM, MAX_ROPE_BASE, meta_float, meta_int
 from edgeinfer.models.base import Transformer
@@ -43,10 +44,6 @@ class Gemma4(Transformer):
     ROPE_MODE = ROPE_NEOX
     DEFAULT_NORM_EPS = 1e-6
     PER_LAYER_FF = True
-
-    def __init__(self, config, gguf, backend) -> None:
-        super().__init__(config, gguf, backend)
-        self._ones: dict[int, str] = {}
 
     # -- config -----------------------------------------------------------------------------------
     @classmethod
@@ -199,13 +196,12 @@ class Gemma4(Transformer):
             out = self.mlp(i, be.rms_norm(attn_out, p + "ffn_norm.weight", eps))
         out = be.rms_norm(out, p + "post_ffw_norm.weight", eps) + attn_out
         if per_layer is not None:
-            g = be.gelu(be.linear(p + "inp_gate.weight", out))
-            g = (g * per_layer[:, i, :]).astype(np.float32)
+            g = be.gelu(be.linear(p + "inp_gate.weight", out)) * per_layer[:, i, :]
             out = out + be.rms_norm(be.linear(p + "proj.weight", g), p + "post_norm.weight", eps)
         scale = p + "layer_output_scale.weight"
         if scale in self.gguf.tensors:
             out = out * be.vector(scale)[0]
-        return np.asarray(out, np.float32)
+        return out
 
     def self_attention(self, i, h, positions, slots, kv):
         """Q of layer i over its K/V (or the K/V of the layer it shares): (n, n_head * hd)."""
@@ -222,7 +218,7 @@ class Gemma4(Transformer):
             k = outs[1].reshape(n, cfg.n_head_kv, hd)
             v = (outs[2] if has_v else outs[1]).reshape(n, cfg.n_head_kv, hd)  # no attn_v: V = K
             k = be.rope(be.rms_norm(k, p + "attn_k_norm.weight", eps), positions, *rope)
-            v = be.rms_norm(v, self.unit_weight(hd), eps)  # V is RMS-normed without a weight
+            v = be.rms_norm(v, unit_weight(hd), eps)  # V is RMS-normed without a weight
             kv.store(i, slots, k, v)
         window = cfg.sliding_window if cfg.is_swa(i) else 0
         out = be.attention(q, kv, cfg.kv_source(i), positions, 1.0, window)
@@ -240,9 +236,9 @@ class Gemma4(Transformer):
         shared = be.rms_norm(self.mlp(i, be.rms_norm(attn_out, p + "ffn_norm.weight", eps)),
                              p + "post_ffw_norm_1.weight", eps)
         h = be.rms_norm(attn_out, p + "pre_ffw_norm_2.weight", eps)
-        r = be.rms_norm(attn_out, self.unit_weight(cfg.n_embd), eps)
+        r = be.rms_norm(attn_out, unit_weight(cfg.n_embd), eps)
         r = r * (np.float32(1.0) / np.float32(math.sqrt(cfg.n_embd)))
-        r = (r * be.vector(p + "ffn_gate_inp.scale")).astype(np.float32)
+        r = r * be.vector(p + "ffn_gate_inp.scale")
         logits = np.asarray(be.linear(p + "ffn_gate_inp.weight", r), np.float32)
         scale = p + "ffn_down_exps.scale"
         moe = softmax_routed_experts(be, cfg, i, h, logits, activation=be.gelu_mul,
@@ -255,15 +251,6 @@ class Gemma4(Transformer):
         if self.config.is_swa(i):
             return args._replace(n_dims=self.config.rope_dims_of(i), freq_factors=None)
         return args
-
-    def unit_weight(self, size: int) -> str:
-        """The name of a ones vector of `size` in the backend's vector cache: ggml_rms_norm
-        without a weight (times 1.0 is exact)."""
-        name = self._ones.get(size)
-        if name is None:
-            name = self._ones[size] = f"<gemma4 unit {size}>"
-            self.backend._vectors[name] = np.ones(size, np.float32)
-        return name
 
 
 def _swa_pattern(gf, key: str, n_layer: int) -> tuple[bool, ...]:

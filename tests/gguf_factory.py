@@ -527,3 +527,18 @@ def _add_metadata(w: GGUFWriter, key: str, value) -> None:
         w.add_string(key, value)
     else:
         w.add_array(key, list(value))
+
+
+GEMMA4_SHAPE = dict(n_layer=8, shared_kv_layers=4, n_embd_per_layer=32)
+
+
+def gemma4_file(tmp_path, qtype="Q8_0", moe=False, extra=None, name=None, **shape) -> str:
+    """A tiny Gemma 4 with everything it adds: 8 layers (every 4th global, head sizes 32 and
+    64), the last 4 sharing K/V, per-layer embeddings, and (dense) the shared layers' wider
+    MLP, as E2B's; `shape` overrides TinyShape fields."""
+    s = {**GEMMA4_SHAPE, "gemma4_moe": moe, **shape}
+    if not moe and "n_ff_layers" not in s:
+        s["n_ff_layers"] = (256,) * 4 + (512,) * 4
+    path = Path(tmp_path) / (name or f"gemma4-{'moe' if moe else 'dense'}-{qtype}.gguf")
+    return str(write_tiny_model(path, "gemma4", qtype, vocab=spm_vocab(), shape=TinyShape(**s),
+                                extra_metadata=extra))

@@ -232,6 +232,26 @@ def test_gated_activations(op):
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=5e-2 if op == "gelu_mul" else 1e-5)
 
 
+def test_gelu_alone_is_gelu_mul_by_one():
+    g = (np.random.default_rng(4).standard_normal((5, 77)) * 4).astype(np.float32)
+    got = launch.gelu(gpuarray.to_gpu(g)).get()
+    np.testing.assert_allclose(got, _gated_exact("gelu_mul", g, np.ones_like(g)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got, launch.gelu_mul(gpuarray.to_gpu(g), gpuarray.to_gpu(np.ones_like(g))).get())
+
+
+def test_products_and_scales():
+    """float32 products, each rounded once, as numpy's: the gemma4 per-layer gate (mul), the
+    MoE router's feature scale (mul_rows), the output scale (scale), the experts' (scale_rows)."""
+    rng = np.random.default_rng(5)
+    a, b = (rng.standard_normal((6, 40)).astype(np.float32) for _ in range(2))
+    row, per_row = rng.standard_normal(40).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    np.testing.assert_array_equal(launch.mul(gpuarray.to_gpu(a), gpuarray.to_gpu(b)).get(), a * b)
+    np.testing.assert_array_equal(launch.mul_rows(gpuarray.to_gpu(a), gpuarray.to_gpu(row)).get(), a * row)
+    np.testing.assert_array_equal(launch.scale(gpuarray.to_gpu(a), 0.37).get(), a * np.float32(0.37))
+    np.testing.assert_array_equal(launch.scale_rows(gpuarray.to_gpu(a), gpuarray.to_gpu(per_row)).get(),
+                                  a * per_row[:, None])
+
+
 def test_add_and_bias_rows():
     rng = np.random.default_rng(3)
     a, b = (rng.standard_normal((4, 96)).astype(np.float32) for _ in range(2))
@@ -253,7 +273,7 @@ class _KV:
 
 
 @pytest.mark.parametrize("n_q", [1, 3, 20], ids=lambda n: f"q{n}")  # decode kernel x2, flash prefill
-@pytest.mark.parametrize("hd", [64, 256])
+@pytest.mark.parametrize("hd", [64, 256, 512])  # 512: the wide decode kernel for every n_q (gemma4)
 @pytest.mark.parametrize("window", [0, 16])
 @pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 def test_paged_attention(n_q, hd, window, sinks):

@@ -36,6 +36,15 @@ if TYPE_CHECKING:
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
+_UNIT = "<ones "
+
+
+def unit_weight(size: int) -> str:
+    """The vector name of `size` ones: rms_norm's weight for ggml_rms_norm without a weight
+    (times 1.0 is exact), which every backend (and its device) then treats as any vector."""
+    return f"{_UNIT}{int(size)}>"
+
+
 class Backend:
     """Ops shared by every backend; subclasses override the ones they accelerate."""
 
@@ -75,9 +84,12 @@ class Backend:
 
     # -- weights --------------------------------------------------------------------------
     def vector(self, name: str) -> np.ndarray:
-        """A 1-D weight (norm, bias, rope factors) as float32, cached."""
+        """A 1-D weight (norm, bias, rope factors) as float32, cached; `unit_weight(n)` names
+        n ones."""
         vec = self._vectors.get(name)
-        if vec is None:
+        if vec is None and name.startswith(_UNIT):
+            vec = self._vectors[name] = np.ones(int(name[len(_UNIT):-1]), np.float32)
+        elif vec is None:
             info = self.gguf.tensors[name]
             vec = quants.dequantize(self.gguf.raw(name), info.qtype).astype(np.float32).ravel()
             self._vectors[name] = vec
@@ -164,6 +176,10 @@ class Backend:
         g = table[gate.astype(np.float16).view(np.uint16)]
         y = np.where(gate >= 10.0, gate, np.where(gate <= -10.0, np.float32(0.0), g)) * up
         return y.astype(np.float32)
+
+    def scale_rows(self, x: np.ndarray, factors: np.ndarray) -> np.ndarray:
+        """Row r of x (n, n_cols) times factors[r], in float32 (a per-expert output scale)."""
+        return (np.asarray(x, np.float32) * np.asarray(factors, np.float32)[:, None]).astype(np.float32)
 
     def layer_norm(self, x: np.ndarray, weight: str, bias: str | None, eps: float) -> np.ndarray:
         """LayerNorm over the last axis (encoders: BERT), times the weight plus the bias;

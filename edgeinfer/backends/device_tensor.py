@@ -22,6 +22,9 @@ class TensorOwner(Protocol):
     def add(self, a: Any, b: Any) -> Any:
         """`a + b` on the side of the block being run."""
 
+    def mul(self, a: Any, b: Any) -> Any:
+        """`a * b` (b a scalar, a row or a tensor of a's shape) on the side of the block being run."""
+
     def to_host(self, x: Any) -> np.ndarray:
         """The tensor downloaded to host memory."""
 
@@ -55,6 +58,15 @@ class DeviceTensor:
         return self.owner.add(self, other)
 
     __radd__ = __add__
+
+    def __mul__(self, other: Any) -> Any:
+        return self.owner.mul(self, other)
+
+    __rmul__ = __mul__
+
+    @property
+    def ndim(self) -> int:
+        return len(self.array.shape)
 
     def __iadd__(self, other: Any) -> Any:
         if isinstance(other, np.ndarray) and other.ndim == 1:  # a bias row (qwen2 q/k/v)

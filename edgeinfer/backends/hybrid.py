@@ -65,9 +65,8 @@ class HybridBackend(Backend):
         """GPU layers whose K/V live in VRAM: those the CUDA attention kernels can read (a head
         dim they lack keeps that layer's K/V on the host, where its CPU attention runs); a
         recurrent layer keeps none (its state is the sequence's, edgeinfer.kv.recurrent)."""
-        if not launch.attention_supports(config.head_dim, config.head_dim_v):
-            return []
-        return [i for i in range(config.n_layer) if self._layer_side(i) == CUDA and config.owns_kv(i)]
+        return [i for i in range(config.n_layer) if self._layer_side(i) == CUDA and config.owns_kv(i)
+                and launch.attention_supports(config.head_dim_of(i), config.head_dim_v_of(i))]
 
     def new_block_storage(self, config: "ModelConfig", num_blocks: int, block_size: int
                           ) -> DeviceBlockStorage | None:
@@ -78,7 +77,7 @@ class HybridBackend(Backend):
     def max_kv_blocks(self, config: "ModelConfig", block_size: int) -> int | None:
         """Blocks of the paged pool the plan reserved VRAM for (its KV bytes for n_ctx tokens),
         or None when the plan gives no KV budget (a hand-made plan)."""
-        return vram_kv_blocks(self.plan.vram_kv, config, len(self.kv_layers(config)), block_size)
+        return vram_kv_blocks(self.plan.vram_kv, config, self.kv_layers(config), block_size)
 
     def vector(self, name: str) -> np.ndarray:
         return self.cpu.vector(name)
@@ -106,6 +105,13 @@ class HybridBackend(Backend):
         if layer is not None:
             return self._layer_side(layer) == CUDA
         return self.head_placement == CUDA and name in HEAD_NAMES + ("token_embd.weight",)
+
+    def _vector_on_gpu(self, x: Any, weight: str) -> bool:
+        """Where an op with the vector `weight` runs: a layer's or the head's vector on their
+        side; another (a unit weight, a global norm) beside its input, within the block's side."""
+        if layer_of(weight) is not None or weight in HEAD_NAMES:
+            return self._gpu_for(weight)
+        return isinstance(x, DeviceTensor) and self._side == CUDA
 
     def _pinned_view(self, shape: tuple[int, ...]) -> np.ndarray:
         import pycuda.driver as drv
@@ -162,6 +168,28 @@ class HybridBackend(Backend):
             return DeviceTensor(launch.add(self.to_device(a).array, self.to_device(b).array), self)
         return self.to_host(a) + self.to_host(b)
 
+    def mul(self, a: Any, b: Any) -> Any:
+        """`a * b` with a DeviceTensor among them, on the side of the block being run: b a
+        scalar, a row to broadcast, or a tensor of a's shape."""
+        if self._side != CUDA:
+            return self.to_host(a) * (self.to_host(b) if isinstance(b, DeviceTensor) else b)
+        x = self.to_device(a).array
+        if np.ndim(b) == 0:
+            return DeviceTensor(launch.scale(x, float(b)), self)
+        if isinstance(b, np.ndarray) and b.ndim == 1 and a.ndim > 1 and b.shape[0] == a.shape[-1]:
+            return DeviceTensor(launch.mul_rows(x, self.cuda.upload_vector_array(b)), self)
+        if tuple(a.shape) != tuple(b.shape):
+            raise ValueError(f"device mul of shapes {tuple(a.shape)} and {tuple(b.shape)}: only equal "
+                             f"shapes, a row to broadcast or a scalar")
+        other = b.array if isinstance(b, DeviceTensor) else self._upload(b)
+        return DeviceTensor(launch.mul(x, other), self)
+
+    def _upload(self, x: np.ndarray) -> Any:
+        """A host operand (not the hidden state) as a float32 GPUArray."""
+        from pycuda import gpuarray
+
+        return gpuarray.to_gpu(np.ascontiguousarray(x, np.float32))
+
     # -- ops ----------------------------------------------------------------------------------
     def linear(self, name: str, x: Any) -> Any:
         on_gpu, is_head = self._gpu_for(name), layer_of(name) is None
@@ -189,6 +217,11 @@ class HybridBackend(Backend):
         launch.add_id(out, self.cuda.vector_gpu(name).reshape(n_expert, -1), self._ints(expert_of_row))
         return DeviceTensor(out, self)
 
+    def scale_rows(self, x, factors):
+        if not isinstance(x, DeviceTensor):
+            return self.cpu.scale_rows(x, factors)
+        return DeviceTensor(launch.scale_rows(x.array, self._upload(factors)), self)
+
     def expert_combine(self, y, order, weights):
         if not isinstance(y, DeviceTensor):
             return self.cpu.expert_combine(y, order, weights)
@@ -204,7 +237,7 @@ class HybridBackend(Backend):
         return self.cpu.get_rows(name, ids)
 
     def rms_norm(self, x: Any, weight: str, eps: float) -> Any:
-        if self._gpu_for(weight):
+        if self._vector_on_gpu(x, weight):
             return DeviceTensor(launch.rms_norm(self.to_device(x).array, self.cuda.vector_gpu(weight), eps), self)
         return self.cpu.rms_norm(self.to_host(x), weight, eps)
 
@@ -217,6 +250,11 @@ class HybridBackend(Backend):
         if isinstance(gate, DeviceTensor):
             return DeviceTensor(launch.gelu_mul(gate.array, self.to_device(up).array), self)
         return self.cpu.gelu_mul(gate, self.to_host(up))
+
+    def gelu(self, x: Any) -> Any:
+        if isinstance(x, DeviceTensor):
+            return DeviceTensor(launch.gelu(x.array), self)
+        return self.cpu.gelu(x)
 
     def swiglu_oai(self, gate: Any, up: Any) -> Any:
         if isinstance(gate, DeviceTensor):
@@ -235,14 +273,17 @@ class HybridBackend(Backend):
 
     def attention(self, q: Any, kv: KVView, layer: int, positions: np.ndarray, scale: float,
                   window: int, q_scale: float = 1.0, sinks: str | None = None) -> Any:
-        on_gpu = self._layer_side(layer) == CUDA
-        d = device_kv(kv, layer) if on_gpu else None
-        if d is not None and launch.attention_supports(d.k.shape[2], d.v.shape[2]):
+        """Over `layer`'s K/V (which a shared-K/V layer of another side may read): on the GPU
+        where they are in VRAM, else on the host; the output on the side of the block being run."""
+        on_gpu = self._side == CUDA
+        d = device_kv(kv, layer)
+        if d is not None:
             head_sinks = self.cuda.vector_gpu(sinks) if sinks else None
             out = launch.attention(self.to_device(q).array, d.k, d.v, d.block_table, d.kpos, self._ints(positions),
                                    d.n_keys, d.block_size, d.k.shape[1], d.v.shape[2], scale * q_scale, window,
                                    head_sinks)
-            return DeviceTensor(out, self)
+            out = DeviceTensor(out, self)
+            return out if on_gpu else self.to_host(out)
         out = self.cpu.attention(self.to_host(q), kv, layer, positions, scale, window, q_scale=q_scale, sinks=sinks)
         return self.to_device(out) if on_gpu else out
 

@@ -30,7 +30,7 @@ def swiglu_experts(backend: "Backend", h: Any, experts: np.ndarray, weights: np.
     rows), added to each expert's output rows as ggml_add_id does. `activation(gate, up)`:
     SiLU(gate) * up unless given (gpt-oss's clamped variant, gemma4's GELU). `down_scale`: a
     per-expert scale vector (n_expert,) multiplying each expert's down output before the
-    routing weights (ggml's `ffn_down_exps.scale`; host arrays only)."""
+    routing weights (ggml's `ffn_down_exps.scale`)."""
     n, k = experts.shape
     flat = experts.reshape(-1)  # assignment t * k + j: token t's j-th expert
     order = np.argsort(flat, kind="stable")  # assignments grouped by expert
@@ -46,5 +46,5 @@ def swiglu_experts(backend: "Backend", h: Any, experts: np.ndarray, weights: np.
     if biases is not None:
         y = backend.expert_bias(y, biases[2], expert_of_row)
     if down_scale is not None:
-        y = (np.asarray(y, np.float32) * backend.vector(down_scale)[expert_of_row][:, None]).astype(np.float32)
+        y = backend.scale_rows(y, backend.vector(down_scale)[expert_of_row])
     return backend.expert_combine(y, order, weights)

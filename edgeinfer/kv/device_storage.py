@@ -40,12 +40,13 @@ class CudaKVCache(KVCache):
         from pycuda import gpuarray
 
         self.gpu_layers = set(gpu_layers)
-        kv_heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v
-        self.k_dev = {i: launch.zeros((n_ctx, kv_heads, hd), np.float16) for i in self.gpu_layers}
-        self.v_dev = {i: launch.zeros((n_ctx, kv_heads, hd_v), np.float16) for i in self.gpu_layers}
+        kv_heads = config.n_head_kv
+        self.k_dev = {i: launch.zeros((n_ctx, kv_heads, config.head_dim_of(i)), np.float16) for i in self.gpu_layers}
+        self.v_dev = {i: launch.zeros((n_ctx, kv_heads, config.head_dim_v_of(i)), np.float16)
+                      for i in self.gpu_layers}
         for i in self.gpu_layers:  # their host copies are filled on demand only (layer_view)
-            self.k[i] = np.zeros((0, kv_heads, hd), np.float16)
-            self.v[i] = np.zeros((0, kv_heads, hd_v), np.float16)
+            self.k[i] = np.zeros((0, kv_heads, config.head_dim_of(i)), np.float16)
+            self.v[i] = np.zeros((0, kv_heads, config.head_dim_v_of(i)), np.float16)
         self.block_table = gpuarray.to_gpu(np.zeros(1, np.int32))  # one block of n_ctx slots
         self.pos_dev = launch.zeros(n_ctx, np.int32)
 
@@ -130,7 +131,7 @@ class DevicePagedKV:
 class DeviceBlockStorage:
     """VRAM K/V of `layers` for a PagedKVCache, block for block (see edgeinfer.kv.paged).
 
-    k[layer]: (num_blocks, block_size, n_head_kv, head_dim) f16, v[layer]: (..., head_dim_v);
+    k[layer]: (num_blocks, block_size, n_head_kv, the layer's head_dim) f16, v[layer]: (..., head_dim_v);
     pos: (num_blocks * block_size,) int32, the position of the token in each slot (shared by
     the layers, stored with its block). Per sequence: its kept block ids as int32 in VRAM,
     re-uploaded only when they change, and the logical slots of its latest append, uploaded
@@ -142,12 +143,14 @@ class DeviceBlockStorage:
 
         self.layers = frozenset(layers)
         self.num_blocks, self.block_size = num_blocks, block_size
-        kv_heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v
-        self.k = {i: launch.zeros((num_blocks, block_size, kv_heads, hd), np.float16) for i in sorted(self.layers)}
-        self.v = {i: launch.zeros((num_blocks, block_size, kv_heads, hd_v), np.float16) for i in sorted(self.layers)}
+        kv_heads, n_slots = config.n_head_kv, num_blocks * block_size
+        self.k = {i: launch.zeros((num_blocks, block_size, kv_heads, config.head_dim_of(i)), np.float16)
+                  for i in sorted(self.layers)}
+        self.v = {i: launch.zeros((num_blocks, block_size, kv_heads, config.head_dim_v_of(i)), np.float16)
+                  for i in sorted(self.layers)}
         # flat views (num_blocks * block_size, n_kv, hd): what the kernels index by physical slot
-        self.k_flat = {i: a.reshape(num_blocks * block_size, kv_heads, hd) for i, a in self.k.items()}
-        self.v_flat = {i: a.reshape(num_blocks * block_size, kv_heads, hd_v) for i, a in self.v.items()}
+        self.k_flat = {i: a.reshape(n_slots, kv_heads, a.shape[-1]) for i, a in self.k.items()}
+        self.v_flat = {i: a.reshape(n_slots, kv_heads, a.shape[-1]) for i, a in self.v.items()}
         self.pos = launch.zeros(num_blocks * block_size, np.int32)
         self._seqs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
