@@ -104,7 +104,7 @@ class Model:
 
     @property
     def tool_format(self) -> str:
-        """How this model writes tool calls: "hermes", "llama3", "mistral", "harmony" or "generic"."""
+        """How this model writes tool calls: "hermes", "llama3", "mistral", "harmony", "gemma4" or "generic"."""
         from edgeinfer.prompt.tool_calls import detect_format
 
         return detect_format(self.template.source)
@@ -135,10 +135,10 @@ class Model:
         return self.tokenizer.detokenize(ids)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
-        if self.tool_format == "harmony":  # assistants' reasoning as its template reads it
-            from edgeinfer.prompt.harmony import template_messages
+        from edgeinfer.prompt.tool_calls import CHANNEL_FORMATS, template_history
 
-            messages = template_messages(messages)
+        if self.tool_format in CHANNEL_FORMATS:  # assistants' reasoning as its template reads it
+            messages = template_history(messages, self.template.source)
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kw)
 
     # -- generation -------------------------------------------------------------------------
@@ -176,10 +176,15 @@ class Model:
         # the same text inside a message stays text). Rendering (bounded by the template
         # budget) and tokenizing run here, in the caller: for the server that is the job on
         # the worker thread, so its timeout's `cancel` stops them as it stops generation.
+        from edgeinfer.prompt.tool_calls import CHANNEL_FORMATS, markup_token_ids
+
         tools, tool_choice = params.pop("tools", None), params.pop("tool_choice", None)
         parallel = params.pop("parallel_tool_calls", True)
         thinking = params.pop("enable_thinking", None)
         effort = params.pop("reasoning_effort", None)
+        channels = self.tool_format in CHANNEL_FORMATS  # the answer's structure is control tokens
+        if channels and "preserved_tokens" not in params:
+            params["preserved_tokens"] = markup_token_ids(self.tokenizer, self.tool_format)
         if tools:  # the template renders them; tool_choice may constrain the answer
             from edgeinfer.prompt import tool_calls
 
@@ -191,8 +196,8 @@ class Model:
             # only the template's markup becomes control tokens, never the callers' text
             literal = LiteralText(self.tokenizer)
             messages, shown_tools = literal.protect(messages), literal.protect(tools)
-            # a harmony template also needs its history reshaped (reasoning as `thinking`)
-            if tools or thinking is not None or effort is not None or self.tool_format == "harmony":
+            # a channel template also needs its history reshaped (reasoning where it reads it)
+            if tools or thinking is not None or effort is not None or channels:
                 from edgeinfer.prompt.tool_calls import render_with_tools
 
                 text = render_with_tools(self.template, messages, shown_tools, add_bos=self.tokenizer.add_bos,

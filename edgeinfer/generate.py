@@ -63,7 +63,8 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
     sample = make_token_sampler(params)
     # A grammar's matcher is per sequence: masks before the sampler, consumes each token.
     matcher = params.constraint.matcher(tokenizer) if params.constraint is not None else None
-    decoder = StreamDecoder(tokenizer, skip_special=True, as_pieces=True)  # as llama-server streams
+    # as llama-server streams: control tokens hidden, but for the chat format's markup
+    decoder = StreamDecoder(tokenizer, skip_special=True, as_pieces=True, shown=frozenset(params.preserved_tokens))
     stopper = StopStringMatcher(params.stop)
 
     t_start = time.perf_counter()

@@ -71,6 +71,9 @@ class SamplingParams:
     # token id -> added to its logit before everything else (-inf bans it), as llama.cpp's
     # logit_bias sampler; the OpenAI / llama-server request forms are read by the server
     logit_bias: dict[int, float] | None = None
+    # control tokens the answer's text shows (otherwise they decode to nothing): the markup a
+    # chat format's reader needs, harmony's channels or Gemma 4's (llama.cpp's preserved_tokens)
+    preserved_tokens: frozenset[int] = field(default_factory=frozenset)
 
     def validate(self) -> "SamplingParams":
         """Raise InvalidParameterError on the first out-of-range field; return self."""
@@ -98,6 +101,9 @@ class SamplingParams:
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias) \
                         or bias == math.inf:
                     raise InvalidParameterError(f"logit_bias of token {tok} must be a number or -inf, got {bias!r}")
+        if not isinstance(self.preserved_tokens, (frozenset, set)) or \
+                not all(isinstance(t, int) and t >= 0 for t in self.preserved_tokens):
+            raise InvalidParameterError("preserved_tokens must be a set of token ids")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
         if self.constraint is not None and not hasattr(self.constraint, "matcher"):

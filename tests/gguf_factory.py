@@ -152,8 +152,93 @@ def gemma4_vocab() -> dict:
     merges = merge_chains(tokens, ["\u2581the", "\u2581and", "he", "in", "\u2581hello", "\u2581world", "er", "on",
                                    "\u2581\u2581", "\u2581café", "world"])
     types += [1] * (len(tokens) - n_before)
+    tokens += list(GEMMA4_MARKUP)  # last: the ids before them stay what they were
+    types += [3] * len(GEMMA4_MARKUP)
     return {"model": "gemma4", "pre": "gemma4", "tokens": tokens, "types": types, "merges": merges,
             "bos": 2, "eos": 1, "unk": 3, "add_bos": False}
+
+
+# Gemma 4's chat markup, control tokens as in its vocabulary (the answer's channels and calls,
+# the system turn's thinking switch and tool declarations, tool results)
+GEMMA4_MARKUP = ("<|turn>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|think|>",
+                 "<|tool>", "<tool|>", "<|tool_response>", "<tool_response|>")
+
+# A chat template in Gemma 4's format (written for these tests, after its published prompt
+# format): a system turn with the thinking switch and the tool declarations, `<|turn>ROLE`
+# turns closed by `<turn|>`, calls as `<|tool_call>call:NAME{...}<tool_call|>` in Gemma's value
+# notation, and each call's results (the role "tool" messages after it) inside the model's
+# turn. Without thinking, the generation prompt holds an empty thought.
+GEMMA4_CHAT_TEMPLATE = """{{- bos_token -}}
+{%- macro value(v) -%}
+{%- if v is string -%}<|"|>{{ v }}<|"|>
+{%- elif v is boolean -%}{{ 'true' if v else 'false' }}
+{%- elif v is none -%}null
+{%- elif v is mapping -%}{ {%- for k, x in v | dictsort -%}{{ k }}:{{ value(x) }}{{ ',' if not loop.last }}{%- endfor -%} }
+{%- elif v is iterable -%}[{%- for x in v -%}{{ value(x) }}{{ ',' if not loop.last }}{%- endfor -%}]
+{%- else -%}{{ v }}
+{%- endif -%}
+{%- endmacro -%}
+{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none -%}
+{%- set turns = messages[1:] if system is not none else messages -%}
+{%- if enable_thinking or tools or system is not none -%}
+{{- '<|turn>system\n' -}}
+{%- if enable_thinking %}{{ '<|think|>\n' }}{% endif -%}
+{%- if system is not none %}{{ system | trim }}{% endif -%}
+{%- for tool in tools or [] -%}
+{{- '<|tool>declaration:' + tool['function']['name'] + '{description:<|"|>' + (tool['function']['description'] or '') + '<|"|>}<tool|>' -}}
+{%- endfor -%}
+{{- '<turn|>\n' -}}
+{%- endif -%}
+{#- OpenAI Chat Completions: the role "tool" messages after a call are its results -#}
+{%- for m in turns -%}
+{%- if m['role'] == 'assistant' -%}
+{{- '<|turn>model\n' -}}
+{%- for call in m['tool_calls'] or [] -%}
+{{- '<|tool_call>call:' + call['function']['name'] + value(call['function']['arguments']) + '<tool_call|>' -}}
+{%- endfor -%}
+{%- set ns = namespace(open=true) -%}
+{%- for later in turns[loop.index0 + 1:] -%}
+{%- if later['role'] != 'tool' -%}{%- set ns.open = false -%}{%- endif -%}
+{%- if ns.open and m['tool_calls'] -%}
+{{- '<|tool_response>response:' + (later['name'] or 'tool') + '{value:' + value(later['content']) + '}<tool_response|>' -}}
+{%- endif -%}
+{%- endfor -%}
+{{- (m['content'] or '') + '<turn|>\n' -}}
+{%- elif m['role'] != 'tool' -%}
+{{- '<|turn>' + m['role'] + '\n' + m['content'] + '<turn|>\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|turn>model\n' -}}
+{%- if not enable_thinking %}{{ '<|channel>thought\n<channel|>' }}{% endif -%}
+{%- endif -%}"""
+
+# The same format as older Gemma 4 files have it: results only as the assistant message's
+# `tool_responses` (what edgeinfer.prompt.gemma4_format.template_messages folds them into), and
+# no generation prompt after a model turn with results (the answer continues that turn).
+GEMMA4_OLD_CHAT_TEMPLATE = """{{- bos_token -}}
+{%- if tools -%}
+{{- '<|turn>system\n' -}}
+{%- for tool in tools %}{{ '<|tool>declaration:' + tool['function']['name'] + '{}<tool|>' }}{% endfor -%}
+{{- '<turn|>\n' -}}
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m['role'] == 'assistant' -%}
+{{- '<|turn>model\n' -}}
+{%- for call in m['tool_calls'] or [] -%}
+{{- '<|tool_call>call:' + call['function']['name'] + '{}<tool_call|>' -}}
+{%- endfor -%}
+{%- for r in m['tool_responses'] or [] -%}
+{{- '<|tool_response>response:' + r['name'] + '{value:' + (r['response'] | string) + '}<tool_response|>' -}}
+{%- endfor -%}
+{{- (m['content'] or '') + '<turn|>\n' -}}
+{%- else -%}
+{{- '<|turn>' + m['role'] + '\n' + m['content'] + '<turn|>\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt and not (messages and messages[-1]['role'] == 'assistant') -%}
+{{- '<|turn>model\n' -}}
+{%- endif -%}"""
 
 
 # -- model shapes -----------------------------------------------------------------------
@@ -532,7 +617,8 @@ def _add_metadata(w: GGUFWriter, key: str, value) -> None:
 GEMMA4_SHAPE = dict(n_layer=8, shared_kv_layers=4, n_embd_per_layer=32)
 
 
-def gemma4_file(tmp_path, qtype="Q8_0", moe=False, extra=None, name=None, **shape) -> str:
+def gemma4_file(tmp_path, qtype="Q8_0", moe=False, extra=None, name=None, vocab=None, chat_template=None,
+                **shape) -> str:
     """A tiny Gemma 4 with everything it adds: 8 layers (every 4th global, head sizes 32 and
     64), the last 4 sharing K/V, per-layer embeddings, and (dense) the shared layers' wider
     MLP, as E2B's; `shape` overrides TinyShape fields."""
@@ -540,5 +626,5 @@ def gemma4_file(tmp_path, qtype="Q8_0", moe=False, extra=None, name=None, **shap
     if not moe and "n_ff_layers" not in s:
         s["n_ff_layers"] = (256,) * 4 + (512,) * 4
     path = Path(tmp_path) / (name or f"gemma4-{'moe' if moe else 'dense'}-{qtype}.gguf")
-    return str(write_tiny_model(path, "gemma4", qtype, vocab=spm_vocab(), shape=TinyShape(**s),
-                                extra_metadata=extra))
+    return str(write_tiny_model(path, "gemma4", qtype, vocab=vocab or spm_vocab(), shape=TinyShape(**s),
+                                extra_metadata=extra, chat_template=chat_template))

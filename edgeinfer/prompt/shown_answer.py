@@ -2,15 +2,16 @@
 
 Both show the model's text as it comes, reasoning included: for Qwen 3 that is its
 `<think>...</think>` block, then the answer. A harmony answer (gpt-oss) is channels with
-special tokens between them, so it is shown in that same shape: the analysis as a `<think>`
-block, then the final answer (anything else as written). The shown text is what the front
-ends keep as the assistant's turn; edgeinfer.prompt.harmony.template_messages reads the
-block back as the template's `thinking`. Any other model's text passes through unchanged.
+special tokens between them, and so is Gemma 4's (`<|channel>thought ... <channel|>`): each is
+shown in that same shape, the reasoning as a `<think>` block, then the answer (anything else
+as written). The shown text is what the front ends keep as the assistant's turn;
+edgeinfer.prompt.tool_calls.template_history reads the block back as the template's
+reasoning. Any other model's text passes through unchanged.
 """
 
 from __future__ import annotations
 
-from edgeinfer.prompt.harmony import HarmonyStream, is_harmony
+from edgeinfer.prompt.tool_calls import CHANNEL_FORMATS, answer_stream, detect_format
 
 THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n\n"
 
@@ -19,7 +20,8 @@ class ShownAnswer:
     """`push(text)` each streamed piece and `finish()` at the end; both return what to show."""
 
     def __init__(self, template_source: str | None) -> None:
-        self._harmony = HarmonyStream(tools=False) if is_harmony(template_source) else None
+        fmt = detect_format(template_source or "")
+        self._channels = answer_stream(fmt, tools=False) if fmt in CHANNEL_FORMATS else None
         self._thinking = False  # inside the shown <think> block
 
     @classmethod
@@ -27,14 +29,14 @@ class ShownAnswer:
         return cls(getattr(getattr(model, "template", None), "source", None))
 
     def push(self, text: str) -> str:
-        if self._harmony is None:
+        if self._channels is None:
             return text
-        return self._show(self._harmony.push(text)) if text else ""
+        return self._show(self._channels.push(text)) if text else ""
 
     def finish(self) -> str:
-        if self._harmony is None:
+        if self._channels is None:
             return ""
-        shown = self._show(self._harmony.flush())
+        shown = self._show(self._channels.flush())
         if self._thinking:  # cut off while reasoning: close the block all the same
             self._thinking = False
             shown += THINK_CLOSE.rstrip("\n")

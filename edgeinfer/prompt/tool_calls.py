@@ -9,6 +9,8 @@ Families (`detect_format(template_source)`):
   missing from decoded text: a leading JSON array of calls reads the same);
 - "harmony": gpt-oss, OpenAI's harmony channels; a call is a message `to=functions.NAME`
   whose body is the JSON arguments, reasoning the analysis channel (edgeinfer.prompt.harmony);
+- "gemma4": Gemma 4, `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>` in its own
+  value notation, reasoning its `<|channel>thought ... <channel|>` (edgeinfer.prompt.gemma4_format);
 - "generic": the documented fallback for any other template: an answer that is exactly a
   JSON object {"name", "arguments"} (or a list of them, or {"tool_calls": [...]}) is a call.
 
@@ -28,7 +30,7 @@ import re
 from typing import Any, Iterable, Mapping, Sequence
 
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.prompt import harmony
+from edgeinfer.prompt import gemma4_format, harmony
 from edgeinfer.prompt.answer_parts import IncrementalReader, ParsedOutput, ToolCall
 
 __all__ = ["ToolCall", "ParsedOutput", "ToolsNotSupportedError", "ToolCallError", "detect_format",
@@ -36,7 +38,11 @@ __all__ = ["ToolCall", "ParsedOutput", "ToolsNotSupportedError", "ToolCallError"
            "parse_tool_calls", "split_reasoning", "parse_output", "ToolCallStream", "answer_stream",
            "tool_constraint"]
 
-FORMATS = ("hermes", "llama3", "mistral", "harmony", "generic")
+FORMATS = ("hermes", "llama3", "mistral", "harmony", "gemma4", "generic")
+# formats whose answers are channels written with control tokens: always read (never shown as
+# they are), with their markup tokens shown in the decoded text (`markup_token_ids`)
+CHANNEL_FORMATS = {"harmony": (harmony.START, harmony.CHANNEL, harmony.CONSTRAIN, harmony.MESSAGE, harmony.END),
+                   "gemma4": gemma4_format.MARKUP}
 
 
 class ToolsNotSupportedError(EdgeInferError):
@@ -60,6 +66,8 @@ def detect_format(template_source: str) -> str:
     src = template_source or ""
     if harmony.is_harmony(src):  # before hermes: its channels are the whole answer's structure
         return "harmony"
+    if gemma4_format.is_gemma4(src):
+        return "gemma4"
     if "<tool_call>" in src:
         return "hermes"
     if "[TOOL_CALLS]" in src:
@@ -67,6 +75,24 @@ def detect_format(template_source: str) -> str:
     if "<|python_tag|>" in src or ('"parameters"' in src and "ipython" in src):
         return "llama3"
     return "generic"
+
+
+def markup_token_ids(tokenizer, fmt: str) -> frozenset[int]:
+    """The control tokens a `fmt` answer's structure is written with (harmony's channels,
+    Gemma 4's): the decoder shows them as text for the readers (llama-server's preserved
+    tokens). Empty for formats written in plain text."""
+    ids = (tokenizer.token_id(t) for t in CHANNEL_FORMATS.get(fmt, ()))
+    return frozenset(i for i in ids if i is not None)
+
+
+def template_history(messages: Sequence[Mapping[str, Any]], template_source: str) -> list[dict]:
+    """The history reshaped for a channel format's template (reasoning where it reads it)."""
+    fmt = detect_format(template_source)
+    if fmt == "harmony":
+        return harmony.template_messages(messages)
+    if fmt == "gemma4":
+        return gemma4_format.template_messages(messages, template_source)
+    return list(messages)
 
 
 def normalize_tools(tools: Any) -> list[dict]:
@@ -124,7 +150,7 @@ def render_with_tools(template, messages: Sequence[Mapping[str, Any]], tools: An
                       **kwargs: Any) -> str:
     """The prompt for `messages` (+ `tools`) through the model's own template
     (edgeinfer.prompt.chat_template.ChatTemplate.render_prompt: its budget applies); a
-    harmony template gets the assistants' reasoning as it reads it (`thinking`)."""
+    channel template (harmony, Gemma 4) gets the history as it reads it (template_history)."""
     tools = normalize_tools(tools)
     if tools and not supports_tools(template.source):
         raise ToolsNotSupportedError("this model's chat template does not support tools")
@@ -132,12 +158,12 @@ def render_with_tools(template, messages: Sequence[Mapping[str, Any]], tools: An
         kwargs["enable_thinking"] = bool(enable_thinking)
     if reasoning_effort is not None:
         kwargs["reasoning_effort"] = reasoning_effort
-    messages = normalize_messages(messages)
-    if harmony.is_harmony(template.source):
-        messages = harmony.template_messages(messages)
-    return template.render_prompt(messages, add_bos=add_bos,
-                                  add_generation_prompt=add_generation_prompt, tools=tools or None,
-                                  cancel=cancel, **kwargs)
+    messages = template_history(normalize_messages(messages), template.source)
+    text = template.render_prompt(messages, add_bos=add_bos, add_generation_prompt=add_generation_prompt,
+                                  tools=tools or None, cancel=cancel, **kwargs)
+    if gemma4_format.is_gemma4(template.source):
+        text = gemma4_format.finish_prompt(text, add_generation_prompt)
+    return text
 
 
 # ---------------------------------------------------------------------------
@@ -223,6 +249,8 @@ def parse_tool_calls(text: str, fmt: str, forced: bool = False) -> ParsedOutput:
 def _parse_calls(text: str, fmt: str) -> ParsedOutput:
     if fmt == "harmony":
         return harmony.parse(text, tools=True)
+    if fmt == "gemma4":
+        return gemma4_format.parse(text, tools=True)
     if fmt == "hermes":
         content, calls, pos = [], [], 0
         for m in _HERMES.finditer(text):
@@ -283,6 +311,11 @@ def parse_output(text: str, fmt: str, *, reasoning: bool = False, think_started:
     (`forced`: the request forced a call, see parse_tool_calls)."""
     if fmt == "harmony":  # its channels say which text is which
         return harmony.parse(text, tools=tools)
+    if fmt == "gemma4":
+        out = gemma4_format.parse(text, tools=tools)
+        if forced:
+            out.content = ""
+        return out
     thought = None
     if reasoning:
         thought, text = split_reasoning(text, think_started)
@@ -297,6 +330,8 @@ def answer_stream(fmt: str, *, reasoning: bool = False, think_started: bool = Fa
     push(text) / flush() returning the same events."""
     if fmt == "harmony":
         return harmony.HarmonyStream(tools=tools)
+    if fmt == "gemma4":
+        return gemma4_format.Gemma4Stream(tools=tools)
     return ToolCallStream(fmt, reasoning=reasoning, think_started=think_started, tools=tools, forced=forced)
 
 
@@ -311,8 +346,8 @@ class ToolCallStream(IncrementalReader):
 
     def __init__(self, fmt: str, *, reasoning: bool = False, think_started: bool = False,
                  tools: bool = True, forced: bool = False) -> None:
-        if fmt not in FORMATS or fmt == "harmony":
-            raise ToolCallError(f"unknown tool-call format {fmt!r} (harmony: use answer_stream)")
+        if fmt not in FORMATS or fmt in CHANNEL_FORMATS:
+            raise ToolCallError(f"unknown tool-call format {fmt!r} (harmony, gemma4: use answer_stream)")
         self.fmt = fmt
         self.tools = tools
         self.forced = forced  # only calls could be written: unreadable text is a cut-off call
@@ -543,6 +578,8 @@ def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
         return None
     if fmt == "harmony":
         return None if mode == "auto" else _harmony_call(chosen, tokenizer)
+    if fmt == "gemma4":
+        return _gemma4_calls(chosen, tokenizer, mode, parallel)
     args_key = "parameters" if fmt == "llama3" else "arguments"
     calls = [_call_schema(t, args_key, i) for i, t in enumerate(chosen)]
     schemas = [{k: v for k, v in c.items() if k != "$defs"} for c in calls]
@@ -589,6 +626,29 @@ def _free_text_then_calls(trigger: str, body: str) -> str:
     if trigger.startswith("<["):
         return "\n".join(head + [f"call: TEXT {trigger} {body}"]) + "\n"
     return "\n".join(head + [f"call_trigger[lazy]: TEXT {trigger}", f"call: call_trigger {body}"]) + "\n"
+
+
+def _gemma4_calls(chosen: list[dict], tokenizer, mode: str, parallel: bool):
+    """Gemma 4 calls of the chosen functions (edgeinfer.prompt.gemma4_grammar): "required",
+    maybe a thought, then the calls; "auto", free text until `<|tool_call>`, then a call
+    (llama.cpp's lazy trigger)."""
+    from edgeinfer.prompt import grammar
+
+    from edgeinfer.prompt import gemma4_grammar
+
+    marks = {t: _token_ref(tokenizer, t) for t in gemma4_format.MARKUP}
+    try:
+        body, rules = gemma4_grammar.calls_grammar(chosen, marks)
+    except ValueError as e:
+        raise ToolCallError(f"tools: {e}") from None
+    trigger = marks[gemma4_format.CALL_OPEN]
+    if mode == "auto":
+        if not trigger.startswith("<["):
+            return None  # the vocabulary cannot emit the trigger as one token: leave auto free
+        return grammar.lark(_free_text_then_calls(trigger, body) + "\n".join(rules) + "\n")
+    head = [f"start: thought? call{'+' if parallel else ''}", f"call: {trigger} {body}",
+            gemma4_grammar.thought_rule(marks)]
+    return grammar.lark("\n".join(head + rules) + "\n")
 
 
 def _harmony_call(chosen: list[dict], tokenizer):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgeinfer.server.constraints import speaks_harmony, thinks
-from edgeinfer.prompt.tool_calls import ParsedOutput, ToolCallStream, answer_stream, parse_output
+from edgeinfer.prompt.tool_calls import CHANNEL_FORMATS, ParsedOutput, ToolCallStream, answer_stream, parse_output
 
 
 @dataclass(frozen=True)
@@ -52,10 +52,10 @@ class OutputReader:
 
 
 def reader_for(model, *, tools: bool, thinking: bool | None = None, forced: bool = False) -> OutputReader | None:
-    """The reader for a chat request (None: the text is all content). A harmony answer is
-    always read: its channels are structure, never content."""
-    if speaks_harmony(model):
-        return OutputReader("harmony", tools, True)
+    """The reader for a chat request (None: the text is all content). A harmony or Gemma 4
+    answer is always read: its channels are structure, never content."""
+    if model.tool_format in CHANNEL_FORMATS:  # harmony, Gemma 4: channels are structure, never content
+        return OutputReader(model.tool_format, tools, True, forced=tools and forced)
     reasoning = thinks(model) and thinking is not False
     if not tools and not reasoning:
         return None

@@ -42,9 +42,10 @@ class StreamDecoder:
     """
 
     def __init__(self, tokenizer: PieceSource, skip_special: bool = False,
-                 as_pieces: bool = False) -> None:
+                 as_pieces: bool = False, shown: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special
+        self.shown = shown  # control tokens shown even with skip_special (a chat format's markup)
         self.as_pieces = as_pieces
         self._clean = tokenizer.clean_spaces and not as_pieces
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -53,7 +54,7 @@ class StreamDecoder:
 
     def push(self, token_id: int) -> str:
         tok = self.tokenizer
-        piece = tok.token_to_piece(token_id, special=not self.skip_special)
+        piece = tok.token_to_piece(token_id, special=not self.skip_special or token_id in self.shown)
         if self._first:  # llama.cpp strips one leading space from the first piece only
             if tok.add_space_prefix and not self.as_pieces and piece[:1] == b" ":
                 piece = piece[1:]
