@@ -43,7 +43,8 @@ from edgeinfer.kv.paged import PagedKVCache
 from edgeinfer.kv.pool_sizing import plan_pools
 from edgeinfer.kv.prefix_cache import common_prefix_len
 from edgeinfer.kv.recurrent import keep_at
-from edgeinfer.kv.saved import SavedKV
+from edgeinfer.kv.cache_types import from_key
+from edgeinfer.kv.saved import F16_KEY, SavedKV
 from edgeinfer.kv.sequence import SequenceKV
 from edgeinfer.results import FinishReason, GenerationChunk
 from edgeinfer.sampling import SamplingParams
@@ -192,22 +193,14 @@ class SessionManager:
         seq = self._resident
         return [] if seq is None else list(seq.tokens[:seq.n_used])
 
-    @property
-    def quantized_kv(self):
-        """The engine's K/V cache types when quantized (edgeinfer.kv.cache_types), else None."""
-        types = getattr(self.engine, "cache_types", None)
-        return types if types is not None and types.quantized else None
-
     def export_kv(self) -> SavedKV | None:
         """The resident sequence's tokens, K/V per layer and positions, and a hybrid model's
         recurrent state after them (edgeinfer.kv.saved.SavedKV), or None.
 
-        Rows a sliding-window layer no longer holds (out of its window) are NaN; import_kv
-        knows them. Saved sessions hold f16 K/V: under a quantized cache type (-ctk / -ctv)
-        there is nothing to export (None: the session keeps its tokens, resuming prefills).
+        K/V are as the cache stores them (f16, or a quantized type's raw blocks: SavedKV.
+        kv_types says which); rows a sliding-window layer no longer holds (out of its window)
+        carry a blank marker (CacheTypes.blank_rows) that import_kv knows.
         """
-        if self.quantized_kv is not None:
-            return None
         seq = self._resident
         if seq is None or seq.n_used == 0 or not np.array_equal(seq.positions, np.arange(seq.n_used)):
             return None
@@ -217,10 +210,10 @@ class SessionManager:
                 return None
             state = seq.recurrent.export()
         k, v = seq.export()
-        return SavedKV(self.resident_tokens(), k, v, np.array(seq.positions), state)
+        return SavedKV(self.resident_tokens(), k, v, np.array(seq.positions), state, self.cache.cache_types.key)
 
     def import_kv(self, tokens: Sequence[int], k: list, v: list, pos: np.ndarray,
-                  state: dict[str, np.ndarray] | None = None) -> int:
+                  state: dict[str, np.ndarray] | None = None, kv_types: str = F16_KEY) -> int:
         """Make saved K/V of `tokens[:len(pos)]` the resident sequence; returns tokens restored.
         A hybrid model needs `state`, its recurrent state after those tokens (SavedKV.state).
 
@@ -229,9 +222,11 @@ class SessionManager:
         take only the blocks the next token's window needs.
         """
         cfg = self.engine.config
-        if self.quantized_kv is not None:
-            raise EdgeInferError(f"saved K/V are f16 and this run's cache is {self.quantized_kv} (-ctk/-ctv): "
-                                 f"resume without --session-kv, or with f16 cache types")
+        types = self.cache.cache_types
+        if kv_types != types.key:
+            k_type, v_type = from_key(kv_types)
+            raise EdgeInferError(f"saved K/V are K {k_type}, V {v_type} and this run's cache is {types} "
+                                 f"(-ctk/-ctv): resume with those cache types, or without the saved K/V")
         if self.recurrent and state is None:
             raise EdgeInferError(f"the saved K/V of this {cfg.arch} session come without its recurrent state "
                                  f"(an older file); resume the conversation without --session-kv")
@@ -242,8 +237,10 @@ class SessionManager:
         if not np.array_equal(pos, np.arange(n)) or len(k) != cfg.n_layer or len(v) != cfg.n_layer:
             raise EdgeInferError("saved K/V do not fit this model")
         for i in range(cfg.n_layer):
-            k_row, v_row = cfg.saved_kv_shapes(i)
-            if np.shape(k[i]) != (n, *k_row) or np.shape(v[i]) != (n, *v_row):
+            (hk, dk), (hv, dv) = cfg.saved_kv_shapes(i)
+            if np.shape(k[i]) != (n, hk, types.width("k", dk) if dk else 0) or \
+                    np.shape(v[i]) != (n, hv, types.width("v", dv) if dv else 0) or \
+                    np.asarray(k[i]).dtype != types.dtype("k") or np.asarray(v[i]).dtype != types.dtype("v"):
                 raise EdgeInferError("saved K/V do not fit this model")
         with self.lock:
             if self._resident is not None:

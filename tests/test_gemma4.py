@@ -175,7 +175,7 @@ def test_saved_kv_keeps_a_shared_kv_once_and_resumes_exactly(model, tmp_path):
     mgr = _mgr(model)
     a = random_ids(np.random.default_rng(3), 18, cfg.n_vocab)
     collect(mgr.generate(a, greedy(3)))
-    tokens, k, v, pos, _ = mgr.export_kv()
+    tokens, k, v, pos, *_ = mgr.export_kv()
     n = len(pos)
     assert [x.shape[2] for x in k] == [32, 32, 32, 64, 0, 0, 0, 0]  # shared layers: no columns
     assert sum(x.nbytes + y.nbytes for x, y in zip(k, v)) == n * model_kv_bytes_per_token(cfg)

@@ -141,7 +141,7 @@ def test_a_saved_session_resumes_on_the_gpu(tmp_path, cuda_emulator):
     cpu, gpu, mgrs = _managers(path, k=8, head=True)
     a = random_ids(np.random.default_rng(5), 18, cpu.config.n_vocab)
     collect(mgrs[0].generate(a, greedy(3)))
-    tokens, k, v, pos, _ = mgrs[0].export_kv()
+    tokens, k, v, pos, *_ = mgrs[0].export_kv()
     fresh = [SessionManager(m.engine, m.tokenizer, n_ctx=N_CTX, block_size=BS, model_id="g4") for m in (cpu, gpu)]
     assert [f.import_kv(tokens, k, v, pos) for f in fresh] == [len(pos)] * 2
     more = tokens + random_ids(np.random.default_rng(6), 4, cpu.config.n_vocab)

@@ -85,9 +85,59 @@ def test_paged_pool_matches_contiguous_and_shift_and_sessions(tiny):
     chunks = list(model.sessions.generate(prompt, SamplingParams(temperature=0, max_tokens=40)))
     assert chunks[-1].finish_reason is not None
     assert model.sessions.shifts >= 1
-    assert model.sessions.export_kv() is None   # sessions hold f16 K/V only
-    with pytest.raises(EdgeInferError, match="saved K/V are f16"):
+    with pytest.raises(EdgeInferError, match=r"^saved K/V are K f16, V f16 and this run's cache is K q4_0, V q8_0 "
+                                             r"\(-ctk/-ctv\)"):
         model.sessions.import_kv([1, 2], [], [], np.arange(2))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliding layers whose dropped rows are blank
+def test_saved_sessions_keep_quantized_kv_and_refuse_other_types(tmp_path, arch):
+    """K/V saved under q4_0/q8_0 are the cache's raw blocks (rows a window dropped marked by NaN
+    block scales); they resume bit for bit under the same types and are refused in one line
+    under others."""
+    import edgeinfer
+    from edgeinfer.errors import EdgeInferError
+    from edgeinfer.generate import collect
+    from edgeinfer.sessions.session_file import load_session, save_session, SavedSession
+    from edgeinfer.sampling import SamplingParams
+    from gguf_factory import TinyShape
+
+    shape = TinyShape(n_embd=64, n_layer=6, n_head=2, n_head_kv=1, head_dim=64, n_ff=64,
+                      extra={"sliding_window": 8})
+    path = str(write_tiny_model(tmp_path / f"{arch}.gguf", arch, "Q8_0", shape=shape, seed=6))
+
+    def load(k="q4_0", v="q8_0"):
+        return edgeinfer.load(path, n_ctx=96, cache_type_k=k, cache_type_v=v)
+
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    first = load()
+    prompt = [1] + [5 + i % 40 for i in range(72)]  # past two 32-token drops of the window
+    collect(first.sessions.generate(prompt, greedy))
+    kv = first.sessions.export_kv()
+    assert kv.kv_types == "k=q4_0,v=q8_0"
+    assert kv.k[0].dtype == np.uint8 and kv.k[0].shape[-1] == kv_quant.row_bytes("q4_0", 64)
+    if arch == "gemma3":  # the window dropped the oldest rows of a sliding layer: marked blank
+        types = first.engine.cache_types
+        blank = types.blank_mask("k", kv.k[0])
+        assert blank[:32].all() and not blank[-8:].any() and np.array_equal(blank, types.blank_mask("v", kv.v[0]))
+        full = [i for i in range(first.config.n_layer) if not first.config.is_swa(i)]
+        assert full and not any(types.blank_mask("k", kv.k[i]).any() for i in full)  # global layers hold every row
+    saved = SavedSession(messages=[{"role": "user", "content": "x"}])
+    saved.set_kv(kv)
+    file = save_session(tmp_path / "s.npz", saved, first.identity)
+    back = load_session(file, first.identity, config=first.config, n_ctx=96)
+    assert back.kv_refused is None and back.kv_types == kv.kv_types
+    for a, b in zip(back.k + back.v, kv.k + kv.v):
+        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    fresh = load()
+    assert fresh.sessions.import_kv(*back.saved_kv()) == len(kv.pos)
+    more = kv.tokens + [7, 8, 9]
+    want = collect(first.sessions.generate(more, greedy))
+    got = collect(fresh.sessions.generate(more, greedy))
+    assert got.tokens == want.tokens and got.usage.cached_tokens >= len(kv.pos) - 1
+    for other in (load("f16", "f16"), load("q8_0", "q8_0")):
+        with pytest.raises(EdgeInferError, match=r"^saved K/V are K q4_0, V q8_0 and this run's cache is"):
+            other.sessions.import_kv(*back.saved_kv())
 
 
 def test_gpu_layers_refused_with_quantized_types(tiny):

@@ -39,7 +39,7 @@ def test_round_trip_with_kv_restores_the_cache(model, home):
     ids = list(range(3, 30))
     model.reset()
     first = model.generate(ids, max_tokens=4, temperature=0)
-    tokens, k, v, pos, _ = model.sessions.export_kv()
+    tokens, k, v, pos, *_ = model.sessions.export_kv()
     assert tokens == (ids + first.tokens)[:len(tokens)] and len(pos) == len(tokens)
     saved = SavedSession(messages=[{"role": "user", "content": "x"}], tokens=tokens,
                          sampling={"temperature": 0.0}, k=k, v=v, pos=pos)
@@ -91,7 +91,7 @@ def test_corrupt_file_is_reported_not_loaded(model, home, damage):
     else:
         arrays = dict(np.load(path))
         header = b'{"format": "nope"' if damage == "bad_header" else \
-            arrays["header"].tobytes().replace(b'"version": 2', b'"version": 99')
+            arrays["header"].tobytes().replace(b'"version": 3', b'"version": 99')
         arrays["header"] = np.frombuffer(header, dtype=np.uint8)
         with open(path, "wb") as f:
             np.savez(f, **arrays)
@@ -199,7 +199,7 @@ def test_read_session_info_reads_the_header_of_any_models_session(model, tiny_mo
     ids = list(range(3, 20))
     model.reset()
     model.generate(ids, max_tokens=2, temperature=0)
-    tokens, k, v, pos, _ = model.sessions.export_kv()
+    tokens, k, v, pos, *_ = model.sessions.export_kv()
     saved = _session(model)
     saved.tokens, saved.k, saved.v, saved.pos = tokens, k, v, pos
     saved.meta = {"title": "t"}

@@ -208,8 +208,7 @@ class ChatSession:
     def import_kv(self, model: Any, conv: Conversation) -> tuple[Any, int]:
         """(saved K/V or None, tokens imported): reads `conv`'s K/V into `model` (runs in a worker)."""
         saved = self.store.load_kv(conv, model.identity, model.config.n_layer)
-        return saved, (model.sessions.import_kv(saved.tokens, saved.k, saved.v, saved.pos, saved.state)
-                       if saved else 0)
+        return saved, (model.sessions.import_kv(*saved.saved_kv()) if saved else 0)
 
     def kv_restored(self, conv_id: str, saved: Any, n: int) -> bool:
         """After import_kv for the model still loaded: True when the open conversation (`conv_id`)

@@ -29,7 +29,7 @@ def resume_session(model, name: str, params: dict, system: str | None) -> tuple[
         saved_system = messages.pop(0)["content"]
         system = system or saved_system  # --system given now replaces the saved one
     if saved.n_kv:
-        model.sessions.import_kv(saved.tokens, saved.k, saved.v, saved.pos, saved.state)
+        model.sessions.import_kv(*saved.saved_kv())
     print(f"Resumed session '{name}' ({len(messages) // 2} turn(s)).", file=sys.stderr)
     return system, messages
 
@@ -43,10 +43,7 @@ def save_run_session(model, name: str, system: str | None, history: list[dict], 
     if with_kv:
         kv = model.sessions.export_kv()
         if kv is not None:
-            saved.tokens, saved.k, saved.v, saved.pos, saved.state = kv
-        elif model.sessions.quantized_kv is not None:
-            print(f"edgeinfer: K/V not saved: sessions hold f16 K/V and this run's cache is "
-                  f"{model.sessions.quantized_kv} (-ctk/-ctv); resuming prefills the conversation", file=sys.stderr)
+            saved.set_kv(kv)
     save_session(session_path(name), saved, model.identity)
 
 

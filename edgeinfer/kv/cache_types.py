@@ -59,6 +59,15 @@ def parse(value: str, flag: str) -> str:
     raise CacheTypeError(f"{flag}: {why} (allowed: {', '.join(ALLOWED)})")
 
 
+def from_key(key: str) -> tuple[str, str]:
+    """(k, v) type names of a CacheTypes.key ("k=q8_0,v=f16"); CacheTypeError if it is not one."""
+    parts = dict(p.split("=", 1) for p in str(key).split(",") if "=" in p)
+    k, v = parts.get("k"), parts.get("v")
+    if set(parts) != {"k", "v"} or k not in ALLOWED or v not in ALLOWED:
+        raise CacheTypeError(f"unknown K/V cache types {key!r}")
+    return k, v
+
+
 @dataclass(frozen=True)
 class CacheTypes:
     """The K and V types of one cache."""
@@ -109,6 +118,34 @@ class CacheTypes:
     def decode(self, which: str, raw: np.ndarray) -> np.ndarray:
         """Stored rows -> float32 (..., head_dim), as ggml's to_float, rotated back."""
         return self.rotate(which, kv_quant.dequantize(self.of(which), raw))
+
+    def blank_rows(self, which: str, shape: tuple[int, ...]) -> np.ndarray:
+        """Stored rows (`shape`, last axis the width) that mark a row as not held (what a
+        sliding window dropped, in saved K/V): NaN values for f16; for a quantized type,
+        blocks whose scale d is an f16 NaN, which no block of finite values has."""
+        if self.of(which) == "f16":
+            return np.full(shape, np.nan, np.float16)
+        out = np.zeros(shape, np.uint8)
+        if shape[-1]:
+            blocks = out.reshape(-1, kv_quant.BLOCK_BYTES[self.of(which)])
+            blocks[:, :2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+        return out
+
+    def blank_mask(self, which: str, rows: np.ndarray) -> np.ndarray:
+        """(n,) bool: which of the stored rows `rows` (n, ...) carry blank_rows' marker (any
+        NaN value, or any block scale that is NaN)."""
+        n = len(rows)
+        if self.of(which) == "f16":
+            return np.isnan(np.asarray(rows, np.float16).reshape(n, -1)).any(axis=1)
+        return np.isnan(self.block_scales(which, rows)).any(axis=1)
+
+    def block_scales(self, which: str, rows: np.ndarray) -> np.ndarray:
+        """(n, blocks) float16: the scale d of every block of quantized rows (n, ...)."""
+        n, bs = len(rows), kv_quant.BLOCK_BYTES[self.of(which)]
+        raw = np.ascontiguousarray(rows, np.uint8).reshape(n, -1)
+        if raw.shape[1] % bs:
+            raise ValueError(f"rows of {raw.shape[1]} bytes are not whole {self.of(which)} blocks")
+        return raw.reshape(n, -1, bs)[:, :, :2].copy().view(np.float16).reshape(n, -1)
 
     def bytes_per_value(self, which: str) -> float:
         t = self.of(which)

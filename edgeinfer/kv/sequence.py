@@ -144,7 +144,9 @@ class SequenceKV(KVView):
             self.recurrent.begin(self.n_used - n, n)
         return slots
 
-    def store(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    def store(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray, encoded: bool = False) -> None:
+        """K/V rows of `layer` into `slots`: float rows the cache encodes to its types, or with
+        `encoded` rows already as it stores them (saved K/V)."""
         c = self.cache
         g = c.group_of[layer]
         last = self._last
@@ -160,6 +162,9 @@ class SequenceKV(KVView):
             gslots, k, v = gslots[first:], k[first:], v[first:]
         if layer in c.device_layers:
             c.device.store(self, layer, device_slots, k, v)
+            return
+        if encoded:
+            c.k_flat[layer][gslots], c.v_flat[layer][gslots] = k, v
             return
         c.k_flat[layer][gslots] = c.cache_types.encode("k", k)
         c.v_flat[layer][gslots] = c.cache_types.encode("v", v)
@@ -227,8 +232,9 @@ class SequenceKV(KVView):
     def load(self, positions: np.ndarray, k: Sequence[np.ndarray], v: Sequence[np.ndarray]) -> None:
         """Fill an EMPTY sequence with saved K/V (per layer (n, n_head_kv, hd)) at `positions`.
 
-        Sliding-window groups take only the blocks the next token's window needs. Rows that
-        are NaN in a sliding-window layer (what `export` writes for rows no longer held) get
+        Rows are as the cache stores them (export's). Sliding-window groups take only the
+        blocks the next token's window needs. Rows with the blank marker in a sliding-window
+        layer (what `export` writes for rows no longer held) get
         no K/V and a masked position, and their blocks are never registered in the prefix
         cache. ValueError if a full-attention layer lacks rows.
         """
@@ -240,12 +246,13 @@ class SequenceKV(KVView):
             return
         if n > self.n_ctx:
             raise ContextOverflowError(f"{n} saved tokens exceed --ctx-size {self.n_ctx}")
+        types = self.cache.cache_types
         stored, missing = [], []
         for g in self.cache.groups:
             miss = np.zeros(n, dtype=bool)
             for layer in g.layers:
-                for a in (k[layer], v[layer]):
-                    miss |= np.isnan(np.asarray(a).reshape(n, -1)).any(axis=1)
+                for which, a in (("k", k[layer]), ("v", v[layer])):
+                    miss |= types.blank_mask(which, np.asarray(a))
             if miss.any() and not g.window:
                 raise ValueError("saved K/V lack rows of a full-attention layer")
             s = positions.copy()
@@ -259,31 +266,32 @@ class SequenceKV(KVView):
             miss = missing[self.cache.group_of[layer].index]
             kl, vl = np.asarray(k[layer]), np.asarray(v[layer])
             if miss is not None:
-                kl = np.where(miss[:, None, None], 0, kl)
-                vl = np.where(miss[:, None, None], 0, vl)
-            self.store(layer, slots, kl, vl)
+                kl = np.where(miss[:, None, None], 0, kl).astype(kl.dtype)
+                vl = np.where(miss[:, None, None], 0, vl).astype(vl.dtype)
+            self.store(layer, slots, kl, vl, encoded=True)
 
     def export(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """(k, v) per layer with n_used rows each, copies; rows a sliding-window group no
-        longer holds (dropped blocks, masked slots) are NaN (`load` knows them). A layer
+        """(k, v) per layer with n_used rows each, copies, as the cache stores them (f16, or a
+        quantized type's raw blocks); rows a sliding-window group no longer holds (dropped
+        blocks, masked slots) carry CacheTypes.blank_rows' marker (`load` knows it). A layer
         reading another's K/V (config.kv_source) gives (n_used, n_head_kv, 0) arrays."""
         n = self.n_used
-        cfg = self.cache.config
+        cfg, types = self.cache.config, self.cache.cache_types
         ks, vs = [], []
         for layer in range(cfg.n_layer):
             if not cfg.owns_kv(layer):  # a shared K/V is saved once, at its owner: no columns here
-                ks.append(np.zeros((n, cfg.n_head_kv, 0), np.float16))
-                vs.append(np.zeros((n, cfg.n_head_kv, 0), np.float16))
+                ks.append(np.zeros((n, cfg.n_head_kv, 0), types.dtype("k")))
+                vs.append(np.zeros((n, cfg.n_head_kv, 0), types.dtype("v")))
                 continue
             k, v, p = self.layer_view(layer)
             k, v = np.array(k), np.array(v)
             gone = n - len(k)
             masked = np.asarray(p) == MASKED_POS
             if gone or masked.any():
-                k = np.concatenate([np.full((gone,) + k.shape[1:], np.nan, k.dtype), k])
-                v = np.concatenate([np.full((gone,) + v.shape[1:], np.nan, v.dtype), v])
-                k[gone:][masked] = np.nan
-                v[gone:][masked] = np.nan
+                k = np.concatenate([types.blank_rows("k", (gone,) + k.shape[1:]), k])
+                v = np.concatenate([types.blank_rows("v", (gone,) + v.shape[1:]), v])
+                k[gone:][masked] = types.blank_rows("k", (int(masked.sum()),) + k.shape[1:])
+                v[gone:][masked] = types.blank_rows("v", (int(masked.sum()),) + v.shape[1:])
             ks.append(k)
             vs.append(v)
         return ks, vs

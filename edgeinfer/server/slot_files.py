@@ -76,7 +76,7 @@ def save(model, folder: str, name: str) -> dict:
     saved = SavedSession(meta={"kind": "llama-server slot", "id_slot": 0})  # meta given: the old file is not read
     kv = sessions.export_kv()
     if kv is not None:
-        saved.tokens, saved.k, saved.v, saved.pos, saved.state = kv
+        saved.set_kv(kv)
     try:
         save_session(path, saved, model.identity)
         n_written = os.stat(path).st_size
@@ -101,7 +101,7 @@ def restore(model, folder: str, name: str) -> dict:
             raise EdgeInferError(refused[0])
         n_read = os.stat(path).st_size
         if saved.n_kv:
-            n = model.sessions.import_kv(saved.tokens, saved.k, saved.v, saved.pos, saved.state)
+            n = model.sessions.import_kv(*saved.saved_kv())
         else:  # an empty slot was saved: the slot becomes empty
             model.reset()
             n = 0

@@ -210,7 +210,7 @@ class ConversationStore:
             try:
                 old = load_session(path, conv.identity, warn=_quiet)  # refused K/V: not kept
                 if old.n_kv:
-                    kv = SavedKV(old.tokens, old.k, old.v, old.pos, old.state)
+                    kv = old.saved_kv()
             except SessionFileError:
                 pass  # another model's or unreadable: the K/V were only a cache
         conv.updated = time.time()
@@ -218,9 +218,7 @@ class ConversationStore:
                 "model_path": conv.model_path, "settings": dict(conv.settings), "created": conv.created}
         session = SavedSession(messages=_file_messages(conv), sampling=dict(sampling), meta=meta)
         if kv is not None:
-            kv = SavedKV(*kv)
-            session.tokens, session.k, session.v, session.pos, session.state = list(kv.tokens), kv.k, kv.v, \
-                kv.pos, kv.state
+            session.set_kv(SavedKV(*kv))
         save_session(path, session, conv.identity)
         conv.n_kv = session.n_kv
         return path

@@ -3,13 +3,17 @@ on disk, so `edgeinfer run NAME --session S` resumes it.
 
 File: `<data dir>/sessions/<S>.npz` (data dir = `$EDGEINFER_HOME` or ~/.local/share/edgeinfer),
 a numpy .npz archive:
-- `header`: UTF-8 JSON {"format": "edgeinfer-session", "version": 2, "model": identity,
+- `header`: UTF-8 JSON {"format": "edgeinfer-session", "version": 3, "model": identity,
   "messages": [...], "sampling": {...}, "n_kv": tokens with saved K/V (0 = none),
   "n_state": tokens the saved recurrent state summarizes (0 = none; a hybrid model's), and
   optionally "meta": {...}, what a front end keeps beside the chat (the TUI: title, model
   reference, settings such as the context size, creation time); readers ignore it
 - `tokens`: int64 token ids of the conversation so far
-- `pos`, `k<i>`, `v<i>` (layer i): positions and f16 K/V of tokens[:n_kv], when saved.
+- `pos`, `k<i>`, `v<i>` (layer i): positions and K/V of tokens[:n_kv], when saved, as the
+  cache stores them: f16 values, or (version 3) a quantized cache type's raw ggml blocks
+  (uint8), the header's "kv_types" (CacheTypes.key, "k=q8_0,v=q8_0"; absent: f16) saying
+  which. Rows a sliding window dropped carry CacheTypes.blank_rows' marker (NaN values, or
+  NaN block scales). K/V are resumed only under the same cache types (refused in one line).
 - `conv.<i>`, `ssm.<i>` (recurrent layer i, version 2): float32 recurrent state after
   tokens[:n_state], n_state = n_kv (edgeinfer.kv.recurrent.RecurrentState.export).
 Version 1 files (no state) still load.
@@ -53,11 +57,13 @@ import numpy as np
 
 from edgeinfer.atomic_file import remove_stale_temps, write_atomically
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.kv.cache_types import F16, CacheTypeError, CacheTypes, from_key
+from edgeinfer.kv.saved import F16_KEY, SavedKV
 from edgeinfer.sessions.safe_open import RefusedFile, open_regular
 
 FORMAT = "edgeinfer-session"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: before recurrent states
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1: before recurrent states; 2: before quantized K/V (kv_types)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _EDGE = 1 << 20  # bytes hashed at each end of the model file
 
@@ -125,10 +131,23 @@ class SavedSession:
     state: dict[str, np.ndarray] | None = None
     # Set by load_session when the file held K/V it refused (the one line saying why).
     kv_refused: str | None = None
+    # The cache types the K/V are stored as (CacheTypes.key).
+    kv_types: str = F16_KEY
 
     @property
     def n_kv(self) -> int:
         return 0 if self.pos is None else len(self.pos)
+
+    def set_kv(self, kv: SavedKV) -> None:
+        """Take a sequence's saved K/V (SessionManager.export_kv) with their tokens."""
+        self.tokens, self.k, self.v, self.pos, self.state, self.kv_types = \
+            list(kv.tokens), kv.k, kv.v, kv.pos, kv.state, kv.kv_types
+
+    def saved_kv(self) -> SavedKV | None:
+        """The K/V to import (SessionManager.import_kv(*saved_kv)), or None when it has none."""
+        if not self.n_kv:
+            return None
+        return SavedKV(self.tokens, self.k, self.v, self.pos, self.state, self.kv_types)
 
 
 def save_session(path: str | os.PathLike[str], session: SavedSession, model: dict) -> Path:
@@ -138,6 +157,8 @@ def save_session(path: str | os.PathLike[str], session: SavedSession, model: dic
     header = {"format": FORMAT, "version": VERSION, "model": model, "messages": session.messages,
               "sampling": session.sampling, "n_kv": session.n_kv,
               "n_state": session.n_kv if session.n_kv and session.state else 0}
+    if session.n_kv:
+        header["kv_types"] = session.kv_types
     meta = session.meta if session.meta is not None else _existing_meta(path)
     if meta:
         header["meta"] = meta
@@ -147,9 +168,10 @@ def save_session(path: str | os.PathLike[str], session: SavedSession, model: dic
     }
     if session.n_kv:
         arrays["pos"] = np.asarray(session.pos, dtype=np.int64)
+        types = CacheTypes(*from_key(session.kv_types))
         for i, (k, v) in enumerate(zip(session.k, session.v)):
-            arrays[f"k{i}"] = np.asarray(k, dtype=np.float16)
-            arrays[f"v{i}"] = np.asarray(v, dtype=np.float16)
+            arrays[f"k{i}"] = np.asarray(k, dtype=types.dtype("k"))
+            arrays[f"v{i}"] = np.asarray(v, dtype=types.dtype("v"))
         for name, a in (session.state or {}).items():
             arrays[name] = np.asarray(a, dtype=np.float32)
     try:
@@ -207,13 +229,24 @@ def load_session(path: str | os.PathLike[str], model: dict, n_layer: int | None 
             if not isinstance(n_kv, int) or isinstance(n_kv, bool):
                 raise _Bad(f"n_kv is {n_kv!r}")
             if n_kv:
-                kv = _read_kv(archive, n_kv, tokens_array, n_layer, config, n_ctx)
+                types = _kv_types(header)
+                kv = _read_kv(archive, n_kv, tokens_array, n_layer, config, n_ctx, types)
                 state = _read_state(archive, header, n_kv, config)
                 (session.k, session.v, session.pos), session.state = kv, state  # all or nothing
+                session.kv_types = types.key
         except _Bad as exc:
             session.kv_refused = f"{where}: its saved K/V were not loaded ({exc}); the conversation is read again"
             (warn or _warn_stderr)(session.kv_refused)
     return session
+
+
+def _kv_types(header: dict) -> CacheTypes:
+    """The cache types the file's K/V are stored as (f16 for files before them)."""
+    key = header.get("kv_types", F16_KEY)
+    try:
+        return CacheTypes(*from_key(key))
+    except CacheTypeError:
+        raise _Bad(f"kv_types is {key!r}") from None
 
 
 def _saved_rows(config: Any, layer: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -230,7 +263,7 @@ def _warn_stderr(message: str) -> None:
 
 
 def _read_kv(archive: "_Archive", n_kv: int, tokens: np.ndarray, n_layer: int | None, config: Any,
-             n_ctx: int | None) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+             n_ctx: int | None, types: CacheTypes = F16) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
     """The K/V members, every size checked before a byte of them is read and every value after;
     _Bad names the first problem."""
     if n_kv < 0 or n_kv > len(tokens):
@@ -248,9 +281,10 @@ def _read_kv(archive: "_Archive", n_kv: int, tokens: np.ndarray, n_layer: int | 
         want = None
         if config is not None:  # per layer: head sizes may differ, a shared K/V has none (gemma4)
             rows = _saved_rows(config, i)
-            want = {"k": (n_kv, *rows[0]), "v": (n_kv, *rows[1])}
+            want = {kind: (n_kv, heads, types.width(kind, size) if size else 0)
+                    for kind, (heads, size) in zip(("k", "v"), rows)}
         for kind in ("k", "v"):
-            member = archive.probe(f"{kind}{i}", np.float16, 3, n_kv * MAX_ROW * 2, kv=True)
+            member = archive.probe(f"{kind}{i}", types.dtype(kind), 3, n_kv * MAX_ROW * 2, kv=True)
             if want is not None and member.shape != want[kind]:
                 raise _Bad(f"{kind}{i} has shape {member.shape}; this model's is {want[kind]}")
             if member.shape[0] != n_kv or member.shape[1] * member.shape[2] > MAX_ROW:
@@ -277,7 +311,7 @@ def _read_kv(archive: "_Archive", n_kv: int, tokens: np.ndarray, n_layer: int | 
     k, v = [], []
     for i in range(layers):
         ka, va = archive.read(members[2 * i]), archive.read(members[2 * i + 1])
-        _check_values(ka, va, i)
+        _check_values(ka, va, i, types)
         k.append(ka)
         v.append(va)
     return k, v, pos
@@ -310,13 +344,17 @@ def _read_state(archive: "_Archive", header: dict, n_kv: int, config: Any) -> di
     return state
 
 
-def _check_values(k: np.ndarray, v: np.ndarray, layer: int) -> None:
+def _check_values(k: np.ndarray, v: np.ndarray, layer: int, types: CacheTypes = F16) -> None:
     """No Inf anywhere; NaN only as whole rows, the same in K and V: how export_kv marks the rows
-    a sliding-window layer no longer holds."""
+    a sliding-window layer no longer holds. Quantized rows: the same of their block scales
+    (whole 32-value blocks, or the row is refused)."""
     n = len(k)
     rows = []
-    for a in (k, v):
-        flat = a.reshape(n, -1)
+    for which, a in (("k", k), ("v", v)):
+        try:
+            flat = a.reshape(n, -1) if types.of(which) == "f16" else types.block_scales(which, a)
+        except ValueError:
+            raise _Bad(f"{which}{layer} rows are not whole {types.of(which)} blocks") from None
         if np.isinf(flat).any():
             raise _Bad(f"Inf in layer {layer}")
         nan = np.isnan(flat)
