@@ -55,7 +55,7 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
     per-request `draft_max` / `draft_min` / `draft_p_min` keywords (draft_max=0: off).
 
     `cache_type_k` / `cache_type_v` are llama.cpp's -ctk / -ctv (edgeinfer.kv.cache_types):
-    f16 (default), q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; a quantized type runs on the CPU only.
+    f16 (default), q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, on the CPU and in VRAM alike.
     """
     from edgeinfer.store.registry import resolve
 

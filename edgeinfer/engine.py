@@ -16,7 +16,7 @@ import numpy as np
 
 from edgeinfer.backends.base import Backend, ReferenceBackend
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.kv.cache_types import CacheTypeError, CacheTypes, of_config, parse
+from edgeinfer.kv.cache_types import CacheTypes, of_config, parse
 from edgeinfer.kv.contiguous import KVCache
 from edgeinfer.kv.view import KVView
 from edgeinfer.loader import ModelFile
@@ -58,16 +58,9 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
         from edgeinfer.backends.offload import plan_for_model
 
         cpu = CpuBackend(mf.gguf, threads=options.threads)
-        gpu_layers = options.gpu_layers
-        if options.cache_types.quantized and gpu_layers != 0:
-            # the GPU kernels read f16 K/V only, for now
-            if str(gpu_layers).strip().isdigit() and int(str(gpu_layers).strip()) > 0:
-                raise CacheTypeError(f"--cache-type-k/--cache-type-v: quantized K/V ({options.cache_types}) run on "
-                                     f"the CPU only for now: use -ngl 0, or f16")
-            gpu_layers = 0
-        plan = plan_for_model(mf.gguf, mf.config, options.n_ctx, gpu_layers=gpu_layers,
+        plan = plan_for_model(mf.gguf, mf.config, options.n_ctx, gpu_layers=options.gpu_layers,
                               prefill_rows=options.prefill_chunk + options.prefill_chunk // 4,
-                              n_cpu_moe=options.n_cpu_moe)
+                              n_cpu_moe=options.n_cpu_moe, cache_types=of_config(mf.config, options.cache_types))
         if not plan.on_gpu:
             cpu.prepare_weights()   # a GPU plan leaves them to first use: offloaded layers never ask
             return cpu, plan
@@ -116,10 +109,9 @@ class Engine:
         return self.options.n_ctx
 
     def new_cache(self) -> KVView:
-        """A contiguous cache of n_ctx tokens, the backend's own (GPU layers keep K/V in VRAM)."""
-        if self.cache_types.quantized:   # host-only (make_backend kept every layer on the CPU)
-            return KVCache(self.config, self.n_ctx, cache_types=self.cache_types)
-        return self.backend.new_cache(self.config, self.n_ctx)
+        """A contiguous cache of n_ctx tokens of the engine's K/V types, the backend's own (GPU
+        layers keep K/V in VRAM)."""
+        return self.backend.new_cache(self.config, self.n_ctx, self.cache_types)
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, kv: KVView,
                 logits_for: np.ndarray | None = None, decode_bits: bool = False) -> np.ndarray:

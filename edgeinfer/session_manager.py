@@ -68,13 +68,13 @@ class SessionManager:
         # GPU-offloaded layers keep their K/V in VRAM blocks of their group's pool (the CUDA
         # paged attention reads them through the sequence's block table).
         device_layers = backend.kv_layers(cfg)
+        types = getattr(engine, "cache_types", None)
         pools = plan_pools(cfg, self.n_ctx, block_size, device_layers, pool_tokens=pool_tokens,
                            kv_pool_mb=kv_pool_mb, prefill_chunk=engine.max_prefill_rows,
-                           vram_blocks=backend.max_kv_blocks(cfg, block_size),
-                           types=getattr(engine, "cache_types", None))
+                           vram_blocks=backend.max_kv_blocks(cfg, block_size, types), types=types)
         self._device = None  # VRAM blocks of the GPU layers, kept across reset()
         if pools.device_blocks is not None:
-            self._device = backend.new_block_storage(cfg, pools.device_blocks, block_size)
+            self._device = backend.new_block_storage(cfg, pools.device_blocks, block_size, types)
         self._group_blocks = pools.blocks
         self.cache = self._new_cache()
         self._resident: SequenceKV | None = None  # the last finished request's sequence

@@ -18,8 +18,13 @@
 //   paged_decode_attention_wide: the same for head dims up to 512 (Gemma 4's global layers),
 //                            for any number of queries: the prefill kernel's K/V tiles of
 //                            512 would not fit a block's 48 KiB of shared memory.
+//   *_q variants:            the same over a quantized cache (llama.cpp's --cache-type-k/-v):
+//                            rows of raw ggml blocks (kernels_cuda/kv_quant.cu stores them),
+//                            each value dequantized where it is read (kv_value), as
+//                            ggml's to_float; the f16 side of a mixed pair is read as f16.
+//                            Q comes rotated and the output goes back through hadamard_rows.
 // q: (n_q, n_head, hd) f32, prescaled inside; out: (n_q, n_head, hd_v) f32. hd even, <= 256
-// (<= 512 for the wide kernel).
+// (<= 512 for the wide kernels).
 #include <cuda_fp16.h>
 #include <math_constants.h>
 #include <limits.h>
@@ -28,6 +33,69 @@
 #define MAX_HD 256       // the prefill kernel and paged_decode_attention
 #define MAX_HD_WIDE 512  // paged_decode_attention_wide
 #define PER_LANE (MAX_HD / 32)
+
+// K/V types, as kernels_cuda/kv_quant.cu and launch.KV_TYPE_CODE name them
+#define KV_F16 0
+#define KV_Q8_0 1
+#define KV_Q4_0 2
+#define KV_Q4_1 3
+#define KV_Q5_0 4
+#define KV_Q5_1 5
+#define KV_IQ4_NL 6
+
+__constant__ float kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+__device__ __forceinline__ float half_at(const uint8_t* p) {
+    return __half2float(__ushort_as_half((unsigned short)(p[0] | (p[1] << 8))));
+}
+
+// Value d of a stored row: f16, or a quantized type's blocks read as ggml's to_float (q * d,
+// or q * d + m with two roundings).
+__device__ __forceinline__ float kv_value(const uint8_t* row, int type, int d) {
+    const int j = d & 31;
+    switch (type) {
+        case KV_F16:
+            return half_at(row + 2 * d);
+        case KV_Q8_0: {
+            const uint8_t* b = row + (d >> 5) * 34;
+            return __fmul_rn((float)(int8_t)b[2 + j], half_at(b));
+        }
+        case KV_Q4_0: {
+            const uint8_t* b = row + (d >> 5) * 18;
+            const int c = j < 16 ? (b[2 + j] & 15) : (b[2 + j - 16] >> 4);
+            return __fmul_rn((float)(c - 8), half_at(b));
+        }
+        case KV_Q4_1: {
+            const uint8_t* b = row + (d >> 5) * 20;
+            const int c = j < 16 ? (b[4 + j] & 15) : (b[4 + j - 16] >> 4);
+            return __fadd_rn(__fmul_rn((float)c, half_at(b)), half_at(b + 2));
+        }
+        case KV_Q5_0: {
+            const uint8_t* b = row + (d >> 5) * 22;
+            const int hi = (b[2 + (j >> 3)] >> (j & 7)) & 1;
+            const int c = (j < 16 ? (b[6 + j] & 15) : (b[6 + j - 16] >> 4)) | (hi << 4);
+            return __fmul_rn((float)(c - 16), half_at(b));
+        }
+        case KV_Q5_1: {
+            const uint8_t* b = row + (d >> 5) * 24;
+            const int hi = (b[4 + (j >> 3)] >> (j & 7)) & 1;
+            const int c = (j < 16 ? (b[8 + j] & 15) : (b[8 + j - 16] >> 4)) | (hi << 4);
+            return __fadd_rn(__fmul_rn((float)c, half_at(b)), half_at(b + 2));
+        }
+        default: {  // iq4_nl
+            const uint8_t* b = row + (d >> 5) * 18;
+            const int c = j < 16 ? (b[2 + j] & 15) : (b[2 + j - 16] >> 4);
+            return __fmul_rn(kIq4nlValues[c], half_at(b));
+        }
+    }
+}
+
+// One side (K or V) of a layer's cache: f16 values, or rows of a quantized type's blocks.
+struct KvSide {
+    const uint8_t* base;
+    int type, row_bytes;
+    __device__ __forceinline__ const uint8_t* row(long long r) const { return base + r * row_bytes; }
+};
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -71,9 +139,10 @@ __device__ __forceinline__ void online_init(Online<NL>& st) {
 }
 
 // Fold one tile of up to 32 keys into st. Lane j scored key j (score = -inf when masked);
-// vrow(j) gives key j's V row. Returns without work when the whole tile is masked.
-template <int NL, typename VRow>
-__device__ __forceinline__ void online_update(Online<NL>& st, float score, int hd_v, VRow vrow) {
+// vrow(j) gives key j's V row and vget(row, d) its value d. Returns without work when the
+// whole tile is masked.
+template <int NL, typename VRow, typename VGet>
+__device__ __forceinline__ void online_update(Online<NL>& st, float score, int hd_v, VRow vrow, VGet vget) {
     const int lane = threadIdx.x & 31;
     const float tmax = warp_max(score);
     if (tmax == -CUDART_INF_F) return;
@@ -86,11 +155,11 @@ __device__ __forceinline__ void online_update(Online<NL>& st, float score, int h
     for (int j = 0; j < 32; ++j) {
         const float pj = __shfl_sync(0xffffffffu, p, j);
         if (pj == 0.0f) continue;  // warp-uniform: pj is a broadcast
-        const __half* v = vrow(j);
+        const auto v = vrow(j);
 #pragma unroll
         for (int i = 0; i < NL; ++i) {
             const int d = lane + 32 * i;
-            if (d < hd_v) st.o[i] += pj * __half2float(v[d]);
+            if (d < hd_v) st.o[i] += pj * vget(v, d);
         }
     }
     st.m = m_new;
@@ -124,10 +193,13 @@ extern "C" __global__ void kv_store(const float* k, const float* v, __half* k_ca
 #define FA_KEYS 32
 #define FA_LD (MAX_HD + 2)  // +2 halfs: an odd word stride, so lane j reading row j hits distinct banks
 
-extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
-    flash_attention_prefill(const float* q, const __half* k_cache, const __half* v_cache, const int* block_table,
-                            const int* kpos, const int* qpos, float* out, int n_q, int n_keys, int block_size,
-                            int n_head, int n_kv, int hd, int hd_v, float scale, int window, const float* sinks) {
+template <bool QUANT>
+__device__ __forceinline__ void flash_prefill(const float* q, KvSide kc, KvSide vc, const int* block_table,
+                                              const int* kpos, const int* qpos, float* out, int n_q, int n_keys,
+                                              int block_size, int n_head, int n_kv, int hd, int hd_v, float scale,
+                                              int window, const float* sinks) {
+    const __half* k_cache = reinterpret_cast<const __half*>(kc.base);
+    const __half* v_cache = reinterpret_cast<const __half*>(vc.base);
     __shared__ float qs[FA_WARPS][MAX_HD];
     __shared__ __half ks[FA_KEYS][FA_LD];
     __shared__ __half vs[FA_KEYS][FA_LD];
@@ -147,8 +219,13 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
             const int j = idx / MAX_HD, d = idx % MAX_HD, s = base + j;
             if (s < n_keys) {
                 const long long row = paged_row(block_table, block_size, n_kv, s, kvh);
-                if (d < hd) ks[j][d] = k_cache[row * hd + d];
-                if (d < hd_v) vs[j][d] = v_cache[row * hd_v + d];
+                if (QUANT) {  // dequantized into the f16 tile
+                    if (d < hd) ks[j][d] = __float2half(kv_value(kc.row(row), kc.type, d));
+                    if (d < hd_v) vs[j][d] = __float2half(kv_value(vc.row(row), vc.type, d));
+                } else {
+                    if (d < hd) ks[j][d] = k_cache[row * hd + d];
+                    if (d < hd_v) vs[j][d] = v_cache[row * hd_v + d];
+                }
                 if (d == 0) kp_s[j] = kpos[paged_slot(block_table, block_size, s)];
             } else if (d == 0) {
                 kp_s[j] = INT_MAX;  // never visible
@@ -162,7 +239,8 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
             for (int d = 0; d < hd; ++d) acc += qs[warp][d] * __half2float(ks[lane][d]);
             score = acc;
         }
-        online_update(st, score, hd_v, [&](int j) { return &vs[j][0]; });
+        online_update(st, score, hd_v, [&](int j) { return &vs[j][0]; },
+                      [](const __half* v, int d) { return __half2float(v[d]); });
     }
     if (!active) return;
     if (sinks) sink_fold(st, sinks[head]);
@@ -174,13 +252,35 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     }
 }
 
+#define FLASH_ARGS                                                                                              \
+    const float *q, const int *block_table, const int *kpos, const int *qpos, float *out, int n_q, int n_keys,     \
+        int block_size, int n_head, int n_kv, int hd, int hd_v, float scale, int window, const float *sinks
+
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
+    flash_attention_prefill(const __half* k_cache, const __half* v_cache, FLASH_ARGS) {
+    const KvSide kc{reinterpret_cast<const uint8_t*>(k_cache), KV_F16, 2 * hd};
+    const KvSide vc{reinterpret_cast<const uint8_t*>(v_cache), KV_F16, 2 * hd_v};
+    flash_prefill<false>(q, kc, vc, block_table, kpos, qpos, out, n_q, n_keys, block_size, n_head, n_kv, hd, hd_v,
+                         scale, window, sinks);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
+    flash_attention_prefill_q(const uint8_t* k_cache, const uint8_t* v_cache, int k_type, int v_type,
+                              int k_row_bytes, int v_row_bytes, FLASH_ARGS) {
+    const KvSide kc{k_cache, k_type, k_row_bytes}, vc{v_cache, v_type, v_row_bytes};
+    flash_prefill<true>(q, kc, vc, block_table, kpos, qpos, out, n_q, n_keys, block_size, n_head, n_kv, hd, hd_v,
+                        scale, window, sinks);
+}
+
 #define DA_WARPS 4
 
-template <int HD>
-__device__ __forceinline__ void decode_attention(const float* q, const __half* k_cache, const __half* v_cache,
-                                                 const int* block_table, const int* kpos, const int* qpos, float* out,
-                                                 int n_keys, int block_size, int n_head, int n_kv, int hd, int hd_v,
-                                                 float scale, int window, const float* sinks) {
+template <int HD, bool QUANT>
+__device__ __forceinline__ void decode_attention(const float* q, KvSide kc, KvSide vc, const int* block_table,
+                                                 const int* kpos, const int* qpos, float* out, int n_keys,
+                                                 int block_size, int n_head, int n_kv, int hd, int hd_v, float scale,
+                                                 int window, const float* sinks) {
+    const __half* k_cache = reinterpret_cast<const __half*>(kc.base);
+    const __half* v_cache = reinterpret_cast<const __half*>(vc.base);
     constexpr int NL = HD / 32;
     __shared__ float qs[HD];
     __shared__ float m_s[DA_WARPS], l_s[DA_WARPS];
@@ -196,19 +296,28 @@ __device__ __forceinline__ void decode_attention(const float* q, const __half* k
         const int s = base + lane;
         float score = -CUDART_INF_F;
         if (s < n_keys && visible(kpos[paged_slot(block_table, block_size, s)], qp, window)) {
-            const __half2* k = reinterpret_cast<const __half2*>(
-                k_cache + paged_row(block_table, block_size, n_kv, s, kvh) * hd);
+            const long long row = paged_row(block_table, block_size, n_kv, s, kvh);
             float acc = 0.0f;
-            for (int d = 0; d < hd / 2; ++d) {
-                const float2 kk = __half22float2(k[d]);
-                acc += qs[2 * d] * kk.x + qs[2 * d + 1] * kk.y;
+            if (QUANT) {
+                const uint8_t* k = kc.row(row);
+                for (int d = 0; d < hd; ++d) acc += qs[d] * kv_value(k, kc.type, d);
+            } else {
+                const __half2* k = reinterpret_cast<const __half2*>(k_cache + row * hd);
+                for (int d = 0; d < hd / 2; ++d) {
+                    const float2 kk = __half22float2(k[d]);
+                    acc += qs[2 * d] * kk.x + qs[2 * d + 1] * kk.y;
+                }
             }
             score = acc;
         }
-        online_update(st, score, hd_v, [&](int j) {
+        auto vrow = [&](int j) {
             const int sj = min(base + j, n_keys - 1);  // p_j = 0 for sj past the end, never read then
-            return v_cache + paged_row(block_table, block_size, n_kv, sj, kvh) * hd_v;
-        });
+            return paged_row(block_table, block_size, n_kv, sj, kvh);
+        };
+        if (QUANT)
+            online_update(st, score, hd_v, vrow, [&](long long r, int d) { return kv_value(vc.row(r), vc.type, d); });
+        else
+            online_update(st, score, hd_v, vrow, [&](long long r, int d) { return __half2float(v_cache[r * hd_v + d]); });
     }
     // merge the warps' partial softmaxes
     if (lane == 0) {
@@ -234,16 +343,36 @@ __device__ __forceinline__ void decode_attention(const float* q, const __half* k
 }
 
 #define DECODE_ARGS                                                                                              \
-    const float *q, const __half *k_cache, const __half *v_cache, const int *block_table, const int *kpos,       \
-        const int *qpos, float *out, int n_q, int n_keys, int block_size, int n_head, int n_kv, int hd, int hd_v, \
-        float scale, int window, const float *sinks
+    const float *q, const int *block_table, const int *kpos, const int *qpos, float *out, int n_q, int n_keys,     \
+        int block_size, int n_head, int n_kv, int hd, int hd_v, float scale, int window, const float *sinks
+#define DECODE_CALL(HD, QUANT)                                                                                   \
+    decode_attention<HD, QUANT>(q, kc, vc, block_table, kpos, qpos, out, n_keys, block_size, n_head, n_kv, hd,    \
+                                hd_v, scale, window, sinks)
+#define F16_SIDES                                                                                                \
+    const KvSide kc{reinterpret_cast<const uint8_t*>(k_cache), KV_F16, 2 * hd};                                 \
+    const KvSide vc{reinterpret_cast<const uint8_t*>(v_cache), KV_F16, 2 * hd_v}
+#define QUANT_PARAMS const uint8_t *k_cache, const uint8_t *v_cache, int k_type, int v_type, int k_row_bytes, int v_row_bytes
+#define QUANT_SIDES const KvSide kc{k_cache, k_type, k_row_bytes}, vc{v_cache, v_type, v_row_bytes}
 
-extern "C" __global__ void __launch_bounds__(DA_WARPS * 32) paged_decode_attention(DECODE_ARGS) {
-    decode_attention<MAX_HD>(q, k_cache, v_cache, block_table, kpos, qpos, out, n_keys, block_size, n_head, n_kv,
-                             hd, hd_v, scale, window, sinks);
+extern "C" __global__ void __launch_bounds__(DA_WARPS * 32)
+    paged_decode_attention(const __half* k_cache, const __half* v_cache, DECODE_ARGS) {
+    F16_SIDES;
+    DECODE_CALL(MAX_HD, false);
 }
 
-extern "C" __global__ void __launch_bounds__(DA_WARPS * 32) paged_decode_attention_wide(DECODE_ARGS) {
-    decode_attention<MAX_HD_WIDE>(q, k_cache, v_cache, block_table, kpos, qpos, out, n_keys, block_size, n_head,
-                                  n_kv, hd, hd_v, scale, window, sinks);
+extern "C" __global__ void __launch_bounds__(DA_WARPS * 32)
+    paged_decode_attention_wide(const __half* k_cache, const __half* v_cache, DECODE_ARGS) {
+    F16_SIDES;
+    DECODE_CALL(MAX_HD_WIDE, false);
+}
+
+extern "C" __global__ void __launch_bounds__(DA_WARPS * 32) paged_decode_attention_q(QUANT_PARAMS, DECODE_ARGS) {
+    QUANT_SIDES;
+    DECODE_CALL(MAX_HD, true);
+}
+
+extern "C" __global__ void __launch_bounds__(DA_WARPS * 32)
+    paged_decode_attention_q_wide(QUANT_PARAMS, DECODE_ARGS) {
+    QUANT_SIDES;
+    DECODE_CALL(MAX_HD_WIDE, true);
 }

@@ -21,13 +21,17 @@ QTYPE_SUFFIX = cuda_types()
 KERNEL_NAMES = {
     "quant.cu": [f"{op}_{s}" for s in QTYPE_SUFFIX.values()
                  for op in ("matvec", "gemm", "dequant", "matvec_id", "gemm_id")],
-    "attention.cu": ["kv_store", "flash_attention_prefill", "paged_decode_attention", "paged_decode_attention_wide"],
+    "attention.cu": ["kv_store", "flash_attention_prefill", "flash_attention_prefill_q", "paged_decode_attention",
+                     "paged_decode_attention_wide", "paged_decode_attention_q", "paged_decode_attention_q_wide"],
+    "kv_quant.cu": ["kv_store_quant", "hadamard_rows"],
     "elementwise.cu": ["rms_norm", "rope", "silu_mul", "gelu_mul", "gelu", "mul", "mul_rows", "scale_rows", "scale", "add",
                        "add_rows", "swiglu_oai", "add_id", "moe_combine"],
     "recurrent.cu": ["gated_delta_net", "ssm_conv_silu", "delta_gates", "l2_norm_rows", "sigmoid_mul",
                      "qkv_split_norm"],
 }
 MATVEC_MAX_TOKENS = 4  # up to this many rows re-read the weights per token; more use the GEMM
+# K/V cache types the kernels read and kv_store_quant writes (KV_* in attention.cu and kv_quant.cu)
+KV_TYPE_CODE = {"f16": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q5_1": 5, "iq4_nl": 6}
 FLASH_MAX_HEAD_DIM = 256  # MAX_HD in attention.cu: the prefill kernel and paged_decode_attention
 MAX_HEAD_DIM = 512  # MAX_HD_WIDE: paged_decode_attention_wide, for any number of queries
 
@@ -254,24 +258,55 @@ def kv_store(k, v, k_cache, v_cache, block_table, slots, block_size: int) -> Non
 
 
 def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_size: int, n_kv: int,
-              hd_v: int, scale: float, window: int, sinks=None):
-    """q (n, n_head, hd) over the first n_keys logical slots of a paged f16 cache -> (n, n_head, hd_v).
+              hd_v: int, scale: float, window: int, sinks=None, k_type: str = "f16", v_type: str = "f16"):
+    """q (n, n_head, hd) over the first n_keys logical slots of a paged cache -> (n, n_head, hd_v).
 
     kpos (int32, device) holds the position of every PHYSICAL slot (n_phys_blocks * block_size,
-    stored with the blocks); block_table maps the sequence's logical blocks to physical ones."""
+    stored with the blocks); block_table maps the sequence's logical blocks to physical ones.
+    The cache is f16 values, or with a quantized `k_type` / `v_type` rows of raw blocks
+    (uint8, (..., n_kv, row bytes)); q then comes rotated as K was (hadamard_rows)."""
     n, n_head, hd = q.shape
     if not attention_supports(hd, hd_v):
         raise ValueError(f"head dim {hd}/{hd_v}: the CUDA attention needs an even head dim <= {MAX_HEAD_DIM}")
     out = _empty((n, n_head, hd_v))
-    args = (q, k_cache, v_cache, block_table, kpos, qpos,
+    args = (q, block_table, kpos, qpos,
             out, np.int32(n), np.int32(n_keys), np.int32(block_size), np.int32(n_head), np.int32(n_kv),
             np.int32(hd), np.int32(hd_v), np.float32(scale), np.int32(window), sinks)
+    quant = k_type != "f16" or v_type != "f16"
+    caches = (k_cache, v_cache)
+    if quant:
+        caches += (np.int32(KV_TYPE_CODE[k_type]), np.int32(KV_TYPE_CODE[v_type]),
+                   np.int32(k_cache.shape[-1] * k_cache.dtype.itemsize), np.int32(v_cache.shape[-1] * v_cache.dtype.itemsize))
+    suffix = "_q" if quant else ""
     if max(hd, hd_v) > FLASH_MAX_HEAD_DIM:  # wide heads: K/V tiles would not fit in shared memory
-        _run("attention.cu", "paged_decode_attention_wide", (n_head, n, 1), (128, 1, 1), *args)
+        _run("attention.cu", f"paged_decode_attention{suffix}_wide", (n_head, n, 1), (128, 1, 1), *caches, *args)
     elif n >= 8:  # enough queries per head to share K/V tiles in shared memory
-        _run("attention.cu", "flash_attention_prefill", ((n + 7) // 8, n_head, 1), (256, 1, 1), *args)
+        _run("attention.cu", f"flash_attention_prefill{suffix}", ((n + 7) // 8, n_head, 1), (256, 1, 1), *caches, *args)
     else:
-        _run("attention.cu", "paged_decode_attention", (n_head, n, 1), (128, 1, 1), *args)
+        _run("attention.cu", f"paged_decode_attention{suffix}", (n_head, n, 1), (128, 1, 1), *caches, *args)
+    return out
+
+
+def kv_store_quant(x, cache, block_table, slots, block_size: int, kv_type: str, rot: int) -> None:
+    """One side's f32 rows x (n, n_kv, hd) -> their logical `slots` of a paged cache of `kv_type`
+    (f16 values, or uint8 rows of raw blocks), rotated first by `rot` (0: none)."""
+    n, n_kv, hd = x.shape
+    if hd > 512 or (kv_type != "f16" and hd % 32):
+        raise ValueError(f"head dim {hd}: the K/V store takes at most 512 values, whole 32-value blocks")
+    row_bytes = cache.shape[-1] * cache.dtype.itemsize
+    _run("kv_quant.cu", "kv_store_quant", (n, n_kv, 1), (32, 1, 1), x, cache, block_table, slots, np.int32(n),
+         np.int32(block_size), np.int32(n_kv), np.int32(hd), np.int32(row_bytes), np.int32(KV_TYPE_CODE[kv_type]),
+         np.int32(rot))
+
+
+def hadamard_rows(x, rot: int):
+    """Every `rot`-value chunk of x's last axis (at most 512 values) Walsh-Hadamard transformed,
+    scaled by 1/sqrt(rot): kernels_cpu/kv_quant.fwht's bits."""
+    n = x.shape[-1]
+    if n > 512 or n % rot:
+        raise ValueError(f"rows of {n} values: the rotation takes at most 512, whole chunks of {rot}")
+    out = _empty(x.shape)
+    _run("kv_quant.cu", "hadamard_rows", (x.size // n, 1, 1), (32, 1, 1), x, out, np.int32(n), np.int32(rot))
     return out
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("quant.cu", "attention.cu", "elementwise.cu", "recurrent.cu")
+SOURCES = ("quant.cu", "attention.cu", "elementwise.cu", "recurrent.cu", "kv_quant.cu")
 _CPU = "; running on the CPU"
 
 

@@ -140,14 +140,6 @@ def test_saved_sessions_keep_quantized_kv_and_refuse_other_types(tmp_path, arch)
             other.sessions.import_kv(*back.saved_kv())
 
 
-def test_gpu_layers_refused_with_quantized_types(tiny):
-    from edgeinfer.engine import Engine, EngineOptions
-    from edgeinfer.loader import open_model
-
-    with pytest.raises(CacheTypeError, match="-ngl 0"):
-        Engine(open_model(tiny), EngineOptions(n_ctx=16, cache_type_k="q8_0", gpu_layers=2))
-
-
 def test_props_and_ps_report_the_cache_types(tmp_path):
     from starlette.testclient import TestClient
 

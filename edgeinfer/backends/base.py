@@ -59,18 +59,21 @@ class Backend:
         """Layers whose K/V this backend keeps in its own storage (none: all in host memory)."""
         return []
 
-    def new_block_storage(self, config: "ModelConfig", num_blocks: int, block_size: int) -> Any:
+    def new_block_storage(self, config: "ModelConfig", num_blocks: int, block_size: int,
+                          cache_types: "CacheTypes | None" = None) -> Any:
         """Storage for the K/V of `kv_layers` in `num_blocks` blocks of the paged pool, with
-        the pool's block ids (edgeinfer.kv.device_storage), or None when there are none."""
+        the pool's block ids, holding `cache_types` (edgeinfer.kv.device_storage), or None
+        when there are none."""
         return None
 
-    def max_kv_blocks(self, config: "ModelConfig", block_size: int) -> int | None:
+    def max_kv_blocks(self, config: "ModelConfig", block_size: int, cache_types: "CacheTypes | None" = None
+                      ) -> int | None:
         """The most blocks of `kv_layers` the backend has room for (None: no limit of its own)."""
         return None
 
-    def new_cache(self, config: "ModelConfig", n_ctx: int) -> "KVView":
-        """A contiguous cache for one sequence of up to n_ctx tokens."""
-        return KVCache(config, n_ctx)
+    def new_cache(self, config: "ModelConfig", n_ctx: int, cache_types: "CacheTypes | None" = None) -> "KVView":
+        """A contiguous cache for one sequence of up to n_ctx tokens, of `cache_types` (f16 default)."""
+        return KVCache(config, n_ctx, cache_types=cache_types)
 
     def decode_order(self):
         """A context in which a forward pass of several tokens gives each one's logits with the

@@ -31,6 +31,7 @@ from edgeinfer.rope import ROPE_NEOX, Yarn
 
 if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
+    from edgeinfer.kv.cache_types import CacheTypes
     from edgeinfer.models.config import ModelConfig
     from edgeinfer.backends.offload import OffloadPlan
 
@@ -58,8 +59,8 @@ class HybridBackend(Backend):
     def decode_order(self):
         return self.cpu.decode_order()   # the GPU kernels have one order for any batch
 
-    def new_cache(self, config: "ModelConfig", n_ctx: int) -> CudaKVCache:
-        return CudaKVCache(config, n_ctx, self.kv_layers(config))
+    def new_cache(self, config: "ModelConfig", n_ctx: int, cache_types: "CacheTypes | None" = None) -> CudaKVCache:
+        return CudaKVCache(config, n_ctx, self.kv_layers(config), cache_types)
 
     def kv_layers(self, config: "ModelConfig") -> list[int]:
         """GPU layers whose K/V live in VRAM: those the CUDA attention kernels can read (a head
@@ -68,16 +69,17 @@ class HybridBackend(Backend):
         return [i for i in range(config.n_layer) if self._layer_side(i) == CUDA and config.owns_kv(i)
                 and launch.attention_supports(config.head_dim_of(i), config.head_dim_v_of(i))]
 
-    def new_block_storage(self, config: "ModelConfig", num_blocks: int, block_size: int
-                          ) -> DeviceBlockStorage | None:
+    def new_block_storage(self, config: "ModelConfig", num_blocks: int, block_size: int,
+                          cache_types: "CacheTypes | None" = None) -> DeviceBlockStorage | None:
         """VRAM blocks for the session manager's paged pool (None when no layer keeps K/V there)."""
         layers = self.kv_layers(config)
-        return DeviceBlockStorage(config, num_blocks, block_size, layers) if layers else None
+        return DeviceBlockStorage(config, num_blocks, block_size, layers, cache_types) if layers else None
 
-    def max_kv_blocks(self, config: "ModelConfig", block_size: int) -> int | None:
+    def max_kv_blocks(self, config: "ModelConfig", block_size: int, cache_types: "CacheTypes | None" = None
+                      ) -> int | None:
         """Blocks of the paged pool the plan reserved VRAM for (its KV bytes for n_ctx tokens),
         or None when the plan gives no KV budget (a hand-made plan)."""
-        return vram_kv_blocks(self.plan.vram_kv, config, self.kv_layers(config), block_size)
+        return vram_kv_blocks(self.plan.vram_kv, config, self.kv_layers(config), block_size, cache_types)
 
     def vector(self, name: str) -> np.ndarray:
         return self.cpu.vector(name)
@@ -279,9 +281,15 @@ class HybridBackend(Backend):
         d = device_kv(kv, layer)
         if d is not None:
             head_sinks = self.cuda.vector_gpu(sinks) if sinks else None
-            out = launch.attention(self.to_device(q).array, d.k, d.v, d.block_table, d.kpos, self._ints(positions),
-                                   d.n_keys, d.block_size, d.k.shape[1], d.v.shape[2], scale * q_scale, window,
-                                   head_sinks)
+            t = d.types
+            qd = self.to_device(q).array
+            if t.rot_k:  # a quantized cache's rotations, as the CPU path's (edgeinfer.kv.cache_types)
+                qd = launch.hadamard_rows(qd, t.rot_k)
+            out = launch.attention(qd, d.k, d.v, d.block_table, d.kpos, self._ints(positions), d.n_keys,
+                                   d.block_size, d.k.shape[1], d.hd_v, scale * q_scale, window, head_sinks,
+                                   k_type=t.k, v_type=t.v)
+            if t.rot_v:
+                out = launch.hadamard_rows(out, t.rot_v)
             out = DeviceTensor(out, self)
             return out if on_gpu else self.to_host(out)
         out = self.cpu.attention(self.to_host(q), kv, layer, positions, scale, window, q_scale=q_scale, sinks=sinks)

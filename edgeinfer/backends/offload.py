@@ -31,15 +31,17 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.kernels_cuda.runtime import DeviceInfo  # what the device probe reports
-from edgeinfer.kv.pool_sizing import KV_BYTES_PER_VALUE, context_kv_bytes, kv_values_per_token
+from edgeinfer.kv.pool_sizing import KV_BYTES_PER_VALUE, context_kv_bytes, kv_values_per_token, layer_block_bytes
 
 if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
+    from edgeinfer.kv.cache_types import CacheTypes
     from edgeinfer.models.config import ModelConfig
 
 CPU_MOE_ALL = 1 << 30  # an n_cpu_moe past every layer: --cpu-moe, all experts on the CPU
@@ -222,7 +224,7 @@ def parse_gpu_layers(value: str | int) -> int | str:
 def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
                  kv_dtype: str = "f16", gpu_layers: int | str = "auto",
                  prefill_rows: int = DEFAULT_PREFILL_ROWS, no_device_reason: str = "no GPU",
-                 n_cpu_moe: int | None = None) -> OffloadPlan:
+                 n_cpu_moe: int | None = None, kv_token_bytes: Sequence[int] | None = None) -> OffloadPlan:
     """Place the first k blocks (and the head when it fits) on `device`, then the experts of
     the GPU blocks from n_cpu_moe on (None: as many as fit); see the module doc."""
     if kv_dtype not in KV_BYTES_PER_VALUE:
@@ -240,7 +242,10 @@ def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
     if request == 0:
         return cpu("--gpu-layers 0")
 
-    kv_per_layer = [context_kv_bytes(v, n_ctx, kv_dtype) for v in sizes.kv_values_per_token]
+    if kv_token_bytes is not None:  # each layer's own bytes a token (quantized cache types)
+        kv_per_layer = [int(b) * n_ctx for b in kv_token_bytes]
+    else:
+        kv_per_layer = [context_kv_bytes(v, n_ctx, kv_dtype) for v in sizes.kv_values_per_token]
     rows = max(1, min(prefill_rows, n_ctx))
     scratch_layers = rows * sizes.scratch_values_per_row * 4
     scratch_head = rows * sizes.n_vocab * 4  # logits of a whole chunk (perplexity-style requests)
@@ -313,10 +318,15 @@ def hypothetical_card(vram_gib: float) -> DeviceInfo:
 
 def plan_for_model(gguf: "GGUFFile", cfg: "ModelConfig", n_ctx: int, *, gpu_layers: int | str = "auto",
                    kv_dtype: str = "f16", prefill_rows: int = DEFAULT_PREFILL_ROWS,
-                   device: DeviceInfo | None = None, n_cpu_moe: int | None = None) -> OffloadPlan:
+                   device: DeviceInfo | None = None, n_cpu_moe: int | None = None,
+                   cache_types: "CacheTypes | None" = None) -> OffloadPlan:
     """Plan for `gguf` on `device`, or on the real GPU probed now (a CPU plan with the reason
-    when there is none)."""
+    when there is none); `cache_types` (edgeinfer.kv.cache_types) counts K/V in their real bytes."""
     sizes = model_sizes_from_gguf(gguf, cfg)
+    token_bytes = None
+    if cache_types is not None and cache_types.quantized:
+        token_bytes = [layer_block_bytes(cfg, 1, layer=i, types=cache_types) if v else 0
+                       for i, v in enumerate(sizes.kv_values_per_token)]
     if parse_gpu_layers(gpu_layers) == 0:
         return plan_offload(sizes, None, n_ctx, no_device_reason="--gpu-layers 0")
     reason = "no GPU"
@@ -326,4 +336,5 @@ def plan_for_model(gguf: "GGUFFile", cfg: "ModelConfig", n_ctx: int, *, gpu_laye
         ok, reason = cuda_available()
         device = device_info() if ok else None
     return plan_offload(sizes, device, n_ctx, kv_dtype=kv_dtype, gpu_layers=gpu_layers,
-                        prefill_rows=prefill_rows, no_device_reason=reason, n_cpu_moe=n_cpu_moe)
+                        prefill_rows=prefill_rows, no_device_reason=reason, n_cpu_moe=n_cpu_moe,
+                        kv_token_bytes=token_bytes)

@@ -1,7 +1,8 @@
 """VRAM K/V: the paged pool's device blocks, and the contiguous cache with VRAM layers.
 
 - `DeviceBlockStorage`: the VRAM side of the session manager's paged KV pool
-  (edgeinfer.kv.paged.PagedKVCache): per GPU layer a pool of f16 K/V blocks with the same
+  (edgeinfer.kv.paged.PagedKVCache): per GPU layer a pool of K/V blocks (f16, or the rows of
+  a quantized cache type: edgeinfer.kv.cache_types) with the same
   block ids as the host pool, plus the position of every slot. The kv_store kernel writes
   a sequence's new tokens through its block table, the paged attention kernels read them
   through it; copy-on-write copies device blocks too. Shared prefix blocks are shared in
@@ -25,9 +26,11 @@ import numpy as np
 
 from edgeinfer.backends.device_tensor import DeviceTensor
 from edgeinfer.kernels_cuda import launch
+from edgeinfer.kv.cache_types import F16
 from edgeinfer.kv.contiguous import KVCache
 
 if TYPE_CHECKING:
+    from edgeinfer.kv.cache_types import CacheTypes
     from edgeinfer.kv.sequence import SequenceKV
     from edgeinfer.models.config import ModelConfig
 
@@ -35,18 +38,19 @@ if TYPE_CHECKING:
 class CudaKVCache(KVCache):
     """K/V of GPU layers live in VRAM (n_ctx, n_kv, hd) f16; the rest as in KVCache."""
 
-    def __init__(self, config: "ModelConfig", n_ctx: int, gpu_layers: list[int]) -> None:
-        super().__init__(config, n_ctx)
+    def __init__(self, config: "ModelConfig", n_ctx: int, gpu_layers: list[int],
+                 cache_types: "CacheTypes | None" = None) -> None:
+        super().__init__(config, n_ctx, cache_types=cache_types)
         from pycuda import gpuarray
 
         self.gpu_layers = set(gpu_layers)
-        kv_heads = config.n_head_kv
-        self.k_dev = {i: launch.zeros((n_ctx, kv_heads, config.head_dim_of(i)), np.float16) for i in self.gpu_layers}
-        self.v_dev = {i: launch.zeros((n_ctx, kv_heads, config.head_dim_v_of(i)), np.float16)
-                      for i in self.gpu_layers}
+        self.hd_v = {i: config.head_dim_v_of(i) for i in self.gpu_layers}
+        t = self.cache_types
+        self.k_dev = {i: launch.zeros((n_ctx, *_row_shape(config, t, "k", i)), t.dtype("k")) for i in self.gpu_layers}
+        self.v_dev = {i: launch.zeros((n_ctx, *_row_shape(config, t, "v", i)), t.dtype("v")) for i in self.gpu_layers}
         for i in self.gpu_layers:  # their host copies are filled on demand only (layer_view)
-            self.k[i] = np.zeros((0, kv_heads, config.head_dim_of(i)), np.float16)
-            self.v[i] = np.zeros((0, kv_heads, config.head_dim_v_of(i)), np.float16)
+            self.k[i] = np.zeros((0, *_row_shape(config, t, "k", i)), t.dtype("k"))
+            self.v[i] = np.zeros((0, *_row_shape(config, t, "v", i)), t.dtype("v"))
         self.block_table = gpuarray.to_gpu(np.zeros(1, np.int32))  # one block of n_ctx slots
         self.pos_dev = launch.zeros(n_ctx, np.int32)
 
@@ -62,8 +66,8 @@ class CudaKVCache(KVCache):
             super().store(layer, slots, _host(k), _host(v))
             return
         from pycuda import gpuarray
-        launch.kv_store(_device_f32(k), _device_f32(v), self.k_dev[layer], self.v_dev[layer], self.block_table,
-                        gpuarray.to_gpu(np.asarray(slots, np.int32)), self.n_ctx)
+        store_rows(self.cache_types, k, v, self.k_dev[layer], self.v_dev[layer], self.block_table,
+                   gpuarray.to_gpu(np.asarray(slots, np.int32)), self.n_ctx)
 
     def layer_view(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if layer not in self.gpu_layers:
@@ -75,7 +79,25 @@ class CudaKVCache(KVCache):
         if layer not in self.gpu_layers:
             return None
         return DevicePagedKV(self.k_dev[layer], self.v_dev[layer], self.block_table, self.pos_dev, self.n_used,
-                             self.n_ctx)
+                             self.n_ctx, self.hd_v[layer], self.cache_types)
+
+
+def _row_shape(config: "ModelConfig", types: "CacheTypes", which: str, layer: int) -> tuple[int, int]:
+    """(n_head_kv, row width) of `layer`'s stored K or V rows: values (f16) or bytes (quantized)."""
+    size = config.head_dim_of(layer) if which == "k" else config.head_dim_v_of(layer)
+    return config.n_head_kv, types.width(which, size)
+
+
+def store_rows(types: "CacheTypes", k: Any, v: Any, k_cache: Any, v_cache: Any, block_table: Any, slots: Any,
+               block_size: int) -> None:
+    """New tokens' K/V (float32 rows) into their logical `slots` of a paged device cache: f16 by
+    kv_store, a quantized side by kv_store_quant (rotated, then quantized as the CPU does)."""
+    if not types.quantized:
+        launch.kv_store(_device_f32(k), _device_f32(v), k_cache, v_cache, block_table, slots, block_size)
+        return
+    for which, rows, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        launch.kv_store_quant(_device_f32(rows), cache, block_table, slots, block_size, types.of(which),
+                              types.rotation(which))
 
 
 def _host(a: Any) -> np.ndarray:
@@ -117,15 +139,18 @@ class _SeqState:
 
 @dataclass(frozen=True)
 class DevicePagedKV:
-    """One layer's K/V as the CUDA attention kernels read them: f16 pools, a block table,
-    positions per physical slot; the first n_keys logical slots are the keys."""
+    """One layer's K/V as the CUDA attention kernels read them: pools of rows (f16 values, or
+    a quantized type's raw blocks), a block table, positions per physical slot; the first
+    n_keys logical slots are the keys."""
 
-    k: Any  # (n_phys_slots, n_kv, hd) f16
-    v: Any  # (n_phys_slots, n_kv, hd_v) f16
+    k: Any  # (n_phys_slots, n_kv, hd) f16, or (..., row bytes) uint8
+    v: Any  # (n_phys_slots, n_kv, hd_v) f16, or (..., row bytes) uint8
     block_table: Any  # int32 (>= ceil(n_keys / block_size),)
     kpos: Any  # int32 (n_phys_slots,)
     n_keys: int
     block_size: int
+    hd_v: int  # V's head size (a quantized row's width is bytes)
+    types: "CacheTypes" = F16  # what the rows are (edgeinfer.kv.cache_types), their rotations
 
 
 class DeviceBlockStorage:
@@ -138,15 +163,18 @@ class DeviceBlockStorage:
     once and used by every layer's kv_store.
     """
 
-    def __init__(self, config: "ModelConfig", num_blocks: int, block_size: int, layers: list[int]) -> None:
+    def __init__(self, config: "ModelConfig", num_blocks: int, block_size: int, layers: list[int],
+                 types: "CacheTypes | None" = None) -> None:
         from pycuda import gpuarray
 
         self.layers = frozenset(layers)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.types = t = types or F16
+        self.hd_v = {i: config.head_dim_v_of(i) for i in self.layers}
         kv_heads, n_slots = config.n_head_kv, num_blocks * block_size
-        self.k = {i: launch.zeros((num_blocks, block_size, kv_heads, config.head_dim_of(i)), np.float16)
+        self.k = {i: launch.zeros((num_blocks, block_size, *_row_shape(config, t, "k", i)), t.dtype("k"))
                   for i in sorted(self.layers)}
-        self.v = {i: launch.zeros((num_blocks, block_size, kv_heads, config.head_dim_v_of(i)), np.float16)
+        self.v = {i: launch.zeros((num_blocks, block_size, *_row_shape(config, t, "v", i)), t.dtype("v"))
                   for i in sorted(self.layers)}
         # flat views (num_blocks * block_size, n_kv, hd): what the kernels index by physical slot
         self.k_flat = {i: a.reshape(n_slots, kv_heads, a.shape[-1]) for i, a in self.k.items()}
@@ -177,8 +205,18 @@ class DeviceBlockStorage:
 
     def store(self, seq: "SequenceKV", layer: int, slots: np.ndarray, k: Any, v: Any) -> None:
         """K/V rows (n, n_kv, hd) of the tokens in `slots` -> this layer's device blocks."""
-        launch.kv_store(_device_f32(k), _device_f32(v), self.k[layer], self.v[layer], self.block_table(seq),
-                        self._logical_slots(seq, slots), self.block_size)
+        store_rows(self.types, k, v, self.k[layer], self.v[layer], self.block_table(seq),
+                   self._logical_slots(seq, slots), self.block_size)
+
+    def store_encoded(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Rows already as the blocks hold them (saved K/V: f16 values or raw blocks) -> this
+        layer's device blocks at the global `slots` (a block's id is the same on both sides, so
+        a global slot is the physical one): one copy per run of consecutive slots."""
+        start = 0
+        for lo, hi in _runs(np.asarray(slots)):
+            for flat, rows in ((self.k_flat[layer], k), (self.v_flat[layer], v)):
+                flat[lo:hi].set(np.ascontiguousarray(rows[start:start + hi - lo], flat.dtype))
+            start += hi - lo
 
     def copy_rows(self, src: int, dst: int, n: int) -> None:
         """The first n rows of block src -> block dst, every layer and the positions (copy-on-write)."""
@@ -233,7 +271,7 @@ class DeviceBlockStorage:
 
     def view(self, seq: "SequenceKV", layer: int) -> DevicePagedKV:
         return DevicePagedKV(self.k_flat[layer], self.v_flat[layer], self.block_table(seq), self.pos,
-                             seq.n_held, self.block_size)
+                             seq.n_held, self.block_size, self.hd_v[layer], self.types)
 
 
 def device_kv(kv: Any, layer: int) -> DevicePagedKV | None:

@@ -50,8 +50,8 @@ class PagedKVCache:
         self.block_size = block_size
         # K/V types (edgeinfer.kv.cache_types): f16 values, or quantized rows as raw ggml blocks
         self.cache_types = types = of_config(config, cache_types)
-        if types.quantized and device is not None:
-            raise ValueError("quantized K/V blocks are host-only (run with -ngl 0)")
+        if device is not None and getattr(device, "types", types) != types:
+            raise ValueError(f"the device blocks hold {device.types}, the pool {types}")
         # The cached K/V depend on the model and the cache type as well as the tokens.
         self.extra_keys = (types.key if types.quantized else str(np.dtype(dtype)),) + tuple(extra_keys)
         # Optional storage of some layers' K/V outside host memory (see the module docstring).

@@ -73,10 +73,11 @@ def context_kv_bytes(values_per_token: int, n_ctx: int, kv_dtype: str = "f16") -
     return int(values_per_token * KV_BYTES_PER_VALUE[kv_dtype] * n_ctx)
 
 
-def vram_kv_blocks(vram_kv: int, config: "ModelConfig", layers: Sequence[int], block_size: int) -> int | None:
-    """Blocks of `layers` (each with its own head sizes) that `vram_kv` bytes hold, or None
-    without a budget (a hand-made plan) or without layers."""
-    per_block = sum(layer_block_bytes(config, block_size, layer=i) for i in layers)
+def vram_kv_blocks(vram_kv: int, config: "ModelConfig", layers: Sequence[int], block_size: int,
+                   types: CacheTypes | None = None) -> int | None:
+    """Blocks of `layers` (each with its own head sizes, stored as `types`) that `vram_kv`
+    bytes hold, or None without a budget (a hand-made plan) or without layers."""
+    per_block = sum(layer_block_bytes(config, block_size, layer=i, types=types) for i in layers)
     if not vram_kv or not per_block:
         return None
     return vram_kv // per_block

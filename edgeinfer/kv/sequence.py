@@ -161,7 +161,10 @@ class SequenceKV(KVView):
         if first:  # rows in dropped blocks (import, context shift): not stored
             gslots, k, v = gslots[first:], k[first:], v[first:]
         if layer in c.device_layers:
-            c.device.store(self, layer, device_slots, k, v)
+            if encoded:
+                c.device.store_encoded(layer, gslots, k, v)
+            else:
+                c.device.store(self, layer, device_slots, k, v)
             return
         if encoded:
             c.k_flat[layer][gslots], c.v_flat[layer][gslots] = k, v

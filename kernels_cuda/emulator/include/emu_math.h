@@ -62,6 +62,15 @@ inline void __sincosf(float x, float* s, float* c) {
 }
 inline float __logf(float x) { return emu::fast_logf(x); }
 inline float __fdividef(float a, float b) { return emu::off_ulps(a / b, 2.0f, a + b); }
+// IEEE round-to-nearest operations that --use_fast_math leaves exact (the host's float ops are;
+// g++ is not given FMA contraction here)
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float x) { return std::sqrt(x); }
+inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }  // the default mode: half to even
+inline int __float2int_rz(float x) { return (int)x; }
 inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
