@@ -12,7 +12,9 @@ drift hits all of them alike.
 
 llama.cpp is llama-cpp-python (llama_cpp.Llama, n_threads as -t, flash_attn=True, type_k /
 type_v as -ctk / -ctv); edgeinfer is Engine with the CPU backend, gpu_layers=0. Reported per
-type and engine: the median tokens/s over the repetitions and their min..max.
+type and engine: the median tokens/s over the repetitions and their min..max. A type written
+`f16+fa` is an f16 cache with edgeinfer's `--flash-attn on` (llama.cpp's flash order, as its
+side always runs): set beside q8_0, it separates the cost of that order from the blocks'.
 """
 from __future__ import annotations
 
@@ -25,12 +27,12 @@ import numpy as np
 COOL_DOWN_S = 1.0
 
 
-def edgeinfer_side(path: str, n_ctx: int, threads: int, tk: str, tv: str, context: list[int]):
+def edgeinfer_side(path: str, n_ctx: int, threads: int, tk: str, tv: str, context: list[int], flash: str = "auto"):
     from edgeinfer.engine import Engine, EngineOptions
     from edgeinfer.loader import open_model
 
     engine = Engine(open_model(path), EngineOptions(n_ctx=n_ctx, threads=threads, gpu_layers=0, prefill_chunk=512,
-                                                     cache_type_k=tk, cache_type_v=tv))
+                                                     cache_type_k=tk, cache_type_v=tv, flash_attn=flash))
     kv = engine.new_cache()
     engine.prefill(np.array(context), kv)
 
@@ -81,8 +83,9 @@ def main() -> None:
     sides = {}
     for t in args.types:   # every context filled once, untimed
         t0 = time.perf_counter()
-        sides[(t, "edgeinfer")] = edgeinfer_side(args.model, n_ctx, args.threads, t, t, context)
-        sides[(t, "llama.cpp")] = llama_cpp_side(args.model, n_ctx, args.threads, t, t, context)
+        base, fa = t.split("+")[0], "on" if t.endswith("+fa") else "auto"
+        sides[(t, "edgeinfer")] = edgeinfer_side(args.model, n_ctx, args.threads, base, base, context, fa)
+        sides[(t, "llama.cpp")] = llama_cpp_side(args.model, n_ctx, args.threads, base, base, context)
         print(f"# {t}: both contexts filled ({time.perf_counter() - t0:.0f} s)", flush=True)
     for tg in sides.values():
         tg(gen)   # warm-up (JIT, caches)

@@ -36,7 +36,7 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
          prefill_chunk: int = 256, gpu_layers: int | str = "auto", kv_pool_mb: float | None = None,
          context_shift: bool = False, n_keep: int = 0, draft: str | None = None, draft_max: int = 16,
          draft_min: int = 0, draft_p_min: float = 0.75, n_cpu_moe: int | None = None,
-         cache_type_k: str = "f16", cache_type_v: str = "f16") -> "Model":
+         cache_type_k: str = "f16", cache_type_v: str = "f16", flash_attn: str = "auto") -> "Model":
     """Resolve a model name (alias, hf.co/..., or path), open and check it, build the engine.
 
     `n_cpu_moe` is llama.cpp's --n-cpu-moe: the first N layers keep their experts on the
@@ -55,14 +55,17 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
     per-request `draft_max` / `draft_min` / `draft_p_min` keywords (draft_max=0: off).
 
     `cache_type_k` / `cache_type_v` are llama.cpp's -ctk / -ctv (edgeinfer.kv.cache_types):
-    f16 (default), q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, on the CPU and in VRAM alike.
+    f16 (default), q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, on the CPU and in VRAM alike;
+    `flash_attn` is -fa: "on" runs llama.cpp's flash-attention order on the CPU for an f16 cache
+    too, "auto" (default) only where the cache is quantized, "off" refuses a quantized one.
     """
     from edgeinfer.store.registry import resolve
 
     path = resolve(str(name_or_path), download=download)
     return Model(str(name_or_path), path, EngineOptions(
         n_ctx=n_ctx, threads=threads, backend=backend, prefill_chunk=prefill_chunk,
-        gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, cache_type_k=cache_type_k, cache_type_v=cache_type_v),
+        gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+        flash_attn=flash_attn),
         chat_template=chat_template, kv_pool_mb=kv_pool_mb, context_shift=context_shift, n_keep=n_keep,
         draft=draft, draft_defaults=dict(draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min))
 

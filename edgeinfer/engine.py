@@ -16,7 +16,7 @@ import numpy as np
 
 from edgeinfer.backends.base import Backend, ReferenceBackend
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.kv.cache_types import CacheTypes, of_config, parse
+from edgeinfer.kv.cache_types import CacheTypes, flash_types, of_config, parse
 from edgeinfer.kv.contiguous import KVCache
 from edgeinfer.kv.view import KVView
 from edgeinfer.loader import ModelFile
@@ -38,11 +38,13 @@ class EngineOptions:
     n_cpu_moe: int | None = None  # llama.cpp's --n-cpu-moe: layers whose experts stay on the CPU (None: the plan's)
     cache_type_k: str = "f16"  # llama.cpp's --cache-type-k / -ctk (edgeinfer.kv.cache_types)
     cache_type_v: str = "f16"  # --cache-type-v / -ctv
+    flash_attn: str = "auto"  # llama.cpp's -fa: on, off, auto (the flash order where the cache is quantized)
 
     @property
     def cache_types(self) -> CacheTypes:
         """The K/V types, checked by name (one line naming the flag otherwise)."""
-        return CacheTypes(parse(self.cache_type_k, "--cache-type-k"), parse(self.cache_type_v, "--cache-type-v"))
+        return flash_types(parse(self.cache_type_k, "--cache-type-k"), parse(self.cache_type_v, "--cache-type-v"),
+                           self.flash_attn)
 
 
 def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "OffloadPlan | None"]:

@@ -191,7 +191,7 @@ def prompt_logprobs(engine: Engine, prompt: Sequence[int], top_n: int) -> list[T
     ids = np.asarray(list(prompt), dtype=np.int64)
     check_prompt_fits(len(ids), engine.n_ctx)
     types = getattr(engine, "cache_types", None)
-    if types is not None and types.quantized:   # the run's K/V types: the same logits as generation
+    if types is not None and types.flash_order:   # the run's K/V types: the same logits as generation
         from edgeinfer.kv.contiguous import KVCache
         kv = KVCache(engine.config, max(len(ids), 1), cache_types=types)
     else:

@@ -43,7 +43,7 @@ def test_prompt_from_stdin(tiny_models):
 
 
 @pytest.mark.parametrize("flag, value", [("--temp", "-1"), ("--top-p", "0"), ("-c", "0"),
-                                          ("--top-k", "-3"), ("-t", "zero")])
+                                          ("--top-k", "-3"), ("-t", "zero"), ("-fa", "maybe"), ("-ctk", "q9")])
 def test_bad_flag_values_are_one_line_errors(tiny_models, flag, value):
     proc = subprocess.run(RUN + [str(tiny_models["llama"]), "hi", flag, value],
                           capture_output=True, text=True, timeout=120)

@@ -262,7 +262,7 @@ class Backend:
         if q_scale != 1.0:
             q = q * np.float32(q_scale)
         types = getattr(kv, "cache_types", None)
-        if types is not None and types.quantized:   # quantized K/V: llama.cpp's flash-attention order
+        if types is not None and types.flash_order:   # quantized K/V, or -fa on: llama.cpp's flash order
             from edgeinfer.kernels_cpu import flash_attention_ref
 
             sink = None if sinks is None else np.asarray(self.vector(sinks), np.float32)

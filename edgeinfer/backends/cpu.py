@@ -161,7 +161,7 @@ class CpuBackend(Backend):
             q = q * np.float32(q_scale)
         head_sinks = self.vector(sinks) if sinks is not None else None
         types = getattr(kv, "cache_types", None)
-        if types is not None and types.quantized:   # llama.cpp's flash-attention order over the blocks
+        if types is not None and types.flash_order:   # llama.cpp's flash-attention order over the blocks
             out = flash_attention.flash_attention(types.rotate("k", q), k, v, kpos, positions, types.k, types.v,
                                                   scale, window, head_sinks)
             return types.rotate("v", out)

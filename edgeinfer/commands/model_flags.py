@@ -70,6 +70,9 @@ def add_cache_type_options(p) -> None:
         p.add_argument(short, name, default=None, metavar="TYPE",
                        help=f"{what} cache type: {', '.join(ALLOWED)} (default f16; quantized types run "
                             f"llama.cpp's flash-attention order on the CPU)")
+    p.add_argument("-fa", "--flash-attn", default="auto", metavar="on|off|auto",
+                   help="llama.cpp's flash-attention order on the CPU: auto (default) where the K/V cache is "
+                        "quantized, on for f16 too, off (refused with a quantized cache)")
 
 
 def cache_type_kwargs(args) -> dict:
@@ -81,7 +84,12 @@ def cache_type_kwargs(args) -> dict:
     env = os.environ.get("OLLAMA_KV_CACHE_TYPE", "").strip() if getattr(args, "kv_cache_env", False) else ""
     if k is None and v is None and env:
         k = v = parse(env, "OLLAMA_KV_CACHE_TYPE")
-    return dict(cache_type_k=parse(k or "f16", "--cache-type-k"), cache_type_v=parse(v or "f16", "--cache-type-v"))
+    from edgeinfer.kv.cache_types import flash_types
+
+    k, v = parse(k or "f16", "--cache-type-k"), parse(v or "f16", "--cache-type-v")
+    fa = getattr(args, "flash_attn", None) or "auto"
+    flash_types(k, v, fa)  # a bad value or combination: one line before the model loads
+    return dict(cache_type_k=k, cache_type_v=v, flash_attn=str(fa).strip().lower())
 
 
 def model_kwargs(args, context_shift: bool = False) -> dict:

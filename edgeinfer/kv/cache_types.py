@@ -50,6 +50,23 @@ class CacheTypeError(EdgeInferError):
     """An unknown or unusable K/V cache type; the message is the one line a user sees."""
 
 
+FLASH_ATTN = ("on", "off", "auto")
+
+
+def flash_types(k: str, v: str, flash_attn: str) -> "CacheTypes":
+    """The types of -ctk / -ctv under llama.cpp's -fa on|off|auto: auto runs the flash order
+    where the cache is quantized, on everywhere; off with a quantized cache is one line
+    naming the flag (llama.cpp's quantized caches need flash attention)."""
+    mode = str(flash_attn).strip().lower()
+    if mode not in FLASH_ATTN:
+        raise CacheTypeError(f"--flash-attn: expected on, off or auto, got {flash_attn!r}")
+    types = CacheTypes(k, v, flash=mode == "on")
+    if mode == "off" and types.quantized:
+        raise CacheTypeError(f"--flash-attn off: a quantized K/V cache ({types}) runs flash attention only; "
+                             f"use --flash-attn on or auto, or f16 cache types")
+    return types
+
+
 def parse(value: str, flag: str) -> str:
     """A type name from a flag's value (case-insensitive), or CacheTypeError naming the flag."""
     name = str(value).strip().lower()
@@ -75,10 +92,17 @@ class CacheTypes:
     v: str = "f16"
     rot_k: int = 0   # Hadamard size of K and Q rotations (0: none)
     rot_v: int = 0   # of V and the attention output
+    flash: bool = False  # -fa on: an f16 cache runs llama.cpp's flash-attention order too
 
     @property
     def quantized(self) -> bool:
         return self.k != "f16" or self.v != "f16"
+
+    @property
+    def flash_order(self) -> bool:
+        """Whether CPU attention runs llama.cpp's flash-attention order (a quantized cache
+        always does; f16 with -fa on), else its non-flash order."""
+        return self.flash or self.quantized
 
     @property
     def key(self) -> str:
