@@ -80,7 +80,8 @@ def mean_kl(base: np.ndarray, other: np.ndarray) -> tuple[float, float]:
     return float(kl.mean()), float((base.argmax(-1) == other.argmax(-1)).mean())
 
 
-def edgeinfer_logits(path: str, tokens: list[int], t: str, threads: int, flash: str = "on") -> np.ndarray:
+def edgeinfer_logits(path: str, tokens: list[int], t: str, threads: int, flash: str = "on",
+                     decode: bool = False) -> np.ndarray:
     from edgeinfer.engine import Engine, EngineOptions
     from edgeinfer.loader import open_model
 
@@ -88,18 +89,23 @@ def edgeinfer_logits(path: str, tokens: list[int], t: str, threads: int, flash: 
                                                      cache_type_k=t, cache_type_v=t, flash_attn=flash))
     kv = engine.new_cache()
     n = len(tokens)
+    if decode:  # one token a step, as llama.cpp's n_batch=1 below
+        return np.stack([np.asarray(engine.forward(np.array([tok]), np.array([i]), kv)[-1], np.float32)
+                         for i, tok in enumerate(tokens)])
     return np.asarray(engine.forward(np.array(tokens), np.arange(n), kv, logits_for=np.arange(n)), np.float32)
 
 
-def llama_cpp_logits(path: str, tokens: list[int], t: str, threads: int, flash: str = "on") -> np.ndarray:
+def llama_cpp_logits(path: str, tokens: list[int], t: str, threads: int, flash: str = "on",
+                     decode: bool = False) -> np.ndarray:
     import llama_cpp
 
     from edgeinfer.kv.cache_types import GGML_TYPE_ID
 
     n = len(tokens)
-    model = llama_cpp.Llama(path, n_ctx=n + 8, n_batch=n, n_ubatch=n, n_threads=threads, n_threads_batch=threads,
-                            logits_all=True, flash_attn=True, type_k=GGML_TYPE_ID[t], type_v=GGML_TYPE_ID[t],
-                            verbose=False)
+    batch = 1 if decode else n
+    model = llama_cpp.Llama(path, n_ctx=n + 8, n_batch=batch, n_ubatch=batch, n_threads=threads,
+                            n_threads_batch=threads, logits_all=True, flash_attn=True, type_k=GGML_TYPE_ID[t],
+                            type_v=GGML_TYPE_ID[t], verbose=False)
     model.eval(tokens)
     out = np.array(model.scores[:n], np.float32)
     model.close()
@@ -114,6 +120,9 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"])
     ap.add_argument("--baseline", choices=["flash", "non-flash"], default="flash",
                     help="edgeinfer's f16 baseline: -fa on (llama.cpp's order, default) or its default order")
+    ap.add_argument("--decode", action="store_true",
+                    help="every token as its own step (both engines), instead of one batch of n: the prompt "
+                         "GEMMs' order is then out of the comparison")
     args = ap.parse_args()
 
     from edgeinfer.loader import open_model
@@ -125,7 +134,7 @@ def main() -> None:
     tokens = [int(x) for x in tokens[:args.n_tokens]]
     engines = {"edgeinfer": edgeinfer_logits, "llama.cpp": llama_cpp_logits}
     flash = "on" if args.baseline == "flash" else "auto"
-    base = {name: fn(args.model, tokens, "f16", args.threads, flash) for name, fn in engines.items()}
+    base = {name: fn(args.model, tokens, "f16", args.threads, flash, args.decode) for name, fn in engines.items()}
     print(f"{args.model}: {len(tokens)} tokens; KL(f16 || type) per next-token distribution, "
           f"mean over positions; top-1 = same argmax as f16")
     print(f"(edgeinfer's f16 baseline: {'-fa on, llama.cpp' + chr(39) + 's flash order' if flash == 'on' else 'its default, non-flash order'};")
@@ -133,7 +142,7 @@ def main() -> None:
     print("\n| K/V | edgeinfer KL | llama.cpp KL | edgeinfer top-1 | llama.cpp top-1 | max abs diff |")
     print("|---|---|---|---|---|---|")
     for t in ["f16"] + args.types:
-        logits = {name: base[name] if t == "f16" else fn(args.model, tokens, t, args.threads)
+        logits = {name: base[name] if t == "f16" else fn(args.model, tokens, t, args.threads, flash, args.decode)
                   for name, fn in engines.items()}
         got = {name: mean_kl(base[name], x) for name, x in logits.items()}
         e, ll = got["edgeinfer"], got["llama.cpp"]

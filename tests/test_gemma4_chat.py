@@ -405,3 +405,22 @@ def _tui_answer(path, tmp_path, want: str) -> None:
             assert app.conv.messages[-1]["content"] == want
 
     anyio.run(run)
+
+
+def test_a_continued_final_message_shows_the_markup_too(paths):
+    """llama-server's prefill (continue_final_message) generates from a prompt made outside
+    Model.chat: the markup tokens are shown there too, so the reader sees them. A `<|tool_call>`
+    pushed by logit_bias, with no tools in the request, is content the reader keeps."""
+    from starlette.testclient import TestClient
+
+    from edgeinfer.server import ServerConfig, create_app
+
+    model = _load(paths["new"])
+    call = model.tokenizer.token_id("<|tool_call>")
+    msgs = ASK + [{"role": "assistant", "content": "Well"}]
+    with TestClient(create_app(ServerConfig(model_name="g4"), model), base_url="http://127.0.0.1") as c:
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "temperature": 0,
+                                                  "add_generation_prompt": False, "continue_final_message": True,
+                                                  "logit_bias": {str(call): 100}})
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["message"]["content"] == "<|tool_call><|tool_call>"

@@ -72,7 +72,8 @@ def add_cache_type_options(p) -> None:
                             f"llama.cpp's flash-attention order on the CPU)")
     p.add_argument("-fa", "--flash-attn", default="auto", metavar="on|off|auto",
                    help="llama.cpp's flash-attention order on the CPU: auto (default) where the K/V cache is "
-                        "quantized, on for f16 too, off (refused with a quantized cache)")
+                        "quantized, on for f16 too (a reference for comparisons: slow with f16 keys), "
+                        "off (refused with a quantized cache)")
 
 
 def cache_type_kwargs(args) -> dict:

@@ -162,12 +162,17 @@ def _chat_start(model, messages: list[dict], extra: dict, add_generation_prompt:
                             "continued in a request with tools", param="continue_final_message")
     template_kw = {k: extra[k] for k in ("enable_thinking", "reasoning_effort") if k in extra}
     constraint = {"constraint": extra["constraint"]} if extra.get("constraint") is not None else {}
+    from edgeinfer.prompt.tool_calls import markup_token_ids
+
+    # a channel format's markup reaches the reader, as in Model.chat
+    markup = markup_token_ids(model.tokenizer, model.tool_format)
+    shown = {"preserved_tokens": markup} if markup else {}
 
     def start_for(p: dict):
         def start(cancel):
             ids = llama_compat.chat_prompt_ids(model, messages, add_generation_prompt=add_generation_prompt,
                                                prefill=prefill, cancel=cancel, **template_kw)
-            return model.generate(ids, stream=True, cancel=cancel, **p, **constraint)
+            return model.generate(ids, stream=True, cancel=cancel, **p, **constraint, **shown)
         return start
 
     return start_for
