@@ -153,3 +153,65 @@ def _quantize_offset(x: np.ndarray, half: int) -> np.ndarray:
     out = np.empty((x2.shape[0], x2.shape[1] // 32 * (18 if half == 8 else 22)), np.uint8)
     _q_offset_rows(x2, out, half)
     return out.reshape(np.shape(x)[:-1] + (-1,))
+
+
+_IQ4_NL_F32 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+@njit(inline="always", **_JIT)
+def _iq4_nl_index(al, table):
+    """ggml's best_index_int8 over the iq4_nl values: the nearest, the upper one on a tie."""
+    if al <= table[0]:
+        return 0
+    if al >= table[15]:
+        return 15
+    mu = 1
+    while mu < 15 and table[mu] <= al:
+        mu += 1
+    return mu - 1 if np.float32(al - table[mu - 1]) < np.float32(table[mu] - al) else mu
+
+
+@njit(**_JIT)
+def _iq4_nl_rows(x, out, table):
+    """quantize_row_iq4_nl_ref of x (R, n) into raw blocks (fp16 d, then 16 nibble bytes):
+    d0 = (the first value of largest magnitude) / -127, each value's nearest table index of
+    x / d0, then d = sum(w q x) / sum(w q q) with w = x^2 in element order (an all-zero block:
+    d = 0 and zero codes), as kv_quant.quantize_iq4_nl."""
+    codes = np.empty(32, np.int32)
+    for r in range(x.shape[0]):
+        for b in range(x.shape[1] // 32):
+            amax = np.float32(0.0)
+            vmax = np.float32(0.0)
+            for e in range(32):
+                v = x[r, 32 * b + e]
+                if amax < abs(v):
+                    amax = abs(v)
+                    vmax = v
+            live = abs(vmax) >= np.float32(1e-15)
+            d0 = np.float32(vmax / np.float32(-127.0)) if live else np.float32(0.0)
+            inv = np.float32(np.float32(1.0) / d0) if d0 != 0 else np.float32(0.0)
+            sumqx = np.float32(0.0)
+            sumq2 = np.float32(0.0)
+            for e in range(32):
+                v = x[r, 32 * b + e]
+                c = _iq4_nl_index(np.float32(inv * v), table)
+                codes[e] = c if live else 0
+                q = table[c]
+                wq = np.float32(np.float32(v * v) * q)
+                sumqx = np.float32(sumqx + np.float32(wq * v))
+                sumq2 = np.float32(sumq2 + np.float32(wq * q))
+            d = np.float32(sumqx / sumq2) if live and sumq2 > 0 else np.float32(0.0)
+            h = f16_bits_of(np.float32(d).view(np.uint32))
+            o = 18 * b
+            out[r, o] = np.uint8(h & np.uint32(255))
+            out[r, o + 1] = np.uint8(h >> np.uint32(8))
+            for j in range(16):
+                out[r, o + 2 + j] = np.uint8((codes[j] & 15) | ((codes[j + 16] & 15) << 4))
+
+
+def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """As kv_quant.quantize_iq4_nl (same bytes), compiled."""
+    x2 = _rows(x)
+    out = np.empty((x2.shape[0], x2.shape[1] // 32 * 18), np.uint8)
+    _iq4_nl_rows(x2, out, _IQ4_NL_F32)
+    return out.reshape(np.shape(x)[:-1] + (-1,))

@@ -238,3 +238,17 @@ def check_against_llama_cpp(path, engine, prompt: list[int], *, steps: int = 32,
         m.eval(theirs[-1:])
         ours = engine.forward(np.array(theirs[-1:]), np.array([len(prompt) + step]), kv)[-1]
     return got, want[0], bound, theirs
+
+
+def grammar_admits(constraint, tok, text: str, complete: bool = False) -> bool:
+    """Whether a grammar lets the model write `text` (tokenized with its special tokens), and
+    with `complete` also end there."""
+    from edgeinfer.prompt.grammar import GrammarError
+
+    m = constraint.matcher(tok)
+    try:
+        for t in tok.tokenize(text, add_special=False, parse_special=True):
+            m.advance(t)
+    except GrammarError:
+        return False
+    return m.is_accepting() if complete else True

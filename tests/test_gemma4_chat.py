@@ -15,13 +15,13 @@ import json
 
 import pytest
 from gguf_factory import GEMMA4_CHAT_TEMPLATE, GEMMA4_OLD_CHAT_TEMPLATE, gemma4_file, gemma4_vocab
+from scripted_chat import Scripted
 from test_server import MODEL, start_server
 
 import edgeinfer
 from edgeinfer.prompt import gemma4_format, tool_calls
 from edgeinfer.prompt.answer_parts import ToolCall
 from edgeinfer.prompt.shown_answer import ShownAnswer
-from edgeinfer.results import GenerationChunk, Timings, Usage
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -186,19 +186,13 @@ def test_an_old_template_gets_tool_responses_and_the_turn_reopened(paths):
 def test_the_grammar_shapes_calls_by_the_schema(paths):
     """tool_choice "required": the schema's keys in order, required ones always, enums, bounded
     strings; "auto": free text until the call marker; "none": nothing."""
-    from edgeinfer.prompt.grammar import GrammarError
+    from oracles import grammar_admits
 
     tok = _load(paths["new"]).tokenizer
     forced = tool_calls.tool_constraint([WEATHER], "required", "gemma4", tok)
 
     def accepts(constraint, text: str) -> bool:
-        m = constraint.matcher(tok)
-        try:
-            for t in tok.tokenize(text, add_special=False, parse_special=True):
-                m.advance(t)
-        except GrammarError:
-            return False
-        return m.is_accepting()
+        return grammar_admits(constraint, tok, text, complete=True)
 
     assert accepts(forced, CALL) and accepts(forced, THOUGHT + CALL)
     assert accepts(forced, '<|tool_call>call:get_weather{city:<|"|>Rome<|"|>,days:3}<tool_call|>')
@@ -246,24 +240,9 @@ def test_a_required_call_through_the_real_pipeline(paths):
 
 # -- the dialects, the CLI and the TUI with a scripted answer ----------------------------------------
 
-class Scripted:
-    """A real model whose chat replays `text` in small pieces and records its keywords."""
-
-    def __init__(self, model) -> None:
-        self.model, self.text, self.calls = model, SCRIPT, []
-        model.chat = self.chat
-
-    def chat(self, messages, *, stream=True, cancel=None, **kw):
-        self.calls.append({"messages": messages, **kw})
-        pieces = [self.text[i:i + 3] for i in range(0, len(self.text), 3)]
-        for i, p in enumerate(pieces):
-            yield GenerationChunk(text=p, token=i)
-        yield GenerationChunk("", None, "stop", Usage(10, len(pieces)), Timings.from_clock(0.0, 0.1, 0.2, 10, 3))
-
-
 @pytest.fixture(scope="module")
 def scripted(paths):
-    fake = Scripted(_load(paths["new"]))
+    fake = Scripted(_load(paths["new"]), SCRIPT)
     srv = start_server(fake.model)
     yield srv, fake
     srv.stop()

@@ -23,8 +23,8 @@ import edgeinfer
 from edgeinfer.prompt import harmony, tool_calls
 from edgeinfer.prompt.chat_template import ChatTemplate
 from edgeinfer.prompt.shown_answer import ShownAnswer
-from edgeinfer.results import GenerationChunk, Timings, Usage
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
+from scripted_chat import Scripted
 from test_server import MODEL, start_server
 
 DATA = Path(__file__).parent / "data"
@@ -295,24 +295,9 @@ SCRIPT = A + "The user wants weather.<|end|><|start|>assistant<|channel|>comment
 ANSWER = A + "Easy one.<|end|><|start|>assistant<|channel|>final<|message|>It is 18 °C."
 
 
-class Scripted:
-    """A real model whose chat replays `text` in small pieces and records its keywords."""
-
-    def __init__(self, model) -> None:
-        self.model, self.text, self.calls = model, SCRIPT, []
-        model.chat = self.chat
-
-    def chat(self, messages, *, stream=True, cancel=None, **kw):
-        self.calls.append({"messages": messages, **kw})
-        pieces = [self.text[i:i + 3] for i in range(0, len(self.text), 3)]
-        for i, p in enumerate(pieces):
-            yield GenerationChunk(text=p, token=i)
-        yield GenerationChunk("", None, "stop", Usage(10, len(pieces)), Timings.from_clock(0.0, 0.1, 0.2, 10, 3))
-
-
 @pytest.fixture(scope="module")
 def scripted(paths):
-    fake = Scripted(_load(paths["gptoss"]))
+    fake = Scripted(_load(paths["gptoss"]), SCRIPT)
     srv = start_server(fake.model)
     yield srv, fake
     srv.stop()

@@ -133,7 +133,7 @@ def test_compiled_fwht_and_q8_0_store_match_numpy():
     assert np.array_equal(qd.view(np.uint32), d.view(np.uint32))
 
 
-def test_compiled_q4_0_and_q5_0_stores_match_numpy():
+def test_compiled_q4_0_q5_0_and_iq4_nl_stores_match_numpy():
     rng = np.random.default_rng(6)
     x = _rows(rng, (5, 3, 128)) * rng.choice([1e-3, 1.0, 300.0], size=(5, 3, 1)).astype(np.float32)
     x.reshape(-1, 32)[1, :] = 0                                   # an all-zero block: d = 0
@@ -141,3 +141,4 @@ def test_compiled_q4_0_and_q5_0_stores_match_numpy():
     x.reshape(-1, 32)[3, 2:] = 0
     assert np.array_equal(kv_quant_jit.quantize_q4_0(x), kv_quant.quantize_q4_0(x))
     assert np.array_equal(kv_quant_jit.quantize_q5_0(x), kv_quant.quantize_q5_0(x))
+    assert np.array_equal(kv_quant_jit.quantize_iq4_nl(x), kv_quant.quantize_iq4_nl(x))

@@ -226,15 +226,9 @@ def call_tok():
 
 
 def _admits(constraint, tok, text: str) -> bool:
-    from edgeinfer.prompt.grammar import GrammarError
+    from oracles import grammar_admits
 
-    m = constraint.matcher(tok)
-    try:
-        for t in tok.tokenize(text, add_special=False, parse_special=True):
-            m.advance(t)
-    except GrammarError:
-        return False
-    return True
+    return grammar_admits(constraint, tok, text)
 
 
 PYDANTIC = {"type": "function", "function": {"name": "book", "parameters": {

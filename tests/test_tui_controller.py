@@ -296,7 +296,8 @@ class FakeStore:
         self.saved.append(dict(id=conv.id, sampling=sampling, kv=kv, keep_kv=keep_kv))
 
     def load_kv(self, conv, identity, n_layer):
-        return SimpleNamespace(tokens=[1, 2, 3], k="K", v="V", pos=3, state=None)
+        kv = ([1, 2, 3], "K", "V", 3, None, "k=f16,v=f16")  # SavedSession.saved_kv's fields
+        return SimpleNamespace(tokens=[1, 2, 3], k="K", v="V", pos=3, state=None, saved_kv=lambda: kv)
 
 
 def model(identity=A, exported=None, n_ctx=64):
@@ -316,7 +317,7 @@ def test_saved_kv_is_restored_once_into_the_model_that_made_it():
     assert not s.restore_kv(model(B), False)  # K/V of another model's tokens
     assert s.restore_kv(m, False)
     saved, n = s.import_kv(m, s.conv)
-    assert n == 3 and m.imported == [([1, 2, 3], "K", "V", 3, None)]
+    assert n == 3 and m.imported == [([1, 2, 3], "K", "V", 3, None, "k=f16,v=f16")]
     assert not s.kv_restored("chat-2", saved, n)  # another conversation was opened meanwhile
     assert s.kv_restored("chat-1", saved, n) and s.kv == ([1, 2, 3], "K", "V", 3, None)  # kept for the next save
     assert not s.restore_kv(m, False)  # the model holds them now

@@ -36,9 +36,10 @@ class _Lazy:
 
 
 kv_quant = _Lazy("kv_quant")
-kv_quant_jit = _Lazy("kv_quant_jit")   # the compiled fwht and q8_0/q4_0/q5_0 stores (same bits)
+kv_quant_jit = _Lazy("kv_quant_jit")   # the compiled fwht and q8_0/q4_0/q5_0/iq4_nl stores (same bits)
 # the types whose store kv_quant_jit compiles (the others: kv_quant's numpy)
-_COMPILED_STORE = {"q8_0": "quantize_q8_0", "q4_0": "quantize_q4_0", "q5_0": "quantize_q5_0"}
+_COMPILED_STORE = {"q8_0": "quantize_q8_0", "q4_0": "quantize_q4_0", "q5_0": "quantize_q5_0",
+                   "iq4_nl": "quantize_iq4_nl"}
 
 # what llama.cpp allows that edgeinfer stores too
 ALLOWED = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")

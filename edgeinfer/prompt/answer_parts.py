@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 
 @dataclass
@@ -39,6 +39,32 @@ class ParsedOutput:
     content: str
     tool_calls: list[ToolCall]
     reasoning: str | None = None
+
+
+def partial_suffix(text: str, tags: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`: text a
+    streaming reader holds back until it knows whether a tag begins there."""
+    best = 0
+    for tag in tags:
+        for k in range(min(len(tag) - 1, len(text)), best, -1):
+            if tag.startswith(text[-k:]):
+                best = k
+                break
+    return best
+
+
+def merge_runs(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Reader events with each run of text of one kind joined into one event and empty text
+    dropped; every tool call stays its own event."""
+    out: list[tuple[str, Any]] = []
+    for kind, value in events:
+        if kind != "tool_call" and not value:
+            continue
+        if out and kind != "tool_call" and out[-1][0] == kind:
+            out[-1] = (kind, out[-1][1] + value)
+        else:
+            out.append((kind, value))
+    return out
 
 
 class IncrementalReader:

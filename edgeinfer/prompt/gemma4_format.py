@@ -27,7 +27,7 @@ import json
 import re
 from typing import Any, Mapping, Sequence
 
-from edgeinfer.prompt.answer_parts import IncrementalReader, ParsedOutput, ToolCall
+from edgeinfer.prompt.answer_parts import IncrementalReader, ParsedOutput, ToolCall, merge_runs, partial_suffix
 
 TURN_MODEL = "<|turn>model\n"
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
@@ -92,6 +92,17 @@ def _skip_space(text: str, i: int) -> int:
     return i
 
 
+def _after_member(text: str, i: int, close: str, what: str) -> tuple[bool, int]:
+    """After an object's or array's member: (True, past `close`) at its end, (False, past
+    the comma) before the next member."""
+    i = _skip_space(text, i)
+    if text.startswith(",", i):
+        return False, i + 1
+    if text.startswith(close, i):
+        return True, i + 1
+    raise NotAValue(f"an unclosed {what}")
+
+
 def _read_dict(text: str, i: int, depth: int) -> tuple[dict, int]:
     out: dict[str, Any] = {}
     i = _skip_space(text, i)
@@ -112,13 +123,9 @@ def _read_dict(text: str, i: int, depth: int) -> tuple[dict, int]:
         if not text.startswith(":", i):
             raise NotAValue(f"no ':' after the key {key!r}")
         out[key], i = read_value(text, i + 1, depth + 1)
-        i = _skip_space(text, i)
-        if text.startswith(",", i):
-            i += 1
-        elif text.startswith("}", i):
-            return out, i + 1
-        else:
-            raise NotAValue("an unclosed object")
+        done, i = _after_member(text, i, "}", "object")
+        if done:
+            return out, i
 
 
 def _read_list(text: str, i: int, depth: int) -> tuple[list, int]:
@@ -129,13 +136,9 @@ def _read_list(text: str, i: int, depth: int) -> tuple[list, int]:
     while True:
         value, i = read_value(text, i, depth + 1)
         out.append(value)
-        i = _skip_space(text, i)
-        if text.startswith(",", i):
-            i += 1
-        elif text.startswith("]", i):
-            return out, i + 1
-        else:
-            raise NotAValue("an unclosed array")
+        done, i = _after_member(text, i, "]", "array")
+        if done:
+            return out, i
 
 
 def read_call(body: str) -> ToolCall | None:
@@ -158,17 +161,6 @@ def read_call(body: str) -> ToolCall | None:
 
 # -- the stream -----------------------------------------------------------------------------------
 
-def _partial_suffix(text: str, tags: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
-    best = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), best, -1):
-            if tag.startswith(text[-k:]):
-                best = k
-                break
-    return best
-
-
 class Gemma4Stream(IncrementalReader):
     """Incremental Gemma 4 reader: `push(text)` and `flush()` return events, ("reasoning", text),
     ("content", text) or ("tool_call", ToolCall). `tools`: whether calls are read (otherwise
@@ -183,15 +175,7 @@ class Gemma4Stream(IncrementalReader):
         getattr(self, "_step_" + self._state)(events, final)
 
     def _events(self, events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = []
-        for kind, value in events:  # one event for a run of the same kind, none empty
-            if kind != "tool_call" and not value:
-                continue
-            if out and kind != "tool_call" and out[-1][0] == kind:
-                out[-1] = (kind, out[-1][1] + value)
-            else:
-                out.append((kind, value))
-        return out
+        return merge_runs(events)
 
     def _step_start(self, events, final: bool) -> None:
         if self._buf.startswith(TURN_MODEL):  # the generation prompt, written again
@@ -204,7 +188,7 @@ class Gemma4Stream(IncrementalReader):
         tags = (CHANNEL_OPEN, CHANNEL_CLOSE) + ((CALL_OPEN,) if self.tools else ())
         found = min(((self._buf.find(t), t) for t in tags if t in self._buf), default=None)
         if found is None:
-            keep = 0 if final else _partial_suffix(self._buf, tags)
+            keep = 0 if final else partial_suffix(self._buf, tags)
             events.append(("content", self._buf[:len(self._buf) - keep]))
             self._buf = self._buf[len(self._buf) - keep:]
             return
@@ -230,7 +214,7 @@ class Gemma4Stream(IncrementalReader):
     def _step_thought(self, events, final: bool) -> None:
         at = self._buf.find(CHANNEL_CLOSE)
         if at < 0:  # hold back what may be the close, and trailing whitespace (it may end the thought)
-            keep = 0 if final else _partial_suffix(self._buf, (CHANNEL_CLOSE,))
+            keep = 0 if final else partial_suffix(self._buf, (CHANNEL_CLOSE,))
             text = self._buf[:len(self._buf) - keep]
             shown = text if final else text.rstrip(" \t\r\n")
             events.append(("reasoning", shown))

@@ -33,7 +33,7 @@ import json
 import re
 from typing import Any, Mapping, Sequence
 
-from edgeinfer.prompt.answer_parts import IncrementalReader, ParsedOutput, ToolCall
+from edgeinfer.prompt.answer_parts import IncrementalReader, ParsedOutput, ToolCall, merge_runs, partial_suffix
 
 START, CHANNEL, CONSTRAIN, MESSAGE = "<|start|>", "<|channel|>", "<|constrain|>", "<|message|>"
 END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
@@ -106,17 +106,6 @@ def _read_header(text: str, complete: bool) -> _Header | None:
     return head
 
 
-def _partial_suffix(text: str, tags: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
-    best = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), best, -1):
-            if tag.startswith(text[-k:]):
-                best = k
-                break
-    return best
-
-
 # -- the stream -----------------------------------------------------------------------------------
 
 class HarmonyStream(IncrementalReader):
@@ -139,15 +128,7 @@ class HarmonyStream(IncrementalReader):
             self._step_body(events, final)
 
     def _events(self, events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = []
-        for kind, value in events:  # one event for a run of the same kind, none empty
-            if kind != "tool_call" and not value:
-                continue
-            if out and kind != "tool_call" and out[-1][0] == kind:
-                out[-1] = (kind, out[-1][1] + value)
-            else:
-                out.append((kind, value))
-        return out
+        return merge_runs(events)
 
     def _step_header(self, events, final: bool) -> None:
         if not self._buf:
@@ -161,7 +142,7 @@ class HarmonyStream(IncrementalReader):
             written, self._buf = self._buf[:at + len(MESSAGE)], self._buf[at + len(MESSAGE):]
             self._open(head, written, events)
             return
-        cut = len(self._buf) - _partial_suffix(self._buf, (MESSAGE, START, CHANNEL, CONSTRAIN, "to="))
+        cut = len(self._buf) - partial_suffix(self._buf, (MESSAGE, START, CHANNEL, CONSTRAIN, "to="))
         maybe = len(self._buf) <= _HEADER_MAX and _read_header(self._buf[:cut], complete=False) is not None
         if not maybe:
             self._not_a_header(events)
@@ -194,7 +175,7 @@ class HarmonyStream(IncrementalReader):
         found = min(((i, t) for i, t in ends if i >= 0), default=None)
         if found is None and not final:
             if self._state != "call":
-                keep = _partial_suffix(self._buf, _BODY_ENDS)
+                keep = partial_suffix(self._buf, _BODY_ENDS)
                 self._emit(events, self._buf[:len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep:]
             return  # a call's arguments are read whole

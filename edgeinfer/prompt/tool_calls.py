@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.prompt import gemma4_format, harmony
-from edgeinfer.prompt.answer_parts import IncrementalReader, ParsedOutput, ToolCall
+from edgeinfer.prompt.answer_parts import IncrementalReader, ParsedOutput, ToolCall, partial_suffix
 
 __all__ = ["ToolCall", "ParsedOutput", "ToolsNotSupportedError", "ToolCallError", "detect_format",
            "supports_tools", "normalize_tools", "normalize_messages", "render_with_tools",
@@ -382,7 +382,7 @@ class ToolCallStream(IncrementalReader):
             self._buf, self._state = self._buf[end + len("</think>"):].lstrip(), "content"
             self._after_think = True  # the blank line after </think> is not content
             return
-        keep = 0 if final else _partial_suffix(self._buf, "</think>")
+        keep = 0 if final else partial_suffix(self._buf, ("</think>",))
         events.append(("reasoning", self._buf[:len(self._buf) - keep]))
         self._buf = self._buf[len(self._buf) - keep:]
 
@@ -397,7 +397,7 @@ class ToolCallStream(IncrementalReader):
                 self._emit_content(events, self._buf[:at])
                 self._buf, self._state = self._buf[at:], "call"
                 return
-            keep = 0 if final else _partial_suffix(self._buf, "<tool_call>")
+            keep = 0 if final else partial_suffix(self._buf, ("<tool_call>",))
         else:
             at = self._buf.find("[TOOL_CALLS]") if self.fmt == "mistral" else -1
             if at >= 0:
@@ -413,7 +413,7 @@ class ToolCallStream(IncrementalReader):
                 return  # leading whitespace: wait for the first character
             if not self._seen_content and self.fmt == "llama3" and "<|python_tag|>".startswith(head) and not final:
                 return
-            keep = 0 if final or self.fmt != "mistral" else _partial_suffix(self._buf, "[TOOL_CALLS]")
+            keep = 0 if final or self.fmt != "mistral" else partial_suffix(self._buf, ("[TOOL_CALLS]",))
         self._emit_content(events, self._buf[:len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep:]
 
@@ -446,14 +446,6 @@ class ToolCallStream(IncrementalReader):
         if text.strip():
             self._seen_content = True
         events.append(("content", text))
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
 
 
 # ---------------------------------------------------------------------------

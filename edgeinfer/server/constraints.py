@@ -226,6 +226,15 @@ def _source(model) -> str:
     return getattr(getattr(model, "template", None), "source", "") or ""
 
 
+def channel_format(model) -> str | None:
+    """The model's chat format when its answers are channels written with control tokens
+    (harmony, gemma4: edgeinfer.prompt.tool_calls.CHANNEL_FORMATS), else None."""
+    from edgeinfer.prompt.tool_calls import CHANNEL_FORMATS, detect_format
+
+    fmt = detect_format(_source(model))
+    return fmt if fmt in CHANNEL_FORMATS else None
+
+
 def speaks_harmony(model) -> bool:
     """Whether the model's template is harmony's (gpt-oss): its answers are channels."""
     return is_harmony(_source(model))

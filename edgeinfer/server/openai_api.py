@@ -163,10 +163,11 @@ def _chat_start(model, messages: list[dict], extra: dict, add_generation_prompt:
     template_kw = {k: extra[k] for k in ("enable_thinking", "reasoning_effort") if k in extra}
     constraint = {"constraint": extra["constraint"]} if extra.get("constraint") is not None else {}
     from edgeinfer.prompt.tool_calls import markup_token_ids
+    from edgeinfer.server.constraints import channel_format
 
     # a channel format's markup reaches the reader, as in Model.chat
-    markup = markup_token_ids(model.tokenizer, model.tool_format)
-    shown = {"preserved_tokens": markup} if markup else {}
+    fmt = channel_format(model)
+    shown = {"preserved_tokens": markup_token_ids(model.tokenizer, fmt)} if fmt else {}
 
     def start_for(p: dict):
         def start(cancel):

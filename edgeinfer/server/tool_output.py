@@ -26,8 +26,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from edgeinfer.server.constraints import speaks_harmony, thinks
-from edgeinfer.prompt.tool_calls import CHANNEL_FORMATS, ParsedOutput, ToolCallStream, answer_stream, parse_output
+from edgeinfer.server.constraints import channel_format, speaks_harmony, thinks
+from edgeinfer.prompt.tool_calls import ParsedOutput, ToolCallStream, answer_stream, parse_output
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,9 @@ class OutputReader:
 def reader_for(model, *, tools: bool, thinking: bool | None = None, forced: bool = False) -> OutputReader | None:
     """The reader for a chat request (None: the text is all content). A harmony or Gemma 4
     answer is always read: its channels are structure, never content."""
-    if model.tool_format in CHANNEL_FORMATS:  # harmony, Gemma 4: channels are structure, never content
-        return OutputReader(model.tool_format, tools, True, forced=tools and forced)
+    channels = channel_format(model)
+    if channels is not None:  # harmony, Gemma 4: channels are structure, never content
+        return OutputReader(channels, tools, True, forced=tools and forced)
     reasoning = thinks(model) and thinking is not False
     if not tools and not reasoning:
         return None

@@ -1,0 +1,22 @@
+"""A real model whose chat replays a scripted answer: random weights cannot write a chat
+format's structure (harmony's channels, Gemma 4's thought and calls), so the dialect tests
+replay fixed answers through the real server and readers."""
+
+from __future__ import annotations
+
+from edgeinfer.results import GenerationChunk, Timings, Usage
+
+
+class Scripted:
+    """`model.chat` replaced: it replays `text` in 3-character pieces and records its keywords."""
+
+    def __init__(self, model, text: str) -> None:
+        self.model, self.text, self.calls = model, text, []
+        model.chat = self.chat
+
+    def chat(self, messages, *, stream=True, cancel=None, **kw):
+        self.calls.append({"messages": messages, **kw})
+        pieces = [self.text[i:i + 3] for i in range(0, len(self.text), 3)]
+        for i, p in enumerate(pieces):
+            yield GenerationChunk(text=p, token=i)
+        yield GenerationChunk("", None, "stop", Usage(10, len(pieces)), Timings.from_clock(0.0, 0.1, 0.2, 10, 3))
