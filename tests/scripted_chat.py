@@ -8,15 +8,16 @@ from edgeinfer.results import GenerationChunk, Timings, Usage
 
 
 class Scripted:
-    """`model.chat` replaced: it replays `text` in 3-character pieces and records its keywords."""
+    """`model.chat` replaced: it replays `text` in `piece`-character pieces and records its keywords."""
 
-    def __init__(self, model, text: str) -> None:
-        self.model, self.text, self.calls = model, text, []
+    def __init__(self, model, text: str, piece: int = 3) -> None:
+        self.model, self.text, self.piece, self.calls = model, text, piece, []
         model.chat = self.chat
 
     def chat(self, messages, *, stream=True, cancel=None, **kw):
         self.calls.append({"messages": messages, **kw})
-        pieces = [self.text[i:i + 3] for i in range(0, len(self.text), 3)]
+        n = self.piece
+        pieces = [self.text[i:i + n] for i in range(0, len(self.text), n)]
         for i, p in enumerate(pieces):
             yield GenerationChunk(text=p, token=i)
         yield GenerationChunk("", None, "stop", Usage(10, len(pieces)), Timings.from_clock(0.0, 0.1, 0.2, 10, 3))

@@ -17,8 +17,8 @@ import pytest
 
 import edgeinfer
 from edgeinfer.prompt import tool_calls
-from edgeinfer.results import GenerationChunk, Timings, Usage
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
+from scripted_chat import Scripted
 from test_server import MODEL, fim_model_path, load_tiny, start_server  # noqa: F401 - a fixture
 
 DATA = Path(__file__).parent / "data"
@@ -232,26 +232,9 @@ SCRIPT = ("<think>\nThe user wants weather and news.\n</think>\n\n"
 CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("search", {"query": "Paris news"})]
 
 
-class Scripted:
-    """A real model whose chat replays `text` in small pieces and records its keywords."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-        self.text = SCRIPT
-        self.calls: list[dict] = []
-        model.chat = self.chat
-
-    def chat(self, messages, *, stream=True, cancel=None, **kw):
-        self.calls.append({"messages": messages, **kw})
-        pieces = [self.text[i:i + 5] for i in range(0, len(self.text), 5)]
-        for i, p in enumerate(pieces):
-            yield GenerationChunk(text=p, token=i)
-        yield GenerationChunk("", None, "stop", Usage(10, len(pieces)), Timings.from_clock(0.0, 0.1, 0.2, 10, 3))
-
-
 @pytest.fixture(scope="module")
 def scripted(paths):
-    fake = Scripted(_load(paths["qwen3"]))
+    fake = Scripted(_load(paths["qwen3"]), SCRIPT, piece=5)
     srv = start_server(fake.model)
     yield srv, fake
     srv.stop()
