@@ -190,12 +190,8 @@ def prompt_logprobs(engine: Engine, prompt: Sequence[int], top_n: int) -> list[T
     logits for every row, a prefill chunk at a time. The generation's cache is untouched."""
     ids = np.asarray(list(prompt), dtype=np.int64)
     check_prompt_fits(len(ids), engine.n_ctx)
-    types = getattr(engine, "cache_types", None)
-    if types is not None and types.flash_order:   # the run's K/V types: the same logits as generation
-        from edgeinfer.kv.contiguous import KVCache
-        kv = KVCache(engine.config, max(len(ids), 1), cache_types=types)
-    else:
-        kv = engine.backend.new_cache(engine.config, max(len(ids), 1))
+    # the backend's own cache of the run's K/V types: the same logits as generation
+    kv = engine.backend.new_cache(engine.config, max(len(ids), 1), getattr(engine, "cache_types", None))
     out: list[TokenLogprob | None] = [None]
     cuts = engine.chunk_bounds(len(ids))
     for lo, hi in zip(cuts[:-1], cuts[1:]):

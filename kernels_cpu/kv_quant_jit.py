@@ -103,6 +103,20 @@ def quantize_q8_0_split(x: np.ndarray):
     return qx.reshape(lead + (-1,)), qd.reshape(lead + (-1,))
 
 
+@njit(inline="always", **_JIT)
+def _signed_max(x, r, b):
+    """Block b of row r's value of largest magnitude, the first such (ggml's `amax < fabsf(v)`
+    scan): what q4_0, q5_0 and iq4_nl derive their scale from."""
+    amax = np.float32(0.0)
+    vmax = np.float32(0.0)
+    for e in range(32):
+        v = x[r, 32 * b + e]
+        if amax < abs(v):
+            amax = abs(v)
+            vmax = v
+    return vmax
+
+
 @njit(**_JIT)
 def _q_offset_rows(x, out, half):
     """quantize_row_q4_0_ref (half 8) / quantize_row_q5_0_ref (half 16) of x (R, n) into raw
@@ -113,14 +127,7 @@ def _q_offset_rows(x, out, half):
     qs0 = 2 if half == 8 else 6
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
-            amax = np.float32(0.0)
-            mx = np.float32(0.0)
-            for e in range(32):
-                v = x[r, 32 * b + e]
-                if amax < abs(v):
-                    amax = abs(v)
-                    mx = v
-            d = np.float32(mx / np.float32(-half))
+            d = np.float32(_signed_max(x, r, b) / np.float32(-half))
             idv = np.float32(np.float32(1.0) / d) if d != 0 else np.float32(0.0)
             h = f16_bits_of(np.float32(d).view(np.uint32))
             o = bs * b
@@ -180,13 +187,7 @@ def _iq4_nl_rows(x, out, table):
     codes = np.empty(32, np.int32)
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
-            amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            for e in range(32):
-                v = x[r, 32 * b + e]
-                if amax < abs(v):
-                    amax = abs(v)
-                    vmax = v
+            vmax = _signed_max(x, r, b)
             live = abs(vmax) >= np.float32(1e-15)
             d0 = np.float32(vmax / np.float32(-127.0)) if live else np.float32(0.0)
             inv = np.float32(np.float32(1.0) / d0) if d0 != 0 else np.float32(0.0)

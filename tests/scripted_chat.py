@@ -4,6 +4,9 @@ replay fixed answers through the real server and readers."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from edgeinfer.results import GenerationChunk, Timings, Usage
 
 
@@ -14,6 +17,15 @@ class Scripted:
         self.model, self.text, self.piece, self.calls = model, text, piece, []
         model.chat = self.chat
 
+    @contextmanager
+    def answering(self, text: str) -> Iterator["Scripted"]:
+        """Replay `text` instead while the block runs, then the script again."""
+        saved, self.text = self.text, text
+        try:
+            yield self
+        finally:
+            self.text = saved
+
     def chat(self, messages, *, stream=True, cancel=None, **kw):
         self.calls.append({"messages": messages, **kw})
         n = self.piece
@@ -21,3 +33,14 @@ class Scripted:
         for i, p in enumerate(pieces):
             yield GenerationChunk(text=p, token=i)
         yield GenerationChunk("", None, "stop", Usage(10, len(pieces)), Timings.from_clock(0.0, 0.1, 0.2, 10, 3))
+
+
+def served(model, text: str, piece: int = 3) -> Iterator[tuple]:
+    """(server, Scripted) for a module fixture: `model` replaying `text`, served until the
+    fixture ends (test_server.start_server)."""
+    from test_server import start_server
+
+    fake = Scripted(model, text, piece)
+    srv = start_server(fake.model)
+    yield srv, fake
+    srv.stop()

@@ -15,7 +15,7 @@ import json
 
 import pytest
 from gguf_factory import GEMMA4_CHAT_TEMPLATE, GEMMA4_OLD_CHAT_TEMPLATE, gemma4_file, gemma4_vocab
-from scripted_chat import Scripted
+from scripted_chat import served
 from test_server import MODEL, start_server
 
 import edgeinfer
@@ -242,18 +242,13 @@ def test_a_required_call_through_the_real_pipeline(paths):
 
 @pytest.fixture(scope="module")
 def scripted(paths):
-    fake = Scripted(_load(paths["new"]), SCRIPT)
-    srv = start_server(fake.model)
-    yield srv, fake
-    srv.stop()
+    yield from served(_load(paths["new"]), SCRIPT)
 
 
 @pytest.fixture
 def answer_text(scripted):
-    _, fake = scripted
-    fake.text = ANSWER
-    yield fake
-    fake.text = SCRIPT
+    with scripted[1].answering(ANSWER) as fake:
+        yield fake
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -302,15 +297,12 @@ def test_ollama_thinking_and_calls(scripted):
     assert r.message.thinking == "The user wants weather." and r.message.content == ""
     assert [(t.function.name, dict(t.function.arguments)) for t in r.message.tool_calls] == \
         [("get_weather", {"city": "Paris", "unit": "celsius"})]
-    fake.text = ANSWER
-    try:
+    with fake.answering(ANSWER):
         r = client.chat(model=MODEL, messages=ASK, think=True)
         assert (r.message.thinking, r.message.content) == ("Easy one.", "It is 18 °C.")
         assert fake.calls[-1]["enable_thinking"] is True
         client.chat(model=MODEL, messages=ASK, think=False)
         assert fake.calls[-1]["enable_thinking"] is False
-    finally:
-        fake.text = SCRIPT
 
 
 def test_the_cli_shows_the_thought_as_a_think_block(scripted, answer_text):

@@ -24,7 +24,7 @@ from edgeinfer.prompt import harmony, tool_calls
 from edgeinfer.prompt.chat_template import ChatTemplate
 from edgeinfer.prompt.shown_answer import ShownAnswer
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
-from scripted_chat import Scripted
+from scripted_chat import served
 from test_server import MODEL, start_server
 
 DATA = Path(__file__).parent / "data"
@@ -297,18 +297,13 @@ ANSWER = A + "Easy one.<|end|><|start|>assistant<|channel|>final<|message|>It is
 
 @pytest.fixture(scope="module")
 def scripted(paths):
-    fake = Scripted(_load(paths["gptoss"]), SCRIPT)
-    srv = start_server(fake.model)
-    yield srv, fake
-    srv.stop()
+    yield from served(_load(paths["gptoss"]), SCRIPT)
 
 
 @pytest.fixture
 def answer_text(scripted):
-    _, fake = scripted
-    fake.text = ANSWER
-    yield fake
-    fake.text = SCRIPT
+    with scripted[1].answering(ANSWER) as fake:
+        yield fake
 
 
 def openai_client(srv):
@@ -373,8 +368,7 @@ def test_openai_tool_call(scripted, stream):
 
 def test_malformed_call_is_content_not_a_crash(scripted):
     srv, fake = scripted
-    fake.text = A + "hm<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>{oops"
-    try:
+    with fake.answering(A + "hm<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>{oops"):
         r = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])
         c = r.choices[0]
         assert c.finish_reason == "stop" and not c.message.tool_calls
@@ -382,8 +376,6 @@ def test_malformed_call_is_content_not_a_crash(scripted):
         chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
                                                                  stream=True))
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks).endswith("{oops")
-    finally:
-        fake.text = SCRIPT
 
 
 def test_ollama_thinking_content_and_calls(scripted):
@@ -399,8 +391,7 @@ def test_ollama_thinking_content_and_calls(scripted):
     assert "".join(p.message.thinking or "" for p in parts) == "The user wants weather."
     assert [t.function.name for p in parts for t in (p.message.tool_calls or [])] == ["get_weather"]
     assert parts[-1].done
-    fake.text = ANSWER
-    try:
+    with fake.answering(ANSWER):
         r = client.chat(model=MODEL, messages=ASK, think="high")
         assert (r.message.thinking, r.message.content) == ("Easy one.", "It is 18 °C.")
         assert fake.calls[-1]["reasoning_effort"] == "high" and "enable_thinking" not in fake.calls[-1]
@@ -417,8 +408,6 @@ def test_ollama_thinking_content_and_calls(scripted):
         client.chat(model=MODEL, messages=back)
         assert harmony.template_messages(fake.calls[-1]["messages"])[1]["thinking"] == "Easy one."
         assert "thinking" in client.show(MODEL).capabilities
-    finally:
-        fake.text = SCRIPT
 
 
 def test_reasoning_effort_fields(scripted, answer_text):

@@ -18,7 +18,7 @@ import pytest
 import edgeinfer
 from edgeinfer.prompt import tool_calls
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
-from scripted_chat import Scripted
+from scripted_chat import served
 from test_server import MODEL, fim_model_path, load_tiny, start_server  # noqa: F401 - a fixture
 
 DATA = Path(__file__).parent / "data"
@@ -234,10 +234,7 @@ CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("search", {"que
 
 @pytest.fixture(scope="module")
 def scripted(paths):
-    fake = Scripted(_load(paths["qwen3"]), SCRIPT, piece=5)
-    srv = start_server(fake.model)
-    yield srv, fake
-    srv.stop()
+    yield from served(_load(paths["qwen3"]), SCRIPT, piece=5)
 
 
 def test_openai_reasoning_and_parallel_calls_whole(scripted):
@@ -297,8 +294,7 @@ def test_thinking_switches(scripted):
 
     srv, fake = scripted
     client = ollama.Client(host=srv.url)
-    fake.text = "<think>\nhm\n</think>\n\nHello!"
-    try:
+    with fake.answering("<think>\nhm\n</think>\n\nHello!"):
         r = client.chat(model=MODEL, messages=ASK, think=False)
         assert fake.calls[-1]["enable_thinking"] is False
         client.chat(model=MODEL, messages=[{"role": "user", "content": "Hi /no_think"}])
@@ -319,5 +315,3 @@ def test_thinking_switches(scripted):
         openai_client(srv).chat.completions.create(model=MODEL, messages=back)
         assert fake.calls[-1]["messages"][1]["reasoning_content"] == "hm"
         assert client.show(MODEL).capabilities == ["completion", "tools", "thinking"]
-    finally:
-        fake.text = SCRIPT
