@@ -45,8 +45,9 @@
 
 __constant__ float kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+// an fp16 field (d, m) or an f16 value: at an even offset of a row of an even size (aligned)
 __device__ __forceinline__ float half_at(const uint8_t* p) {
-    return __half2float(__ushort_as_half((unsigned short)(p[0] | (p[1] << 8))));
+    return __half2float(*reinterpret_cast<const __half*>(p));
 }
 
 // Value d of a stored row: f16, or a quantized type's blocks read as ggml's to_float (q * d,

@@ -31,10 +31,10 @@
 
 __constant__ float kIq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+// An fp16 field of a block (d, m) or an f16 value: always at an even byte offset of a row of
+// an even size, so one aligned 16-bit store (two byte stores lost the low byte on an H200)
 __device__ __forceinline__ void put_half(uint8_t* p, float x) {
-    const unsigned short h = __half_as_ushort(__float2half_rn(x));
-    p[0] = (uint8_t)(h & 255);
-    p[1] = (uint8_t)(h >> 8);
+    *reinterpret_cast<__half*>(p) = __float2half_rn(x);
 }
 
 __device__ __forceinline__ int block_bytes(int type) {
