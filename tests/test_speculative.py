@@ -11,7 +11,7 @@ from edgeinfer.errors import EdgeInferError
 from edgeinfer.speculative import PromptLookup, Speculation, SpeculativeParams
 from edgeinfer.speculative.drafter import DraftLength, accept_speculative
 from edgeinfer.speculative.draft_model import DraftModel
-from tests.gguf_factory import bpe_vocab, spm_vocab, write_tiny_model
+from gguf_factory import bpe_vocab, spm_vocab, write_tiny_model
 
 PROMPTS = [
     "a b c d a b c d a b c d a b",
