@@ -25,7 +25,7 @@ say "setup"
 if [ ! -x /tmp/lb/bin/llama-bench ]; then
   rm -rf /tmp/lcpp && mkdir -p /tmp/lcpp && tar xzf .gpu/llama.cpp-0.3.36-src-cpu-cuda.tar.gz -C /tmp/lcpp
   setsid bash -c "cmake -S /tmp/lcpp/lcpp -B /tmp/lb -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DGGML_CUDA_FA=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DGGML_CUDA_FA=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release > /tmp/lb.log 2>&1 \
     && cmake --build /tmp/lb -j 16 --target llama-bench >> /tmp/lb.log 2>&1; echo BUILD_RC=\$? >> /tmp/lb.log" \
     < /dev/null > /dev/null 2>&1 &
