@@ -7,6 +7,10 @@ Every element is independent, so whole blocks go through <32 x float> at a time 
 same roundings; flash_attention_ref.py is the spec (its float64 fma emulation differs from
 the one-rounding fma with probability ~2^-29, ggml_math.fma_f32).
 
+The heads of a GQA group read the same V rows: v_keys_heads dequantizes each block once for
+up to four of them (each head's accumulator keeps its own sequence of fmas, so the bits do
+not change; the caller ends a run wherever any of the heads raises its maximum).
+
 The K . Q dots reuse the weight row dots of dot_q32.py (the same ggml_vec_dot_q*_q8_0 order:
 per block an <8 x i32> of 4-product lane sums, fma(dK*dQ, lanes, acc), then hsum_float_8).
 """
@@ -93,10 +97,92 @@ def _make_v_keys(qt):
     return v_keys
 
 
-v_keys_q8_0 = _make_v_keys(_Q8_0)
-v_keys_q4_0 = _make_v_keys(Q4_0)
-v_keys_q4_1 = _make_v_keys(Q4_1)
-v_keys_q5_0 = _make_v_keys(Q5_0)
-v_keys_q5_1 = _make_v_keys(Q5_1)
-v_keys_iq4_nl = _make_v_keys(IQ4_NL)
+def _make_v_keys_heads(qt, n_heads):
+    @intrinsic
+    def v_keys_heads(typingctx, vb, rows, i0, i1, vs, accs, h0):
+        """For each head h in h0..h0+n_heads-1 and i in i0..i1-1 in order:
+        accs[h] = fma(to_float(vb[rows[i]]), vs[h, i], accs[h]).
 
+        v_keys for n_heads heads at once: a run of keys that leaves every one of their
+        maxima where it is. Each V block is dequantized once per key for all of them. The
+        accumulators stay in registers in pieces of W values per head (4 x 16 or 2 x 32
+        floats on AVX2: eight ymm; 32 per head with AVX-512's 32 registers)."""
+        sig = types.void(vb, rows, i0, i1, vs, accs, h0)
+
+        def codegen(context, builder, sig, args):
+            b = builder
+            feats = target_features(context)
+            h = IRHelpers(b, feats)
+            width = 32 if (n_heads <= 2 or "+avx512f" in feats) else 16
+            v = context.make_array(sig.args[0])(context, b, args[0])
+            stride = cgutils.unpack_tuple(b, v.strides)[0]
+            vbase = b.bitcast(v.data, I8.as_pointer())
+            rows_p = context.make_array(sig.args[1])(context, b, args[1]).data
+            w = context.make_array(sig.args[4])(context, b, args[4])
+            w_stride = cgutils.unpack_tuple(b, w.strides)[0]
+            wbase = b.bitcast(w.data, I8.as_pointer())
+            a = context.make_array(sig.args[5])(context, b, args[5])
+            a_stride = cgutils.unpack_tuple(b, a.strides)[0]
+            abase = b.bitcast(a.data, I8.as_pointer())
+            nb = b.sdiv(cgutils.unpack_tuple(b, a.shape)[1], c64(32))
+            i0 = args[2]
+            n_keys = b.sub(args[3], i0)
+            heads = [b.add(args[6], c64(k)) for k in range(n_heads)]
+            w_rows = [b.bitcast(b.gep(wbase, [b.mul(hh, w_stride)]), F32T.as_pointer()) for hh in heads]
+            a_rows = [b.gep(abase, [b.mul(hh, a_stride)]) for hh in heads]
+            vw = vec(F32T, width)
+
+            def piece(bi, part):
+                """Values part * width .. + width of block bi, for every head, over the run."""
+                off = b.add(b.mul(bi, c64(128)), c64(4 * width * part))
+                ptrs = [b.bitcast(h.ptr(row, off), vw.as_pointer()) for row in a_rows]
+                inits = [b.load(p, align=4) for p in ptrs]
+
+                def key(k, accs):
+                    i = b.add(k, i0)
+                    vrow = b.gep(vbase, [b.mul(b.load(b.gep(rows_p, [i])), stride)])
+                    x = _v_block(h, vrow, bi, qt)
+                    if width == 16:
+                        x = h.half(x, part)
+                    return [h.fma(x, h.splat(b.load(b.gep(wr, [i])), width), acc) for wr, acc in zip(w_rows, accs)]
+                outs = counted_loop(b, n_keys, 1, inits, key, "vheads")
+                for p, y in zip(ptrs, outs):
+                    b.store(y, p, align=4)
+
+            with cgutils.for_range(b, nb) as loop:
+                for part in range(32 // width):
+                    piece(loop.index, part)
+            return context.get_dummy_value()
+        return sig, codegen
+    return v_keys_heads
+
+
+_TYPES = {"q8_0": _Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q5_1": Q5_1, "iq4_nl": IQ4_NL}
+V_KEYS = {name: _make_v_keys(qt) for name, qt in _TYPES.items()}
+V_KEYS_HEADS = {(name, n): _make_v_keys_heads(qt, n) for name, qt in _TYPES.items() for n in (2, 4)}
+
+
+
+@intrinsic
+def prefetch_rows(typingctx, a, first, step, count, span):
+    """Prefetch every cache line of rows r .. r + span - 1 for r = first, first + step, ...
+    (count of them) of the 2-D byte array a: the next chunk's K or V rows of a block of
+    K/V heads, which sit n_kv rows apart (a strided walk the hardware prefetcher follows
+    poorly with two cores reading)."""
+    sig = types.void(a, first, step, count, span)
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        h = IRHelpers(b, target_features(context))
+        arr = context.make_array(sig.args[0])(context, b, args[0])
+        stride = cgutils.unpack_tuple(b, arr.strides)[0]
+        width = b.mul(cgutils.unpack_tuple(b, arr.shape)[1], args[4])
+        base = b.bitcast(arr.data, I8.as_pointer())
+        n_lines = b.sdiv(b.add(width, c64(63)), c64(64))
+        with cgutils.for_range(b, args[3]) as rows:
+            r = b.add(args[1], b.mul(rows.index, args[2]))
+            row = b.gep(base, [b.mul(r, stride)])
+            with cgutils.for_range(b, n_lines) as lines:
+                h.prefetch(b.gep(row, [b.mul(lines.index, c64(64))]))
+        return context.get_dummy_value()
+    return sig, codegen

@@ -11,25 +11,38 @@ import numpy as np
 from numba import njit
 
 from .f16 import f16_bits_of, f16_round
+from .hadamard_ir import ROWS, butterfly_rows
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
 
 
+_FWHT_ROWS = ROWS   # rows rotated together, transposed so that every butterfly is a vector op
+
+
 @njit(**_JIT)
 def _fwht_rows(y, n, inv):
-    """In place on y (R, n) float32: y *= inv, then butterflies u + v, u - v for len = 1, 2, 4, ..."""
-    for r in range(y.shape[0]):
-        for e in range(n):
-            y[r, e] = np.float32(y[r, e] * inv)
+    """In place on y (R, n) float32: y *= inv, then butterflies u + v, u - v for len = 1, 2, 4, ...
+
+    Each element's ops are kv_quant.fwht's, in its order; only the loop nest differs. Blocks
+    of _FWHT_ROWS rows go through a transposed scratch (element e of row r at e * _FWHT_ROWS
+    + r), where the butterfly of elements i and i + len is one vector op over the rows (the
+    short strides 1, 2, 4 of a row-wise loop do not vectorize): hadamard_ir.butterfly_rows."""
+    w = _FWHT_ROWS
+    t = np.zeros(n * w, np.float32)   # columns past a last partial block stay 0
+    for r0 in range(0, y.shape[0], w):
+        m = min(w, y.shape[0] - r0)
+        for r in range(m):
+            for e in range(n):
+                t[e * w + r] = np.float32(y[r0 + r, e] * inv)
         length = 1
         while length < n:
             for b0 in range(0, n, 2 * length):
                 for i in range(b0, b0 + length):
-                    u = y[r, i]
-                    v = y[r, i + length]
-                    y[r, i] = np.float32(u + v)
-                    y[r, i + length] = np.float32(u - v)
+                    butterfly_rows(t, i * w, (i + length) * w)
             length *= 2
+        for r in range(m):
+            for e in range(n):
+                y[r0 + r, e] = t[e * w + r]
 
 
 def fwht(x: np.ndarray, n: int) -> np.ndarray:

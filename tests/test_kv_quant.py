@@ -15,6 +15,10 @@ PAIRS = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16"), ("f16", "q8_0"), (
          ("iq4_nl", "iq4_nl"), ("q8_0", "iq4_nl")]
 # (queries, keys, head dim, heads, K/V heads, window, sinks, softcap)
 SHAPES = [(1, 37, 64, 4, 2, 0, False, 0.0), (5, 40, 128, 2, 1, 7, True, 0.0), (3, 20, 96, 4, 4, 0, False, 30.0)]
+# GQA groups of 3..8 heads (the kernel shares V blocks in sub-groups of 4, 2 and 1), over more
+# keys than one chunk (flash_attention.CHUNK), a window, sinks
+GROUP_SHAPES = [(2, 300, 64, 8, 2, 0, False, 0.0), (1, 150, 32, 7, 1, 0, True, 0.0),
+                (3, 140, 64, 8, 1, 50, False, 0.0), (2, 200, 96, 6, 2, 0, False, 20.0), (1, 260, 64, 5, 1, 0, False, 0.0)]
 
 
 def _rows(rng, shape):
@@ -97,13 +101,34 @@ def test_reference_matches_ggml_flash_attn_ext(tk, tv):
 @pytest.mark.parametrize("tk,tv", PAIRS)
 def test_kernel_matches_reference(tk, tv):
     rng = np.random.default_rng(3)
-    for n, S, hd, nh, nkv, window, sink, cap in SHAPES:
+    for n, S, hd, nh, nkv, window, sink, cap in SHAPES + GROUP_SHAPES:
         q, k, v, kpos, qpos = _case(rng, tk, tv, n, S, hd, nh, nkv)
         kpos = rng.permutation(kpos)   # keys in any slot order (a shifted or gathered cache)
         sinks = rng.standard_normal(nh).astype(np.float32) if sink else None
         want = flash_attention_ref.flash_attention(q, k, v, kpos, qpos, tk, tv, 0.125, window, sinks, cap)
         got = flash_attention.flash_attention(q, k, v, kpos, qpos, tk, tv, 0.125, window, sinks, cap)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (tk, tv, n, S, hd)
+
+
+def test_kv_block_leaves_a_job_for_every_thread():
+    assert flash_attention.kv_block(1, 8, 2) == 4
+    assert flash_attention.kv_block(1, 8, 1) == 8
+    assert flash_attention.kv_block(1, 8, 16) == 1
+    assert flash_attention.kv_block(1, 6, 4) == 1    # 6 // 4 heads would leave threads idle
+    assert flash_attention.kv_block(3, 6, 2) == 3    # 6 jobs, not 3 for 2 threads
+    assert flash_attention.kv_block(9, 6, 2) == 6
+    assert flash_attention.kv_block(512, 8, 16) == 8
+
+
+@pytest.mark.parametrize("threads", [1, 4, 8])
+def test_kernel_bits_do_not_depend_on_the_job_split(monkeypatch, threads):
+    # 4 K/V heads and 2 queries: blocks of 4, 2 and 1 K/V heads a job
+    monkeypatch.setattr(flash_attention, "get_threads", lambda: threads)
+    rng = np.random.default_rng(7)
+    q, k, v, kpos, qpos = _case(rng, "q8_0", "q4_0", 2, 300, 64, 16, 4)
+    want = flash_attention_ref.flash_attention(q, k, v, kpos, qpos, "q8_0", "q4_0", 0.125)
+    got = flash_attention.flash_attention(q, k, v, kpos, qpos, "q8_0", "q4_0", 0.125)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_fwht_is_the_scaled_hadamard_matrix_and_its_own_inverse():

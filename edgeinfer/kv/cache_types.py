@@ -32,7 +32,9 @@ class _Lazy:
     def __getattr__(self, name: str):
         import importlib
 
-        return getattr(importlib.import_module(f"edgeinfer.kernels_cpu.{self._module}"), name)
+        value = getattr(importlib.import_module(f"edgeinfer.kernels_cpu.{self._module}"), name)
+        setattr(self, name, value)   # found here from now on (decode asks a few times a layer)
+        return value
 
 
 kv_quant = _Lazy("kv_quant")
