@@ -414,15 +414,16 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint8).reshape(a.shape[0], a.shape[1], -1)
 
 
-def _q_fields(type_k: str, q: np.ndarray):
-    """Q in q8_0 as dot_q32's row dots and _dot_iq4_nl read it (q8_0 / q4_0 / q5_0 / iq4_nl K): int8 values
-    (n, n_head, hd), the fp16 scales as float32 (n, n_head, nb), and (unused by these
-    types) int32 sums; placeholders for the other K types."""
+def _q_fields(type_k: str, q: np.ndarray, rot: int):
+    """Q in q8_0 as dot_q32's row dots and _dot_iq4_nl read it (q8_0 / q4_0 / q5_0 / iq4_nl K),
+    after fwht(q, rot) where rot > 0 (one compiled call): int8 values (n, n_head, hd), the
+    fp16 scales as float32 (n, n_head, nb), and (unused by these types) int32 sums;
+    placeholders for the other K types."""
     n, n_head = q.shape[:2]
     if type_k not in ("q8_0", "q4_0", "q5_0", "iq4_nl"):
         return (np.zeros((n, n_head, 1), np.int8), np.zeros((n, n_head, 1), np.float32),
                 np.zeros((n, n_head, 1), np.int32))
-    qx, qd = kv_quant_jit.quantize_q8_0_split(q)
+    qx, qd = kv_quant_jit.quantize_q8_0_split(q, rot)
     return qx, qd, np.zeros(qd.shape, np.int32)
 
 
@@ -441,19 +442,22 @@ def kv_block(n_tok: int, n_kv: int, threads: int) -> int:
 
 def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpos: np.ndarray,
                     type_k: str, type_v: str, kq_scale: float, window: int = 0,
-                    sinks: np.ndarray | None = None, softcap: float = 0.0) -> np.ndarray:
-    """As flash_attention_ref.flash_attention (same arguments, same bits), compiled."""
+                    sinks: np.ndarray | None = None, softcap: float = 0.0, rotate_q: int = 0) -> np.ndarray:
+    """As flash_attention_ref.flash_attention (same arguments, same bits), compiled, of
+    fwht(q, rotate_q) where rotate_q > 0 (the cache's K rotation; with Q's quantization)."""
     apply_threads()
     q = np.ascontiguousarray(q, np.float32)
     n, n_head, hd = q.shape
     tk, tv = TYPES.index(type_k), TYPES.index(type_v)
+    if rotate_q and tk not in (Q8_0, Q4_0, Q5_0, IQ4_NL):   # (those rotate in _q_fields)
+        q = kv_quant_jit.fwht(q, rotate_q)
     hdv = v.shape[2] if type_v == "f16" else v.shape[2] // kv_quant.BLOCK_BYTES[type_v] * 32
     q16 = q.astype(np.float16).astype(np.float32) if tk == F16 else np.zeros((n, n_head, 1), np.float32)
     if tk in (Q4_1, Q5_1):   # the scalar dot reads Q's q8_1 blocks
         qq = np.ascontiguousarray(kv_quant.quantize(kv_quant.VEC_DOT_TYPE[type_k], q))
     else:
         qq = np.zeros((n, n_head, 1), np.uint8)
-    qx, qd, qs = _q_fields(type_k, q)
+    qx, qd, qs = _q_fields(type_k, q, rotate_q)
     scale = np.float32(kq_scale)
     if softcap:
         scale = np.float32(scale / np.float32(softcap))

@@ -66,9 +66,22 @@ def _block_q8_0(x, r, b):
     return d, idv
 
 
+@njit(inline="always", **_JIT)
+def _rotated(x, rot):
+    """x (R, n) itself (rot 0), or a copy rotated as fwht(x, rot) rotates it: the store's
+    rotation and its quantizer in one compiled call (a decode step makes three a layer)."""
+    if rot == 0:
+        return x
+    y = x.copy()
+    _fwht_rows(y.reshape(-1, rot), rot, np.float32(np.float32(1.0) / np.sqrt(np.float32(rot))))
+    return y
+
+
 @njit(**_JIT)
-def _q8_0_rows(x, out):
-    """x (R, n) float32 -> out (R, n // 32 * 34) raw q8_0 blocks (fp16 d, then 32 int8)."""
+def _q8_0_rows(x, rot, out):
+    """x (R, n) float32, rotated (rot: as _rotated) -> out (R, n // 32 * 34) raw q8_0 blocks
+    (fp16 d, then 32 int8)."""
+    x = _rotated(x, rot)
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
             d, idv = _block_q8_0(x, r, b)
@@ -81,8 +94,9 @@ def _q8_0_rows(x, out):
 
 
 @njit(**_JIT)
-def _q8_0_split_rows(x, qx, qd):
+def _q8_0_split_rows(x, rot, qx, qd):
     """As _q8_0_rows, split: values into qx (R, n) int8, the fp16 scales as float32 into qd (R, n // 32)."""
+    x = _rotated(x, rot)
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
             d, idv = _block_q8_0(x, r, b)
@@ -98,20 +112,21 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 
 
-def quantize_q8_0(x: np.ndarray) -> np.ndarray:
-    """As kv_quant.quantize_q8_0 (same bytes), compiled."""
+def quantize_q8_0(x: np.ndarray, rot: int = 0) -> np.ndarray:
+    """As kv_quant.quantize_q8_0 (same bytes), compiled; of fwht(x, rot) where rot > 0."""
     x2 = _rows(x)
     out = np.empty((x2.shape[0], x2.shape[1] // 32 * 34), np.uint8)
-    _q8_0_rows(x2, out)
+    _q8_0_rows(x2, rot, out)
     return out.reshape(np.shape(x)[:-1] + (-1,))
 
 
-def quantize_q8_0_split(x: np.ndarray):
-    """Rows quantized as quantize_q8_0, as (int8 values (..., n), fp16 scales as float32 (..., n // 32))."""
+def quantize_q8_0_split(x: np.ndarray, rot: int = 0):
+    """Rows quantized as quantize_q8_0 (rot as there), as (int8 values (..., n), fp16 scales as
+    float32 (..., n // 32))."""
     x2 = _rows(x)
     qx = np.empty(x2.shape, np.int8)
     qd = np.empty((x2.shape[0], x2.shape[1] // 32), np.float32)
-    _q8_0_split_rows(x2, qx, qd)
+    _q8_0_split_rows(x2, rot, qx, qd)
     lead = np.shape(x)[:-1]
     return qx.reshape(lead + (-1,)), qd.reshape(lead + (-1,))
 
@@ -131,10 +146,11 @@ def _signed_max(x, r, b):
 
 
 @njit(**_JIT)
-def _q_offset_rows(x, out, half):
+def _q_offset_rows(x, rot, out, half):
     """quantize_row_q4_0_ref (half 8) / quantize_row_q5_0_ref (half 16) of x (R, n) into raw
     blocks: d = (the first value of largest magnitude) / -half, code = min(2 half - 1,
     trunc(x * id + half + 0.5)); q5_0 keeps each code's fifth bit in qh (a u32 before qs)."""
+    x = _rotated(x, rot)
     top = 2 * half - 1
     bs = 18 if half == 8 else 22
     qs0 = 2 if half == 8 else 6
@@ -158,20 +174,20 @@ def _q_offset_rows(x, out, half):
                     out[r, o + 2 + k] = np.uint8((qh >> np.uint32(8 * k)) & np.uint32(255))
 
 
-def quantize_q4_0(x: np.ndarray) -> np.ndarray:
-    """As kv_quant.quantize_q4_0 (same bytes), compiled."""
-    return _quantize_offset(x, 8)
+def quantize_q4_0(x: np.ndarray, rot: int = 0) -> np.ndarray:
+    """As kv_quant.quantize_q4_0 (same bytes), compiled; of fwht(x, rot) where rot > 0."""
+    return _quantize_offset(x, 8, rot)
 
 
-def quantize_q5_0(x: np.ndarray) -> np.ndarray:
-    """As kv_quant.quantize_q5_0 (same bytes), compiled."""
-    return _quantize_offset(x, 16)
+def quantize_q5_0(x: np.ndarray, rot: int = 0) -> np.ndarray:
+    """As kv_quant.quantize_q5_0 (same bytes), compiled; of fwht(x, rot) where rot > 0."""
+    return _quantize_offset(x, 16, rot)
 
 
-def _quantize_offset(x: np.ndarray, half: int) -> np.ndarray:
+def _quantize_offset(x: np.ndarray, half: int, rot: int) -> np.ndarray:
     x2 = _rows(x)
     out = np.empty((x2.shape[0], x2.shape[1] // 32 * (18 if half == 8 else 22)), np.uint8)
-    _q_offset_rows(x2, out, half)
+    _q_offset_rows(x2, rot, out, half)
     return out.reshape(np.shape(x)[:-1] + (-1,))
 
 
@@ -192,11 +208,12 @@ def _iq4_nl_index(al, table):
 
 
 @njit(**_JIT)
-def _iq4_nl_rows(x, out, table):
+def _iq4_nl_rows(x, rot, out, table):
     """quantize_row_iq4_nl_ref of x (R, n) into raw blocks (fp16 d, then 16 nibble bytes):
     d0 = (the first value of largest magnitude) / -127, each value's nearest table index of
     x / d0, then d = sum(w q x) / sum(w q q) with w = x^2 in element order (an all-zero block:
     d = 0 and zero codes), as kv_quant.quantize_iq4_nl."""
+    x = _rotated(x, rot)
     codes = np.empty(32, np.int32)
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
@@ -223,9 +240,9 @@ def _iq4_nl_rows(x, out, table):
                 out[r, o + 2 + j] = np.uint8((codes[j] & 15) | ((codes[j + 16] & 15) << 4))
 
 
-def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
-    """As kv_quant.quantize_iq4_nl (same bytes), compiled."""
+def quantize_iq4_nl(x: np.ndarray, rot: int = 0) -> np.ndarray:
+    """As kv_quant.quantize_iq4_nl (same bytes), compiled; of fwht(x, rot) where rot > 0."""
     x2 = _rows(x)
     out = np.empty((x2.shape[0], x2.shape[1] // 32 * 18), np.uint8)
-    _iq4_nl_rows(x2, out, _IQ4_NL_F32)
+    _iq4_nl_rows(x2, rot, out, _IQ4_NL_F32)
     return out.reshape(np.shape(x)[:-1] + (-1,))

@@ -167,3 +167,25 @@ def test_compiled_q4_0_q5_0_and_iq4_nl_stores_match_numpy():
     assert np.array_equal(kv_quant_jit.quantize_q4_0(x), kv_quant.quantize_q4_0(x))
     assert np.array_equal(kv_quant_jit.quantize_q5_0(x), kv_quant.quantize_q5_0(x))
     assert np.array_equal(kv_quant_jit.quantize_iq4_nl(x), kv_quant.quantize_iq4_nl(x))
+
+
+@pytest.mark.parametrize("rot", [64, 128])
+def test_compiled_stores_rotate_first_in_the_same_call(rot):
+    x = _rows(np.random.default_rng(8), (4, 3, 128))
+    rotated = kv_quant.fwht(x, rot)
+    for name in ("q8_0", "q4_0", "q5_0", "iq4_nl"):
+        store = getattr(kv_quant_jit, f"quantize_{name}")
+        assert np.array_equal(store(x, rot), store(rotated)), name
+    qx, qd = kv_quant_jit.quantize_q8_0_split(x, rot)
+    wx, wd = kv_quant_jit.quantize_q8_0_split(rotated)
+    assert np.array_equal(qx, wx) and np.array_equal(qd.view(np.uint32), wd.view(np.uint32))
+    assert np.array_equal(x, _rows(np.random.default_rng(8), (4, 3, 128)))   # the input is left as it was
+
+
+@pytest.mark.parametrize("tk", ["q8_0", "q4_1", "f16"])
+def test_kernel_rotates_q_as_asked(tk):
+    rng = np.random.default_rng(9)
+    q, k, v, kpos, qpos = _case(rng, tk, "q8_0", 2, 50, 64, 4, 2)
+    want = flash_attention.flash_attention(kv_quant.fwht(q, 64), k, v, kpos, qpos, tk, "q8_0", 0.125)
+    got = flash_attention.flash_attention(q, k, v, kpos, qpos, tk, "q8_0", 0.125, rotate_q=64)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -162,8 +162,8 @@ class CpuBackend(Backend):
         head_sinks = self.vector(sinks) if sinks is not None else None
         types = getattr(kv, "cache_types", None)
         if types is not None and types.flash_order:   # llama.cpp's flash-attention order over the blocks
-            out = flash_attention.flash_attention(types.rotate("k", q), k, v, kpos, positions, types.k, types.v,
-                                                  scale, window, head_sinks)
+            out = flash_attention.flash_attention(q, k, v, kpos, positions, types.k, types.v, scale, window,
+                                                  head_sinks, rotate_q=types.rot_k)
             return types.rotate("v", out)
         if q.shape[0] <= kv_attention.EXACT_MAX_QUERIES:  # decode, short prompts: llama.cpp's order
             return kv_attention.attention(q, k, v, kpos, positions, scale, window, head_sinks)

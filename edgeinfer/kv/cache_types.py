@@ -138,9 +138,10 @@ class CacheTypes:
         t = self.of(which)
         if t == "f16":
             return x
-        rows = self.rotate(which, np.asarray(x, np.float32))
         compiled = _COMPILED_STORE.get(t)
-        return getattr(kv_quant_jit, compiled)(rows) if compiled is not None else kv_quant.quantize(t, rows)
+        if compiled is not None:   # rotated and quantized in one compiled call
+            return getattr(kv_quant_jit, compiled)(x, self.rotation(which))
+        return kv_quant.quantize(t, self.rotate(which, np.asarray(x, np.float32)))
 
     def decode(self, which: str, raw: np.ndarray) -> np.ndarray:
         """Stored rows -> float32 (..., head_dim), as ggml's to_float, rotated back."""
