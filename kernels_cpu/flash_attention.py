@@ -197,6 +197,20 @@ def _all_seen4(kpos, j, qp, window):
 
 
 @njit(inline="always", **_JIT)
+def _seen_range(kpos, qp, window):
+    """The slots lo..hi from the first to the last key a query at qp sees (lo = hi: none).
+    A sliding-window layer's query sees a short run of a long cache: only that run is
+    walked (the keys outside it are masked, so the bits do not change)."""
+    lo, hi = kpos.shape[0], 0
+    for j in range(kpos.shape[0]):
+        kp = kpos[j]
+        if kp <= qp and (window <= 0 or qp - kp < window):
+            lo = min(lo, j)
+            hi = j + 1
+    return lo, hi
+
+
+@njit(inline="always", **_JIT)
 def _keeps_max(msv, i):
     """Whether key i of the chunk raises no head's maximum."""
     for hh in range(msv.shape[0]):
@@ -273,8 +287,9 @@ def _make_rows(tk: int, tv: int):
             arg = np.empty(CHUNK, np.float32)
             ex = np.empty(CHUNK, np.float32)
             raised = np.empty(CHUNK, np.bool_)
-            for j0 in range(0, n_keys, CHUNK):
-                ahead = min(CHUNK, n_keys - j0 - CHUNK)
+            lo, hi = _seen_range(kpos, qp, window)
+            for j0 in range(lo, hi, CHUNK):
+                ahead = min(CHUNK, hi - j0 - CHUNK)
                 if ahead > 0:   # the next chunk's rows of the block's heads, while this one is worked on
                     prefetch_rows(kb2, (j0 + CHUNK) * n_kv + g0, n_kv, ahead, kv_block)
                     prefetch_rows(vb2, (j0 + CHUNK) * n_kv + g0, n_kv, ahead, kv_block)
@@ -291,7 +306,7 @@ def _make_rows(tk: int, tv: int):
                         S = Ss[hh]
                         # 1. the chunk's unmasked keys and their scores (independent dots)
                         n = 0
-                        j1 = min(j0 + CHUNK, n_keys)
+                        j1 = min(j0 + CHUNK, hi)
                         j = j0
                         while (TK == Q8_0 or TK == Q4_0 or TK == Q5_0) and j + 4 <= j1 and _all_seen4(kpos, j, qp, window):
                             # four keys a call, sharing Q's loads (each key its own accumulator)
