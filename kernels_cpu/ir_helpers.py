@@ -253,13 +253,12 @@ class IRHelpers:
             v = b.fadd(self.half(v, 0), self.half(v, 1))
         return b.extract_element(v, ir.Constant(I32, 0))
 
-    def prefetch(self, ptr, locality=3):
-        """Read prefetch (llvm.prefetch; a no-op where unsupported): locality 3 into all cache
-        levels (prefetcht0), 2 into L2 and below (prefetcht1)."""
+    def prefetch(self, ptr):
+        """Read prefetch into all cache levels (llvm.prefetch; a no-op where unsupported)."""
         mod = self.b.module
         fn = mod.globals.get("llvm.prefetch.p0") or ir.Function(
             mod, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
-        self.b.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
+        self.b.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
     def fma(self, a, x, acc):
         mod = self.b.module

@@ -16,18 +16,14 @@ from .hadamard_ir import ROWS, butterfly_rows
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
 
 
-_FWHT_ROWS = ROWS   # rows rotated together, transposed so that every butterfly is a vector op
-
-
 @njit(**_JIT)
 def _fwht_rows(y, n, inv):
     """In place on y (R, n) float32: y *= inv, then butterflies u + v, u - v for len = 1, 2, 4, ...
 
     Each element's ops are kv_quant.fwht's, in its order; only the loop nest differs. Blocks
-    of _FWHT_ROWS rows go through a transposed scratch (element e of row r at e * _FWHT_ROWS
-    + r), where the butterfly of elements i and i + len is one vector op over the rows (the
+    of ROWS rows go through a transposed scratch (element e of row r at e * ROWS + r), where the butterfly of elements i and i + len is one vector op over the rows (the
     short strides 1, 2, 4 of a row-wise loop do not vectorize): hadamard_ir.butterfly_rows."""
-    w = _FWHT_ROWS
+    w = ROWS
     t = np.zeros(n * w, np.float32)   # columns past a last partial block stay 0
     for r0 in range(0, y.shape[0], w):
         m = min(w, y.shape[0] - r0)
@@ -43,14 +39,6 @@ def _fwht_rows(y, n, inv):
         for r in range(m):
             for e in range(n):
                 y[r0 + r, e] = t[e * w + r]
-
-
-def fwht(x: np.ndarray, n: int) -> np.ndarray:
-    """As kv_quant.fwht (same bits), compiled."""
-    x = np.asarray(x, np.float32)
-    y = np.array(x, np.float32, order="C").reshape(-1, n)
-    _fwht_rows(y, n, np.float32(np.float32(1.0) / np.sqrt(np.float32(n))))
-    return y.reshape(x.shape)
 
 
 @njit(inline="always", **_JIT)
@@ -75,6 +63,12 @@ def _rotated(x, rot):
     y = x.copy()
     _fwht_rows(y.reshape(-1, rot), rot, np.float32(np.float32(1.0) / np.sqrt(np.float32(rot))))
     return y
+
+
+def fwht(x: np.ndarray, n: int) -> np.ndarray:
+    """As kv_quant.fwht (same bits), compiled: a rotated copy, x left as it was."""
+    x = np.asarray(x, np.float32)
+    return _rotated(np.ascontiguousarray(x).reshape(-1, n), n).reshape(x.shape)
 
 
 @njit(**_JIT)
