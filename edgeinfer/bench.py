@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -40,6 +41,10 @@ class BenchResult:
     type_k: str = "f16"   # the K/V cache types (-ctk / -ctv)
     type_v: str = "f16"
     samples_ts: list[float] = field(default_factory=list)
+    # what the runtime issued to the GPU driver per decoded token (tg rows; 0 on the CPU):
+    # kernel launches from Python, and CUDA graph launches (edgeinfer.backends.cuda_graph)
+    kernel_launches_per_token: float = 0.0
+    graph_launches_per_token: float = 0.0
 
     @property
     def test(self) -> str:
@@ -80,13 +85,26 @@ def time_prompt(engine: Engine, n_prompt: int, seed: int = 0, depth: int = 0) ->
     return n_prompt / (time.perf_counter() - t0)
 
 
-def time_generation(engine: Engine, n_gen: int, seed: int = 0, depth: int = 0) -> float:
+def time_generation(engine: Engine, n_gen: int, seed: int = 0, depth: int = 0, launches: Counter | None = None
+                    ) -> float:
+    """tg tokens/s; `launches` gains the GPU driver calls of the decoded tokens (not the depth's)."""
     tokens = _random_tokens(engine, n_gen, seed)
     kv = _cache_at_depth(engine, depth, seed)
+    before = Counter(launch_counts())
     t0 = time.perf_counter()
     for tok in tokens:
         engine.decode(int(tok), kv)
-    return n_gen / (time.perf_counter() - t0)
+    rate = n_gen / (time.perf_counter() - t0)
+    if launches is not None:
+        launches.update(Counter(launch_counts()) - before)
+    return rate
+
+
+def launch_counts():
+    """The GPU driver calls this process issued for forward steps (kernels_cuda.graph.COUNTS)."""
+    from edgeinfer.kernels_cuda.graph import COUNTS
+
+    return COUNTS
 
 
 def pending_compiles() -> list:
@@ -144,6 +162,12 @@ def run_bench(engine: Engine, *, n_prompt: int, n_gen: int, repetitions: int, n_
     for kind, n, measure in tests:
         row = BenchResult(**base, n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
                           n_depth=n_depth)
-        row.samples_ts = [measure(engine, n, seed=r, depth=n_depth) for r in range(repetitions)]
+        if kind == "tg":
+            launches: Counter = Counter()
+            row.samples_ts = [measure(engine, n, seed=r, depth=n_depth, launches=launches) for r in range(repetitions)]
+            row.kernel_launches_per_token = launches["kernels"] / (n * repetitions)
+            row.graph_launches_per_token = launches["graphs"] / (n * repetitions)
+        else:
+            row.samples_ts = [measure(engine, n, seed=r, depth=n_depth) for r in range(repetitions)]
         results.append(row)
     return results

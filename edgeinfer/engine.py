@@ -107,6 +107,18 @@ class Engine:
         return compile_progress.warm_up(forward, self.backend.forward_kernels(self.config), report)
 
     @property
+    def step_graphs(self):
+        """The GPU backend's step graphs (edgeinfer.backends.cuda_graph), None on the CPU."""
+        if self.backend.name != "hybrid":
+            return None
+        graphs = getattr(self, "_step_graphs", None)
+        if graphs is None or graphs.backend is not self.backend:
+            from edgeinfer.backends.cuda_graph import StepGraphs
+
+            graphs = self._step_graphs = StepGraphs(self.backend)
+        return graphs
+
+    @property
     def n_ctx(self) -> int:
         return self.options.n_ctx
 
@@ -123,10 +135,16 @@ class Engine:
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.n_vocab):
             raise EdgeInferError(f"token id out of range 0..{self.config.n_vocab - 1}")
+        positions = np.asarray(positions, dtype=np.int64)
         before = kv.n_used
-        try:
+
+        def run() -> np.ndarray:
             with self.backend.decode_order() if decode_bits else contextlib.nullcontext():
-                return self.model.forward(tokens, np.asarray(positions, dtype=np.int64), kv, logits_for)
+                return self.model.forward(tokens, positions, kv, logits_for)
+
+        graphs = self.step_graphs
+        try:
+            return run() if graphs is None else graphs.forward(self.model, tokens, positions, kv, logits_for, run)
         except BaseException:  # Ctrl-C or an error mid-layer: drop the half-written tokens
             kv.truncate(before)
             raise

@@ -190,6 +190,14 @@ extern "C" __global__ void kv_store(const float* k, const float* v, __half* k_ca
         v_cache[row * hd_v + d] = __float2half(v[((long long)t * n_kv + h) * hd_v + d]);
 }
 
+extern "C" __global__ void kv_positions(int* kpos, const int* block_table, const int* step, int n_tok,
+                                        int block_size) {
+    // step = [n_keys, logical slot x n_tok, position x n_tok]: each new token's position into its
+    // physical slot, inside the step (a CUDA graph replays it; no host copy per token)
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < n_tok) kpos[paged_slot(block_table, block_size, step[1 + t])] = step[1 + n_tok + t];
+}
+
 #define FA_WARPS 8
 #define FA_KEYS 32
 #define FA_LD (MAX_HD + 2)  // +2 halfs: an odd word stride, so lane j reading row j hits distinct banks
@@ -253,15 +261,17 @@ __device__ __forceinline__ void flash_prefill(const float* q, KvSide kc, KvSide 
     }
 }
 
+// n_keys_p: the key count in VRAM (a step's input, so that a CUDA graph replays it)
 #define FLASH_ARGS                                                                                              \
-    const float *q, const int *block_table, const int *kpos, const int *qpos, float *out, int n_q, int n_keys,     \
-        int block_size, int n_head, int n_kv, int hd, int hd_v, float scale, int window, const float *sinks
+    const float *q, const int *block_table, const int *kpos, const int *qpos, float *out, int n_q,              \
+        const int *n_keys_p, int block_size, int n_head, int n_kv, int hd, int hd_v, float scale, int window,   \
+        const float *sinks
 
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     flash_attention_prefill(const __half* k_cache, const __half* v_cache, FLASH_ARGS) {
     const KvSide kc{reinterpret_cast<const uint8_t*>(k_cache), KV_F16, 2 * hd};
     const KvSide vc{reinterpret_cast<const uint8_t*>(v_cache), KV_F16, 2 * hd_v};
-    flash_prefill<false>(q, kc, vc, block_table, kpos, qpos, out, n_q, n_keys, block_size, n_head, n_kv, hd, hd_v,
+    flash_prefill<false>(q, kc, vc, block_table, kpos, qpos, out, n_q, *n_keys_p, block_size, n_head, n_kv, hd, hd_v,
                          scale, window, sinks);
 }
 
@@ -269,7 +279,7 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     flash_attention_prefill_q(const uint8_t* k_cache, const uint8_t* v_cache, int k_type, int v_type,
                               int k_row_bytes, int v_row_bytes, FLASH_ARGS) {
     const KvSide kc{k_cache, k_type, k_row_bytes}, vc{v_cache, v_type, v_row_bytes};
-    flash_prefill<true>(q, kc, vc, block_table, kpos, qpos, out, n_q, n_keys, block_size, n_head, n_kv, hd, hd_v,
+    flash_prefill<true>(q, kc, vc, block_table, kpos, qpos, out, n_q, *n_keys_p, block_size, n_head, n_kv, hd, hd_v,
                         scale, window, sinks);
 }
 
@@ -343,11 +353,9 @@ __device__ __forceinline__ void decode_attention(const float* q, KvSide kc, KvSi
     }
 }
 
-#define DECODE_ARGS                                                                                              \
-    const float *q, const int *block_table, const int *kpos, const int *qpos, float *out, int n_q, int n_keys,     \
-        int block_size, int n_head, int n_kv, int hd, int hd_v, float scale, int window, const float *sinks
+#define DECODE_ARGS FLASH_ARGS
 #define DECODE_CALL(HD, QUANT)                                                                                   \
-    decode_attention<HD, QUANT>(q, kc, vc, block_table, kpos, qpos, out, n_keys, block_size, n_head, n_kv, hd,    \
+    decode_attention<HD, QUANT>(q, kc, vc, block_table, kpos, qpos, out, *n_keys_p, block_size, n_head, n_kv, hd, \
                                 hd_v, scale, window, sinks)
 #define F16_SIDES                                                                                                \
     const KvSide kc{reinterpret_cast<const uint8_t*>(k_cache), KV_F16, 2 * hd};                                 \

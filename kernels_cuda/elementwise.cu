@@ -38,13 +38,15 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
     }
 }
 
-extern "C" __global__ void rope(const float* x, float* out, const int* positions, int n_tok, int n_heads, int hd,
-                                int n_dims, float base, float freq_scale, int neox, const float* freq_factors,
-                                float ext_factor, float mscale, float corr_low, float corr_high) {
-    // one thread per pair of output dims: hd/2 pairs per (token, head) row
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+#define ROPE_ARGS                                                                                      \
+    int n_dims, float base, float freq_scale, int neox, const float *freq_factors, float ext_factor, float mscale, \
+        float corr_low, float corr_high
+#define ROPE_PASS n_dims, base, freq_scale, neox, freq_factors, ext_factor, mscale, corr_low, corr_high
+
+// pair idx of x's (token, head) rows: one thread per pair of output dims, hd/2 pairs a row
+__device__ __forceinline__ void rope_pair_at(const float* x, float* out, const int* positions, long long idx,
+                                             int n_heads, int hd, ROPE_ARGS) {
     const int pairs = hd / 2;
-    if (idx >= (long long)n_tok * n_heads * pairs) return;
     const int i = (int)(idx % pairs);
     const long long row = idx / pairs;
     const int tok = (int)(row / n_heads);
@@ -83,6 +85,23 @@ extern "C" __global__ void rope(const float* x, float* out, const int* positions
     const float x0 = xr[a], x1 = xr[b];
     yr[a] = x0 * c - x1 * s;
     yr[b] = x0 * s + x1 * c;
+}
+
+extern "C" __global__ void rope(const float* x, float* out, const int* positions, int n_tok, int n_heads, int hd,
+                                ROPE_ARGS) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < (long long)n_tok * n_heads * (hd / 2)) rope_pair_at(x, out, positions, idx, n_heads, hd, ROPE_PASS);
+}
+
+// Q and K of one step in one launch (the same head size): the first n_tok * hq * hd/2 threads
+// rotate q, the rest k, each exactly as `rope` does.
+extern "C" __global__ void rope_qk(const float* q, float* q_out, const float* k, float* k_out, const int* positions,
+                                   int n_tok, int hq, int hk, int hd, ROPE_ARGS) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x, nq = (long long)n_tok * hq * (hd / 2);
+    if (idx < nq)
+        rope_pair_at(q, q_out, positions, idx, hq, hd, ROPE_PASS);
+    else if (idx - nq < (long long)n_tok * hk * (hd / 2))
+        rope_pair_at(k, k_out, positions, idx - nq, hk, hd, ROPE_PASS);
 }
 
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, long long n) {

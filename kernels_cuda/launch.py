@@ -13,6 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from edgeinfer.kernels_cpu.quant_types import cuda_types
+from edgeinfer.kernels_cuda.graph import COUNTS, CopyOp, KernelOp, current_recorder
 from edgeinfer.kernels_cuda.runtime import allocator, kernel
 
 # GGUF type -> kernel name suffix (matvec_<s>, gemm_<s>, dequant_<s> in quant.cu): the
@@ -20,11 +21,11 @@ from edgeinfer.kernels_cuda.runtime import allocator, kernel
 QTYPE_SUFFIX = cuda_types()
 KERNEL_NAMES = {
     "quant.cu": [f"{op}_{s}" for s in QTYPE_SUFFIX.values()
-                 for op in ("matvec", "gemm", "dequant", "matvec_id", "gemm_id")],
-    "attention.cu": ["kv_store", "flash_attention_prefill", "flash_attention_prefill_q", "paged_decode_attention",
+                 for op in ("matvec", "gemm", "dequant", "matvec_id", "gemm_id")] + ["matvec_many", "matvec_glu"],
+    "attention.cu": ["kv_store", "kv_positions", "flash_attention_prefill", "flash_attention_prefill_q", "paged_decode_attention",
                      "paged_decode_attention_wide", "paged_decode_attention_q", "paged_decode_attention_q_wide"],
     "kv_quant.cu": ["kv_store_quant", "hadamard_rows"],
-    "elementwise.cu": ["rms_norm", "rope", "silu_mul", "gelu_mul", "gelu", "mul", "mul_rows", "scale_rows", "scale", "add",
+    "elementwise.cu": ["rms_norm", "rope", "rope_qk", "silu_mul", "gelu_mul", "gelu", "mul", "mul_rows", "scale_rows", "scale", "add",
                        "add_rows", "swiglu_oai", "add_id", "moe_combine"],
     "recurrent.cu": ["gated_delta_net", "ssm_conv_silu", "delta_gates", "l2_norm_rows", "sigmoid_mul",
                      "qkv_split_norm"],
@@ -46,7 +47,8 @@ def _run(source: str, name: str, grid: tuple, block: tuple, *args) -> None:
     Each argument is a device array or None (a pointer; None is NULL) or a numpy scalar. The
     struct format is fixed at the kernel's first launch, so a launch packs plain values: pycuda's
     generic call inspects every argument each time, and at ~250 launches a decode step that
-    overhead was most of the step on a fast GPU."""
+    overhead was most of the step on a fast GPU. A step being recorded for a graph
+    (kernels_cuda.graph) keeps the launch too."""
     fmt = "".join("P" if a is None or hasattr(a, "gpudata") else _FORMAT[type(a)] for a in args)
     key = (source, name)
     found = _PREPARED.get(key)
@@ -54,13 +56,44 @@ def _run(source: str, name: str, grid: tuple, block: tuple, *args) -> None:
         found = _PREPARED[key] = (kernel(source, name).prepare(fmt), fmt)
     if found[1] != fmt:
         raise TypeError(f"{name}: launched with argument types {fmt}, prepared as {found[1]}")
-    found[0].prepared_call(grid, block, *[0 if a is None else a.ptr if hasattr(a, "gpudata") else a for a in args])
+    values = [0 if a is None else a.ptr if hasattr(a, "gpudata") else a for a in args]
+    rec = current_recorder()
+    if rec is not None:
+        rec.ops.append(KernelOp(found[0], grid, block, tuple(values)))
+    COUNTS["kernels"] += 1
+    found[0].prepared_call(grid, block, *values)
 
 
 def _empty(shape: tuple[int, ...], dtype=np.float32):
+    """An activation: from the pool, or while a step records for a graph, the recording's own
+    (a replay writes it again, so the pool must never hand its address to anything else)."""
     from pycuda import gpuarray
 
-    return gpuarray.empty(shape, dtype, allocator=allocator())
+    rec = current_recorder()
+    if rec is None:
+        return gpuarray.empty(shape, dtype, allocator=allocator())
+    out = gpuarray.empty(shape, dtype)
+    rec.arena.append(out)
+    return out
+
+
+def copy(x):
+    """A device copy of x (recorded like a launch while a step records)."""
+    out = _empty(x.shape, x.dtype)
+    _dtod(int(out.gpudata), int(x.ptr), x.nbytes)
+    return out
+
+
+def _dtod(dst: int, src: int, nbytes: int) -> None:
+    import pycuda.driver as drv
+
+    rec = current_recorder()
+    if rec is None:
+        drv.memcpy_dtod(dst, src, nbytes)
+        return
+    rec.ops.append(CopyOp(dst, src, nbytes))
+    with rec.allowed():
+        drv.memcpy_dtod(dst, src, nbytes)
 
 
 def zeros(shape, dtype=np.float32):
@@ -99,6 +132,40 @@ def linear(w, qtype: Q, n_rows: int, n_cols: int, x, residual=None):
     else:
         _run("quant.cu", f"gemm_{s}", ((n_rows + 63) // 64, (n + 63) // 64, 1), (128, 1, 1),
              w, np.int64(row_bytes), np.int32(n_rows), np.int32(n_cols), x, np.int32(n), residual, y)
+    return y
+
+
+MANY_MAX = 3  # matrices matvec_many takes in one launch
+GLU_ACT = {"silu": 0, "gelu": 1}  # matvec_glu's activations
+
+
+def linear_many(mats: list[tuple[Any, Q, int]], n_cols: int, x) -> list:
+    """[x @ W^T for each (W, qtype, n_rows) in mats] for a few tokens (<= MATVEC_MAX_TOKENS) in
+    one launch: Q, K and V, of any types the matvec takes; each result has the plain matvec's bits."""
+    n = x.shape[0]
+    if not 1 <= len(mats) <= MANY_MAX or n > MATVEC_MAX_TOKENS:
+        raise ValueError(f"linear_many takes 1..{MANY_MAX} matrices and up to {MATVEC_MAX_TOKENS} tokens")
+    ys = [_empty((n, rows)) for _, _, rows in mats]
+    padded = list(mats) + [(None, Q.F32, 0)] * (MANY_MAX - len(mats))
+    total = sum(rows for _, _, rows in mats)
+    _run("quant.cu", "matvec_many", ((total + 3) // 4, n, 1), (128, 1, 1),
+         *[w for w, _, _ in padded], *[np.int64(0 if w is None else w.shape[1]) for w, _, _ in padded],
+         *[np.int32(int(t)) for _, t, _ in padded], *[np.int32(rows) for _, _, rows in padded], np.int32(n_cols), x,
+         *(ys + [None] * (MANY_MAX - len(ys))))
+    return ys
+
+
+def linear_glu(gate: tuple[Any, Q], up: tuple[Any, Q], n_rows: int, n_cols: int, x, act: str):
+    """act(x @ Wg^T) * (x @ Wu^T) for a few tokens in one launch (act "silu" or "gelu"): the bits
+    of the two matvecs and silu_mul / gelu_mul."""
+    n = x.shape[0]
+    if n > MATVEC_MAX_TOKENS:
+        raise ValueError(f"linear_glu takes up to {MATVEC_MAX_TOKENS} tokens")
+    y = _empty((n, n_rows))
+    (wg, tg), (wu, tu) = gate, up
+    _run("quant.cu", "matvec_glu", ((n_rows + 3) // 4, n, 1), (128, 1, 1), wg, wu, np.int64(wg.shape[1]),
+         np.int64(wu.shape[1]), np.int32(int(tg)), np.int32(int(tu)), np.int32(n_rows), np.int32(n_cols), x,
+         np.int32(GLU_ACT[act]), y)
     return y
 
 
@@ -163,6 +230,20 @@ def rope(x, positions, n_dims: int, base: float, freq_scale: float, neox: bool, 
          np.int32(hd), np.int32(n_dims), np.float32(base), np.float32(freq_scale), np.int32(1 if neox else 0),
          freq_factors, np.float32(ext), np.float32(mscale), np.float32(low), np.float32(high))
     return out
+
+
+def rope_qk(q, k, positions, n_dims: int, base: float, freq_scale: float, neox: bool, freq_factors=None, yarn=None):
+    """`rope` of q (n, hq, hd) and k (n, hk, hd) in one launch, each with rope's bits."""
+    n, hq, hd = q.shape
+    hk = k.shape[1]
+    q_out, k_out = _empty(q.shape), _empty(k.shape)
+    grid, block = _grid1d(n * (hq + hk) * (hd // 2))
+    ext, mscale, low, high = yarn if yarn is not None else (0.0, 1.0, 0.0, 0.0)
+    _run("elementwise.cu", "rope_qk", grid, block, q, q_out, k, k_out, positions, np.int32(n), np.int32(hq),
+         np.int32(hk), np.int32(hd), np.int32(n_dims), np.float32(base), np.float32(freq_scale),
+         np.int32(1 if neox else 0), freq_factors, np.float32(ext), np.float32(mscale), np.float32(low),
+         np.float32(high))
+    return q_out, k_out
 
 
 def _binary(name: str, a, b):
@@ -257,9 +338,11 @@ def kv_store(k, v, k_cache, v_cache, block_table, slots, block_size: int) -> Non
          np.int32(n), np.int32(block_size), np.int32(n_kv), np.int32(hd), np.int32(hd_v))
 
 
-def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_size: int, n_kv: int,
+def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys, block_size: int, n_kv: int,
               hd_v: int, scale: float, window: int, sinks=None, k_type: str = "f16", v_type: str = "f16"):
     """q (n, n_head, hd) over the first n_keys logical slots of a paged cache -> (n, n_head, hd_v).
+
+    n_keys is an int32 in VRAM (a step's inputs, never a kernel argument: a graph replays it).
 
     kpos (int32, device) holds the position of every PHYSICAL slot (n_phys_blocks * block_size,
     stored with the blocks); block_table maps the sequence's logical blocks to physical ones.
@@ -268,9 +351,13 @@ def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_s
     n, n_head, hd = q.shape
     if not attention_supports(hd, hd_v):
         raise ValueError(f"head dim {hd}/{hd_v}: the CUDA attention needs an even head dim <= {MAX_HEAD_DIM}")
+    if isinstance(n_keys, (int, np.integer)):  # a direct call (tests): the count uploaded here
+        from pycuda import gpuarray
+
+        n_keys = gpuarray.to_gpu(np.array([n_keys], np.int32))
     out = _empty((n, n_head, hd_v))
     args = (q, block_table, kpos, qpos,
-            out, np.int32(n), np.int32(n_keys), np.int32(block_size), np.int32(n_head), np.int32(n_kv),
+            out, np.int32(n), n_keys, np.int32(block_size), np.int32(n_head), np.int32(n_kv),
             np.int32(hd), np.int32(hd_v), np.float32(scale), np.int32(window), sinks)
     quant = k_type != "f16" or v_type != "f16"
     caches = (k_cache, v_cache)
@@ -285,6 +372,13 @@ def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys: int, block_s
     else:
         _run("attention.cu", f"paged_decode_attention{suffix}", (n_head, n, 1), (128, 1, 1), *caches, *args)
     return out
+
+
+def kv_positions(kpos, block_table, step, n: int, block_size: int) -> None:
+    """The positions of a step's n new tokens into the pool's slot positions: `step` (int32, VRAM)
+    is [n_keys, logical slot x n, position x n] (edgeinfer.kv.step_fields)."""
+    _run("attention.cu", "kv_positions", _grid1d(n, 32)[0], (32, 1, 1), kpos, block_table, step, np.int32(n),
+         np.int32(block_size))
 
 
 def kv_store_quant(x, cache, block_table, slots, block_size: int, kv_type: str, rot: int) -> None:
@@ -315,10 +409,8 @@ def copy_rows_between(dst, dst_row: int, src, src_row: int, n: int) -> None:
     device: C-contiguous arrays with rows of one size, so one cuMemcpyDtoD."""
     if n <= 0:
         return
-    import pycuda.driver as drv
-
     row = src.nbytes // src.shape[0]
-    drv.memcpy_dtod(int(dst.gpudata) + dst_row * row, int(src.gpudata) + src_row * row, n * row)
+    _dtod(int(dst.ptr) + dst_row * row, int(src.ptr) + src_row * row, n * row)
 
 
 def copy_rows(cache, src: int, dst: int, n: int) -> None:

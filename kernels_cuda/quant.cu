@@ -155,15 +155,11 @@ EI_HD __forceinline__ void dequant32(const uint8_t* row, int c, float* y) {
 // decode: one warp per output row; lane l handles chunks l, l+32, ... of that row.
 #define MV_WARPS 4
 
-// x, residual and y point at one token's row (the entries below pick the token).
+// One weight row . x, reduced over the warp (every lane gets the sum): lane l takes chunks
+// l, l+32, ... The fused kernels below call it too, so they give the plain matvec's bits.
 template <int T>
-__device__ __forceinline__ void matvec_impl(const uint8_t* __restrict__ W, long long row_bytes, int n_rows,
-                                            int n_cols, const float* __restrict__ x,
-                                            const float* __restrict__ residual, float* __restrict__ y) {
-    const int row = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= n_rows) return;
-    const uint8_t* w = W + row * row_bytes;
+__device__ __forceinline__ float matvec_row(const uint8_t* __restrict__ w, int n_cols, const float* __restrict__ x,
+                                            int lane) {
     const float4* xt = reinterpret_cast<const float4*>(x);
     float acc = 0.0f;
     for (int c = lane; c < n_cols / 32; c += 32) {
@@ -177,7 +173,88 @@ __device__ __forceinline__ void matvec_impl(const uint8_t* __restrict__ W, long 
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    return acc;
+}
+
+// x, residual and y point at one token's row (the entries below pick the token).
+template <int T>
+__device__ __forceinline__ void matvec_impl(const uint8_t* __restrict__ W, long long row_bytes, int n_rows,
+                                            int n_cols, const float* __restrict__ x,
+                                            const float* __restrict__ residual, float* __restrict__ y) {
+    const int row = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n_rows) return;
+    const float acc = matvec_row<T>(W + row * row_bytes, n_cols, x, lane);
     if (lane == 0) y[row] = residual ? acc + residual[row] : acc;
+}
+
+// matvec_row of a weight type known at run time (uniform across the warp): the fused kernels
+// take matrices of different types in one launch (a Q4_K_M file's Q6_K attn_v beside Q4_K Q/K).
+__device__ __forceinline__ float matvec_row_any(int type, const uint8_t* w, int n_cols, const float* x, int lane) {
+    switch (type) {
+        case T_F32: return matvec_row<T_F32>(w, n_cols, x, lane);
+        case T_F16: return matvec_row<T_F16>(w, n_cols, x, lane);
+        case T_Q4_0: return matvec_row<T_Q4_0>(w, n_cols, x, lane);
+        case T_Q4_1: return matvec_row<T_Q4_1>(w, n_cols, x, lane);
+        case T_Q5_0: return matvec_row<T_Q5_0>(w, n_cols, x, lane);
+        case T_Q5_1: return matvec_row<T_Q5_1>(w, n_cols, x, lane);
+        case T_Q8_0: return matvec_row<T_Q8_0>(w, n_cols, x, lane);
+        case T_Q4_K: return matvec_row<T_Q4_K>(w, n_cols, x, lane);
+        case T_Q5_K: return matvec_row<T_Q5_K>(w, n_cols, x, lane);
+        case T_Q6_K: return matvec_row<T_Q6_K>(w, n_cols, x, lane);
+        case T_MXFP4: return matvec_row<T_MXFP4>(w, n_cols, x, lane);
+    }
+    return 0.0f;
+}
+
+// Up to three matrices on the same input in one launch (Q, K and V): grid (row blocks over the
+// rows of all three, tokens). A warp's row in the concatenation picks its matrix.
+extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)
+    matvec_many(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, long long rb0, long long rb1,
+                long long rb2, int t0, int t1, int t2, int r0, int r1, int r2, int n_cols, const float* x,
+                float* y0, float* y1, float* y2) {
+    const long long tok = blockIdx.y;
+    int row = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    const uint8_t* W;
+    long long rb;
+    int t, nr;
+    float* y;
+    if (row < r0) {
+        W = W0, rb = rb0, t = t0, nr = r0, y = y0;
+    } else if ((row -= r0) < r1) {
+        W = W1, rb = rb1, t = t1, nr = r1, y = y1;
+    } else if ((row -= r1) < r2) {
+        W = W2, rb = rb2, t = t2, nr = r2, y = y2;
+    } else {
+        return;
+    }
+    const float acc = matvec_row_any(t, W + row * rb, n_cols, x + tok * n_cols, lane);
+    if (lane == 0) y[tok * nr + row] = acc;
+}
+
+// The activations of elementwise.cu's silu_mul and gelu_mul, expression for expression (the
+// fused kernel gives the unfused launches' bits; tests/test_cuda_fused.py checks that).
+__device__ __forceinline__ float glu_silu(float g) { return g / (1.0f + expf(-g)); }
+__device__ __forceinline__ float glu_gelu(float g) {
+    const float z = fminf(fmaxf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g), -10.0f), 10.0f);
+    const float t = 1.0f - 2.0f / (expf(2.0f * z) + 1.0f);
+    return 0.5f * g * (1.0f + t);
+}
+
+// act(gate . x) * (up . x) for every row: a gated feed-forward's gate, up and activation in
+// one launch (act 0: SiLU, 1: GELU tanh). Grid (row blocks, tokens).
+extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)
+    matvec_glu(const uint8_t* Wg, const uint8_t* Wu, long long rbg, long long rbu, int tg, int tu, int n_rows,
+               int n_cols, const float* x, int act, float* y) {
+    const long long tok = blockIdx.y;
+    const int row = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n_rows) return;
+    const float* xt = x + tok * n_cols;
+    const float g = matvec_row_any(tg, Wg + row * rbg, n_cols, xt, lane);
+    const float u = matvec_row_any(tu, Wu + row * rbu, n_cols, xt, lane);
+    if (lane == 0) y[tok * n_rows + row] = (act ? glu_gelu(g) : glu_silu(g)) * u;
 }
 
 // ---------------------------------------------------------------------------------------

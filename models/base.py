@@ -213,15 +213,21 @@ class Transformer:
         """The final normed hidden states (len(rows), n_embd) of the given rows: what the
         output head reads, and what embeddings pool (llama.cpp's `t_embd`)."""
         cfg, be = self.config, self.backend
-        x = be.get_rows("token_embd.weight", tokens)
-        if cfg.embed_scale != 1.0:
-            x *= np.float32(cfg.embed_scale)
+        x = self.embed(tokens)
         slots = kv.append(positions)
         for i in range(cfg.n_layer):
             be.at_layer(i)
             x = self.layer(i, x, positions, slots, kv)
         be.at_layer(None)
         return be.rms_norm(x[rows], "output_norm.weight", cfg.norm_eps)
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """The input rows (n, n_embd) of `tokens`: what the first layer reads (and all a replayed
+        CUDA graph step computes on the host, edgeinfer.backends.cuda_graph)."""
+        x = self.backend.get_rows("token_embd.weight", tokens)
+        if self.config.embed_scale != 1.0:
+            x *= np.float32(self.config.embed_scale)
+        return x
 
     def layer(self, i: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray,
               kv: "KVView") -> np.ndarray:
@@ -244,9 +250,7 @@ class Transformer:
                   positions: np.ndarray, slots: np.ndarray, kv: "KVView") -> np.ndarray:
         """RoPE q/k, store k/v in the cache, attend; q: (n, n_head, hd) -> (n, n_head*hd_v)."""
         cfg, be = self.config, self.backend
-        rope = self.rope_args(i)
-        q = be.rope(q, positions, *rope)
-        k = be.rope(k, positions, *rope)
+        q, k = be.rope_qk(q, k, positions, *self.rope_args(i))
         kv.store(i, slots, k, v)
         window = cfg.sliding_window if cfg.is_swa(i) else 0
         if cfg.attn_scale:  # Gemma scales Q itself before attention, as llama.cpp does

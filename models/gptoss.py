@@ -72,8 +72,9 @@ class GptOss(Llama):
     def attention_sinks(self, i):
         return f"blk.{i}.attn_sinks.weight"
 
-    def attention_output(self, i, attn):
-        return super().attention_output(i, attn) + self.backend.vector(f"blk.{i}.attn_output.bias")
+    def add_attention_output(self, i, attn, x):
+        be = self.backend
+        return x + (be.linear(f"blk.{i}.attn_output.weight", attn) + be.vector(f"blk.{i}.attn_output.bias"))
 
     def feed_forward(self, i, x):
         h = self.backend.rms_norm(x, f"blk.{i}.post_attention_norm.weight", self.config.norm_eps)

@@ -25,12 +25,12 @@ class Llama(Transformer):
         v = v.reshape(n, cfg.n_head_kv, cfg.head_dim_v)
         q, k = self.qk_norm(i, q, k)
         attn = self.attention(i, q, k, v, positions, slots, kv)
-        x = x + self.attention_output(i, attn)
+        x = self.add_attention_output(i, attn, x)
         return self.feed_forward(i, x)
 
-    def attention_output(self, i: int, attn: np.ndarray) -> np.ndarray:
-        """The attention's output projection (gpt-oss adds a bias)."""
-        return self.backend.linear(f"blk.{i}.attn_output.weight", attn)
+    def add_attention_output(self, i: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """x + the attention's output projection (gpt-oss adds a bias)."""
+        return self.backend.linear_residual(f"blk.{i}.attn_output.weight", attn, x)
 
     def feed_forward(self, i: int, x: np.ndarray) -> np.ndarray:
         """x + the block's pre-norm SwiGLU feed-forward (mixtures of experts override it)."""

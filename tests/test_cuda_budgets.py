@@ -34,7 +34,8 @@ LAUNCH_THREADS = {"matvec": 128, "gemm": 128, "dequant": 256, "kv_store": 128, "
                   "paged_decode_attention": 128, "rms_norm": 1024, "rope": 256, "silu_mul": 256, "gelu_mul": 256,
                   "gelu": 256, "mul": 256, "mul_rows": 256, "scale_rows": 256, "scale": 256, "add": 256, "add_rows": 256, "swiglu_oai": 256, "add_id": 256, "moe_combine": 256,
                   "gated_delta_net": 128, "ssm_conv_silu": 256, "delta_gates": 256, "l2_norm_rows": 128,
-                  "sigmoid_mul": 256, "qkv_split_norm": 128, "kv_store_quant": 32, "hadamard_rows": 32}
+                  "sigmoid_mul": 256, "qkv_split_norm": 128, "kv_store_quant": 32, "hadamard_rows": 32,
+                  "kv_positions": 32}
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers(?:.*?, (\d+) bytes smem)?")

@@ -162,8 +162,21 @@ class Backend:
         """A pre-norm SwiGLU feed-forward with its residual: x + down(silu(gate(h)) * up(h)),
         h = rms_norm(x). Backends may run it as one fused step (the CPU one does, in decode)."""
         h = self.rms_norm(x, norm, eps)
-        g, u = self.linear_many([gate, up], h)
-        return x + self.linear(down, self.silu_mul(g, u))
+        return self.linear_residual(down, self.gated_linear(gate, up, h, "silu"), x)
+
+    def gated_linear(self, gate: str, up: str, x: np.ndarray, act: str) -> np.ndarray:
+        """act(gate(x)) * up(x), act "silu" or "gelu": a gated feed-forward's first half, which a
+        backend may run as one step."""
+        g, u = self.linear_many([gate, up], x)
+        return self.silu_mul(g, u) if act == "silu" else self.gelu_mul(g, u)
+
+    def linear_residual(self, name: str, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
+        """residual + linear(name, x): a backend may add the residual as the matmul writes."""
+        return residual + self.linear(name, x)
+
+    def residual_rms_norm(self, residual: np.ndarray, x: np.ndarray, weight: str, eps: float) -> np.ndarray:
+        """residual + rms_norm(x, weight) (Gemma's post-norms): a backend may add it as the norm writes."""
+        return residual + self.rms_norm(x, weight, eps)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         """SiLU of gate, times up, as ggml's AVX2 swiglu: gate / (1 + ggml_v_expf(-gate))."""
@@ -217,6 +230,13 @@ class Backend:
         p /= p.sum(axis=-1, keepdims=True)
         out = np.einsum("kgts,skd->tkgd", p, v.astype(np.float64))
         return out.reshape(n, n_head, -1).astype(np.float32)
+
+    def rope_qk(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray, n_dims: int, base: float,
+                freq_scale: float, mode: str, freq_factors: str | None, yarn: Yarn | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """`rope` of a step's Q and of its K, which a backend may run as one step."""
+        return (self.rope(q, positions, n_dims, base, freq_scale, mode, freq_factors, yarn),
+                self.rope(k, positions, n_dims, base, freq_scale, mode, freq_factors, yarn))
 
     def rope(self, x: np.ndarray, positions: np.ndarray, n_dims: int, base: float,
              freq_scale: float, mode: str, freq_factors: str | None, yarn: Yarn | None = None) -> np.ndarray:

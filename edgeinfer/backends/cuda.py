@@ -15,7 +15,7 @@ import numpy as np
 
 from edgeinfer.backends.base import Backend
 from edgeinfer.backends.offload import is_expert_tensor
-from edgeinfer.kernels_cuda import launch, runtime
+from edgeinfer.kernels_cuda import graph, launch, runtime
 
 if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
@@ -63,12 +63,18 @@ class CudaBackend(Backend):
         info = self.gguf.tensors[name]
         return name in self._mats and launch.supports(info.qtype, info.n_cols)
 
+    def matrix(self, name: str) -> tuple[Any, Any, int]:
+        """(raw rows in VRAM, GGUF type, rows) of an uploaded matrix: what the fused launchers take."""
+        info = self.gguf.tensors[name]
+        return self._mats[name], info.qtype, info.n_rows
+
     def vector_gpu(self, name: str) -> Any:
         vec = self._vecs.get(name)
         if vec is None:
             from pycuda import gpuarray
 
-            vec = self._vecs[name] = gpuarray.to_gpu(self.vector(name))
+            with graph.outside_step():  # cached for good: not part of a step a graph records
+                vec = self._vecs[name] = gpuarray.to_gpu(self.vector(name))
         return vec
 
     def upload_vector_array(self, host: np.ndarray) -> Any:
@@ -77,7 +83,8 @@ class CudaBackend(Backend):
         if hit is None or hit[0] is not host:
             from pycuda import gpuarray
 
-            hit = self._vec_by_id[id(host)] = (host, gpuarray.to_gpu(np.ascontiguousarray(host, np.float32)))
+            with graph.outside_step():
+                hit = self._vec_by_id[id(host)] = (host, gpuarray.to_gpu(np.ascontiguousarray(host, np.float32)))
         return hit[1]
 
     # ops on GPUArrays (the hybrid wraps and unwraps DeviceTensors)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from edgeinfer.backends.device_tensor import DeviceTensor
-from edgeinfer.kernels_cuda import launch
+from edgeinfer.kernels_cuda import graph, launch
 
 
 def to_vram(a: Any) -> Any:
@@ -35,6 +35,7 @@ class CudaRecurrence:
         self._weights: dict[int, Any] = {}  # id of the host conv weight -> its VRAM copy
 
     def run_layer(self, state, i: int, qkv, b, a, dt_bias, ssm_a, w_t, eps: float, shape) -> DeviceTensor:
+        graph.forbid("a recurrent layer (its state is swapped and snapshotted on the host's schedule)")
         be = self.backend
         state.conv[i], state.ssm[i] = to_vram(state.conv[i]), to_vram(state.ssm[i])
         qkv, b, a = (be.to_device(x).array for x in (qkv, b, a))

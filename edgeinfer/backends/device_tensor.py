@@ -79,6 +79,10 @@ class DeviceTensor:
         host = self.owner.to_host(self)
         return host if dtype is None else host.astype(dtype)
 
-    def __getitem__(self, index: Any) -> np.ndarray:
-        """Row selection (`x[logits_for]`) happens on the host: the boundary after the last layer."""
+    def __getitem__(self, index: Any) -> Any:
+        """Row selection (`x[logits_for]`): every row in order stays where it is (a decoded token,
+        a verified draft: no round trip through the host); other rows are taken on the host."""
+        rows = np.asarray(index) if not isinstance(index, (slice, tuple)) else None
+        if rows is not None and rows.ndim == 1 and self.ndim > 1 and np.array_equal(rows, np.arange(self.shape[0])):
+            return self
         return self.owner.to_host(self)[index]

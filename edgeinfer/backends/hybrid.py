@@ -23,7 +23,8 @@ import numpy as np
 from edgeinfer.backends.base import Backend
 from edgeinfer.backends.cuda import HEAD_NAMES, CudaBackend, layer_of
 from edgeinfer.backends.device_tensor import DeviceTensor
-from edgeinfer.kernels_cuda import launch
+from edgeinfer.kernels_cuda import graph, launch
+from edgeinfer.kernels_cuda.graph import HIDDEN, POSITIONS
 from edgeinfer.kv.device_storage import CudaKVCache, DeviceBlockStorage, device_kv
 from edgeinfer.kv.pool_sizing import vram_kv_blocks
 from edgeinfer.kv.view import KVView
@@ -126,6 +127,9 @@ class HybridBackend(Backend):
     def to_device(self, x: Any) -> DeviceTensor:
         if isinstance(x, DeviceTensor):
             return x
+        rec = graph.current_recorder()
+        if rec is not None:
+            return self._step_input(rec, x)
         if self._up is not None and self._up[0] is x:
             return self._up[1]
         from pycuda import gpuarray
@@ -136,9 +140,27 @@ class HybridBackend(Backend):
         self._up = (x, dev)
         return dev
 
+    def _step_input(self, rec: "graph.Recorder", x: np.ndarray) -> DeviceTensor:
+        """While a step records for a graph: the step's input rows (its embeddings) become the
+        step's `hidden` field; any other host tensor makes the step eager."""
+        first = rec.values.get("hidden rows")
+        if first is not None and first[0] is x:  # the same rows again (the residual)
+            return first[1]
+        if first is None and tuple(x.shape) == rec.values.get(HIDDEN):
+            field = rec.inputs.field(HIDDEN, np.asarray(x, np.float32).reshape(-1))
+            dev = DeviceTensor(field.reshape(x.shape), self)
+            rec.values["hidden rows"] = (x, dev)
+            return dev
+        rec.forbid(f"a host tensor {tuple(x.shape)} uploaded in the middle of the step (a layer on the CPU)")
+        from pycuda import gpuarray
+
+        with rec.allowed():
+            return DeviceTensor(gpuarray.to_gpu(np.ascontiguousarray(x, np.float32)), self)
+
     def to_host(self, x: Any) -> np.ndarray:
         if not isinstance(x, DeviceTensor):
             return x
+        graph.forbid("a tensor downloaded in the middle of the step")
         if self._down is not None and self._down[0] is x:
             return self._down[1]
         host = x.array.get(ary=self._pinned_view(x.shape)).copy()
@@ -148,9 +170,13 @@ class HybridBackend(Backend):
     def _ints(self, values: np.ndarray) -> Any:
         """Host ints (positions, experts of grouped rows) as int32 in VRAM, by identity: the
         positions are reused across the layers of one step."""
+        rec = graph.current_recorder()
+        if rec is not None and values is rec.values.get(POSITIONS):  # the step's positions: a field of its inputs
+            return rec.inputs.field(POSITIONS, np.asarray(values, np.int32))
         for host, dev in self._int_cache:
             if host is values:
                 return dev
+        graph.forbid("host integers uploaded in the middle of the step")
         from pycuda import gpuarray
 
         dev = gpuarray.to_gpu(np.asarray(values, np.int32))
@@ -161,7 +187,7 @@ class HybridBackend(Backend):
         """`a + b` with a DeviceTensor among them, on the side of the block being run."""
         if self._side == CUDA:
             if isinstance(b, np.ndarray) and b.ndim == 1 and b.shape[0] == a.shape[-1]:  # a bias row
-                out = self.to_device(a).array.copy()
+                out = launch.copy(self.to_device(a).array)
                 launch.add_rows(out, self.cuda.upload_vector_array(b))
                 return DeviceTensor(out, self)
             if tuple(a.shape) != tuple(b.shape):
@@ -188,6 +214,7 @@ class HybridBackend(Backend):
 
     def _upload(self, x: np.ndarray) -> Any:
         """A host operand (not the hidden state) as a float32 GPUArray."""
+        graph.forbid("a host operand uploaded in the middle of the step")
         from pycuda import gpuarray
 
         return gpuarray.to_gpu(np.ascontiguousarray(x, np.float32))
@@ -197,16 +224,63 @@ class HybridBackend(Backend):
         on_gpu, is_head = self._gpu_for(name), layer_of(name) is None
         if on_gpu and self.cuda.has_matrix(name):
             y = self.cuda.linear_gpu(name, self.to_device(x).array)
-            return y.get() if is_head else DeviceTensor(y, self)  # logits always end on the host
+            if not is_head:
+                return DeviceTensor(y, self)
+            rec = graph.current_recorder()  # logits always end on the host: a graph's result
+            if rec is None:
+                return y.get()
+            rec.output = y
+            with rec.allowed():
+                return y.get()
         # a type the CUDA kernels lack: this one matrix runs on the CPU, the layer stays on the GPU
         y = self.cpu.linear(name, self.to_host(x))
         return self.to_device(y) if on_gpu and not is_head else y
+
+    # -- fused ops: one launch where the layer runs on the GPU and the step is a few tokens ---------
+    def _fusable(self, names: list[str], x: Any) -> bool:
+        n_cols = {self.gguf.tensors[name].n_cols for name in names}
+        return (len(x.shape) == 2 and x.shape[0] <= launch.MATVEC_MAX_TOKENS and len(n_cols) == 1
+                and all(layer_of(name) is not None and self._gpu_for(name) and self.cuda.has_matrix(name)
+                        for name in names))
+
+    def linear_many(self, names: list[str], x: Any) -> list[Any]:
+        """Q, K and V (up to three matrices on one input) in one launch."""
+        if not 1 < len(names) <= launch.MANY_MAX or not self._fusable(names, x):
+            return super().linear_many(names, x)
+        mats = [self.cuda.matrix(name) for name in names]
+        ys = launch.linear_many(mats, self.gguf.tensors[names[0]].n_cols, self.to_device(x).array)
+        return [DeviceTensor(y, self) for y in ys]
+
+    def gated_linear(self, gate: str, up: str, x: Any, act: str) -> Any:
+        """Gate, up and the activation in one launch."""
+        if not self._fusable([gate, up], x) or self.gguf.tensors[gate].n_rows != self.gguf.tensors[up].n_rows:
+            return super().gated_linear(gate, up, x, act)
+        (wg, tg, rows), (wu, tu, _) = self.cuda.matrix(gate), self.cuda.matrix(up)
+        y = launch.linear_glu((wg, tg), (wu, tu), rows, self.gguf.tensors[gate].n_cols, self.to_device(x).array, act)
+        return DeviceTensor(y, self)
+
+    def linear_residual(self, name: str, x: Any, residual: Any) -> Any:
+        """The residual added as the matmul writes (the down and output projections)."""
+        if layer_of(name) is None or not self._gpu_for(name) or not self.cuda.has_matrix(name) \
+                or self._side != CUDA or tuple(residual.shape) != (x.shape[0], self.gguf.tensors[name].n_rows):
+            return super().linear_residual(name, x, residual)
+        y = self.cuda.linear_gpu(name, self.to_device(x).array, self.to_device(residual).array)
+        return DeviceTensor(y, self)
+
+    def residual_rms_norm(self, residual: Any, x: Any, weight: str, eps: float) -> Any:
+        """The residual added as the norm writes (Gemma's post-norms)."""
+        if self._side != CUDA or not self._vector_on_gpu(x, weight) or tuple(residual.shape) != tuple(x.shape):
+            return super().residual_rms_norm(residual, x, weight, eps)
+        out = launch.rms_norm(self.to_device(x).array, self.cuda.vector_gpu(weight), eps,
+                              self.to_device(residual).array)
+        return DeviceTensor(out, self)
 
     def expert_batch(self, names, experts, starts, rows_of, x):
         """On the GPU where the plan put this layer's experts in VRAM (and the CUDA kernels take
         their type), else on the CPU (llama.cpp's --n-cpu-moe split)."""
         if not all(self.cuda.has_matrix(name) for name in names):
             return self.cpu.expert_batch(names, experts, starts, rows_of, self.to_host(x))
+        graph.forbid("experts routed on the host")
         route = launch.ExpertRoute(experts, starts, rows_of)
         xd = self.to_device(x).array
         return [DeviceTensor(self.cuda.expert_linear_gpu(name, xd, route), self) for name in names]
@@ -229,6 +303,7 @@ class HybridBackend(Backend):
             return self.cpu.expert_combine(y, order, weights)
         from pycuda import gpuarray
 
+        graph.forbid("experts combined with host weights")
         n, k = weights.shape
         slot = np.empty(len(order), np.int32)
         slot[order] = np.arange(len(order), dtype=np.int32)  # assignment t * k + j -> its grouped row
@@ -272,6 +347,16 @@ class HybridBackend(Backend):
             out = launch.rope(x.array, self._ints(positions), n_dims, base, freq_scale, mode == ROPE_NEOX, ff, yarn)
             return DeviceTensor(out, self)
         return self.cpu.rope(x, positions, n_dims, base, freq_scale, mode, freq_factors, yarn)
+
+    def rope_qk(self, q: Any, k: Any, positions: np.ndarray, n_dims: int, base: float, freq_scale: float, mode: str,
+                freq_factors: str | None, yarn: Yarn | None = None) -> tuple[Any, Any]:
+        """Q and K in one launch, where both are in VRAM with one head size."""
+        if not (isinstance(q, DeviceTensor) and isinstance(k, DeviceTensor)) or q.shape[-1] != k.shape[-1]:
+            return super().rope_qk(q, k, positions, n_dims, base, freq_scale, mode, freq_factors, yarn)
+        ff = self.cuda.vector_gpu(freq_factors) if freq_factors else None
+        qo, ko = launch.rope_qk(q.array, k.array, self._ints(positions), n_dims, base, freq_scale, mode == ROPE_NEOX,
+                                ff, yarn)
+        return DeviceTensor(qo, self), DeviceTensor(ko, self)
 
     def attention(self, q: Any, kv: KVView, layer: int, positions: np.ndarray, scale: float,
                   window: int, q_scale: float = 1.0, sinks: str | None = None) -> Any:

@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgeinfer.backends.device_tensor import DeviceTensor
-from edgeinfer.kernels_cuda import launch
+from edgeinfer.kernels_cuda import graph, launch
+from edgeinfer.kv import device_step
 from edgeinfer.kv.cache_types import F16
 from edgeinfer.kv.contiguous import KVCache
+from edgeinfer.kv.device_step import DeviceStep, step_ints
 
 if TYPE_CHECKING:
     from edgeinfer.kv.cache_types import CacheTypes
@@ -53,21 +55,42 @@ class CudaKVCache(KVCache):
             self.v[i] = np.zeros((0, *_row_shape(config, t, "v", i)), t.dtype("v"))
         self.block_table = gpuarray.to_gpu(np.zeros(1, np.int32))  # one block of n_ctx slots
         self.pos_dev = launch.zeros(n_ctx, np.int32)
+        self._new: tuple[np.ndarray, np.ndarray] | None = None  # the latest append: (slots, positions)
+        self._step: DeviceStep | None = None  # its ints in VRAM (edgeinfer.kv.device_step)
 
     def append(self, positions: np.ndarray) -> np.ndarray:
         slots = super().append(positions)
-        if len(slots):
+        positions = np.asarray(positions, np.int32)
+        self._new, self._step = (slots, positions), None
+        if device_step.graph_mode():  # the step's inputs, and the positions by a kernel of the step
+            self._step = device_step.upload_step(step_ints(self.n_used, slots, positions))
+            device_step.write_positions(self.pos_dev, self.block_table, self._step, self.n_ctx)
+        elif len(slots):
             lo = int(slots[0])
-            self.pos_dev[lo:lo + len(slots)].set(np.asarray(positions, np.int32))
+            self.pos_dev[lo:lo + len(slots)].set(positions)
         return slots
+
+    def truncate(self, n: int) -> None:
+        super().truncate(n)
+        self._new, self._step = None, None
+
+    def _device_step(self, slots: np.ndarray | None = None) -> DeviceStep:
+        """This step's ints in VRAM: the latest append's (uploaded once), or other `slots`'."""
+        if slots is not None and (self._new is None or slots is not self._new[0]):
+            graph.forbid("K/V stored into slots of an earlier append")
+            return device_step.upload_step(step_ints(self.n_used, slots, self.pos[np.asarray(slots)]))
+        if self._step is None:
+            slots, positions = self._new if self._new is not None else (np.zeros(0, np.int64), np.zeros(0, np.int32))
+            self._step = device_step.upload_step(step_ints(self.n_used, slots, positions))
+        return self._step
 
     def store(self, layer: int, slots: np.ndarray, k: Any, v: Any) -> None:
         if layer not in self.gpu_layers:
+            graph.forbid("K/V of a host layer")
             super().store(layer, slots, _host(k), _host(v))
             return
-        from pycuda import gpuarray
         store_rows(self.cache_types, k, v, self.k_dev[layer], self.v_dev[layer], self.block_table,
-                   gpuarray.to_gpu(np.asarray(slots, np.int32)), self.n_ctx)
+                   self._device_step(slots).slots, self.n_ctx)
 
     def layer_view(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if layer not in self.gpu_layers:
@@ -78,8 +101,8 @@ class CudaKVCache(KVCache):
     def device_view(self, layer: int) -> "DevicePagedKV | None":
         if layer not in self.gpu_layers:
             return None
-        return DevicePagedKV(self.k_dev[layer], self.v_dev[layer], self.block_table, self.pos_dev, self.n_used,
-                             self.n_ctx, self.hd_v[layer], self.cache_types)
+        return DevicePagedKV(self.k_dev[layer], self.v_dev[layer], self.block_table, self.pos_dev,
+                             self._device_step().n_keys, self.n_ctx, self.hd_v[layer], self.cache_types)
 
 
 def _row_shape(config: "ModelConfig", types: "CacheTypes", which: str, layer: int) -> tuple[int, int]:
@@ -133,8 +156,10 @@ class _SeqState:
         self.table_host = np.zeros(0, np.int64)  # what the device table holds
         self.new_slots: np.ndarray | None = None  # global slots returned by the latest append
         self.new_first = 0  # token index (0 = the sequence's first token) of the first of them
-        self.new_dev = None  # their logical indices as int32 in VRAM (uploaded at the first store)
-        self.new_dev_first = -1  # the logical index new_dev starts at
+        self.new_positions = np.zeros(0, np.int32)  # their positions
+        self.step: DeviceStep | None = None  # this step's ints in VRAM (edgeinfer.kv.device_step)
+        self.step_key: tuple | None = None  # (n_held, n_dropped, new_slots identity) it was made for
+        self.graph_table = None  # the block table as a graph's step input (graph mode only)
 
 
 @dataclass(frozen=True)
@@ -147,7 +172,7 @@ class DevicePagedKV:
     v: Any  # (n_phys_slots, n_kv, hd_v) f16, or (..., row bytes) uint8
     block_table: Any  # int32 (>= ceil(n_keys / block_size),)
     kpos: Any  # int32 (n_phys_slots,)
-    n_keys: int
+    n_keys: Any  # int32 (1,) in VRAM: a step's input (edgeinfer.kv.device_step)
     block_size: int
     hd_v: int  # V's head size (a quantized row's width is bytes)
     types: "CacheTypes" = F16  # what the rows are (edgeinfer.kv.cache_types), their rotations
@@ -196,12 +221,18 @@ class DeviceBlockStorage:
     def on_append(self, seq: "SequenceKV", slots: np.ndarray, positions: np.ndarray) -> None:
         """New tokens got `slots` (global): write their positions, note their logical indices."""
         positions = np.asarray(positions, np.int32)
+        st = self._state(seq)
+        st.new_slots, st.new_first, st.new_positions = slots, seq.n_used - len(slots), positions
+        st.step = st.graph_table = None
+        if device_step.graph_mode():  # the step's inputs, and the positions by a kernel of the step
+            st.graph_table = device_step.graph_table(seq.kept_blocks(), self.table_capacity(seq))
+            step = self._step(seq)
+            device_step.write_positions(self.pos, st.graph_table, step, self.block_size)
+            return
         start = 0
         for lo, hi in _runs(np.asarray(slots)):  # one copy per run of consecutive slots
             self.pos[lo:hi].set(positions[start:start + hi - lo])
             start += hi - lo
-        st = self._state(seq)
-        st.new_slots, st.new_first, st.new_dev = slots, seq.n_used - len(slots), None
 
     def store(self, seq: "SequenceKV", layer: int, slots: np.ndarray, k: Any, v: Any) -> None:
         """K/V rows (n, n_kv, hd) of the tokens in `slots` -> this layer's device blocks."""
@@ -235,21 +266,39 @@ class DeviceBlockStorage:
         return np.concatenate(k)[:held], np.concatenate(v)[:held]
 
     # -- what the kernels read ----------------------------------------------------------------
+    def table_capacity(self, seq: "SequenceKV") -> int:
+        """Blocks a sequence's table has room for."""
+        return max(1, -(-seq.n_ctx // self.block_size))
+
     def block_table(self, seq: "SequenceKV") -> Any:
-        """The sequence's kept block ids as int32 in VRAM; uploaded only when they changed."""
+        """The sequence's kept block ids as int32 in VRAM; uploaded only when they changed (in
+        graph mode, the graph's step input written at the append)."""
         st = self._state(seq)
+        if st.graph_table is not None and device_step.graph_mode():
+            return st.graph_table
         kept = seq.kept_blocks()
         if kept is st.kept:  # the same cached array: the table has not changed
             return st.table
+        graph.forbid("a block table outside the step's inputs")
         if st.table is None:
-            from pycuda import gpuarray
-
-            st.table = launch.zeros(max(1, -(-seq.n_ctx // self.block_size)), np.int32)
+            st.table = launch.zeros(self.table_capacity(seq), np.int32)
         if not np.array_equal(kept, st.table_host):
             st.table[:len(kept)].set(kept.astype(np.int32))
             st.table_host = np.array(kept)
         st.kept = kept
         return st.table
+
+    def _step(self, seq: "SequenceKV") -> DeviceStep:
+        """[n_keys, logical slots, positions] of the latest append in VRAM: uploaded once a step
+        (graph mode: a field of the step's inputs)."""
+        st = self._state(seq)
+        key = (seq.n_held, seq.n_dropped, id(st.new_slots))
+        if st.step is None or st.step_key != key:
+            n_new = 0 if st.new_slots is None else len(st.new_slots)
+            first = st.new_first - seq.n_dropped * self.block_size  # logical = token index less the dropped blocks
+            logical = np.arange(first, first + n_new)
+            st.step, st.step_key = device_step.upload_step(step_ints(seq.n_held, logical, st.new_positions)), key
+        return st.step
 
     def _logical_slots(self, seq: "SequenceKV", slots: np.ndarray) -> Any:
         """Logical indices (int32, VRAM) of global `slots`: the kv_store kernel maps them back
@@ -259,11 +308,8 @@ class DeviceBlockStorage:
         st = self._state(seq)
         bs = self.block_size
         if slots is st.new_slots:
-            first = st.new_first - seq.n_dropped * bs  # logical = token index less the dropped blocks
-            if st.new_dev is None or st.new_dev_first != first:
-                st.new_dev = gpuarray.to_gpu(np.arange(first, first + len(slots), dtype=np.int32))
-                st.new_dev_first = first
-            return st.new_dev
+            return self._step(seq).slots
+        graph.forbid("K/V stored into slots of an earlier append")
         index = {int(b): i for i, b in enumerate(seq.kept_blocks())}
         slots = np.asarray(slots, np.int64)
         logical = [index[int(s) // bs] * bs + int(s) % bs for s in slots]
@@ -271,7 +317,7 @@ class DeviceBlockStorage:
 
     def view(self, seq: "SequenceKV", layer: int) -> DevicePagedKV:
         return DevicePagedKV(self.k_flat[layer], self.v_flat[layer], self.block_table(seq), self.pos,
-                             seq.n_held, self.block_size, self.hd_v[layer], self.types)
+                             self._step(seq).n_keys, self.block_size, self.hd_v[layer], self.types)
 
 
 def device_kv(kv: Any, layer: int) -> DevicePagedKV | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections import Counter
 from itertools import count
 
 import numpy as np
@@ -32,6 +33,9 @@ MAX_STATIC_SHARED = 48 * 1024
 ORDERS = ("forward", "reverse", "alternate", "both")
 _KIND_NAMES = {"i": "signed integer", "u": "unsigned integer", "f": "floating-point", "p": "pointer"}
 _launches = count()
+# Every call the emulated driver got, by kind (launch, graph_launch, htod, dtoh, dtod, memset,
+# alloc): what a test counts to say what a decoded token costs the driver (standin.driver).
+CALLS: Counter = Counter()
 # pycuda's prepared-call codes (struct format) and the numpy scalar each one packs
 _PREPARED_TYPES = {"P": np.intp, "i": np.int32, "I": np.uint32, "q": np.int64, "Q": np.uint64, "f": np.float32,
                    "d": np.float64}
@@ -110,11 +114,22 @@ class Function:
     def prepared_call(self, grid, block, *args, shared_size: int = 0) -> None:
         """pycuda's prepared call: plain values packed by the prepared format, then the same checks
         as a call (a pointer must lie in a live allocation, each width must match the kernel's)."""
+        CALLS["launch"] += 1
+        self._prepared_run(grid, block, args, shared_size)
+
+    def _prepared_run(self, grid, block, args, shared_size: int = 0) -> None:
         if self._prepared is None:
             raise LaunchError(f"{self.name}: prepared_call before prepare")
         if len(args) != len(self._prepared):
             raise ArgumentError(f"{self.name}: prepared for {len(self._prepared)} arguments, got {len(args)}")
         self(*(t(a) for t, a in zip(self._prepared, args)), block=block, grid=grid, shared=shared_size)
+
+    def prepared_async_call(self, grid, block, stream, *args, shared_size: int = 0) -> None:
+        """pycuda's async prepared call: at once, or kept for the graph while `stream` captures
+        (its arguments checked again when the graph runs, against the memory live then)."""
+        if self._prepared is None:
+            raise LaunchError(f"{self.name}: prepared_async_call before prepare")
+        stream.issue("launch", lambda: self._prepared_run(grid, block, args, shared_size))
 
     # -- checks ------------------------------------------------------------------------------
     def _check_launch(self, block: tuple[int, int, int], grid: tuple[int, int, int]) -> None:

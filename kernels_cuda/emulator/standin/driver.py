@@ -27,6 +27,18 @@ class MemoryError(Error):  # noqa: A001 - pycuda's name
 
 LaunchError = kernel.LaunchError
 Function = kernel.Function
+CALLS = kernel.CALLS
+
+
+def sync_call(kind: str) -> None:
+    """Count a synchronous driver call; a step being recorded for a graph hears of it (a replay
+    would not redo it)."""
+    from edgeinfer.kernels_cuda.graph import current_recorder
+
+    CALLS[kind] += 1
+    rec = current_recorder()
+    if rec is not None:
+        rec.driver_call(kind)
 
 
 def init(flags: int = 0) -> None:
@@ -110,6 +122,7 @@ class DeviceAllocation:
 
 
 def mem_alloc(nbytes: int) -> DeviceAllocation:
+    CALLS["alloc"] += 1
     try:
         return DeviceAllocation(MEMORY.alloc(int(nbytes)))
     except OutOfMemory as exc:
@@ -124,23 +137,31 @@ def _host(buf: np.ndarray, what: str) -> np.ndarray:
 
 def memcpy_htod(dest, src: np.ndarray) -> None:
     src = _host(src, "memcpy_htod")
+    sync_call("htod")
     MEMORY.check_range(int(dest), src.nbytes, "memcpy_htod")
     ctypes.memmove(int(dest), src.ctypes.data, src.nbytes)
 
 
 def memcpy_dtoh(dest: np.ndarray, src) -> None:
     dest = _host(dest, "memcpy_dtoh")
+    sync_call("dtoh")
     MEMORY.check_range(int(src), dest.nbytes, "memcpy_dtoh")
     ctypes.memmove(dest.ctypes.data, int(src), dest.nbytes)
 
 
 def memcpy_dtod(dest, src, size: int) -> None:
+    sync_call("dtod")
+    _dtod(dest, src, size)
+
+
+def _dtod(dest, src, size: int) -> None:
     MEMORY.check_range(int(src), int(size), "memcpy_dtod source")
     MEMORY.check_range(int(dest), int(size), "memcpy_dtod destination")
     ctypes.memmove(int(dest), int(src), int(size))
 
 
 def memset_d8(dest, value: int, count: int) -> None:
+    sync_call("memset")
     MEMORY.check_range(int(dest), int(count), "memset_d8")
     ctypes.memset(int(dest), int(value), int(count))
 
@@ -148,3 +169,101 @@ def memset_d8(dest, value: int, count: int) -> None:
 def pagelocked_empty(shape, dtype, order: str = "C", mem_flags: int = 0) -> np.ndarray:
     """Host memory is host memory here: a plain numpy array."""
     return np.empty(shape, dtype, order=order)
+
+
+class Stream:
+    """A stream: work issued to it runs at once, in order, unless the stream is capturing, when
+    it is kept for the graph instead (`graphs`)."""
+
+    _handles = 0
+
+    def __init__(self, flags: int = 0) -> None:
+        Stream._handles += 1
+        self.handle = Stream._handles
+        self.captured: list | None = None  # the operations of the graph being captured
+
+    def synchronize(self) -> None:
+        """Nothing is pending: work ran when it was issued."""
+
+    def issue(self, kind: str, run) -> None:
+        if self.captured is not None:
+            self.captured.append(run)
+            return
+        CALLS[kind] += 1
+        run()
+
+
+def _stream(stream) -> Stream:
+    if not isinstance(stream, Stream):
+        raise LogicError(f"an async call needs a Stream, got {type(stream).__name__}")
+    return stream
+
+
+def _no_capture(stream, what: str) -> None:
+    if stream is not None and _stream(stream).captured is not None:
+        raise LogicError(f"{what}: a host copy on a capturing stream (the graph would read the host at replay)")
+
+
+def memcpy_htod_async(dest, src: np.ndarray, stream=None) -> None:
+    _no_capture(stream, "memcpy_htod_async")
+    src = _host(src, "memcpy_htod_async")
+    CALLS["htod"] += 1
+    MEMORY.check_range(int(dest), src.nbytes, "memcpy_htod_async")
+    ctypes.memmove(int(dest), src.ctypes.data, src.nbytes)
+
+
+def memcpy_dtoh_async(dest: np.ndarray, src, stream=None) -> None:
+    _no_capture(stream, "memcpy_dtoh_async")
+    dest = _host(dest, "memcpy_dtoh_async")
+    CALLS["dtoh"] += 1
+    MEMORY.check_range(int(src), dest.nbytes, "memcpy_dtoh_async")
+    ctypes.memmove(dest.ctypes.data, int(src), dest.nbytes)
+
+
+def memcpy_dtod_async(dest, src, size: int, stream=None) -> None:
+    dest, src, size = int(dest), int(src), int(size)
+    if stream is None:
+        CALLS["dtod"] += 1
+        _dtod(dest, src, size)
+        return
+    _stream(stream).issue("dtod", lambda: _dtod(dest, src, size))
+
+
+class _GraphExec:
+    def __init__(self, ops: list) -> None:
+        self.ops = ops
+
+
+class Graphs:
+    """The driver's stream capture and graph calls (kernels_cuda/driver_graphs.py on a GPU):
+    capture keeps what the stream was given; a launch runs it all again, in order."""
+
+    def begin_capture(self, stream) -> None:
+        s = _stream(stream)
+        if s.captured is not None:
+            raise LogicError("cuStreamBeginCapture: the stream is capturing already")
+        s.captured = []
+
+    def end_capture(self, stream) -> _GraphExec:
+        s = _stream(stream)
+        if s.captured is None:
+            raise LogicError("cuStreamEndCapture: the stream is not capturing")
+        ops, s.captured = s.captured, None
+        return _GraphExec(ops)
+
+    def abandon_capture(self, stream) -> None:
+        _stream(stream).captured = None
+
+    def launch(self, exec_handle: _GraphExec, stream) -> None:
+        _no_capture(stream, "cuGraphLaunch")
+        if exec_handle.ops is None:
+            raise LogicError("cuGraphLaunch: the graph was destroyed")
+        CALLS["graph_launch"] += 1
+        for run in exec_handle.ops:
+            run()
+
+    def destroy(self, exec_handle: _GraphExec) -> None:
+        exec_handle.ops = None
+
+
+graphs = Graphs()

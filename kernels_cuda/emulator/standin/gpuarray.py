@@ -41,6 +41,7 @@ class GPUArray:
             raise ValueError(f"get(ary=...): expected a C-contiguous {self.dtype} array of shape {self.shape}, "
                              f"got {ary.dtype} {ary.shape}")
         if self.nbytes:
+            driver.sync_call("dtoh")
             MEMORY.check_range(self.ptr, self.nbytes, "GPUArray.get")
             ctypes.memmove(ary.ctypes.data, self.ptr, self.nbytes)
         return ary
@@ -52,6 +53,7 @@ class GPUArray:
         if ary.dtype != self.dtype:
             raise ValueError(f"set: a {ary.dtype} array into a {self.dtype} GPUArray")
         if self.nbytes:
+            driver.sync_call("htod")
             MEMORY.check_range(self.ptr, self.nbytes, "GPUArray.set")
             ctypes.memmove(self.ptr, ary.ctypes.data, self.nbytes)
 
@@ -134,6 +136,7 @@ def zeros(shape, dtype=np.float32, allocator: Callable[[int], Any] | None = None
     _elementwise_type(dtype)
     out = empty(shape, dtype, allocator, order)
     if out.nbytes:
+        driver.sync_call("memset")
         ctypes.memset(out.ptr, 0, out.nbytes)
     return out
 
