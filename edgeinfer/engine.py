@@ -108,15 +108,8 @@ class Engine:
 
     @property
     def step_graphs(self):
-        """The GPU backend's step graphs (edgeinfer.backends.cuda_graph), None on the CPU."""
-        if self.backend.name != "hybrid":
-            return None
-        graphs = getattr(self, "_step_graphs", None)
-        if graphs is None or graphs.backend is not self.backend:
-            from edgeinfer.backends.cuda_graph import StepGraphs
-
-            graphs = self._step_graphs = StepGraphs(self.backend)
-        return graphs
+        """The GPU backend's CUDA graphs (edgeinfer.backends.cuda_graph), None on the CPU."""
+        return getattr(self.backend, "step_graphs", None)
 
     @property
     def n_ctx(self) -> int:

@@ -238,13 +238,17 @@ class Graph:
     n_kernels: int
     host_out: np.ndarray = field(default=None)  # type: ignore[assignment]
 
-    def replay(self, stream: Any) -> np.ndarray:
-        """Inputs up, the graph, the result down: three driver calls. The result's host copy."""
-        import pycuda.driver as drv
-
+    def launch(self, stream: Any) -> None:
+        """Inputs up, then the graph: two driver calls; the result stays in `output`."""
         self.inputs.upload(stream)
         graph_api().launch(self.exec_handle, stream)
         COUNTS["graphs"] += 1
+
+    def replay(self, stream: Any) -> np.ndarray:
+        """`launch`, then the result down: three driver calls. The result's host copy."""
+        import pycuda.driver as drv
+
+        self.launch(stream)
         if self.host_out is None:
             self.host_out = drv.pagelocked_empty(self.output.shape, self.output.dtype)
         drv.memcpy_dtoh_async(self.host_out, self.output.gpudata, stream)

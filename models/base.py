@@ -215,9 +215,7 @@ class Transformer:
         cfg, be = self.config, self.backend
         x = self.embed(tokens)
         slots = kv.append(positions)
-        for i in range(cfg.n_layer):
-            be.at_layer(i)
-            x = self.layer(i, x, positions, slots, kv)
+        x = be.run_layers(cfg.n_layer, x, lambda i, h: self.layer(i, h, positions, slots, kv), positions, kv)
         be.at_layer(None)
         return be.rms_norm(x[rows], "output_norm.weight", cfg.norm_eps)
 

@@ -169,16 +169,29 @@ def test_speculative_rollbacks_replay_bit_for_bit(tiny_models, calls, monkeypatc
     assert n_graphs > 0
 
 
-def test_a_partial_offload_stays_eager_and_says_why(tiny_models, calls, monkeypatch):
-    monkeypatch.setenv("EDGEINFER_CUDA_GRAPHS", "1")
-    engine = _engine(tiny_models["llama"], gpu_layers=1)
-    kv = engine.new_cache()
-    engine.prefill([3, 4, 5], kv)
-    before = calls["graph_launch"]
-    for t in (6, 7, 8):
-        engine.decode(t, kv)
-    assert calls["graph_launch"] == before
-    assert any("run on the CPU" in note for note in engine.step_graphs.notes), engine.step_graphs.notes
+@pytest.mark.parametrize("gpu_layers, head", [(1, False), (1, True)], ids=["first-layer", "first-layer-and-head"])
+def test_a_partial_offload_replays_its_gpu_layers(tiny_models, calls, monkeypatch, gpu_layers, head):
+    """The GPU layers' span is a graph: its input rows and K/V fields up, the graph, and the CPU
+    layers after it read its output."""
+    per_token: list[dict] = []
+
+    def work(factory):
+        engine = factory(tiny_models["llama"], gpu_layers=gpu_layers, head=head)
+        kv = engine.new_cache()
+        token = int(np.argmax(engine.prefill([3, 4, 5, 9], kv)))
+        per_token.clear()
+        for _ in range(8):
+            before = dict(calls)
+            token = int(np.argmax(engine.decode(token, kv)))
+            per_token.append({k: v - before.get(k, 0) for k, v in calls.items() if v != before.get(k, 0)})
+
+    eager, graphed, n_graphs = _both(monkeypatch, calls, work)
+    _assert_same(eager, graphed)
+    assert n_graphs == 6
+    for counts in per_token[2:]:
+        assert counts.get("graph_launch") == 1, counts
+        # the span's launches and activations are its graph's: only an eager GPU head's are not
+        assert counts.get("launch", 0) == (2 if head else 0) and (head or counts.get("alloc", 0) == 0), counts
 
 
 def test_a_bad_graphs_setting_is_one_clear_error(tiny_models, calls, monkeypatch):
@@ -202,3 +215,37 @@ def test_a_new_cache_gets_its_own_graph(tiny_models, calls, monkeypatch):
     for a, b in zip(*outs):
         assert np.array_equal(a, b)
     assert len(engine.step_graphs._graphs) == 1  # the dead cache's graph was dropped
+
+
+def test_bench_rows_count_the_launches_of_a_decoded_token(tiny_models, calls, monkeypatch):
+    from edgeinfer.bench import run_bench
+
+    rows = {}
+    for value in ("0", "1"):
+        monkeypatch.setenv("EDGEINFER_CUDA_GRAPHS", value)
+        engine = _engine(tiny_models["llama"])
+        (row,) = run_bench(engine, n_prompt=0, n_gen=12, repetitions=2, n_threads=1, model_type="tiny")
+        rows[value] = row.to_dict()
+    eager, graphed = rows["0"], rows["1"]
+    assert eager["graph_launches_per_token"] == 0 and eager["kernel_launches_per_token"] > 10
+    assert graphed["graph_launches_per_token"] == 10 / 12  # two eager steps a fresh cache, then replays
+    # the two eager steps' launches, one of them recorded (its positions by a kernel: one more)
+    assert graphed["kernel_launches_per_token"] == (eager["kernel_launches_per_token"] * 2 + 1) / 12
+
+
+def test_run_verbose_says_what_a_token_cost_the_driver(tiny_models, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    if cuda_device.KIND != "emulator":
+        pytest.skip("runs the CLI on the emulator")
+    env = dict(os.environ, EDGEINFER_CUDA="emulate", EDGEINFER_CUDA_EMULATE_ORDER="forward")
+    env.pop("EDGEINFER_CUDA_GRAPHS", None)
+    out = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "run", str(tiny_models["llama"]), "--raw", "--temp",
+                          "0", "-n", "12", "-ngl", "99", "--verbose", "hello"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stderr.splitlines() if x.startswith("GPU launches:"))
+    graphs = float(line.split("+")[1].split("graph")[0])
+    assert 0.5 < graphs <= 1.0, line

@@ -86,6 +86,18 @@ class Backend:
         that places layers on different devices notes where unnamed ops (`add`) now run."""
 
     # -- weights --------------------------------------------------------------------------
+    def run_layers(self, n_layer: int, x: np.ndarray, layer, positions: np.ndarray, kv: "KVView") -> np.ndarray:
+        """x through blocks 0..n_layer-1 in order (`layer(i, x)` runs block i): a backend may
+        replay a run of them it has recorded (edgeinfer.backends.cuda_graph)."""
+        return self.run_layers_from(0, n_layer, x, layer)
+
+    def run_layers_from(self, first: int, end: int, x: np.ndarray, layer) -> np.ndarray:
+        """x through blocks first..end-1 in order."""
+        for i in range(first, end):
+            self.at_layer(i)
+            x = layer(i, x)
+        return x
+
     def vector(self, name: str) -> np.ndarray:
         """A 1-D weight (norm, bias, rope factors) as float32, cached; `unit_weight(n)` names
         n ones."""

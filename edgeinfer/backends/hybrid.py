@@ -16,12 +16,14 @@ The engine wires it with `make_backend(gguf, plan, cpu_backend)`; the session ma
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgeinfer.backends.base import Backend
 from edgeinfer.backends.cuda import HEAD_NAMES, CudaBackend, layer_of
+from edgeinfer.backends.cuda_graph import StepGraphs
 from edgeinfer.backends.device_tensor import DeviceTensor
 from edgeinfer.kernels_cuda import graph, launch
 from edgeinfer.kernels_cuda.graph import HIDDEN, POSITIONS
@@ -56,6 +58,7 @@ class HybridBackend(Backend):
         self._pinned: np.ndarray | None = None
         self._int_cache: list[tuple[np.ndarray, Any]] = []  # the last few uploads
         self._recurrence = None  # edgeinfer.backends.cuda_recurrence, made on first use
+        self.step_graphs = StepGraphs(self)  # CUDA graphs of steps and spans of GPU layers
 
     def decode_order(self):
         return self.cpu.decode_order()   # the GPU kernels have one order for any batch
@@ -94,6 +97,21 @@ class HybridBackend(Backend):
 
             self._recurrence = CudaRecurrence(self)
         return self._recurrence
+
+    def run_layers(self, n_layer: int, x: Any, layer, positions: np.ndarray, kv: KVView) -> Any:
+        """Each run of consecutive GPU layers through step_graphs.span (a graph at a partial offload)."""
+        i = 0
+        while i < n_layer:
+            end = i + 1
+            while end < n_layer and self._layer_side(end) == self._layer_side(i):
+                end += 1
+            run = functools.partial(self.run_layers_from, i, end, x, layer)
+            x = self.step_graphs.span(i, end, x, positions, kv, run) if self._layer_side(i) == CUDA else run()
+            i = end
+        return x
+
+    def wrap(self, array: Any) -> DeviceTensor:
+        return DeviceTensor(array, self)
 
     # -- placement and transfers ------------------------------------------------------------
     def at_layer(self, layer: int | None) -> None:

@@ -14,7 +14,7 @@ def answer(model, messages_or_prompt, params: dict, raw: bool, verbose: bool, ou
     from edgeinfer.kernels_cuda.graph import COUNTS
     from edgeinfer.prompt.shown_answer import ShownAnswer
 
-    launched = dict(COUNTS)
+    launched: dict | None = None  # the GPU launch counts once the first token is out (the prompt's are before)
     out = out if out is not None else sys.stdout
     cancel = threading.Event()
     if raw:
@@ -34,6 +34,8 @@ def answer(model, messages_or_prompt, params: dict, raw: bool, verbose: bool, ou
 
     try:
         for chunk in chunks:
+            if launched is None:
+                launched = dict(COUNTS)
             show(view.push(chunk.text))
             last = chunk
     except KeyboardInterrupt:
@@ -45,21 +47,22 @@ def answer(model, messages_or_prompt, params: dict, raw: bool, verbose: bool, ou
     out.flush()
     if verbose and last is not None and last.timings is not None:
         print_timings(last, err if err is not None else sys.stderr)
-        print_gpu_launches(model, last, launched, err if err is not None else sys.stderr)
+        print_gpu_launches(model, last, launched or {}, err if err is not None else sys.stderr)
     return "".join(shown)
 
 
 def print_gpu_launches(model, last, before: dict, err) -> None:
-    """With layers on the GPU: what each generated token cost the driver, and why steps ran
-    without a CUDA graph (each reason once)."""
+    """With layers on the GPU: what each decoded token (after the first, which the prompt's step
+    gives) cost the driver, and why steps ran without a CUDA graph (each reason once)."""
     from edgeinfer.kernels_cuda.graph import COUNTS
 
     graphs = getattr(getattr(model, "engine", None), "step_graphs", None)
     if graphs is None:
         return
-    n = max(1, last.usage.completion_tokens)
+    n = max(1, last.usage.completion_tokens - 1)
     kernels, replays = COUNTS["kernels"] - before.get("kernels", 0), COUNTS["graphs"] - before.get("graphs", 0)
-    print(f"GPU launches:         {kernels / n:.1f} kernel(s) + {replays / n:.2f} graph(s) a token", file=err)
+    print(f"GPU launches:         {kernels / n:.1f} kernel(s) + {replays / n:.2f} graph(s) a decoded token",
+          file=err)
     for note in graphs.notes[graphs.notes_shown:]:
         print(note, file=err)
     graphs.notes_shown = len(graphs.notes)

@@ -57,14 +57,16 @@ class CudaKVCache(KVCache):
         self.pos_dev = launch.zeros(n_ctx, np.int32)
         self._new: tuple[np.ndarray, np.ndarray] | None = None  # the latest append: (slots, positions)
         self._step: DeviceStep | None = None  # its ints in VRAM (edgeinfer.kv.device_step)
+        self._graph: tuple[tuple, DeviceStep] | None = None  # (for which step and inputs, the ints as their field)
+        self._appends = 0  # appends so far: which step the cached step ints belong to
 
     def append(self, positions: np.ndarray) -> np.ndarray:
         slots = super().append(positions)
         positions = np.asarray(positions, np.int32)
         self._new, self._step = (slots, positions), None
+        self._appends += 1
         if device_step.graph_mode():  # the step's inputs, and the positions by a kernel of the step
-            self._step = device_step.upload_step(step_ints(self.n_used, slots, positions))
-            device_step.write_positions(self.pos_dev, self.block_table, self._step, self.n_ctx)
+            self._graph_step()
         elif len(slots):
             lo = int(slots[0])
             self.pos_dev[lo:lo + len(slots)].set(positions)
@@ -74,15 +76,34 @@ class CudaKVCache(KVCache):
         super().truncate(n)
         self._new, self._step = None, None
 
+    def _step_ints(self) -> np.ndarray:
+        slots, positions = self._new if self._new is not None else (np.zeros(0, np.int64), np.zeros(0, np.int32))
+        return step_ints(self.n_used, slots, positions)
+
     def _device_step(self, slots: np.ndarray | None = None) -> DeviceStep:
         """This step's ints in VRAM: the latest append's (uploaded once), or other `slots`'."""
         if slots is not None and (self._new is None or slots is not self._new[0]):
             graph.forbid("K/V stored into slots of an earlier append")
             return device_step.upload_step(step_ints(self.n_used, slots, self.pos[np.asarray(slots)]))
+        if device_step.graph_mode():
+            return self._graph_step()
         if self._step is None:
-            slots, positions = self._new if self._new is not None else (np.zeros(0, np.int64), np.zeros(0, np.int32))
-            self._step = device_step.upload_step(step_ints(self.n_used, slots, positions))
+            self._step = device_step.upload_step(self._step_ints())
         return self._step
+
+    def _graph_step(self) -> DeviceStep:
+        """The step ints as a field of the step's inputs, written once for this step and these
+        inputs (see DeviceBlockStorage._graph_fields)."""
+        key = (id(graph.current_inputs()), self.n_used, self._appends)
+        if self._graph is None or self._graph[0] != key:
+            step = device_step.upload_step(self._step_ints())
+            device_step.write_positions(self.pos_dev, self.block_table, step, self.n_ctx)
+            self._graph = (key, step)
+        return self._graph[1]
+
+    def prepare_graph_step(self) -> None:
+        """A replay's K/V fields, for a step whose append already ran."""
+        self._graph_step()
 
     def store(self, layer: int, slots: np.ndarray, k: Any, v: Any) -> None:
         if layer not in self.gpu_layers:
@@ -158,8 +179,10 @@ class _SeqState:
         self.new_first = 0  # token index (0 = the sequence's first token) of the first of them
         self.new_positions = np.zeros(0, np.int32)  # their positions
         self.step: DeviceStep | None = None  # this step's ints in VRAM (edgeinfer.kv.device_step)
-        self.step_key: tuple | None = None  # (n_held, n_dropped, new_slots identity) it was made for
-        self.graph_table = None  # the block table as a graph's step input (graph mode only)
+        self.step_key: tuple | None = None  # (n_held, n_dropped, appends) it was made for
+        self.graph_fields: tuple[Any, DeviceStep] | None = None  # (table, step) as a graph's step inputs
+        self.graph_key: tuple | None = None  # (inputs, n_held, n_dropped, appends) they were written for
+        self.appends = 0  # appends so far: which step the cached step ints belong to
 
 
 @dataclass(frozen=True)
@@ -223,11 +246,10 @@ class DeviceBlockStorage:
         positions = np.asarray(positions, np.int32)
         st = self._state(seq)
         st.new_slots, st.new_first, st.new_positions = slots, seq.n_used - len(slots), positions
-        st.step = st.graph_table = None
+        st.appends += 1
+        st.step = None
         if device_step.graph_mode():  # the step's inputs, and the positions by a kernel of the step
-            st.graph_table = device_step.graph_table(seq.kept_blocks(), self.table_capacity(seq))
-            step = self._step(seq)
-            device_step.write_positions(self.pos, st.graph_table, step, self.block_size)
+            self._graph_fields(seq)
             return
         start = 0
         for lo, hi in _runs(np.asarray(slots)):  # one copy per run of consecutive slots
@@ -273,9 +295,9 @@ class DeviceBlockStorage:
     def block_table(self, seq: "SequenceKV") -> Any:
         """The sequence's kept block ids as int32 in VRAM; uploaded only when they changed (in
         graph mode, the graph's step input written at the append)."""
+        if device_step.graph_mode():
+            return self._graph_fields(seq)[0]
         st = self._state(seq)
-        if st.graph_table is not None and device_step.graph_mode():
-            return st.graph_table
         kept = seq.kept_blocks()
         if kept is st.kept:  # the same cached array: the table has not changed
             return st.table
@@ -288,17 +310,41 @@ class DeviceBlockStorage:
         st.kept = kept
         return st.table
 
-    def _step(self, seq: "SequenceKV") -> DeviceStep:
-        """[n_keys, logical slots, positions] of the latest append in VRAM: uploaded once a step
-        (graph mode: a field of the step's inputs)."""
+    def _step_ints(self, seq: "SequenceKV") -> np.ndarray:
+        """[n_keys, logical slots, positions] of the latest append (edgeinfer.kv.device_step)."""
         st = self._state(seq)
-        key = (seq.n_held, seq.n_dropped, id(st.new_slots))
+        n_new = 0 if st.new_slots is None else len(st.new_slots)
+        first = st.new_first - seq.n_dropped * self.block_size  # logical = token index less the dropped blocks
+        return step_ints(seq.n_held, np.arange(first, first + n_new), st.new_positions)
+
+    def _step(self, seq: "SequenceKV") -> DeviceStep:
+        """The latest append's step ints in VRAM: uploaded once a step (graph mode: a field of
+        the step's inputs)."""
+        if device_step.graph_mode():
+            return self._graph_fields(seq)[1]
+        st = self._state(seq)
+        key = (seq.n_held, seq.n_dropped, st.appends)
         if st.step is None or st.step_key != key:
-            n_new = 0 if st.new_slots is None else len(st.new_slots)
-            first = st.new_first - seq.n_dropped * self.block_size  # logical = token index less the dropped blocks
-            logical = np.arange(first, first + n_new)
-            st.step, st.step_key = device_step.upload_step(step_ints(seq.n_held, logical, st.new_positions)), key
+            st.step, st.step_key = device_step.upload_step(self._step_ints(seq)), key
         return st.step
+
+    def _graph_fields(self, seq: "SequenceKV") -> tuple[Any, DeviceStep]:
+        """(block table, step ints) as fields of the step's inputs, written once for this step and
+        these inputs: at the append, or when a graph of some layers starts after it (a partial
+        offload's span); while recording, the positions reach the pool by a kernel of the step."""
+        st = self._state(seq)
+        inputs = device_step.graph.current_inputs()
+        key = (id(inputs), seq.n_held, seq.n_dropped, st.appends)
+        if st.graph_key != key:
+            table = device_step.graph_table(seq.kept_blocks(), self.table_capacity(seq))
+            step = device_step.upload_step(self._step_ints(seq))
+            device_step.write_positions(self.pos, table, step, self.block_size)
+            st.graph_fields, st.graph_key = (table, step), key
+        return st.graph_fields
+
+    def prepare_graph_step(self, seq: "SequenceKV") -> None:
+        """A replay's K/V fields, for a step whose append already ran."""
+        self._graph_fields(seq)
 
     def _logical_slots(self, seq: "SequenceKV", slots: np.ndarray) -> Any:
         """Logical indices (int32, VRAM) of global `slots`: the kv_store kernel maps them back
@@ -318,6 +364,19 @@ class DeviceBlockStorage:
     def view(self, seq: "SequenceKV", layer: int) -> DevicePagedKV:
         return DevicePagedKV(self.k_flat[layer], self.v_flat[layer], self.block_table(seq), self.pos,
                              self._step(seq).n_keys, self.block_size, self.hd_v[layer], self.types)
+
+
+def prepare_graph_step(kv: Any) -> bool:
+    """Write the K/V fields of the step `kv` last appended into the graph inputs being prepared
+    (edgeinfer.kernels_cuda.graph.preparing); False where the K/V are not in VRAM."""
+    if isinstance(kv, CudaKVCache):
+        kv.prepare_graph_step()
+        return True
+    device = getattr(getattr(kv, "cache", None), "device", None)
+    if isinstance(device, DeviceBlockStorage):
+        device.prepare_graph_step(kv)
+        return True
+    return False
 
 
 def device_kv(kv: Any, layer: int) -> DevicePagedKV | None:
