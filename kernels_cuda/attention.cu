@@ -13,6 +13,11 @@
 //   kv_store:                f32 K/V of new tokens -> their slots (f16)
 //   flash_attention_prefill: 8 queries of one head per block; K/V tiles of 32 keys staged
 //                            in shared memory; online softmax; GQA by head // group.
+//   flash_attention_tc_<HD>: the prefill on the fp16 tensor cores (sm_70+), head dims padded
+//                            to HD = 64, 128 or 256: each warp owns 16 queries; per tile of 16
+//                            keys S = Q K^T and O += P V by WMMA (f16 operands, f32 sums), the
+//                            online softmax between them on S in shared memory, O in shared
+//                            memory (rescaled by rows, which a fragment cannot be).
 //   paged_decode_attention:  one (query, head) per block; 4 warps split the keys, each with
 //                            its own online softmax, merged at the end (flash-decoding).
 //   paged_decode_attention_wide: the same for head dims up to 512 (Gemma 4's global layers),
@@ -29,6 +34,10 @@
 #include <math_constants.h>
 #include <limits.h>
 #include <stdint.h>
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
+#include <mma.h>
+#define ATT_WMMA 1
+#endif
 
 #define MAX_HD 256       // the prefill kernel and paged_decode_attention
 #define MAX_HD_WIDE 512  // paged_decode_attention_wide
@@ -282,6 +291,148 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     flash_prefill<true>(q, kc, vc, block_table, kpos, qpos, out, n_q, *n_keys_p, block_size, n_head, n_kv, hd, hd_v,
                         scale, window, sinks);
 }
+
+#ifdef ATT_WMMA
+#define TC_KEYS 16
+#define TC_PLD 24  // the P tile's row stride in halfs (WMMA: a multiple of 8)
+
+template <int HD, int WARPS, bool QUANT>
+__device__ __forceinline__ void flash_tc(const float* q, KvSide kc, KvSide vc, const int* block_table,
+                                         const int* kpos, const int* qpos, float* out, int n_q, int n_keys,
+                                         int block_size, int n_head, int n_kv, int hd, int hd_v, float scale,
+                                         int window, const float* sinks) {
+    using namespace nvcuda;
+    constexpr int LD = HD + 8;  // halfs: 16-byte rows for WMMA, banks spread
+    constexpr int BQ = 16 * WARPS;
+    const __half* k_cache = reinterpret_cast<const __half*>(kc.base);
+    const __half* v_cache = reinterpret_cast<const __half*>(vc.base);
+    __shared__ __align__(32) __half qs[BQ * LD];
+    __shared__ __align__(32) __half ks[TC_KEYS * LD];
+    __shared__ __align__(32) __half vs[TC_KEYS * LD];
+    __shared__ __align__(32) float os[WARPS][16 * HD];
+    __shared__ __align__(32) float ss[WARPS][16 * 16];
+    __shared__ __align__(32) __half ps[WARPS][16 * TC_PLD];
+    __shared__ float m_s[WARPS][16], l_s[WARPS][16];
+    __shared__ int kp_s[TC_KEYS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int head = blockIdx.y, kvh = head / (n_head / n_kv), q0 = blockIdx.x * BQ;
+    for (int idx = threadIdx.x; idx < BQ * HD; idx += blockDim.x) {  // Q, scaled, as f16 (0 past hd, n_q)
+        const int r = idx / HD, d = idx % HD, qi = q0 + r;
+        qs[r * LD + d] = __float2half(qi < n_q && d < hd ? q[((long long)qi * n_head + head) * hd + d] * scale : 0.0f);
+    }
+    for (int idx = lane; idx < 16 * HD; idx += 32) os[warp][idx] = 0.0f;
+    if (lane < 16) {
+        m_s[warp][lane] = -CUDART_INF_F;
+        l_s[warp][lane] = 0.0f;
+    }
+    const int row = lane >> 1, half = lane & 1;  // a pair of lanes a query row, 8 keys / HD/2 dims each
+    const int qi = q0 + 16 * warp + row;
+    const int qp = qi < n_q ? qpos[qi] : INT_MIN;  // an absent query sees no key
+    for (int base = 0; base < n_keys; base += TC_KEYS) {
+        __syncthreads();  // the previous tile consumed
+        for (int idx = threadIdx.x; idx < TC_KEYS * HD; idx += blockDim.x) {
+            const int j = idx / HD, d = idx % HD, s = base + j;
+            float kv = 0.0f, vv = 0.0f;
+            if (s < n_keys) {
+                const long long r = paged_row(block_table, block_size, n_kv, s, kvh);
+                if (QUANT) {
+                    if (d < hd) kv = kv_value(kc.row(r), kc.type, d);
+                    if (d < hd_v) vv = kv_value(vc.row(r), vc.type, d);
+                } else {
+                    if (d < hd) kv = __half2float(k_cache[r * hd + d]);
+                    if (d < hd_v) vv = __half2float(v_cache[r * hd_v + d]);
+                }
+            }
+            ks[j * LD + d] = __float2half(kv);
+            vs[j * LD + d] = __float2half(vv);
+            if (d == 0) kp_s[j] = s < n_keys ? kpos[paged_slot(block_table, block_size, s)] : INT_MAX;
+        }
+        __syncthreads();
+        {  // S = Q K^T for this warp's 16 queries
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc;
+            wmma::fill_fragment(sacc, 0.0f);
+#pragma unroll
+            for (int d = 0; d < HD; d += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
+                wmma::load_matrix_sync(a, qs + 16 * warp * LD + d, LD);
+                wmma::load_matrix_sync(b, ks + d, LD);
+                wmma::mma_sync(sacc, a, b, sacc);
+            }
+            wmma::store_matrix_sync(ss[warp], sacc, 16, wmma::mem_row_major);
+        }
+        __syncwarp();
+        float sc[8], tmax = -CUDART_INF_F;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            const int col = 8 * half + c;
+            sc[c] = visible(kp_s[col], qp, window) ? ss[warp][row * 16 + col] : -CUDART_INF_F;
+            tmax = fmaxf(tmax, sc[c]);
+        }
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+        const float m_old = m_s[warp][row], m_new = fmaxf(m_old, tmax);
+        const float corr = m_new == -CUDART_INF_F ? 1.0f : __expf(m_old - m_new);  // 0 after an empty start
+        float psum = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            const float p = sc[c] == -CUDART_INF_F ? 0.0f : __expf(sc[c] - m_new);
+            ps[warp][row * TC_PLD + 8 * half + c] = __float2half(p);
+            psum += p;
+        }
+        psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+        for (int d = half * (HD / 2); d < (half + 1) * (HD / 2); ++d) os[warp][row * HD + d] *= corr;
+        __syncwarp();  // every lane read m_s and rescaled O before they change
+        if (half == 0) {
+            l_s[warp][row] = l_s[warp][row] * corr + psum;
+            m_s[warp][row] = m_new;
+        }
+        {  // O += P V
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> pa;
+            wmma::load_matrix_sync(pa, ps[warp], TC_PLD);
+#pragma unroll
+            for (int d = 0; d < HD; d += 16) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> vb;
+                wmma::load_matrix_sync(o, os[warp] + d, HD, wmma::mem_row_major);
+                wmma::load_matrix_sync(vb, vs + d, LD);
+                wmma::mma_sync(o, pa, vb, o);
+                wmma::store_matrix_sync(os[warp] + d, o, HD, wmma::mem_row_major);
+            }
+        }
+        __syncwarp();
+    }
+    if (qi >= n_q) return;
+    float m = m_s[warp][row], l = l_s[warp][row], corr = 1.0f;
+    if (sinks) {  // an attention sink joins the max and the sum, with no value
+        const float s = sinks[head], m_new = fmaxf(m, s);
+        corr = m == -CUDART_INF_F ? 0.0f : __expf(m - m_new);
+        l = l * corr + __expf(s - m_new);
+    }
+    const float inv = l > 0.0f ? corr / l : 0.0f;
+    for (int d = half * (HD / 2); d < (half + 1) * (HD / 2); ++d)
+        if (d < hd_v) out[((long long)qi * n_head + head) * hd_v + d] = os[warp][row * HD + d] * inv;
+}
+
+#define TC_ENTRY(HD, WARPS)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
+        flash_attention_tc_##HD(const __half* k_cache, const __half* v_cache, FLASH_ARGS) {                  \
+        const KvSide kc{reinterpret_cast<const uint8_t*>(k_cache), KV_F16, 2 * hd};                         \
+        const KvSide vc{reinterpret_cast<const uint8_t*>(v_cache), KV_F16, 2 * hd_v};                       \
+        flash_tc<HD, WARPS, false>(q, kc, vc, block_table, kpos, qpos, out, n_q, *n_keys_p, block_size, n_head, \
+                                   n_kv, hd, hd_v, scale, window, sinks);                                       \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
+        flash_attention_tc_q_##HD(const uint8_t* k_cache, const uint8_t* v_cache, int k_type, int v_type,      \
+                                  int k_row_bytes, int v_row_bytes, FLASH_ARGS) {                               \
+        const KvSide kc{k_cache, k_type, k_row_bytes}, vc{v_cache, v_type, v_row_bytes};                        \
+        flash_tc<HD, WARPS, true>(q, kc, vc, block_table, kpos, qpos, out, n_q, *n_keys_p, block_size, n_head,  \
+                                  n_kv, hd, hd_v, scale, window, sinks);                                        \
+    }
+
+TC_ENTRY(64, 4)
+TC_ENTRY(128, 2)
+TC_ENTRY(256, 1)
+#endif  // ATT_WMMA
 
 #define DA_WARPS 4
 

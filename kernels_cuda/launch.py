@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 from edgeinfer.kernels_cpu.quant_types import cuda_types
 from edgeinfer.kernels_cuda.graph import COUNTS, CopyOp, KernelOp, current_recorder
+from edgeinfer.kernels_cuda import runtime
 from edgeinfer.kernels_cuda.runtime import allocator, kernel
 
 # GGUF type -> kernel name suffix (matvec_<s>, gemm_<s>, dequant_<s> in quant.cu): the
@@ -22,7 +23,9 @@ QTYPE_SUFFIX = cuda_types()
 KERNEL_NAMES = {
     "quant.cu": [f"{op}_{s}" for s in QTYPE_SUFFIX.values()
                  for op in ("matvec", "gemm", "dequant", "matvec_id", "gemm_id")] + ["matvec_many", "matvec_glu"],
-    "attention.cu": ["kv_store", "kv_positions", "flash_attention_prefill", "flash_attention_prefill_q", "paged_decode_attention",
+    "attention.cu": ["kv_store", "kv_positions", "flash_attention_prefill", "flash_attention_prefill_q",
+                     *[f"flash_attention_tc{q}_{hd}" for q in ("", "_q") for hd in (64, 128, 256)],
+                     "paged_decode_attention",
                      "paged_decode_attention_wide", "paged_decode_attention_q", "paged_decode_attention_q_wide"],
     "kv_quant.cu": ["kv_store_quant", "hadamard_rows"],
     "elementwise.cu": ["rms_norm", "rope", "rope_qk", "silu_mul", "gelu_mul", "gelu", "mul", "mul_rows", "scale_rows", "scale", "add",
@@ -114,6 +117,14 @@ def _grid1d(n: int, threads: int = 256) -> tuple[tuple[int, int, int], tuple[int
 
 def supports(qtype: Q, n_cols: int) -> bool:
     return qtype in QTYPE_SUFFIX and n_cols % 32 == 0
+
+
+TC_HEAD_DIMS = {64: 4, 128: 2, 256: 1}  # flash_attention_tc_<HD>: the head dims it pads to, warps a block
+
+
+def tensor_cores() -> bool:
+    """Whether the device has the fp16 WMMA the prefill attention uses (sm_70+)."""
+    return runtime.compute_capability() >= (7, 0)
 
 
 def attention_supports(hd: int, hd_v: int) -> bool:
@@ -367,6 +378,11 @@ def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys, block_size: 
     suffix = "_q" if quant else ""
     if max(hd, hd_v) > FLASH_MAX_HEAD_DIM:  # wide heads: K/V tiles would not fit in shared memory
         _run("attention.cu", f"paged_decode_attention{suffix}_wide", (n_head, n, 1), (128, 1, 1), *caches, *args)
+    elif n >= 8 and tensor_cores():  # a prompt: 16 queries a warp on the fp16 tensor cores
+        padded = next(p for p in TC_HEAD_DIMS if p >= max(hd, hd_v))
+        warps = TC_HEAD_DIMS[padded]
+        _run("attention.cu", f"flash_attention_tc{suffix}_{padded}", ((n + 16 * warps - 1) // (16 * warps), n_head, 1),
+             (32 * warps, 1, 1), *caches, *args)
     elif n >= 8:  # enough queries per head to share K/V tiles in shared memory
         _run("attention.cu", f"flash_attention_prefill{suffix}", ((n + 7) // 8, n_head, 1), (256, 1, 1), *caches, *args)
     else:

@@ -1,8 +1,11 @@
 // Quantized matrix kernels that read GGUF blocks directly from VRAM.
 //
 //   matvec_<type>:  decode, y[t, r] = sum_c W[r, c] * x[t, c] (+ residual), one warp per row.
-//   gemm_<type>:    prefill, Y = X W^T; weight tiles are dequantized to fp16 in shared
-//                   memory and multiplied with WMMA 16x16x16 (float accumulate) on sm_70+.
+//   gemm_<type>:    prefill, Y = X W^T. Quantized types on the 8-bit tensor cores (sm_72+):
+//                   weight chunks unpacked to int8, activations quantized to int8 as ggml's
+//                   q8_1, int8 WMMA with int32 sums scaled per chunk (gemm_q8_impl, as
+//                   ggml-cuda's MMQ); F32/F16 dequantized to fp16 tiles, fp16 WMMA with float
+//                   accumulate (gemm_impl).
 //
 // Every type is read as "chunks" of 32 consecutive weights: a Q4_0/Q5_0/Q8_0 block is one
 // chunk, a K-quant super-block (256) is eight. `dequant32<T>` turns chunk c of a row into
@@ -147,6 +150,78 @@ EI_HD __forceinline__ void dequant32(const uint8_t* row, int c, float* y) {
             const int q = (((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4)) - 32;
             y[i] = d * (float)sc[i >> 4] * (float)q;
         }
+    }
+}
+
+// Chunk c of a quantized row as 8-bit integers: weight i = d[i / 16] * q[i] + m, which the
+// 8-bit GEMM multiplies with 8-bit activations on the tensor cores (T_F32 / T_F16 have none).
+// Q6_K's 16-value sub-blocks have a scale each; every other type one scale a chunk.
+template <int T>
+EI_HD __forceinline__ void chunk_q8(const uint8_t* row, int c, int8_t* q, float* d, float* m) {
+    *m = 0.0f;
+    if (T == T_Q4_0 || T == T_Q4_1) {
+        const uint8_t* b = row + c * (T == T_Q4_0 ? 18 : 20);
+        d[0] = d[1] = ld_f16(b);
+        if (T == T_Q4_1) *m = ld_f16(b + 2);
+        const int off = T == T_Q4_0 ? 8 : 0;
+        const uint8_t* qs = b + (T == T_Q4_0 ? 2 : 4);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            q[i] = (int8_t)((qs[i] & 0xF) - off);
+            q[i + 16] = (int8_t)((qs[i] >> 4) - off);
+        }
+    } else if (T == T_Q5_0 || T == T_Q5_1) {
+        const uint8_t* b = row + c * (T == T_Q5_0 ? 22 : 24);
+        d[0] = d[1] = ld_f16(b);
+        if (T == T_Q5_1) *m = ld_f16(b + 2);
+        const int off = T == T_Q5_0 ? 16 : 0;
+        const uint32_t qh = ld_u32(b + (T == T_Q5_0 ? 2 : 4));
+        const uint8_t* qs = b + (T == T_Q5_0 ? 6 : 8);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            q[i] = (int8_t)(((qs[i] & 0xF) | (((qh >> i) & 1) << 4)) - off);
+            q[i + 16] = (int8_t)(((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - off);
+        }
+    } else if (T == T_Q8_0) {
+        const uint8_t* b = row + c * 34;
+        d[0] = d[1] = ld_f16(b);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) q[i] = (int8_t)b[2 + i];
+    } else if (T == T_Q4_K || T == T_Q5_K) {
+        const int sub = c & 7;
+        const uint8_t* b = row + (c >> 3) * (T == T_Q4_K ? 144 : 176);
+        float sc, mn;
+        scale_min_k4(sub, b + 4, &sc, &mn);
+        d[0] = d[1] = ld_f16(b) * sc;
+        *m = -(ld_f16(b + 2) * mn);
+        const uint8_t* qs = b + (T == T_Q4_K ? 16 : 48) + 32 * (sub >> 1);
+        const int shift = (sub & 1) * 4;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            int v = (qs[i] >> shift) & 0xF;
+            if (T == T_Q5_K) v |= ((b[16 + i] >> sub) & 1) << 4;
+            q[i] = (int8_t)v;
+        }
+    } else if (T == T_MXFP4) {
+        const uint8_t* b = row + c * 17;
+        d[0] = d[1] = e8m0_half(b[0]);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            q[i] = (int8_t)e2m1_doubled(b[1 + i] & 0xF);
+            q[i + 16] = (int8_t)e2m1_doubled(b[1 + i] >> 4);
+        }
+    } else if (T == T_Q6_K) {
+        const int sub = c & 7, half = sub >> 2, k = sub & 3;
+        const uint8_t* b = row + (c >> 3) * 210;
+        const float dd = ld_f16(b + 208);
+        const uint8_t* ql = b + 64 * half + 32 * (k & 1);
+        const uint8_t* qh = b + 128 + 32 * half;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * half + 2 * k;
+        d[0] = dd * (float)sc[0];
+        d[1] = dd * (float)sc[1];
+        const int lshift = (k >> 1) * 4, hshift = 2 * k;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) q[i] = (int8_t)((((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4)) - 32);
     }
 }
 
@@ -354,6 +429,123 @@ __device__ __forceinline__ void gemm_impl(const uint8_t* __restrict__ W, long lo
 }
 
 // ---------------------------------------------------------------------------------------
+// ---------------------------------------------------------------------------------------
+// prefill on the 8-bit tensor cores, as ggml-cuda's MMQ: each K step (one 32-value chunk)
+// threads 0..63 unpack one weight row's chunk to int8 with its scale(s) and offset
+// (chunk_q8), threads 64..127 quantize one token's 32 activations to int8 as ggml's q8_1
+// does (d = max|x| / 127, q = round(x / d), with the block's float sum for the offsets). Each
+// warp multiplies its 32x32 corner with int8 WMMA (int32 sums, exact), stores the sums to its
+// own shared tile, and its lane l folds weight row l's 32 sums into float accumulators:
+// acc += (d_w * d_x) * sum + m_w * sum_x. Q6_K's two 16-value halves have their own scales
+// and are multiplied separately.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 720
+#define EI_IMMA 1
+#endif
+#define QLD (GK + 16)  // int8 rows of 48 bytes: WMMA's 16-byte row alignment
+#define CLD 32         // a warp's int32 tile: 32 tokens x 32 rows
+
+template <int T>
+__device__ __forceinline__ void gemm_q8_impl(const uint8_t* __restrict__ W, long long row_bytes, int n_rows,
+                                             int n_cols, const float* __restrict__ X, const int* __restrict__ xrow,
+                                             int n_tok, const float* __restrict__ residual, float* __restrict__ Y) {
+#ifndef EI_IMMA
+    gemm_impl<T>(W, row_bytes, n_rows, n_cols, X, xrow, n_tok, residual, Y);  // sm_70: no int8 WMMA
+#else
+    using namespace nvcuda;
+    constexpr int HALVES = T == T_Q6_K ? 2 : 1;
+    __shared__ __align__(32) int8_t xq[GM * QLD];
+    __shared__ __align__(32) int8_t wq[GN * QLD];
+    __shared__ float x_d[GM], x_sum[GM], w_d[GN][2], w_m[GN];
+    __shared__ __align__(32) int ci[4][32 * CLD];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int m0 = blockIdx.y * GM, n0 = blockIdx.x * GN;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;  // this warp's tokens and rows in the tile
+    float acc[32];  // lane l: weight row wn + l, tokens wm .. wm + 31
+#pragma unroll
+    for (int t = 0; t < 32; ++t) acc[t] = 0.0f;
+    for (int k0 = 0; k0 < n_cols; k0 += GK) {
+        if (tid < GN) {
+            const int r = n0 + tid;
+            int8_t q[32];
+            float d[2] = {0.0f, 0.0f}, m = 0.0f;
+            if (r < n_rows) {
+                chunk_q8<T>(W + r * row_bytes, k0 / 32, q, d, &m);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 32; ++i) q[i] = 0;
+            }
+#pragma unroll
+            for (int i = 0; i < 32; ++i) wq[tid * QLD + i] = q[i];
+            w_d[tid][0] = d[0];
+            w_d[tid][1] = d[1];
+            w_m[tid] = m;
+        } else {
+            const int t = tid - GN, mt = m0 + t;
+            const float* xr = mt < n_tok ? X + (long long)(xrow ? xrow[mt] : mt) * n_cols + k0 : 0;
+            float v[32], amax = 0.0f, sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                v[i] = xr ? xr[i] : 0.0f;
+                amax = fmaxf(amax, fabsf(v[i]));
+                sum += v[i];
+            }
+            const float d = amax / 127.0f;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) xq[t * QLD + i] = (int8_t)(amax == 0.0f ? 0 : (int)roundf(v[i] / d));
+            x_d[t] = d;
+            x_sum[t] = sum;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, int> c[2][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) wmma::fill_fragment(c[i][j], 0);
+#pragma unroll
+            for (int kk = 16 * h; kk < (HALVES == 2 ? 16 * h + 16 : GK); kk += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, signed char, wmma::row_major> a[2];
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, signed char, wmma::col_major> b[2];
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    wmma::load_matrix_sync(a[i], reinterpret_cast<const signed char*>(xq) + (wm + 16 * i) * QLD + kk, QLD);
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    wmma::load_matrix_sync(b[j], reinterpret_cast<const signed char*>(wq) + (wn + 16 * j) * QLD + kk, QLD);
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) wmma::mma_sync(c[i][j], a[i], b[j], c[i][j]);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    wmma::store_matrix_sync(ci[warp] + (16 * i) * CLD + 16 * j, c[i][j], CLD, wmma::mem_row_major);
+            __syncwarp();
+            const float wd = w_d[wn + lane][h], wmin = h == 0 ? w_m[wn + lane] : 0.0f;
+#pragma unroll
+            for (int t = 0; t < 32; ++t)
+                acc[t] += (wd * x_d[wm + t]) * (float)ci[warp][t * CLD + lane] + wmin * x_sum[wm + t];
+            __syncwarp();
+        }
+        __syncthreads();
+    }
+    const int n = n0 + wn + lane;
+    if (n < n_rows) {
+#pragma unroll
+        for (int t = 0; t < 32; ++t) {
+            const int m = m0 + wm + t;
+            if (m < n_tok) {
+                const long long o = (long long)m * n_rows + n;
+                Y[o] = residual ? acc[t] + residual[o] : acc[t];
+            }
+        }
+    }
+#endif
+}
+
 // extern "C" entry points, found by name from Python: matvec_<type> and gemm_<type>.
 //
 // A mixture of experts' 3-D tensor (n_expert slabs of n_rows rows) runs through the same two
@@ -361,7 +553,7 @@ __device__ __forceinline__ void gemm_impl(const uint8_t* __restrict__ W, long lo
 //   matvec_id: y[a] = W_{row_expert[a]} . x[xrow[a]]             grid (row blocks, assignments)
 //   gemm_id:   rows starts[g]..starts[g+1] of Y are expert experts[g]'s tokens, X rows
 //              xrow[starts[g]..]; grid (row tiles, token tiles of the largest group, groups)
-#define EI_ENTRY(suffix, T)                                                                          \
+#define EI_ENTRY(suffix, T, GEMM)                                                                    \
     extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                      \
         matvec_##suffix(const uint8_t* W, long long row_bytes, int n_rows, int n_cols, const float* x, \
                         const float* residual, float* y) {                                           \
@@ -372,7 +564,7 @@ __device__ __forceinline__ void gemm_impl(const uint8_t* __restrict__ W, long lo
     extern "C" __global__ void __launch_bounds__(128)                                                \
         gemm_##suffix(const uint8_t* W, long long row_bytes, int n_rows, int n_cols, const float* X,  \
                       int n_tok, const float* residual, float* Y) {                                  \
-        gemm_impl<T>(W, row_bytes, n_rows, n_cols, X, 0, n_tok, residual, Y);                        \
+        GEMM<T>(W, row_bytes, n_rows, n_cols, X, 0, n_tok, residual, Y);                             \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                      \
         matvec_id_##suffix(const uint8_t* W, long long row_bytes, int n_rows, int n_cols, const float* x, \
@@ -386,21 +578,22 @@ __device__ __forceinline__ void gemm_impl(const uint8_t* __restrict__ W, long lo
                          const int* xrow, const int* experts, const int* starts, float* Y) {         \
         const int g = blockIdx.z, s0 = starts[g], n_tok = starts[g + 1] - s0;                        \
         if ((int)blockIdx.y * GM >= n_tok) return; /* a smaller group: the whole block idles */      \
-        gemm_impl<T>(W + (long long)experts[g] * n_rows * row_bytes, row_bytes, n_rows, n_cols, X,   \
+        GEMM<T>(W + (long long)experts[g] * n_rows * row_bytes, row_bytes, n_rows, n_cols, X,        \
                      xrow + s0, n_tok, 0, Y + (long long)s0 * n_rows);                               \
     }
 
-EI_ENTRY(f32, T_F32)
-EI_ENTRY(f16, T_F16)
-EI_ENTRY(q4_0, T_Q4_0)
-EI_ENTRY(q4_1, T_Q4_1)
-EI_ENTRY(q5_0, T_Q5_0)
-EI_ENTRY(q5_1, T_Q5_1)
-EI_ENTRY(q8_0, T_Q8_0)
-EI_ENTRY(q4_k, T_Q4_K)
-EI_ENTRY(q5_k, T_Q5_K)
-EI_ENTRY(q6_k, T_Q6_K)
-EI_ENTRY(mxfp4, T_MXFP4)
+// float weights through the fp16 WMMA GEMM, quantized ones through the 8-bit one
+EI_ENTRY(f32, T_F32, gemm_impl)
+EI_ENTRY(f16, T_F16, gemm_impl)
+EI_ENTRY(q4_0, T_Q4_0, gemm_q8_impl)
+EI_ENTRY(q4_1, T_Q4_1, gemm_q8_impl)
+EI_ENTRY(q5_0, T_Q5_0, gemm_q8_impl)
+EI_ENTRY(q5_1, T_Q5_1, gemm_q8_impl)
+EI_ENTRY(q8_0, T_Q8_0, gemm_q8_impl)
+EI_ENTRY(q4_k, T_Q4_K, gemm_q8_impl)
+EI_ENTRY(q5_k, T_Q5_K, gemm_q8_impl)
+EI_ENTRY(q6_k, T_Q6_K, gemm_q8_impl)
+EI_ENTRY(mxfp4, T_MXFP4, gemm_q8_impl)
 
 // A chunk-aligned dequantize of whole rows to float32 (tests and the CPU-side fallback).
 #define EI_DEQ(suffix, T)                                                                            \

@@ -97,6 +97,15 @@ def device_info() -> DeviceInfo:
     return DeviceInfo(dev.name(), int(total), int(free), tuple(dev.compute_capability()))
 
 
+@functools.lru_cache(maxsize=1)
+def compute_capability() -> tuple[int, int]:
+    """(major, minor) of device 0: what a launcher picks kernels by."""
+    import pycuda.driver as cuda
+
+    context()
+    return tuple(cuda.Device(0).compute_capability())
+
+
 def arch_name(cc: tuple[int, int]) -> str:
     return f"sm_{cc[0]}{cc[1]}"
 
@@ -149,7 +158,7 @@ def reset() -> None:
     again, so a change of EDGEINFER_CUDA takes effect); out of emulation, `pycuda` is pycuda again."""
     from edgeinfer.kernels_cuda import emulator
 
-    for cached in (cuda_available, context, module, kernel, allocator):
+    for cached in (cuda_available, context, module, kernel, allocator, compute_capability):
         cached.cache_clear()
     if emulator.installed() and not emulating():
         emulator.uninstall()

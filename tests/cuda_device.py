@@ -24,7 +24,8 @@ from edgeinfer.kernels_cuda import launch, runtime
 
 _ENV = ("EDGEINFER_CUDA", "EDGEINFER_CUDA_EMULATE_ORDER", "EDGEINFER_CUDA_EMULATE_VRAM_MB")
 # launchers whose calls emulated() counts, plus "kv_store_tokens" (tokens kv_store wrote)
-COUNTED = ("linear", "rms_norm", "rope", "silu_mul", "gelu_mul", "add", "add_rows", "kv_store", "attention",
+COUNTED = ("linear", "linear_many", "linear_glu", "rope_qk", "rms_norm", "rope", "silu_mul", "gelu_mul", "add",
+           "add_rows", "kv_store", "attention",
            "copy_rows", "expert_linear", "add_id", "moe_combine", "swiglu_oai", "gelu", "mul", "mul_rows", "scale",
            "scale_rows")
 

@@ -30,9 +30,9 @@ def _record_calls(monkeypatch, helper):
     for name in ("time_prompt", "time_generation"):
         real = getattr(bench, name)
 
-        def spy(engine, n, seed=0, depth=0, _real=real, _name=name):
+        def spy(engine, n, seed=0, depth=0, _real=real, _name=name, **more):
             calls.append((_name, n, seed, helper.proc.poll() is not None, time.perf_counter()))
-            return _real(engine, n, seed=seed, depth=depth)
+            return _real(engine, n, seed=seed, depth=depth, **more)
         monkeypatch.setattr(bench, name, spy)
     return calls
 

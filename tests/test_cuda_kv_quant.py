@@ -117,7 +117,9 @@ def test_attention_reads_quantized_blocks(k_type, v_type, n_q, hd):
 def tiny(tmp_path_factory):
     from gguf_factory import TinyShape, write_tiny_model
 
-    return str(write_tiny_model(tmp_path_factory.mktemp("cq") / "m.gguf", "llama", "Q8_0",
+    # F16 weights: the prompt GEMM keeps fp16 activations (quantized weights would round them to
+    # 8 bits, test_cuda_kernels' concern): what differs here is the K/V types
+    return str(write_tiny_model(tmp_path_factory.mktemp("cq") / "m.gguf", "llama", "F16",
                                 shape=TinyShape(n_layer=3, head_dim=64)))
 
 

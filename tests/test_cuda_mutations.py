@@ -1,5 +1,5 @@
 """Mutating a CUDA source makes its tests fail: the GPU tests (on the emulator where no GPU is)
-see a deleted barrier, a warp reduction that starts at 8 lanes instead of 16, and swapped
+see a deleted barrier, an unrescaled flash-attention output, a warp reduction that starts at 8 lanes instead of 16, and swapped
 block indices. Each mutant is built from the real source with one edit and swapped in for the
 launchers; the unmodified tests of tests/test_cuda_kernels.py then run against it.
 """
@@ -43,10 +43,22 @@ def test_the_unmutated_sources_pass():
     k.test_linear(launch.Q.Q8_0, 1)
 
 
-def test_a_deleted_barrier_in_flash_attention_fails(monkeypatch):
+def test_an_unrescaled_output_in_the_tensor_core_flash_attention_fails(monkeypatch):
     import test_cuda_kernels as k
 
-    # the barrier after the K/V tile is staged: scores would read a half-written tile
+    # O kept as it was when a later key tile raises a row's maximum
+    _mutant(monkeypatch, "attention.cu", "os[warp][row * HD + d] *= corr;", "os[warp][row * HD + d] *= 1.0f;")
+    with pytest.raises(AssertionError):
+        k.test_paged_attention(20, 64, 0, False)
+
+
+def test_a_deleted_barrier_in_flash_attention_fails(monkeypatch):
+    """(The f32 kernel of devices without tensor cores. In the tensor-core kernel the barrier
+    between staging a tile and the WMMA that reads it is out of the emulator's sight: a warp
+    waiting at a warp-wide WMMA lets the block's other warps run, and they finish staging.)"""
+    import test_cuda_kernels as k
+
+    monkeypatch.setattr(launch, "tensor_cores", lambda: False)
     _mutant(monkeypatch, "attention.cu", "        __syncthreads();\n        if (!active) continue;",
             "        if (!active) continue;")
     with pytest.raises((AssertionError, LaunchError)):

@@ -32,6 +32,10 @@ from edgeinfer.session_manager import SessionManager
 
 cuda_device.require()
 
+# F16 weights: a prompt's GEMM keeps fp16 activations (quantized weights round them to 8 bits as
+# llama.cpp's MMQ, which test_cuda_kernels covers); what these tests hold is Gemma 4's layout
+WEIGHTS = "F16"
+
 N_CTX = 64
 BS = 4
 SIM = DeviceInfo("sim", 8 * GiB, 8 * GiB, (8, 6))
@@ -58,7 +62,7 @@ def _logits(mf, backend, kv, tokens, n_decode=3) -> np.ndarray:
 def test_logits_match_the_reference_at_every_split(tmp_path, cuda_emulator, variant):
     """k = 3: layer 2's K/V in VRAM, read by the host-side shared layers 4-6; k = 5: shared
     layer 4 on the GPU over layer 2's VRAM K/V; k = 8: everything and the head."""
-    path = gemma4_file(tmp_path, "Q8_0", moe=variant == "moe", **(WIDE if variant == "wide" else {}))
+    path = gemma4_file(tmp_path, WEIGHTS, moe=variant == "moe", **(WIDE if variant == "wide" else {}))
     mf = open_model(path)
     cfg = mf.config
     tokens = np.random.default_rng(0).integers(3, cfg.n_vocab, 12)
@@ -87,7 +91,7 @@ def test_the_engine_offloads_it(tmp_path, cuda_emulator):
     """`-ngl 99` no longer stays on the CPU: the plan takes every layer, the logits follow the CPU's."""
     from edgeinfer.engine import Engine, EngineOptions
 
-    path = gemma4_file(tmp_path, "Q8_0")
+    path = gemma4_file(tmp_path, WEIGHTS)
     mf = open_model(path)
     engine = Engine(mf, EngineOptions(n_ctx=N_CTX, backend="cpu", gpu_layers=99))
     assert engine.backend.name == "hybrid" and engine.offload.gpu_layers == list(range(mf.config.n_layer))
@@ -114,7 +118,7 @@ def test_the_session_manager_with_vram_blocks_matches_the_cpu(tmp_path, cuda_emu
     """Prefix hits, branches, edits and regenerations: the same tokens, cached counts and
     logits (to the kernels' tolerance) as the CPU-only manager; a saved session's K/V equal
     the CPU's, each shared K/V once."""
-    path = gemma4_file(tmp_path, "Q8_0", **(WIDE if variant == "wide" else {}))
+    path = gemma4_file(tmp_path, WEIGHTS, **(WIDE if variant == "wide" else {}))
     cpu, gpu, mgrs = _managers(path, k=5, head=True)
     cfg = cpu.config
     dev = mgrs[1].cache.device
@@ -137,7 +141,7 @@ def test_a_saved_session_resumes_on_the_gpu(tmp_path, cuda_emulator):
     """K/V saved by the CPU manager load into VRAM blocks and answer as the CPU resumes."""
     from oracles import greedy
 
-    path = gemma4_file(tmp_path, "Q8_0")
+    path = gemma4_file(tmp_path, WEIGHTS)
     cpu, gpu, mgrs = _managers(path, k=8, head=True)
     a = random_ids(np.random.default_rng(5), 18, cpu.config.n_vocab)
     collect(mgrs[0].generate(a, greedy(3)))
@@ -154,7 +158,7 @@ def test_the_context_shift_with_device_layers_matches_the_cpu(tmp_path, cuda_emu
     (the sliding layers' dims and base, the global layers' proportional factors) and stored back."""
     from oracles import greedy
 
-    path = gemma4_file(tmp_path, "Q8_0")
+    path = gemma4_file(tmp_path, WEIGHTS)
     cpu, gpu, mgrs = _managers(path, k=5, head=False, context_shift=True, n_keep=4)
     prompt = random_ids(np.random.default_rng(7), 50, cpu.config.n_vocab)
     results = [collect(m.generate(prompt, greedy(30))) for m in mgrs]

@@ -249,8 +249,10 @@ def test_hybrid_backend_on_the_emulated_device(tiny_models, cuda_emulator, arch)
             # the GEMM rounds its tiles to fp16, attention keeps Q in f32 where ggml rounds it to f16
             assert np.abs(got - want).max() < 2e-2 * np.abs(want).max(), (arch, k, head)
             assert (got.argmax(-1) == want.argmax(-1)).mean() >= 2 / 3, (arch, k, head)
-            # every GPU layer ran its 7 matrices there (twice: prefill + decode), plus the head
-            assert calls.get("linear", 0) == 2 * (7 * k + head), (k, head, calls)
+            # every GPU layer ran its 7 matrices there, twice: the prompt one launch each; the decoded
+            # token Q/K/V in one, gate/up in one, then the output and down projections; plus the head
+            assert calls.get("linear", 0) == 7 * k + 2 * k + 2 * head, (k, head, calls)
+            assert calls.get("linear_many", 0) == k and calls.get("linear_glu", 0) == k, (k, head, calls)
             assert calls.get("attention", 0) == 2 * k
             # the GPU layers' K/V are in "VRAM" and read back the same as the reference cache
             if k:

@@ -67,10 +67,12 @@ class StepGraphs:
     """The hybrid backend's step and span graphs (see the module docstring)."""
 
     def __init__(self, backend: Any) -> None:
-        self.backend = backend  # the hybrid backend (its plan, to_device and wrap)
+        # the hybrid backend (its plan, to_device and wrap), which owns this: weakly, so that no
+        # cycle keeps a dropped backend's VRAM (its graphs' activations) until a garbage collection
+        self.backend = weakref.proxy(backend)
         self._graphs: OrderedDict[tuple, _Entry] = OrderedDict()
         self._eager: dict[tuple, str] = {}  # shapes a recording found unreplayable, and why
-        self._last: dict[Any, tuple] = {}  # where -> the key of its previous step
+        self._last: dict[Any, tuple] = {}  # where -> (the key of its previous step, its storage, weakly)
         self.notes: list[str] = []  # why steps ran eagerly, each said once
         self.notes_shown = 0  # how many of them --verbose has printed
         self._stream = None
@@ -121,7 +123,7 @@ class StepGraphs:
             if logits is not None:
                 return logits
             self._drop(key)
-        if not self._should_record(STEP, key):
+        if not self._should_record(STEP, key, owner[0]):
             return run()
         return self._record(key, owner, positions, self._embedded(model, tokens), run)
 
@@ -146,7 +148,7 @@ class StepGraphs:
             if self._replay(g, positions, lambda: prepare_graph_step(kv), rows, download=False):
                 return self.backend.wrap(g.output)
             self._drop(key)
-        if not self._should_record((first, end), key):
+        if not self._should_record((first, end), key, owner[0]):
             return run()
         return self._record(key, owner, positions, rows, run, span=True)
 
@@ -167,13 +169,14 @@ class StepGraphs:
         self._graphs.pop(key).graph.close()  # its inputs no longer match the step: eager from now on
         self._eager[key] = "a replay's inputs differed from its recording's"
 
-    def _should_record(self, where: Any, key: tuple) -> bool:
+    def _should_record(self, where: Any, key: tuple, storage: Any) -> bool:
         """Record on the second consecutive step of a shape (not a shape known to stay eager)."""
         if key in self._eager:
             self._note(self._eager[key])
             return False
-        repeat = self._last.get(where) == key
-        self._last[where] = key
+        last = self._last.get(where)  # (key, the storage it read): an id of a freed cache may come back
+        repeat = last is not None and last[0] == key and last[1]() is storage
+        self._last[where] = (key, weakref.ref(storage))
         return repeat
 
     def stream(self) -> Any:

@@ -1,5 +1,5 @@
 // nvcuda::wmma of the CUDA emulator: 16x16x16 tiles of __half with float (or __half)
-// accumulators.
+// accumulators, and of signed/unsigned char with int accumulators (exact, as IMMA).
 //
 // Every lane's fragment holds the whole tile (a GPU spreads it over the lanes; code that only
 // loads, multiplies and stores cannot tell). Each call is a warp-wide operation, as the
@@ -85,8 +85,26 @@ struct MmaArgs {
     const fragment<accumulator, 16, 16, 16, TC>* c;
 };
 
+// 8-bit operands (signed char, unsigned char) with int accumulators: exact int32 sums, as IMMA
 template <class TD, class TA, class LA, class LB, class TC>
-inline void mma_finish(::emu::WarpOp& w) {
+inline void mma_finish_int(::emu::WarpOp& w) {
+    typedef MmaArgs<TD, TA, LA, LB, TC> Args;
+    const Args* first = static_cast<const Args*>(w.args[0]);
+    int out[256];
+    for (int i = 0; i < 256; ++i) out[i] = (int)first->c->x[i];
+    for (int m = 0; m < 16; ++m)
+        for (int k = 0; k < 16; ++k) {
+            const int am = (int)first->a->x[m * 16 + k];
+            for (int n = 0; n < 16; ++n) out[m * 16 + n] += am * (int)first->b->x[k * 16 + n];
+        }
+    for (int lane = 0; lane < 32; ++lane) {
+        const Args* args = static_cast<const Args*>(w.args[lane]);
+        for (int i = 0; i < 256; ++i) args->d->x[i] = TD(out[i]);
+    }
+}
+
+template <class TD, class TA, class LA, class LB, class TC>
+inline void mma_finish_float(::emu::WarpOp& w) {
     typedef MmaArgs<TD, TA, LA, LB, TC> Args;
     const Args* first = static_cast<const Args*>(w.args[0]);
     float a[256], b[256], out[256];  // the operands converted once: products of f16 values are exact in f32
@@ -104,6 +122,14 @@ inline void mma_finish(::emu::WarpOp& w) {
         const Args* args = static_cast<const Args*>(w.args[lane]);
         for (int i = 0; i < 256; ++i) args->d->x[i] = TD(out[i]);
     }
+}
+
+template <class TD, class TA, class LA, class LB, class TC>
+inline void mma_finish(::emu::WarpOp& w) {
+    if constexpr (std::is_integral<TA>::value)
+        mma_finish_int<TD, TA, LA, LB, TC>(w);
+    else
+        mma_finish_float<TD, TA, LA, LB, TC>(w);
 }
 
 template <class T>
