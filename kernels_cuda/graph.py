@@ -183,22 +183,22 @@ def current_inputs() -> StepInputs | None:
 
 
 @contextlib.contextmanager
-def recording(rec: Recorder) -> Iterator[Recorder]:
-    _current.append(rec)
+def _current_step(step: Recorder | StepInputs) -> Iterator[Any]:
+    _current.append(step)
     try:
-        yield rec
+        yield step
     finally:
         _current.pop()
 
 
-@contextlib.contextmanager
-def preparing(inputs: StepInputs) -> Iterator[StepInputs]:
+def recording(rec: Recorder) -> contextlib.AbstractContextManager:
+    """The eager step that runs inside is recorded into `rec`."""
+    return _current_step(rec)
+
+
+def preparing(inputs: StepInputs) -> contextlib.AbstractContextManager:
     """Host work before a replay (the K/V bookkeeping): fields are written, nothing launches."""
-    _current.append(inputs)
-    try:
-        yield inputs
-    finally:
-        _current.pop()
+    return _current_step(inputs)
 
 
 def outside_step() -> contextlib.AbstractContextManager:

@@ -76,83 +76,6 @@ EI_HD __forceinline__ void scale_min_k4(int j, const uint8_t* q, float* sc, floa
     }
 }
 
-// Chunk c (32 consecutive weights) of one row -> y[0..31].
-template <int T>
-EI_HD __forceinline__ void dequant32(const uint8_t* row, int c, float* y) {
-    if (T == T_F32) {
-        const float* p = reinterpret_cast<const float*>(row) + 32 * c;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) y[i] = p[i];
-    } else if (T == T_F16) {
-        const __half* p = reinterpret_cast<const __half*>(row) + 32 * c;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) y[i] = __half2float(p[i]);
-    } else if (T == T_Q4_0 || T == T_Q4_1) {
-        const uint8_t* b = row + c * (T == T_Q4_0 ? 18 : 20);
-        const float d = ld_f16(b);
-        const float m = T == T_Q4_1 ? ld_f16(b + 2) : -8.0f * d;
-        const uint8_t* qs = b + (T == T_Q4_0 ? 2 : 4);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            y[i] = d * (float)(qs[i] & 0xF) + m;
-            y[i + 16] = d * (float)(qs[i] >> 4) + m;
-        }
-    } else if (T == T_Q5_0 || T == T_Q5_1) {
-        const uint8_t* b = row + c * (T == T_Q5_0 ? 22 : 24);
-        const float d = ld_f16(b);
-        const float m = T == T_Q5_1 ? ld_f16(b + 2) : -16.0f * d;
-        const uint32_t qh = ld_u32(b + (T == T_Q5_0 ? 2 : 4));
-        const uint8_t* qs = b + (T == T_Q5_0 ? 6 : 8);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            y[i] = d * (float)((qs[i] & 0xF) | (((qh >> i) & 1) << 4)) + m;
-            y[i + 16] = d * (float)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) + m;
-        }
-    } else if (T == T_Q8_0) {
-        const uint8_t* b = row + c * 34;
-        const float d = ld_f16(b);
-        const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
-#pragma unroll
-        for (int i = 0; i < 32; ++i) y[i] = d * (float)qs[i];
-    } else if (T == T_Q4_K || T == T_Q5_K) {
-        const int sub = c & 7;
-        const uint8_t* b = row + (c >> 3) * (T == T_Q4_K ? 144 : 176);
-        const float d = ld_f16(b), dmin = ld_f16(b + 2);
-        float sc, mn;
-        scale_min_k4(sub, b + 4, &sc, &mn);
-        const float dl = d * sc, ml = dmin * mn;
-        const uint8_t* qs = b + (T == T_Q4_K ? 16 : 48) + 32 * (sub >> 1);
-        const int shift = (sub & 1) * 4;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            int q = (qs[i] >> shift) & 0xF;
-            if (T == T_Q5_K) q |= ((b[16 + i] >> sub) & 1) << 4;
-            y[i] = dl * (float)q - ml;
-        }
-    } else if (T == T_MXFP4) {
-        const uint8_t* b = row + c * 17;
-        const float d = e8m0_half(b[0]);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            y[i] = e2m1_doubled(b[1 + i] & 0xF) * d;
-            y[i + 16] = e2m1_doubled(b[1 + i] >> 4) * d;
-        }
-    } else if (T == T_Q6_K) {
-        const int sub = c & 7, half = sub >> 2, k = sub & 3;
-        const uint8_t* b = row + (c >> 3) * 210;
-        const float d = ld_f16(b + 208);
-        const uint8_t* ql = b + 64 * half + 32 * (k & 1);
-        const uint8_t* qh = b + 128 + 32 * half;
-        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * half + 2 * k;
-        const int lshift = (k >> 1) * 4, hshift = 2 * k;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const int q = (((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4)) - 32;
-            y[i] = d * (float)sc[i >> 4] * (float)q;
-        }
-    }
-}
-
 // Chunk c of a quantized row as 8-bit integers: weight i = d[i / 16] * q[i] + m, which the
 // 8-bit GEMM multiplies with 8-bit activations on the tensor cores (T_F32 / T_F16 have none).
 // Q6_K's 16-value sub-blocks have a scale each; every other type one scale a chunk.
@@ -222,6 +145,45 @@ EI_HD __forceinline__ void chunk_q8(const uint8_t* row, int c, int8_t* q, float*
         const int lshift = (k >> 1) * 4, hshift = 2 * k;
 #pragma unroll
         for (int i = 0; i < 32; ++i) q[i] = (int8_t)((((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4)) - 32);
+    }
+}
+
+// Chunk c (32 consecutive weights) of one row -> y[0..31]. Q4_0 and Q5_0 add their offset
+// as ggml's to_float does (d * q - 8 d); the other quantized types are d * q + m from the
+// 8-bit GEMM's own unpacking (chunk_q8), the same expressions as their to_float.
+template <int T>
+EI_HD __forceinline__ void dequant32(const uint8_t* row, int c, float* y) {
+    if (T == T_F32) {
+        const float* p = reinterpret_cast<const float*>(row) + 32 * c;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) y[i] = p[i];
+    } else if (T == T_F16) {
+        const __half* p = reinterpret_cast<const __half*>(row) + 32 * c;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) y[i] = __half2float(p[i]);
+    } else if (T == T_Q4_0) {
+        const uint8_t* b = row + c * 18;
+        const float d = ld_f16(b), m = -8.0f * d;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            y[i] = d * (float)(b[2 + i] & 0xF) + m;
+            y[i + 16] = d * (float)(b[2 + i] >> 4) + m;
+        }
+    } else if (T == T_Q5_0) {
+        const uint8_t* b = row + c * 22;
+        const float d = ld_f16(b), m = -16.0f * d;
+        const uint32_t qh = ld_u32(b + 2);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            y[i] = d * (float)((b[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) + m;
+            y[i + 16] = d * (float)((b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) + m;
+        }
+    } else {
+        int8_t q[32];
+        float d[2], m;
+        chunk_q8<T>(row, c, q, d, &m);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) y[i] = d[i >> 4] * (float)q[i] + m;
     }
 }
 

@@ -4,8 +4,10 @@
 #      and llama-bench for CUDA building in the background;
 #   2. edgeinfer's kernels compiled by nvcc for this GPU, timed;
 #   3. the GPU test files on the real device (they use the emulator only where no GPU is);
-#   4. a Llama-3.2-1B-shaped Q4_K file written there, then `edgeinfer bench -ngl 99` and
-#      `llama-bench -ngl 99` on it, alternating, while time remains.
+#   4. a Llama-3.2-1B-shaped Q4_K file written there: the per-kernel table of one decoded token
+#      (benchmarks/profile_gpu_step.py), then `edgeinfer bench -ngl 99 --json` (its rows count
+#      kernel and graph launches a token) and `llama-bench -ngl 99` on it, alternating, while
+#      time remains; one round without CUDA graphs (EDGEINFER_CUDA_GRAPHS=0) for the ratio.
 # Everything it prints also goes to $OUT (the device tool brings it back). BUDGET_S bounds the
 # whole run (default 520 s) so that the call ends inside its limit whatever step is slow.
 set -u
@@ -63,7 +65,8 @@ model_pid=$!
 
 say "tests"
 tests=(tests/test_cuda_kernels.py tests/test_cuda_kv_quant.py tests/test_cuda_recurrent.py tests/test_gpu_paged_kv.py
-       tests/test_cuda_budgets.py tests/test_cuda_compile.py tests/test_cuda_mutations.py tests/test_cuda_run.py)
+       tests/test_cuda_budgets.py tests/test_cuda_compile.py tests/test_cuda_mutations.py tests/test_cuda_run.py
+       tests/test_cuda_graphs.py tests/test_cuda_fused.py)
 t=$(( $(left) - 200 )); [ $t -lt 60 ] && t=60
 timeout $t python3 -m pytest -q -p no:cacheprovider -n 6 --rootdir "$repo" \
     "${tests[@]/#/$repo/}" "$repo/tests/test_moe.py" -k "not moe or gpu" -rs > "$out/tests.log" 2>&1
@@ -71,13 +74,16 @@ say "tests rc=$?"
 tail -25 "$out/tests.log"
 
 wait $model_pid; cat "$out/model.log"
+say "per-kernel profile of a decoded token"
+timeout 90 python3 "$repo/benchmarks/profile_gpu_step.py" "$model" -ngl 99 -n 16 2>&1 | tee -a "$out/profile.txt"
 lb=/tmp/lb/bin/llama-bench
 round=0
 while [ "$(left)" -gt 60 ]; do
     round=$((round + 1))
     say "edgeinfer bench, round $round"
-    timeout $(( $(left) - 20 )) python3 -m edgeinfer.cli bench "$model" -ngl 99 -p 512 -n 128 -r 3 -t 8 \
-        2>&1 | tee -a "$out/bench.txt"
+    graphs=1; [ "$round" -eq 2 ] && graphs=0  # the second round without graphs: what they save
+    EDGEINFER_CUDA_GRAPHS=$graphs timeout $(( $(left) - 20 )) python3 -m edgeinfer.cli bench "$model" -ngl 99 \
+        -p 512 -n 128 -r 3 -t 8 --json 2>&1 | tee -a "$out/bench.txt"
     if [ -x "$lb" ] && [ "$(left)" -gt 40 ]; then
         say "llama-bench, round $round"
         timeout $(( $(left) - 10 )) "$lb" -m "$model" -ngl 99 -fa 0 -p 512 -n 128 -r 3 -t 8 2>&1 | tee -a "$out/bench.txt"
