@@ -23,6 +23,7 @@ GPU, and from the emulator's stand-in (`pycuda.driver.graphs`) where it runs: on
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -168,27 +169,37 @@ class Recorder:
             self.forbid(f"a synchronous {what} inside the step")
 
 
-_current: list[Recorder | StepInputs] = []  # the step being recorded, or the inputs being prepared
+class _Current(threading.local):
+    def __init__(self) -> None:
+        self.steps: list[Recorder | StepInputs] = []  # the step being recorded, or the inputs being prepared
+
+
+_current = _Current()  # per thread: a step is one thread's (another thread's launches are not its)
+
+
+def _top() -> Recorder | StepInputs | None:
+    steps = _current.steps
+    return steps[-1] if steps else None
 
 
 def current_recorder() -> Recorder | None:
-    top = _current[-1] if _current else None
+    top = _top()
     return top if isinstance(top, Recorder) else None
 
 
 def current_inputs() -> StepInputs | None:
     """The step inputs of the step being recorded or prepared for a replay (None: eager)."""
-    top = _current[-1] if _current else None
+    top = _top()
     return top.inputs if isinstance(top, Recorder) else top
 
 
 @contextlib.contextmanager
 def _current_step(step: Recorder | StepInputs) -> Iterator[Any]:
-    _current.append(step)
+    _current.steps.append(step)
     try:
         yield step
     finally:
-        _current.pop()
+        _current.steps.pop()
 
 
 def recording(rec: Recorder) -> contextlib.AbstractContextManager:
