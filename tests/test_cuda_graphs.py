@@ -249,3 +249,29 @@ def test_run_verbose_says_what_a_token_cost_the_driver(tiny_models, tmp_path):
     line = next(x for x in out.stderr.splitlines() if x.startswith("GPU launches:"))
     graphs = float(line.split("+")[1].split("graph")[0])
     assert 0.5 < graphs <= 1.0, line
+
+
+def test_a_refused_capture_leaves_the_shape_eager_and_says_so(tiny_models, calls, monkeypatch):
+    """Where the driver refuses the capture, the step's shape stays eager (its bits unchanged)
+    and the reason is noted once, for --verbose."""
+    from edgeinfer.kernels_cuda import graph
+
+    monkeypatch.setenv("EDGEINFER_CUDA_GRAPHS", "1")
+    driver_api = graph.graph_api
+
+    class Refusing:
+        def begin_capture(self, stream):
+            raise RuntimeError("cuStreamBeginCapture failed: operation not supported (CUresult 801)")
+
+        def __getattr__(self, name):
+            return getattr(driver_api(), name)
+
+    monkeypatch.setattr(graph, "graph_api", lambda: Refusing())
+    engine = _engine(tiny_models["llama"])
+    kv = engine.new_cache()
+    engine.prefill([3, 4, 5], kv)
+    before = calls["graph_launch"]
+    outs = [engine.decode(t, kv) for t in (6, 7, 8, 9)]
+    assert calls["graph_launch"] == before and all(np.isfinite(o).all() for o in outs)
+    notes = engine.step_graphs.notes
+    assert len(notes) == 1 and "capture failed: cuStreamBeginCapture failed" in notes[0], notes
