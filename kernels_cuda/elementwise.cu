@@ -9,6 +9,7 @@
 //   add, add_rows: residual add; bias add broadcast over rows
 //   swiglu_oai: gpt-oss's clamped SwiGLU; add_id: per-expert bias rows;
 //   moe_combine: a token's expert outputs weighted and summed in routing order
+#include <cuda_fp16.h>
 #include <stdint.h>
 
 extern "C" __global__ void rms_norm(const float* x, const float* w, const float* residual, float* out, int n_cols,
@@ -43,15 +44,21 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
         float corr_low, float corr_high
 #define ROPE_PASS n_dims, base, freq_scale, neox, freq_factors, ext_factor, mscale, corr_low, corr_high
 
-// pair idx of x's (token, head) rows: one thread per pair of output dims, hd/2 pairs a row
-__device__ __forceinline__ void rope_pair_at(const float* x, float* out, const int* positions, long long idx,
-                                             int n_heads, int hd, ROPE_ARGS) {
+// Pair idx of x's (token, head) rows (one thread per pair of output dims, hd/2 pairs a row):
+// the two dims a, b of row `row` it gives and their values.
+struct RopePair {
+    long long row;
+    int a, b;
+    float ya, yb;
+};
+
+__device__ __forceinline__ RopePair rope_pair_values(const float* x, const int* positions, long long idx,
+                                                     int n_heads, int hd, ROPE_ARGS) {
     const int pairs = hd / 2;
     const int i = (int)(idx % pairs);
     const long long row = idx / pairs;
     const int tok = (int)(row / n_heads);
     const float* xr = x + row * hd;
-    float* yr = out + row * hd;
     int a, b;  // the two dims this thread writes
     const bool rotate = 2 * i < n_dims;
     if (neox) {
@@ -61,11 +68,7 @@ __device__ __forceinline__ void rope_pair_at(const float* x, float* out, const i
     } else {
         a = 2 * i; b = a + 1;
     }
-    if (!rotate) {
-        yr[a] = xr[a];
-        yr[b] = xr[b];
-        return;
-    }
+    if (!rotate) return RopePair{row, a, b, xr[a], xr[b]};
     // theta in double, reduced mod 2 pi, then float sincos: float32 theta loses ~1e-3 rad
     // at positions ~1e5, double keeps long contexts matching the reference.
     double inv = pow((double)base, -2.0 * (double)i / (double)n_dims);
@@ -83,8 +86,14 @@ __device__ __forceinline__ void rope_pair_at(const float* x, float* out, const i
     sincosf((float)theta, &s, &c);
     if (ext_factor != 0.0f) { s *= mscale; c *= mscale; }
     const float x0 = xr[a], x1 = xr[b];
-    yr[a] = x0 * c - x1 * s;
-    yr[b] = x0 * s + x1 * c;
+    return RopePair{row, a, b, x0 * c - x1 * s, x0 * s + x1 * c};
+}
+
+__device__ __forceinline__ void rope_pair_at(const float* x, float* out, const int* positions, long long idx,
+                                             int n_heads, int hd, ROPE_ARGS) {
+    const RopePair p = rope_pair_values(x, positions, idx, n_heads, hd, ROPE_PASS);
+    out[p.row * hd + p.a] = p.ya;
+    out[p.row * hd + p.b] = p.yb;
 }
 
 extern "C" __global__ void rope(const float* x, float* out, const int* positions, int n_tok, int n_heads, int hd,
@@ -102,6 +111,32 @@ extern "C" __global__ void rope_qk(const float* q, float* q_out, const float* k,
         rope_pair_at(q, q_out, positions, idx, hq, hd, ROPE_PASS);
     else if (idx - nq < (long long)n_tok * hk * (hd / 2))
         rope_pair_at(k, k_out, positions, idx - nq, hk, hd, ROPE_PASS);
+}
+
+// A step's Q roped, and its K roped and V written straight into their f16 cache rows (paged
+// as attention.cu's kv_store: logical slot -> block_table[slot / bs] * bs + slot % bs): RoPE
+// and the K/V store in one launch, each value as rope and kv_store give it. Threads: Q's pairs,
+// then K's pairs, then V's values.
+extern "C" __global__ void rope_qk_store(const float* q, float* q_out, const float* k, const float* v, __half* k_cache,
+                                         __half* v_cache, const int* block_table, const int* slots,
+                                         const int* positions, int n_tok, int hq, int hk, int hd, int hd_v,
+                                         int block_size, ROPE_ARGS) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nq = (long long)n_tok * hq * (hd / 2), nk = (long long)n_tok * hk * (hd / 2);
+    if (idx < nq) {
+        rope_pair_at(q, q_out, positions, idx, hq, hd, ROPE_PASS);
+    } else if (idx - nq < nk) {
+        const RopePair p = rope_pair_values(k, positions, idx - nq, hk, hd, ROPE_PASS);
+        const int t = (int)(p.row / hk), h = (int)(p.row % hk), s = slots[t];
+        const long long r = ((long long)block_table[s / block_size] * block_size + s % block_size) * hk + h;
+        k_cache[r * hd + p.a] = __float2half(p.ya);
+        k_cache[r * hd + p.b] = __float2half(p.yb);
+    } else if (idx - nq - nk < (long long)n_tok * hk * hd_v) {
+        const long long e = idx - nq - nk, row = e / hd_v;
+        const int t = (int)(row / hk), h = (int)(row % hk), s = slots[t], d = (int)(e % hd_v);
+        const long long r = ((long long)block_table[s / block_size] * block_size + s % block_size) * hk + h;
+        v_cache[r * hd_v + d] = __float2half(v[e]);
+    }
 }
 
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, long long n) {

@@ -28,7 +28,7 @@ KERNEL_NAMES = {
                      "paged_decode_attention",
                      "paged_decode_attention_wide", "paged_decode_attention_q", "paged_decode_attention_q_wide"],
     "kv_quant.cu": ["kv_store_quant", "hadamard_rows"],
-    "elementwise.cu": ["rms_norm", "rope", "rope_qk", "silu_mul", "gelu_mul", "gelu", "mul", "mul_rows", "scale_rows", "scale", "add",
+    "elementwise.cu": ["rms_norm", "rope", "rope_qk", "rope_qk_store", "silu_mul", "gelu_mul", "gelu", "mul", "mul_rows", "scale_rows", "scale", "add",
                        "add_rows", "swiglu_oai", "add_id", "moe_combine"],
     "recurrent.cu": ["gated_delta_net", "ssm_conv_silu", "delta_gates", "l2_norm_rows", "sigmoid_mul",
                      "qkv_split_norm"],
@@ -255,6 +255,22 @@ def rope_qk(q, k, positions, n_dims: int, base: float, freq_scale: float, neox: 
          np.int32(1 if neox else 0), freq_factors, np.float32(ext), np.float32(mscale), np.float32(low),
          np.float32(high))
     return q_out, k_out
+
+
+def rope_qk_store(q, k, v, positions, k_cache, v_cache, block_table, slots, block_size: int, n_dims: int,
+                  base: float, freq_scale: float, neox: bool, freq_factors=None, yarn=None):
+    """`rope_qk` of q and k, with k and v (n, n_kv, hd / hd_v) written into their f16 cache rows
+    at the logical `slots` as kv_store writes them, in one launch. Returns rotated q."""
+    n, hq, hd = q.shape
+    hk, hd_v = k.shape[1], v.shape[2]
+    q_out = _empty(q.shape)
+    grid, block = _grid1d(n * (hq + hk) * (hd // 2) + n * hk * hd_v)
+    ext, mscale, low, high = yarn if yarn is not None else (0.0, 1.0, 0.0, 0.0)
+    _run("elementwise.cu", "rope_qk_store", grid, block, q, q_out, k, v, k_cache, v_cache, block_table, slots, positions,
+         np.int32(n), np.int32(hq), np.int32(hk), np.int32(hd), np.int32(hd_v), np.int32(block_size),
+         np.int32(n_dims), np.float32(base), np.float32(freq_scale), np.int32(1 if neox else 0), freq_factors,
+         np.float32(ext), np.float32(mscale), np.float32(low), np.float32(high))
+    return q_out
 
 
 def _binary(name: str, a, b):

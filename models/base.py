@@ -248,8 +248,7 @@ class Transformer:
                   positions: np.ndarray, slots: np.ndarray, kv: "KVView") -> np.ndarray:
         """RoPE q/k, store k/v in the cache, attend; q: (n, n_head, hd) -> (n, n_head*hd_v)."""
         cfg, be = self.config, self.backend
-        q, k = be.rope_qk(q, k, positions, *self.rope_args(i))
-        kv.store(i, slots, k, v)
+        q = be.rope_store(q, k, v, positions, self.rope_args(i), kv, i, slots)
         window = cfg.sliding_window if cfg.is_swa(i) else 0
         if cfg.attn_scale:  # Gemma scales Q itself before attention, as llama.cpp does
             q_scale, kq_scale = cfg.attn_scale, 1.0

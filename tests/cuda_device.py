@@ -23,8 +23,8 @@ import pytest
 from edgeinfer.kernels_cuda import launch, runtime
 
 _ENV = ("EDGEINFER_CUDA", "EDGEINFER_CUDA_EMULATE_ORDER", "EDGEINFER_CUDA_EMULATE_VRAM_MB")
-# launchers whose calls emulated() counts, plus "kv_store_tokens" (tokens kv_store wrote)
-COUNTED = ("linear", "linear_many", "linear_glu", "rope_qk", "rms_norm", "rope", "silu_mul", "gelu_mul", "add",
+# launchers whose calls emulated() counts, plus "kv_store_tokens" (tokens kv_store or rope_qk_store wrote)
+COUNTED = ("linear", "linear_many", "linear_glu", "rope_qk", "rope_qk_store", "rms_norm", "rope", "silu_mul", "gelu_mul", "add",
            "add_rows", "kv_store", "attention",
            "copy_rows", "expert_linear", "add_id", "moe_combine", "swiglu_oai", "gelu", "mul", "mul_rows", "scale",
            "scale_rows")
@@ -90,8 +90,8 @@ def _counted(fn, calls: dict[str, int]):
     @functools.wraps(fn)
     def wrapper(*args, **kw):
         calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
-        if fn.__name__ == "kv_store":
-            calls["kv_store_tokens"] = calls.get("kv_store_tokens", 0) + args[5].size
+        if fn.__name__ in ("kv_store", "rope_qk_store"):  # the K/V store, alone or with RoPE
+            calls["kv_store_tokens"] = calls.get("kv_store_tokens", 0) + args[5 if fn.__name__ == "kv_store" else 7].size
         return fn(*args, **kw)
 
     return wrapper
@@ -106,3 +106,8 @@ class _LazyModule:
 
 
 gpuarray = _LazyModule("pycuda.gpuarray")
+
+
+def kv_stores(calls: dict[str, int]) -> int:
+    """Launches that wrote new K/V rows into VRAM: kv_store, or rope_qk_store (RoPE and the store in one)."""
+    return calls.get("kv_store", 0) + calls.get("rope_qk_store", 0)

@@ -99,3 +99,29 @@ def test_the_fused_launchers_refuse_what_they_cannot_take():
         launch.linear_many([(w, Q.Q8_0, 32)] * 4, 64, _x(1, 64))
     with pytest.raises(ValueError, match="up to 4 tokens"):
         launch.linear_glu((w, Q.Q8_0), (w, Q.Q8_0), 32, 64, _x(5, 64), "silu")
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_and_the_kv_store_in_one_launch(neox):
+    """Q rotated as rope_qk gives it; K rotated and V written into their paged f16 rows as
+    kv_store writes them (blocks scattered through a table), and nothing else of the cache touched."""
+    rng = np.random.default_rng(12)
+    n, hq, hk, hd, bs = 3, 8, 2, 64, 4
+    q = gpuarray.to_gpu(rng.standard_normal((n, hq, hd)).astype(np.float32))
+    k = gpuarray.to_gpu(rng.standard_normal((n, hk, hd)).astype(np.float32))
+    v = gpuarray.to_gpu(rng.standard_normal((n, hk, 48)).astype(np.float32))
+    pos = gpuarray.to_gpu(np.array([9, 10, 11], np.int32))
+    table = gpuarray.to_gpu(np.array([3, 1, 0, 2], np.int32))
+    slots = gpuarray.to_gpu(np.array([7, 8, 9], np.int32))  # across a block boundary
+    rope = (48, 10000.0, 1.0, neox, None, None)
+    caches = []
+    for _ in range(2):
+        kc, vc = launch.zeros((4 * bs, hk, hd), np.float16), launch.zeros((4 * bs, hk, 48), np.float16)
+        caches.append((kc, vc))
+    q_fused = launch.rope_qk_store(q, k, v, pos, *caches[0], table, slots, bs, *rope).get()
+    q_plain, k_plain = launch.rope_qk(q, k, pos, *rope)
+    launch.kv_store(k_plain, v, *caches[1], table, slots, bs)
+    assert np.array_equal(q_fused, q_plain.get())
+    for fused, plain in zip(caches[0], caches[1]):
+        assert np.array_equal(fused.get(), plain.get())
+    assert np.count_nonzero(caches[0][0].get().any(axis=(1, 2))) == n  # only the three rows written

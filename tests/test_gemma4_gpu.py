@@ -127,7 +127,7 @@ def test_the_session_manager_with_vram_blocks_matches_the_cpu(tmp_path, cuda_emu
         assert dev.k[i].shape[-1] == cfg.head_dim_of(i)
     prompts = branching_prompts(np.random.default_rng(3), cfg.n_vocab, 22, branch_at=13, edit_at=18)
     compare_managers(mgrs, [cpu.engine, gpu.engine], prompts, atol=DEVICE_ATOL)
-    assert cuda_emulator["attention"] > 0 and cuda_emulator["kv_store"] > 0
+    assert cuda_emulator["attention"] > 0 and cuda_device.kv_stores(cuda_emulator) > 0
     saved = [m.export_kv() for m in mgrs]
     assert saved[0].tokens == saved[1].tokens
     assert [x.shape[2] for x in saved[1].k] == [cfg.head_dim_of(i) if cfg.owns_kv(i) else 0 for i in range(8)]

@@ -26,7 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, quants
 
 from edgeinfer.kv.contiguous import KVCache
-from edgeinfer.rope import ROPE_NEOX, Yarn
+from edgeinfer.rope import ROPE_NEOX, RopeArgs, Yarn
 
 if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
@@ -249,6 +249,14 @@ class Backend:
         """`rope` of a step's Q and of its K, which a backend may run as one step."""
         return (self.rope(q, positions, n_dims, base, freq_scale, mode, freq_factors, yarn),
                 self.rope(k, positions, n_dims, base, freq_scale, mode, freq_factors, yarn))
+
+    def rope_store(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, rope: "RopeArgs",
+                   kv: "KVView", layer: int, slots: np.ndarray) -> np.ndarray:
+        """RoPE of Q and K, and K/V stored in `layer`'s `slots` of kv: rotated Q. A backend may run
+        the rotation and the store as one step."""
+        q, k = self.rope_qk(q, k, positions, *rope)
+        kv.store(layer, slots, k, v)
+        return q
 
     def rope(self, x: np.ndarray, positions: np.ndarray, n_dims: int, base: float,
              freq_scale: float, mode: str, freq_factors: str | None, yarn: Yarn | None = None) -> np.ndarray:

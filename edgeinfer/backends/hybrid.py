@@ -27,10 +27,10 @@ from edgeinfer.backends.cuda_graph import StepGraphs
 from edgeinfer.backends.device_tensor import DeviceTensor
 from edgeinfer.kernels_cuda import graph, launch
 from edgeinfer.kernels_cuda.graph import HIDDEN, POSITIONS
-from edgeinfer.kv.device_storage import CudaKVCache, DeviceBlockStorage, device_kv
+from edgeinfer.kv.device_storage import CudaKVCache, DeviceBlockStorage, device_kv, f16_store_target
 from edgeinfer.kv.pool_sizing import vram_kv_blocks
 from edgeinfer.kv.view import KVView
-from edgeinfer.rope import ROPE_NEOX, Yarn
+from edgeinfer.rope import ROPE_NEOX, RopeArgs, Yarn
 
 if TYPE_CHECKING:
     from edgeinfer.gguf_file import GGUFFile
@@ -375,6 +375,22 @@ class HybridBackend(Backend):
         qo, ko = launch.rope_qk(q.array, k.array, self._ints(positions), n_dims, base, freq_scale, mode == ROPE_NEOX,
                                 ff, yarn)
         return DeviceTensor(qo, self), DeviceTensor(ko, self)
+
+    def rope_store(self, q: Any, k: Any, v: Any, positions: np.ndarray, rope: RopeArgs, kv: KVView, layer: int,
+                   slots: np.ndarray) -> Any:
+        """RoPE of Q and K and the K/V store in one launch, where K and V go straight into an f16
+        VRAM cache."""
+        fused = isinstance(q, DeviceTensor) and isinstance(k, DeviceTensor) and isinstance(v, DeviceTensor) \
+            and q.shape[-1] == k.shape[-1] and v.ndim == 3
+        target = f16_store_target(kv, layer, slots) if fused else None
+        if target is None:
+            return super().rope_store(q, k, v, positions, rope, kv, layer, slots)
+        n_dims, base, freq_scale, mode, freq_factors, yarn = rope
+        ff = self.cuda.vector_gpu(freq_factors) if freq_factors else None
+        qo = launch.rope_qk_store(q.array, k.array, v.array, self._ints(positions), target.k, target.v,
+                                  target.block_table, target.slots, target.block_size, n_dims, base, freq_scale,
+                                  mode == ROPE_NEOX, ff, yarn)
+        return DeviceTensor(qo, self)
 
     def attention(self, q: Any, kv: KVView, layer: int, positions: np.ndarray, scale: float,
                   window: int, q_scale: float = 1.0, sinks: str | None = None) -> Any:

@@ -113,6 +113,13 @@ class CudaKVCache(KVCache):
         store_rows(self.cache_types, k, v, self.k_dev[layer], self.v_dev[layer], self.block_table,
                    self._device_step(slots).slots, self.n_ctx)
 
+    def f16_store_target(self, layer: int, slots: np.ndarray) -> "F16StoreTarget | None":
+        """Where store(layer, slots, ...) writes f16 rows straight into VRAM (None: elsewhere)."""
+        if layer not in self.gpu_layers or self.cache_types.quantized:
+            return None
+        return F16StoreTarget(self.k_dev[layer], self.v_dev[layer], self.block_table, self._device_step(slots).slots,
+                              self.n_ctx)
+
     def layer_view(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if layer not in self.gpu_layers:
             return super().layer_view(layer)
@@ -183,6 +190,18 @@ class _SeqState:
         self.graph_fields: tuple[Any, DeviceStep] | None = None  # (table, step) as a graph's step inputs
         self.graph_key: tuple | None = None  # (inputs, n_held, n_dropped, appends) they were written for
         self.appends = 0  # appends so far: which step the cached step ints belong to
+
+
+@dataclass(frozen=True)
+class F16StoreTarget:
+    """Where a store of new K/V rows lands as f16 in VRAM, as kv_store takes it: the cache rows,
+    the block table and the rows' logical slots (int32, VRAM)."""
+
+    k: Any
+    v: Any
+    block_table: Any
+    slots: Any
+    block_size: int
 
 
 @dataclass(frozen=True)
@@ -276,6 +295,13 @@ class DeviceBlockStorage:
         bs = self.block_size
         for flat in (*self.k_flat.values(), *self.v_flat.values(), self.pos):
             launch.copy_rows(flat, src * bs, dst * bs, n)
+
+    def f16_store_target(self, seq: "SequenceKV", layer: int, slots: np.ndarray) -> F16StoreTarget | None:
+        """Where store(seq, layer, slots, ...) writes f16 rows (None: a quantized type, or no VRAM)."""
+        if layer not in self.layers or self.types.quantized:
+            return None
+        return F16StoreTarget(self.k[layer], self.v[layer], self.block_table(seq), self._logical_slots(seq, slots),
+                              self.block_size)
 
     def layer_view(self, seq: "SequenceKV", layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies (n_held, n_kv, hd) / (..., hd_v) of the sequence's K/V, in token order."""
@@ -377,6 +403,19 @@ def prepare_graph_step(kv: Any) -> bool:
         device.prepare_graph_step(kv)
         return True
     return False
+
+
+def f16_store_target(kv: Any, layer: int, slots: np.ndarray) -> F16StoreTarget | None:
+    """Where kv.store(layer, slots, k, v) would write f16 rows straight into VRAM with no host
+    work between (a kernel may then write them itself: rope_qk_store); None otherwise."""
+    if isinstance(kv, CudaKVCache):
+        return kv.f16_store_target(layer, slots)
+    device = getattr(getattr(kv, "cache", None), "device", None)
+    if isinstance(device, DeviceBlockStorage):
+        device_slots = kv.direct_device_slots(layer, slots)
+        if device_slots is not None:
+            return device.f16_store_target(kv, layer, device_slots)
+    return None
 
 
 def device_kv(kv: Any, layer: int) -> DevicePagedKV | None:

@@ -144,6 +144,14 @@ class SequenceKV(KVView):
             self.recurrent.begin(self.n_used - n, n)
         return slots
 
+    def direct_device_slots(self, layer: int, slots: np.ndarray) -> np.ndarray | None:
+        """The device slots store(layer, slots, ...) hands the VRAM blocks unchanged (the latest
+        append's, every row kept), or None where store() has more to do."""
+        c, last = self.cache, self._last
+        if last is None or slots is not last.slots or layer not in c.device_layers or last.first[c.group_of[layer].index]:
+            return None
+        return last.device_slots
+
     def store(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray, encoded: bool = False) -> None:
         """K/V rows of `layer` into `slots`: float rows the cache encodes to its types, or with
         `encoded` rows already as it stores them (saved K/V)."""
