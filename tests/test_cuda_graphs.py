@@ -74,6 +74,18 @@ def _both(monkeypatch, calls, work) -> tuple[list, list, int]:
     return eager, graphed, n_graphs
 
 
+def _greedy_counting(engine, prompt: list[int], n: int, calls) -> list[dict]:
+    """A prompt, then n greedy decode steps: each step's driver calls, by kind."""
+    kv = engine.new_cache()
+    token = int(np.argmax(engine.prefill(prompt, kv)))
+    per_token = []
+    for _ in range(n):
+        before = dict(calls)
+        token = int(np.argmax(engine.decode(token, kv)))
+        per_token.append({k: v - before.get(k, 0) for k, v in calls.items() if v != before.get(k, 0)})
+    return per_token
+
+
 def _assert_same(eager: list, graphed: list) -> None:
     assert len(eager) == len(graphed)
     for i, (a, b) in enumerate(zip(eager, graphed)):
@@ -85,14 +97,7 @@ def test_a_decoded_token_is_three_driver_calls_and_the_eager_bits(tiny_models, c
     per_token: list[dict] = []
 
     def work(factory):
-        engine = factory(tiny_models[arch])
-        kv = engine.new_cache()
-        token = int(np.argmax(engine.prefill([1, 5, 9, 20, 7, 3], kv)))
-        per_token.clear()
-        for _ in range(12):
-            before = dict(calls)
-            token = int(np.argmax(engine.decode(token, kv)))
-            per_token.append({k: v - before.get(k, 0) for k, v in calls.items() if v != before.get(k, 0)})
+        per_token[:] = _greedy_counting(factory(tiny_models[arch]), [1, 5, 9, 20, 7, 3], 12, calls)
 
     eager, graphed, n_graphs = _both(monkeypatch, calls, work)
     _assert_same(eager, graphed)
@@ -176,14 +181,8 @@ def test_a_partial_offload_replays_its_gpu_layers(tiny_models, calls, monkeypatc
     per_token: list[dict] = []
 
     def work(factory):
-        engine = factory(tiny_models["llama"], gpu_layers=gpu_layers, head=head)
-        kv = engine.new_cache()
-        token = int(np.argmax(engine.prefill([3, 4, 5, 9], kv)))
-        per_token.clear()
-        for _ in range(8):
-            before = dict(calls)
-            token = int(np.argmax(engine.decode(token, kv)))
-            per_token.append({k: v - before.get(k, 0) for k, v in calls.items() if v != before.get(k, 0)})
+        per_token[:] = _greedy_counting(factory(tiny_models["llama"], gpu_layers=gpu_layers, head=head), [3, 4, 5, 9],
+                                        8, calls)
 
     eager, graphed, n_graphs = _both(monkeypatch, calls, work)
     _assert_same(eager, graphed)
