@@ -403,7 +403,8 @@ __device__ __forceinline__ void gemm_impl(const uint8_t* __restrict__ W, long lo
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 720
 #define EI_IMMA 1
 #endif
-#define QLD (GK + 16)  // int8 rows of 48 bytes: WMMA's 16-byte row alignment
+#define QH 16  // an int8 tile is kept as its two 16-value halves of K, rows of 16 bytes: every
+               // WMMA pointer (16 rows on) 32-byte aligned and ldm 16 bytes, as WMMA requires
 #define CLD 32         // a warp's int32 tile: 32 tokens x 32 rows
 
 template <int T>
@@ -415,8 +416,8 @@ __device__ __forceinline__ void gemm_q8_impl(const uint8_t* __restrict__ W, long
 #else
     using namespace nvcuda;
     constexpr int HALVES = T == T_Q6_K ? 2 : 1;
-    __shared__ __align__(32) int8_t xq[GM * QLD];
-    __shared__ __align__(32) int8_t wq[GN * QLD];
+    __shared__ __align__(32) int8_t xq[2][GM * QH];
+    __shared__ __align__(32) int8_t wq[2][GN * QH];
     __shared__ float x_d[GM], x_sum[GM], w_d[GN][2], w_m[GN];
     __shared__ __align__(32) int ci[4][32 * CLD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -437,7 +438,7 @@ __device__ __forceinline__ void gemm_q8_impl(const uint8_t* __restrict__ W, long
                 for (int i = 0; i < 32; ++i) q[i] = 0;
             }
 #pragma unroll
-            for (int i = 0; i < 32; ++i) wq[tid * QLD + i] = q[i];
+            for (int i = 0; i < 32; ++i) wq[i >> 4][tid * QH + (i & 15)] = q[i];
             w_d[tid][0] = d[0];
             w_d[tid][1] = d[1];
             w_m[tid] = m;
@@ -453,7 +454,7 @@ __device__ __forceinline__ void gemm_q8_impl(const uint8_t* __restrict__ W, long
             }
             const float d = amax / 127.0f;
 #pragma unroll
-            for (int i = 0; i < 32; ++i) xq[t * QLD + i] = (int8_t)(amax == 0.0f ? 0 : (int)roundf(v[i] / d));
+            for (int i = 0; i < 32; ++i) xq[i >> 4][t * QH + (i & 15)] = (int8_t)(amax == 0.0f ? 0 : (int)roundf(v[i] / d));
             x_d[t] = d;
             x_sum[t] = sum;
         }
@@ -471,10 +472,10 @@ __device__ __forceinline__ void gemm_q8_impl(const uint8_t* __restrict__ W, long
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, signed char, wmma::col_major> b[2];
 #pragma unroll
                 for (int i = 0; i < 2; ++i)
-                    wmma::load_matrix_sync(a[i], reinterpret_cast<const signed char*>(xq) + (wm + 16 * i) * QLD + kk, QLD);
+                    wmma::load_matrix_sync(a[i], reinterpret_cast<const signed char*>(xq[kk / 16]) + (wm + 16 * i) * QH, QH);
 #pragma unroll
                 for (int j = 0; j < 2; ++j)
-                    wmma::load_matrix_sync(b[j], reinterpret_cast<const signed char*>(wq) + (wn + 16 * j) * QLD + kk, QLD);
+                    wmma::load_matrix_sync(b[j], reinterpret_cast<const signed char*>(wq[kk / 16]) + (wn + 16 * j) * QH, QH);
 #pragma unroll
                 for (int i = 0; i < 2; ++i)
 #pragma unroll

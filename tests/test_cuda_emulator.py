@@ -96,6 +96,43 @@ def test_wmma_tile_is_a_matrix_product(build_dir):
     np.testing.assert_allclose(c.get(), want, rtol=1e-5, atol=1e-5)
 
 
+INT8_WMMA_SOURCE = r"""
+#include <mma.h>
+using namespace nvcuda;
+extern "C" __global__ void tile8(const signed char* a, const signed char* b, int* c, int shift, int ldm) {
+    __shared__ __align__(32) signed char sa[16 * 64];
+    for (int i = threadIdx.x; i < 16 * 64; i += 32) sa[i] = i < 256 ? a[i] : 0;
+    __syncwarp();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, signed char, wmma::row_major> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, signed char, wmma::col_major> fb;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, int> acc;
+    wmma::fill_fragment(acc, 3);
+    wmma::load_matrix_sync(fa, sa + shift, ldm);
+    wmma::load_matrix_sync(fb, b, 16);
+    wmma::mma_sync(acc, fa, fb, acc);
+    wmma::store_matrix_sync(c, acc, 16, wmma::mem_row_major);
+}
+"""
+
+
+def test_int8_wmma_sums_exactly_and_wants_aligned_tiles(build_dir):
+    """8-bit operands with int32 sums, exact (as IMMA); a tile pointer off 32 bytes or an ldm
+    that is not a multiple of 16 bytes is refused as the CUDA guide requires (a GPU would not say)."""
+    from edgeinfer.kernels_cuda.emulator.kernel import LaunchError
+
+    rng = np.random.default_rng(1)
+    a = rng.integers(-128, 128, (16, 16)).astype(np.int8)
+    bt = rng.integers(-128, 128, (16, 16)).astype(np.int8)
+    f = _module(INT8_WMMA_SOURCE, build_dir).get_function("tile8")
+    c = gpuarray.empty((16, 16), np.int32)
+    f(gpuarray.to_gpu(a), gpuarray.to_gpu(bt), c, np.int32(0), np.int32(16), block=(32, 1, 1), grid=(1, 1))
+    np.testing.assert_array_equal(c.get(), a.astype(np.int64) @ bt.astype(np.int64).T + 3)
+    for shift, ldm, what in ((16, 16, "not 32-byte aligned"), (0, 24, "not a multiple of 16 bytes")):
+        with pytest.raises(LaunchError, match=what):
+            f(gpuarray.to_gpu(a), gpuarray.to_gpu(bt), c, np.int32(shift), np.int32(ldm), block=(32, 1, 1),
+              grid=(1, 1))
+
+
 def test_new_device_memory_is_nan():
     assert np.isnan(gpuarray.empty(100, np.float32).get()).all()
     assert np.isnan(gpuarray.empty(10, np.float16).get()).all()

@@ -50,8 +50,20 @@ inline void load_finish(::emu::WarpOp& w) {
     }
 }
 
+// What the CUDA guide requires of a WMMA load or store, which a GPU does not check: the pointer
+// 256-bit (32-byte) aligned, ldm a multiple of 16 bytes.
+template <class T>
+inline void check_layout(const char* what, const T* p, unsigned ldm) {
+    if (reinterpret_cast<uintptr_t>(p) % 32)
+        ::emu::fail("%s: the pointer %p is not 32-byte aligned, as WMMA requires", what, (const void*)p);
+    if ((ldm * sizeof(T)) % 16)
+        ::emu::fail("%s: ldm %u (%zu bytes) is not a multiple of 16 bytes, as WMMA requires", what, ldm,
+                    (size_t)ldm * sizeof(T));
+}
+
 template <class Frag, class T>
 inline void load(Frag& f, const T* p, unsigned ldm, int transposed) {
+    check_layout("wmma::load_matrix_sync", p, ldm);
     LoadArgs<Frag, T> args{&f, p, ldm, transposed};
     ::emu::warp_op(6, "wmma::load_matrix_sync", __FILE__, __LINE__, 0xffffffffu, &args, load_finish<Frag, T>);
 }
@@ -160,6 +172,7 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, TD>& d, const fragment<ma
 
 template <class T>
 inline void store_matrix_sync(T* p, const fragment<accumulator, 16, 16, 16, T>& f, unsigned ldm, layout_t layout) {
+    detail::check_layout("wmma::store_matrix_sync", p, ldm);
     detail::StoreArgs<T> args{p, f.x, ldm, layout};
     ::emu::warp_op(5, "wmma::store_matrix_sync", __FILE__, __LINE__, 0xffffffffu, &args, detail::store_finish<T>);
 }
