@@ -274,3 +274,26 @@ def test_a_refused_capture_leaves_the_shape_eager_and_says_so(tiny_models, calls
     assert calls["graph_launch"] == before and all(np.isfinite(o).all() for o in outs)
     notes = engine.step_graphs.notes
     assert len(notes) == 1 and "capture failed: cuStreamBeginCapture failed" in notes[0], notes
+
+
+def test_experts_routed_on_the_host_keep_the_step_eager(tmp_path, calls, monkeypatch):
+    """A mixture of experts picks its experts on the host from the router's logits, downloaded
+    between the GPU's launches: a replay could not redo that, so the recording finds the download,
+    the step stays eager with its bits, and the reason is noted once."""
+    from gguf_factory import bpe_vocab, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", "F32", vocab=bpe_vocab("qwen2"))
+
+    def work(factory):
+        engine = factory(path)
+        kv = engine.new_cache()
+        token = int(np.argmax(engine.prefill([3, 4, 5], kv)))
+        for _ in range(5):
+            token = int(np.argmax(engine.decode(token, kv)))
+        notes.extend(engine.step_graphs.notes)
+
+    notes: list[str] = []
+    eager, graphed, n_graphs = _both(monkeypatch, calls, work)
+    _assert_same(eager, graphed)
+    assert n_graphs == 0
+    assert notes == ["CUDA graphs: a step runs eagerly: a tensor downloaded in the middle of the step"], notes

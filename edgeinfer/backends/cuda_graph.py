@@ -71,7 +71,7 @@ class StepGraphs:
         # cycle keeps a dropped backend's VRAM (its graphs' activations) until a garbage collection
         self.backend = weakref.proxy(backend)
         self._graphs: OrderedDict[tuple, _Entry] = OrderedDict()
-        self._eager: dict[tuple, str] = {}  # shapes a recording found unreplayable, and why
+        self._eager: dict[tuple, tuple[str, Any]] = {}  # shapes found unreplayable: (why, their storage weakly)
         self._last: dict[Any, tuple] = {}  # where -> (the key of its previous step, its storage, weakly)
         self.notes: list[str] = []  # why steps ran eagerly, each said once
         self.notes_shown = 0  # how many of them --verbose has printed
@@ -122,7 +122,7 @@ class StepGraphs:
                                   undo=lambda: kv.truncate(before))
             if logits is not None:
                 return logits
-            self._drop(key)
+            self._drop(key, owner[0])
         if not self._should_record(STEP, key, owner[0]):
             return run()
         return self._record(key, owner, positions, self._embedded(model, tokens), run)
@@ -147,7 +147,7 @@ class StepGraphs:
         if g is not None:
             if self._replay(g, positions, lambda: prepare_graph_step(kv), rows, download=False):
                 return self.backend.wrap(g.output)
-            self._drop(key)
+            self._drop(key, owner[0])
         if not self._should_record((first, end), key, owner[0]):
             return run()
         return self._record(key, owner, positions, rows, run, span=True)
@@ -165,14 +165,20 @@ class StepGraphs:
         self._graphs.move_to_end(key)
         return entry.graph
 
-    def _drop(self, key: tuple) -> None:
+    def _drop(self, key: tuple, storage: Any) -> None:
         self._graphs.pop(key).graph.close()  # its inputs no longer match the step: eager from now on
-        self._eager[key] = "a replay's inputs differed from its recording's"
+        self._mark_eager(key, storage, "a replay's inputs differed from its recording's")
+
+    def _mark_eager(self, key: tuple, storage: Any, reason: str) -> None:
+        self._eager[key] = (reason, weakref.ref(storage))
+        self._note(reason)
+        self._prune()
 
     def _should_record(self, where: Any, key: tuple, storage: Any) -> bool:
         """Record on the second consecutive step of a shape (not a shape known to stay eager)."""
-        if key in self._eager:
-            self._note(self._eager[key])
+        eager = self._eager.get(key)
+        if eager is not None and eager[1]() is storage:  # (a freed storage's id may come back)
+            self._note(eager[0])
             return False
         last = self._last.get(where)  # (key, the storage it read): an id of a freed cache may come back
         repeat = last is not None and last[0] == key and last[1]() is storage
@@ -213,8 +219,7 @@ class StepGraphs:
                 self._graphs[key] = _Entry(storage, g)
                 self._prune()
                 return result
-        self._eager[key] = reason
-        self._note(reason)
+        self._mark_eager(key, storage, reason)
         return result
 
     def _replay(self, g: graph.Graph, positions: np.ndarray, kv_fields: Callable[[], Any], rows: np.ndarray,
@@ -242,6 +247,8 @@ class StepGraphs:
     def _prune(self) -> None:
         for key in [k for k, e in self._graphs.items() if e.owner() is None]:
             self._graphs.pop(key).graph.close()
+        for key in [k for k, (_, owner) in self._eager.items() if owner() is None]:
+            del self._eager[key]
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)[1].graph.close()
 
