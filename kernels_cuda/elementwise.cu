@@ -113,6 +113,14 @@ extern "C" __global__ void rope_qk(const float* q, float* q_out, const float* k,
         rope_pair_at(k, k_out, positions, idx - nq, hk, hd, ROPE_PASS);
 }
 
+// Cache row of (token, K/V head) row `row` of a step's K or V: its logical slot through the
+// block table to the physical one (attention.cu's paged_row), times the heads.
+__device__ __forceinline__ long long cache_row(const int* block_table, int block_size, const int* slots, int n_kv,
+                                               long long row) {
+    const int s = slots[row / n_kv];
+    return ((long long)block_table[s / block_size] * block_size + s % block_size) * n_kv + row % n_kv;
+}
+
 // A step's Q roped, and its K roped and V written straight into their f16 cache rows (paged
 // as attention.cu's kv_store: logical slot -> block_table[slot / bs] * bs + slot % bs): RoPE
 // and the K/V store in one launch, each value as rope and kv_store give it. Threads: Q's pairs,
@@ -127,15 +135,12 @@ extern "C" __global__ void rope_qk_store(const float* q, float* q_out, const flo
         rope_pair_at(q, q_out, positions, idx, hq, hd, ROPE_PASS);
     } else if (idx - nq < nk) {
         const RopePair p = rope_pair_values(k, positions, idx - nq, hk, hd, ROPE_PASS);
-        const int t = (int)(p.row / hk), h = (int)(p.row % hk), s = slots[t];
-        const long long r = ((long long)block_table[s / block_size] * block_size + s % block_size) * hk + h;
+        const long long r = cache_row(block_table, block_size, slots, hk, p.row);
         k_cache[r * hd + p.a] = __float2half(p.ya);
         k_cache[r * hd + p.b] = __float2half(p.yb);
     } else if (idx - nq - nk < (long long)n_tok * hk * hd_v) {
-        const long long e = idx - nq - nk, row = e / hd_v;
-        const int t = (int)(row / hk), h = (int)(row % hk), s = slots[t], d = (int)(e % hd_v);
-        const long long r = ((long long)block_table[s / block_size] * block_size + s % block_size) * hk + h;
-        v_cache[r * hd_v + d] = __float2half(v[e]);
+        const long long e = idx - nq - nk;
+        v_cache[cache_row(block_table, block_size, slots, hk, e / hd_v) * hd_v + e % hd_v] = __float2half(v[e]);
     }
 }
 

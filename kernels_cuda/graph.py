@@ -246,7 +246,6 @@ class Graph:
     inputs: StepInputs
     output: Any
     arena: list[Any]
-    n_kernels: int
     host_out: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     def launch(self, stream: Any) -> None:
@@ -284,4 +283,4 @@ def capture(rec: Recorder, stream: Any) -> Graph:
         api.abandon_capture(stream)
         raise
     handle = api.end_capture(stream)
-    return Graph(handle, rec.inputs, rec.output, rec.arena, sum(isinstance(op, KernelOp) for op in rec.ops))
+    return Graph(handle, rec.inputs, rec.output, rec.arena)

@@ -236,11 +236,16 @@ def rope(x, positions, n_dims: int, base: float, freq_scale: float, neox: bool, 
     n, heads, hd = x.shape
     out = _empty(x.shape)
     grid, block = _grid1d(n * heads * (hd // 2))
-    ext, mscale, low, high = yarn if yarn is not None else (0.0, 1.0, 0.0, 0.0)
-    _run("elementwise.cu", "rope", grid, block, x, out, positions, np.int32(n), np.int32(heads),
-         np.int32(hd), np.int32(n_dims), np.float32(base), np.float32(freq_scale), np.int32(1 if neox else 0),
-         freq_factors, np.float32(ext), np.float32(mscale), np.float32(low), np.float32(high))
+    _run("elementwise.cu", "rope", grid, block, x, out, positions, np.int32(n), np.int32(heads), np.int32(hd),
+         *_rope_args(n_dims, base, freq_scale, neox, freq_factors, yarn))
     return out
+
+
+def _rope_args(n_dims: int, base: float, freq_scale: float, neox: bool, freq_factors, yarn) -> tuple:
+    """The rope kernels' trailing arguments (ROPE_ARGS in elementwise.cu)."""
+    ext, mscale, low, high = yarn if yarn is not None else (0.0, 1.0, 0.0, 0.0)
+    return (np.int32(n_dims), np.float32(base), np.float32(freq_scale), np.int32(1 if neox else 0), freq_factors,
+            np.float32(ext), np.float32(mscale), np.float32(low), np.float32(high))
 
 
 def rope_qk(q, k, positions, n_dims: int, base: float, freq_scale: float, neox: bool, freq_factors=None, yarn=None):
@@ -249,11 +254,8 @@ def rope_qk(q, k, positions, n_dims: int, base: float, freq_scale: float, neox: 
     hk = k.shape[1]
     q_out, k_out = _empty(q.shape), _empty(k.shape)
     grid, block = _grid1d(n * (hq + hk) * (hd // 2))
-    ext, mscale, low, high = yarn if yarn is not None else (0.0, 1.0, 0.0, 0.0)
     _run("elementwise.cu", "rope_qk", grid, block, q, q_out, k, k_out, positions, np.int32(n), np.int32(hq),
-         np.int32(hk), np.int32(hd), np.int32(n_dims), np.float32(base), np.float32(freq_scale),
-         np.int32(1 if neox else 0), freq_factors, np.float32(ext), np.float32(mscale), np.float32(low),
-         np.float32(high))
+         np.int32(hk), np.int32(hd), *_rope_args(n_dims, base, freq_scale, neox, freq_factors, yarn))
     return q_out, k_out
 
 
@@ -265,11 +267,9 @@ def rope_qk_store(q, k, v, positions, k_cache, v_cache, block_table, slots, bloc
     hk, hd_v = k.shape[1], v.shape[2]
     q_out = _empty(q.shape)
     grid, block = _grid1d(n * (hq + hk) * (hd // 2) + n * hk * hd_v)
-    ext, mscale, low, high = yarn if yarn is not None else (0.0, 1.0, 0.0, 0.0)
     _run("elementwise.cu", "rope_qk_store", grid, block, q, q_out, k, v, k_cache, v_cache, block_table, slots, positions,
          np.int32(n), np.int32(hq), np.int32(hk), np.int32(hd), np.int32(hd_v), np.int32(block_size),
-         np.int32(n_dims), np.float32(base), np.float32(freq_scale), np.int32(1 if neox else 0), freq_factors,
-         np.float32(ext), np.float32(mscale), np.float32(low), np.float32(high))
+         *_rope_args(n_dims, base, freq_scale, neox, freq_factors, yarn))
     return q_out
 
 

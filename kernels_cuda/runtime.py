@@ -129,11 +129,9 @@ def module(source: str) -> Any:
     PyCUDA keys its cache on the source text, the options and nvcc's version, so a changed
     .cu or a new toolkit recompiles; otherwise the cubin is loaded from cache_dir.
     """
-    context()
-    import pycuda.driver as cuda
     from pycuda.compiler import SourceModule
 
-    arch = arch_name(cuda.Device(0).compute_capability())
+    arch = arch_name(compute_capability())  # (the context made current first)
     text = (KERNEL_DIR / source).read_text()
     return SourceModule(text, arch=arch, no_extern_c=True, options=nvcc_options(arch),
                         cache_dir=str(cache_dir(arch)))

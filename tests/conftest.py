@@ -24,6 +24,19 @@ def tiny_models(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def gpu_both_orders():
+    """For a module of kernel tests: the GPU, or the emulator running every launch twice, blocks
+    and threads in forward and in reversed order (a difference is reported as a race)."""
+    import cuda_device
+
+    from edgeinfer.kernels_cuda import runtime
+
+    with cuda_device.device(order="both"):
+        runtime.context()
+        yield
+
+
 @pytest.fixture
 def cuda_emulator(monkeypatch):
     """The CUDA emulator in pycuda's place for one test; yields the launchers' call counts."""

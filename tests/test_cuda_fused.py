@@ -14,17 +14,13 @@ from cuda_device import gpuarray
 from gguf import GGMLQuantizationType as Q
 from gguf_factory import random_blocks
 
-from edgeinfer.kernels_cuda import launch, runtime
+from edgeinfer.kernels_cuda import launch
 from edgeinfer.rope import Yarn
 
 cuda_device.require()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ctx():
-    with cuda_device.device(order="both"):
-        runtime.context()
-        yield
+pytestmark = pytest.mark.usefixtures("gpu_both_orders")
 
 
 def _matrix(qtype: Q, n_rows: int, n_cols: int, seed: int):

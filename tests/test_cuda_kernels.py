@@ -31,11 +31,7 @@ cuda_device.require()
 TYPES = list(launch.QTYPE_SUFFIX)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ctx():
-    with cuda_device.device(order="both"):
-        runtime.context()
-        yield
+pytestmark = pytest.mark.usefixtures("gpu_both_orders")
 
 
 class _Ref(Backend):

@@ -33,11 +33,7 @@ cuda_device.require()
 QUANT = [t for t in ALLOWED if t != "f16"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ctx():
-    with cuda_device.device(order="both"):
-        runtime.context()
-        yield
+pytestmark = pytest.mark.usefixtures("gpu_both_orders")
 
 
 def _stored(types: CacheTypes, which: str, x: np.ndarray) -> np.ndarray:

@@ -13,16 +13,12 @@ import pytest
 from cuda_device import gpuarray
 
 from edgeinfer.kernels_cpu import delta_net as dn
-from edgeinfer.kernels_cuda import launch, runtime
+from edgeinfer.kernels_cuda import launch
 
 cuda_device.require()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ctx():
-    with cuda_device.device(order="both"):
-        runtime.context()
-        yield
+pytestmark = pytest.mark.usefixtures("gpu_both_orders")
 
 
 def _up(a):

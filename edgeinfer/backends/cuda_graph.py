@@ -32,7 +32,7 @@ import numpy as np
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.kernels_cuda import graph
 from edgeinfer.kernels_cuda.graph import HIDDEN, POSITIONS
-from edgeinfer.kv.device_storage import CudaKVCache, DeviceBlockStorage, prepare_graph_step
+from edgeinfer.kv.device_storage import CudaKVCache, paged_device, prepare_graph_step
 
 MAX_ROWS = 16  # steps of up to this many tokens become graphs (decode, speculative verification)
 MAX_GRAPHS = 8  # graphs kept, least recently used dropped first
@@ -51,10 +51,8 @@ def kv_owner(kv: Any) -> tuple[Any, int] | None:
     the K/V are not in VRAM."""
     if isinstance(kv, CudaKVCache):
         return kv, 1
-    device = getattr(getattr(kv, "cache", None), "device", None)
-    if isinstance(device, DeviceBlockStorage):
-        return device, device.table_capacity(kv)
-    return None
+    device = paged_device(kv)
+    return None if device is None else (device, device.table_capacity(kv))
 
 
 class _Entry:
@@ -233,10 +231,10 @@ class StepGraphs:
                 kv_fields()
             inputs.write(POSITIONS, np.asarray(positions, np.int32))
             inputs.write(HIDDEN, rows)
+            complete = inputs.written == inputs.names
         except graph.GraphUnsupported:
-            undo()
-            return None
-        if inputs.written != inputs.names:
+            complete = False
+        if not complete:
             undo()
             return None
         if download:
@@ -251,8 +249,3 @@ class StepGraphs:
             del self._eager[key]
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)[1].graph.close()
-
-    def close(self) -> None:
-        for entry in self._graphs.values():
-            entry.graph.close()
-        self._graphs.clear()

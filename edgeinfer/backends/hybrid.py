@@ -361,17 +361,21 @@ class HybridBackend(Backend):
     def rope(self, x: Any, positions: np.ndarray, n_dims: int, base: float, freq_scale: float, mode: str,
              freq_factors: str | None, yarn: Yarn | None = None) -> Any:
         if isinstance(x, DeviceTensor):
-            ff = self.cuda.vector_gpu(freq_factors) if freq_factors else None
+            ff = self._freq_factors(freq_factors)
             out = launch.rope(x.array, self._ints(positions), n_dims, base, freq_scale, mode == ROPE_NEOX, ff, yarn)
             return DeviceTensor(out, self)
         return self.cpu.rope(x, positions, n_dims, base, freq_scale, mode, freq_factors, yarn)
+
+    def _freq_factors(self, name: str | None) -> Any:
+        """RoPE's per-frequency divisors in VRAM (None: none)."""
+        return self.cuda.vector_gpu(name) if name else None
 
     def rope_qk(self, q: Any, k: Any, positions: np.ndarray, n_dims: int, base: float, freq_scale: float, mode: str,
                 freq_factors: str | None, yarn: Yarn | None = None) -> tuple[Any, Any]:
         """Q and K in one launch, where both are in VRAM with one head size."""
         if not (isinstance(q, DeviceTensor) and isinstance(k, DeviceTensor)) or q.shape[-1] != k.shape[-1]:
             return super().rope_qk(q, k, positions, n_dims, base, freq_scale, mode, freq_factors, yarn)
-        ff = self.cuda.vector_gpu(freq_factors) if freq_factors else None
+        ff = self._freq_factors(freq_factors)
         qo, ko = launch.rope_qk(q.array, k.array, self._ints(positions), n_dims, base, freq_scale, mode == ROPE_NEOX,
                                 ff, yarn)
         return DeviceTensor(qo, self), DeviceTensor(ko, self)
@@ -386,7 +390,7 @@ class HybridBackend(Backend):
         if target is None:
             return super().rope_store(q, k, v, positions, rope, kv, layer, slots)
         n_dims, base, freq_scale, mode, freq_factors, yarn = rope
-        ff = self.cuda.vector_gpu(freq_factors) if freq_factors else None
+        ff = self._freq_factors(freq_factors)
         qo = launch.rope_qk_store(q.array, k.array, v.array, self._ints(positions), target.k, target.v,
                                   target.block_table, target.slots, target.block_size, n_dims, base, freq_scale,
                                   mode == ROPE_NEOX, ff, yarn)

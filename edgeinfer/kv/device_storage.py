@@ -359,7 +359,7 @@ class DeviceBlockStorage:
         these inputs: at the append, or when a graph of some layers starts after it (a partial
         offload's span); while recording, the positions reach the pool by a kernel of the step."""
         st = self._state(seq)
-        inputs = device_step.graph.current_inputs()
+        inputs = graph.current_inputs()
         key = (id(inputs), seq.n_held, seq.n_dropped, st.appends)
         if st.graph_key != key:
             table = device_step.graph_table(seq.kept_blocks(), self.table_capacity(seq))
@@ -392,17 +392,19 @@ class DeviceBlockStorage:
                              self._step(seq).n_keys, self.block_size, self.hd_v[layer], self.types)
 
 
-def prepare_graph_step(kv: Any) -> bool:
+def paged_device(kv: Any) -> DeviceBlockStorage | None:
+    """The VRAM blocks of the paged pool `kv` is a sequence of, or None."""
+    device = getattr(getattr(kv, "cache", None), "device", None)
+    return device if isinstance(device, DeviceBlockStorage) else None
+
+
+def prepare_graph_step(kv: Any) -> None:
     """Write the K/V fields of the step `kv` last appended into the graph inputs being prepared
-    (edgeinfer.kernels_cuda.graph.preparing); False where the K/V are not in VRAM."""
+    (edgeinfer.kernels_cuda.graph.preparing); nothing where the K/V are not in VRAM."""
     if isinstance(kv, CudaKVCache):
         kv.prepare_graph_step()
-        return True
-    device = getattr(getattr(kv, "cache", None), "device", None)
-    if isinstance(device, DeviceBlockStorage):
+    elif (device := paged_device(kv)) is not None:
         device.prepare_graph_step(kv)
-        return True
-    return False
 
 
 def f16_store_target(kv: Any, layer: int, slots: np.ndarray) -> F16StoreTarget | None:
@@ -410,20 +412,14 @@ def f16_store_target(kv: Any, layer: int, slots: np.ndarray) -> F16StoreTarget |
     work between (a kernel may then write them itself: rope_qk_store); None otherwise."""
     if isinstance(kv, CudaKVCache):
         return kv.f16_store_target(layer, slots)
-    device = getattr(getattr(kv, "cache", None), "device", None)
-    if isinstance(device, DeviceBlockStorage):
-        device_slots = kv.direct_device_slots(layer, slots)
-        if device_slots is not None:
-            return device.f16_store_target(kv, layer, device_slots)
-    return None
+    device = paged_device(kv)
+    device_slots = kv.direct_device_slots(layer, slots) if device is not None else None
+    return None if device_slots is None else device.f16_store_target(kv, layer, device_slots)
 
 
 def device_kv(kv: Any, layer: int) -> DevicePagedKV | None:
     """`layer`'s K/V in VRAM for the attention kernels, or None where they are on the host."""
     if isinstance(kv, CudaKVCache):
         return kv.device_view(layer)
-    cache = getattr(kv, "cache", None)
-    device = getattr(cache, "device", None)
-    if isinstance(device, DeviceBlockStorage) and layer in device.layers:
-        return device.view(kv, layer)
-    return None
+    device = paged_device(kv)
+    return device.view(kv, layer) if device is not None and layer in device.layers else None

@@ -136,16 +136,24 @@ def _host(buf: np.ndarray, what: str) -> np.ndarray:
 
 
 def memcpy_htod(dest, src: np.ndarray) -> None:
-    src = _host(src, "memcpy_htod")
     sync_call("htod")
-    MEMORY.check_range(int(dest), src.nbytes, "memcpy_htod")
-    ctypes.memmove(int(dest), src.ctypes.data, src.nbytes)
+    _htod(dest, src, "memcpy_htod")
 
 
 def memcpy_dtoh(dest: np.ndarray, src) -> None:
-    dest = _host(dest, "memcpy_dtoh")
     sync_call("dtoh")
-    MEMORY.check_range(int(src), dest.nbytes, "memcpy_dtoh")
+    _dtoh(dest, src, "memcpy_dtoh")
+
+
+def _htod(dest, src: np.ndarray, what: str) -> None:
+    src = _host(src, what)
+    MEMORY.check_range(int(dest), src.nbytes, what)
+    ctypes.memmove(int(dest), src.ctypes.data, src.nbytes)
+
+
+def _dtoh(dest: np.ndarray, src, what: str) -> None:
+    dest = _host(dest, what)
+    MEMORY.check_range(int(src), dest.nbytes, what)
     ctypes.memmove(dest.ctypes.data, int(src), dest.nbytes)
 
 
@@ -206,18 +214,14 @@ def _no_capture(stream, what: str) -> None:
 
 def memcpy_htod_async(dest, src: np.ndarray, stream=None) -> None:
     _no_capture(stream, "memcpy_htod_async")
-    src = _host(src, "memcpy_htod_async")
     CALLS["htod"] += 1
-    MEMORY.check_range(int(dest), src.nbytes, "memcpy_htod_async")
-    ctypes.memmove(int(dest), src.ctypes.data, src.nbytes)
+    _htod(dest, src, "memcpy_htod_async")
 
 
 def memcpy_dtoh_async(dest: np.ndarray, src, stream=None) -> None:
     _no_capture(stream, "memcpy_dtoh_async")
-    dest = _host(dest, "memcpy_dtoh_async")
     CALLS["dtoh"] += 1
-    MEMORY.check_range(int(src), dest.nbytes, "memcpy_dtoh_async")
-    ctypes.memmove(dest.ctypes.data, int(src), dest.nbytes)
+    _dtoh(dest, src, "memcpy_dtoh_async")
 
 
 def memcpy_dtod_async(dest, src, size: int, stream=None) -> None:
