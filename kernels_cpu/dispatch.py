@@ -19,11 +19,14 @@ from .dot_kquant import (deq_row_iq4_xs, deq_row_q2_k, deq_row_q3_k, deq_row_q4_
 from .dot_q32 import (deq_row_iq4_nl, deq_row_q4_0, deq_row_q4_1, deq_row_q5_0, deq_row_q5_1, deq_row_q8_0,
                       row_iq4_nl, row_q4_0, row_q4_1, row_q5_0, row_q5_1, row_q8_0, rows_q4_0, rows_q4_1,
                       rows_q5_0, rows_q5_1, rows_q8_0)
+from .dot_iquant import (deq_row_iq1_m, deq_row_iq1_s, deq_row_iq2_s, deq_row_iq2_xs, deq_row_iq2_xxs,
+                         deq_row_iq3_s, deq_row_iq3_xxs, row_iq1_m, row_iq1_s, row_iq2_s, row_iq2_xs, row_iq2_xxs,
+                         row_iq3_s, row_iq3_xxs)
 from .dot_mxfp4 import deq_row_mxfp4, row_mxfp4, rows_mxfp4
 from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
 from .ir_helpers import I64, ROWS, X8_ROWS
-from .quant_kernels import (IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K,
-                            Q8_0)
+from .quant_kernels import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K,
+                            Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0)
 from . import compile_progress
 from .quant_types import FAST_IDS, quant_info, row_bytes
 from .tile_gemm import has_vnni
@@ -40,9 +43,11 @@ _QUARTER_Q32 = not has_vnni()
 # model compiles only its own types' code (see "Kernels per type set" below).
 _HAS_Q8_0 = _HAS_Q4_0 = _HAS_Q4_1 = _HAS_Q5_0 = _HAS_Q5_1 = _HAS_IQ4_NL = _HAS_MXFP4 = True
 _HAS_Q2_K = _HAS_Q3_K = _HAS_Q4_K = _HAS_Q5_K = _HAS_Q6_K = _HAS_IQ4_XS = _HAS_Q4_K_X8 = True
+_HAS_IQ2_XXS = _HAS_IQ2_XS = _HAS_IQ2_S = _HAS_IQ3_XXS = _HAS_IQ3_S = _HAS_IQ1_S = _HAS_IQ1_M = True
 _TYPE_NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", IQ4_NL: "IQ4_NL", MXFP4: "MXFP4",
                Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS",
-               Q4_K_X8: "Q4_K_X8"}
+               Q4_K_X8: "Q4_K_X8", IQ2_XXS: "IQ2_XXS", IQ2_XS: "IQ2_XS", IQ2_S: "IQ2_S", IQ3_XXS: "IQ3_XXS",
+               IQ3_S: "IQ3_S", IQ1_S: "IQ1_S", IQ1_M: "IQ1_M"}
 
 
 @intrinsic
@@ -168,6 +173,27 @@ def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
     elif _HAS_IQ4_XS and qt == IQ4_XS:
         for r in range(r0, r1):
             out[r] = row_iq4_xs(w, r, xq, xd, xs)
+    elif _HAS_IQ2_XXS and qt == IQ2_XXS:
+        for r in range(r0, r1):
+            out[r] = row_iq2_xxs(w, r, xq, xd, xs)
+    elif _HAS_IQ2_XS and qt == IQ2_XS:
+        for r in range(r0, r1):
+            out[r] = row_iq2_xs(w, r, xq, xd, xs)
+    elif _HAS_IQ2_S and qt == IQ2_S:
+        for r in range(r0, r1):
+            out[r] = row_iq2_s(w, r, xq, xd, xs)
+    elif _HAS_IQ3_XXS and qt == IQ3_XXS:
+        for r in range(r0, r1):
+            out[r] = row_iq3_xxs(w, r, xq, xd, xs)
+    elif _HAS_IQ3_S and qt == IQ3_S:
+        for r in range(r0, r1):
+            out[r] = row_iq3_s(w, r, xq, xd, xs)
+    elif _HAS_IQ1_S and qt == IQ1_S:
+        for r in range(r0, r1):
+            out[r] = row_iq1_s(w, r, xq, xd, xs)
+    elif _HAS_IQ1_M and qt == IQ1_M:
+        for r in range(r0, r1):
+            out[r] = row_iq1_m(w, r, xq, xd, xs)
 
 
 @njit(**_JIT)
@@ -206,6 +232,20 @@ def _deq_row(w, qt, r, y, i):
         deq_row_q2_k(w, r, y, i)
     elif _HAS_IQ4_XS and qt == IQ4_XS:
         deq_row_iq4_xs(w, r, y, i)
+    elif _HAS_IQ2_XXS and qt == IQ2_XXS:
+        deq_row_iq2_xxs(w, r, y, i)
+    elif _HAS_IQ2_XS and qt == IQ2_XS:
+        deq_row_iq2_xs(w, r, y, i)
+    elif _HAS_IQ2_S and qt == IQ2_S:
+        deq_row_iq2_s(w, r, y, i)
+    elif _HAS_IQ3_XXS and qt == IQ3_XXS:
+        deq_row_iq3_xxs(w, r, y, i)
+    elif _HAS_IQ3_S and qt == IQ3_S:
+        deq_row_iq3_s(w, r, y, i)
+    elif _HAS_IQ1_S and qt == IQ1_S:
+        deq_row_iq1_s(w, r, y, i)
+    elif _HAS_IQ1_M and qt == IQ1_M:
+        deq_row_iq1_m(w, r, y, i)
 
 
 # Decode matvecs share their work items out by claims on an atomic counter, not by a

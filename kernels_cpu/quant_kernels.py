@@ -18,9 +18,12 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from . import iq_tables as _tb
+
 # GGML type ids (gguf.GGMLQuantizationType values), as plain ints for Numba.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16, MXFP4 = 10, 11, 12, 13, 14, 20, 23, 30, 39
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 # Not a GGML type: Q4_K with its rows interleaved in groups of 8 (kernels_cpu/repack.py),
 # a copy the CPU backend makes at load for the fast kernels only.
 Q4_K_X8 = 1012
@@ -197,6 +200,8 @@ def quantize_rows_q8_k(X, XQ, XD, XS):
 def _dequant_row(w, wi8, qt, r, y, n16, n32):
     """Dequantize row r of raw weights w (u8) / wi8 (same bytes as int8) into y (n_cols,) f32."""
     n = y.shape[0]
+    if _is_iq(qt):
+        _dequant_row_iq(w, qt, r, y)
     if qt == F32:
         for k in range(n):
             y[k] = _bits_to_f32(np.uint32(w[r, 4 * k]) | (np.uint32(w[r, 4 * k + 1]) << 8)
@@ -484,11 +489,187 @@ def _dot_row_qk(w, wi8, qt, r, xq, xd, xs, n16, n32):
     return acc
 
 
+# ----------------------------------------------------------------------------- i-quants
+# The straightforward reading of ggml's block_iq* layouts (dot_iquant.py holds ggml's order):
+# each 32-value group decoded into signed integers, then summed.
+_G_IQ2XXS, _G_IQ2XS, _G_IQ2S, _G_IQ1S = _tb.IQ2XXS_GRID, _tb.IQ2XS_GRID, _tb.IQ2S_GRID, _tb.IQ1S_GRID
+_G_IQ3XXS, _G_IQ3S, _KSIGNS = _tb.IQ3XXS_GRID, _tb.IQ3S_GRID, _tb.KSIGNS_IQ2XS
+
+
+@njit(inline="always", **_JIT)
+def _iq_block_bytes(qt):
+    if qt == IQ2_XXS:
+        return 66
+    if qt == IQ2_XS:
+        return 74
+    if qt == IQ2_S:
+        return 82
+    if qt == IQ3_XXS:
+        return 98
+    if qt == IQ3_S:
+        return 110
+    return 50 if qt == IQ1_S else 56
+
+
+@njit(inline="always", **_JIT)
+def _u16(w, r, o):
+    return np.int32(w[r, o]) | (np.int32(w[r, o + 1]) << 8)
+
+
+@njit(inline="always", **_JIT)
+def _u32(w, r, o):
+    return np.int64(_u16(w, r, o)) | (np.int64(_u16(w, r, o + 2)) << 16)
+
+
+@njit(inline="always", **_JIT)
+def _grid_byte(g, j):
+    return np.int32((np.uint64(g) >> np.uint64(8 * j)) & np.uint64(255))
+
+
+@njit(**_JIT)
+def _iq_block_d(w, r, o, qt):
+    if qt != IQ1_M:
+        return f16(w[r, o], w[r, o + 1])
+    bits = ((_u16(w, r, o + 48) >> 12) | ((_u16(w, r, o + 50) >> 8) & 0xF0) | ((_u16(w, r, o + 52) >> 4) & 0xF00)
+            | (_u16(w, r, o + 54) & 0xF000))
+    return f16(bits & 255, bits >> 8)
+
+
+@njit(**_JIT)
+def _iq_group(w, r, o, qt, ib, vals, shifts):
+    """Decode 32-value group ib of the i-quant block at byte o of row r: vals[0:32] the
+    signed integer values, shifts[0:4] IQ1's +-1 per 8 values; returns the raw scales of
+    values 0-15 and 16-31."""
+    for k in range(4):
+        shifts[k] = 1
+    if qt == IQ2_XXS or qt == IQ3_XXS:
+        if qt == IQ2_XXS:
+            aux = _u32(w, r, o + 2 + 8 * ib + 4)
+        else:
+            aux = _u32(w, r, o + 66 + 4 * ib)
+        for l in range(4):
+            sg = np.int32(_KSIGNS[(aux >> (7 * l)) & 127])
+            for j in range(8):
+                if qt == IQ2_XXS:
+                    v = _grid_byte(_G_IQ2XXS[w[r, o + 2 + 8 * ib + l]], j)
+                else:
+                    v = _grid_byte(_G_IQ3XXS[w[r, o + 2 + 8 * ib + 2 * l + j // 4]], j % 4)
+                vals[8 * l + j] = -v if (sg >> j) & 1 else v
+        ls = np.int32(aux >> 28)
+        return ls, ls
+    if qt == IQ2_XS or qt == IQ2_S:
+        for l in range(4):
+            if qt == IQ2_XS:
+                q = _u16(w, r, o + 2 + 8 * ib + 2 * l)
+                g = _G_IQ2XS[q & 511]
+                sg = np.int32(_KSIGNS[q >> 9])
+            else:
+                qh = np.int32(w[r, o + 66 + ib])
+                g = _G_IQ2S[np.int32(w[r, o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300)]
+                sg = np.int32(w[r, o + 34 + 4 * ib + l])
+            for j in range(8):
+                v = _grid_byte(g, j)
+                vals[8 * l + j] = -v if (sg >> j) & 1 else v
+        sc = np.int32(w[r, o + (66 if qt == IQ2_XS else 74) + ib])
+        return sc & 15, sc >> 4
+    if qt == IQ3_S:
+        qh = np.int32(w[r, o + 66 + ib])
+        for l in range(4):
+            sg = np.int32(w[r, o + 74 + 4 * ib + l])
+            for j in range(8):
+                k = 2 * l + j // 4
+                g = _G_IQ3S[np.int32(w[r, o + 2 + 8 * ib + k]) | (((qh >> k) & 1) << 8)]
+                v = _grid_byte(g, j % 4)
+                vals[8 * l + j] = -v if (sg >> j) & 1 else v
+        ls = (np.int32(w[r, o + 106 + ib // 2]) >> (4 * (ib % 2))) & 15
+        return ls, ls
+    if qt == IQ1_S:
+        qh = _u16(w, r, o + 34 + 2 * ib)
+        for l in range(4):
+            g = _G_IQ1S[np.int32(w[r, o + 2 + 4 * ib + l]) | (((qh >> (3 * l)) & 7) << 8)]
+            for j in range(8):
+                v = _grid_byte(g, j)
+                vals[8 * l + j] = v - 256 if v > 127 else v
+            shifts[l] = -1 if qh & 0x8000 else 1
+        ls = (qh >> 12) & 7
+        return ls, ls
+    # IQ1_M
+    for l in range(4):
+        qh = np.int32(w[r, o + 32 + 2 * ib + l // 2])
+        hi = (qh << (8 if l % 2 == 0 else 4)) & 0x700
+        g = _G_IQ1S[np.int32(w[r, o + 4 * ib + l]) | hi]
+        for j in range(8):
+            v = _grid_byte(g, j)
+            vals[8 * l + j] = v - 256 if v > 127 else v
+        shifts[l] = -1 if qh & (0x08 if l % 2 == 0 else 0x80) else 1
+    sc = _u16(w, r, o + 48 + 2 * (ib // 2))
+    return (sc >> (6 * (ib % 2))) & 7, (sc >> (6 * (ib % 2) + 3)) & 7
+
+
+@njit(**_JIT)
+def _dot_row_iq(w, qt, r, xq, xd):
+    """Row r of an i-quant type dotted with Q8_K activations: every value's integer product
+    with its odd multiplier 2 s + 1, summed per block, scaled by d * dx and the type's factor."""
+    vals = np.empty(32, np.int32)
+    shifts = np.empty(4, np.int32)
+    bs = _iq_block_bytes(qt)
+    factor = np.float32(0.125) if (qt == IQ2_XXS or qt == IQ2_XS or qt == IQ2_S) else (
+        np.float32(0.25) if qt == IQ3_XXS else np.float32(1.0))
+    acc = np.float32(0.0)
+    for b in range(xd.shape[0]):
+        o = b * bs
+        isum = np.int64(0)
+        ssum = np.int64(0)
+        for ib in range(8):
+            lo, hi = _iq_group(w, r, o, qt, ib, vals, shifts)
+            for k in range(32):
+                m = 2 * (lo if k < 16 else hi) + 1
+                x = np.int64(xq[b * 256 + 32 * ib + k])
+                isum += m * vals[k] * x
+                ssum += m * shifts[k // 8] * x
+        t = factor * np.float32(isum)
+        if qt == IQ1_S or qt == IQ1_M:
+            t += np.float32(0.125) * np.float32(ssum)
+        acc += _iq_block_d(w, r, o, qt) * xd[b] * t
+    return acc
+
+
+@njit(**_JIT)
+def _dequant_row_iq(w, qt, r, y):
+    vals = np.empty(32, np.int32)
+    shifts = np.empty(4, np.int32)
+    bs = _iq_block_bytes(qt)
+    for b in range(y.shape[0] // 256):
+        o = b * bs
+        d = _iq_block_d(w, r, o, qt)
+        for ib in range(8):
+            lo, hi = _iq_group(w, r, o, qt, ib, vals, shifts)
+            for k in range(32):
+                ls = lo if k < 16 else hi
+                if qt == IQ2_XXS or qt == IQ2_XS or qt == IQ2_S or qt == IQ3_XXS:
+                    db = d * (np.float32(0.5) + np.float32(ls)) * np.float32(0.5 if qt == IQ3_XXS else 0.25)
+                    y[b * 256 + 32 * ib + k] = db * np.float32(vals[k])
+                elif qt == IQ3_S:
+                    y[b * 256 + 32 * ib + k] = d * np.float32(2 * ls + 1) * np.float32(vals[k])
+                else:
+                    shift = np.float32(0.125) * np.float32(shifts[k // 8])
+                    y[b * 256 + 32 * ib + k] = d * np.float32(2 * ls + 1) * (np.float32(vals[k]) + shift)
+
+
+@njit(inline="always", **_JIT)
+def _is_iq(qt):
+    return (qt == IQ2_XXS or qt == IQ2_XS or qt == IQ2_S or qt == IQ3_XXS or qt == IQ3_S or qt == IQ1_S
+            or qt == IQ1_M)
+
+
 @njit(parallel=True, **_JIT)
 def matvec_q_kernel(w, wi8, qt, xq, xd, xs, out, n16, n32):
     """out[r] = row r of w . (8-bit activations xq/xd/xs), for every quantized type.
     """
-    if qt == Q2_K or qt == Q3_K or qt == Q4_K or qt == Q5_K or qt == Q6_K or qt == IQ4_XS:
+    if _is_iq(qt):
+        for r in prange(out.shape[0]):
+            out[r] = _dot_row_iq(w, qt, r, xq, xd)
+    elif qt == Q2_K or qt == Q3_K or qt == Q4_K or qt == Q5_K or qt == Q6_K or qt == IQ4_XS:
         for r in prange(out.shape[0]):
             out[r] = _dot_row_qk(w, wi8, qt, r, xq, xd, xs, n16, n32)
     else:

@@ -56,6 +56,13 @@ _TABLE = (
     (T.Q5_K,    256, True,  False, "q5_k"),
     (T.Q6_K,    256, True,  True,  "q6_k"),
     (T.IQ4_XS,  256, True,  False, ""),
+    (T.IQ2_XXS, 256, True,  False, ""),
+    (T.IQ2_XS,  256, True,  False, ""),
+    (T.IQ2_S,   256, True,  False, ""),
+    (T.IQ3_XXS, 256, True,  False, ""),
+    (T.IQ3_S,   256, True,  False, ""),
+    (T.IQ1_S,   256, True,  False, ""),
+    (T.IQ1_M,   256, True,  False, ""),
 )
 
 QUANT_INFO: dict = {

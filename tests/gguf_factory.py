@@ -24,6 +24,7 @@ _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
     T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+    T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,), T.IQ1_S: (0,),
 }
 _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # Types random_blocks draws row by row from the stream (values, then a per-block quantizer):
@@ -60,6 +61,8 @@ def random_blocks(qtype, n_rows: int, n_cols: int, rng: np.random.Generator,
         e = 128 + int(np.round(np.log2(std / 5.85)))
         blocks[:, 0] = np.clip(e + rng.integers(-2, 2, n_blocks), 0, 254)   # 0xFF: not a scale
         return blocks.reshape(n_rows, n_cols // block_size * type_size)
+    if qtype == T.IQ1_M:
+        return _iq1m_blocks(blocks, rng, std, negative_scales).reshape(n_rows, n_cols // block_size * type_size)
     fields = _FP16_FIELDS[qtype]
     for off in fields:
         scale = rng.uniform(0.5, 1.0, n_blocks).astype(np.float16)
@@ -75,6 +78,31 @@ def random_blocks(qtype, n_rows: int, n_cols: int, rng: np.random.Generator,
             flip = rng.random(n_blocks) < 0.5
             blocks[flip, off + 1] ^= 0x80  # the fp16 sign bit
     return blocks.reshape(n_rows, n_cols // block_size * type_size)
+
+
+def _iq1m_scale(blocks: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+    """IQ1_M's fp16 block scale, kept in the top nibbles of its four 16-bit scale words
+    (bytes 48..56): read it, or write `scale` (float16) there first."""
+    words = blocks[:, 48:56].copy().view("<u2")
+    if scale is not None:
+        bits = scale.astype(np.float16).view("<u2")
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((bits >> (4 * k)) & 15) << 12)
+        blocks[:, 48:56] = words.view(np.uint8)
+    bits = sum(((words[:, k] >> 12) & 15) << (4 * k) for k in range(4))
+    return bits.astype("<u2").view(np.float16)
+
+
+def _iq1m_blocks(blocks, rng, std, negative_scales):
+    """Random IQ1_M blocks (random indices, shifts and sub-scales) scaled to ~N(0, std)."""
+    n = blocks.shape[0]
+    _iq1m_scale(blocks, rng.uniform(0.5, 1.0, n).astype(np.float16))
+    factor = std / max(float(quants.dequantize(blocks, T.IQ1_M).std()), 1e-12)
+    scale = _iq1m_scale(blocks).astype(np.float32) * factor
+    if negative_scales:
+        scale = np.where(rng.random(n) < 0.5, -scale, scale)
+    _iq1m_scale(blocks, scale.astype(np.float16))
+    return blocks
 
 
 # -- tiny vocabularies ----------------------------------------------------------------

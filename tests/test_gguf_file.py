@@ -120,16 +120,16 @@ def test_unsupported_quant_type(tmp_path):
     gf = GGUFFile.open(path)
     info = gf.tensors["blk.0.ffn_up.weight"]
     data = bytearray(path.read_bytes())
-    # Rewrite the tensor's type id in the header: Q8_0 (8) -> IQ2_XXS (16), same name length.
+    # Rewrite the tensor's type id in the header: Q8_0 (8) -> TQ2_0 (35), same name length.
     needle = b"blk.0.ffn_up.weight" + struct.pack("<I", 2) + struct.pack("<QQ", *info.shape)
     at = data.index(needle) + len(needle)
     assert struct.unpack_from("<I", data, at)[0] == int(T.Q8_0)
-    struct.pack_into("<I", data, at, int(T.IQ2_XXS))
-    bad = tmp_path / "iq2.gguf"
+    struct.pack_into("<I", data, at, int(T.TQ2_0))
+    bad = tmp_path / "tq2.gguf"
     bad.write_bytes(bytes(data))
     with pytest.raises((UnsupportedModelError, GGUFError)) as err:
         open_model(bad)
-    assert "IQ2_XXS" in str(err.value) or "truncated" in str(err.value) or "row length" in str(err.value)
+    assert "TQ2_0" in str(err.value) or "truncated" in str(err.value) or "row length" in str(err.value)
 
 
 def test_unknown_type_id(tmp_path):

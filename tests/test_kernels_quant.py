@@ -155,7 +155,7 @@ def test_bad_inputs_raise():
     with pytest.raises(IndexError):
         K.get_rows(w, T.Q8_0, 64, [4])
     with pytest.raises(UnsupportedModelError):
-        K.matvec(np.zeros((4, 66), np.uint8), T.IQ2_XXS, np.zeros(256, np.float32))
+        K.matvec(np.zeros((4, 66), np.uint8), T.TQ2_0, np.zeros(256, np.float32))
     with pytest.raises(UnsupportedModelError):
         K.matvec(np.zeros((4, 35), np.uint8), T.Q8_0, np.zeros(32, np.float32))
 
@@ -164,7 +164,8 @@ def test_quant_types_table():
     assert K.quant_info(T.Q4_K).block_size == 256 and K.quant_info(T.Q4_K).type_size == 144
     assert K.row_bytes(T.Q8_0, 64) == 68 and K.row_bytes(T.F32, 3) == 12
     assert set(TYPES) == {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K,
-                          T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4}
+                          T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.IQ1_S, T.IQ1_M, T.IQ2_XXS,
+                          T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S}
 
 
 def test_mxfp4_reference_is_ggml_s_and_gguf_s_dequantization():

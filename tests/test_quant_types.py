@@ -21,7 +21,7 @@ LOADABLE = [t for t in T if quant_types.is_supported(t)]
 
 def test_the_loader_accepts_exactly_the_registry_s_ggml_types():
     assert set(LOADABLE) == set(quant_types.supported_types()) == set(K.supported_types()) == SUPPORTED_TYPES
-    assert not quant_types.is_supported(T.IQ2_XXS)
+    assert not quant_types.is_supported(T.TQ2_0)
     assert not quant_types.is_supported(RepackedType.Q4_K_X8)     # a layout the backend makes, not a file type
     assert not quant_types.is_supported(int(T.Q4_K))               # an id is not a type
 
