@@ -29,7 +29,7 @@ class ModelInfo:
     embedding_length: int
     block_count: int
     head_count: int
-    head_count_kv: int
+    head_count_kv: int | list[int]  # one per layer where they differ (gemma4 26B-A4B, 31B)
     quantization: str
     tensor_types: dict[str, int]
     file_size: int
@@ -53,7 +53,7 @@ def describe(mf: ModelFile) -> ModelInfo:
         embedding_length=cfg.n_embd,
         block_count=cfg.n_layer,
         head_count=cfg.n_head,
-        head_count_kv=cfg.n_head_kv,
+        head_count_kv=list(cfg.n_head_kv_layers) if cfg.n_head_kv_layers else cfg.n_head_kv,
         quantization=quant,
         tensor_types=gf.type_counts(),
         file_size=gf.file_size,

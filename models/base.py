@@ -47,6 +47,7 @@ class Transformer:
     SWA_ROPE_SCALED: ClassVar[bool] = False  # whether sliding-window layers take the RoPE scaling too
     DEFAULT_FF: ClassVar[object] = REQUIRED  # feed_forward_length when absent (qwen35moe files have none)
     PER_LAYER_FF: ClassVar[bool] = False  # feed_forward_length may differ per layer (gemma4: config.n_ff_layers)
+    PER_LAYER_KV_HEADS: ClassVar[bool] = False  # head_count_kv may too (gemma4: config.n_head_kv_layers)
 
     def __init__(self, config: ModelConfig, gguf: "GGUFFile", backend: "Backend") -> None:
         self.config = config
@@ -75,15 +76,22 @@ class Transformer:
         if cls.PER_LAYER_FF and isinstance(n_ff, np.ndarray) and len(set(n_ff.tolist())) > 1:
             n_ff_layers = tuple(int(f) for f in n_ff)
             n_ff = max(n_ff_layers)
+        kv_heads_layers: tuple[int, ...] = ()
+        if cls.PER_LAYER_KV_HEADS and isinstance(n_head_kv, np.ndarray) and len(set(n_head_kv.tolist())) > 1:
+            kv_heads_layers = tuple(int(h) for h in n_head_kv)
+            n_head_kv = max(kv_heads_layers)
         for label, value in (("attention.head_count", n_head), ("attention.head_count_kv", n_head_kv),
                              ("feed_forward_length", n_ff)):
             if isinstance(value, np.ndarray):  # per-layer arrays: supported only when uniform
                 if len(set(value.tolist())) != 1:
-                    raise UnsupportedModelError(f"{gf.path}: per-layer {label} values are not supported")
+                    raise UnsupportedModelError(f"{gf.path}: metadata key {key(label)!r}: per-layer values that "
+                                                f"differ are not supported for {arch}")
         n_head, n_head_kv, n_ff = (int(np.asarray(v).ravel()[0]) for v in (n_head, n_head_kv, n_ff))
-        if n_head % n_head_kv:
-            raise MetadataError(f"{gf.path}: {n_head} attention heads cannot share {n_head_kv} KV heads "
-                                f"({key('attention.head_count')!r}, {key('attention.head_count_kv')!r})")
+        for i, heads in enumerate(kv_heads_layers or (n_head_kv,)):
+            if n_head % heads:
+                where = f" (layer {i})" if kv_heads_layers else ""
+                raise MetadataError(f"{gf.path}: {n_head} attention heads cannot share {heads} KV heads{where} "
+                                    f"({key('attention.head_count')!r}, {key('attention.head_count_kv')!r})")
         head_dim = meta_int(md, key("attention.key_length"), 1, MAX_HEAD_DIM, n_embd // n_head)
         if head_dim < 1:
             raise MetadataError(f"{gf.path}: metadata key {key('attention.head_count')!r} is {n_head}, "
@@ -123,6 +131,7 @@ class Transformer:
             rope_attn_factor=meta_float(md, key("rope.scaling.attn_factor"), 0.0, 1e3, 1.0, lo_exclusive=True),
             tied_embeddings="output.weight" not in gf.tensors,
             n_ff_layers=n_ff_layers,
+            n_head_kv_layers=kv_heads_layers,
         )
         return cls.adjust_config(cfg, gf)
 

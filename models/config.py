@@ -60,7 +60,7 @@ class ModelConfig:
     n_embd: int
     n_layer: int
     n_head: int
-    n_head_kv: int
+    n_head_kv: int  # K/V heads (the largest of n_head_kv_layers where they differ per layer)
     head_dim: int  # per-head size of Q and K
     head_dim_v: int  # per-head size of V
     n_ff: int
@@ -97,6 +97,8 @@ class ModelConfig:
     # shared K/V (gemma4's shared_kv_layers): per layer, the layer whose K/V it attends over
     # (itself, or an earlier layer whose K/V it reuses and never writes); () = its own
     kv_source_layers: tuple[int, ...] = ()
+    # per-layer K/V head counts (gemma4's 26B-A4B, 31B: fewer on global layers); () = n_head_kv
+    n_head_kv_layers: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -129,6 +131,10 @@ class ModelConfig:
         """Whether `layer` stores K/V of its own (not recurrent, not shared)."""
         return not self.is_recurrent(layer) and self.kv_source(layer) == layer
 
+    def n_head_kv_of(self, layer: int) -> int:
+        """K/V heads of layer `layer` (its Q heads share them in groups of n_head // this)."""
+        return self.n_head_kv_layers[layer] if self.n_head_kv_layers else self.n_head_kv
+
     def head_dim_of(self, layer: int) -> int:
         """Per-head size of layer `layer`'s Q and K."""
         return self.head_dim_swa if self.head_dim_swa and self.is_swa(layer) else self.head_dim
@@ -147,14 +153,15 @@ class ModelConfig:
         """K + V values `layer` stores per token (0 for recurrent and shared layers)."""
         if not self.owns_kv(layer):
             return 0
-        return self.n_head_kv * (self.head_dim_of(layer) + self.head_dim_v_of(layer))
+        return self.n_head_kv_of(layer) * (self.head_dim_of(layer) + self.head_dim_v_of(layer))
 
     def saved_kv_shapes(self, layer: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """(heads, size) of one saved K row and one V row of `layer`: size 0 for a layer
         whose K/V are another's (saved once, at their owner)."""
+        heads = self.n_head_kv_of(layer)
         if not self.owns_kv(layer):
-            return (self.n_head_kv, 0), (self.n_head_kv, 0)
-        return (self.n_head_kv, self.head_dim_of(layer)), (self.n_head_kv, self.head_dim_v_of(layer))
+            return (heads, 0), (heads, 0)
+        return (heads, self.head_dim_of(layer)), (heads, self.head_dim_v_of(layer))
 
     @property
     def kv_values_per_token(self) -> int:
@@ -163,8 +170,9 @@ class ModelConfig:
 
     @property
     def uniform_heads(self) -> bool:
-        """Whether every K/V layer has the same head sizes (what the GPU path needs)."""
-        return len({(self.head_dim_of(i), self.head_dim_v_of(i)) for i in self.kv_layers}) <= 1
+        """Whether every K/V layer has the same K/V heads and head sizes (one row shape)."""
+        shapes = {(self.n_head_kv_of(i), self.head_dim_of(i), self.head_dim_v_of(i)) for i in self.kv_layers}
+        return len(shapes) <= 1
 
     def is_swa(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]

@@ -1,10 +1,13 @@
-"""Gemma 4 (E2B, E4B, 26B-A4B, 31B): Gemma 3's block with per-layer embeddings, shared K/V
-layers, two head sizes and a mixture of experts, as llama.cpp's src/models/gemma4.cpp builds it.
+"""Gemma 4 (E2B, E4B, 12B, 26B-A4B, 31B): Gemma 3's block with per-layer embeddings,
+shared K/V layers, two head sizes, per-layer K/V head counts and a mixture of experts, as
+llama.cpp's src/models/gemma4.cpp builds it.
 
 - Which layers slide: the `attention.sliding_window_pattern` array (one bool a layer, no
   period); sliding layers have their own head size (`attention.key_length_swa`), rotated
   dims (`rope.dimension_count_swa`, else the global layers') and RoPE base
   (`rope.freq_base_swa`, 10k); global layers rope with `rope_freqs` (proportional RoPE).
+- K/V heads: `attention.head_count_kv` may be one per layer (12B, 26B-A4B, 31B: fewer on
+  the global layers, config.n_head_kv_of); every cache sizes each layer's rows by its own.
 - Attention: Q and K RMS-normed per head with weights, V RMS-normed without one; a layer
   without `attn_v` uses V = K (before K's norm); the attention scale is 1.0 and Q is not
   pre-scaled. The last `attention.shared_kv_layers` layers compute only Q and attend over
@@ -44,6 +47,7 @@ class Gemma4(Transformer):
     ROPE_MODE = ROPE_NEOX
     DEFAULT_NORM_EPS = 1e-6
     PER_LAYER_FF = True
+    PER_LAYER_KV_HEADS = True  # 26B-A4B, 31B: fewer K/V heads on the global layers
 
     # -- config -----------------------------------------------------------------------------------
     @classmethod
@@ -104,6 +108,7 @@ class Gemma4(Transformer):
     @classmethod
     def layer_tensors(cls, cfg, i):
         p, e, hd, ff = f"blk.{i}.", cfg.n_embd, cfg.head_dim_of(i), cfg.n_ff_of(i)
+        kv = cfg.n_head_kv_of(i) * hd
         t = {
             p + "attn_norm.weight": (e,),
             p + "attn_q.weight": (e, cfg.n_head * hd),
@@ -117,7 +122,7 @@ class Gemma4(Transformer):
             p + "post_ffw_norm.weight": (e,),
         }
         if cfg.owns_kv(i):
-            t[p + "attn_k.weight"] = (e, cfg.n_head_kv * hd)
+            t[p + "attn_k.weight"] = (e, kv)
             t[p + "attn_k_norm.weight"] = (hd,)
         if cfg.extra["moe_layers"][i]:
             t.update({
@@ -138,13 +143,13 @@ class Gemma4(Transformer):
     def optional_tensors(cls, cfg):
         t = {}
         for i in range(cfg.n_layer):
-            p, hd = f"blk.{i}.", cfg.head_dim_of(i)
-            t[p + "attn_v.weight"] = (cfg.n_embd, cfg.n_head_kv * hd)  # absent: V = K
+            p, kv = f"blk.{i}.", cfg.n_head_kv_of(i) * cfg.head_dim_of(i)
+            t[p + "attn_v.weight"] = (cfg.n_embd, kv)  # absent: V = K
             t[p + "layer_output_scale.weight"] = (1,)
             if cfg.n_expert:
                 t[p + "ffn_down_exps.scale"] = (cfg.n_expert,)
             if not cfg.owns_kv(i):  # a shared layer's own K may be in the file; it is never used
-                t[p + "attn_k.weight"] = (cfg.n_embd, cfg.n_head_kv * hd)
+                t[p + "attn_k.weight"] = (cfg.n_embd, kv)
         return t
 
     # -- forward ----------------------------------------------------------------------------------
@@ -215,8 +220,9 @@ class Gemma4(Transformer):
         q = be.rms_norm(outs[0].reshape(n, cfg.n_head, hd), p + "attn_q_norm.weight", eps)
         q = be.rope(q, positions, *rope)
         if owns:
-            k = outs[1].reshape(n, cfg.n_head_kv, hd)
-            v = (outs[2] if has_v else outs[1]).reshape(n, cfg.n_head_kv, hd)  # no attn_v: V = K
+            n_kv = cfg.n_head_kv_of(i)  # the attention groups Q heads by the K/V's own head count
+            k = outs[1].reshape(n, n_kv, hd)
+            v = (outs[2] if has_v else outs[1]).reshape(n, n_kv, hd)  # no attn_v: V = K
             k = be.rope(be.rms_norm(k, p + "attn_k_norm.weight", eps), positions, *rope)
             v = be.rms_norm(v, unit_weight(hd), eps)  # V is RMS-normed without a weight
             kv.store(i, slots, k, v)

@@ -299,7 +299,8 @@ class TinyShape:
     # gemma4: sliding layers' head size, the per-layer sliding flags (() = every 4th layer is
     # global), the last layers reusing earlier K/V, per-layer embedding width (0 = none),
     # per-layer FFN rows (() = n_ff), a mixture of experts on every layer, the logit cap, and
-    # whether global layers that keep K/V leave out attn_v (V = K)
+    # whether global layers that keep K/V leave out attn_v (V = K); per-layer K/V head counts
+    # (a `head_count_kv` array: 26B-A4B, 31B; () = n_head_kv everywhere)
     head_dim_swa: int = 32
     swa_pattern: tuple = ()
     shared_kv_layers: int = 0
@@ -308,6 +309,10 @@ class TinyShape:
     gemma4_moe: bool = False
     softcap: float = 30.0
     global_v_is_k: bool = True
+    n_head_kv_layers: tuple = ()
+
+    def n_head_kv_of(self, i: int) -> int:
+        return self.n_head_kv_layers[i] if self.n_head_kv_layers else self.n_head_kv
 
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "qwen35", "qwen35moe", "gemma4")
@@ -359,14 +364,15 @@ def _gemma4_layer_tensors(s: TinyShape, i: int) -> dict:
     p, e = f"blk.{i}.", s.n_embd
     swa = gemma4_swa(s)[i]
     hd = s.head_dim_swa if swa else s.head_dim
+    kv = s.n_head_kv_of(i) * hd
     ff = s.n_ff_layers[i] if s.n_ff_layers else s.n_ff
     t: dict = {p + "attn_norm.weight": (e,), p + "attn_q.weight": (e, s.n_head * hd),
                p + "attn_q_norm.weight": (hd,), p + "attn_output.weight": (s.n_head * hd, e),
                p + "post_attention_norm.weight": (e,), p + "layer_output_scale.weight": (1,)}
     if i < s.n_layer - s.shared_kv_layers:  # a layer keeping K/V
-        t.update({p + "attn_k.weight": (e, s.n_head_kv * hd), p + "attn_k_norm.weight": (hd,)})
+        t.update({p + "attn_k.weight": (e, kv), p + "attn_k_norm.weight": (hd,)})
         if swa or not s.global_v_is_k:
-            t[p + "attn_v.weight"] = (e, s.n_head_kv * hd)
+            t[p + "attn_v.weight"] = (e, kv)
     t.update({p + "ffn_norm.weight": (e,), p + "ffn_gate.weight": (e, ff), p + "ffn_up.weight": (e, ff),
               p + "ffn_down.weight": (ff, e), p + "post_ffw_norm.weight": (e,)})
     if s.gemma4_moe:
@@ -455,7 +461,10 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
     elif arch != "qwen35moe":  # llama.cpp's qwen35moe files have no feed_forward_length
         w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
-    w.add_head_count_kv(s.n_head_kv)
+    if s.n_head_kv_layers:  # one per layer, as llama.cpp's get_key_or_arr reads it
+        w.add_array(f"{arch}.attention.head_count_kv", [int(h) for h in s.n_head_kv_layers])
+    else:
+        w.add_head_count_kv(s.n_head_kv)
     w.add_layer_norm_rms_eps(1e-6 if arch in ("gemma3", "gemma4") else 1e-5)
     w.add_rope_freq_base({"llama": 500_000.0, "gpt-oss": 150_000.0}.get(arch, 1_000_000.0))
     w.add_key_length(s.head_dim)
@@ -656,3 +665,21 @@ def gemma4_file(tmp_path, qtype="Q8_0", moe=False, extra=None, name=None, vocab=
     path = Path(tmp_path) / (name or f"gemma4-{'moe' if moe else 'dense'}-{qtype}.gguf")
     return str(write_tiny_model(path, "gemma4", qtype, vocab=vocab or spm_vocab(), shape=TinyShape(**s),
                                 extra_metadata=extra, chat_template=chat_template))
+
+
+# 26B-A4B, 31B and 12B at a tiny size: no per-layer embeddings or shared K/V, every third layer
+# global with fewer K/V heads than the sliding ones (26B-A4B 8 -> 2, 31B 16 -> 4, 12B 8 -> 1)
+# and V = K there; 26B-A4B is the MoE one
+GEMMA4_SIZES = {
+    "26B-A4B": dict(n_head_kv_layers=(4, 4, 2) * 2, gemma4_moe=True),
+    "31B": dict(n_head_kv_layers=(4, 4, 1) * 2),
+}
+
+
+def gemma4_sized_file(tmp_path, size: str, qtype="Q8_0", name=None, **shape) -> str:
+    """A tiny Gemma 4 of `size`'s kind (GEMMA4_SIZES): 6 layers, 8 Q heads, per-layer K/V heads."""
+    s = dict(n_layer=6, n_head=8, n_head_kv=4, swa_pattern=(True, True, False) * 2, shared_kv_layers=0,
+             n_embd_per_layer=0, n_ff_layers=(), **GEMMA4_SIZES[size])
+    s.update(shape)
+    moe = s.pop("gemma4_moe", False)
+    return gemma4_file(tmp_path, qtype, moe, name=name or f"gemma4-{size}-{qtype}.gguf", **s)

@@ -6,7 +6,8 @@ tokens within the same bound, and our own greedy tokens equal to llama.cpp's. Th
 exercise what Gemma 4 adds: per-layer sliding flags, two head sizes, shared K/V layers
 (the last 4 of 8), per-layer embeddings, per-layer FFN sizes, V = K on global layers,
 layer_output_scale, proportional RoPE, the logit cap, and (MoE) the experts beside the
-shared MLP with per-expert down scales.
+shared MLP with per-expert down scales; the 26B-A4B / 31B / 12B kinds (gemma4_sized_file):
+per-layer K/V head counts, fewer on the global layers, with V = K there.
 
 Measured (CPU backend, Q8_0): MoE bit for bit but for the cap's tanh (4.8e-7); dense 0
 on 31 of 32 prompt rows and 0.05 on one token (llama.cpp's own spread there: 0.19);
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf_factory import gemma4_file
+from gguf_factory import gemma4_file, gemma4_sized_file
 from oracles import check_against_llama_cpp, engine_for, greedy_tokens
 
 from edgeinfer.engine import Engine, EngineOptions
@@ -39,6 +40,31 @@ def test_matches_llama_cpp(tmp_path, moe, qtype, backend):
     if moe and qtype == "Q8_0":
         assert np.abs(got - want).max() <= 1e-6  # ggml's order throughout (tanh to 1 ulp)
     assert greedy_tokens(engine, PROMPT, 32) == theirs
+
+
+@pytest.mark.parametrize("size,qtype,backend", [("26B-A4B", "Q8_0", "cpu"), ("31B", "Q8_0", "cpu"),
+                                                ("31B", "F32", "reference")])
+def test_per_layer_kv_heads_match_llama_cpp(tmp_path, size, qtype, backend):
+    path = gemma4_sized_file(tmp_path, size, qtype)
+    engine = engine_for(path, backend)
+    cfg = engine.config
+    assert len(set(cfg.n_head_kv_layers)) == 2 and cfg.n_head_kv == 4
+    got, want, _, theirs = check_against_llama_cpp(path, engine, PROMPT)
+    if qtype == "Q8_0" and size == "26B-A4B":
+        assert np.abs(got - want).max() <= 1e-6
+    assert greedy_tokens(engine, PROMPT, 32) == theirs
+
+
+def test_per_layer_kv_heads_in_the_config(tmp_path):
+    """26B-A4B's kind: 4 K/V heads on sliding layers, 2 on global ones (no attn_v: V = K); each
+    layer's K/V bytes follow its own heads and head size."""
+    cfg = open_model(gemma4_sized_file(tmp_path, "26B-A4B")).config
+    assert cfg.n_head_kv_layers == (4, 4, 2) * 2 and [cfg.n_head_kv_of(i) for i in range(6)] == [4, 4, 2] * 2
+    assert cfg.swa_layers == (True, True, False) * 2 and cfg.n_expert == 8
+    assert [cfg.saved_kv_shapes(i) for i in range(3)] == [((4, 32), (4, 32))] * 2 + [((2, 64), (2, 64))]
+    assert [cfg.kv_values_of(i) for i in range(6)] == [4 * 64, 4 * 64, 2 * 128] * 2
+    uniform = open_model(gemma4_file(tmp_path)).config  # one count: no per-layer tuple
+    assert uniform.n_head_kv_layers == () and uniform.n_head_kv_of(3) == 2
 
 
 def test_config_as_llama_cpp_reads_it(tmp_path):

@@ -8,7 +8,9 @@ What the path has to get right for this family (models/gemma4.py):
 - shared K/V: a layer reads its source's K/V wherever they are (VRAM, read on the GPU even
   for a host-side layer; or the host), and keeps none itself;
 - V normed without a weight (a unit weight the device uploads as any other vector), GELU,
-  the MoE router's per-feature scale and the experts' per-expert down scale.
+  the MoE router's per-feature scale and the experts' per-expert down scale;
+- per-layer K/V head counts (26B-A4B, 31B kinds: gemma4_sized_file): each layer's VRAM rows
+  have its own heads, and the kernels group Q heads by them.
 
 Oracles: the reference backend with a contiguous KVCache (logits at every split of the
 layers), and the CPU-only session manager (prefix cache, saved K/V, context shift).
@@ -19,7 +21,7 @@ from __future__ import annotations
 import cuda_device
 import numpy as np
 import pytest
-from gguf_factory import gemma4_file
+from gguf_factory import gemma4_file, gemma4_sized_file
 from oracles import DEVICE_ATOL, branching_prompts, compare_managers, random_ids
 
 import edgeinfer
@@ -87,11 +89,34 @@ def test_logits_match_the_reference_at_every_split(tmp_path, cuda_emulator, vari
         assert cfg.head_dim_of(3) == 512 and 3 in kv.gpu_layers  # its K/V in VRAM, read by the wide kernel
 
 
-def test_the_engine_offloads_it(tmp_path, cuda_emulator):
+@pytest.mark.parametrize("size,shape", [("26B-A4B", {}), ("31B", WIDE)])
+def test_per_layer_kv_heads_match_the_reference_at_every_split(tmp_path, cuda_emulator, size, shape):
+    """k = 2: a sliding layer pair in VRAM, the global layer on the host; k = 3: a global layer's
+    fewer heads in VRAM too; k = 6: everything and the head."""
+    mf = open_model(gemma4_sized_file(tmp_path, size, WEIGHTS, **shape))
+    cfg = mf.config
+    tokens = np.random.default_rng(0).integers(3, cfg.n_vocab, 12)
+    want = _logits(mf, ReferenceBackend(mf.gguf), KVCache(cfg, N_CTX), tokens)
+    for k in (2, 3, 6):
+        hb = _hybrid(mf, k, head=k == cfg.n_layer)
+        kv = hb.new_cache(cfg, N_CTX)
+        assert kv.gpu_layers == set(range(k))
+        for i in kv.gpu_layers:
+            assert kv.k_dev[i].shape[1:] == (cfg.n_head_kv_of(i), cfg.head_dim_of(i)) == kv.v_dev[i].shape[1:]
+        cuda_emulator.clear()
+        got = _logits(mf, hb, kv, tokens)
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() < 2e-2 * scale, (k, np.abs(got - want).max(), scale)
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.75, k
+        assert cuda_emulator["attention"] > 0 and cuda_device.kv_stores(cuda_emulator) > 0
+
+
+@pytest.mark.parametrize("size", ["e2b", "26B-A4B"])
+def test_the_engine_offloads_it(tmp_path, cuda_emulator, size):
     """`-ngl 99` no longer stays on the CPU: the plan takes every layer, the logits follow the CPU's."""
     from edgeinfer.engine import Engine, EngineOptions
 
-    path = gemma4_file(tmp_path, WEIGHTS)
+    path = gemma4_file(tmp_path, WEIGHTS) if size == "e2b" else gemma4_sized_file(tmp_path, size, WEIGHTS)
     mf = open_model(path)
     engine = Engine(mf, EngineOptions(n_ctx=N_CTX, backend="cpu", gpu_layers=99))
     assert engine.backend.name == "hybrid" and engine.offload.gpu_layers == list(range(mf.config.n_layer))
@@ -113,36 +138,42 @@ def _managers(path, k, head, **kw):
     return cpu, gpu, mgrs
 
 
-@pytest.mark.parametrize("variant", ["dense", "wide"])
+@pytest.mark.parametrize("variant", ["dense", "wide", "31B"])
 def test_the_session_manager_with_vram_blocks_matches_the_cpu(tmp_path, cuda_emulator, variant):
     """Prefix hits, branches, edits and regenerations: the same tokens, cached counts and
     logits (to the kernels' tolerance) as the CPU-only manager; a saved session's K/V equal
-    the CPU's, each shared K/V once."""
-    path = gemma4_file(tmp_path, WEIGHTS, **(WIDE if variant == "wide" else {}))
+    the CPU's, each shared K/V once (31B's kind: layers 0-4 in VRAM, each with its K/V heads)."""
+    if variant == "31B":
+        path = gemma4_sized_file(tmp_path, "31B", WEIGHTS)
+    else:
+        path = gemma4_file(tmp_path, WEIGHTS, **(WIDE if variant == "wide" else {}))
     cpu, gpu, mgrs = _managers(path, k=5, head=True)
     cfg = cpu.config
     dev = mgrs[1].cache.device
-    assert dev is not None and dev.layers == {0, 1, 2, 3}  # layer 4 (on the GPU) shares layer 2's
+    # e2b's kind: layer 4 (on the GPU) shares layer 2's
+    assert dev is not None and dev.layers == ({0, 1, 2, 3, 4} if variant == "31B" else {0, 1, 2, 3})
     for i in dev.layers:
-        assert dev.k[i].shape[-1] == cfg.head_dim_of(i)
+        assert dev.k[i].shape[2:] == (cfg.n_head_kv_of(i), cfg.head_dim_of(i)) == dev.v[i].shape[2:]
     prompts = branching_prompts(np.random.default_rng(3), cfg.n_vocab, 22, branch_at=13, edit_at=18)
     compare_managers(mgrs, [cpu.engine, gpu.engine], prompts, atol=DEVICE_ATOL)
     assert cuda_emulator["attention"] > 0 and cuda_device.kv_stores(cuda_emulator) > 0
     saved = [m.export_kv() for m in mgrs]
     assert saved[0].tokens == saved[1].tokens
-    assert [x.shape[2] for x in saved[1].k] == [cfg.head_dim_of(i) if cfg.owns_kv(i) else 0 for i in range(8)]
+    assert [x.shape[1:] for x in saved[1].k] == [(cfg.n_head_kv_of(i), cfg.head_dim_of(i) if cfg.owns_kv(i) else 0)
+                                                 for i in range(cfg.n_layer)]
     for want, got in zip(saved[0].k + saved[0].v, saved[1].k + saved[1].v):
         np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=0, atol=2e-2)
     for m in mgrs:
         m.check_invariants()
 
 
-def test_a_saved_session_resumes_on_the_gpu(tmp_path, cuda_emulator):
+@pytest.mark.parametrize("size", ["e2b", "26B-A4B"])
+def test_a_saved_session_resumes_on_the_gpu(tmp_path, cuda_emulator, size):
     """K/V saved by the CPU manager load into VRAM blocks and answer as the CPU resumes."""
     from oracles import greedy
 
-    path = gemma4_file(tmp_path, WEIGHTS)
-    cpu, gpu, mgrs = _managers(path, k=8, head=True)
+    path = gemma4_file(tmp_path, WEIGHTS) if size == "e2b" else gemma4_sized_file(tmp_path, size, WEIGHTS)
+    cpu, gpu, mgrs = _managers(path, k=open_model(path).config.n_layer, head=True)
     a = random_ids(np.random.default_rng(5), 18, cpu.config.n_vocab)
     collect(mgrs[0].generate(a, greedy(3)))
     tokens, k, v, pos, *_ = mgrs[0].export_kv()
@@ -153,12 +184,14 @@ def test_a_saved_session_resumes_on_the_gpu(tmp_path, cuda_emulator):
     fresh[1].check_invariants()
 
 
-def test_the_context_shift_with_device_layers_matches_the_cpu(tmp_path, cuda_emulator):
+@pytest.mark.parametrize("size", ["e2b", "31B"])
+def test_the_context_shift_with_device_layers_matches_the_cpu(tmp_path, cuda_emulator, size):
     """A full context shifts: VRAM keys are downloaded, re-roped with each layer's own rotation
-    (the sliding layers' dims and base, the global layers' proportional factors) and stored back."""
+    (the sliding layers' dims and base, the global layers' proportional factors) and stored back,
+    each layer's own K/V heads (31B's kind) kept."""
     from oracles import greedy
 
-    path = gemma4_file(tmp_path, WEIGHTS)
+    path = gemma4_file(tmp_path, WEIGHTS) if size == "e2b" else gemma4_sized_file(tmp_path, size, WEIGHTS)
     cpu, gpu, mgrs = _managers(path, k=5, head=False, context_shift=True, n_keep=4)
     prompt = random_ids(np.random.default_rng(7), 50, cpu.config.n_vocab)
     results = [collect(m.generate(prompt, greedy(30))) for m in mgrs]

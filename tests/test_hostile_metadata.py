@@ -13,10 +13,10 @@ import tracemalloc
 import numpy as np
 import pytest
 from gguf import GGUFValueType as V
-from gguf_factory import Typed, replace_bytes, spm_vocab, write_tiny_model
+from gguf_factory import Typed, gemma4_sized_file, replace_bytes, spm_vocab, write_tiny_model
 
 from edgeinfer.cli import main
-from edgeinfer.errors import EdgeInferError, GGUFError, MetadataError
+from edgeinfer.errors import EdgeInferError, GGUFError, MetadataError, UnsupportedModelError
 from edgeinfer.gguf_file import GGUFFile
 from edgeinfer.loader import open_model
 from edgeinfer.metadata import Metadata, meta_float, meta_int, meta_str, meta_str_array
@@ -131,6 +131,36 @@ def test_uniform_per_layer_arrays_still_load(tmp_path):
     path = write_tiny_model(tmp_path / "m.gguf", "llama",
                             extra_metadata={"llama.attention.head_count_kv": [2, 2]})
     assert open_model(path).config.n_head_kv == 2
+
+
+def test_differing_per_layer_kv_heads_are_refused_where_unsupported(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", "llama", extra_metadata={"llama.attention.head_count_kv": [2, 1]})
+    with pytest.raises(UnsupportedModelError) as info:
+        open_model(path)
+    _one_line(info.value, str(path), "'llama.attention.head_count_kv'", "not supported for llama")
+
+
+KV_HEADS = "gemma4.attention.head_count_kv"
+BAD_KV_HEADS = [  # a tiny 31B-kind file: 6 layers, 8 Q heads, tensors for K/V heads (4, 4, 1) * 2
+    ([4, 4, 1, 4, 4], "5 values for 6 layers"),
+    ([4, 4, 1] * 3, "9 values for 6 layers"),
+    ([4, 4, 0] * 2, "from 1 to"),
+    ([4, 4, 3] * 2, "cannot share 3 KV heads (layer 2)"),
+    ([4, 4, 16] * 2, "cannot share 16 KV heads (layer 2)"),
+    (["4", "4", "1"] * 2, "an array of integers"),
+    ([4.0, 4.0, 1.0] * 2, "an array of integers"),
+    ([4, 4, 2] * 2, "'blk.2.attn_k.weight' has shape [256, 64], expected [256, 128]"),  # tensors of 1 head
+]
+
+
+@pytest.mark.parametrize("value, fragment", BAD_KV_HEADS, ids=[str(v) for v, _ in BAD_KV_HEADS])
+def test_bad_per_layer_kv_heads_are_one_line(tmp_path, value, fragment):
+    path = gemma4_sized_file(tmp_path, "31B", "F32", extra={KV_HEADS: value})
+    with pytest.raises(GGUFError) as info:
+        open_model(path)
+    message = _one_line(info.value, str(path), fragment)
+    if "blk." not in fragment:  # the metadata's fault, not a tensor's
+        assert repr(KV_HEADS) in message
 
 
 @pytest.mark.parametrize("command", ["show", "run"])

@@ -138,9 +138,10 @@ def vram_budget(device: DeviceInfo) -> int:
 # -- model sizes --------------------------------------------------------------------------
 
 def _scratch_values_per_row(cfg: "ModelConfig") -> int:
-    """float32 values live at once for one token of a prefill chunk (x, h, q, k, v, attn, gate, up)."""
-    return (3 * cfg.n_embd + 2 * cfg.q_dim + 2 * cfg.n_head_kv * cfg.head_dim
-            + cfg.n_head_kv * cfg.head_dim_v + 2 * cfg.n_ff)
+    """float32 values live at once for one token of a prefill chunk (x, h, q, k, v, attn, gate, up);
+    k and v of the layer with the most K/V heads."""
+    kv = max(cfg.n_head_kv_of(i) * (2 * cfg.head_dim + cfg.head_dim_v) for i in range(cfg.n_layer))
+    return 3 * cfg.n_embd + 2 * cfg.q_dim + kv + 2 * cfg.n_ff
 
 
 def model_sizes_from_gguf(gguf: "GGUFFile", cfg: "ModelConfig") -> ModelSizes:
@@ -174,11 +175,13 @@ def is_expert_tensor(name: str, shape: tuple[int, ...]) -> bool:
 
 def estimate_model_sizes(cfg: "ModelConfig", bits_per_weight: float = 4.85) -> ModelSizes:
     """Config-only estimate: every matrix at `bits_per_weight` (Q4_K_M ~ 4.85), norms in F32."""
-    per_layer_params = (cfg.n_embd * cfg.q_dim + 2 * cfg.n_embd * cfg.n_head_kv * cfg.head_dim
-                        + cfg.n_head * cfg.head_dim_v * cfg.n_embd + 3 * cfg.n_embd * cfg.n_ff)
-    layer = int(per_layer_params * bits_per_weight / 8) + 2 * cfg.n_embd * 4
+    def layer_bytes(i: int) -> int:
+        params = (cfg.n_embd * cfg.q_dim + 2 * cfg.n_embd * cfg.n_head_kv_of(i) * cfg.head_dim
+                  + cfg.n_head * cfg.head_dim_v * cfg.n_embd + 3 * cfg.n_embd * cfg.n_ff)
+        return int(params * bits_per_weight / 8) + 2 * cfg.n_embd * 4 + recurrent_state_bytes(cfg, i)
+
     output = int(cfg.n_vocab * cfg.n_embd * bits_per_weight / 8) + cfg.n_embd * 4
-    return ModelSizes(tuple(layer + recurrent_state_bytes(cfg, i) for i in range(cfg.n_layer)), output,
+    return ModelSizes(tuple(layer_bytes(i) for i in range(cfg.n_layer)), output,
                       _kv_values_per_layer(cfg),
                       _scratch_values_per_row(cfg), cfg.n_vocab)
 

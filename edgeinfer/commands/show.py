@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 
 # Control characters in a file's text (terminal escapes, carriage returns) are shown as U+FFFD
@@ -33,6 +34,14 @@ def _kv_per_token(cfg, types=None) -> str:
     if recurrent:
         text += f"; {recurrent} recurrent layers keep a fixed-size state instead"
     return text + ")"
+
+
+def _kv_heads(heads) -> str:
+    """'KV 8', or for per-layer counts how many layers have each: 'KV per layer: 8 on 6 layers, 2 on 2'."""
+    if not isinstance(heads, list):
+        return f"KV {heads}"
+    counts = [f"{h} on {n}" for h, n in sorted(Counter(heads).items(), reverse=True)]
+    return f"KV per layer: {counts[0]} layers" + "".join(f", {c}" for c in counts[1:])
 
 
 def _cache_types(args):
@@ -81,7 +90,7 @@ def run(args) -> int:
         ("context length", info.context_length),
         ("embedding length", info.embedding_length),
         ("layers", info.block_count),
-        ("attention heads", f"{info.head_count} (KV {info.head_count_kv})"),
+        ("attention heads", f"{info.head_count} ({_kv_heads(info.head_count_kv)})"),
         *([("experts", f"{mf.config.n_expert} ({mf.config.n_expert_used} used a token)")]
           if mf.config.n_expert else []),
         ("quantization", info.quantization),

@@ -29,15 +29,15 @@ class KVCache(KVView):
                  cache_types: CacheTypes | None = None) -> None:
         self.n_ctx = n_ctx
         self.cache_types = t = of_config(config, cache_types)
-        kv_heads = config.n_head_kv
-        # k[layer]: (n_ctx, n_head_kv, head_dim of the layer); v[layer]: (..., head_dim_v);
+        # k[layer]: (n_ctx, K/V heads of the layer, its head_dim); v[layer]: (..., head_dim_v);
         # a recurrent layer keeps none (its state is `recurrent`, edgeinfer.kv.recurrent), nor
         # does a layer that reads an earlier layer's K/V (config.kv_source)
         rows = [n_ctx if config.owns_kv(i) else 0 for i in range(config.n_layer)]
         dk = dtype if t.k == "f16" else t.dtype("k")
         dv = dtype if t.v == "f16" else t.dtype("v")
-        self.k = [np.zeros((r, kv_heads, t.width("k", config.head_dim_of(i))), dk) for i, r in enumerate(rows)]
-        self.v = [np.zeros((r, kv_heads, t.width("v", config.head_dim_v_of(i))), dv) for i, r in enumerate(rows)]
+        heads = [config.n_head_kv_of(i) for i in range(config.n_layer)]
+        self.k = [np.zeros((r, heads[i], t.width("k", config.head_dim_of(i))), dk) for i, r in enumerate(rows)]
+        self.v = [np.zeros((r, heads[i], t.width("v", config.head_dim_v_of(i))), dv) for i, r in enumerate(rows)]
         self.recurrent = new_state(config)
         self.pos = np.zeros(n_ctx, dtype=np.int64)  # position of the token in each slot
         self.n_used = 0

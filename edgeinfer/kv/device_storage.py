@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 class CudaKVCache(KVCache):
-    """K/V of GPU layers live in VRAM (n_ctx, n_kv, hd) f16; the rest as in KVCache."""
+    """K/V of GPU layers live in VRAM (n_ctx, the layer's n_kv, hd) f16; the rest as in KVCache."""
 
     def __init__(self, config: "ModelConfig", n_ctx: int, gpu_layers: list[int],
                  cache_types: "CacheTypes | None" = None) -> None:
@@ -134,9 +134,9 @@ class CudaKVCache(KVCache):
 
 
 def _row_shape(config: "ModelConfig", types: "CacheTypes", which: str, layer: int) -> tuple[int, int]:
-    """(n_head_kv, row width) of `layer`'s stored K or V rows: values (f16) or bytes (quantized)."""
+    """(K/V heads, row width) of `layer`'s stored K or V rows: values (f16) or bytes (quantized)."""
     size = config.head_dim_of(layer) if which == "k" else config.head_dim_v_of(layer)
-    return config.n_head_kv, types.width(which, size)
+    return config.n_head_kv_of(layer), types.width(which, size)
 
 
 def store_rows(types: "CacheTypes", k: Any, v: Any, k_cache: Any, v_cache: Any, block_table: Any, slots: Any,
@@ -223,7 +223,7 @@ class DevicePagedKV:
 class DeviceBlockStorage:
     """VRAM K/V of `layers` for a PagedKVCache, block for block (see edgeinfer.kv.paged).
 
-    k[layer]: (num_blocks, block_size, n_head_kv, the layer's head_dim) f16, v[layer]: (..., head_dim_v);
+    k[layer]: (num_blocks, block_size, the layer's K/V heads and head_dim) f16, v[layer]: (..., head_dim_v);
     pos: (num_blocks * block_size,) int32, the position of the token in each slot (shared by
     the layers, stored with its block). Per sequence: its kept block ids as int32 in VRAM,
     re-uploaded only when they change, and the logical slots of its latest append, uploaded
@@ -238,14 +238,14 @@ class DeviceBlockStorage:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.types = t = types or F16
         self.hd_v = {i: config.head_dim_v_of(i) for i in self.layers}
-        kv_heads, n_slots = config.n_head_kv, num_blocks * block_size
+        n_slots = num_blocks * block_size
         self.k = {i: launch.zeros((num_blocks, block_size, *_row_shape(config, t, "k", i)), t.dtype("k"))
                   for i in sorted(self.layers)}
         self.v = {i: launch.zeros((num_blocks, block_size, *_row_shape(config, t, "v", i)), t.dtype("v"))
                   for i in sorted(self.layers)}
-        # flat views (num_blocks * block_size, n_kv, hd): what the kernels index by physical slot
-        self.k_flat = {i: a.reshape(n_slots, kv_heads, a.shape[-1]) for i, a in self.k.items()}
-        self.v_flat = {i: a.reshape(n_slots, kv_heads, a.shape[-1]) for i, a in self.v.items()}
+        # flat views (num_blocks * block_size, n_kv of the layer, hd): what the kernels index by physical slot
+        self.k_flat = {i: a.reshape(n_slots, *a.shape[2:]) for i, a in self.k.items()}
+        self.v_flat = {i: a.reshape(n_slots, *a.shape[2:]) for i, a in self.v.items()}
         self.pos = launch.zeros(num_blocks * block_size, np.int32)
         self._seqs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

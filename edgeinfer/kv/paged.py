@@ -57,7 +57,6 @@ class PagedKVCache:
         # Optional storage of some layers' K/V outside host memory (see the module docstring).
         self.device = device
         self.device_layers = frozenset(device.layers) if device is not None else frozenset()
-        kv_heads = config.n_head_kv
         itemsize = np.dtype(dtype).itemsize
         self.groups: list[LayerGroup] = []
         for index, (window, layers) in enumerate(layer_groups(config, self.device_layers)):
@@ -85,17 +84,19 @@ class PagedKVCache:
                 return 0
             return self.group_of[layer].num_blocks
 
-        # k[layer]: (blocks of its group, block_size, n_head_kv, head_dim of the layer); v: (..., head_dim_v)
-        # (last dimension: values for f16, bytes of the row's blocks for a quantized type)
+        # k[layer]: (blocks of its group, block_size, K/V heads of the layer, head_dim of the layer);
+        # v: (..., head_dim_v) (last dimension: values for f16, bytes of the row's blocks for a
+        # quantized type)
+        heads = [config.n_head_kv_of(i) for i in range(config.n_layer)]
         hd = [types.width("k", config.head_dim_of(i)) for i in range(config.n_layer)]
         hd_v = [types.width("v", config.head_dim_v_of(i)) for i in range(config.n_layer)]
         dk = dtype if types.k == "f16" else types.dtype("k")
         dv = dtype if types.v == "f16" else types.dtype("v")
-        self.k = [np.zeros((blocks(i), block_size, kv_heads, hd[i]), dk) for i in range(config.n_layer)]
-        self.v = [np.zeros((blocks(i), block_size, kv_heads, hd_v[i]), dv) for i in range(config.n_layer)]
+        self.k = [np.zeros((blocks(i), block_size, heads[i], hd[i]), dk) for i in range(config.n_layer)]
+        self.v = [np.zeros((blocks(i), block_size, heads[i], hd_v[i]), dv) for i in range(config.n_layer)]
         # Flat views (blocks * block_size, ...) indexed by slot.
-        self.k_flat = [a.reshape(-1, kv_heads, hd[i]) for i, a in enumerate(self.k)]
-        self.v_flat = [a.reshape(-1, kv_heads, hd_v[i]) for i, a in enumerate(self.v)]
+        self.k_flat = [a.reshape(-1, heads[i], hd[i]) for i, a in enumerate(self.k)]
+        self.v_flat = [a.reshape(-1, heads[i], hd_v[i]) for i, a in enumerate(self.v)]
         self._live: set[SequenceKV] = set()
         # hybrid models: the recurrent state after cached blocks (edgeinfer.kv.state_cache)
         self.states = StateCache(state_nbytes(config)) if config.has_recurrent else None

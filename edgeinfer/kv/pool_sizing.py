@@ -40,7 +40,7 @@ F16_BYTES = 2  # the paged pools and VRAM blocks hold f16 K/V
 def kv_values_per_token(config: "ModelConfig", layer: int | None = None) -> int:
     """K + V values one layer stores per token: `layer`'s (0 for a recurrent layer or one
     reading an earlier layer's K/V, whose K/V are counted once, at their owner), or without
-    a layer a global-attention layer's."""
+    a layer n_head_kv heads (the most any layer has) of the global head sizes."""
     if layer is not None:
         return config.kv_values_of(layer)
     return config.n_head_kv * (config.head_dim + config.head_dim_v)
@@ -54,9 +54,11 @@ def layer_block_bytes(config: "ModelConfig", block_size: int, itemsize: int = F1
         return block_size * kv_values_per_token(config, layer) * itemsize
     if layer is not None and kv_values_per_token(config, layer) == 0:
         return 0
-    hd = config.head_dim if layer is None else config.head_dim_of(layer)
-    hd_v = config.head_dim_v if layer is None else config.head_dim_v_of(layer)
-    return int(block_size * types.token_bytes(config.n_head_kv * hd, config.n_head_kv * hd_v))
+    if layer is None:
+        heads, hd, hd_v = config.n_head_kv, config.head_dim, config.head_dim_v
+    else:
+        heads, hd, hd_v = config.n_head_kv_of(layer), config.head_dim_of(layer), config.head_dim_v_of(layer)
+    return int(block_size * types.token_bytes(heads * hd, heads * hd_v))
 
 
 def model_kv_bytes_per_token(config: "ModelConfig", itemsize: int = F16_BYTES,

@@ -6,7 +6,7 @@ K/V is written. It implements KVView (append / store / layer_view / truncate / n
 n_ctx), so the model code runs on it unchanged; attention masks by the stored positions, so
 the block order never matters to it.
 
-Storage, per layer: K (blocks of its group, block_size, n_head_kv, head_dim), V (...,
+Storage, per layer: K (blocks of its group, block_size, its K/V heads, head_dim), V (...,
 head_dim_v); per group, the position stored in every slot (blocks, block_size). A slot's
 index in its group is block * block_size + offset.
 
@@ -285,14 +285,15 @@ class SequenceKV(KVView):
         """(k, v) per layer with n_used rows each, copies, as the cache stores them (f16, or a
         quantized type's raw blocks); rows a sliding-window group no longer holds (dropped
         blocks, masked slots) carry CacheTypes.blank_rows' marker (`load` knows it). A layer
-        reading another's K/V (config.kv_source) gives (n_used, n_head_kv, 0) arrays."""
+        reading another's K/V (config.kv_source) gives (n_used, its K/V heads, 0) arrays."""
         n = self.n_used
         cfg, types = self.cache.config, self.cache.cache_types
         ks, vs = [], []
         for layer in range(cfg.n_layer):
             if not cfg.owns_kv(layer):  # a shared K/V is saved once, at its owner: no columns here
-                ks.append(np.zeros((n, cfg.n_head_kv, 0), types.dtype("k")))
-                vs.append(np.zeros((n, cfg.n_head_kv, 0), types.dtype("v")))
+                (hk, _), (hv, _) = cfg.saved_kv_shapes(layer)
+                ks.append(np.zeros((n, hk, 0), types.dtype("k")))
+                vs.append(np.zeros((n, hv, 0), types.dtype("v")))
                 continue
             k, v, p = self.layer_view(layer)
             k, v = np.array(k), np.array(v)

@@ -473,7 +473,7 @@ def _check_context(model, n_ctx: int) -> None:
         raise APIError(400, f"invalid field 'options.num_ctx': {n_ctx} is larger than the model's trained "
                             f"context of {trained} tokens", param="options.num_ctx")
     try:
-        per_token = 2 * 2 * cfg.n_layer * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v)  # f16 K+V, 2x pool
+        per_token = 2 * 2 * cfg.kv_values_per_token  # f16 K+V of each layer's own heads, 2x pool
     except (AttributeError, TypeError):
         return
     from edgeinfer.context_budget import mem_available
