@@ -200,7 +200,7 @@ def quantize_rows_q8_k(X, XQ, XD, XS):
 def _dequant_row(w, wi8, qt, r, y, n16, n32):
     """Dequantize row r of raw weights w (u8) / wi8 (same bytes as int8) into y (n_cols,) f32."""
     n = y.shape[0]
-    if _is_iq(qt):
+    if qt < 64 and _IQ_BYTES[qt] > 0:
         _dequant_row_iq(w, qt, r, y)
     if qt == F32:
         for k in range(n):
@@ -494,21 +494,8 @@ def _dot_row_qk(w, wi8, qt, r, xq, xd, xs, n16, n32):
 # each 32-value group decoded into signed integers, then summed.
 _G_IQ2XXS, _G_IQ2XS, _G_IQ2S, _G_IQ1S = _tb.IQ2XXS_GRID, _tb.IQ2XS_GRID, _tb.IQ2S_GRID, _tb.IQ1S_GRID
 _G_IQ3XXS, _G_IQ3S, _KSIGNS = _tb.IQ3XXS_GRID, _tb.IQ3S_GRID, _tb.KSIGNS_IQ2XS
-
-
-@njit(inline="always", **_JIT)
-def _iq_block_bytes(qt):
-    if qt == IQ2_XXS:
-        return 66
-    if qt == IQ2_XS:
-        return 74
-    if qt == IQ2_S:
-        return 82
-    if qt == IQ3_XXS:
-        return 98
-    if qt == IQ3_S:
-        return 110
-    return 50 if qt == IQ1_S else 56
+_IQ_BYTES = np.zeros(64, np.int64)   # type id -> block bytes of the i-quants, else 0
+_IQ_BYTES[[IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M]] = [66, 74, 82, 98, 110, 50, 56]
 
 
 @njit(inline="always", **_JIT)
@@ -543,10 +530,7 @@ def _iq_group(w, r, o, qt, ib, vals, shifts):
     for k in range(4):
         shifts[k] = 1
     if qt == IQ2_XXS or qt == IQ3_XXS:
-        if qt == IQ2_XXS:
-            aux = _u32(w, r, o + 2 + 8 * ib + 4)
-        else:
-            aux = _u32(w, r, o + 66 + 4 * ib)
+        aux = _u32(w, r, o + 2 + 8 * ib + 4) if qt == IQ2_XXS else _u32(w, r, o + 66 + 4 * ib)
         for l in range(4):
             sg = np.int32(_KSIGNS[(aux >> (7 * l)) & 127])
             for j in range(8):
@@ -612,7 +596,7 @@ def _dot_row_iq(w, qt, r, xq, xd):
     with its odd multiplier 2 s + 1, summed per block, scaled by d * dx and the type's factor."""
     vals = np.empty(32, np.int32)
     shifts = np.empty(4, np.int32)
-    bs = _iq_block_bytes(qt)
+    bs = _IQ_BYTES[qt]
     factor = np.float32(0.125) if (qt == IQ2_XXS or qt == IQ2_XS or qt == IQ2_S) else (
         np.float32(0.25) if qt == IQ3_XXS else np.float32(1.0))
     acc = np.float32(0.0)
@@ -638,7 +622,7 @@ def _dot_row_iq(w, qt, r, xq, xd):
 def _dequant_row_iq(w, qt, r, y):
     vals = np.empty(32, np.int32)
     shifts = np.empty(4, np.int32)
-    bs = _iq_block_bytes(qt)
+    bs = _IQ_BYTES[qt]
     for b in range(y.shape[0] // 256):
         o = b * bs
         d = _iq_block_d(w, r, o, qt)
@@ -656,17 +640,11 @@ def _dequant_row_iq(w, qt, r, y):
                     y[b * 256 + 32 * ib + k] = d * np.float32(2 * ls + 1) * (np.float32(vals[k]) + shift)
 
 
-@njit(inline="always", **_JIT)
-def _is_iq(qt):
-    return (qt == IQ2_XXS or qt == IQ2_XS or qt == IQ2_S or qt == IQ3_XXS or qt == IQ3_S or qt == IQ1_S
-            or qt == IQ1_M)
-
-
 @njit(parallel=True, **_JIT)
 def matvec_q_kernel(w, wi8, qt, xq, xd, xs, out, n16, n32):
     """out[r] = row r of w . (8-bit activations xq/xd/xs), for every quantized type.
     """
-    if _is_iq(qt):
+    if qt < 64 and _IQ_BYTES[qt] > 0:
         for r in prange(out.shape[0]):
             out[r] = _dot_row_iq(w, qt, r, xq, xd)
     elif qt == Q2_K or qt == Q3_K or qt == Q4_K or qt == Q5_K or qt == Q6_K or qt == IQ4_XS:

@@ -439,8 +439,11 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
                      tie_embeddings: bool | None = None, chat_template: str | None = None,
                      extra_metadata: dict | None = None, omit_tensors: tuple[str, ...] = (),
                      embd_qtype: str | None = None,
-                     shape_overrides: dict[str, tuple[int, ...]] | None = None) -> Path:
-    """Write a random-weight GGUF of `arch`; matrices in `qtype`, norms and biases in F32."""
+                     shape_overrides: dict[str, tuple[int, ...]] | None = None,
+                     tensor_qtypes: dict[str, str] | None = None) -> Path:
+    """Write a random-weight GGUF of `arch`; matrices in `qtype`, norms and biases in F32.
+    `tensor_qtypes` maps a tensor name's ending ("attn_q.weight") to its own type, as mixed
+    files (Q4_K_M, Unsloth's UD quants) hold them."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown test architecture {arch}")
     s = shape or TinyShape()
@@ -567,6 +570,9 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
             continue
         n_cols, n_rows, outer = gshape[0], gshape[1], gshape[2:]  # outer: (n_expert,) of expert tensors
         tq = qtype_of(embd_qtype) if (embd_qtype and name == "token_embd.weight") else qt
+        for ending, mixed in (tensor_qtypes or {}).items():
+            if name.endswith(ending):
+                tq = qtype_of(mixed)
         if name.endswith(("ffn_gate_inp.weight", ".bias", "ssm_conv1d.weight")):
             tq = T.F32  # routers, (per-expert) biases and conv kernels stay F32, as converters write them
         if n_cols % GGML_QUANT_SIZES[tq][0]:
