@@ -56,13 +56,13 @@ _TABLE = (
     (T.Q5_K,    256, True,  False, "q5_k"),
     (T.Q6_K,    256, True,  True,  "q6_k"),
     (T.IQ4_XS,  256, True,  False, ""),
-    (T.IQ2_XXS, 256, True,  False, ""),
-    (T.IQ2_XS,  256, True,  False, ""),
-    (T.IQ2_S,   256, True,  False, ""),
-    (T.IQ3_XXS, 256, True,  False, ""),
-    (T.IQ3_S,   256, True,  False, ""),
-    (T.IQ1_S,   256, True,  False, ""),
-    (T.IQ1_M,   256, True,  False, ""),
+    (T.IQ2_XXS, 256, True,  False, "iq2_xxs"),
+    (T.IQ2_XS,  256, True,  False, "iq2_xs"),
+    (T.IQ2_S,   256, True,  False, "iq2_s"),
+    (T.IQ3_XXS, 256, True,  False, "iq3_xxs"),
+    (T.IQ3_S,   256, True,  False, "iq3_s"),
+    (T.IQ1_S,   256, True,  False, "iq1_s"),
+    (T.IQ1_M,   256, True,  False, "iq1_m"),
 )
 
 QUANT_INFO: dict = {

@@ -8,7 +8,7 @@
 //                   accumulate (gemm_impl).
 //
 // Every type is read as "chunks" of 32 consecutive weights: a Q4_0/Q5_0/Q8_0 block is one
-// chunk, a K-quant super-block (256) is eight. `dequant32<T>` turns chunk c of a row into
+// chunk, a K-quant or i-quant super-block (256) is eight. `dequant32<T>` turns chunk c of a row into
 // 32 floats, and both kernels are written once on top of it.
 //
 // Activations stay float32 in the matvec (not quantized to q8 as on the CPU): decode is
@@ -23,6 +23,16 @@
 //   Q5_K 176: d, dmin | scales[12] | qh[32] | qs[128]
 //   Q6_K 210: ql[128] | qh[64] | scales int8[16] | d
 //   MXFP4 17: e E8M0 u8 | qs[16] (4-bit E2M1 codes into kvalues_mxfp4, the values doubled)
+// The i-quants (ggml-common.h's block_iq*, 256 values; chunk c is sub-block c & 7, whose bytes
+// are its own): values are entries of a lattice grid (iq_tables.cuh), signed, times scales.
+//   IQ2_XXS 66: d | qs u16[32] (per chunk: 4 grid bytes | u32 of 4 x 7 sign bits, scale << 28)
+//   IQ2_XS  74: d | qs u16[32] (9-bit grid | 7-bit sign index) | scales[8] (a nibble per 16)
+//   IQ2_S   82: d | qs[32] grid low bytes | signs[32] | qh[8] (grid bits 8-9) | scales[8]
+//   IQ3_XXS 98: d | qs[64] grid bytes | u32[8] (4 x 7 sign bits, scale << 28)
+//   IQ3_S  110: d | qs[64] | qh[8] (grid bit 8) | signs[32] | scales[4] (a nibble per chunk)
+//   IQ1_S   50: d | qs[32] | qh u16[8] (3 grid bits x 4, scale << 12, shift sign << 15)
+//   IQ1_M   56: qs[32] | qh[16] (3 grid bits + shift sign per 8) | scales u16[4] (3 bits per
+//               16 values; d as an fp16 in their top nibbles)
 #include <cuda_fp16.h>
 #include <stdint.h>
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
@@ -44,7 +54,31 @@
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+#define T_IQ2_XXS 16
+#define T_IQ2_XS 17
+#define T_IQ3_XXS 18
+#define T_IQ1_S 19
+#define T_IQ3_S 21
+#define T_IQ2_S 22
+#define T_IQ1_M 29
 #define T_MXFP4 39
+#define EI_IQ(T) \
+    (T == T_IQ2_XXS || T == T_IQ2_XS || T == T_IQ2_S || T == T_IQ3_XXS || T == T_IQ3_S || T == T_IQ1_S || T == T_IQ1_M)
+// types whose chunk has a scale per 16 values (chunk_q8's d[0] != d[1]): the 8-bit GEMM
+// multiplies the two halves separately
+#define EI_TWO_SCALES(T) (T == T_Q6_K || T == T_IQ2_XS || T == T_IQ2_S || T == T_IQ1_M)
+
+// The i-quants' grids and sign table, defined by kernels_cuda/generated.py from
+// kernels_cpu/iq_tables.py (the one copy of those numbers): this include is replaced by the
+// generated text wherever the source is compiled (see generated.py). Device data, read through
+// L1 as ggml-cuda's tables; nvcc's host pass gets host arrays of the same names, which the
+// EI_HD unpacking reads in the host-only test harness (and nothing else on the host).
+#ifdef __CUDA_ARCH__
+#define EI_IQ_TABLE(type, name, n) static const __device__ type name[n]
+#else
+#define EI_IQ_TABLE(type, name, n) static const type name[n]
+#endif
+#include "iq_tables.cuh"
 
 EI_HD __forceinline__ float ld_f16(const uint8_t* p) {
     return __half2float(__ushort_as_half((unsigned short)(p[0] | (p[1] << 8))));
@@ -76,9 +110,40 @@ EI_HD __forceinline__ void scale_min_k4(int j, const uint8_t* q, float* sc, floa
     }
 }
 
+EI_HD __forceinline__ unsigned ld_u16(const uint8_t* p) { return (unsigned)p[0] | ((unsigned)p[1] << 8); }
+
+// 8 values of a 64-bit grid entry (a byte each, the first lowest), negated where bit j of
+// `signs` is set: IQ2's grids (8, 25, 43)
+EI_HD __forceinline__ void grid8_signed(uint64_t g, unsigned signs, int8_t* q) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int v = (int)((g >> (8 * j)) & 0xFF);
+        q[j] = (int8_t)(((signs >> j) & 1) ? -v : v);
+    }
+}
+
+// 4 values of a 32-bit grid entry, signs in bits 0..3: IQ3's grids
+EI_HD __forceinline__ void grid4_signed(uint32_t g, unsigned signs, int8_t* q) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int v = (int)((g >> (8 * j)) & 0xFF);
+        q[j] = (int8_t)(((signs >> j) & 1) ? -v : v);
+    }
+}
+
+// IQ1: 8 values of iq1s_grid (bytes -1, 0, 1) with the shift -1/8 (neg) or +1/8, times 8, as
+// integers 8 g +- 1 (the chunk's scale carries the 1/8): ggml's dl * (g + delta) exactly, as
+// dl / 8 is exact and 8 (g + delta) an integer
+EI_HD __forceinline__ void grid8_iq1(uint64_t g, bool neg, int8_t* q) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) q[j] = (int8_t)(8 * (int)(int8_t)((g >> (8 * j)) & 0xFF) + (neg ? -1 : 1));
+}
+
 // Chunk c of a quantized row as 8-bit integers: weight i = d[i / 16] * q[i] + m, which the
 // 8-bit GEMM multiplies with 8-bit activations on the tensor cores (T_F32 / T_F16 have none).
-// Q6_K's 16-value sub-blocks have a scale each; every other type one scale a chunk.
+// Q6_K's, IQ2_XS's, IQ2_S's and IQ1_M's 16-value halves have a scale each (EI_TWO_SCALES);
+// every other type one scale a chunk. An i-quant's q are its signed grid values and d[] the
+// scale as ggml's dequantize_row_* computes it (same operations, same order: same bits).
 template <int T>
 EI_HD __forceinline__ void chunk_q8(const uint8_t* row, int c, int8_t* q, float* d, float* m) {
     *m = 0.0f;
@@ -145,12 +210,90 @@ EI_HD __forceinline__ void chunk_q8(const uint8_t* row, int c, int8_t* q, float*
         const int lshift = (k >> 1) * 4, hshift = 2 * k;
 #pragma unroll
         for (int i = 0; i < 32; ++i) q[i] = (int8_t)((((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4)) - 32);
+    } else if (T == T_IQ2_XXS) {
+        const int ib = c & 7;
+        const uint8_t* b = row + (c >> 3) * 66;
+        const uint8_t* qs = b + 2 + 8 * ib;
+        const uint32_t aux = ld_u32(qs + 4);
+        d[0] = d[1] = ld_f16(b) * (0.5f + (float)(aux >> 28)) * 0.25f;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) grid8_signed(iq2xxs_grid[qs[l]], ksigns_iq2xs[(aux >> (7 * l)) & 127], q + 8 * l);
+    } else if (T == T_IQ2_XS) {
+        const int ib = c & 7;
+        const uint8_t* b = row + (c >> 3) * 74;
+        const float dd = ld_f16(b);
+        const unsigned sc = b[66 + ib];
+        d[0] = dd * (0.5f + (float)(sc & 0xF)) * 0.25f;
+        d[1] = dd * (0.5f + (float)(sc >> 4)) * 0.25f;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const unsigned v = ld_u16(b + 2 + 8 * ib + 2 * l);
+            grid8_signed(iq2xs_grid[v & 511], ksigns_iq2xs[v >> 9], q + 8 * l);
+        }
+    } else if (T == T_IQ2_S) {
+        const int ib = c & 7;
+        const uint8_t* b = row + (c >> 3) * 82;
+        const float dd = ld_f16(b);
+        const unsigned sc = b[74 + ib], qh = b[66 + ib];
+        d[0] = dd * (0.5f + (float)(sc & 0xF)) * 0.25f;
+        d[1] = dd * (0.5f + (float)(sc >> 4)) * 0.25f;
+#pragma unroll
+        for (int l = 0; l < 4; ++l)
+            grid8_signed(iq2s_grid[b[2 + 4 * ib + l] | ((qh << (8 - 2 * l)) & 0x300)], b[34 + 4 * ib + l], q + 8 * l);
+    } else if (T == T_IQ3_XXS) {
+        const int ib = c & 7;
+        const uint8_t* b = row + (c >> 3) * 98;
+        const uint8_t* qs = b + 2 + 8 * ib;
+        const uint32_t aux = ld_u32(b + 66 + 4 * ib);
+        d[0] = d[1] = ld_f16(b) * (0.5f + (float)(aux >> 28)) * 0.5f;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const unsigned signs = ksigns_iq2xs[(aux >> (7 * l)) & 127];
+            grid4_signed(iq3xxs_grid[qs[2 * l]], signs, q + 8 * l);
+            grid4_signed(iq3xxs_grid[qs[2 * l + 1]], signs >> 4, q + 8 * l + 4);
+        }
+    } else if (T == T_IQ3_S) {
+        const int ib = c & 7;
+        const uint8_t* b = row + (c >> 3) * 110;
+        const uint8_t* qs = b + 2 + 8 * ib;
+        const uint8_t* signs = b + 74 + 4 * ib;
+        const unsigned qh = b[66 + ib];
+        d[0] = d[1] = ld_f16(b) * (float)(1 + 2 * ((b[106 + (ib >> 1)] >> (4 * (ib & 1))) & 0xF));
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            grid4_signed(iq3s_grid[qs[2 * l] | ((qh << (8 - 2 * l)) & 256)], signs[l], q + 8 * l);
+            grid4_signed(iq3s_grid[qs[2 * l + 1] | ((qh << (7 - 2 * l)) & 256)], signs[l] >> 4, q + 8 * l + 4);
+        }
+    } else if (T == T_IQ1_S) {
+        const int ib = c & 7;
+        const uint8_t* b = row + (c >> 3) * 50;
+        const uint8_t* qs = b + 2 + 4 * ib;
+        const unsigned qh = ld_u16(b + 34 + 2 * ib);
+        d[0] = d[1] = ld_f16(b) * (float)(2 * ((qh >> 12) & 7) + 1) * 0.125f;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) grid8_iq1(iq1s_grid[qs[l] | (((qh >> (3 * l)) & 7) << 8)], qh & 0x8000, q + 8 * l);
+    } else if (T == T_IQ1_M) {
+        const int ib = c & 7;
+        const uint8_t* b = row + (c >> 3) * 56;
+        const uint8_t* qs = b + 4 * ib;
+        const unsigned qh0 = b[32 + 2 * ib], qh1 = b[33 + 2 * ib];
+        const unsigned bits = (ld_u16(b + 48) >> 12) | ((ld_u16(b + 50) >> 8) & 0xF0) | ((ld_u16(b + 52) >> 4) & 0xF00)
+                              | (ld_u16(b + 54) & 0xF000);
+        const float dd = __half2float(__ushort_as_half((unsigned short)bits));
+        const unsigned sc = ld_u16(b + 48 + 2 * (ib >> 1)) >> (6 * (ib & 1));
+        d[0] = dd * (float)(2 * (sc & 7) + 1) * 0.125f;
+        d[1] = dd * (float)(2 * ((sc >> 3) & 7) + 1) * 0.125f;
+        grid8_iq1(iq1s_grid[qs[0] | ((qh0 << 8) & 0x700)], qh0 & 0x08, q);
+        grid8_iq1(iq1s_grid[qs[1] | ((qh0 << 4) & 0x700)], qh0 & 0x80, q + 8);
+        grid8_iq1(iq1s_grid[qs[2] | ((qh1 << 8) & 0x700)], qh1 & 0x08, q + 16);
+        grid8_iq1(iq1s_grid[qs[3] | ((qh1 << 4) & 0x700)], qh1 & 0x80, q + 24);
     }
 }
 
 // Chunk c (32 consecutive weights) of one row -> y[0..31]. Q4_0 and Q5_0 add their offset
 // as ggml's to_float does (d * q - 8 d); the other quantized types are d * q + m from the
-// 8-bit GEMM's own unpacking (chunk_q8), the same expressions as their to_float.
+// 8-bit GEMM's own unpacking (chunk_q8), the same expressions as their to_float; the
+// i-quants d * q alone (no + 0: ggml's -0 stays -0).
 template <int T>
 EI_HD __forceinline__ void dequant32(const uint8_t* row, int c, float* y) {
     if (T == T_F32) {
@@ -178,6 +321,12 @@ EI_HD __forceinline__ void dequant32(const uint8_t* row, int c, float* y) {
             y[i] = d * (float)((b[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) + m;
             y[i + 16] = d * (float)((b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) + m;
         }
+    } else if (EI_IQ(T)) {
+        int8_t q[32];
+        float d[2], m;
+        chunk_q8<T>(row, c, q, d, &m);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) y[i] = d[i >> 4] * (float)q[i];
     } else {
         int8_t q[32];
         float d[2], m;
@@ -240,6 +389,13 @@ __device__ __forceinline__ float matvec_row_any(int type, const uint8_t* w, int 
         case T_Q5_K: return matvec_row<T_Q5_K>(w, n_cols, x, lane);
         case T_Q6_K: return matvec_row<T_Q6_K>(w, n_cols, x, lane);
         case T_MXFP4: return matvec_row<T_MXFP4>(w, n_cols, x, lane);
+        case T_IQ2_XXS: return matvec_row<T_IQ2_XXS>(w, n_cols, x, lane);
+        case T_IQ2_XS: return matvec_row<T_IQ2_XS>(w, n_cols, x, lane);
+        case T_IQ2_S: return matvec_row<T_IQ2_S>(w, n_cols, x, lane);
+        case T_IQ3_XXS: return matvec_row<T_IQ3_XXS>(w, n_cols, x, lane);
+        case T_IQ3_S: return matvec_row<T_IQ3_S>(w, n_cols, x, lane);
+        case T_IQ1_S: return matvec_row<T_IQ1_S>(w, n_cols, x, lane);
+        case T_IQ1_M: return matvec_row<T_IQ1_M>(w, n_cols, x, lane);
     }
     return 0.0f;
 }
@@ -398,8 +554,8 @@ __device__ __forceinline__ void gemm_impl(const uint8_t* __restrict__ W, long lo
 // does (d = max|x| / 127, q = round(x / d), with the block's float sum for the offsets). Each
 // warp multiplies its 32x32 corner with int8 WMMA (int32 sums, exact), stores the sums to its
 // own shared tile, and its lane l folds weight row l's 32 sums into float accumulators:
-// acc += (d_w * d_x) * sum + m_w * sum_x. Q6_K's two 16-value halves have their own scales
-// and are multiplied separately.
+// acc += (d_w * d_x) * sum + m_w * sum_x. The two 16-value halves of the EI_TWO_SCALES types
+// (Q6_K, IQ2_XS, IQ2_S, IQ1_M) have their own scales and are multiplied separately.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 720
 #define EI_IMMA 1
 #endif
@@ -415,7 +571,7 @@ __device__ __forceinline__ void gemm_q8_impl(const uint8_t* __restrict__ W, long
     gemm_impl<T>(W, row_bytes, n_rows, n_cols, X, xrow, n_tok, residual, Y);  // sm_70: no int8 WMMA
 #else
     using namespace nvcuda;
-    constexpr int HALVES = T == T_Q6_K ? 2 : 1;
+    constexpr int HALVES = EI_TWO_SCALES(T) ? 2 : 1;
     __shared__ __align__(32) int8_t xq[2][GM * QH];
     __shared__ __align__(32) int8_t wq[2][GN * QH];
     __shared__ float x_d[GM], x_sum[GM], w_d[GN][2], w_m[GN];
@@ -557,6 +713,13 @@ EI_ENTRY(q4_k, T_Q4_K, gemm_q8_impl)
 EI_ENTRY(q5_k, T_Q5_K, gemm_q8_impl)
 EI_ENTRY(q6_k, T_Q6_K, gemm_q8_impl)
 EI_ENTRY(mxfp4, T_MXFP4, gemm_q8_impl)
+EI_ENTRY(iq2_xxs, T_IQ2_XXS, gemm_q8_impl)
+EI_ENTRY(iq2_xs, T_IQ2_XS, gemm_q8_impl)
+EI_ENTRY(iq2_s, T_IQ2_S, gemm_q8_impl)
+EI_ENTRY(iq3_xxs, T_IQ3_XXS, gemm_q8_impl)
+EI_ENTRY(iq3_s, T_IQ3_S, gemm_q8_impl)
+EI_ENTRY(iq1_s, T_IQ1_S, gemm_q8_impl)
+EI_ENTRY(iq1_m, T_IQ1_M, gemm_q8_impl)
 
 // A chunk-aligned dequantize of whole rows to float32 (tests and the CPU-side fallback).
 #define EI_DEQ(suffix, T)                                                                            \
@@ -582,4 +745,11 @@ EI_DEQ(q4_k, T_Q4_K)
 EI_DEQ(q5_k, T_Q5_K)
 EI_DEQ(q6_k, T_Q6_K)
 EI_DEQ(mxfp4, T_MXFP4)
+EI_DEQ(iq2_xxs, T_IQ2_XXS)
+EI_DEQ(iq2_xs, T_IQ2_XS)
+EI_DEQ(iq2_s, T_IQ2_S)
+EI_DEQ(iq3_xxs, T_IQ3_XXS)
+EI_DEQ(iq3_s, T_IQ3_S)
+EI_DEQ(iq1_s, T_IQ1_S)
+EI_DEQ(iq1_m, T_IQ1_M)
 #endif  // EI_HOST_ONLY

@@ -127,12 +127,15 @@ def module(source: str) -> Any:
     """The compiled SourceModule of kernels_cuda/<source>, cached on disk per GPU architecture.
 
     PyCUDA keys its cache on the source text, the options and nvcc's version, so a changed
-    .cu or a new toolkit recompiles; otherwise the cubin is loaded from cache_dir.
+    .cu or a new toolkit recompiles; otherwise the cubin is loaded from cache_dir. The text is
+    generated.source_text's: the file with its generated headers (the i-quant tables) in place.
     """
     from pycuda.compiler import SourceModule
 
+    from edgeinfer.kernels_cuda.generated import source_text
+
     arch = arch_name(compute_capability())  # (the context made current first)
-    text = (KERNEL_DIR / source).read_text()
+    text = source_text(source)
     return SourceModule(text, arch=arch, no_extern_c=True, options=nvcc_options(arch),
                         cache_dir=str(cache_dir(arch)))
 

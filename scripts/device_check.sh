@@ -66,7 +66,7 @@ model_pid=$!
 say "tests"
 tests=(tests/test_cuda_kernels.py tests/test_cuda_kv_quant.py tests/test_cuda_recurrent.py tests/test_gpu_paged_kv.py
        tests/test_cuda_budgets.py tests/test_cuda_compile.py tests/test_cuda_mutations.py tests/test_cuda_run.py
-       tests/test_cuda_graphs.py tests/test_cuda_fused.py)
+       tests/test_cuda_graphs.py tests/test_cuda_fused.py tests/test_cuda_iquants.py)
 t=$(( $(left) - 200 )); [ $t -lt 60 ] && t=60
 timeout $t python3 -m pytest -q -p no:cacheprovider -n 6 --rootdir "$repo" \
     "${tests[@]/#/$repo/}" "$repo/tests/test_moe.py" -k "not moe or gpu" -rs > "$out/tests.log" 2>&1

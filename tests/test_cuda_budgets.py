@@ -22,7 +22,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from edgeinfer.kernels_cuda.runtime import KERNEL_DIR, SOURCES, nvcc_options  # noqa: E402
+from edgeinfer.kernels_cuda.generated import source_text  # noqa: E402
+from edgeinfer.kernels_cuda.runtime import SOURCES, nvcc_options  # noqa: E402
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: no ptxas report")
@@ -52,8 +53,10 @@ def threads_for(kernel: str) -> int:
 def ptxas_report(source: str, arch: str, out_dir: Path) -> tuple[list[dict], str, Path]:
     """[{kernel, registers, stack, spill_stores, spill_loads, smem}] and ptxas' whole output."""
     cubin = out_dir / f"{Path(source).stem}_{arch}.cubin"
+    compiled = out_dir / f"{Path(source).stem}_{arch}.cu"  # the source as the runtime compiles it
+    compiled.write_text(source_text(source))
     cmd = [NVCC, "-cubin", f"-arch={arch}", *nvcc_options(arch), "-Xptxas", "-v,-warn-spills,-warn-lmem-usage",
-           "--resource-usage", "-Werror", "all-warnings", str(KERNEL_DIR / source), "-o", str(cubin)]
+           "--resource-usage", "-Werror", "all-warnings", str(compiled), "-o", str(cubin)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-3000:]

@@ -2,7 +2,9 @@
 and their GGUF block decoding matches gguf.quants (checked by running it on the host).
 
 Every source for every target arch (sm_75, the oldest, WMMA; sm_86; sm_89; sm_90), as
-.ci/run does; all compiles start at once to stay around a minute on two cores.
+.ci/run does; all compiles start at once to stay around a minute on two cores. What nvcc
+compiles is each source as the runtime compiles it (generated.source_text: quant.cu with the
+i-quant tables generated from kernels_cpu/iq_tables.py in place of its iq_tables.cuh).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import pytest
 from gguf import quants
 from gguf_factory import random_blocks
 
+from edgeinfer.kernels_cpu import iquant_ref
+from edgeinfer.kernels_cuda.generated import source_text
 from edgeinfer.kernels_cuda.launch import KERNEL_NAMES, QTYPE_SUFFIX
 from edgeinfer.kernels_cuda.runtime import KERNEL_DIR, SOURCES, nvcc_options
 
@@ -49,19 +53,24 @@ int main() {
 """
 _TYPE_MACRO = {"f32": "T_F32", "f16": "T_F16", "q4_0": "T_Q4_0", "q4_1": "T_Q4_1", "q5_0": "T_Q5_0",
                "q5_1": "T_Q5_1", "q8_0": "T_Q8_0", "q4_k": "T_Q4_K", "q5_k": "T_Q5_K", "q6_k": "T_Q6_K",
-               "mxfp4": "T_MXFP4"}
+               "mxfp4": "T_MXFP4", "iq2_xxs": "T_IQ2_XXS", "iq2_xs": "T_IQ2_XS", "iq2_s": "T_IQ2_S",
+               "iq3_xxs": "T_IQ3_XXS", "iq3_s": "T_IQ3_S", "iq1_s": "T_IQ1_S", "iq1_m": "T_IQ1_M"}
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
     """Start every nvcc job in parallel; returns {job: (returncode, output, artefact dir)}."""
     out = tmp_path_factory.mktemp("nvcc")
+    sources = out / "src"
+    sources.mkdir()
+    for src in SOURCES:
+        (sources / src).write_text(source_text(src))
     jobs = {}
     for src in SOURCES:
         for arch in ARCHS:
             keep = out / f"{src}-{arch}"
             keep.mkdir()
-            cmd = [NVCC, f"-arch={arch}", *nvcc_options(arch), "-c", str(KERNEL_DIR / src), "-o",
+            cmd = [NVCC, f"-arch={arch}", *nvcc_options(arch), "-c", str(sources / src), "-o",
                    str(keep / "k.o"), "--keep", "--keep-dir", str(keep)]
             jobs[(src, arch)] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                   text=True, cwd=keep), keep)
@@ -69,7 +78,7 @@ def builds(tmp_path_factory):
                       for q, s in QTYPE_SUFFIX.items())
     harness = out / "harness.cu"
     harness.write_text(HARNESS.replace("%CASES%", cases))
-    cmd = [NVCC, "-DEI_HOST_ONLY", f"-I{KERNEL_DIR}", str(harness), "-o", str(out / "harness")]
+    cmd = [NVCC, "-DEI_HOST_ONLY", f"-I{sources}", str(harness), "-o", str(out / "harness")]
     jobs["harness"] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
     done = {}
     for key, (proc, where) in jobs.items():
@@ -102,7 +111,8 @@ def test_every_source_is_listed():
 
 @pytest.mark.parametrize("qtype", list(QTYPE_SUFFIX), ids=lambda q: q.name)
 def test_dequant32_matches_gguf_on_host(builds, qtype):
-    """quant.cu's block decoding (the code both GPU matrix kernels use), run on the CPU."""
+    """quant.cu's block decoding (the code both GPU matrix kernels use), run on the CPU: the
+    i-quants bit for bit as kernels_cpu.iquant_ref (ggml's dequantize_row_*), the rest as gguf.quants."""
     rc, text, where = builds["harness"]
     assert rc == 0, f"host harness failed to build:\n{text}"
     rng = np.random.default_rng(int(qtype))
@@ -112,5 +122,9 @@ def test_dequant32_matches_gguf_on_host(builds, qtype):
     res = subprocess.run([str(where / "harness")], input=payload, capture_output=True, timeout=60)
     assert res.returncode == 0, res.stderr
     got = np.frombuffer(res.stdout, np.float32).reshape(n_rows, n_cols)
-    want = quants.dequantize(raw, qtype).astype(np.float32).reshape(n_rows, n_cols)
-    np.testing.assert_array_equal(got, want)
+    if int(qtype) in iquant_ref.BLOCK_BYTES:
+        want = iquant_ref.dequantize(int(qtype), raw)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    else:
+        want = quants.dequantize(raw, qtype).astype(np.float32).reshape(n_rows, n_cols)
+        np.testing.assert_array_equal(got, want)

@@ -10,6 +10,7 @@ import cuda_device
 import pytest
 
 from edgeinfer.kernels_cuda import launch, runtime
+from edgeinfer.kernels_cuda.generated import source_text
 from edgeinfer.kernels_cuda.emulator.kernel import LaunchError
 
 cuda_device.require()
@@ -19,7 +20,7 @@ def _mutant(monkeypatch, source: str, old: str, new: str, count: int = 1) -> Non
     """launch's kernels of `source` come from its text with `old` replaced by `new` (`count` times)."""
     from pycuda.compiler import SourceModule
 
-    text = (runtime.KERNEL_DIR / source).read_text()
+    text = source_text(source)
     assert text.count(old) >= count, f"{source} no longer holds {old!r}: update the mutation"
     mutated = SourceModule(text.replace(old, new, count), no_extern_c=True,
                            options=runtime.nvcc_options(runtime.arch_name((8, 6))),

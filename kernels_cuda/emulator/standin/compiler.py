@@ -23,10 +23,13 @@ def default_cache_dir() -> Path:
 
 
 def _label_for(source: str) -> str:
-    """The name of the kernels_cuda/*.cu file whose text this is (for messages), else a generic one."""
+    """The name of the kernels_cuda/*.cu file whose text (as compiled: generated.source_text)
+    this is (for messages), else a generic one."""
+    from edgeinfer.kernels_cuda.generated import source_text
+
     folder = Path(__file__).resolve().parents[2]
     for path in sorted(folder.glob("*.cu")):
-        if path.read_text() == source:
+        if source_text(path.name) == source:
             return path.name
     return "kernel.cu"
 
