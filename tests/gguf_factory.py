@@ -31,6 +31,7 @@ _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # drawing their rows in slices gives the same bytes.
 _ROW_SEPARABLE = (*_FLOAT_TYPES, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 _SLICE_ELEMENTS = 1 << 24
+_CALIBRATION_BLOCKS = 1 << 16   # blocks random_blocks measures the spread of (tiny files: all of them)
 
 
 def qtype_of(qtype: str | GGMLQuantizationType) -> GGMLQuantizationType:
@@ -68,7 +69,7 @@ def random_blocks(qtype, n_rows: int, n_cols: int, rng: np.random.Generator,
         scale = rng.uniform(0.5, 1.0, n_blocks).astype(np.float16)
         blocks[:, off:off + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
     # Rescale every fp16 field by one factor: dequantized values scale linearly with it.
-    got = quants.dequantize(blocks, qtype).std()
+    got = quants.dequantize(blocks[:_CALIBRATION_BLOCKS], qtype).std()   # a big tensor: its first blocks
     factor = std / max(float(got), 1e-12)
     for off in fields:
         scale = blocks[:, off:off + 2].copy().view(np.float16).astype(np.float32) * factor
@@ -97,7 +98,7 @@ def _iq1m_blocks(blocks, rng, std, negative_scales):
     """Random IQ1_M blocks (random indices, shifts and sub-scales) scaled to ~N(0, std)."""
     n = blocks.shape[0]
     _iq1m_scale(blocks, rng.uniform(0.5, 1.0, n).astype(np.float16))
-    factor = std / max(float(quants.dequantize(blocks, T.IQ1_M).std()), 1e-12)
+    factor = std / max(float(quants.dequantize(blocks[:_CALIBRATION_BLOCKS], T.IQ1_M).std()), 1e-12)
     scale = _iq1m_scale(blocks).astype(np.float32) * factor
     if negative_scales:
         scale = np.where(rng.random(n) < 0.5, -scale, scale)
