@@ -26,7 +26,7 @@ from .quant_kernels import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
 
 BLOCK_BYTES = {IQ2_XXS: 66, IQ2_XS: 74, IQ2_S: 82, IQ3_XXS: 98, IQ3_S: 110, IQ1_S: 50, IQ1_M: 56}
 # what ggml's vec_dot multiplies the lanes' sum by
-_FACTOR = {IQ2_XXS: 0.125, IQ2_XS: 0.125, IQ2_S: 0.125, IQ3_XXS: 0.25, IQ3_S: 1.0, IQ1_S: 1.0, IQ1_M: 1.0}
+FACTOR = {IQ2_XXS: 0.125, IQ2_XS: 0.125, IQ2_S: 0.125, IQ3_XXS: 0.25, IQ3_S: 1.0, IQ1_S: 1.0, IQ1_M: 1.0}
 _DELTA = 0.125   # IQ1S_DELTA, IQ1M_DELTA
 
 
@@ -191,7 +191,7 @@ def _sub_iq1_m(h, wrow, wo, ib):
     return grid, None, lo, hi, _group_signs(h, negs)
 
 
-_SUB = {IQ2_XXS: _sub_iq2_xxs, IQ2_XS: _sub_iq2_xs, IQ2_S: _sub_iq2_s, IQ3_XXS: _sub_iq3_xxs, IQ3_S: _sub_iq3_s,
+SUB = {IQ2_XXS: _sub_iq2_xxs, IQ2_XS: _sub_iq2_xs, IQ2_S: _sub_iq2_s, IQ3_XXS: _sub_iq3_xxs, IQ3_S: _sub_iq3_s,
         IQ1_S: _sub_iq1_s, IQ1_M: _sub_iq1_m}
 
 
@@ -206,7 +206,7 @@ def _block_d(h, wrow, wo, qt):
     return h.f16_value(b.trunc(bits, I16))
 
 
-def _odd(h, ls):
+def odd(h, ls):
     """2 * ls + 1 as i16."""
     b = h.b
     return b.trunc(b.add(b.shl(ls, _i(1)), _i(1)), I16)
@@ -231,9 +231,9 @@ def _block_dot(h, qt, wrow, wo, xq, xs, bi, accs):
     zero = ir.Constant(vec(I32, 8), [0] * 8)
     isum, isum2, s1 = zero, zero, _i(0)
     for ib in range(8):
-        grid, signs, lo, hi, shift = _SUB[qt](h, wrow, wo, ib)
+        grid, signs, lo, hi, shift = SUB[qt](h, wrow, wo, ib)
         x8 = h.load(xq, b.add(xo, c64(32 * ib)), vec(I8, 32))
-        m16 = _mult16(h, _odd(h, lo), _odd(h, hi))
+        m16 = _mult16(h, odd(h, lo), odd(h, hi))
         if signs is not None:
             p16 = h.maddubs(grid, h.sign_i8(x8, signs))
         else:
@@ -245,7 +245,7 @@ def _block_dot(h, qt, wrow, wo, xq, xs, bi, accs):
         elif qt == IQ1_S:   # the shift term from the activations' per-16 sums, as ggml
             bs = b.add(h.load(xs[1], b.add(b.mul(bi, c64(64)), c64(8 * ib)), I32),
                        h.load(xs[1], b.add(b.mul(bi, c64(64)), c64(8 * ib + 4)), I32))
-            t = b.mul(bs, b.zext(_odd(h, lo), I32))
+            t = b.mul(bs, b.zext(odd(h, lo), I32))
             neg = b.icmp_signed("<", b.extract_element(shift, _i(0)), ir.Constant(I8, 0))
             s1 = b.add(s1, b.select(neg, b.sub(_i(0), t), t))
     out = [h.fma(h.splat(d, 8), b.sitofp(isum, vec(F32T, 8)), accs[0])]
@@ -269,7 +269,7 @@ def _finish(h, qt, accs):
         return b.fadd(s, b.fmul(ir.Constant(F32T, _DELTA), h.hsum_f32(accs[1])))
     if qt == IQ1_S:
         return b.fadd(s, b.fmul(ir.Constant(F32T, _DELTA), accs[1]))
-    return s if _FACTOR[qt] == 1.0 else b.fmul(ir.Constant(F32T, _FACTOR[qt]), s)
+    return s if FACTOR[qt] == 1.0 else b.fmul(ir.Constant(F32T, FACTOR[qt]), s)
 
 
 def _inits(qt):
@@ -331,14 +331,14 @@ def _make_deq(qt):
         d = _block_d(h, wrow, wo, qt)
         yo = b.mul(bi, c64(1024))
         for ib in range(8):
-            grid, signs, lo, hi, shift = _SUB[qt](h, wrow, wo, ib)
+            grid, signs, lo, hi, shift = SUB[qt](h, wrow, wo, ib)
             dbs = []
             for ls in (lo, hi):
                 if qt in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS):   # d * (0.5 + ls) * (1/4 | 1/2), as ggml
                     db = b.fmul(d, b.fadd(ir.Constant(F32T, 0.5), b.uitofp(ls, F32T)))
                     dbs.append(b.fmul(db, ir.Constant(F32T, 0.5 if qt == IQ3_XXS else 0.25)))
                 else:                                         # d * (2 ls + 1)
-                    dbs.append(b.fmul(d, b.sitofp(_odd(h, ls), F32T)))
+                    dbs.append(b.fmul(d, b.sitofp(odd(h, ls), F32T)))
             dv = ir.Constant(vec(F32T, 2), ir.Undefined)
             dv = b.insert_element(b.insert_element(dv, dbs[0], _i(0)), dbs[1], _i(1))
             db32 = b.shuffle_vector(dv, dv, mask([0] * 16 + [1] * 16))

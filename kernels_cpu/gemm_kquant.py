@@ -1,4 +1,4 @@
-"""Prompts on the 256-element types (Q2_K-Q6_K, IQ4_XS) without VNNI: 8 rows in lanes, each token's bytes broadcast.
+"""Prompts on the 256-element types (Q2_K-Q6_K, IQ4_XS, IQ2_XXS-IQ3_S) without VNNI: 8 rows in lanes, each token's bytes broadcast.
 
 Why: on AVX2-only CPUs a long prompt's K-quant products were dequantized to float32 tiles
 for BLAS, which runs at the float FMA peak (~75 GFLOP/s a Zen 3 core). `vpmaddubsw` does
@@ -40,27 +40,32 @@ from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
 from . import gemm_parallel
+from .dot_iquant import BLOCK_BYTES as _IQ_BLOCK_BYTES, FACTOR as _IQ_FACTOR, SUB as _IQ_SUB, odd as _odd
 from .dot_kquant import _q3k_scales, _q23k_codes, k_nibbles, q4k_block_bytes, q4k_qs32, q4k_scales_heads
 from .dot_q32 import q32_values
 from .ir_helpers import (F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, row_ptrs,
                          target_features, vec)
-from .quant_kernels import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q4_K_X8, Q5_K, Q6_K
+from .quant_kernels import IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q4_K_X8, Q5_K, Q6_K
 
-GEMM_TYPES = (Q4_K, Q4_K_X8, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS)   # Q4_K_X8: repack.py's copy of a Q4_K matrix
+# the i-quants but IQ1 (whose +-1/8 shifts would need a second sum per 8 values)
+IQ_GEMM_TYPES = (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S)
+GEMM_TYPES = (Q4_K, Q4_K_X8, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS) + IQ_GEMM_TYPES   # Q4_K_X8: repack.py's copy of a Q4_K matrix
 GROUP_ROWS = 8           # rows a group: one per 32-bit lane
 TOKENS = gemm_parallel.TOKENS_PAD   # tokens a step of the token loop (4; packed segments pad to it)
 # scratch offsets (bytes): the codes, then Q4_K's scales, min pairs, d and dmin, or the
 # per-16 types' (Q6_K, Q3_K, Q2_K) 16 scales, pairs (Q6_K, Q3_K: of scales, for the code
 # offset; Q2_K: of mins), d and Q2_K's dmin; IQ4_XS: |values|, then the signed values,
-# then its 8 scales and d
+# then its 8 scales and d; the i-quants as IQ4_XS, their scales of each sub-block's second
+# 16 values after d
 _CODES, _SCALES, _MINS, _D, _DMIN = 0, 2048, 2304, 2432, 2464
 _SCALES6, _PAIRS6, _D6, _DMIN6 = 2048, 2560, 2816, 2848
-_SIGNS_XS, _SCALES_XS, _D_XS = 2048, 4096, 4352
-SCRATCH_BYTES = 4384
+_SIGNS_XS, _SCALES_XS, _D_XS, _SCALES_HI = 2048, 4096, 4352, 4384
+SCRATCH_BYTES = 4640
 ACC_COLS = 2 * GROUP_ROWS   # per token: acc (8 floats), then accm (8 floats)
 TILE_TOKENS = 256           # tokens a staged block serves (a multiple of TOKENS)
 # _gemm_rows' branches: every type here (matmul_rows); the drivers' copies keep only theirs
 _HAS_Q4_K = _HAS_Q4_K_X8 = _HAS_Q5_K = _HAS_Q6_K = _HAS_Q3_K = _HAS_Q2_K = _HAS_IQ4_XS = True
+_HAS_IQ2_XXS = _HAS_IQ2_XS = _HAS_IQ2_S = _HAS_IQ3_XXS = _HAS_IQ3_S = True
 _CODE_OFFSET = {Q6_K: 32, Q3_K: 4}   # value = code - offset (times the group's scale)
 _JIT = dict(cache=True, nogil=True)
 
@@ -226,6 +231,28 @@ def _stage_iq4_xs(h, rows, bi, sbase):
     _store_d(h, sbase, rows, wo, _D_XS)
 
 
+def _stage_iq(h, rows, bi, sbase, qt):
+    """An i-quant: each sub-block's grid values (unsigned) as codes and with their signs
+    (vpmaddubsw takes them against sign(x, v), as IQ4_XS's), the odd multipliers 2 s + 1 of
+    its first and second 16 values as i16 pairs a row, and d times the type's factor."""
+    b = h.b
+    wo = b.mul(bi, c64(_IQ_BLOCK_BYTES[qt]))
+    for ib in range(8):
+        subs = [_IQ_SUB[qt](h, row, wo, ib) for row in rows]
+        _store_codes(h, sbase, ib, [grid for grid, *_ in subs])
+        _store_codes(h, sbase, ib, [h.sign_i8(grid, signs) for grid, signs, *_ in subs], _SIGNS_XS)
+        for at, half in ((_SCALES_XS, 2), (_SCALES_HI, 3)):
+            v = ir.Constant(vec(I16, 16), ir.Undefined)
+            for r, sub in enumerate(subs):
+                m = _odd(h, sub[half])
+                v = b.insert_element(b.insert_element(v, m, ir.Constant(I32, 2 * r)), m, ir.Constant(I32, 2 * r + 1))
+            _store(h, sbase, at + 32 * ib, v)
+    d = ir.Constant(vec(F32T, 8), ir.Undefined)
+    for r, row in enumerate(rows):
+        d = b.insert_element(d, h.load_f16(row, wo), ir.Constant(I32, r))
+    _store(h, sbase, _D_XS, b.fmul(d, const_vec(F32T, 8, _IQ_FACTOR[qt])))
+
+
 def _make_stage(qt):
     def codegen(context, builder, sig, args):
         w = context.make_array(sig.args[0])(context, builder, args[0])
@@ -238,6 +265,8 @@ def _make_stage(qt):
             _stage_q23_k(h, rows, args[2], sbase, qt == Q3_K)
         elif qt == IQ4_XS:
             _stage_iq4_xs(h, rows, args[2], sbase)
+        elif qt in IQ_GEMM_TYPES:
+            _stage_iq(h, rows, args[2], sbase, qt)
         else:
             _stage_q4_k(h, rows, args[2], sbase, qt == Q4_K_X8, qt == Q5_K)
         return context.get_dummy_value()
@@ -302,14 +331,17 @@ def _per16_quad(h, sbase, xs, bs, qt):
     return isum, None
 
 
-def _iq4_xs_quad(h, sbase, xs):
+def _iq4_xs_quad(h, sbase, xs, per16=False):
     """One block of 4 tokens against staged IQ4_XS rows: [I] <8 x i32> a token, sum_j
-    scale_j (v . x)_j with |v| . sign(x, v) (one vpmaddubsw a vpmaddwd: <= 2 * 127 * 127)."""
+    scale_j (v . x)_j with |v| . sign(x, v) (one vpmaddubsw a vpmaddwd: <= 2 * 127 * 127).
+    per16: the i-quants, a scale for each sub-block's first and second 16 values."""
     b = h.b
     isum = [ir.Constant(vec(I32, 8), [0] * 8)] * TOKENS
     for j in range(8):
-        sc = h.load(sbase, c64(_SCALES_XS + 32 * j), vec(I16, 16))
+        lo = h.load(sbase, c64(_SCALES_XS + 32 * j), vec(I16, 16))
+        hi = h.load(sbase, c64(_SCALES_HI + 32 * j), vec(I16, 16)) if per16 else lo
         for k in range(8):
+            sc = lo if k < 4 else hi
             wv = h.load(sbase, c64(_CODES + 256 * j + 32 * k), vec(I8, 32))
             sw = h.load(sbase, c64(_SIGNS_XS + 256 * j + 32 * k), vec(I8, 32))
             for ti in range(TOKENS):
@@ -346,7 +378,8 @@ def _make_tokens(qt):
         xrow, drow, brow = (rows_of(a, True) for a in (xq, xd, xb))
         arow = rows_of(acc, False)
         per16 = qt in (Q6_K, Q3_K, Q2_K)
-        d = h.load(sbase, c64(_D6 if per16 else _D_XS if qt == IQ4_XS else _D), vec(F32T, 8))
+        d = h.load(sbase, c64(_D6 if per16 else _D_XS if qt == IQ4_XS or qt in IQ_GEMM_TYPES else _D),
+                   vec(F32T, 8))
         dmin = (h.load(sbase, c64(_DMIN6 if qt == Q2_K else _DMIN), vec(F32T, 8))
                 if qt in (Q4_K, Q4_K_X8, Q5_K, Q2_K) else None)
 
@@ -355,8 +388,8 @@ def _make_tokens(qt):
             xs, bs = [xrow(t) for t in ts], [brow(t) for t in ts]
             if per16:
                 isum, msum = _per16_quad(h, sbase, xs, bs, qt)
-            elif qt == IQ4_XS:
-                isum, msum = _iq4_xs_quad(h, sbase, xs), None
+            elif qt == IQ4_XS or qt in IQ_GEMM_TYPES:
+                isum, msum = _iq4_xs_quad(h, sbase, xs, qt in IQ_GEMM_TYPES), None
             else:
                 isum, msum = _q4_k_quad(h, sbase, xs, bs, qt == Q5_K)
             for ti in range(TOKENS):
@@ -386,6 +419,11 @@ _stage_q5k, _tokens_q5k = _make_stage(Q5_K), _make_tokens(Q5_K)
 _stage_q3k, _tokens_q3k = _make_stage(Q3_K), _make_tokens(Q3_K)
 _stage_q2k, _tokens_q2k = _make_stage(Q2_K), _make_tokens(Q2_K)
 _stage_iq4xs, _tokens_iq4xs = _make_stage(IQ4_XS), _make_tokens(IQ4_XS)
+_stage_iq2xxs, _tokens_iq2xxs = _make_stage(IQ2_XXS), _make_tokens(IQ2_XXS)
+_stage_iq2xs, _tokens_iq2xs = _make_stage(IQ2_XS), _make_tokens(IQ2_XS)
+_stage_iq2s, _tokens_iq2s = _make_stage(IQ2_S), _make_tokens(IQ2_S)
+_stage_iq3xxs, _tokens_iq3xxs = _make_stage(IQ3_XXS), _make_tokens(IQ3_XXS)
+_stage_iq3s, _tokens_iq3s = _make_stage(IQ3_S), _make_tokens(IQ3_S)
 
 
 @njit(**_JIT)
@@ -420,9 +458,24 @@ def _gemm_rows(w, qt, g0, g1, xq, xd, xb, tile, out):
                 elif _HAS_Q2_K and qt == Q2_K:
                     _stage_q2k(w, g, bi, s)
                     _tokens_q2k(s, xq, xd, xb, bi, t0, acc, t1)
-                elif _HAS_IQ4_XS:
+                elif _HAS_IQ4_XS and qt == IQ4_XS:
                     _stage_iq4xs(w, g, bi, s)
                     _tokens_iq4xs(s, xq, xd, xb, bi, t0, acc, t1)
+                elif _HAS_IQ2_XXS and qt == IQ2_XXS:
+                    _stage_iq2xxs(w, g, bi, s)
+                    _tokens_iq2xxs(s, xq, xd, xb, bi, t0, acc, t1)
+                elif _HAS_IQ2_XS and qt == IQ2_XS:
+                    _stage_iq2xs(w, g, bi, s)
+                    _tokens_iq2xs(s, xq, xd, xb, bi, t0, acc, t1)
+                elif _HAS_IQ2_S and qt == IQ2_S:
+                    _stage_iq2s(w, g, bi, s)
+                    _tokens_iq2s(s, xq, xd, xb, bi, t0, acc, t1)
+                elif _HAS_IQ3_XXS and qt == IQ3_XXS:
+                    _stage_iq3xxs(w, g, bi, s)
+                    _tokens_iq3xxs(s, xq, xd, xb, bi, t0, acc, t1)
+                elif _HAS_IQ3_S and qt == IQ3_S:
+                    _stage_iq3s(w, g, bi, s)
+                    _tokens_iq3s(s, xq, xd, xb, bi, t0, acc, t1)
             for t in range(t0, min(t1, n_tok)):
                 for k in range(GROUP_ROWS):
                     out[t, GROUP_ROWS * g + k] = acc[t, k] + acc[t, GROUP_ROWS + k]
@@ -504,4 +557,6 @@ def matmul_rows(w_raw: np.ndarray, qt: int, g0: int, g1: int, packed, out: np.nd
 # the parallel region over 1 to 3 matrices, per type set: DRIVERS.run(ws, qts, packed, outs, n_threads)
 DRIVERS = gemm_parallel.Drivers(globals(), ("_gemm_rows",), {Q4_K: "Q4_K", Q4_K_X8: "Q4_K_X8", Q5_K: "Q5_K",
                                                            Q6_K: "Q6_K", Q3_K: "Q3_K", Q2_K: "Q2_K",
-                                                           IQ4_XS: "IQ4_XS"}, TILE_TOKENS, "kquant")
+                                                           IQ4_XS: "IQ4_XS", IQ2_XXS: "IQ2_XXS", IQ2_XS: "IQ2_XS",
+                                                           IQ2_S: "IQ2_S", IQ3_XXS: "IQ3_XXS", IQ3_S: "IQ3_S"},
+                             TILE_TOKENS, "kquant")

@@ -400,7 +400,9 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
 # rows, 1.6 q32), and llama.cpp's own batches of Q8_0 have exactly the row kernels' bits.
 _GEMM_MIN_TOKENS = {qk.Q5_0: 4, qk.Q4_0: 8, qk.MXFP4: 8, qk.Q8_0: 65, qk.Q6_K: 12, qk.Q4_K: 12, qk.Q4_K_X8: 12, qk.Q5_K: 12,
                     qk.Q4_1: 8, qk.Q5_1: 8, qk.IQ4_NL: 8,   # these three: as Q4_0's, not measured apart
-                    qk.Q3_K: 8, qk.Q2_K: 8, qk.IQ4_XS: 8}
+                    qk.Q3_K: 8, qk.Q2_K: 8, qk.IQ4_XS: 8,
+                    # the i-quants' row kernels are bound by their grid lookups, a token at a time
+                    qk.IQ2_XXS: 8, qk.IQ2_XS: 8, qk.IQ2_S: 8, qk.IQ3_XXS: 8, qk.IQ3_S: 8}
 _Q32_GEMM = _FAST and not os.environ.get("EDGEINFER_NO_Q32_GEMM")
 _ORDER = threading.local()
 

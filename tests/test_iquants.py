@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as T
 
 import edgeinfer.kernels_cpu as K
 from edgeinfer.kernels_cpu import dispatch, iquant_ref, quant_kernels
+from edgeinfer.kernels_cpu.reference import reference_quantize_act
 from ggml_lib import oracle_ggml
 from quant_blocks import random_blocks
 
@@ -71,18 +72,23 @@ def test_row_dots_are_ggml_s_vec_dot(qtype, n_rows, n_cols, ggml):
 
 
 @pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda t: t.name)
-def test_short_prompts_are_decode_bits_and_long_ones_the_float_product(qtype, ggml):
+def test_short_prompts_are_decode_bits_and_long_ones_the_exact_product(qtype, ggml):
     rng = np.random.default_rng(5)
     w = random_blocks(qtype, 72, 512, rng)
     w.flags.writeable = False
-    X = rng.standard_normal((6, 512)).astype(np.float32)
-    Y = K.matmul(w, qtype, X)
-    for t in range(6):
-        assert _bits_equal(Y[t], ggml.vec_dot_rows(int(qtype), w, X[t]))
-    X = rng.standard_normal((80, 512)).astype(np.float32)
+    with MATVEC.decode_order():   # speculative verification's rows: the decode bits at any count
+        for n_tok in (6, 20):
+            X = rng.standard_normal((n_tok, 512)).astype(np.float32)
+            Y = K.matmul(w, qtype, X)
+            for t in range(n_tok):
+                assert _bits_equal(Y[t], ggml.vec_dot_rows(int(qtype), w, X[t]))
     W = ggml.to_float(int(qtype), w, 512).astype(np.float64)
-    tol = 2e-5 * (np.abs(X) @ np.abs(W).T)
-    assert np.all(np.abs(K.matmul(w, qtype, X) - X @ W.T) <= tol)
+    for n_tok in (12, 80):   # the 8-bit GEMM (AVX2 without VNNI) or dequantized + BLAS
+        X = rng.standard_normal((n_tok, 512)).astype(np.float32)
+        if K.matmul_uses_int8(qtype, n_tok, 72):   # Q8_K activations, exact integer sums
+            X = np.stack([reference_quantize_act(x, 256) for x in X])
+        tol = 2e-5 * (np.abs(X) @ np.abs(W).T)
+        assert np.all(np.abs(K.matmul(w, qtype, X.astype(np.float32)) - X @ W.T) <= tol)
 
 
 @pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda t: t.name)

@@ -104,7 +104,7 @@ from edgeinfer.kernels_cpu import gemm_kquant
 MV = importlib.import_module("edgeinfer.kernels_cpu.matvec")
 X = rng.standard_normal((7, 512)).astype(np.float32)
 packed = gemm_kquant.pack_activations(*MV.quantize_activation_rows(X, K.quant_info(T.Q4_K)))
-for qt in (T.Q4_K, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ4_XS):
+for qt in (T.Q4_K, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ4_XS, T.IQ2_XS, T.IQ3_S):
     w = random_blocks(qt, 16, 512, rng)
     w.flags.writeable = False
     out = np.empty((7, 16), np.float32)
