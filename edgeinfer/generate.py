@@ -172,7 +172,8 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
     timings = Timings.from_clock(t_start, t_first, t_end, len(prompt) - n_cached, len(generated))
     if spec is not None:
         timings.draft_n, timings.draft_n_accepted = spec.drafted, spec.accepted
-    yield GenerationChunk(text=tail, token=None, finish_reason=finish, usage=usage, timings=timings)
+    yield GenerationChunk(text=tail, token=None, finish_reason=finish, usage=usage, timings=timings,
+                          stop_word=stopper.matched)
 
 
 def _logprobs(raw: np.ndarray, masked: np.ndarray, history: list[int], token: int,

@@ -112,6 +112,7 @@ class GenerationChunk:
     logprobs: TokenLogprob | None = None
     index: int = 0
     prompt_progress: PromptProgress | None = None
+    stop_word: str | None = None   # on the final chunk: the stop string that ended the answer, if one did
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""API errors and the three JSON shapes clients expect them in.
+"""API errors and the four JSON shapes clients expect them in.
 
 OpenAI clients read `{"error": {"message", "type", "param", "code"}}`, the Ollama client
 reads `{"error": "message"}`, llama-server plugins read `{"error": {"code", "message",
-"type"}}`. The shape follows the path, so one exception type serves every endpoint.
+"type"}}`, Anthropic clients `{"type": "error", "error": {"type", "message"}}`. The shape
+follows the path, so one exception type serves every endpoint.
 """
 
 from __future__ import annotations
@@ -39,10 +40,18 @@ def context_exceeded(n_prompt: int, n_ctx: int) -> APIError:
                     extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
 
 
+# HTTP status -> Anthropic error "type" (its Messages API: /v1/messages...)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 504: "timeout_error"}
+
+
 def dialect(path: str) -> str:
-    """Which API family a path belongs to: "ollama", "openai" or "llama"."""
+    """Which API family a path belongs to: "ollama", "anthropic", "openai" or "llama"."""
     if path.startswith("/api/"):
         return "ollama"
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
     if path.startswith("/v1/"):
         return "openai"
     return "llama"
@@ -54,9 +63,20 @@ def error_body(path: str, status: int, message: str, param: str | None = None,
     d = dialect(path)
     if d == "ollama":
         return {"error": message}
+    if d == "anthropic":
+        return anthropic_error(status, message, kind, extra)
     if d == "openai":
         return {"error": {"message": message, "type": kind, "param": param, "code": code, **(extra or {})}}
     return {"error": {"code": status, "message": message, "type": kind, **(extra or {})}}
+
+
+def anthropic_error(status: int, message: str, kind: str, extra: dict | None) -> dict:
+    """Anthropic's shape; a prompt past the window is worded as Anthropic words it ("prompt is
+    too long"), which Claude Code reads to compact its conversation."""
+    if kind == "exceed_context_size_error" and extra and "n_prompt_tokens" in extra:
+        message = f"prompt is too long: {extra['n_prompt_tokens']} tokens > {extra['n_ctx']} maximum"
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_of(path: str, err: APIError) -> dict:
