@@ -55,18 +55,18 @@ TOKENS = gemm_parallel.TOKENS_PAD   # tokens a step of the token loop (4; packed
 # scratch offsets (bytes): the codes, then Q4_K's scales, min pairs, d and dmin, or the
 # per-16 types' (Q6_K, Q3_K, Q2_K) 16 scales, pairs (Q6_K, Q3_K: of scales, for the code
 # offset; Q2_K: of mins), d and Q2_K's dmin; IQ4_XS: |values|, then the signed values,
-# then its 8 scales and d; the i-quants as IQ4_XS, their scales of each sub-block's second
-# 16 values after d
+# then its 8 scales and d; the i-quants as the per-16 types
 _CODES, _SCALES, _MINS, _D, _DMIN = 0, 2048, 2304, 2432, 2464
 _SCALES6, _PAIRS6, _D6, _DMIN6 = 2048, 2560, 2816, 2848
-_SIGNS_XS, _SCALES_XS, _D_XS, _SCALES_HI = 2048, 4096, 4352, 4384
-SCRATCH_BYTES = 4640
+_SIGNS_XS, _SCALES_XS, _D_XS = 2048, 4096, 4352
+SCRATCH_BYTES = 4384
 ACC_COLS = 2 * GROUP_ROWS   # per token: acc (8 floats), then accm (8 floats)
 TILE_TOKENS = 256           # tokens a staged block serves (a multiple of TOKENS)
 # _gemm_rows' branches: every type here (matmul_rows); the drivers' copies keep only theirs
 _HAS_Q4_K = _HAS_Q4_K_X8 = _HAS_Q5_K = _HAS_Q6_K = _HAS_Q3_K = _HAS_Q2_K = _HAS_IQ4_XS = True
 _HAS_IQ2_XXS = _HAS_IQ2_XS = _HAS_IQ2_S = _HAS_IQ3_XXS = _HAS_IQ3_S = True
-_CODE_OFFSET = {Q6_K: 32, Q3_K: 4}   # value = code - offset (times the group's scale)
+# value = code - offset (times the group's scale); the i-quants' values are within +-62
+_CODE_OFFSET = {Q6_K: 32, Q3_K: 4, **{qt: 64 for qt in IQ_GEMM_TYPES}}
 _JIT = dict(cache=True, nogil=True)
 
 
@@ -232,25 +232,24 @@ def _stage_iq4_xs(h, rows, bi, sbase):
 
 
 def _stage_iq(h, rows, bi, sbase, qt):
-    """An i-quant: each sub-block's grid values (unsigned) as codes and with their signs
-    (vpmaddubsw takes them against sign(x, v), as IQ4_XS's), the odd multipliers 2 s + 1 of
-    its first and second 16 values as i16 pairs a row, and d times the type's factor."""
+    """An i-quant as a per-16 type: codes value + 64 (0..126: one vpmaddubsw a vpmaddwd,
+    the offset taken back against the token's per-16 sums as Q6_K's), the odd multipliers
+    2 s + 1 of each 16 values as its 16 scales, and d times the type's factor."""
     b = h.b
     wo = b.mul(bi, c64(_IQ_BLOCK_BYTES[qt]))
+    scales = [ir.Constant(vec(I8, 16), ir.Undefined)] * GROUP_ROWS
     for ib in range(8):
         subs = [_IQ_SUB[qt](h, row, wo, ib) for row in rows]
-        _store_codes(h, sbase, ib, [grid for grid, *_ in subs])
-        _store_codes(h, sbase, ib, [h.sign_i8(grid, signs) for grid, signs, *_ in subs], _SIGNS_XS)
-        for at, half in ((_SCALES_XS, 2), (_SCALES_HI, 3)):
-            v = ir.Constant(vec(I16, 16), ir.Undefined)
-            for r, sub in enumerate(subs):
-                m = _odd(h, sub[half])
-                v = b.insert_element(b.insert_element(v, m, ir.Constant(I32, 2 * r)), m, ir.Constant(I32, 2 * r + 1))
-            _store(h, sbase, at + 32 * ib, v)
+        _store_codes(h, sbase, ib, [b.add(h.sign_i8(grid, signs), const_vec(I8, 32, 64)) for grid, signs, *_ in subs])
+        for r, (_, _, lo, hi, _) in enumerate(subs):
+            for half, ls in enumerate((lo, hi)):
+                scales[r] = b.insert_element(scales[r], b.trunc(_odd(h, ls), I8), ir.Constant(I32, 2 * ib + half))
+    allsc = _concat(b, scales)
+    _store_scales16(h, sbase, allsc, allsc, False)
     d = ir.Constant(vec(F32T, 8), ir.Undefined)
     for r, row in enumerate(rows):
         d = b.insert_element(d, h.load_f16(row, wo), ir.Constant(I32, r))
-    _store(h, sbase, _D_XS, b.fmul(d, const_vec(F32T, 8, _IQ_FACTOR[qt])))
+    _store(h, sbase, _D6, b.fmul(d, const_vec(F32T, 8, _IQ_FACTOR[qt])))
 
 
 def _make_stage(qt):
@@ -304,19 +303,26 @@ def _q4_k_quad(h, sbase, xs, bs, q5=False):
 def _per16_quad(h, sbase, xs, bs, qt):
     """One block of 4 tokens against staged per-16 rows: ([I], [M]) <8 x i32> a token.
     Q6_K, Q3_K: I = the exact sum_g scale_g * ((q - offset) . x)_g (two vpmaddubsw add in
-    i16: <= 2 * 2*63*128), M None; Q2_K: I = sum_g scale_g (q . x)_g, M = sum_g min_g sum_g(x)."""
+    i16: <= 2 * 2*63*128), M None; the i-quants: the same with codes up to 126, so each
+    vpmaddubsw goes to its own vpmaddwd; Q2_K: I = sum_g scale_g (q . x)_g, M = sum_g
+    min_g sum_g(x)."""
     b = h.b
     isum = [ir.Constant(vec(I32, 8), [0] * 8)] * TOKENS
+    pair = qt not in IQ_GEMM_TYPES
     for j in range(8):
         for kp in range(4):
+            sc = h.load(sbase, c64(_SCALES6 + 32 * (2 * j + kp // 2)), vec(I16, 16))
             s16 = [None] * TOKENS
             for k in (2 * kp, 2 * kp + 1):
                 wv = h.load(sbase, c64(_CODES + 256 * j + 32 * k), vec(I8, 32))
                 for ti in range(TOKENS):
                     p = h.maddubs(wv, _bcast(h, xs[ti], 32 * j + 4 * k, I8))
-                    s16[ti] = p if s16[ti] is None else b.add(s16[ti], p)
-            sc = h.load(sbase, c64(_SCALES6 + 32 * (2 * j + kp // 2)), vec(I16, 16))
-            isum = [b.add(isum[ti], h.madd_i16(s16[ti], sc)) for ti in range(TOKENS)]
+                    if not pair:
+                        isum[ti] = b.add(isum[ti], h.madd_i16(p, sc))
+                    else:
+                        s16[ti] = p if s16[ti] is None else b.add(s16[ti], p)
+            if pair:
+                isum = [b.add(isum[ti], h.madd_i16(s16[ti], sc)) for ti in range(TOKENS)]
     if qt == Q2_K:   # the min pairs against the token's per-16 sums
         msum = [ir.Constant(vec(I32, 8), [0] * 8)] * TOKENS
         for i in range(8):
@@ -331,17 +337,14 @@ def _per16_quad(h, sbase, xs, bs, qt):
     return isum, None
 
 
-def _iq4_xs_quad(h, sbase, xs, per16=False):
+def _iq4_xs_quad(h, sbase, xs):
     """One block of 4 tokens against staged IQ4_XS rows: [I] <8 x i32> a token, sum_j
-    scale_j (v . x)_j with |v| . sign(x, v) (one vpmaddubsw a vpmaddwd: <= 2 * 127 * 127).
-    per16: the i-quants, a scale for each sub-block's first and second 16 values."""
+    scale_j (v . x)_j with |v| . sign(x, v) (one vpmaddubsw a vpmaddwd: <= 2 * 127 * 127)."""
     b = h.b
     isum = [ir.Constant(vec(I32, 8), [0] * 8)] * TOKENS
     for j in range(8):
-        lo = h.load(sbase, c64(_SCALES_XS + 32 * j), vec(I16, 16))
-        hi = h.load(sbase, c64(_SCALES_HI + 32 * j), vec(I16, 16)) if per16 else lo
+        sc = h.load(sbase, c64(_SCALES_XS + 32 * j), vec(I16, 16))
         for k in range(8):
-            sc = lo if k < 4 else hi
             wv = h.load(sbase, c64(_CODES + 256 * j + 32 * k), vec(I8, 32))
             sw = h.load(sbase, c64(_SIGNS_XS + 256 * j + 32 * k), vec(I8, 32))
             for ti in range(TOKENS):
@@ -377,9 +380,8 @@ def _make_tokens(qt):
             return lambda t: b.gep(base, [b.mul(t, stride)])
         xrow, drow, brow = (rows_of(a, True) for a in (xq, xd, xb))
         arow = rows_of(acc, False)
-        per16 = qt in (Q6_K, Q3_K, Q2_K)
-        d = h.load(sbase, c64(_D6 if per16 else _D_XS if qt == IQ4_XS or qt in IQ_GEMM_TYPES else _D),
-                   vec(F32T, 8))
+        per16 = qt in (Q6_K, Q3_K, Q2_K) or qt in IQ_GEMM_TYPES
+        d = h.load(sbase, c64(_D6 if per16 else _D_XS if qt == IQ4_XS else _D), vec(F32T, 8))
         dmin = (h.load(sbase, c64(_DMIN6 if qt == Q2_K else _DMIN), vec(F32T, 8))
                 if qt in (Q4_K, Q4_K_X8, Q5_K, Q2_K) else None)
 
@@ -388,8 +390,8 @@ def _make_tokens(qt):
             xs, bs = [xrow(t) for t in ts], [brow(t) for t in ts]
             if per16:
                 isum, msum = _per16_quad(h, sbase, xs, bs, qt)
-            elif qt == IQ4_XS or qt in IQ_GEMM_TYPES:
-                isum, msum = _iq4_xs_quad(h, sbase, xs, qt in IQ_GEMM_TYPES), None
+            elif qt == IQ4_XS:
+                isum, msum = _iq4_xs_quad(h, sbase, xs), None
             else:
                 isum, msum = _q4_k_quad(h, sbase, xs, bs, qt == Q5_K)
             for ti in range(TOKENS):
