@@ -250,6 +250,13 @@ class Model:
         return embed(self, inputs, truncate=truncate, dimensions=dimensions,
                      normalize=2 if normalize else -1).vectors
 
+    def rerank(self, query: str, documents: list[str]) -> list[float]:
+        """Relevance scores of `documents` for `query`, in their order: a reranker's (a
+        cross-encoder with rank pooling) raw classifier output, as llama-server's /v1/rerank."""
+        from edgeinfer.embedding import rerank
+
+        return rerank(self, query, list(documents)).scores
+
     def prompt_logprobs(self, prompt: str | list[int], top_n: int = 0
                         ) -> list[tuple[int, TokenLogprob | None]]:
         """(token id, log-probability given the tokens before it) for each prompt token as

@@ -5,6 +5,9 @@ Pooling follows the file's `{arch}.pooling_type` (llama.cpp's enum: 0 none, 1 me
 a decoder's normed output (`t_embd`). A file that declares no pooling (a generation model)
 takes its last token, the state Ollama returns for such models. Vectors are L2-normalised
 by default (llama-server's `embd_normalize` 2; `normalize_vector` has its other modes).
+
+Rerankers (`rerank`): a cross-encoder whose file declares rank pooling scores each query +
+document pair, formatted as llama-server formats it, by its classifier over the [CLS] state.
 """
 
 from __future__ import annotations
@@ -203,3 +206,70 @@ def _run(model: "LoadedModel", seqs: list[list[int]], pooling: int,
 def _check_cancel(cancel: threading.Event | None) -> None:
     if cancel is not None and cancel.is_set():
         raise EdgeInferError("embedding stopped: the request was cancelled")
+
+
+# -- reranking ------------------------------------------------------------------------------
+@dataclass
+class Ranking:
+    scores: list[float]       # one relevance score per document, in the order given
+    token_counts: list[int]   # tokens each query + document pair was scored from
+
+
+def is_reranker(model: "LoadedModel") -> bool:
+    """A cross-encoder with a classification head: the file declares rank pooling."""
+    md = model.engine.model_file.gguf.metadata
+    return meta_int(md, f"{model.config.arch}.pooling_type", 0, 4, None) == POOLING_RANK
+
+
+def rerank_tokens(model: "LoadedModel", query: str, document: str, cancel: threading.Event | None = None) -> list[int]:
+    """The pair as llama-server formats it (format_prompt_rerank): the file's rerank template
+    (`tokenizer.chat_template.rerank`, {query} and {document} replaced) when it has one, else
+    BOS query EOS SEP document EOS, each special token where the vocabulary adds it (EOS
+    falls back to SEP where the vocabulary has none)."""
+    tok = model.tokenizer
+    template = model.engine.model_file.gguf.metadata.get("tokenizer.chat_template.rerank")
+    if isinstance(template, str):
+        text = template.replace("{query}", query).replace("{document}", document)
+        return tok.tokenize(text, add_special=False, parse_special=True, cancel=cancel)
+    q = tok.tokenize(query, add_special=False, parse_special=False, cancel=cancel)
+    d = tok.tokenize(document, add_special=False, parse_special=False, cancel=cancel)
+    eos = tok.eos_id if tok.eos_id is not None else tok.sep_id
+    ids: list[int] = []
+    if tok.add_bos and tok.bos_id is not None:
+        ids.append(tok.bos_id)
+    ids += q
+    if tok.add_eos and eos is not None:
+        ids.append(eos)
+    if getattr(tok, "add_sep", False) and tok.sep_id is not None:
+        ids.append(tok.sep_id)
+    ids += d
+    if tok.add_eos and eos is not None:
+        ids.append(eos)
+    return ids
+
+
+def rerank(model: "LoadedModel", query: str, documents: Sequence[str], *,
+           cancel: threading.Event | None = None) -> Ranking:
+    """Score each document against the query as llama.cpp's rank pooling does: the pair's
+    [CLS] state through the model's classifier, its first output (llama-server's score)."""
+    family = model.engine.model
+    if not is_reranker(model):
+        raise EdgeInferError(f"{model.name} is not a reranker (its file declares no rank pooling); "
+                             f"reranking needs a cross-encoder")
+    if family.GENERATES or not hasattr(family, "classify"):
+        raise EdgeInferError(f"{model.name}: reranking with {model.config.arch} (a causal reranker) "
+                             f"is not supported")
+    limit = _max_tokens(model)
+    seqs = []
+    for k, doc in enumerate(documents):
+        ids = rerank_tokens(model, query, doc, cancel)
+        if not ids:
+            raise EdgeInferError(f"document {k}: the query and document are empty")
+        if len(ids) > limit:
+            raise ContextOverflowError(f"document {k} with the query has {len(ids)} tokens: too large to "
+                                       f"process, more than the {limit} this model takes at once")
+        seqs.append(ids)
+    with model.sessions.lock:
+        pooled = _run(model, seqs, POOLING_CLS, cancel) if seqs else []
+        scores = family.classify(np.stack(pooled))[:, 0] if pooled else np.zeros(0, np.float32)
+    return Ranking([float(s) for s in scores], [len(s) for s in seqs])

@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.metadata import meta_bool, meta_float
+from edgeinfer.metadata import meta_bool, meta_float, meta_str_array
 from edgeinfer.models.base import Transformer
 
 
@@ -34,8 +34,10 @@ class Bert(Transformer):
             raise EdgeInferError(f"{gf.path}: causal {arch} encoders are not supported")
         types = gf.tensors.get("token_types.weight")
         n_types = types.shape[1] if types is not None and len(types.shape) == 2 else 0
+        labels = meta_str_array(md, f"{arch}.classifier.output_labels", None)  # llama.cpp's n_cls_out
+        n_cls_out = len(labels) if labels else 1
         return replace(cfg, norm_eps=eps, tied_embeddings=True,
-                       extra={**cfg.extra, "fused_qkv": fused, "n_token_types": n_types})
+                       extra={**cfg.extra, "fused_qkv": fused, "n_token_types": n_types, "n_cls_out": n_cls_out})
 
     @classmethod
     def global_tensors(cls, cfg):
@@ -63,7 +65,10 @@ class Bert(Transformer):
 
     @classmethod
     def optional_tensors(cls, cfg):
-        t = {"token_types.weight": (cfg.n_embd, cfg.extra.get("n_token_types", 0))}
+        e, n_out = cfg.n_embd, cfg.extra.get("n_cls_out", 1)
+        t = {"token_types.weight": (e, cfg.extra.get("n_token_types", 0)),
+             # a cross-encoder's classification head (rerankers: pooling type rank)
+             "cls.weight": (e, e), "cls.bias": (e,), "cls.output.weight": (e, n_out), "cls.output.bias": (n_out,)}
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
             t.update({p + "attn_qkv.bias": (cfg.q_dim + 2 * cfg.kv_dim,), p + "attn_output.bias": (cfg.n_embd,),
@@ -93,6 +98,16 @@ class Bert(Transformer):
             be.at_layer(i)
             x = self.encoder_layer(i, x, positions, seq_lens)
         be.at_layer(None)
+        return x
+
+    def classify(self, pooled: np.ndarray) -> np.ndarray:
+        """llama.cpp's rank pooling after the [CLS] row: `cls` + bias, tanh, then `cls.output`
+        + bias, each where the file has it; (n, n_embd) -> (n, n_cls_out)."""
+        x = np.atleast_2d(np.asarray(pooled, np.float32))
+        if "cls.weight" in self.gguf.tensors:
+            x = np.tanh(self.project("cls", x)).astype(np.float32)
+        if "cls.output.weight" in self.gguf.tensors:
+            x = self.project("cls.output", x)
         return x
 
     def encoder_layer(self, i: int, x: np.ndarray, positions: np.ndarray, seq_lens: list[int]) -> np.ndarray:

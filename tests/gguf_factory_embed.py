@@ -2,6 +2,7 @@
 WordPiece vocabulary, and decoder families with a pooling type (through gguf_factory).
 
     path = write_tiny_encoder(tmp_path / "e.gguf", arch="nomic-bert", pooling=1)
+    path = write_tiny_reranker(tmp_path / "r.gguf")   # a bert cross-encoder: pooling rank, `cls` head
 """
 
 from __future__ import annotations
@@ -42,8 +43,13 @@ def wpm_vocab() -> dict:
 
 def write_tiny_encoder(path: str | Path, arch: str = "bert", qtype: str = "F32", *,
                        shape: TinyShape | None = None, pooling: int | None = 1, seed: int = 0,
-                       fused_qkv: bool | None = None, n_ctx_train: int = 128) -> Path:
-    """A random-weight `bert` or `nomic-bert` GGUF; matrices in `qtype`, norms and biases F32."""
+                       fused_qkv: bool | None = None, n_ctx_train: int = 128, classifier: bool = False,
+                       n_cls_out: int = 1, add_eos: bool = False, rerank_template: str | None = None) -> Path:
+    """A random-weight `bert` or `nomic-bert` GGUF; matrices in `qtype`, norms and biases F32.
+
+    `classifier` adds a cross-encoder's head as llama.cpp loads it: `cls.weight`/`cls.bias`
+    (n_embd -> n_embd, tanh) and `cls.output.weight`/`cls.output.bias` (n_embd -> n_cls_out;
+    more than one output is declared by `{arch}.classifier.output_labels`)."""
     if arch not in ENCODERS:
         raise ValueError(f"unknown encoder architecture {arch}")
     s = shape or TinyShape(n_embd=64, n_layer=2, n_head=4, n_head_kv=4, head_dim=16, n_ff=128)
@@ -77,7 +83,11 @@ def write_tiny_encoder(path: str | Path, arch: str = "bert", qtype: str = "F32",
     w.add_pad_token_id(vocab["pad"])
     w.add_mask_token_id(vocab["mask"])
     w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
+    w.add_add_eos_token(add_eos)
+    if n_cls_out > 1:
+        w.add_array(f"{arch}.classifier.output_labels", [f"LABEL_{i}" for i in range(n_cls_out)])
+    if rerank_template is not None:
+        w.add_string("tokenizer.chat_template.rerank", rerank_template)
 
     t: dict = {"token_embd.weight": (e, n_vocab), "token_types.weight": (e, 2),
                "token_embd_norm.weight": (e,), "token_embd_norm.bias": (e,)}
@@ -100,6 +110,9 @@ def write_tiny_encoder(path: str | Path, arch: str = "bert", qtype: str = "F32",
         else:
             t[p + "ffn_gate.weight"] = (e, s.n_ff)
         t[p + "layer_output_norm.weight"], t[p + "layer_output_norm.bias"] = (e,), (e,)
+    if classifier:
+        t.update({"cls.weight": (e, e), "cls.bias": (e,), "cls.output.weight": (e, n_cls_out),
+                  "cls.output.bias": (n_cls_out,)})
 
     for name, gshape in t.items():
         if len(gshape) == 1:
@@ -120,3 +133,11 @@ def write_tiny_encoder(path: str | Path, arch: str = "bert", qtype: str = "F32",
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def write_tiny_reranker(path: str | Path, **kw) -> Path:
+    """A tiny bge-reranker-shaped cross-encoder: `bert`, pooling type rank (4), the classifier
+    head, and EOS added (the vocabulary has none: llama.cpp closes each part with [SEP], so
+    the pair reads [CLS] query [SEP] [SEP] document [SEP] as XLM-R's does)."""
+    kw = {"pooling": 4, "classifier": True, "add_eos": True, "seed": 3, **kw}
+    return write_tiny_encoder(path, "bert", **kw)

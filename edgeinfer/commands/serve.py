@@ -68,6 +68,9 @@ def register(sub) -> None:
                    help="the name the served model answers to and responses report (default: NAME as given)")
     p.add_argument("--pooling", choices=("none", "mean", "cls", "last", "rank"), default=None,
                    help="embeddings' pooling, over the file's: none gives a vector per token (/embeddings only)")
+    p.add_argument("--rerank", "--reranking", action="store_true",
+                   help="enable llama-server's reranking endpoint, POST /v1/rerank (/rerank, /v1/reranking): "
+                        "the model must be a reranker (a bert cross-encoder with rank pooling)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="llama-server's --verbose: every answer carries __verbose, the prompt as the model saw "
                         "it (a request's \"verbose\": false still turns it off)")
@@ -95,7 +98,8 @@ def serve(args) -> int:
         raise EdgeInferError(f"--timeout must be positive, got {args.timeout}")
     slot_save_path = _slot_folder(args.slot_save_path)
     config = ServerConfig(
-        model_name=args.alias or args.name, pooling=args.pooling, max_queue=args.max_queue, timeout_s=args.timeout,
+        model_name=args.alias or args.name, pooling=args.pooling, rerank=args.rerank, max_queue=args.max_queue,
+        timeout_s=args.timeout,
         api_key=args.api_key or os.environ.get("EDGEINFER_API_KEY") or None,
         cors_origins=list(args.cors_origin), allowed_hosts=list(args.allowed_host) + _bind_names(args.host),
         max_body_bytes=args.max_body, sampling=sampling_from_args(args), keep_alive_s=args.keep_alive,

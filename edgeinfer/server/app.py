@@ -20,7 +20,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from edgeinfer.server import anthropic_api, embeddings_api, llama_api, models_api, ollama_api, openai_api, slot_api
-from edgeinfer.server import responses_api
+from edgeinfer.server import rerank_api, responses_api
 from edgeinfer.server.access_log import AccessLogMiddleware
 from edgeinfer.server.errors import APIError, error_body, error_response
 from edgeinfer.server.model_gate import ModelGate
@@ -102,7 +102,7 @@ def create_app(config: ServerConfig, model=None, loader: Callable[[], Any] | Non
         return PlainTextResponse("edgeinfer is running")
 
     routers = (models_api.router, openai_api.router, responses_api.router, ollama_api.router, llama_api.router,
-               embeddings_api.router, slot_api.router, anthropic_api.router)
+               embeddings_api.router, rerank_api.router, slot_api.router, anthropic_api.router)
     for router in routers:  # models_api first: its model listings answer for every dialect
         app.include_router(router)
 

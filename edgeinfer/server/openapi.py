@@ -18,6 +18,7 @@ def _bodies() -> dict[tuple[str, str], type]:
     from edgeinfer.server import anthropic_schemas as ant
     from edgeinfer.server import embeddings_api as emb
     from edgeinfer.server import models_api as mod
+    from edgeinfer.server import rerank_api as rr
     from edgeinfer.server import responses_schemas as resp
     from edgeinfer.server import schemas as s
 
@@ -34,6 +35,7 @@ def _bodies() -> dict[tuple[str, str], type]:
         ("post", "/api/pull"): mod.PullRequest, ("delete", "/api/delete"): mod.DeleteRequest,
         ("post", "/api/copy"): mod.CopyRequest, ("post", "/api/create"): mod.CreateRequest,
         ("post", "/v1/responses"): resp.ResponsesRequest,
+        **{("post", p): rr.RerankRequest for p in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking")},
         ("post", "/v1/messages"): ant.AnthropicMessagesRequest,
         ("post", "/v1/messages/count_tokens"): ant.AnthropicCountTokensRequest,
     }

@@ -65,6 +65,7 @@ class ServerConfig:
     load_wait_s: float = 60.0               # how long a request waits for its model to load, else 503
     model_options: dict[str, Any] = field(default_factory=dict)  # edgeinfer.load keywords for other models
     pooling: str | None = None              # embeddings' pooling over the file's (llama.cpp's --pooling)
+    rerank: bool = False                    # POST /v1/rerank and kin (llama-server's --rerank); else 501
     slot_save_path: str | None = None       # folder of /slots save/restore files; None: those are refused
     slots_endpoint: bool = True             # GET /slots (llama-server's --slots / --no-slots)
     reasoning: str = "auto"                 # thinking when a request does not say: on, off, auto (the template's)
