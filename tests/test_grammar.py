@@ -170,6 +170,43 @@ def test_matcher_state():
         c.matcher(tok).advance(b)  # "b" cannot come first
 
 
+FLAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                        "role": {"enum": ["admin", "user"]},
+                                        "tags": {"type": "array", "items": {"enum": ["x", "y"]}}},
+        "required": ["name", "age", "role", "tags"], "additionalProperties": False}
+# an answer to FLAT as its JSON tokens; a gap goes after one of them (single spaces elsewhere)
+FLAT_TOKENS = ['{', '"name"', ':', '"Ann"', ',', '"age"', ':', '3', ',', '"role"', ':', '"user"', ',',
+               '"tags"', ':', '[', '"x"', ',', '"y"', ']', '}']
+
+
+def _flat_with(at: int, gap: str) -> str:
+    return "".join(t + (gap if i == at else " ") for i, t in enumerate(FLAT_TOKENS[:-1])) + FLAT_TOKENS[-1]
+
+
+def test_strict_schema_output_is_compact():
+    """json_schema(compact=True), what strict json_schema output compiles to: at most one
+    space or newline between two JSON tokens, anywhere; a run of two is refused. Without it
+    (non-strict schemas) a newline and an indent still pass, for pretty-printing."""
+    from edgeinfer.tokenizer import Tokenizer
+    from oracles import grammar_admits
+
+    vocab = bpe_vocab("qwen2")
+    tok = Tokenizer.from_metadata({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": vocab["tokens"],
+        "tokenizer.ggml.token_type": vocab["types"], "tokenizer.ggml.merges": vocab["merges"],
+        "tokenizer.ggml.bos_token_id": vocab["bos"], "tokenizer.ggml.eos_token_id": vocab["eos"]})
+    strict, loose = grammar.json_schema(FLAT, compact=True), grammar.json_schema(FLAT)
+    for at in range(len(FLAT_TOKENS) - 1):
+        for gap in ("", " ", "\n"):
+            assert grammar_admits(strict, tok, _flat_with(at, gap), complete=True), (at, gap)
+        for gap in ("  ", "\n\n", " \n", "\n ", "\n\t", "\t"):
+            assert not grammar_admits(strict, tok, _flat_with(at, gap)), (at, gap)
+        assert grammar_admits(loose, tok, _flat_with(at, "\n  "), complete=True), at
+    assert not grammar_admits(strict, tok, " " + _flat_with(0, " "))  # nothing before the value either
+    assert grammar.from_request(json_schema=FLAT, compact=True).grammar == strict.grammar
+    assert grammar.from_request(json_schema=FLAT).grammar == loose.grammar != strict.grammar
+
+
 @pytest.mark.parametrize("schema, words", [
     ({"type": "object", "if": {"type": "object"}, "then": {}}, "if"),
     ({"type": "string", "format": "no-such-format"}, "no-such-format"),

@@ -5,6 +5,7 @@ sampled at temperature 1, always validate."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -61,6 +62,39 @@ def test_openai_json_schema(oai, stream):
             text, finish = c.message.content, c.finish_reason
         assert finish == "stop", text
         jsonschema.validate(json.loads(text), PERSON)
+
+
+def _whitespace_runs(text: str) -> list[str]:
+    """Runs of two or more whitespace characters in `text` outside JSON strings."""
+    return re.findall(r"\s{2,}", re.sub(r'"(?:[^"\\]|\\.)*"', '""', text))
+
+
+def test_strict_json_schema_is_compact(oai):
+    """Strict json_schema output (response_format's json_schema.strict, the Responses API's
+    text.format.strict) compiles to the compact layout: at most one space or newline between
+    JSON tokens, so a model sampling at temperature 1 writes no whitespace runs. Without
+    strict the schema keeps the pretty-printing layout."""
+    from edgeinfer.prompt import grammar
+    from edgeinfer.server.constraints import response_format
+    from edgeinfer.server.responses_api import _text_format
+    from edgeinfer.server.responses_schemas import TextFormat
+
+    compact, loose = grammar.json_schema(PERSON, compact=True).grammar, grammar.json_schema(PERSON).grammar
+    assert compact != loose
+    for strict, want in ((True, compact), (False, loose), (None, loose)):
+        spec = {"name": "person", "schema": PERSON, **({} if strict is None else {"strict": strict})}
+        assert response_format({"type": "json_schema", "json_schema": spec}).grammar == want, strict
+        fmt = TextFormat.model_validate({"type": "json_schema", **spec})
+        assert _text_format(fmt).grammar == want, strict
+    for seed in range(4):
+        c = oai.chat.completions.create(model=MODEL, messages=ASK, response_format=SCHEMA_FORMAT, seed=seed,
+                                        max_tokens=300, **SAMPLED).choices[0]
+        assert c.finish_reason == "stop" and _whitespace_runs(c.message.content) == [], c.message.content
+        r = oai.responses.create(model=MODEL, input="Describe a person as JSON.", max_output_tokens=300,
+                                 temperature=1.0, top_p=1.0,
+                                 text={"format": {"type": "json_schema", **SCHEMA_FORMAT["json_schema"]}})
+        assert r.status == "completed" and _whitespace_runs(r.output_text) == [], r.output_text
+        jsonschema.validate(json.loads(r.output_text), PERSON)
 
 
 def test_openai_client_parse_helper(oai):

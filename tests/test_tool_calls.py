@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import jsonschema
@@ -261,7 +262,63 @@ def test_forced_call_grammar_admits_only_declared_arguments(call_tok, fmt):
     assert _admits(c, call_tok, call("tag", '{"k": "a", "extra": 5}'))  # additionalProperties followed
     assert not _admits(c, call_tok, call("tag", '{"extra": "x"}'))
     assert not _admits(c, call_tok, call("get_weather", '{"city": "Oslo", "unit": "celsius"}', gap="\n" + "\t" * 30))
-    assert _admits(c, call_tok, call("get_weather", '{"city": "Oslo", "unit": "celsius"}', gap="\n  "))
+    assert _admits(c, call_tok, call("get_weather", '{"city": "Oslo", "unit": "celsius"}', gap="\n"))
+    assert not _admits(c, call_tok, call("get_weather", '{"city": "Oslo", "unit": "celsius"}', gap="\n  "))
+
+
+# a forced call with `gap` at one place between two JSON tokens (single spaces elsewhere)
+CALL_TOKENS = ['{', '"name"', ':', '"get_weather"', ',', 'KEY', ':', '{', '"city"', ':', '"Oslo"', ',',
+               '"unit"', ':', '"celsius"', '}', '}']
+ONE_GAPS = ["", " ", "\n"]
+RUNS = ["  ", "\n\n", " \n", "\n ", "\n\t", "\t"]
+
+
+def _gapped(fmt: str, at: int, gap: str) -> str:
+    key = '"parameters"' if fmt == "llama3" else '"arguments"'
+    toks = [key if t == "KEY" else t for t in CALL_TOKENS]
+    body = "".join(t + (gap if i == at else " ") for i, t in enumerate(toks[:-1])) + toks[-1]
+    return {"hermes": f"<tool_call>\n{body}\n</tool_call>", "llama3": body, "mistral": f"[TOOL_CALLS][{body}]"}[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_json_is_compact(call_tok, fmt, choice):
+    """Under a forced call (tool_choice "required" or a named function: Anthropic's "any" /
+    "tool" and the Responses API's map here) at most one space or newline between the call's
+    JSON tokens, anywhere in it: a run of two is refused, so a small model cannot spend its
+    budget on whitespace (llama.cpp's grammars take up to 20). "auto" keeps its layout."""
+    from oracles import grammar_admits
+
+    c = tc.tool_constraint([WEATHER], choice, fmt, call_tok, parallel=False)
+    for at in range(len(CALL_TOKENS) - 1):
+        for gap in ONE_GAPS:
+            assert grammar_admits(c, call_tok, _gapped(fmt, at, gap), complete=True), (at, gap)
+        for gap in RUNS:
+            assert not grammar_admits(c, call_tok, _gapped(fmt, at, gap)), (at, gap)
+    auto = tc.tool_constraint([WEATHER], "auto", fmt, call_tok)
+    prefix = "<|python_tag|>" if fmt == "llama3" else ""
+    assert grammar_admits(auto, call_tok, prefix + _gapped(fmt, 4, "\n  "))  # pretty-printing, as before
+
+
+def _whitespace_runs(text: str) -> list[str]:
+    """Runs of two or more whitespace characters in `text` outside JSON strings."""
+    bare = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+    return re.findall(r"\s{2,}", bare)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3"])
+def test_forced_calls_sampled_at_temperature_1_are_compact(tool_models, fmt):
+    """What a random-weight model samples under a forced call has no whitespace run between
+    its JSON tokens (strings aside), and the call is done well within 120 tokens."""
+    model = tool_models[fmt]
+    for seed in range(8):
+        r = model.chat([{"role": "user", "content": "weather?"}], tools=[WEATHER], tool_choice="required",
+                       temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed, max_tokens=120,
+                       parallel_tool_calls=False)
+        assert r.finish_reason == "stop", r.text
+        body = r.text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+        assert _whitespace_runs(body) == [], r.text
+        assert len(tc.parse_output(r.text, fmt).tool_calls) == 1, r.text
 
 
 @pytest.mark.parametrize("fmt, call", [

@@ -52,6 +52,13 @@ def _llg():
 # newline and an indent of up to 20 (what pretty-printing needs). A schema's "x-guidance"
 # options may change it.
 JSON_LAYOUT = {"whitespace_pattern": r"( |\n[ \t]{0,20})?"}
+# Where the answer must be JSON and nothing else (a forced tool call, strict json_schema
+# output), at most one space or newline between tokens: `{"a": 1}`, `{"a":1}` and one value
+# a line all pass, a run of two never does. A small model at temperature 1 otherwise spends
+# much of its budget on indents (a newline and up to 20 more a gap, above and in llama.cpp's)
+# before it closes the call. tool_choice "auto" (a call inside free text), non-strict schemas
+# and json_object keep JSON_LAYOUT, as before: pretty-printed JSON stays possible there.
+COMPACT_JSON_LAYOUT = {"whitespace_pattern": r"[ \n]?"}
 
 
 @dataclass(frozen=True)
@@ -118,8 +125,9 @@ def _one_line(msg: str) -> str:
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def json_schema(schema: Mapping[str, Any] | str | bool) -> Constraint:
-    """Output must be JSON valid against `schema` (a dict, or its JSON text)."""
+def json_schema(schema: Mapping[str, Any] | str | bool, *, compact: bool = False) -> Constraint:
+    """Output must be JSON valid against `schema` (a dict, or its JSON text); `compact`: at
+    most one space or newline between its tokens (COMPACT_JSON_LAYOUT, for strict output)."""
     if isinstance(schema, str):
         try:
             schema = _json.loads(schema)
@@ -135,7 +143,8 @@ def json_schema(schema: Mapping[str, Any] | str | bool) -> Constraint:
     except (TypeError, ValueError, RecursionError) as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from None
     try:
-        grammar = _llg().LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
+        grammar = _llg().LLMatcher.grammar_from_json_schema(
+            text, defaults=COMPACT_JSON_LAYOUT if compact else JSON_LAYOUT)
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"invalid JSON schema: {_one_line(str(exc))}") from None
     return _validated("json_schema", text, grammar)
@@ -194,11 +203,12 @@ def lazy_tags(tags: list[dict[str, Any]], *, text_regex: str = r"(.|\n)*") -> Co
 
 def from_request(*, json_schema: Mapping[str, Any] | str | None = None, grammar: str | None = None,
                  regex: str | None = None, json: bool = False,
-                 lark: str | None = None) -> Constraint | None:
+                 lark: str | None = None, compact: bool = False) -> Constraint | None:
     """The constraint a request asks for (at most one of the keywords), or None.
 
-    `json_schema`: a JSON schema; `json=True`: any JSON object; `grammar`: GBNF text;
-    `regex`: a regular expression; `lark`: llguidance Lark text.
+    `json_schema`: a JSON schema (`compact`: strict output, see json_schema); `json=True`:
+    any JSON object; `grammar`: GBNF text; `regex`: a regular expression; `lark`:
+    llguidance Lark text.
     """
     given = [name for name, v in (("json_schema", json_schema), ("grammar", grammar),
                                   ("regex", regex), ("lark", lark)) if v is not None]
@@ -208,7 +218,7 @@ def from_request(*, json_schema: Mapping[str, Any] | str | None = None, grammar:
         raise GrammarError(f"give at most one of json_schema, grammar, regex, json "
                            f"(got {', '.join(given)})")
     if json_schema is not None:
-        return _compile_schema(json_schema)
+        return _compile_schema(json_schema, compact=compact)
     if grammar is not None:
         return gbnf(grammar)
     if regex is not None:

@@ -576,7 +576,10 @@ def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
     calls = [_call_schema(t, args_key, i) for i, t in enumerate(chosen)]
     schemas = [{k: v for k, v in c.items() if k != "$defs"} for c in calls]
     any_call = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
-    layout = {"x-guidance": dict(grammar.JSON_LAYOUT)}  # %json does not get the defaults
+    # %json does not get the defaults. A forced call is all the answer is: at most one space
+    # or newline between its tokens (grammar.COMPACT_JSON_LAYOUT); under "auto" the call
+    # follows free text the model chose to write, and keeps the pretty-printing layout.
+    layout = {"x-guidance": dict(grammar.JSON_LAYOUT if mode == "auto" else grammar.COMPACT_JSON_LAYOUT)}
     array = {"type": "array", "items": any_call, "minItems": 1, **({} if parallel else {"maxItems": 1}), **layout}
     array = _rooted(array, calls)
     any_call = _rooted({**any_call, **layout}, calls)
@@ -655,7 +658,7 @@ def _harmony_call(chosen: list[dict], tokenizer):
     calls = []
     for tool in chosen:
         fn = tool["function"]
-        args = {**strict_arguments(fn["parameters"]), "x-guidance": dict(grammar.JSON_LAYOUT)}
+        args = {**strict_arguments(fn["parameters"]), "x-guidance": dict(grammar.COMPACT_JSON_LAYOUT)}
         calls.append(f'"commentary to=functions.{fn["name"]} " {constrain} "json" {msg} '
                      f'%json {json.dumps(args, ensure_ascii=False)}')
     return grammar.lark(f"start: analysis? call\n"

@@ -149,7 +149,9 @@ def response_format(rf: Any, field: str = "response_format"):
             raise _bad(field + ".json_schema", "it has no 'schema'")
     else:
         schema = spec["schema"]
-    return compile_constraint(field + ".json_schema", json_schema=schema)
+    # strict: the answer is this JSON and nothing else, so at most one space or newline
+    # between its tokens (grammar.COMPACT_JSON_LAYOUT); otherwise the pretty-printing layout
+    return compile_constraint(field + ".json_schema", json_schema=schema, compact=spec.get("strict") is True)
 
 
 def ollama_format(fmt: Any, field: str = "format"):

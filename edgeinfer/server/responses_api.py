@@ -54,7 +54,8 @@ def _text_format(fmt: TextFormat | None):
     if fmt.schema_ is None:
         raise APIError(400, "invalid field 'text.format.schema': type 'json_schema' needs a schema",
                        param="text.format.schema")
-    return compile_constraint("text.format.schema", json_schema=fmt.schema_)
+    # strict: at most one space or newline between the JSON's tokens (grammar.COMPACT_JSON_LAYOUT)
+    return compile_constraint("text.format.schema", json_schema=fmt.schema_, compact=fmt.strict is True)
 
 
 def _tools(req: ResponsesRequest) -> list[dict] | None:
