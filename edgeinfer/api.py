@@ -252,7 +252,8 @@ class Model:
 
     def rerank(self, query: str, documents: list[str]) -> list[float]:
         """Relevance scores of `documents` for `query`, in their order: a reranker's (a
-        cross-encoder with rank pooling) raw classifier output, as llama-server's /v1/rerank."""
+        file with rank pooling: a cross-encoder, Qwen3-Reranker) classifier output, as llama-server's
+        /v1/rerank gives it."""
         from edgeinfer.embedding import rerank
 
         return rerank(self, query, list(documents)).scores

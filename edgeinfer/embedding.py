@@ -250,15 +250,20 @@ def rerank_tokens(model: "LoadedModel", query: str, document: str, cancel: threa
 
 def rerank(model: "LoadedModel", query: str, documents: Sequence[str], *,
            cancel: threading.Event | None = None) -> Ranking:
-    """Score each document against the query as llama.cpp's rank pooling does: the pair's
-    [CLS] state through the model's classifier, its first output (llama-server's score)."""
+    """Score each document against the query as llama.cpp's rank pooling does, its first
+    output being llama-server's score: an encoder's [CLS] state through its classifier; a
+    causal reranker's (Qwen3-Reranker) last normed state through `cls.output` (its yes / no
+    rows of the output matrix), softmaxed."""
     family = model.engine.model
     if not is_reranker(model):
         raise EdgeInferError(f"{model.name} is not a reranker (its file declares no rank pooling); "
                              f"reranking needs a cross-encoder")
-    if family.GENERATES or not hasattr(family, "classify"):
-        raise EdgeInferError(f"{model.name}: reranking with {model.config.arch} (a causal reranker) "
-                             f"is not supported")
+    causal = family.GENERATES
+    if causal and "cls.output.weight" not in model.engine.model_file.gguf.tensors:
+        raise EdgeInferError(f"{model.name}: a causal reranker needs the cls.output.weight head "
+                             f"(convert the model with a newer convert_hf_to_gguf.py)")
+    if not causal and not hasattr(family, "classify"):
+        raise EdgeInferError(f"{model.name}: reranking with {model.config.arch} is not supported")
     limit = _max_tokens(model)
     seqs = []
     for k, doc in enumerate(documents):
@@ -270,6 +275,21 @@ def rerank(model: "LoadedModel", query: str, documents: Sequence[str], *,
                                        f"process, more than the {limit} this model takes at once")
         seqs.append(ids)
     with model.sessions.lock:
-        pooled = _run(model, seqs, POOLING_CLS, cancel) if seqs else []
-        scores = family.classify(np.stack(pooled))[:, 0] if pooled else np.zeros(0, np.float32)
+        pooled = _run(model, seqs, POOLING_LAST if causal else POOLING_CLS, cancel) if seqs else []
+        if not pooled:
+            scores = np.zeros(0, np.float32)
+        elif causal:
+            scores = _causal_head(model, np.stack(pooled))[:, 0]
+        else:
+            scores = family.classify(np.stack(pooled))[:, 0]
     return Ranking([float(s) for s in scores], [len(s) for s in seqs])
+
+
+def _causal_head(model: "LoadedModel", pooled: np.ndarray) -> np.ndarray:
+    """llama.cpp's rank head of qwen3: `cls.output` (+ bias), then a softmax over its outputs."""
+    be = model.engine.backend
+    x = np.asarray(be.linear("cls.output.weight", np.ascontiguousarray(pooled, np.float32)), np.float32)
+    if "cls.output.bias" in model.engine.model_file.gguf.tensors:
+        x = x + be.vector("cls.output.bias")
+    e = np.exp((x - x.max(axis=-1, keepdims=True)).astype(np.float64))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)

@@ -23,6 +23,8 @@ from edgeinfer.errors import EdgeInferError
 QUERY = "what is the code"
 DOCS = ["hello world", "def f(x): return x", "the code is here", "un want ##ed caf", "a", "import self class"]
 TEMPLATE = "[CLS]q: {query}[SEP]d: {document}[SEP]"
+QWEN_TEMPLATE = "<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n"
+QWEN = TinyShape(n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_ff=128)
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +36,21 @@ def files(tmp_path_factory):
         "labels": write_tiny_reranker(d / "labels.gguf", n_cls_out=3, seed=7),
         "template": write_tiny_reranker(d / "template.gguf", rerank_template=TEMPLATE, seed=9),
         "embed": write_tiny_encoder(d / "embed.gguf", "bert", pooling=1),
+        # Qwen3-Reranker-shaped: causal, its rerank template, `cls.output` = the yes / no rows
+        "qwen3": write_tiny_model(d / "qwen3-rank.gguf", "qwen3", vocab=bpe_vocab("qwen2"), shape=QWEN,
+                                  extra_metadata={"qwen3.pooling_type": 4,
+                                                  "tokenizer.chat_template.rerank": QWEN_TEMPLATE,
+                                                  "qwen3.classifier.output_labels": ["yes", "no"]},
+                                  shape_overrides={"cls.output.weight": (QWEN.n_embd, 2)}),
     }
 
 
-def oracle_scores(path, query, docs) -> tuple[list[float], list[list[int]]]:
+def oracle_scores(path, query, docs, n_ctx=128) -> tuple[list[float], list[list[int]]]:
     """llama-server's scores from llama.cpp: each pair formatted as format_prompt_rerank,
     decoded alone with rank pooling, the pooled output's first value."""
     llama_cpp = pytest.importorskip("llama_cpp")
     ref = llama_cpp.Llama(model_path=str(path), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK,
-                          n_ctx=128, n_threads=1, verbose=False)
+                          n_ctx=n_ctx, n_threads=1, verbose=False)
     vocab = llama_cpp.llama_model_get_vocab(ref.model)
     template = ref.metadata.get("tokenizer.chat_template.rerank")
     eos = llama_cpp.llama_vocab_eos(vocab)
@@ -68,11 +76,12 @@ def oracle_scores(path, query, docs) -> tuple[list[float], list[list[int]]]:
     return scores, pairs
 
 
-@pytest.mark.parametrize("key", ["rank", "no-eos", "labels", "template"])
+@pytest.mark.parametrize("key", ["rank", "no-eos", "labels", "template", "qwen3"])
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_scores_match_llama_cpp(files, key, backend):
-    want, pairs = oracle_scores(files[key], QUERY, DOCS)
-    model = edgeinfer.load(str(files[key]), n_ctx=128, backend=backend, threads=1)
+    n_ctx = 512 if key == "qwen3" else 128   # (the tiny byte-level vocabulary: long pairs)
+    want, pairs = oracle_scores(files[key], QUERY, DOCS, n_ctx)
+    model = edgeinfer.load(str(files[key]), n_ctx=n_ctx, backend=backend, threads=1)
     assert [rerank_tokens(model, QUERY, d) for d in DOCS] == pairs
     got = rerank(model, QUERY, DOCS)
     assert got.token_counts == [len(p) for p in pairs]
@@ -95,10 +104,9 @@ def test_library_refusals(files, tmp_path):
     model = edgeinfer.load(str(files["rank"]), n_ctx=16, backend="reference")
     with pytest.raises(EdgeInferError, match="too large"):
         rerank(model, QUERY, ["hello world " * 20])
-    causal = write_tiny_model(tmp_path / "qwen3-rank.gguf", "qwen3", vocab=bpe_vocab("qwen2"),
-                              shape=TinyShape(n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_ff=128),
+    causal = write_tiny_model(tmp_path / "qwen3-rank.gguf", "qwen3", vocab=bpe_vocab("qwen2"), shape=QWEN,
                               extra_metadata={"qwen3.pooling_type": 4})
-    with pytest.raises(EdgeInferError, match="causal reranker"):   # Qwen3-Reranker: not yet
+    with pytest.raises(EdgeInferError, match="cls.output.weight"):   # an old conversion: no yes / no head
         rerank(edgeinfer.load(str(causal), n_ctx=64, backend="reference"), QUERY, DOCS)
     with pytest.raises(EdgeInferError, match="rank pooling"):   # a reranker does not embed
         edgeinfer.load(str(files["no-eos"]), n_ctx=16, backend="reference").embed("hello")
@@ -189,6 +197,22 @@ def test_not_a_reranker_and_not_enabled(servers):
         assert r.status_code == 501
         error = r.json()["error"]
         assert error["type"] == "not_supported_error" and "--reranking" in error["message"]
+
+
+def test_causal_reranker_on_the_endpoint(files):
+    model = edgeinfer.load(str(files["qwen3"]), n_ctx=512, backend="reference")
+    want = rerank(model, QUERY, DOCS[:3])
+    srv = start_server(model, rerank=True)
+    try:
+        body = httpx.post(srv.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS[:3], "top_n": 2},
+                          timeout=30).json()
+    finally:
+        srv.stop()
+    order = sorted(range(3), key=lambda i: -want.scores[i])[:2]
+    assert [r["index"] for r in body["results"]] == order
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], [want.scores[i] for i in order],
+                               atol=1e-6)
+    assert body["usage"]["prompt_tokens"] == sum(want.token_counts)
 
 
 def test_openapi_lists_the_endpoint(http):

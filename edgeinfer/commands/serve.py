@@ -70,7 +70,7 @@ def register(sub) -> None:
                    help="embeddings' pooling, over the file's: none gives a vector per token (/embeddings only)")
     p.add_argument("--rerank", "--reranking", action="store_true",
                    help="enable llama-server's reranking endpoint, POST /v1/rerank (/rerank, /v1/reranking): "
-                        "the model must be a reranker (a bert cross-encoder with rank pooling)")
+                        "the model must be a reranker (rank pooling: a bert cross-encoder, Qwen3-Reranker)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="llama-server's --verbose: every answer carries __verbose, the prompt as the model saw "
                         "it (a request's \"verbose\": false still turns it off)")

@@ -6,7 +6,8 @@ and `documents` (strings, or {"text": ...} objects) and answers {model, object: 
 usage, results: [{index, relevance_score}]} sorted by score, cut to `top_n`, with each
 `document` ({"text": ...}) when `return_documents`. The TEI form (`texts` instead of
 `documents`) answers the bare list of {index, score}, with `text` when `return_text`.
-Scores are the model's raw classifier output (edgeinfer.embedding.rerank), as llama.cpp's.
+Scores are the model's classifier output (edgeinfer.embedding.rerank), as llama.cpp's: raw
+for a cross-encoder, P(yes) for Qwen3-Reranker.
 """
 
 from __future__ import annotations
