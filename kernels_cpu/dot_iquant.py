@@ -15,13 +15,11 @@ pair is at most 2 * 62 * 127.
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
 
 from . import iq_tables as tb
 from .ir_helpers import (F32T, I8, I16, I32, I64, IRHelpers, array_ptrs, c64, const_vec, counted_loop,
-                         make_deq_intrinsic, mask, store, target_features, vec)
+                         make_deq_intrinsic, make_sums_intrinsic, mask, store, target_features, vec)
 from .quant_kernels import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
 
 BLOCK_BYTES = {IQ2_XXS: 66, IQ2_XS: 74, IQ2_S: 82, IQ3_XXS: 98, IQ3_S: 110, IQ1_S: 50, IQ1_M: 56}
@@ -308,27 +306,11 @@ def _row_sums(context, builder, sig, args, qt, nrows):
     return [_finish(h, qt, fin[width * k:width * k + width]) for k in range(nrows)]
 
 
-def make_row(qt, nrows=1):
-    """row_dot(w, r, xq, xd, xs) -> float32; with nrows > 1, rows_dot(w, r, xq, xd, xs, step)
-    -> the tuple of rows r, r + step, ... (sharing the activation loads)."""
-    if nrows > 1:
-        @intrinsic
-        def rows_dot(typingctx, w, r, xq, xd, xs, step):
-            sig = types.UniTuple(types.float32, nrows)(w, r, xq, xd, xs, step)
-
-            def codegen(context, builder, sig, args):
-                return context.make_tuple(builder, sig.return_type, _row_sums(context, builder, sig, args, qt, nrows))
-            return sig, codegen
-        return rows_dot
-
-    @intrinsic
-    def row_dot(typingctx, w, r, xq, xd, xs):
-        sig = types.float32(w, r, xq, xd, xs)
-
-        def codegen(context, builder, sig, args):
-            return _row_sums(context, builder, sig, args, qt, 1)[0]
-        return sig, codegen
-    return row_dot
+def make_row(qt):
+    """row_dot(w, r, xq, xd, xs) -> float32 for this type."""
+    def sums(context, builder, sig, args, nrows):
+        return _row_sums(context, builder, sig, args, qt, nrows)
+    return make_sums_intrinsic(sums)
 
 
 # ----------------------------------------------------------------------------- dequantization

@@ -410,19 +410,18 @@ def row_ptrs(builder, arr, first, n, x8=False):
 ROWS = 4   # rows per loop of the multi-row kernels (_quartered_rows unpacks 4)
 
 
-def make_row_intrinsic(body, with_mins=False, nrows=1, block_bytes=0):
-    """row_dot(w, r, xq, xd, xs): row r's dot as float32; with nrows > 1,
-    row_dot(w, r, xq, xd, xs, step): the tuple of rows r, r+step, ... r+(nrows-1)*step (the
-    caller keeps them inside the matrix). block_bytes > 0 (the type's block size) turns on
-    software prefetch."""
+def make_sums_intrinsic(sums, nrows=1):
+    """An intrinsic over `sums(context, builder, sig, args, nrows)`, which emits the dots of
+    nrows rows and returns them: row_dot(w, r, xq, xd, xs) -> float32; with nrows > 1,
+    rows_dot(w, r, xq, xd, xs, step) -> the tuple of rows r, r+step, ... r+(nrows-1)*step (the
+    caller keeps them inside the matrix)."""
     if nrows > 1:
         @intrinsic
         def rows_dot(typingctx, w, r, xq, xd, xs, step):
             sig = types.UniTuple(types.float32, nrows)(w, r, xq, xd, xs, step)
 
             def codegen(context, builder, sig, args):
-                sums = row_loop(context, builder, sig, args, body, with_mins, nrows, block_bytes)
-                return context.make_tuple(builder, sig.return_type, sums)
+                return context.make_tuple(builder, sig.return_type, sums(context, builder, sig, args, nrows))
             return sig, codegen
         return rows_dot
 
@@ -431,9 +430,17 @@ def make_row_intrinsic(body, with_mins=False, nrows=1, block_bytes=0):
         sig = types.float32(w, r, xq, xd, xs)
 
         def codegen(context, builder, sig, args):
-            return row_loop(context, builder, sig, args, body, with_mins, 1, block_bytes)[0]
+            return sums(context, builder, sig, args, 1)[0]
         return sig, codegen
     return row_dot
+
+
+def make_row_intrinsic(body, with_mins=False, nrows=1, block_bytes=0):
+    """make_sums_intrinsic over `row_loop` with this block body; block_bytes > 0 (the type's
+    block size) turns on software prefetch."""
+    def sums(context, builder, sig, args, n):
+        return row_loop(context, builder, sig, args, body, with_mins, n, block_bytes)
+    return make_sums_intrinsic(sums, nrows)
 
 
 # ----------------------------------------------------------------------------- dequantization (prefill)
