@@ -145,6 +145,8 @@ def test_openapi_contract_with_schemathesis(live, monkeypatch):
             continue  # the store and the network: covered by test_server_models
         if op.path == "/slots/{id_slot}":
             continue  # 501 without --slot-save-path, as llama-server answers: covered by test_server_slots
+        if op.path in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking"):
+            continue  # 501 without --rerank, as llama-server answers: covered by test_rerank
 
         @given(case=op.as_strategy())
         @settings(max_examples=1, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
