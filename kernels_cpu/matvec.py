@@ -563,6 +563,12 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         raise ValueError(f"out must be float32 ({n_tok}, {n_rows}), got {out.dtype} {out.shape}")
     qt = int(info.qtype)
     path = matmul_path(qt, n_rows, n_tok)
+    if path in ("f32", "blas") and n_tok <= _INT8_MATMUL_MAX_TOKENS and _in_decode_order():
+        # float weights (a router, a tensor the file keeps in F16) sum in another order for
+        # a batch (tinyBLAS, BLAS) than for one token: here each row is matvec's
+        for t in range(n_tok):
+            matvec(w_raw, qt, X[t], out[t])
+        return out
     if path == "f32":
         f32_ggml.matmul(w_raw.view(np.float32), np.ascontiguousarray(X, np.float32), out)
         return out
