@@ -1,0 +1,10 @@
+"""Images in: the mmproj file, preprocessing, one module per projector, as libmtmd does it.
+
+Layout (each module one job):
+- chunk.py: ImageChunk, what an encoded image hands the text side;
+- mmproj.py: reading and checking an mmproj GGUF (`clip.*` keys), picking the projector;
+- image_io.py: decoding an image (Pillow) under a pixel budget;
+- image_ops.py: resize, pad and normalize as libmtmd computes them;
+- vit.py: the ViT encoder blocks shared by the projectors, on the CPU kernels;
+- gemma3.py, gemma4v.py, qwen3vl.py: one projector each (its preprocessing and graph).
+"""
