@@ -46,8 +46,8 @@ from edgeinfer.server.anthropic_schemas import (AnthropicCountTokensRequest, Ant
                                                 AnthropicMessagesRequest, TextBlock)
 from edgeinfer.server.constraints import compile_constraint, compiled, harmony_think, speaks_harmony, thinks
 from edgeinfer.server.errors import APIError
-from edgeinfer.server.llama_api import _off_loop
-from edgeinfer.server.openai_api import _chat_start
+from edgeinfer.server.off_loop import off_loop
+from edgeinfer.server.chat_start import chat_start
 from edgeinfer.server.requests import read_body
 from edgeinfer.server.streaming import collect_chunks, first_chunk, sse_response, stream_events
 from edgeinfer.server.tool_output import OutputReader, chat_plan
@@ -380,7 +380,7 @@ async def messages(request: Request):
                             top_k=req.top_k, stop=req.stop_sequences)
     if req.stream:
         params["prompt_progress"] = True   # message_start as soon as the prompt's tokens are known
-    chat = _chat_start(model, plan.messages, plan.extra, plan.add_generation_prompt, plan.prefill)
+    chat = chat_start(model, plan.messages, plan.extra, plan.add_generation_prompt, plan.prefill)
     job = state.submit(chat(params))
     omit = req.thinking is not None and req.thinking.display == "omitted"
     head = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": state.model_name}
@@ -431,7 +431,7 @@ async def count_tokens(request: Request) -> JSONResponse:
     state.check_model_name(req.model)
     plan = await plan_of(state, model, req, None, constrain=False)
     template_kw = {k: plan.extra[k] for k in ("enable_thinking", "reasoning_effort") if k in plan.extra}
-    ids = await _off_loop(request, lambda: llama_compat.chat_prompt_ids(
+    ids = await off_loop(request, lambda: llama_compat.chat_prompt_ids(
         model, plan.messages, add_generation_prompt=plan.add_generation_prompt, prefill=plan.prefill,
         tools=plan.extra.get("tools"), **template_kw))
     return JSONResponse({"input_tokens": len(ids)})

@@ -7,12 +7,11 @@ import time
 from dataclasses import replace
 from typing import Iterator
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from edgeinfer.errors import EdgeInferError
 from edgeinfer.server.errors import APIError
+from edgeinfer.server.off_loop import off_loop
 from edgeinfer.server.state import kv_cache_types
 from edgeinfer.server.constraints import add_constraint, compiled, llama_constraint
 from edgeinfer.server.fim import fim_start
@@ -269,7 +268,7 @@ async def completion(request: Request):
         ids = [p if isinstance(p, list) else model.tokenize(p) for p in prompts]
         return ids, batch, [model.tokenizer.detokenize(p, as_pieces=True) for p in ids]
 
-    prompts, batch, texts = await _off_loop(request, read_prompts)
+    prompts, batch, texts = await off_loop(request, read_prompts)
     run = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema,
                                                 req.response_format))
     run = _with_progress(run, req)
@@ -300,7 +299,7 @@ async def tokenize(request: Request) -> JSONResponse:
     state = request.app.state.server
     req = await read_body(request, TokenizeRequest)
     model = state.require_model()
-    ids = await _off_loop(request, lambda: model.tokenize(req.content, add_special=req.add_special,
+    ids = await off_loop(request, lambda: model.tokenize(req.content, add_special=req.add_special,
                                                  parse_special=req.parse_special))
     if not req.with_pieces:
         return JSONResponse({"tokens": ids})
@@ -322,7 +321,7 @@ async def detokenize(request: Request) -> JSONResponse:
     req = await read_body(request, DetokenizeRequest)
     model = state.require_model()
     check_ids(model, req.tokens)
-    return JSONResponse({"content": await _off_loop(request, lambda: model.detokenize(req.tokens))})
+    return JSONResponse({"content": await off_loop(request, lambda: model.detokenize(req.tokens))})
 
 
 @router.post("/apply-template")
@@ -353,7 +352,7 @@ async def apply_template(request: Request) -> JSONResponse:
             return llama_compat.continued(lambda ms: draw(ms, False), messages)
         return draw(messages, add_generation_prompt)
 
-    return JSONResponse({"prompt": await _off_loop(request, render)})
+    return JSONResponse({"prompt": await off_loop(request, render)})
 
 
 @router.get("/props")
@@ -366,15 +365,3 @@ async def props(request: Request) -> JSONResponse:
         "total_slots": 1, "model_alias": state.model_name, "model_path": str(model.path), **kv_cache_types(model),
         "chat_template": template, "modalities": {"vision": False, "audio": False},
         "build_info": "edgeinfer"})
-
-
-async def _off_loop(request: Request, fn):
-    """Tokenizer work runs on (at most two) threads, never on the event loop."""
-    state = request.app.state.server
-    if state.tokenizer_limiter is None:
-        state.tokenizer_limiter = anyio.CapacityLimiter(2)
-    try:
-        return await anyio.to_thread.run_sync(fn, limiter=state.tokenizer_limiter)
-    except EdgeInferError as exc:
-        raise APIError(400, str(exc)) from None
-

@@ -20,8 +20,7 @@ from edgeinfer.server.errors import APIError
 from edgeinfer.server.state import load_seconds
 from edgeinfer.server.fim import fim_start
 from edgeinfer.server.requests import check_ids, read_body
-from edgeinfer.server.schemas import (OllamaBase, OllamaChatRequest, OllamaGenerateRequest,
-                                      OllamaShowRequest)
+from edgeinfer.server.schemas import (OllamaBase, OllamaChatRequest, OllamaGenerateRequest)
 from edgeinfer.server import logprobs as lp_format
 from edgeinfer.server.constraints import add_constraint, compiled, ollama_format, ollama_think
 from edgeinfer.server.tool_output import OllamaPieces, chat_plan, ollama_history, ollama_message
