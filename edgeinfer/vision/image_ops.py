@@ -49,15 +49,26 @@ def _weights(kind: str, n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _resample_axis(pixels: np.ndarray, axis: int, n_out: int, kind: str) -> np.ndarray:
-    """One separable pass along `axis` (1: width, 0: height) of a (h, w, 3) uint8 array."""
+    """One separable pass along `axis` (1: width, 0: height) of a (h, w, 3) uint8 array, in
+    slices across the other axis (int64 sums of a 50-megapixel image would take gigabytes)."""
     index, fixed = _weights(kind, pixels.shape[axis], n_out)
-    src = pixels.astype(np.int64)
-    acc = np.full(src.shape[:axis] + (n_out,) + src.shape[axis + 1:], 1 << (_PRECISION_BITS - 1), np.int64)
     shape = [1, 1, 1]
     shape[axis] = n_out
-    for j in range(index.shape[1]):
-        acc += np.take(src, index[:, j], axis=axis) * fixed[:, j].reshape(shape)
-    return np.clip(acc >> _PRECISION_BITS, 0, 255).astype(np.uint8)
+    weights = [fixed[:, j].reshape(shape) for j in range(index.shape[1])]
+    other = 1 - axis
+    out_shape = list(pixels.shape)
+    out_shape[axis] = n_out
+    out = np.empty(out_shape, np.uint8)
+    step = max(1, (1 << 20) // (3 * max(n_out, pixels.shape[axis])))
+    for start in range(0, pixels.shape[other], step):
+        part = [slice(None)] * 3
+        part[other] = slice(start, start + step)
+        src = pixels[tuple(part)].astype(np.int64)
+        acc = np.full(src.shape[:axis] + (n_out,) + src.shape[axis + 1:], 1 << (_PRECISION_BITS - 1), np.int64)
+        for j, w in enumerate(weights):
+            acc += np.take(src, index[:, j], axis=axis) * w
+        out[tuple(part)] = np.clip(acc >> _PRECISION_BITS, 0, 255)
+    return out
 
 
 def resize(pixels: np.ndarray, width: int, height: int, kind: str = "bilinear") -> np.ndarray:
