@@ -1,0 +1,190 @@
+"""The ViT encoder the projectors share (SigLIP-style pre-norm blocks), on edgeinfer's CPU kernels.
+
+It follows libmtmd's build_inp + build_vit graph for learned position embeddings and LayerNorm
+(NORM_TYPE_NORMAL): patch convolution as one matmul, + position embeddings, optional pre-norm,
+n_layer blocks of [LayerNorm, non-causal multi-head attention, residual, LayerNorm, MLP,
+residual], optional post-norm. Numerics follow ggml's CPU ops where they round: matrices kept
+in F16 see their input rounded to F16 (ggml's vec_dot type for F16), GELU is ggml's F16 table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from edgeinfer import kernels_cpu
+from edgeinfer.backends.base import _gelu_f16_table  # ggml's CPU GELU table, built in one place
+from edgeinfer.vision.mmproj import MmprojFile, VisionParams
+
+_FLOAT_KERNEL_TYPES = (T.F32, T.F16)
+
+
+def _f16_round(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+class Linear:
+    """y = x W^T + b over a batch of rows, W as the file's raw blocks."""
+
+    def __init__(self, mm: MmprojFile, name: str, n_in: int, n_out: int, bias: str | None) -> None:
+        info = mm.tensor(name + ".weight", (n_in, n_out))
+        self.qtype = info.qtype
+        self.w_raw = mm.gguf.raw(info.name)
+        self.bias = mm.vector(bias, n_out, required=False) if bias else None
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, np.float32)
+        if self.qtype == T.F16:  # ggml's F16 dot takes its input in F16 too
+            x = _f16_round(x)
+        y = kernels_cpu.matmul(self.w_raw, self.qtype, x)
+        return y + self.bias if self.bias is not None else y
+
+
+class LayerNorm:
+    """ggml_norm then weight and bias: mean and variance summed in double, scale in float32."""
+
+    def __init__(self, mm: MmprojFile, prefix: str, n: int, eps: float, required: bool = True) -> None:
+        self.weight = mm.vector(prefix + ".weight", n, required)
+        self.bias = mm.vector(prefix + ".bias", n, required=False) if self.weight is not None else None
+        self.eps = np.float32(eps)
+
+    def __bool__(self) -> bool:
+        return self.weight is not None
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x64 = x.astype(np.float64)
+        centred = (x64 - x64.mean(axis=-1, keepdims=True)).astype(np.float32)
+        var = np.square(centred.astype(np.float64)).mean(axis=-1, keepdims=True).astype(np.float32)
+        out = centred * (np.float32(1.0) / np.sqrt(var + self.eps))
+        out = out * self.weight
+        return out + self.bias if self.bias is not None else out
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """ggml_rms_norm times weight: the mean square summed in double, scale in float32."""
+    ms = np.square(x.astype(np.float64)).mean(axis=-1, keepdims=True).astype(np.float32)
+    return (x * (np.float32(1.0) / np.sqrt(ms + np.float32(eps)))) * weight
+
+
+def activation(x: np.ndarray, op: str) -> np.ndarray:
+    """The MLP's activation as ggml's CPU computes it (GELU and quick GELU from F16 tables)."""
+    x = np.asarray(x, np.float32)
+    if op == "silu":
+        with np.errstate(over="ignore"):
+            return (x / (np.float32(1.0) + np.exp(-x))).astype(np.float32)
+    if op == "gelu":
+        g = _gelu_f16_table()[x.astype(np.float16).view(np.uint16)]
+        return np.where(x >= 10.0, x, np.where(x <= -10.0, np.float32(0.0), g)).astype(np.float32)
+    return _gelu_quick_table()[x.astype(np.float16).view(np.uint16)]
+
+
+_QUICK: list[np.ndarray] = []
+
+
+def _gelu_quick_table() -> np.ndarray:
+    """ggml's quick-GELU table: x * sigmoid(1.702 x) for every F16 input, rounded to F16."""
+    if not _QUICK:
+        x = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+        with np.errstate(all="ignore"):
+            y = x * (np.float32(1.0) / (np.float32(1.0) + np.exp(np.float32(-1.702) * x)))
+        _QUICK.append(y.astype(np.float16).astype(np.float32))
+    return _QUICK[0]
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, scale: float) -> np.ndarray:
+    """Non-causal attention over all patches, one head at a time (an (n, n) score matrix per head):
+    q, k, v (n, n_head * d) -> (n, n_head * d). Softmax as ggml's: exp in float32, sum in double."""
+    n, width = q.shape
+    d = width // n_head
+    out = np.empty((n, width), np.float32)
+    for h in range(n_head):
+        cols = slice(h * d, (h + 1) * d)
+        s = (q[:, cols] @ k[:, cols].T) * np.float32(scale)
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        inv = (1.0 / e.astype(np.float64).sum(axis=-1, keepdims=True)).astype(np.float32)
+        out[:, cols] = (e * inv) @ v[:, cols]
+    return out
+
+
+@dataclass
+class Block:
+    ln1: LayerNorm
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    ln2: LayerNorm
+    up: Linear
+    down: Linear
+
+
+def _ffn_names(mm: MmprojFile, prefix: str, n_embd: int) -> tuple[str, str]:
+    """(up, down) tensor prefixes. Old conversions of some projectors (gemma3 among them) wrote
+    the two swapped: libmtmd swaps them back when ffn_down's rows are n_embd long, and so do we."""
+    up, down = prefix + "ffn_up", prefix + "ffn_down"
+    info = mm.gguf.tensors.get(down + ".weight")
+    if info is not None and up + ".weight" in mm.gguf.tensors and info.shape[0] == n_embd:
+        return down, up
+    return up, down
+
+
+class ViT:
+    """Patch embedding + encoder blocks: normalized pixels (h, w, 3) -> (n_patches, n_embd)."""
+
+    def __init__(self, mm: MmprojFile) -> None:
+        vp: VisionParams = mm.vision
+        self.params = vp
+        e, p = vp.n_embd, vp.patch_size
+        width = vp.n_head * vp.head_dim
+        patch = mm.tensor("v.patch_embd.weight", (p, p, 3, e), _FLOAT_KERNEL_TYPES)
+        # ggml's conv_2d unfolds the image into F16 patches (im2col) and multiplies them by the
+        # kernel as F16 (the F16 dot's operand type): an F32 kernel is rounded to F16 too
+        kernel = np.asarray(mm.gguf.array(patch.name)).reshape(e, -1)  # rows: one channel's (c, y, x)
+        self.patch_w = np.ascontiguousarray(kernel.astype(np.float16)).view(np.uint8)
+        self.patch_b = mm.vector("v.patch_embd.bias", e, required=False)
+        n_side = vp.image_size // p
+        pos = mm.tensor("v.position_embd.weight", (e, n_side * n_side), _FLOAT_KERNEL_TYPES)
+        self.pos = np.asarray(mm.gguf.array(pos.name), np.float32)
+        self.pre_ln = LayerNorm(mm, "v.pre_ln", e, vp.eps, required=False)
+        self.post_ln = LayerNorm(mm, "v.post_ln", e, vp.eps, required=False)
+        self.blocks = []
+        for i in range(vp.n_layer):
+            b = f"v.blk.{i}."
+            up, down = _ffn_names(mm, b, e)
+            self.blocks.append(Block(
+                LayerNorm(mm, b + "ln1", e, vp.eps), Linear(mm, b + "attn_q", e, width, b + "attn_q.bias"),
+                Linear(mm, b + "attn_k", e, width, b + "attn_k.bias"),
+                Linear(mm, b + "attn_v", e, width, b + "attn_v.bias"),
+                Linear(mm, b + "attn_out", width, e, b + "attn_out.bias"),
+                LayerNorm(mm, b + "ln2", e, vp.eps),
+                Linear(mm, up, e, vp.n_ff, up + ".bias"), Linear(mm, down, vp.n_ff, e, down + ".bias")))
+
+    def patches(self, x: np.ndarray) -> np.ndarray:
+        """(h, w, 3) -> (n_patches, 3 p p): patches in row-major order, each laid out (c, y, x)
+        like the kernel, rounded to F16 (ggml's im2col)."""
+        p = self.params.patch_size
+        h, w = x.shape[0] // p, x.shape[1] // p
+        rows = x[:h * p, :w * p].reshape(h, p, w, p, 3).transpose(0, 2, 4, 1, 3).reshape(h * w, 3 * p * p)
+        return _f16_round(np.ascontiguousarray(rows, np.float32))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        vp = self.params
+        h = kernels_cpu.matmul(self.patch_w, T.F16, self.patches(x))
+        if self.patch_b is not None:
+            h = h + self.patch_b
+        if h.shape[0] != self.pos.shape[0]:
+            raise ValueError(f"{h.shape[0]} patches, but {self.pos.shape[0]} position embeddings")
+        h = h + self.pos
+        if self.pre_ln:
+            h = self.pre_ln(h)
+        scale = np.float32(1.0) / np.sqrt(np.float32(vp.head_dim))
+        for blk in self.blocks:
+            a = blk.ln1(h)
+            a = attention(blk.q(a), blk.k(a), blk.v(a), vp.n_head, scale)
+            h = blk.o(a) + h
+            f = blk.down(activation(blk.up(blk.ln2(h)), vp.ffn_op))
+            h = h + f
+        if self.post_ln:
+            h = self.post_ln(h)
+        return h.astype(np.float32)

@@ -1,0 +1,138 @@
+"""Write tiny random mmproj GGUFs (the vision half of a multimodal model) for tests.
+
+Key and tensor names are libmtmd's (clip-impl.h); the layout is what llama.cpp's converter
+writes for Gemma 3's SigLIP tower: a patch convolution, learned position embeddings, pre-norm
+encoder blocks with biases, a post-LayerNorm, then avg-pool + soft-embedding norm + input
+projection to the text model's width.
+
+    path = write_gemma3_mmproj(tmp_path / "mmproj.gguf", n_embd_text=64, qtype="Q8_0")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+from gguf_factory import _add_metadata, random_blocks
+
+T = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    image_size: int = 64
+    patch_size: int = 16
+    n_embd: int = 64        # the ViT's width
+    n_head: int = 4
+    n_ff: int = 96          # not n_embd: libmtmd takes ffn_down.ne[0] == n_embd as swapped up/down
+    n_layer: int = 2
+    merge: int = 2          # avg-pool kernel: (image_size / patch_size / merge)^2 image tokens
+    eps: float = 1e-6
+
+
+def gemma3_tensors(s: VisionShape, n_embd_text: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a gemma3 mmproj, in GGML order (ne[0] first)."""
+    e, n_patch = s.n_embd, (s.image_size // s.patch_size) ** 2
+    t: dict[str, tuple[int, ...]] = {
+        "v.patch_embd.weight": (s.patch_size, s.patch_size, 3, e),
+        "v.patch_embd.bias": (e,),
+        "v.position_embd.weight": (e, n_patch),
+    }
+    for i in range(s.n_layer):
+        p = f"v.blk.{i}."
+        for m in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            t[p + m + ".weight"], t[p + m + ".bias"] = (e, e), (e,)
+        for m in ("ln1", "ln2"):
+            t[p + m + ".weight"], t[p + m + ".bias"] = (e,), (e,)
+        t[p + "ffn_up.weight"], t[p + "ffn_up.bias"] = (e, s.n_ff), (s.n_ff,)
+        t[p + "ffn_down.weight"], t[p + "ffn_down.bias"] = (s.n_ff, e), (e,)
+    t["v.post_ln.weight"], t["v.post_ln.bias"] = (e,), (e,)
+    t["mm.soft_emb_norm.weight"] = (e,)
+    t["mm.input_projection.weight"] = (n_embd_text, e)
+    return t
+
+
+def write_gemma3_mmproj(path: str | Path, n_embd_text: int, qtype: str = "F32", *,
+                        shape: VisionShape | None = None, seed: int = 0,
+                        patch_qtype: str = "F16", extra_metadata: dict | None = None,
+                        omit_tensors: tuple[str, ...] = (),
+                        shape_overrides: dict[str, tuple[int, ...]] | None = None,
+                        swap_ffn: bool = False) -> Path:
+    """A random-weight gemma3 mmproj: encoder matrices in `qtype`, the patch kernel in
+    `patch_qtype` (F16 or F32: a convolution kernel's rows are too short to quantize), the
+    input projection in F16 or F32, vectors and position embeddings in F32.
+    `extra_metadata` replaces keys (None drops one); `swap_ffn` writes the same weights with
+    ffn_up and ffn_down's names exchanged, as old gemma3 conversions did; the other arguments
+    make hostile files."""
+    s = shape or VisionShape()
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    w = GGUFWriter(str(path), "clip")
+    w.add_name("tiny-gemma3-mmproj")
+    meta: dict = {
+        "clip.has_vision_encoder": True,
+        "clip.projector_type": "gemma3",
+        "clip.use_gelu": True,
+        "clip.vision.image_size": s.image_size,
+        "clip.vision.patch_size": s.patch_size,
+        "clip.vision.embedding_length": s.n_embd,
+        "clip.vision.feed_forward_length": s.n_ff,
+        "clip.vision.block_count": s.n_layer,
+        "clip.vision.projection_dim": n_embd_text,
+        "clip.vision.attention.head_count": s.n_head,
+        "clip.vision.attention.layer_norm_epsilon": s.eps,
+        "clip.vision.image_mean": [0.5, 0.5, 0.5],
+        "clip.vision.image_std": [0.5, 0.5, 0.5],
+        "clip.vision.projector.scale_factor": s.merge,
+    }
+    for key, value in (extra_metadata or {}).items():
+        meta.pop(key, None)
+        if value is not None:
+            meta[key] = value
+    for key, value in meta.items():
+        _add_metadata(w, key, value)
+
+    tensors = gemma3_tensors(s, n_embd_text)
+    if swap_ffn:  # same order (same random stream), names exchanged
+        swap = {"ffn_up": "ffn_down", "ffn_down": "ffn_up"}
+        tensors = {".".join(swap.get(part, part) for part in k.split(".")): v for k, v in tensors.items()}
+    tensors.update(shape_overrides or {})
+    plan = []
+    for name, gshape in tensors.items():
+        if name in omit_tensors:
+            continue
+        if len(gshape) == 1 or name == "v.position_embd.weight":
+            tq = T.F32  # ggml's CPU add takes no F16 operand: converters keep these F32
+        elif name == "v.patch_embd.weight":
+            tq = T[patch_qtype]
+        elif name == "mm.input_projection.weight":
+            tq = T.F16 if qtype == "F16" else T.F32  # libmtmd transposes it: float types only
+        else:
+            tq = T[qtype] if gshape[0] % GGML_QUANT_SIZES[T[qtype]][0] == 0 else T.F16
+        n_cols, n_rows = gshape[0], int(np.prod(gshape[1:]))
+        block, size = GGML_QUANT_SIZES[tq]
+        n_bytes = n_rows * n_cols // block * size
+        if tq == T.F32:
+            w.add_tensor_info(name, tuple(reversed(gshape)), np.dtype(np.float32), n_bytes)
+        else:
+            w.add_tensor_info(name, (*reversed(gshape[1:]), n_cols // block * size), np.dtype(np.uint8),
+                              n_bytes, raw_dtype=tq)
+        plan.append((name, tq, gshape, n_rows, n_cols))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, tq, gshape, n_rows, n_cols in plan:
+        if len(gshape) == 1:
+            data = rng.standard_normal(gshape).astype(np.float32) * 0.1
+            if name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight", "soft_emb_norm.weight")):
+                data += 1.0
+            w.write_tensor_data(data)
+            continue
+        std = 0.5 if name == "v.position_embd.weight" else 0.08
+        w.write_tensor_data(random_blocks(tq, n_rows, n_cols, rng, std=std))
+    w.close()
+    return path
