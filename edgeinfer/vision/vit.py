@@ -97,14 +97,16 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, scale: f
     q, k, v (n, n_head * d) -> (n, n_head * d). Softmax as ggml's: exp in float32, sum in double."""
     n, width = q.shape
     d = width // n_head
-    out = np.empty((n, width), np.float32)
+    heads = [np.ascontiguousarray(t.reshape(n, n_head, d).transpose(1, 0, 2)) for t in (q, k, v)]
+    out = np.empty((n, n_head, d), np.float32)
     for h in range(n_head):
-        cols = slice(h * d, (h + 1) * d)
-        s = (q[:, cols] @ k[:, cols].T) * np.float32(scale)
-        e = np.exp(s - s.max(axis=-1, keepdims=True))
-        inv = (1.0 / e.astype(np.float64).sum(axis=-1, keepdims=True)).astype(np.float32)
-        out[:, cols] = (e * inv) @ v[:, cols]
-    return out
+        s = heads[0][h] @ heads[1][h].T
+        s *= np.float32(scale)
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s *= (1.0 / s.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+        out[:, h] = s @ heads[2][h]
+    return out.reshape(n, width)
 
 
 @dataclass
