@@ -163,7 +163,8 @@ def test_fit_and_pad_centres_the_scaled_image_on_black():
 
 @pytest.mark.parametrize("kind", ["bilinear", "bicubic"])
 @pytest.mark.parametrize("src,dst", [((100, 60), (64, 38)), ((37, 90), (27, 64)), ((10, 10), (64, 64)),
-                                     ((640, 480), (96, 72)), ((5, 300), (1, 64))])
+                                     ((640, 480), (96, 72)), ((5, 300), (1, 64)),
+                                     ((4000, 300), (64, 5)), ((3, 20000), (90, 600))])  # resampled in slices
 def test_resize_is_pillows_resampler_horizontal_pass_first(kind, src, dst):
     """libmtmd's resampler is Pillow's, always horizontal then vertical (Pillow itself may
     take the vertical pass first): each pass alone must equal Pillow's bit for bit."""
