@@ -136,3 +136,121 @@ def write_gemma3_mmproj(path: str | Path, n_embd_text: int, qtype: str = "F32", 
         w.write_tensor_data(random_blocks(tq, n_rows, n_cols, rng, std=std))
     w.close()
     return path
+
+
+# -- qwen3vl (Qwen3-VL, Qwen3.5 vision) ---------------------------------------------------
+
+@dataclass(frozen=True)
+class QwenVisionShape:
+    patch_size: int = 4      # 8 pixels a merged token: a 40 x 24 image is 5 x 3 tokens
+    pos_side: int = 8        # learned position table of pos_side^2 (image_size = pos_side * patch)
+    n_embd: int = 32
+    n_head: int = 2          # head_dim 16: rotary sections of 4 pairs
+    n_ff: int = 64
+    n_layer: int = 3
+    eps: float = 1e-6
+
+
+def qwen3vl_tensors(s: QwenVisionShape, n_out: int, deepstack: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a qwen3vl mmproj as llama.cpp's converter names them, GGML order."""
+    e, p, m4 = s.n_embd, s.patch_size, 4 * s.n_embd
+    t: dict[str, tuple[int, ...]] = {
+        "v.patch_embd.weight": (p, p, 3, e),      # the Conv3D's first temporal frame
+        "v.patch_embd.weight.1": (p, p, 3, e),    # and its second
+        "v.patch_embd.bias": (e,),
+        "v.position_embd.weight": (e, s.pos_side * s.pos_side),
+    }
+    for i in range(s.n_layer):
+        b = f"v.blk.{i}."
+        t[b + "ln1.weight"], t[b + "ln1.bias"] = (e,), (e,)
+        t[b + "attn_qkv.weight"], t[b + "attn_qkv.bias"] = (e, 3 * e), (3 * e,)
+        t[b + "attn_out.weight"], t[b + "attn_out.bias"] = (e, e), (e,)
+        t[b + "ln2.weight"], t[b + "ln2.bias"] = (e,), (e,)
+        t[b + "ffn_up.weight"], t[b + "ffn_up.bias"] = (e, s.n_ff), (s.n_ff,)
+        t[b + "ffn_down.weight"], t[b + "ffn_down.bias"] = (s.n_ff, e), (e,)
+        if i in deepstack:
+            d = f"v.deepstack.{i}."
+            t[d + "norm.weight"], t[d + "norm.bias"] = (m4,), (m4,)
+            t[d + "fc1.weight"], t[d + "fc1.bias"] = (m4, m4), (m4,)
+            t[d + "fc2.weight"], t[d + "fc2.bias"] = (m4, n_out), (n_out,)
+    t["v.post_ln.weight"], t["v.post_ln.bias"] = (e,), (e,)
+    t["mm.0.weight"], t["mm.0.bias"] = (m4, m4), (m4,)
+    t["mm.2.weight"], t["mm.2.bias"] = (m4, n_out), (n_out,)
+    return t
+
+
+def write_qwen3vl_mmproj(path: str | Path, n_out: int, qtype: str = "F32", *,
+                         shape: QwenVisionShape | None = None, deepstack: tuple[int, ...] = (),
+                         seed: int = 0, patch_qtype: str = "F32", extra_metadata: dict | None = None,
+                         omit_tensors: tuple[str, ...] = (),
+                         shape_overrides: dict[str, tuple[int, ...]] | None = None) -> Path:
+    """A random-weight qwen3vl mmproj whose merger emits `n_out` wide rows, plus one part of
+    `n_out` for each layer in `deepstack` (the text model takes n_out x (1 + len(deepstack))).
+    Matrices in `qtype` (F16 where a row does not fit its blocks), the patch kernels in
+    `patch_qtype`, vectors in F32; the keyword arguments after `seed` make hostile files."""
+    s = shape or QwenVisionShape()
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    w = GGUFWriter(str(path), "clip")
+    w.add_name("tiny-qwen3vl-mmproj")
+    meta: dict = {
+        "clip.has_vision_encoder": True,
+        "clip.projector_type": "qwen3vl_merger",
+        "clip.use_gelu": True,
+        "clip.vision.image_size": s.pos_side * s.patch_size,
+        "clip.vision.patch_size": s.patch_size,
+        "clip.vision.embedding_length": s.n_embd,
+        "clip.vision.feed_forward_length": s.n_ff,
+        "clip.vision.block_count": s.n_layer,
+        "clip.vision.projection_dim": n_out,
+        "clip.vision.attention.head_count": s.n_head,
+        "clip.vision.attention.layer_norm_epsilon": s.eps,
+        "clip.vision.image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "clip.vision.image_std": [0.26862954, 0.26130258, 0.27577711],
+        "clip.vision.spatial_merge_size": 2,
+        "clip.vision.is_deepstack_layers": [i in deepstack for i in range(s.n_layer)],
+    }
+    for key, value in (extra_metadata or {}).items():
+        meta.pop(key, None)
+        if value is not None:
+            meta[key] = value
+    for key, value in meta.items():
+        _add_metadata(w, key, value)
+
+    tensors = qwen3vl_tensors(s, n_out, deepstack)
+    tensors.update(shape_overrides or {})
+    plan = []
+    for name, gshape in tensors.items():
+        if name in omit_tensors:
+            continue
+        if len(gshape) == 1 or name == "v.position_embd.weight":   # ggml_interpolate takes F32 only
+            tq = T.F32
+        elif name.startswith("v.patch_embd.weight"):
+            tq = T[patch_qtype]
+        else:
+            tq = T[qtype] if gshape[0] % GGML_QUANT_SIZES[T[qtype]][0] == 0 else T.F16
+        n_cols, n_rows = gshape[0], int(np.prod(gshape[1:]))
+        block, size = GGML_QUANT_SIZES[tq]
+        n_bytes = n_rows * n_cols // block * size
+        if tq == T.F32:
+            w.add_tensor_info(name, tuple(reversed(gshape)), np.dtype(np.float32), n_bytes)
+        else:
+            w.add_tensor_info(name, (*reversed(gshape[1:]), n_cols // block * size), np.dtype(np.uint8),
+                              n_bytes, raw_dtype=tq)
+        plan.append((name, tq, gshape, n_rows, n_cols))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, tq, gshape, n_rows, n_cols in plan:
+        if len(gshape) == 1:
+            data = rng.standard_normal(gshape).astype(np.float32) * 0.1
+            if name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight", "norm.weight")):
+                data += 1.0
+            w.write_tensor_data(data)
+            continue
+        # about unit-variance activations through the blocks: weights ~ 1 / sqrt(fan-in)
+        std = 0.5 if name == "v.position_embd.weight" else float(1.0 / np.sqrt(n_cols))
+        w.write_tensor_data(random_blocks(tq, n_rows, n_cols, rng, std=std))
+    w.close()
+    return path
