@@ -10,7 +10,6 @@ flash attention rounds Q, K and V to F16, which ours (full float32 attention) do
 """
 from __future__ import annotations
 
-import ctypes
 import io
 
 import numpy as np
@@ -18,6 +17,7 @@ import pytest
 
 from gguf_factory import TinyShape, write_tiny_model
 from mmproj_factory import VisionShape, write_gemma3_mmproj
+import mtmd_oracle
 
 from edgeinfer.vision import image_ops
 from edgeinfer.vision.image_io import decode_image, from_pixels
@@ -45,50 +45,6 @@ def _picture(width: int, height: int, seed: int) -> np.ndarray:
     return decode_image(_png(pixels)).pixels
 
 
-class Mtmd:
-    """libmtmd with one text model and one mmproj: encode(pixels) -> (n_tokens, n_embd)."""
-
-    def __init__(self, text_path, mmproj_path) -> None:
-        self.llama = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the libmtmd oracle) is not installed")
-        self.M = pytest.importorskip("llama_cpp.mtmd_cpp", reason="this llama-cpp-python has no libmtmd bindings")
-        self.llama.llama_backend_init()
-        self.model = self.llama.llama_model_load_from_file(str(text_path).encode(),
-                                                           self.llama.llama_model_default_params())
-        assert self.model, "llama.cpp could not load the tiny gemma3 text model"
-        params = self.M.mtmd_context_params_default()
-        params.use_gpu, params.n_threads, params.warmup, params.print_timings = False, 2, False, False
-        params.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED: F32 attention, as ours
-        self.ctx = self.M.mtmd_init_from_file(str(mmproj_path).encode(), self.model, params)
-        assert self.ctx, "libmtmd could not load the tiny mmproj"
-        self.n_embd = self.llama.llama_model_n_embd(self.model)
-
-    def encode(self, pixels: np.ndarray) -> np.ndarray:
-        M = self.M
-        h, w = pixels.shape[:2]
-        data = (ctypes.c_uint8 * pixels.size).from_buffer_copy(np.ascontiguousarray(pixels).tobytes())
-        bitmap = M.mtmd_bitmap_init(w, h, data)
-        chunks = M.mtmd_input_chunks_init()
-        try:
-            text = b"look: " + M.mtmd_default_marker() + b" done"
-            inp = M.mtmd_input_text(text, len(text), True, True)
-            bitmaps = (M.mtmd_bitmap_p_ctypes * 1)(bitmap)
-            assert M.mtmd_tokenize(self.ctx, chunks, ctypes.byref(inp), bitmaps, 1) == 0
-            images = [M.mtmd_input_chunks_get(chunks, i) for i in range(M.mtmd_input_chunks_size(chunks))]
-            images = [c for c in images if M.mtmd_input_chunk_get_type(c) == M.MTMD_INPUT_CHUNK_TYPE_IMAGE]
-            assert len(images) == 1
-            n = M.mtmd_input_chunk_get_n_tokens(images[0])
-            assert M.mtmd_encode_chunk(self.ctx, images[0]) == 0
-            out = M.mtmd_get_output_embd(self.ctx)
-            return np.ctypeslib.as_array(out, shape=(n * self.n_embd,)).reshape(n, self.n_embd).copy()
-        finally:
-            M.mtmd_input_chunks_free(chunks)
-            M.mtmd_bitmap_free(bitmap)
-
-    def close(self) -> None:
-        self.M.mtmd_free(self.ctx)
-        self.llama.llama_model_free(self.model)
-
-
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("vision") / "text.gguf", "gemma3", "F32", shape=TEXT_SHAPE)
@@ -101,7 +57,9 @@ def _relative_error(got: np.ndarray, ref: np.ndarray) -> float:
 @pytest.mark.parametrize("qtype,patch_qtype", [("F32", "F32"), ("F16", "F16"), ("Q8_0", "F16")])
 def test_projected_embeddings_match_libmtmd(tmp_path, text_model, qtype, patch_qtype):
     mmproj = write_gemma3_mmproj(tmp_path / "mmproj.gguf", TEXT_SHAPE.n_embd, qtype, patch_qtype=patch_qtype)
-    oracle = Mtmd(text_model, mmproj)
+    if not mtmd_oracle.available():
+        pytest.skip(mtmd_oracle.REASON)
+    oracle = mtmd_oracle.Mtmd(text_model, mmproj)
     try:
         projector = load_mmproj(mmproj)
         # the image size itself (no resize), a wide one (downscale + pad), a tall small one (upscale + pad)
