@@ -82,6 +82,10 @@ def register(sub) -> None:
     p.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="enable llama-server's POST /slots/0?action=save|restore|erase, with files in DIR "
                         "(an existing folder; default: those are refused)")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch the http(s) image URLs requests name (10 s a wait, 30 s and 20 MiB an image); "
+                        "the server then reaches any address a client names, local network included "
+                        "(default: only images sent as data, base64)")
     add_model_options(p)
     p.set_defaults(kv_cache_env=True)   # OLLAMA_KV_CACHE_TYPE when -ctk / -ctv are absent
     add_sampling_options(p)
@@ -105,6 +109,7 @@ def serve(args) -> int:
         max_body_bytes=args.max_body, sampling=sampling_from_args(args), keep_alive_s=args.keep_alive,
         max_models=args.max_models, bind_host=args.host, slot_save_path=slot_save_path,
         slots_endpoint=args.slots_endpoint, reasoning=args.reasoning, verbose=args.verbose,
+        allow_image_urls=args.allow_image_urls,
         # other local models load with the same options, but their own chat templates
         model_options={k: v for k, v in model_kwargs(args).items() if k != "chat_template"})
     if not _is_loopback(args.host):

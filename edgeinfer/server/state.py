@@ -69,6 +69,8 @@ class ServerConfig:
     slots_endpoint: bool = True             # GET /slots (llama-server's --slots / --no-slots)
     reasoning: str = "auto"                 # thinking when a request does not say: on, off, auto (the template's)
     verbose: bool = False                   # llama-server's --verbose: answers carry `__verbose` unless asked not to
+    allow_image_urls: bool = False          # fetch http(s) image URLs a request names (serve --allow-image-urls)
+    max_image_bytes: int = 20 << 20         # an image's bytes (sent or fetched), bounded before it is decoded
 
     @property
     def default_think(self) -> bool | None:
