@@ -253,7 +253,7 @@ def test_errors_in_anthropics_shape(srv):
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
     cases = [
         (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "see"}, image]}]),
-         "'messages.0.content.1': image input is not supported yet"),
+         "'messages.0.content.1.source': this model has no image input"),
         (dict(messages=[{"role": "user", "content": [{"type": "video", "url": "x"}]}]),
          "'messages.0.content.0': unknown content block type"),
         (dict(messages=ASK, max_tokens="5"), "'max_tokens'"),

@@ -7,8 +7,10 @@ uses (edgeinfer.server.tool_output.chat_plan, Model.chat):
   `messages` (consecutive turns of one role merged, as Anthropic merges them) become the
   template's messages: text blocks the content, an assistant's `tool_use` blocks its
   `tool_calls`, its `thinking` blocks its `reasoning_content`, a `tool_result` block a tool
-  message (its text; `is_error` writes "Error: " before it). Image and document input is a
-  400: this server has none yet. A final assistant message is continued (Anthropic's prefill).
+  message (its text; `is_error` writes "Error: " before it). A user turn's image blocks
+  (base64 or url sources: edgeinfer.server.images) go to Model.chat as image parts, for a
+  model served with --mmproj; document input is a 400. A final assistant message is
+  continued (Anthropic's prefill), in a conversation without images.
 - `tools` ({name, description, input_schema}) and `tool_choice` (auto, any = OpenAI's
   "required", tool = a named function, none; `disable_parallel_tool_use`) go to the
   constrained tool grammar as OpenAI's do; `thinking` (enabled, disabled, adaptive = the
@@ -48,7 +50,8 @@ from edgeinfer.server.constraints import compile_constraint, compiled, harmony_t
 from edgeinfer.server.errors import APIError
 from edgeinfer.server.off_loop import off_loop
 from edgeinfer.server.chat_start import chat_start
-from edgeinfer.server.requests import read_body
+from edgeinfer.server.images import RequestImages
+from edgeinfer.server.requests import joined_parts, read_body
 from edgeinfer.server.streaming import collect_chunks, first_chunk, sse_response, stream_events
 from edgeinfer.server.tool_output import OutputReader, chat_plan
 
@@ -89,8 +92,10 @@ def _text(blocks, field: str) -> str:
 
 
 def _refused(kind: str, field: str, where: str = "") -> APIError:
+    if kind == "image" and where:
+        return _bad(field, f"an image cannot be {where} (images go in user messages' content)")
     if kind == "image":
-        return _bad(field, "image input is not supported yet")
+        return _bad(field, "images are not counted by this endpoint")
     if kind == "document":
         return _bad(field, "document input is not supported yet")
     if kind == "redacted_thinking":
@@ -110,9 +115,11 @@ def _unstamped(text: str) -> str:
     return _BILLING.sub(lambda m: m.group(1) + "f" * len(m.group(2)) + ";", text, count=1)
 
 
-def conversation(req: AnthropicMessagesBase) -> list[dict]:
+def conversation(req: AnthropicMessagesBase, images=None) -> list[dict]:
     """The request's system prompt and messages as the chat template's messages (checked:
-    each tool_result answers an earlier tool_use; refused blocks are a 400 naming them)."""
+    each tool_result answers an earlier tool_use; refused blocks are a 400 naming them); a user
+    turn's image blocks are read by `images` (edgeinfer.server.images.RequestImages; without
+    it they are a 400) and make its content text and image parts."""
     out: list[dict] = []
     system = _system(req.system)
     if system is not None:
@@ -131,7 +138,7 @@ def conversation(req: AnthropicMessagesBase) -> list[dict]:
         if role == "assistant":
             out.append(_assistant(blocks, calls))
         else:
-            out.extend(_user(role, blocks, calls))
+            out.extend(_user(role, blocks, calls, images))
     return out
 
 
@@ -157,19 +164,26 @@ def _assistant(blocks: list, calls: dict[str, str]) -> dict:
     return msg
 
 
-def _user(role: str, blocks: list, calls: dict[str, str]) -> list[dict]:
-    """A user (or system) turn: its text runs as messages, each tool_result a tool message, in order."""
+def _user(role: str, blocks: list, calls: dict[str, str], images) -> list[dict]:
+    """A user (or system) turn: its text (and image) runs as messages, each tool_result a tool
+    message, in order."""
     out: list[dict] = []
-    texts: list[str] = []
+    parts: list[dict] = []
 
     def flush() -> None:
-        if texts:
-            out.append({"role": role, "content": "\n\n".join(texts)})
-            texts.clear()
+        if any(p["type"] == "image_url" for p in parts):
+            out.append({"role": role, "content": joined_parts(parts)})
+        elif parts:
+            out.append({"role": role, "content": "\n\n".join(p["text"] for p in parts)})
+        parts.clear()
 
     for field, b in blocks:
         if b.type == "text":
-            texts.append(b.text)
+            parts.append({"type": "text", "text": b.text})
+        elif b.type == "image" and role == "user" and images is not None:
+            parts.append(images.anthropic(b.source, field + ".source"))
+        elif b.type == "image" and role == "user":
+            raise _refused(b.type, field)
         elif b.type == "tool_result" and role == "user":
             name = calls.get(b.tool_use_id)
             if name is None:
@@ -236,8 +250,11 @@ def thinking_of(model, req: AnthropicMessagesBase, max_tokens: int | None) -> bo
     return None if speaks_harmony(model) else True
 
 
-async def plan_of(state, model, req: AnthropicMessagesBase, max_tokens: int | None, constrain: bool) -> Plan:
-    messages = conversation(req)
+async def plan_of(state, model, req: AnthropicMessagesBase, max_tokens: int | None, constrain: bool,
+                  images=None) -> Plan:
+    messages = conversation(req, images)
+    if images is not None:
+        await images.resolve()
     choice, parallel = tool_choice_of(req)
     think = thinking_of(model, req, max_tokens)
     oc = req.output_config
@@ -375,7 +392,7 @@ async def messages(request: Request):
     req = await read_body(request, AnthropicMessagesRequest)
     model = state.require_model()
     state.check_model_name(req.model)
-    plan = await plan_of(state, model, req, req.max_tokens, constrain=True)
+    plan = await plan_of(state, model, req, req.max_tokens, constrain=True, images=RequestImages(state, model))
     params = state.sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                             top_k=req.top_k, stop=req.stop_sequences)
     if req.stream:

@@ -41,7 +41,7 @@ class TextBlock(Body):
 
 class ImageBlock(Body):
     type: Literal["image"]
-    source: dict                 # refused where the message is read: this server has no image input
+    source: dict                 # base64 or url: checked by edgeinfer.server.images (a user turn's, with --mmproj)
     cache_control: CacheMark = None
 
 

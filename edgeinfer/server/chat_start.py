@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from edgeinfer.server import llama_compat
 from edgeinfer.server.errors import APIError
+from edgeinfer.server.images import has_images
 
 
 def chat_start(model, messages: list[dict], extra: dict, add_generation_prompt: bool, prefill: bool):
@@ -11,6 +12,10 @@ def chat_start(model, messages: list[dict], extra: dict, add_generation_prompt: 
     made here (edgeinfer.server.llama_compat.chat_prompt_ids) and generated from."""
     if add_generation_prompt and not prefill:
         return lambda p: lambda cancel: model.chat(messages, stream=True, cancel=cancel, **p, **extra)
+    if has_images(messages):  # the prompt below is made of text: Model.chat is what reads images
+        raise APIError(400, "invalid field 'messages': a conversation with images is answered in a new assistant "
+                            "turn; continuing a final assistant message (or leaving out the generation prompt) "
+                            "is not supported with images", param="messages")
     if extra.get("tools"):
         raise APIError(400, "invalid field 'continue_final_message': a final assistant message cannot be "
                             "continued in a request with tools", param="continue_final_message")

@@ -15,6 +15,8 @@ from edgeinfer.server.off_loop import off_loop
 from edgeinfer.server.state import kv_cache_types
 from edgeinfer.server.constraints import add_constraint, compiled, llama_constraint
 from edgeinfer.server.fim import fim_start
+from edgeinfer.server.images import MARKER, RequestImages, has_image_input
+from edgeinfer.server.llama_compat import MediaPrompt
 from edgeinfer.server.requests import chat_message, check_ids, read_body
 from edgeinfer.server.schemas import (ApplyTemplateRequest, DetokenizeRequest, InfillRequest,
                                       LlamaCompletionRequest, LlamaSampling, TokenizeRequest)
@@ -261,19 +263,28 @@ async def completion(request: Request):
     req = await read_body(request, LlamaCompletionRequest)
     model = state.require_model()
     params = sampling_of(state, req, model)
-    def read_prompts() -> tuple[list[list[int]], bool, list[str]]:
+    images = RequestImages(state, model)
+
+    def read_prompts() -> tuple[list[list[int] | MediaPrompt], bool, list[str]]:
         """The request's prompts as ids, tokenized once here as generate would, and their pieces
-        (the result's `prompt`), in one trip off the event loop."""
-        prompts, batch = llama_compat.prompts(model, req.prompt)
-        ids = [p if isinstance(p, list) else model.tokenize(p) for p in prompts]
-        return ids, batch, [model.tokenizer.detokenize(p, as_pieces=True) for p in ids]
+        (the result's `prompt`), in one trip off the event loop; a prompt with images stays
+        text (Model.generate places them at its markers) and shows as that text."""
+        prompts, batch = llama_compat.prompts(model, req.prompt, images=images)
+        ids = [p if isinstance(p, (list, MediaPrompt)) else model.tokenize(p) for p in prompts]
+        return ids, batch, [p.text if isinstance(p, MediaPrompt) else model.tokenizer.detokenize(p, as_pieces=True)
+                            for p in ids]
 
     prompts, batch, texts = await off_loop(request, read_prompts)
+    data = await images.resolve()
     run = add_constraint(params, await compiled(state, llama_constraint, req.grammar, req.json_schema,
                                                 req.response_format))
     run = _with_progress(run, req)
 
     def start_for(prompt):
+        if isinstance(prompt, MediaPrompt):
+            shown = data[prompt.first:prompt.first + prompt.count]
+            return limited(lambda cancel: model.generate(prompt.text, stream=True, cancel=cancel, images=shown, **run),
+                           req.t_max_predict_ms, req.n_indent)
         return limited(lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **run),
                        req.t_max_predict_ms, req.n_indent)
 
@@ -363,5 +374,5 @@ async def props(request: Request) -> JSONResponse:
     return JSONResponse({
         "default_generation_settings": {"n_ctx": model.n_ctx, "params": dict(state.config.sampling)},
         "total_slots": 1, "model_alias": state.model_name, "model_path": str(model.path), **kv_cache_types(model),
-        "chat_template": template, "modalities": {"vision": False, "audio": False},
+        "chat_template": template, "modalities": {"vision": has_image_input(model), "audio": False}, "media_marker": MARKER,
         "build_info": "edgeinfer"})

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from edgeinfer.server.errors import APIError
+from edgeinfer.server.images import MARKER, NO_IMAGES, has_image_input
 from edgeinfer.server.requests import check_ids
 
 _INT = re.compile(r"-?[0-9]+")
 PROMPT_STRING = "prompt_string"
+MULTIMODAL_DATA = "multimodal_data"
 
 
 def _bias(value: Any, field: str) -> float:
@@ -58,18 +61,29 @@ def logit_bias(model, value: Any, field: str = "logit_bias") -> dict[int, float]
     return out or None
 
 
-def _subprompt(model, p: Any, field: str) -> list[int] | str:
+@dataclass(frozen=True)
+class MediaPrompt:
+    """A prompt with images: its text (a <__media__> marker where each image goes) and its
+    images, `count` of the request's images from `first` (edgeinfer.server.images.RequestImages)."""
+
+    text: str
+    first: int
+    count: int
+
+
+def _subprompt(model, p: Any, field: str, images=None) -> list[int] | str | MediaPrompt:
     """One prompt: text stays text (the generation tokenizes it, BOS included), the rest
-    becomes token ids (mixed lists tokenized as llama-server's tokenize_mixed does)."""
+    becomes token ids (mixed lists tokenized as llama-server's tokenize_mixed does);
+    {"prompt_string", "multimodal_data": [base64...]} becomes a MediaPrompt, its images read
+    by `images` (without it, multimodal data is a 400)."""
     if isinstance(p, str):
         return p
     if isinstance(p, dict) and "content" in p and set(p) == {"content"}:
         return _content_text(p["content"], field)
     if isinstance(p, dict):
-        extra = set(p) - {PROMPT_STRING}
-        if "multimodal_data" in p:
-            raise APIError(400, f"invalid field {field!r}: multimodal data was sent, but this model is "
-                                "text only", param=field)
+        extra = set(p) - {PROMPT_STRING, MULTIMODAL_DATA}
+        if MULTIMODAL_DATA in p and p[MULTIMODAL_DATA] != []:  # (an empty list: a text prompt, as in llama-server)
+            return _media_prompt(model, p, field, images)
         if extra or not isinstance(p.get(PROMPT_STRING), (str, list)):
             raise APIError(400, f"invalid field {field!r}: a prompt object holds {PROMPT_STRING!r} (text or "
                                 "ids)", param=field)
@@ -94,15 +108,44 @@ def _subprompt(model, p: Any, field: str) -> list[int] | str:
                         f"{{{PROMPT_STRING!r}: text}}", param=field)
 
 
-def prompts(model, value: Any, field: str = "prompt") -> tuple[list[list[int] | str], bool]:
+def _media_prompt(model, p: dict, field: str, images) -> MediaPrompt:
+    """{"prompt_string": text, "multimodal_data": [base64, ...]}: one image per marker in the text,
+    as llama-server requires."""
+    data, text = p[MULTIMODAL_DATA], p.get(PROMPT_STRING)
+    at = f"{field}.{MULTIMODAL_DATA}"
+    if images is None or not has_image_input(model):
+        why = "multimodal data is not read by this endpoint" if has_image_input(model) else NO_IMAGES
+        raise APIError(400, f"invalid field {at!r}: {why}", param=at)
+    extra = set(p) - {PROMPT_STRING, MULTIMODAL_DATA}
+    if extra:
+        at = f"{field}.{sorted(extra)[0]}"
+        raise APIError(400, f"unsupported field {at!r}: a multimodal prompt holds {PROMPT_STRING!r} and "
+                            f"{MULTIMODAL_DATA!r}", param=at)
+    if not isinstance(data, list):
+        raise APIError(400, f"invalid field {at!r}: it is a list of base64 images", param=at)
+    if not isinstance(text, str):
+        at = f"{field}.{PROMPT_STRING}"
+        raise APIError(400, f"invalid field {at!r}: with {MULTIMODAL_DATA!r} it is text, its {MARKER} markers "
+                            "where the images go", param=at)
+    if text.count(MARKER) != len(data):
+        raise APIError(400, f"invalid field {at!r}: {len(data)} image(s) for {text.count(MARKER)} {MARKER} "
+                            f"marker(s) in {PROMPT_STRING!r}: give one image per marker", param=at)
+    first = len(images)
+    for k, item in enumerate(data):
+        images.base64(item, f"{at}.{k}")
+    return MediaPrompt(text, first, len(data))
+
+
+def prompts(model, value: Any, field: str = "prompt", images=None) -> tuple[list[list[int] | str | MediaPrompt], bool]:
     """The prompts of a request and whether it was a batch: a list holding no bare token id
-    is a batch (one answer per element), as llama-server's tokenize_input_prompts reads it."""
+    is a batch (one answer per element), as llama-server's tokenize_input_prompts reads it.
+    `images` (edgeinfer.server.images.RequestImages) reads multimodal prompts' images."""
     if isinstance(value, list) and value and not any(isinstance(e, int) and not isinstance(e, bool)
                                                      for e in value):
-        return [_subprompt(model, p, field) for p in value], True
+        return [_subprompt(model, p, field, images) for p in value], True
     if isinstance(value, list) and not value:
         raise APIError(400, f"invalid field {field!r}: it is empty", param=field)
-    return [_subprompt(model, value, field)], False
+    return [_subprompt(model, value, field, images)], False
 
 
 def prefill_mode(messages: list[dict], add_generation_prompt: bool | None,

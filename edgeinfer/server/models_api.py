@@ -32,6 +32,7 @@ from edgeinfer.server.constraints import thinks
 from edgeinfer.server.errors import APIError
 from edgeinfer.server.state import kv_cache_types
 from edgeinfer.server.fim import has_fim
+from edgeinfer.server.images import has_image_input
 from edgeinfer.server.requests import describe, read_body
 from edgeinfer.server.schemas import Body, OllamaOptions, OllamaShowRequest, Unsupported
 from edgeinfer.units import human_count
@@ -220,7 +221,8 @@ async def show(request: Request) -> JSONResponse:
     named = state.slot.named
     template = getattr(getattr(model, "template", None), "source", "") or ""
     capabilities = ["completion"] + (["insert"] if has_fim(model.tokenizer) else []) + \
-        (["tools"] if getattr(model, "supports_tools", False) else []) + (["thinking"] if thinks(model) else [])
+        (["tools"] if getattr(model, "supports_tools", False) else []) + (["thinking"] if thinks(model) else []) + \
+        (["vision"] if has_image_input(model) else [])
     params = "\n".join(f"{k} {json.dumps(v) if isinstance(v, str) else v}"
                        for k, vs in (named.parameters.items() if named else [])
                        for v in (vs if isinstance(vs, list) else [vs]))
@@ -238,6 +240,8 @@ def _openai_model(state, name: str, slot=None) -> dict:
     model = slot.model if slot is not None else None
     if model is not None:
         body["meta"] = {"n_ctx": model.n_ctx, "n_ctx_train": model.config.n_ctx_train}
+        # as llama-server lists them: "multimodal" where the model takes images (--mmproj)
+        body["capabilities"] = ["completion"] + (["multimodal"] if has_image_input(model) else [])
     return body
 
 

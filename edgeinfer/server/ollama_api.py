@@ -19,6 +19,7 @@ from edgeinfer import __version__
 from edgeinfer.server.errors import APIError
 from edgeinfer.server.state import load_seconds
 from edgeinfer.server.fim import fim_start
+from edgeinfer.server.images import RequestImages
 from edgeinfer.server.requests import check_ids, read_body
 from edgeinfer.server.schemas import (OllamaBase, OllamaChatRequest, OllamaGenerateRequest)
 from edgeinfer.server import logprobs as lp_format
@@ -123,16 +124,22 @@ async def generate(request: Request):
     model = await state.ensure_model(load_overrides(req))
     load_s = load_seconds.get()  # Ollama's load_duration: what loading the model took for this request
     state.check_model_name(req.model)
-    if req.images:
-        raise APIError(400, "invalid field 'images': images are not supported by this model")
+    images = RequestImages(state, model)
+    pictures = [images.base64(b, f"images.{k}") for k, b in enumerate(req.images or [])]
+    if pictures and req.suffix is not None:
+        raise APIError(400, "invalid field 'images': images cannot be combined with suffix (fill-in-the-middle)",
+                       param="images")
+    if pictures and req.context:  # the ids handed back would hold the images' positions, which no id names
+        raise APIError(400, "invalid field 'context': it cannot be combined with images", param="context")
     if req.template:
         raise APIError(400, "invalid field 'template': template overrides are not supported; start the "
                             "server with --chat-template")
     params = await params_of(state, req, model.n_ctx)
     thinking, effort = ollama_think(model, req.think, raw=req.raw or req.suffix is not None)
     reader = None  # a thinking template's answer: its reasoning goes to `thinking`
-    if not req.prompt and req.suffix is None and not req.context:
+    if not req.prompt and req.suffix is None and not req.context and not pictures:
         return load_response(state)
+    data = await images.resolve()
     tokens: list[int] = []  # the prompt's ids, then the answer's: the `context` to hand back
     if req.suffix is not None:
         if req.context:
@@ -142,12 +149,17 @@ async def generate(request: Request):
     else:
         if req.context:
             check_ids(model, req.context, "context")
-        params.update(context=req.context, on_prompt=tokens.extend)
-        if req.raw:
-            start = lambda cancel: model.generate(req.prompt, stream=True, cancel=cancel, **params)  # noqa: E731
+        params["context"] = req.context
+        if not pictures:  # with images the answer has no `context`: their positions have no token ids
+            params["on_prompt"] = tokens.extend
+        if req.raw:  # images at the prompt's <__media__> markers, else before its text
+            with_images = {"images": data} if data else {}
+            start = lambda cancel: model.generate(req.prompt, stream=True, cancel=cancel, **params,  # noqa: E731
+                                                  **with_images)
         else:
             messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
-                [{"role": "user", "content": req.prompt}]
+                [{"role": "user", "content": [*pictures, {"type": "text", "text": req.prompt}] if pictures
+                  else req.prompt}]
             extra, reader = chat_plan(model, messages, think=thinking, effort=effort, effort_field="think",
                                       default_think=state.config.default_think)
             start = lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params, **extra)  # noqa: E731
@@ -156,7 +168,7 @@ async def generate(request: Request):
     head = {"model": state.model_name}
 
     def context() -> dict:
-        return {"context": tokens} if req.suffix is None else {}
+        return {"context": tokens} if req.suffix is None and not pictures else {}
 
     lps = _logprobs_of(req, model)
     if not req.stream:
@@ -197,16 +209,22 @@ async def chat(request: Request):
     model = await state.ensure_model(load_overrides(req))
     load_s = load_seconds.get()  # Ollama's load_duration: what loading the model took for this request
     state.check_model_name(req.model)
-    bad = next((i for i, m in enumerate(req.messages) if m.images), None)
-    if bad is not None:
-        raise APIError(400, f"invalid field 'messages.{bad}.images': images are not supported by this model")
+    images = RequestImages(state, model)
+    messages = ollama_history(req.messages)
+    for i, m in enumerate(req.messages):
+        if m.images:  # Ollama's images go before the message's text
+            if m.role != "user":
+                raise APIError(400, f"invalid field 'messages.{i}.images': images go in user messages, not in a "
+                                    f"{m.role} message", param=f"messages.{i}.images")
+            pictures = [images.base64(b, f"messages.{i}.images.{k}") for k, b in enumerate(m.images)]
+            messages[i]["content"] = [*pictures, *([{"type": "text", "text": m.content}] if m.content else [])]
+    await images.resolve()
     params = await params_of(state, req, model.n_ctx)
     thinking, effort = ollama_think(model, req.think)
     if not req.messages:
         return JSONResponse({"model": state.model_name, "created_at": now_iso(),
                              "message": {"role": "assistant", "content": ""}, "done": True,
                              "done_reason": "load"})
-    messages = ollama_history(req.messages)
     extra, reader = chat_plan(model, messages, tools=req.tools, think=thinking, effort=effort,
                               effort_field="think", default_think=state.config.default_think)
     job = state.submit(lambda cancel: model.chat(messages, stream=True, cancel=cancel, **params, **extra))

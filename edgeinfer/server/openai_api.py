@@ -26,6 +26,7 @@ from edgeinfer.server.llama_api import final_body
 from edgeinfer.server.usage import llama_timings, usage_dict
 from edgeinfer.server.worker import Job
 from edgeinfer.server.chat_start import chat_start
+from edgeinfer.server.images import RequestImages, with_markers
 
 router = APIRouter()
 
@@ -68,7 +69,9 @@ async def chat_completions(request: Request):
     params = sampling_of(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, model)
     if req.return_progress and req.stream:
         params["prompt_progress"] = True
-    messages = [chat_message(m) for m in req.messages]
+    images = RequestImages(state, model)
+    messages = [chat_message(m, images, f"messages.{i}") for i, m in enumerate(req.messages)]
+    await images.resolve()
     add_generation_prompt, prefill = llama_compat.prefill_mode(messages, req.add_generation_prompt,
                                                                req.continue_final_message)
     kwargs = req.chat_template_kwargs
@@ -81,7 +84,8 @@ async def chat_completions(request: Request):
                                                         req.response_format))
     chat = chat_start(model, messages, extra, add_generation_prompt, prefill)
     shown = await _shown_prompt(state, req, lambda: llama_compat.chat_prompt_ids(
-        model, messages, add_generation_prompt=add_generation_prompt, prefill=prefill, tools=extra.get("tools"),
+        model, with_markers(messages), add_generation_prompt=add_generation_prompt, prefill=prefill,
+        tools=extra.get("tools"),
         **{k: extra[k] for k in ("enable_thinking", "reasoning_effort") if k in extra}), model)
     t0 = time.perf_counter()
     counts: dict[int, int] = {}

@@ -79,7 +79,7 @@ def message_text(m: OpenAIMessage) -> str:
         return m.content
     parts = []
     for part in m.content:
-        if part.type != "text":
+        if part.type != "text" or part.image_url is not None:
             raise APIError(400, f"invalid field 'messages': content part type {part.type!r} is not supported "
                                 "(text only)",
                            param="messages")
@@ -87,10 +87,48 @@ def message_text(m: OpenAIMessage) -> str:
     return "\n\n".join(parts)
 
 
-def chat_message(m: OpenAIMessage) -> dict:
+def message_content(m: OpenAIMessage, field: str, images=None) -> str | list[dict]:
+    """A message's content: its text, or, where it holds image parts, its text and image parts
+    in order as Model.chat reads them (`images`, an edgeinfer.server.images.RequestImages,
+    reads each image; without it an image part is a 400). Images go in user messages only."""
+    if m.content is None or isinstance(m.content, str) or not any(p.type == "image_url" for p in m.content):
+        return message_text(m)
+    if images is None:
+        raise APIError(400, f"invalid field {field + '.content'!r}: image parts are not read by this endpoint",
+                       param=field + ".content")
+    if m.role != "user":
+        raise APIError(400, f"invalid field {field + '.content'!r}: images go in user messages, not in a "
+                            f"{m.role} message", param=field + ".content")
+    out: list[dict] = []
+    for j, part in enumerate(m.content):
+        at = f"{field}.content.{j}"
+        if part.type == "text" and part.image_url is None:
+            out.append({"type": "text", "text": part.text or ""})
+        elif part.type == "image_url" and part.image_url is not None and part.text is None:
+            out.append(images.url(part.image_url.url, at + ".image_url.url"))
+        else:
+            raise APIError(400, f"invalid field {at!r}: a content part is {{'type': 'text', 'text': ...}} or "
+                                "{'type': 'image_url', 'image_url': {'url': ...}}", param=at)
+    return joined_parts(out)
+
+
+def joined_parts(parts: list[dict]) -> list[dict]:
+    """Text and image parts with each run of text parts made one, joined by a blank line as
+    message_text joins them."""
+    out: list[dict] = []
+    for part in parts:
+        if part["type"] == "text" and out and out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + "\n\n" + part["text"]}
+        else:
+            out.append(part)
+    return out
+
+
+def chat_message(m: OpenAIMessage, images=None, field: str = "messages") -> dict:
     """The template's view of a message; `name`, an assistant's `tool_calls` and
-    `reasoning_content`, a tool message's `tool_call_id` go along for templates that use them."""
-    out: dict = {"role": m.role, "content": message_text(m)}
+    `reasoning_content`, a tool message's `tool_call_id` go along for templates that use them;
+    image parts are read by `images` (see message_content)."""
+    out: dict = {"role": m.role, "content": message_content(m, field, images)}
     if m.name is not None:
         out["name"] = m.name
     if m.tool_calls:

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from edgeinfer.server import responses_input
 from edgeinfer.server.constraints import compile_constraint, compiled, harmony_think
 from edgeinfer.server.errors import APIError
+from edgeinfer.server.images import RequestImages
 from edgeinfer.server.requests import read_body
 from edgeinfer.server.responses_output import Output, new_id, usage_of
 from edgeinfer.server.responses_schemas import ResponsesRequest, TextFormat
@@ -126,7 +127,9 @@ async def create_response(request: Request):
         previous = found.conversation
     new_items = responses_input.items(req.input, store.find_item)
     keep_developer = _knows_developer(model)
-    messages = responses_input.messages(previous + new_items, keep_developer, len(previous))
+    images = RequestImages(state, model)
+    messages = responses_input.messages(previous + new_items, keep_developer, len(previous), images)
+    await images.resolve()
     if req.instructions:
         messages.insert(0, {"role": "system", "content": req.instructions})
     if not messages:
@@ -140,6 +143,9 @@ async def create_response(request: Request):
                               effort_field="reasoning.effort", default_think=state.config.default_think,
                               constraint=await compiled(state, _text_format, fmt))
     truncate = req.truncation == "auto"
+    if truncate and len(images):  # its fit is counted in text tokens: an image's tokens are the encoder's
+        raise APIError(400, "invalid field 'truncation': \"auto\" is not supported in a conversation with images",
+                       param="truncation")
 
     def start(cancel):
         shown = _fit(model, messages, extra, params, cancel) if truncate else messages

@@ -3,6 +3,8 @@ field), then turned into the chat template's messages as /v1/chat/completions ha
 
 - a string is one user message; a message item's text parts (`input_text`, an echoed
   answer's `output_text` or `refusal`) are joined by a blank line, as chat messages' parts are;
+  a user message's `input_image` parts (edgeinfer.server.images) make its content text and
+  image parts, as a chat message's image_url parts do;
   `developer` is `system` for templates that do not know that role;
 - an assistant message and the `function_call` items after it are one assistant turn
   (`tool_calls`); a `function_call_output` is a tool message (`tool_call_id`, and the
@@ -21,10 +23,11 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from edgeinfer.server.errors import APIError
+from edgeinfer.server.requests import joined_parts
 from edgeinfer.server.responses_schemas import ITEMS, PARTS
 
 _SEALED = "edgeinfer.reasoning.v1:"   # this server's `encrypted_content`: the reasoning, base64 (not secret)
-_NOT_TEXT = ("input_image", "input_file", "input_audio")
+_NOT_TEXT = ("input_file", "input_audio")
 
 
 def seal(reasoning: str) -> str:
@@ -74,9 +77,9 @@ def _parts(parts: list, where: str) -> list[dict]:
         at = f"{where}[{k}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _NOT_TEXT:
-            raise _bad(at, f"content type {kind!r} is not supported (this server reads text only)")
+            raise _bad(at, f"content type {kind!r} is not supported (this server reads text and images)")
         if kind not in PARTS:
-            raise _bad(at, f"content type {kind!r} is not supported (input_text, output_text, refusal)")
+            raise _bad(at, f"content type {kind!r} is not supported (input_text, input_image, output_text, refusal)")
         out.append(_checked(PARTS[kind], part, at))
     return out
 
@@ -116,7 +119,22 @@ def _text(content: str | list[dict]) -> str:
     return "\n\n".join(p.get("text", p.get("refusal", "")) for p in content)
 
 
-def messages(conversation: list[dict], keep_developer: bool, first_input: int = 0) -> list[dict]:
+def _content(it: dict, where: str, images) -> str | list[dict]:
+    """A message's content: its text, or with `input_image` parts its text and image parts, each
+    image read by `images` (edgeinfer.server.images.RequestImages; a user message's only)."""
+    content = it["content"]
+    if isinstance(content, str) or not any(p["type"] == "input_image" for p in content):
+        return _text(content)
+    if it["role"] != "user":
+        raise _bad(where, f"images go in user messages, not in a {it['role']} message")
+    if images is None:
+        raise _bad(where, "images are not read here")
+    parts = [images.url(p.get("image_url"), f"{where}[{k}].image_url") if p["type"] == "input_image"
+             else {"type": "text", "text": p.get("text", p.get("refusal", ""))} for k, p in enumerate(content)]
+    return joined_parts(parts)
+
+
+def messages(conversation: list[dict], keep_developer: bool, first_input: int = 0, images=None) -> list[dict]:
     """The chat template's messages for a conversation of checked items (those from
     `first_input` on are the request's `input`, the earlier ones a stored response's)."""
     out: list[dict] = []
@@ -129,8 +147,9 @@ def messages(conversation: list[dict], keep_developer: bool, first_input: int = 
             reasoning = text if reasoning is None else reasoning + "\n\n" + text
         elif kind == "message":
             role = it["role"]
+            where = f"input[{i - first_input}].content" if i >= first_input else "previous_response_id"
             msg = {"role": "system" if role == "developer" and not keep_developer else role,
-                   "content": _text(it["content"])}
+                   "content": _content(it, where, images)}
             if role == "assistant" and reasoning is not None:
                 msg["reasoning_content"] = reasoning
             reasoning = None

@@ -25,6 +25,16 @@ class InputText(Body):
     text: Text
 
 
+class InputImage(Body):
+    """An image in a user message: a data URI (an http(s) URL with serve --allow-image-urls),
+    read by edgeinfer.server.images when the message becomes the template's."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None   # required (checked where read: file_id's refusal comes first)
+    detail: Unsupported("an image is always seen at its projector's own resolution", "auto") = None
+    file_id: Unsupported("uploaded files are not kept by this server: send the image's data URI") = None
+
+
 class OutputText(Body):
     """An answer's text, echoed back in an assistant message."""
 
@@ -106,7 +116,8 @@ class ItemReference(Body):
 ITEMS: dict[str, type[Body]] = {"message": Message, "function_call": FunctionCallItem,
                                 "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem,
                                 "item_reference": ItemReference}
-PARTS: dict[str, type[Body]] = {"input_text": InputText, "output_text": OutputText, "refusal": RefusalPart}
+PARTS: dict[str, type[Body]] = {"input_text": InputText, "input_image": InputImage, "output_text": OutputText,
+                                "refusal": RefusalPart}
 
 # -- the request ----------------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag,
+                      model_validator)
 
 MAX_TOKENS = 1 << 20          # upper bound for every token-count field
 MAX_STOPS = 16                # stop strings per request
@@ -66,9 +67,15 @@ TOOLS = "tool calling is not supported by this server"
 
 # -- OpenAI ---------------------------------------------------------------------------------
 
+class ImageURL(Body):
+    url: str             # a data URI (or an http(s) URL: serve --allow-image-urls), read by edgeinfer.server.images
+    detail: Unsupported("an image is always seen at its projector's own resolution", "auto") = None
+
+
 class ContentPart(Body):
-    type: str            # only "text" (checked where the message is read)
+    type: str            # "text", or "image_url" in a user message (checked where the message is read)
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(Body):
@@ -90,9 +97,19 @@ MAX_TOOLS = 256
 Tools = Annotated[list[dict], Field(max_length=MAX_TOOLS)]   # checked by edgeinfer.prompt.tool_calls
 
 
+def _str_or_list(value: Any) -> str:
+    return "str" if isinstance(value, str) else "list[...]"
+
+
+# a string or a list of parts, picked by a look at the value: a bad part is told its own error
+# (a part's field named), not the string member's (the tags are left out of the field's name)
+Content = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[ContentPart], Tag("list[...]")]],
+                    Discriminator(_str_or_list)]
+
+
 class OpenAIMessage(Body):
     role: Annotated[str, StringConstraints(min_length=1, max_length=64)]
-    content: str | list[ContentPart] | None = None
+    content: Content | None = None
     name: Annotated[str, StringConstraints(max_length=256)] | None = None  # handed to the chat template
     tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: Annotated[str, StringConstraints(max_length=256)] | None = None   # a tool message's call
@@ -259,7 +276,7 @@ class OllamaMessage(Body):
     thinking: str | None = None        # an answer's thinking, echoed back
     tool_calls: Annotated[list[OllamaToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_name: Annotated[str, StringConstraints(max_length=256)] | None = None   # a tool message's tool
-    images: list[str] | None = None   # non-empty refused in the endpoint
+    images: list[str] | None = None   # base64, read by edgeinfer.server.images (a user message's)
 
 
 class OllamaBase(Body):
@@ -279,7 +296,7 @@ class OllamaGenerateRequest(OllamaBase):
     system: str | None = None
     template: str | None = None        # refused in the endpoint
     raw: bool = False
-    images: list[str] | None = None    # refused in the endpoint
+    images: list[str] | None = None    # base64, read by edgeinfer.server.images
     context: Annotated[list[TokenId], Field(max_length=MAX_TOKENS)] | None = None  # ids from a previous answer
 
 

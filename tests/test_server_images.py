@@ -1,0 +1,433 @@
+"""Image input in every REST dialect (edgeinfer.server.images): what each dialect's image shape
+hands the model, the 400s for bad images (each naming the field, the server staying up),
+remote URLs refused by default and fetched under --allow-image-urls from a local stand-in
+server (never the internet), and a model without an mmproj saying so.
+
+The tiny random llama stands in for a vision model: `Seeing` records the images each call
+gets (bytes, in order, at the marker's place in the text) and answers from the text alone.
+"""
+
+from __future__ import annotations
+
+import base64
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import struct
+import threading
+import zlib
+
+import httpx
+import pytest
+
+from edgeinfer.server.images import MARKER, MAX_IMAGES
+from gguf_factory import write_tiny_model
+from test_server import load_tiny, start_server
+from test_server import fim_vocab
+
+MODEL = "tiny"
+
+
+def png(width: int = 2, height: int = 2, rgb: tuple[int, int, int] = (200, 30, 30)) -> bytes:
+    """A real PNG (RGB, 8 bits), made by hand: no image library needed."""
+    rows = b"".join(b"\x00" + bytes(rgb) * width for _ in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+RED, BLUE = png(), png(3, 1, (0, 0, 250))
+B64_RED, B64_BLUE = base64.b64encode(RED).decode(), base64.b64encode(BLUE).decode()
+URI_RED, URI_BLUE = "data:image/png;base64," + B64_RED, "data:image/png;base64," + B64_BLUE
+
+
+class Seeing:
+    """The tiny text model dressed as a vision model: `images` is set (as an mmproj sets it),
+    and generate / chat record the images they get before answering from the text."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.images = "stand-in encoder"
+        self.calls: list[tuple[str, object, list[bytes]]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def generate(self, prompt, *, images=None, **kw):
+        self.calls.append(("generate", prompt, list(images or [])))
+        assert all(isinstance(i, bytes) for i in images or []), "the server hands the model bytes, never paths"
+        return self._inner.generate(prompt, **kw)
+
+    def chat(self, messages, **kw):
+        flat, seen = [], []
+        for m in messages:
+            if isinstance(m.get("content"), list):
+                text = ""
+                for p in m["content"]:
+                    if p["type"] == "image_url":
+                        head, _, data = p["image_url"]["url"].partition(",")
+                        assert head.startswith("data:image/") and head.endswith(";base64")
+                        seen.append(base64.b64decode(data, validate=True))
+                        text += MARKER
+                    else:
+                        text += p["text"]
+                m = {**m, "content": text}
+            flat.append(m)
+        self.calls.append(("chat", flat, seen))
+        return self._inner.chat(flat, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_tiny(write_tiny_model(tmp_path_factory.mktemp("img") / "tiny.gguf", "llama", "F32",
+                                      vocab=fim_vocab()))
+
+
+@pytest.fixture(scope="module")
+def seeing(tiny):
+    return Seeing(tiny)
+
+
+@pytest.fixture(scope="module")
+def live(seeing):
+    srv = start_server(seeing, max_image_bytes=4096)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def http(live, seeing):
+    seeing.calls.clear()
+    with httpx.Client(base_url=live.url, timeout=30) as c:
+        yield c
+
+
+def only_call(model) -> tuple[str, object, list[bytes]]:
+    assert len(model.calls) == 1, model.calls
+    return model.calls[0]
+
+
+# -- each dialect's image shape reaches the model ------------------------------------------------
+
+def user_content(call) -> str:
+    kind, messages, _ = call
+    assert kind == "chat"
+    return [m for m in messages if m["role"] == "user"][-1]["content"]
+
+
+def test_openai_image_url_parts(http, seeing):
+    for path in ("/v1/chat/completions", "/chat/completions"):  # llama-server's unprefixed route too
+        seeing.calls.clear()
+        r = http.post(path, json={"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "first"}, {"type": "image_url", "image_url": {"url": URI_RED}},
+            {"type": "text", "text": "then"}, {"type": "image_url", "image_url": {"url": URI_BLUE, "detail": "auto"}}]}]})
+        assert r.status_code == 200, r.text
+        call = only_call(seeing)
+        assert call[2] == [RED, BLUE]
+        assert user_content(call) == f"first{MARKER}then{MARKER}"
+
+
+def test_openai_client_sends_an_image(live, seeing):
+    openai = pytest.importorskip("openai")
+    seeing.calls.clear()
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": URI_BLUE}}, {"type": "text", "text": "what is it?"}]}])
+    assert r.choices[0].message.role == "assistant"
+    assert only_call(seeing)[2] == [BLUE]
+
+
+def test_ollama_chat_and_generate_images(http, seeing):
+    r = http.post("/api/chat", json={"stream": False, "messages": [
+        {"role": "user", "content": "what is it?", "images": [B64_RED, B64_BLUE]}]})
+    assert r.status_code == 200, r.text
+    call = only_call(seeing)
+    assert call[2] == [RED, BLUE] and user_content(call) == f"{MARKER}{MARKER}what is it?"  # images first
+
+    seeing.calls.clear()
+    r = http.post("/api/generate", json={"prompt": "describe", "images": [B64_BLUE], "stream": False})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "context" not in body  # the images' positions have no token ids to hand back
+    call = only_call(seeing)
+    assert call[2] == [BLUE] and user_content(call) == f"{MARKER}describe"
+
+    seeing.calls.clear()  # raw: Model.generate places the images (at markers, else before the text)
+    r = http.post("/api/generate", json={"prompt": f"a {MARKER} b", "images": [B64_RED], "raw": True,
+                                         "stream": False})
+    assert r.status_code == 200, r.text
+    assert only_call(seeing) == ("generate", f"a {MARKER} b", [RED])
+
+
+def test_ollama_python_client_sends_images(live, seeing):
+    ollama = pytest.importorskip("ollama")
+    seeing.calls.clear()
+    c = ollama.Client(host=live.url)
+    c.chat(model=MODEL, messages=[{"role": "user", "content": "hi", "images": [RED]}], stream=False,
+           options={"num_predict": 2})
+    assert only_call(seeing)[2] == [RED]
+
+
+def test_llama_server_multimodal_data(http, seeing):
+    r = http.post("/completion", json={"n_predict": 2, "prompt": {
+        "prompt_string": f"see {MARKER} and {MARKER}:", "multimodal_data": [B64_BLUE, B64_RED]}})
+    assert r.status_code == 200, r.text
+    assert only_call(seeing) == ("generate", f"see {MARKER} and {MARKER}:", [BLUE, RED])
+    assert r.json()["prompt"] == f"see {MARKER} and {MARKER}:"
+
+    seeing.calls.clear()  # a batch: each prompt with its own images
+    r = http.post("/completion", json={"n_predict": 1, "prompt": [
+        {"prompt_string": f"{MARKER} one", "multimodal_data": [B64_RED]}, "plain text",
+        {"prompt_string": f"{MARKER} two", "multimodal_data": [B64_BLUE]}]})
+    assert r.status_code == 200, r.text
+    assert [(c[1], c[2]) for c in seeing.calls] == [(f"{MARKER} one", [RED]), (seeing.calls[1][1], []),
+                                                    (f"{MARKER} two", [BLUE])]
+
+
+def test_anthropic_image_blocks(http, seeing):
+    r = http.post("/v1/messages", json={"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64_RED}},
+        {"type": "text", "text": "and say"}]}]})
+    assert r.status_code == 200, r.text
+    call = only_call(seeing)
+    assert call[2] == [RED] and user_content(call) == f"look{MARKER}and say"
+
+
+def test_responses_input_image(http, seeing):
+    r = http.post("/v1/responses", json={"max_output_tokens": 2, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what"}, {"type": "input_image", "image_url": URI_BLUE, "detail": "auto"}]}]})
+    assert r.status_code == 200, r.text
+    call = only_call(seeing)
+    assert call[2] == [BLUE] and user_content(call) == f"what{MARKER}"
+    seeing.calls.clear()  # the stored conversation keeps its image for the next turn
+    r = http.post("/v1/responses", json={"max_output_tokens": 2, "input": "and now?",
+                                         "previous_response_id": r.json()["id"]})
+    assert r.status_code == 200, r.text
+    assert only_call(seeing)[2] == [BLUE]
+
+
+def test_capabilities_say_images_are_taken(http):
+    assert http.get("/props").json()["modalities"]["vision"] is True
+    assert http.get("/props").json()["media_marker"] == MARKER
+    assert "vision" in http.post("/api/show", json={"model": MODEL}).json()["capabilities"]
+    assert "multimodal" in http.get("/v1/models").json()["data"][0]["capabilities"]
+
+
+# -- bad images: a 400 naming the field, and the server stays up -----------------------------------
+
+def chat_image(url: str, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url, **extra}}]}]}
+
+
+def anthropic_image(source: dict) -> dict:
+    return {"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image", "source": source}]}]}
+
+
+TOO_BIG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 5000).decode()   # over the fixture's 4096 bytes
+
+
+@pytest.mark.parametrize("path,body,field,needle", [
+    ("/v1/chat/completions", chat_image("data:image/png;base64,!!notbase64"), "messages.0.content.0.image_url.url",
+     "not valid base64"),
+    ("/v1/chat/completions", chat_image("data:image/png;base64,"), "messages.0.content.0.image_url.url", "empty"),
+    ("/v1/chat/completions", chat_image("data:text/html;base64,aGVsbG8="), "messages.0.content.0.image_url.url",
+     "media type"),
+    ("/v1/chat/completions", chat_image("data:image/png,rawtext"), "messages.0.content.0.image_url.url", "base64"),
+    ("/v1/chat/completions", chat_image("data:image/png;base64," + base64.b64encode(b"hello").decode()),
+     "messages.0.content.0.image_url.url", "not an image"),
+    ("/v1/chat/completions", chat_image("data:image/png;base64," + TOO_BIG), "messages.0.content.0.image_url.url",
+     "4096-byte limit"),
+    ("/v1/chat/completions", chat_image("https://example.invalid/cat.png"), "messages.0.content.0.image_url.url",
+     "--allow-image-urls"),
+    ("/v1/chat/completions", chat_image("file:///etc/passwd"), "messages.0.content.0.image_url.url", "'file' URLs"),
+    ("/v1/chat/completions", chat_image(URI_RED, detail="high"), "messages.0.content.0.image_url.detail", "auto"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": URI_RED}}] * (MAX_IMAGES + 1)}]},
+     f"messages.0.content.{MAX_IMAGES}.image_url.url", f"at most {MAX_IMAGES} images"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "image_url", "image_url": {"url": URI_RED}}]}]}, "messages.1.content", "user messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content.0", "content part"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": URI_RED}}]}, {"role": "assistant", "content": "It is"}]},
+     "messages", "not supported with images"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": ["%%%"]}]}, "messages.0.images.0",
+     "not valid base64"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": [""]}]}, "messages.0.images.0", "empty"),
+    ("/api/chat", {"messages": [{"role": "assistant", "content": "x", "images": [B64_RED]}]}, "messages.0.images",
+     "user messages"),
+    ("/api/generate", {"prompt": "x", "images": [TOO_BIG]}, "images.0", "4096-byte limit"),
+    ("/api/generate", {"prompt": "x", "images": [B64_RED], "suffix": "y"}, "images", "suffix"),
+    ("/api/generate", {"prompt": "x", "images": [B64_RED], "context": [1, 2]}, "context", "images"),
+    ("/api/generate", {"prompt": "x", "images": [base64.b64encode(b"GIF8").decode()]}, "images.0", "not an image"),
+    ("/completion", {"prompt": {"prompt_string": "no marker", "multimodal_data": [B64_RED]}},
+     "prompt.multimodal_data", "one image per marker"),
+    ("/completion", {"prompt": {"prompt_string": f"{MARKER}", "multimodal_data": ["@@"]}},
+     "prompt.multimodal_data.0", "not valid base64"),
+    ("/completion", {"prompt": {"prompt_string": f"{MARKER}", "multimodal_data": B64_RED}},
+     "prompt.multimodal_data", "list"),
+    ("/completion", {"prompt": {"prompt_string": [1, 2], "multimodal_data": [B64_RED]}},
+     "prompt.prompt_string", "text"),
+    ("/v1/messages", anthropic_image({"type": "base64", "media_type": "text/plain", "data": B64_RED}),
+     "messages.0.content.0.source.media_type", "media type"),
+    ("/v1/messages", anthropic_image({"type": "base64", "media_type": "image/png", "data": "%"}),
+     "messages.0.content.0.source.data", "not valid base64"),
+    ("/v1/messages", anthropic_image({"type": "file", "file_id": "f_1"}), "messages.0.content.0.source.type",
+     "not supported"),
+    ("/v1/messages", anthropic_image({"type": "url", "url": "http://127.0.0.1:1/x.png"}),
+     "messages.0.content.0.source.url", "--allow-image-urls"),
+    ("/v1/messages", anthropic_image({"type": "base64", "media_type": "image/png", "data": B64_RED, "x": 1}),
+     "messages.0.content.0.source.x", "unsupported field"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+     "input[0].content[0].image_url", "base64"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
+     "input[0].content[0].file_id", "files"),
+    ("/v1/responses", {"truncation": "auto", "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": URI_RED}]}]}, "truncation", "images"),
+])
+def test_bad_images_are_400s_naming_the_field(http, seeing, path, body, field, needle):
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    text = r.text
+    assert repr(field) in text or f'"{field}"' in text, text
+    assert needle in text, text
+    assert seeing.calls == []  # refused before any work reached the model
+    assert http.get("/health").status_code == 200
+
+
+def test_the_server_answers_after_bad_images(http, seeing):
+    for _ in range(3):
+        assert http.post("/api/chat", json={"messages": [{"role": "user", "content": "x", "images": ["!"]}]}
+                         ).status_code == 400
+    r = http.post("/api/chat", json={"stream": False, "messages": [{"role": "user", "content": "x",
+                                                                     "images": [B64_RED]}]})
+    assert r.status_code == 200 and only_call(seeing)[2] == [RED]
+
+
+def test_base64_with_line_breaks_is_read(http, seeing):
+    wrapped = "\n".join(B64_RED[i:i + 16] for i in range(0, len(B64_RED), 16))
+    r = http.post("/api/generate", json={"prompt": "x", "images": [wrapped], "stream": False})
+    assert r.status_code == 200, r.text
+    assert only_call(seeing)[2] == [RED]
+
+
+# -- a model without an mmproj ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def blind(tiny):
+    srv = start_server(tiny)
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/chat/completions", chat_image(URI_RED), "messages.0.content.0.image_url.url"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": [B64_RED]}]}, "messages.0.images.0"),
+    ("/api/generate", {"prompt": "x", "images": [B64_RED]}, "images.0"),
+    ("/completion", {"prompt": {"prompt_string": MARKER, "multimodal_data": [B64_RED]}}, "prompt.multimodal_data"),
+    ("/v1/messages", anthropic_image({"type": "base64", "media_type": "image/png", "data": B64_RED}),
+     "messages.0.content.0.source"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": URI_RED}]}]},
+     "input[0].content[0].image_url"),
+])
+def test_a_model_without_mmproj_says_so(blind, path, body, field):
+    r = httpx.post(blind.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "has no image input" in r.text and "--mmproj" in r.text and field in r.text, r.text
+
+
+def test_capabilities_without_mmproj(blind):
+    assert httpx.get(blind.url + "/props").json()["modalities"]["vision"] is False
+    assert "vision" not in httpx.post(blind.url + "/api/show", json={"model": MODEL}).json()["capabilities"]
+    assert httpx.get(blind.url + "/v1/models").json()["data"][0]["capabilities"] == ["completion"]
+
+
+# -- remote URLs: refused by default, fetched with --allow-image-urls ----------------------------
+
+class _Images(BaseHTTPRequestHandler):
+    """A local stand-in for a web server with images."""
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path == "/red.png":
+            self._send(200, RED)
+        elif self.path == "/big.png":  # over the 4096-byte limit, announced
+            self._send(200, RED + b"\0" * 5000)
+        elif self.path == "/big-unannounced.png":  # over the limit, no Content-Length
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(RED + b"\0" * 5000)
+        elif self.path == "/page":
+            self._send(200, b"<html>not an image</html>")
+        elif self.path == "/to-ftp":
+            self.send_response(302)
+            self.send_header("Location", "ftp://127.0.0.1/red.png")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif self.path == "/to-red":
+            self.send_response(302)
+            self.send_header("Location", "/red.png")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        else:
+            self._send(404, b"no")
+
+    def _send(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+@pytest.fixture(scope="module")
+def web():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def fetching(seeing):
+    srv = start_server(seeing, max_image_bytes=4096, allow_image_urls=True)
+    yield srv
+    srv.stop()
+
+
+def test_urls_are_refused_by_default(http, seeing, web):
+    r = http.post("/v1/chat/completions", json=chat_image(web + "/red.png"))
+    assert r.status_code == 400 and "--allow-image-urls" in r.text
+    assert seeing.calls == []
+
+
+def test_allowed_urls_are_fetched_within_the_limit(fetching, seeing, web):
+    def post(path, body):
+        seeing.calls.clear()
+        return httpx.post(fetching.url + path, json=body, timeout=30)
+
+    for url in (web + "/red.png", web + "/to-red"):
+        r = post("/v1/chat/completions", chat_image(url))
+        assert r.status_code == 200, r.text
+        assert only_call(seeing)[2] == [RED]
+    r = post("/v1/messages", anthropic_image({"type": "url", "url": web + "/red.png"}))
+    assert r.status_code == 200 and only_call(seeing)[2] == [RED]
+    r = post("/v1/responses", {"max_output_tokens": 2, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": web + "/red.png"}]}]})
+    assert r.status_code == 200 and only_call(seeing)[2] == [RED]
+    for path, needle in (("/big.png", "4096-byte limit"), ("/big-unannounced.png", "4096-byte limit"),
+                         ("/missing.png", "HTTP 404"), ("/page", "not an image"), ("/to-ftp", "ftp")):
+        r = post("/v1/chat/completions", chat_image(web + path))
+        assert r.status_code == 400, (path, r.text)
+        assert needle in r.text and "messages.0.content.0.image_url.url" in r.text, (path, r.text)
+        assert seeing.calls == []
+    # data URIs still work, and a closed port is a 400, not a hang
+    assert post("/v1/chat/completions", chat_image(URI_BLUE)).status_code == 200
+    r = post("/v1/chat/completions", chat_image("http://127.0.0.1:1/x.png"))
+    assert r.status_code == 400 and "cannot fetch" in r.text
