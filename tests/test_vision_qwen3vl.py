@@ -11,9 +11,10 @@ Measured (x86-64 AVX2, 2 threads, three seeds): max |edgeinfer - libmtmd| / max 
 1.1e-4 with F32 matrices and deepstack, 4.0e-4 with F16 matrices: both sides round the patch
 convolution's pixels and kernels, F16 matrices' inputs and GELU to F16 alike (ggml's im2col is
 F16, its GELU a table), so what is left are single F16 roundings that fall the other way after
-float32 sums in another order. Q8_0: 0 up to 64 rows (edgeinfer's 8-bit row kernels are
-ggml's), up to 8.8e-3 beyond, where edgeinfer's prompt path multiplies the dequantized matrix
-in float32 and ggml quantizes the activations to 8 bits. Against libmtmd's default flash
+float32 sums in another order. Q8_0: 0 where edgeinfer's 8-bit row kernels run (ggml's bits),
+up to 8.8e-3 where its prompt GEMMs sum in another order or multiply the dequantized matrix
+in float32 (an 8-bit activation rounding that falls the other way moves a sum by a 127th of
+its block's scale). Against libmtmd's default flash
 attention (K and V in F16) instead of its float32 attention: up to 7.2e-4.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from gguf_factory import TinyShape, write_tiny_model
 from mmproj_factory import write_qwen3vl_mmproj
 
 from edgeinfer.vision import qwen3vl
+from edgeinfer.vision.image_io import ImageError
 from edgeinfer.vision.mmproj import MmprojError, load_mmproj
 from edgeinfer.vision.qwen_resize import smart_size
 
@@ -205,3 +207,18 @@ def test_pixels_off_the_grid_are_refused(files):
     proj = _projector(files["qwen35-f16"][0])
     with pytest.raises(ValueError, match="grid"):
         proj.encode_pixels(np.zeros((12, 16, 3), np.float32))
+
+
+def test_attention_in_query_slices_is_the_same(files, monkeypatch):
+    """Each query row's softmax is its own: slices change only BLAS's summation order."""
+    proj = _projector(files["qwen3vl-f32-deepstack"][0])
+    rgb = _image(48, 48, 4)
+    whole = proj.encode(rgb).embeddings
+    monkeypatch.setattr(qwen3vl, "QUERY_ROWS", 7)   # 144 patches in 21 slices, the last short
+    np.testing.assert_allclose(proj.encode(rgb).embeddings, whole, rtol=1e-4, atol=1e-4 * np.abs(whole).max())
+
+
+def test_a_resize_beyond_the_pixel_budget_is_refused(files):
+    proj = _projector(files["qwen35-f16"][0], min_tokens=1_000_000, max_tokens=2_000_000)
+    with pytest.raises(ImageError, match="megapixels"):
+        proj.encode(_image(24, 40, 5))

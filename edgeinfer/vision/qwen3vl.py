@@ -31,15 +31,16 @@ from edgeinfer import kernels_cpu
 from edgeinfer.metadata import MAX_FF, meta_int
 from edgeinfer.vision import image_ops
 from edgeinfer.vision.chunk import ImageChunk
-from edgeinfer.vision.image_io import Image, from_pixels
+from edgeinfer.vision.image_io import MAX_PIXELS, Image, ImageError, from_pixels
 from edgeinfer.vision.mmproj import MmprojFile
 from edgeinfer.vision.qwen_resize import smart_size
-from edgeinfer.vision.vit import LayerNorm, Linear, activation, attention
+from edgeinfer.vision.vit import LayerNorm, Linear, activation
 
 MERGE = 2                          # the graph merges 2x2 patches, whatever spatial_merge_size says
 MIN_TOKENS, MAX_TOKENS = 8, 4096   # libmtmd's set_limit_image_tokens(8, 4096) for Qwen-VL
 ROPE_BASE = 10000.0                # ggml_rope_multi's freq_base in the graph
 MAX_SIDE = 65536                   # libmtmd's largest resize target
+QUERY_ROWS = 1024                  # attention's queries per slice
 
 
 def _f16_round(x: np.ndarray) -> np.ndarray:
@@ -125,7 +126,7 @@ class Block:
         q, k, v = qkv[:, :e], qkv[:, e:2 * e], qkv[:, 2 * e:]
         q, k = _rotate(q.reshape(n, nh, -1), cos, sin), _rotate(k.reshape(n, nh, -1), cos, sin)
         scale = np.float32(1.0) / np.sqrt(np.float32(vp.head_dim))
-        h = h + self.out(attention(q.reshape(n, e), k.reshape(n, e), np.ascontiguousarray(v), nh, scale))
+        h = h + self.out(_attention(q, k, v.reshape(n, nh, -1), scale))
         x = self.ln2(h)
         if self.gate is not None:   # ggml's *glu_split: act(gate) * up
             y = activation(self.gate(x), vp.ffn_op) * self.up(x)
@@ -196,8 +197,10 @@ class Qwen3VLProjector:
     def target_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) after the smart resize: multiples of patch x 2 within the pixel limits."""
         w, h = smart_size(width, height, self.params.patch_size * MERGE, self.min_pixels, self.max_pixels)
-        if not (0 < w <= MAX_SIDE and 0 < h <= MAX_SIDE):
-            raise ValueError(f"a {width}x{height} image would be resized to {w}x{h}, beyond {MAX_SIDE} a side")
+        # a file's huge patch size makes even 8 tokens' pixels a bomb: the decoder's budget holds here too
+        if not (0 < w <= MAX_SIDE and 0 < h <= MAX_SIDE) or w * h > MAX_PIXELS:
+            raise ImageError(f"a {width}x{height} image would be resized to {w}x{h} for this mmproj, beyond "
+                             f"{MAX_SIDE} a side or {MAX_PIXELS // 1_000_000} megapixels")
         return w, h
 
     def preprocess(self, pixels: np.ndarray) -> np.ndarray:
@@ -285,6 +288,24 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     a, b = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return np.concatenate([a * c - b * s, a * s + b * c], axis=-1).astype(np.float32)
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.float32) -> np.ndarray:
+    """Non-causal attention, q k v (n, heads, d) -> (n, heads * d); softmax as ggml's (exp in
+    float32, the sum in double). Queries go in slices (a row's softmax is its own), so the
+    score matrix stays QUERY_ROWS x n: 16384 patches take 64 MB a head, not 1 GB."""
+    n, nh, d = q.shape
+    out = np.empty((n, nh, d), np.float32)
+    for j in range(nh):
+        kj, vj = np.ascontiguousarray(k[:, j]), np.ascontiguousarray(v[:, j])
+        for r in range(0, n, QUERY_ROWS):
+            s = q[r:r + QUERY_ROWS, j] @ kj.T
+            s *= scale
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s *= (1.0 / s.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+            out[r:r + QUERY_ROWS, j] = s @ vj
+    return out.reshape(n, nh * d)
 
 
 def _align_corners(n_out: int, n_in: int) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
