@@ -431,3 +431,82 @@ def test_allowed_urls_are_fetched_within_the_limit(fetching, seeing, web):
     assert post("/v1/chat/completions", chat_image(URI_BLUE)).status_code == 200
     r = post("/v1/chat/completions", chat_image("http://127.0.0.1:1/x.png"))
     assert r.status_code == 400 and "cannot fetch" in r.text
+
+
+# -- the real pieces: a tiny Gemma 3 and its tiny mmproj ----------------------------------------
+
+def _vision_api_landed() -> bool:
+    import inspect
+
+    from edgeinfer.api import load
+
+    return "mmproj" in inspect.signature(load).parameters
+
+
+@pytest.fixture(scope="module")
+def gemma_vision(tmp_path_factory):
+    if not _vision_api_landed():
+        pytest.skip("edgeinfer.load(..., mmproj=) has not landed")
+    import edgeinfer
+    from image_fixtures import write_gemma3
+    from mmproj_factory import write_gemma3_mmproj
+
+    root = tmp_path_factory.mktemp("gemma-vision")
+    text = write_gemma3(root / "text.gguf", n_embd=64, seed=3)   # seed 3: its chat answer turns on the image
+    mmproj = write_gemma3_mmproj(root / "mmproj.gguf", n_embd_text=64, qtype="F32")
+    return edgeinfer.load(str(text), mmproj=str(mmproj), n_ctx=256, backend="reference", threads=1)
+
+
+def test_one_image_through_every_dialect_gives_the_same_greedy_tokens(gemma_vision):
+    """The same image and question through OpenAI, llama-server's chat route, Ollama, Anthropic
+    and Responses: Model.chat's own answer; through llama-server's /completion and Ollama's raw
+    generate: Model.generate's."""
+    model, n = gemma_vision, 6
+    picture = png(40, 24, (10, 200, 90))
+    b64 = base64.b64encode(picture).decode()
+    model.reset()
+    chat_want = model.chat([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64}},
+        {"type": "text", "text": "What is this?"}]}], max_tokens=n, temperature=0).text
+    model.reset()
+    gen_want = model.generate(f"Look: {MARKER} says", images=[picture], max_tokens=n, temperature=0).text
+    model.reset()
+    other = model.generate(f"Look: {MARKER} says", images=[png(40, 24, (250, 250, 0))], max_tokens=n,
+                           temperature=0).text
+    model.reset()
+    blind_chat = model.chat([{"role": "user", "content": "What is this?"}], max_tokens=n, temperature=0).text
+    model.reset()
+    assert chat_want != blind_chat and gen_want != other  # the image is what the answers turn on
+    srv = start_server(model, sampling={"temperature": 0.0, "max_tokens": n})
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            chats = {
+                "openai": c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64}},
+                    {"type": "text", "text": "What is this?"}]}]}).json()["choices"][0]["message"]["content"],
+                "llama-server": c.post("/chat/completions", json={"messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": b64}},   # raw base64, as llama-server takes it
+                    {"type": "text", "text": "What is this?"}]}]}).json()["choices"][0]["message"]["content"],
+                "ollama": c.post("/api/chat", json={"stream": False, "messages": [
+                    {"role": "user", "content": "What is this?", "images": [b64]}]}).json()["message"]["content"],
+                "anthropic": c.post("/v1/messages", json={"max_tokens": n, "messages": [{"role": "user", "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+                    {"type": "text", "text": "What is this?"}]}]}).json()["content"],
+                "responses": c.post("/v1/responses", json={"input": [{"role": "user", "content": [
+                    {"type": "input_image", "image_url": "data:image/png;base64," + b64},
+                    {"type": "input_text", "text": "What is this?"}]}]}).json()["output"],
+            }
+            chats["anthropic"] = "".join(b.get("text", "") for b in chats["anthropic"])
+            chats["responses"] = "".join(p["text"] for item in chats["responses"] for p in item.get("content", [])
+                                         if p.get("type") == "output_text")
+            assert chats == {k: chat_want for k in chats}
+            gens = {
+                "completion": c.post("/completion", json={"n_predict": n, "prompt": {
+                    "prompt_string": f"Look: {MARKER} says", "multimodal_data": [b64]}}).json()["content"],
+                "ollama-raw": c.post("/api/generate", json={"prompt": f"Look: {MARKER} says", "images": [b64],
+                                                            "raw": True, "stream": False}).json()["response"],
+            }
+            assert gens == {k: gen_want for k in gens}
+            assert c.get("/props").json()["modalities"]["vision"] is True
+    finally:
+        srv.stop()
