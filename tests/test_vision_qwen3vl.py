@@ -14,8 +14,8 @@ F16, its GELU a table), so what is left are single F16 roundings that fall the o
 float32 sums in another order. Q8_0: 0 where edgeinfer's 8-bit row kernels run (ggml's bits),
 up to 8.8e-3 where its prompt GEMMs sum in another order or multiply the dequantized matrix
 in float32 (an 8-bit activation rounding that falls the other way moves a sum by a 127th of
-its block's scale). Against libmtmd's default flash
-attention (K and V in F16) instead of its float32 attention: up to 7.2e-4.
+its block's scale). Against libmtmd's default flash attention (K and V in F16) instead of
+its float32 attention: up to 7.2e-4.
 """
 from __future__ import annotations
 
