@@ -208,6 +208,14 @@ def test_responses_input_image(http, seeing):
     assert only_call(seeing)[2] == [BLUE]
 
 
+def test_verbose_shows_the_prompt_with_a_marker_per_image(http, seeing):
+    r = http.post("/v1/chat/completions", json={"verbose": True, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": URI_RED}}]}]})
+    assert r.status_code == 200, r.text
+    assert f"hi{MARKER}" in r.json()["__verbose"]["prompt"]
+    assert only_call(seeing)[2] == [RED]
+
+
 def test_capabilities_say_images_are_taken(http):
     assert http.get("/props").json()["modalities"]["vision"] is True
     assert http.get("/props").json()["media_marker"] == MARKER

@@ -36,12 +36,12 @@ def has_images(messages: list[dict]) -> bool:
 
 
 def with_markers(messages: list[dict]) -> list[dict]:
-    """The messages with each image part as a text part holding the media marker: the prompt's
-    text as a log or `verbose` shows it (the images themselves are not tokens)."""
+    """The messages with each image part's place taken by the media marker in the message's text:
+    the prompt as `verbose` shows it (the images themselves are not tokens)."""
     if not has_images(messages):
         return messages
-    return [{**m, "content": [p if p.get("type") != "image_url" else {"type": "text", "text": MARKER}
-                              for p in m["content"]]} if isinstance(m.get("content"), list) else m
+    return [{**m, "content": "".join(MARKER if p.get("type") == "image_url" else p.get("text", "")
+                                     for p in m["content"])} if isinstance(m.get("content"), list) else m
             for m in messages]
 
 
