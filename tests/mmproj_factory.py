@@ -254,3 +254,125 @@ def write_qwen3vl_mmproj(path: str | Path, n_out: int, qtype: str = "F32", *,
         w.write_tensor_data(random_blocks(tq, n_rows, n_cols, rng, std=std))
     w.close()
     return path
+
+
+# -- gemma4v (Gemma 4 vision) ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Gemma4VisionShape:
+    patch_size: int = 4      # x merge 2 = 8 pixels a token; libmtmd holds an image to 70..1120 tokens
+    n_pos: int = 64          # learned positions a side (x table, y table)
+    n_embd: int = 32
+    n_head: int = 2          # head_dim 16: two rotary halves of 4 pairs
+    n_ff: int = 48
+    n_layer: int = 2
+    merge: int = 2           # clip.vision.projector.scale_factor (Gemma 4's own is 3)
+    eps: float = 1e-6
+
+
+# Gemma4ClippableLinear bounds the tiny file carries (the rest unbounded), tight enough to clip
+GEMMA4V_CLAMPS = {"v.blk.0.attn_q": {"input_min": -1.0, "input_max": 1.0},
+                  "v.blk.1.ffn_down": {"output_min": -0.5, "output_max": 0.5},
+                  "mm.input_projection": {"input_min": -2.0, "input_max": 2.0}}
+
+
+def gemma4v_tensors(s: Gemma4VisionShape, n_embd_text: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a gemma4v mmproj as llama.cpp's converter names them, GGML order."""
+    e, d = s.n_embd, s.n_embd // s.n_head
+    t: dict[str, tuple[int, ...]] = {
+        "v.patch_embd.weight": (s.patch_size, s.patch_size, 3, e),   # no bias
+        "v.position_embd.weight": (e, s.n_pos, 2),                   # x table, then y table
+    }
+    for i in range(s.n_layer):
+        b = f"v.blk.{i}."
+        for m in ("ln1", "attn_post_norm", "ln2", "ffn_post_norm"):
+            t[b + m + ".weight"] = (e,)
+        for m in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            t[b + m + ".weight"] = (e, e)
+        t[b + "attn_q_norm.weight"], t[b + "attn_k_norm.weight"] = (d,), (d,)
+        t[b + "ffn_gate.weight"], t[b + "ffn_up.weight"] = (e, s.n_ff), (e, s.n_ff)
+        t[b + "ffn_down.weight"] = (s.n_ff, e)
+        t[b + "out_scale.weight"] = (1,)
+    t["v.std_bias"], t["v.std_scale"] = (e,), (e,)
+    t["mm.input_projection.weight"] = (e, n_embd_text)
+    for name, bounds in GEMMA4V_CLAMPS.items():
+        for k in bounds:
+            t[f"{name}.{k}"] = (1,)
+    return t
+
+
+def write_gemma4v_mmproj(path: str | Path, n_embd_text: int, qtype: str = "F32", *,
+                         shape: Gemma4VisionShape | None = None, seed: int = 0, patch_qtype: str = "F16",
+                         extra_metadata: dict | None = None, omit_tensors: tuple[str, ...] = (),
+                         shape_overrides: dict[str, tuple[int, ...]] | None = None) -> Path:
+    """A random-weight gemma4v mmproj projecting to `n_embd_text`: matrices in `qtype` (F16
+    where a row does not fit its blocks), the patch kernel in `patch_qtype`, norms, scales,
+    clamp bounds and the position tables in F32; the arguments after `seed` make hostile files."""
+    s = shape or Gemma4VisionShape()
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    w = GGUFWriter(str(path), "clip")
+    w.add_name("tiny-gemma4v-mmproj")
+    meta: dict = {
+        "clip.has_vision_encoder": True,
+        "clip.projector_type": "gemma4v",
+        "clip.use_gelu": True,
+        "clip.vision.image_size": 224,    # unused by gemma4v; the converter writes 224
+        "clip.vision.patch_size": s.patch_size,
+        "clip.vision.embedding_length": s.n_embd,
+        "clip.vision.feed_forward_length": s.n_ff,
+        "clip.vision.block_count": s.n_layer,
+        "clip.vision.projection_dim": n_embd_text,
+        "clip.vision.attention.head_count": s.n_head,
+        "clip.vision.attention.layer_norm_epsilon": s.eps,
+        "clip.vision.image_mean": [0.48, 0.45, 0.40],
+        "clip.vision.image_std": [0.27, 0.26, 0.28],
+        "clip.vision.projector.scale_factor": s.merge,
+    }
+    for key, value in (extra_metadata or {}).items():
+        meta.pop(key, None)
+        if value is not None:
+            meta[key] = value
+    for key, value in meta.items():
+        _add_metadata(w, key, value)
+
+    tensors = gemma4v_tensors(s, n_embd_text)
+    tensors.update(shape_overrides or {})
+    plan = []
+    for name, gshape in tensors.items():
+        if name in omit_tensors:
+            continue
+        if len(gshape) == 1 or name == "v.position_embd.weight":
+            tq = T.F32
+        elif name == "v.patch_embd.weight":
+            tq = T[patch_qtype]
+        else:
+            tq = T[qtype] if gshape[0] % GGML_QUANT_SIZES[T[qtype]][0] == 0 else T.F16
+        n_cols, n_rows = gshape[0], int(np.prod(gshape[1:]))
+        block, size = GGML_QUANT_SIZES[tq]
+        n_bytes = n_rows * n_cols // block * size
+        if tq == T.F32:
+            w.add_tensor_info(name, tuple(reversed(gshape)), np.dtype(np.float32), n_bytes)
+        else:
+            w.add_tensor_info(name, (*reversed(gshape[1:]), n_cols // block * size), np.dtype(np.uint8),
+                              n_bytes, raw_dtype=tq)
+        plan.append((name, tq, gshape, n_rows, n_cols))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, tq, gshape, n_rows, n_cols in plan:
+        base, _, kind = name.rpartition(".")
+        if base in GEMMA4V_CLAMPS and kind in GEMMA4V_CLAMPS[base]:
+            w.write_tensor_data(np.full(gshape, GEMMA4V_CLAMPS[base][kind], np.float32))
+            continue
+        if len(gshape) == 1:
+            data = rng.standard_normal(gshape).astype(np.float32) * 0.1
+            if name.endswith(("norm.weight", "ln1.weight", "ln2.weight", "out_scale.weight", "std_scale")):
+                data += 1.0
+            w.write_tensor_data(data)
+            continue
+        std = 0.5 if name == "v.position_embd.weight" else float(1.0 / np.sqrt(n_cols))
+        w.write_tensor_data(random_blocks(tq, n_rows, n_cols, rng, std=std))
+    w.close()
+    return path

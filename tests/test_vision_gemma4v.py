@@ -1,0 +1,124 @@
+"""Gemma 4's vision projector (gemma4v) against libmtmd (llama.cpp's tools/mtmd, through llama_cpp's ctypes).
+
+Both sides get the same RGB pixels and the same tiny random files: a Gemma 4 text model (what
+mtmd_init_from_file checks the projector's width against) and a gemma4v mmproj with every
+tensor kind the converter writes (per-head Q/K norms, post norms, gated MLP, out scales,
+x/y position tables, std bias/scale, clamp bounds that do clip). The images take the dynamic
+resize's branches: a square one scaled up to the 70-token minimum, a wide one rounded to the
+8-pixel grid (bicubic + pad). Error = max |ours - libmtmd| / max |libmtmd|, measured (x86-64
+AVX2, 2 threads, three seeds, these images and a 96x40 one): F32 matrices 1.7e-6 .. 5.0e-5,
+F16 1.6e-4 .. 2.8e-4 (F16 roundings of a matrix's input or GELU's table falling the other way
+after sums in another order), Q8_0 7e-8 .. 4.2e-3: both sides quantize the activations to 8
+bits, bit for bit, until a last-bit difference upstream moves one value across a rounding step
+and that dot is one quantum off (hence the looser Q8_0 bound). libmtmd runs with flash
+attention off (its CPU flash attention rounds Q, K and V to F16).
+"""
+from __future__ import annotations
+
+import mtmd_oracle
+import numpy as np
+import pytest
+from gguf_factory import gemma4_file
+from mmproj_factory import Gemma4VisionShape, write_gemma4v_mmproj
+
+from edgeinfer.vision.mmproj import MmprojError, load_mmproj
+
+N_TEXT = 256    # gemma4_file's width
+IMAGES = ((64, 64, 1), (150, 90, 2))   # -> 72x72 (9x9 tokens), 152x88 (19x11 tokens)
+TOLERANCE = {"F32": 1e-4, "F16": 1e-3, "Q8_0": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    return gemma4_file(tmp_path_factory.mktemp("gemma4v"), "F32")
+
+
+def _picture(width: int, height: int, seed: int) -> np.ndarray:
+    """RGB gradients plus noise: enough structure that images differ everywhere."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (3 * x + y) % 256], -1)
+    return np.clip(base + rng.integers(-40, 40, base.shape), 0, 255).astype(np.uint8)
+
+
+def _relative_error(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype,patch_qtype", [("F32", "F32"), ("F16", "F16"), ("Q8_0", "F16")])
+def test_projected_embeddings_match_libmtmd(tmp_path, text_model, qtype, patch_qtype):
+    if not mtmd_oracle.available():
+        pytest.skip(mtmd_oracle.REASON)
+    mmproj = write_gemma4v_mmproj(tmp_path / "mmproj.gguf", N_TEXT, qtype, patch_qtype=patch_qtype)
+    oracle = mtmd_oracle.Mtmd(text_model, mmproj)
+    try:
+        projector = load_mmproj(mmproj)
+        for (w, h, seed), tokens in zip(IMAGES, (81, 209)):
+            pixels = _picture(w, h, seed)
+            ref = oracle.encode(pixels)
+            chunk = projector.encode(pixels)
+            assert chunk.embeddings.shape == ref.shape == (tokens, N_TEXT)
+            err = _relative_error(chunk.embeddings, ref)
+            assert err < TOLERANCE[qtype], (qtype, w, h, err)
+    finally:
+        oracle.close()
+
+
+def test_two_images_differ_and_one_image_repeats(tmp_path):
+    projector = load_mmproj(write_gemma4v_mmproj(tmp_path / "m.gguf", N_TEXT, "F32"))
+    a, b = projector.encode(_picture(64, 64, 5)), projector.encode(_picture(64, 64, 6))
+    assert a.digest != b.digest and np.abs(a.embeddings - b.embeddings).max() > 1e-2
+    again = projector.encode(_picture(64, 64, 5))
+    assert again.digest == a.digest and np.array_equal(again.embeddings, a.embeddings)
+
+
+def test_sizes_tokens_and_attention_kind(tmp_path):
+    projector = load_mmproj(write_gemma4v_mmproj(tmp_path / "m.gguf", N_TEXT, "F32"))
+    assert (projector.projector_type, projector.n_embd, projector.merge) == ("gemma4v", N_TEXT, 2)
+    assert projector.target_size(64, 64) == (72, 72)        # 64 tokens < 70: scaled up
+    assert projector.target_size(150, 90) == (152, 88)      # sides rounded to 8
+    assert projector.target_size(1000, 1000) == (264, 264)  # 1120 tokens at most: 33 x 33
+    chunk = projector.encode(_picture(96, 40, 3))           # -> 104 x 48: 13 x 6 tokens
+    assert chunk.n_tokens == 78 and chunk.non_causal and chunk.grid is None
+    # E2B and E4B (text widths 1536, 2560) keep image tokens causal, as mtmd_decode_use_non_causal
+    e2b = load_mmproj(write_gemma4v_mmproj(tmp_path / "e2b.gguf", 1536, "F32"))
+    assert not e2b.non_causal and not e2b.encode(_picture(64, 64, 4)).non_causal
+
+
+def test_merge_defaults_to_three_and_limits_follow_it(tmp_path):
+    path = write_gemma4v_mmproj(tmp_path / "m.gguf", N_TEXT, "F32", shape=Gemma4VisionShape(patch_size=2),
+                                extra_metadata={"clip.vision.projector.scale_factor": None})
+    projector = load_mmproj(path)
+    assert projector.merge == 3 and projector.target_size(60, 60) == (60, 60)   # 10 x 10 tokens of 6 px
+    assert projector.encode(_picture(60, 60, 1)).n_tokens == 100
+
+
+def test_clamp_bounds_change_the_output(tmp_path):
+    pixels = _picture(64, 64, 7)
+    clamped = load_mmproj(write_gemma4v_mmproj(tmp_path / "a.gguf", N_TEXT, "F32")).encode(pixels)
+    omit = ("v.blk.0.attn_q.input_min", "v.blk.0.attn_q.input_max", "mm.input_projection.input_min",
+            "mm.input_projection.input_max", "v.blk.1.ffn_down.output_min", "v.blk.1.ffn_down.output_max")
+    free = load_mmproj(write_gemma4v_mmproj(tmp_path / "b.gguf", N_TEXT, "F32", omit_tensors=omit)).encode(pixels)
+    assert np.abs(clamped.embeddings - free.embeddings).max() > 1e-3
+
+
+@pytest.mark.parametrize("kwargs,problem", [
+    ({"shape_overrides": {"v.position_embd.weight": (32, 64)}}, "v.position_embd.weight"),
+    ({"shape_overrides": {"v.blk.0.attn_q_norm.weight": (8,)}}, "attn_q_norm"),
+    ({"omit_tensors": ("mm.input_projection.weight",)}, "mm.input_projection.weight"),
+    ({"extra_metadata": {"clip.vision.projection_dim": 128}}, "projection_dim"),
+    ({"shape_overrides": {"v.blk.0.attn_q.input_max": (2,)}}, "input_max"),
+    ({"shape_overrides": {"v.blk.1.out_scale.weight": (3,)}}, "out_scale"),
+])
+def test_hostile_files_fail_in_one_line(tmp_path, kwargs, problem):
+    path = write_gemma4v_mmproj(tmp_path / "bad.gguf", N_TEXT, "F32", **kwargs)
+    with pytest.raises(MmprojError, match=problem) as info:
+        load_mmproj(path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_grid_beyond_the_position_tables_is_refused(tmp_path):
+    projector = load_mmproj(write_gemma4v_mmproj(tmp_path / "m.gguf", N_TEXT, "F32",
+                                                 shape=Gemma4VisionShape(n_pos=16)))
+    with pytest.raises(ValueError, match="16 learned positions"):
+        projector.encode(_picture(64, 64, 1))   # resized to 72 x 72: 18 patches a side
