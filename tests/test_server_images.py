@@ -216,6 +216,17 @@ def test_verbose_shows_the_prompt_with_a_marker_per_image(http, seeing):
     assert only_call(seeing)[2] == [RED]
 
 
+def test_apply_template_shows_a_marker_per_image(http, seeing):
+    r = http.post("/apply-template", json={"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": URI_RED}}, {"type": "text", "text": "what?"}]}]})
+    assert r.status_code == 200, r.text
+    assert f"{MARKER}what?" in r.json()["prompt"]
+    r = http.post("/apply-template", json={"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,@"}}]}]})
+    assert r.status_code == 400 and "messages.0.content.0.image_url.url" in r.text
+    assert seeing.calls == []
+
+
 def test_capabilities_say_images_are_taken(http):
     assert http.get("/props").json()["modalities"]["vision"] is True
     assert http.get("/props").json()["media_marker"] == MARKER

@@ -15,7 +15,7 @@ from edgeinfer.server.off_loop import off_loop
 from edgeinfer.server.state import kv_cache_types
 from edgeinfer.server.constraints import add_constraint, compiled, llama_constraint
 from edgeinfer.server.fim import fim_start
-from edgeinfer.server.images import MARKER, RequestImages, has_image_input
+from edgeinfer.server.images import MARKER, RequestImages, has_image_input, with_markers
 from edgeinfer.server.llama_compat import MediaPrompt
 from edgeinfer.server.requests import chat_message, check_ids, read_body
 from edgeinfer.server.schemas import (ApplyTemplateRequest, DetokenizeRequest, InfillRequest,
@@ -342,7 +342,10 @@ async def apply_template(request: Request) -> JSONResponse:
     model = state.require_model()
     from edgeinfer.prompt.tool_calls import normalize_messages
 
-    messages = normalize_messages([chat_message(m) for m in req.messages])  # call arguments as objects
+    # call arguments as objects; image parts checked, and shown as the marker where each goes
+    images = RequestImages(state, model)
+    messages = normalize_messages(with_markers([chat_message(m, images, f"messages.{i}")
+                                                for i, m in enumerate(req.messages)]))
     add_generation_prompt, prefill = llama_compat.prefill_mode(messages, req.add_generation_prompt,
                                                                req.continue_final_message)
     think = req.chat_template_kwargs.enable_thinking if req.chat_template_kwargs is not None else None
