@@ -122,3 +122,14 @@ def test_a_grid_beyond_the_position_tables_is_refused(tmp_path):
                                                  shape=Gemma4VisionShape(n_pos=16)))
     with pytest.raises(ValueError, match="16 learned positions"):
         projector.encode(_picture(64, 64, 1))   # resized to 72 x 72: 18 patches a side
+
+
+def test_attention_in_query_slices_is_the_same(tmp_path, monkeypatch):
+    from edgeinfer.vision import gemma4v_encoder
+
+    projector = load_mmproj(write_gemma4v_mmproj(tmp_path / "m.gguf", N_TEXT, "F32"))
+    pixels = _picture(150, 90, 8)                  # 836 patches: one slice by default
+    whole = projector.encode(pixels).embeddings
+    monkeypatch.setattr(gemma4v_encoder, "QUERY_ROWS", 100)
+    sliced = projector.encode(pixels).embeddings
+    assert np.abs(sliced - whole).max() <= 1e-5 * np.abs(whole).max()

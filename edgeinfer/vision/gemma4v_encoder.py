@@ -20,9 +20,10 @@ from gguf import GGMLQuantizationType as T
 
 from edgeinfer import kernels_cpu
 from edgeinfer.vision.mmproj import MmprojFile
-from edgeinfer.vision.vit import Linear, activation, attention, rms_norm
+from edgeinfer.vision.vit import Linear, activation, rms_norm
 
 ROPE_BASE = 100.0    # libmtmd sets rope_theta = 100 for gemma4v; the file has no key for it
+QUERY_ROWS = 1024    # attention's queries per slice: 1120 tokens x 9 patches would be 400 MB a head at once
 _ONE = np.float32(1.0)
 
 
@@ -182,7 +183,7 @@ class Gemma4VisionTower:
         if not 1 <= n_pos <= 1 << 20:
             raise mm.fail("tensor 'v.position_embd.weight' must be (n_embd, n_positions, 2): "
                           f"got {None if pos is None else list(pos.shape)}")
-        mm.tensor(pos.name, (e, n_pos, 2), (T.F32,))   # ggml_get_rows of a view: F32 as converted
+        mm.tensor(pos.name, (e, n_pos, 2), (T.F32, T.F16))   # ggml_get_rows of a view: exact either way
         table = np.asarray(mm.gguf.array(pos.name), np.float32).reshape(2, n_pos, e)
         if not np.all(np.isfinite(table)):
             raise mm.fail("tensor 'v.position_embd.weight' holds values that are not finite")
@@ -228,7 +229,7 @@ class Gemma4VisionTower:
         k = _norm_heads(k, blk.k_norm, n, nh, d)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         v = rms_norm(v.reshape(n, nh, d), _ONE, vp.eps)   # gemma4v: V RMS-normed per head, no weight
-        a = attention(q.reshape(n, nh * d), k.reshape(n, nh * d), v.reshape(n, nh * d), nh, 1.0)
+        a = attention(q, k, v)
         a = blk.o(a)
         if blk.attn_post_norm:
             a = blk.attn_post_norm(a)
@@ -245,6 +246,23 @@ class Gemma4VisionTower:
         if blk.out_scale is not None:
             h = h * blk.out_scale
         return h.astype(np.float32)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Non-causal attention with scale 1 (gemma4v's kq_scale), q k v (n, heads, d) -> (n, heads * d).
+    Softmax as ggml's: exp in float32, the sum in double. Queries go in slices (each row's
+    softmax is its own), so a score matrix is at most QUERY_ROWS x n."""
+    n, nh, d = q.shape
+    out = np.empty((n, nh, d), np.float32)
+    for h in range(nh):
+        kh, vh = np.ascontiguousarray(k[:, h]), np.ascontiguousarray(v[:, h])
+        for lo in range(0, n, QUERY_ROWS):
+            s = q[lo:lo + QUERY_ROWS, h] @ kh.T
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s *= (1.0 / s.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+            out[lo:lo + QUERY_ROWS, h] = s @ vh
+    return out.reshape(n, nh * d)
 
 
 def _norm_heads(x: np.ndarray, norm: tuple[Norm | None, bool], n: int, nh: int, d: int) -> np.ndarray:
