@@ -13,6 +13,7 @@ import base64
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import struct
 import threading
+import time
 import zlib
 
 import httpx
@@ -378,6 +379,17 @@ class _Images(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(RED + b"\0" * 5000)
+        elif self.path == "/slow.png":  # no answer for a second
+            time.sleep(1.0)
+            self._send(200, RED)
+        elif self.path == "/drip.png":  # an image a few bytes at a time
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(RED)))
+            self.end_headers()
+            for i in range(0, len(RED), 8):
+                self.wfile.write(RED[i:i + 8])
+                self.wfile.flush()
+                time.sleep(0.05)
         elif self.path == "/page":
             self._send(200, b"<html>not an image</html>")
         elif self.path == "/to-ftp":
@@ -529,3 +541,15 @@ def test_one_image_through_every_dialect_gives_the_same_greedy_tokens(gemma_visi
             assert c.get("/props").json()["modalities"]["vision"] is True
     finally:
         srv.stop()
+
+
+def test_fetch_is_bounded_in_time(web):
+    from edgeinfer.server.image_fetch import FetchError, fetch
+
+    assert fetch(web + "/drip.png", 4096) == RED
+    with pytest.raises(FetchError, match="timed out"):
+        fetch(web + "/slow.png", 4096, timeout_s=0.2)
+    with pytest.raises(FetchError, match="longer than 0.1s"):
+        fetch(web + "/drip.png", 4096, total_s=0.1)
+    with pytest.raises(FetchError, match="only http and https"):
+        fetch("file:///etc/hostname", 4096)
