@@ -122,7 +122,8 @@ def test_openai_image_url_parts(http, seeing):
         seeing.calls.clear()
         r = http.post(path, json={"messages": [{"role": "user", "content": [
             {"type": "text", "text": "first"}, {"type": "image_url", "image_url": {"url": URI_RED}},
-            {"type": "text", "text": "then"}, {"type": "image_url", "image_url": {"url": URI_BLUE, "detail": "auto"}}]}]})
+            {"type": "text", "text": "then"},
+            {"type": "image_url", "image_url": {"url": URI_BLUE, "detail": "auto"}}]}]})
         assert r.status_code == 200, r.text
         call = only_call(seeing)
         assert call[2] == [RED, BLUE]

@@ -1,4 +1,4 @@
-"""Fetching a remote image a client names (only under serve --allow-image-urls): http(s) only, with a timeout and a byte limit."""
+"""Fetching a remote image a client names (serve --allow-image-urls): http(s), a timeout, a byte limit."""
 from __future__ import annotations
 
 import http.client

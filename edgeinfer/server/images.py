@@ -1,9 +1,12 @@
-"""A request's images, from what a client sends to checked bytes the model takes: data URIs, raw base64, Anthropic sources, remote URLs (serve --allow-image-urls only).
+"""A request's images, from what a client sends to checked bytes the model takes.
+
+Read here: data URIs, raw base64, Anthropic sources, remote URLs (serve --allow-image-urls only).
 
 Each dialect hands every image it reads to one `RequestImages` (a 400 names the field of a bad
 one) and gets back the OpenAI image part Model.chat reads; `resolve` then fetches the remote
 ones (off the event loop) and gives the bytes in order, for Model.generate's `images`. What
-reaches the model is always bytes checked here, never a path: request text never names a file.
+reaches the model is always bytes checked here (for Model.chat, as a data URI), never a path:
+request text never names a file.
 Checked before anything is decoded: the model has a projector (--mmproj), the number of
 images, the base64 text's length (so the decoded size is bounded before decoding), then the
 bytes' size and their format (PNG, JPEG, WebP or GIF: what edgeinfer.vision.image_io decodes).

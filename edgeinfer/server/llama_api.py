@@ -377,5 +377,6 @@ async def props(request: Request) -> JSONResponse:
     return JSONResponse({
         "default_generation_settings": {"n_ctx": model.n_ctx, "params": dict(state.config.sampling)},
         "total_slots": 1, "model_alias": state.model_name, "model_path": str(model.path), **kv_cache_types(model),
-        "chat_template": template, "modalities": {"vision": has_image_input(model), "audio": False}, "media_marker": MARKER,
+        "chat_template": template, "modalities": {"vision": has_image_input(model), "audio": False},
+        "media_marker": MARKER,
         "build_info": "edgeinfer"})

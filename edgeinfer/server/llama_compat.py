@@ -118,7 +118,7 @@ def _media_prompt(model, p: dict, field: str, images) -> MediaPrompt:
         raise APIError(400, f"invalid field {at!r}: {why}", param=at)
     extra = set(p) - {PROMPT_STRING, MULTIMODAL_DATA}
     if extra:
-        at = f"{field}.{sorted(extra)[0]}"
+        at = f"{field}.{min(extra)}"
         raise APIError(400, f"unsupported field {at!r}: a multimodal prompt holds {PROMPT_STRING!r} and "
                             f"{MULTIMODAL_DATA!r}", param=at)
     if not isinstance(data, list):

@@ -25,7 +25,7 @@ async def read_body(request: Request, schema: type[B]) -> B:
         async for part in request.stream():
             data += part
             if len(data) > limit:
-                raise APIError(413, f"request body is larger than {limit} bytes")
+                raise APIError(413, f"request body is larger than {limit} bytes (serve --max-body raises the limit)")
     except ClientDisconnect:
         log.info("%s %s: the client disconnected while sending the request body",
                  request.method, request.url.path)

@@ -164,7 +164,8 @@ class SecurityMiddleware:
             if not length.isdigit():
                 return 400, "bad Content-Length header", {}
             if int(length) > self.max_body_bytes:
-                return 413, f"request body is larger than {self.max_body_bytes} bytes", {}
+                return 413, (f"request body is larger than {self.max_body_bytes} bytes "
+                             "(serve --max-body raises the limit)"), {}
         return None
 
     def origin_allowed(self, origin: str) -> bool:
