@@ -12,9 +12,11 @@ The CLI, the TUI, the REST server and `edgeinfer bench` all go through it.
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 import time
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, Iterator
 
 from edgeinfer.engine import Engine, EngineOptions
@@ -36,7 +38,8 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
          prefill_chunk: int = 256, gpu_layers: int | str = "auto", kv_pool_mb: float | None = None,
          context_shift: bool = False, n_keep: int = 0, draft: str | None = None, draft_max: int = 16,
          draft_min: int = 0, draft_p_min: float = 0.75, n_cpu_moe: int | None = None,
-         cache_type_k: str = "f16", cache_type_v: str = "f16", flash_attn: str = "auto") -> "Model":
+         cache_type_k: str = "f16", cache_type_v: str = "f16", flash_attn: str = "auto",
+         mmproj: str | os.PathLike[str] | None = None) -> "Model":
     """Resolve a model name (alias, hf.co/..., or path), open and check it, build the engine.
 
     `n_cpu_moe` is llama.cpp's --n-cpu-moe: the first N layers keep their experts on the
@@ -58,16 +61,25 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
     f16 (default), q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, on the CPU and in VRAM alike;
     `flash_attn` is -fa: "on" runs llama.cpp's flash-attention order on the CPU for an f16 cache
     too, "auto" (default) only where the cache is quantized, "off" refuses a quantized one.
+
+    `mmproj` is the vision encoder's GGUF (llama.cpp's --mmproj): then `generate(prompt,
+    images=[...])` and chat image parts take images (edgeinfer.vision). "auto": the
+    `mmproj-*.gguf` beside a model named from the store (none for a model given by path).
     """
     from edgeinfer.store.registry import resolve
 
     path = resolve(str(name_or_path), download=download)
+    if mmproj == "auto":  # a model named from the store brings its mmproj along (llama.cpp's -hf)
+        from edgeinfer.store.mmproj_lookup import mmproj_beside
+
+        mmproj = None if Path(str(name_or_path)).expanduser().is_file() else mmproj_beside(path)
     return Model(str(name_or_path), path, EngineOptions(
         n_ctx=n_ctx, threads=threads, backend=backend, prefill_chunk=prefill_chunk,
         gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
         flash_attn=flash_attn),
         chat_template=chat_template, kv_pool_mb=kv_pool_mb, context_shift=context_shift, n_keep=n_keep,
-        draft=draft, draft_defaults=dict(draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min))
+        draft=draft, draft_defaults=dict(draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min),
+        mmproj=mmproj)
 
 
 class Model:
@@ -76,7 +88,8 @@ class Model:
 
     def __init__(self, name: str, path, options: EngineOptions, chat_template: str | None = None, *,
                  kv_pool_mb: float | None = None, context_shift: bool = False, n_keep: int = 0,
-                 draft: str | None = None, draft_defaults: dict | None = None) -> None:
+                 draft: str | None = None, draft_defaults: dict | None = None,
+                 mmproj: str | os.PathLike[str] | None = None) -> None:
         from edgeinfer.prompt.chat_template import ChatTemplate
         from edgeinfer.tokenizer import load_tokenizer
 
@@ -104,6 +117,18 @@ class Model:
 
         self.draft_defaults = {"draft_max": 16, "draft_min": 0, "draft_p_min": 0.75, **(draft_defaults or {})}
         self.drafter = make_drafter(self, draft, options) if draft else None
+        self.images = None  # edgeinfer.vision.request_images.ImageEncoder once a projector is attached
+        if mmproj is not None:
+            from edgeinfer.vision.mmproj import load_mmproj
+
+            self.use_projector(load_mmproj(mmproj))
+
+    def use_projector(self, projector: Any) -> None:
+        """Take images through `projector` (edgeinfer.vision.mmproj.Projector: `n_embd`,
+        `projector_type`, `encode(image) -> ImageChunk`); its width must be the text model's."""
+        from edgeinfer.vision.request_images import ImageEncoder
+
+        self.images = ImageEncoder(projector, self.config.n_embd)
 
     @property
     def tool_format(self) -> str:
@@ -146,22 +171,59 @@ class Model:
 
     # -- generation -------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], *, stream: bool = False, raw: bool = True,
-                 cancel: threading.Event | None = None, **params: Any
+                 cancel: threading.Event | None = None, images: list | None = None, **params: Any
                  ) -> GenerationResult | Iterator[GenerationChunk]:
         """Complete `prompt` (text or token ids). Sampling keywords as in `SamplingParams`
         (`logprobs=N` puts each token's log-probability and N alternatives on its chunk);
         constrained output with one of json_schema=SCHEMA, json=True, grammar=GBNF, regex=RE
-        (edgeinfer.prompt.grammar): the answer ends with finish_reason "stop" once it is complete."""
+        (edgeinfer.prompt.grammar): the answer ends with finish_reason "stop" once it is complete.
+
+        `images` (paths or bytes; a model loaded with an mmproj) go where the text prompt has
+        the marker `<__media__>`, one each, or before the text when it has none."""
+        media = None
         try:
-            ids = prompt if isinstance(prompt, list) else \
-                self.tokenizer.tokenize(prompt, add_special=True, cancel=cancel)
+            if images is not None and not isinstance(images, (list, tuple)):
+                raise EdgeInferError("images must be a list of paths or bytes")
+            if images:
+                if not isinstance(prompt, str):
+                    raise EdgeInferError("images go with a text prompt (its <__media__> markers), not token ids")
+                from edgeinfer.vision.prompt_images import MARKER, with_markers
+
+                ids, media = self._image_prompt(with_markers(prompt, len(images)), images, MARKER, cancel,
+                                                lambda piece: self.tokenizer.tokenize(piece, add_special=False,
+                                                                                      cancel=cancel))
+            else:
+                ids = prompt if isinstance(prompt, list) else \
+                    self.tokenizer.tokenize(prompt, add_special=True, cancel=cancel)
         except TokenizerError:
             if cancel is None or not cancel.is_set():
                 raise
             chunks = _cancelled()
         else:
-            chunks = self._run(ids, params, cancel)
+            chunks = self._run(ids, params, cancel, media)
         return chunks if stream else collect(chunks)
+
+    def _image_prompt(self, text: str, images: list, marker: str, cancel, tokenize_text):
+        """(ids, MediaRows) of a text prompt whose markers stand for `images`, in order."""
+        from edgeinfer.vision.media_ids import MediaRows
+        from edgeinfer.vision.prompt_images import image_prompt_ids, wrap_for
+
+        if self.images is None:
+            raise EdgeInferError("this model takes no images: load it with its mmproj file (--mmproj)")
+        self.engine.check_images()  # GPU layers: one line before any image is decoded
+        n_markers = text.count(marker)
+        if n_markers != len(images):  # before any image is decoded
+            raise EdgeInferError(f"the prompt has {n_markers} image marker(s) for {len(images)} image(s): "
+                                 f"give one image per marker")
+        chunks = []
+        for image in images:
+            if cancel is not None and cancel.is_set():
+                raise TokenizerError("tokenizing stopped: the request was cancelled")
+            chunks.append(self.images.encode(image))
+        media = MediaRows(chunks, self.config.n_embd)
+        ids = image_prompt_ids(text, chunks, self.tokenizer, wrap_for(self.images.projector_type), tokenize_text,
+                               marker=marker)
+        return ids, media
 
     def chat(self, messages: list[dict], *, stream: bool = False,
              cancel: threading.Event | None = None, **params: Any
@@ -195,6 +257,11 @@ class Model:
                                                     self.tokenizer, parallel=parallel)
             if constraint is not None and not any(params.get(k) for k in ("constraint", *_CONSTRAINT_KEYS)):
                 params["constraint"] = constraint
+        from edgeinfer.vision.request_images import chat_images
+
+        marker = f"<__media_{secrets.token_hex(8)}__>"  # no message text can forge it
+        messages, images = chat_images(messages, marker)
+        media = None
         try:
             # only the template's markup becomes control tokens, never the callers' text
             literal = LiteralText(self.tokenizer)
@@ -208,17 +275,21 @@ class Model:
             else:
                 text = self.template.render_prompt(messages, add_bos=self.tokenizer.add_bos,
                                                    add_generation_prompt=True, cancel=cancel)
-            ids = literal.tokenize(text, add_special=True, cancel=cancel)
+            if images:
+                ids, media = self._image_prompt(text, images, marker, cancel, lambda piece: self.tokenizer.tokenize_parts(
+                    literal.parts(piece), add_special=False, cancel=cancel))
+            else:
+                ids = literal.tokenize(text, add_special=True, cancel=cancel)
         except (TemplateError, TokenizerError):
             if cancel is None or not cancel.is_set():
                 raise
             chunks = _cancelled()  # ends like a generation cancelled before its first token
         else:
-            chunks = self._run(ids, params, cancel)
+            chunks = self._run(ids, params, cancel, media)
         return chunks if stream else collect(chunks)
 
     def _run(self, ids: list[int], params: dict[str, Any],
-             cancel: threading.Event | None) -> Iterator[GenerationChunk]:
+             cancel: threading.Event | None, media=None) -> Iterator[GenerationChunk]:
         # Ollama's `context`: continue after these ids (they begin with their own BOS), and
         # tell the caller the whole prompt so it can hand back prompt + answer.
         context = params.pop("context", None)
@@ -239,7 +310,7 @@ class Model:
 
         spec = speculation_for(self.drafter, self.draft_defaults, params)
         return self.sessions.generate(ids, _sampling(params), cancel, context_shift=shift, n_keep=n_keep,
-                                      speculation=spec, report_progress=report)
+                                      speculation=spec, report_progress=report, media=media)
 
     def embed(self, inputs, *, truncate: bool = False, dimensions: int | None = None,
               normalize: bool = True) -> list[list[float]]:

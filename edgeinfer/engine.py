@@ -23,6 +23,7 @@ from edgeinfer.loader import ModelFile
 
 if TYPE_CHECKING:
     from edgeinfer.backends.offload import OffloadPlan
+    from edgeinfer.vision.media_ids import MediaRows
 
 BACKENDS = ("cpu", "reference")
 DEFAULT_PREFILL_CHUNK = 256
@@ -121,48 +122,70 @@ class Engine:
         return self.backend.new_cache(self.config, self.n_ctx, self.cache_types)
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, kv: KVView,
-                logits_for: np.ndarray | None = None, decode_bits: bool = False) -> np.ndarray:
+                logits_for: np.ndarray | None = None, decode_bits: bool = False,
+                media: "MediaRows | None" = None) -> np.ndarray:
         """Logits of the rows `logits_for` (default: the last token) after appending `tokens`
         at `positions`. decode_bits: each row exactly as decoding its token alone would give
-        it (speculative verification); otherwise a short prompt may take faster GEMMs."""
+        it (speculative verification); otherwise a short prompt may take faster GEMMs.
+        media: the request's images, which its image ids (edgeinfer.vision.media_ids) stand for."""
         tokens = np.asarray(tokens, dtype=np.int64)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.n_vocab):
-            raise EdgeInferError(f"token id out of range 0..{self.config.n_vocab - 1}")
         positions = np.asarray(positions, dtype=np.int64)
+        step = media.step(tokens, positions) if media is not None else None
+        text = tokens if step is None else tokens[~step.where]
+        if (text.size and (text.min() < 0 or text.max() >= self.config.n_vocab)) or \
+                (step is None and tokens.size and tokens.min() < 0):
+            raise EdgeInferError(f"token id out of range 0..{self.config.n_vocab - 1}")
+        if step is not None:
+            self.check_images()
         before = kv.n_used
 
         def run() -> np.ndarray:
             with self.backend.decode_order() if decode_bits else contextlib.nullcontext():
-                return self.model.forward(tokens, positions, kv, logits_for)
+                self.model.media_step = step
+                try:
+                    return self.model.forward(tokens, positions, kv, logits_for)
+                finally:
+                    self.model.media_step = None
 
-        graphs = self.step_graphs
+        graphs = self.step_graphs if step is None else None
         try:
             return run() if graphs is None else graphs.forward(self.model, tokens, positions, kv, logits_for, run)
         except BaseException:  # Ctrl-C or an error mid-layer: drop the half-written tokens
             kv.truncate(before)
             raise
 
+    def check_images(self) -> None:
+        """EdgeInferError unless this engine can take image rows: its layers all on the CPU (the
+        image rows and their attention are host-side; the GPU layers' kernels have no image spans)."""
+        if self.offload is not None and self.offload.on_gpu:
+            raise EdgeInferError("images need every layer on the CPU for now: run with -ngl 0 (--gpu-layers 0)")
+
     def prefill(self, tokens: list[int] | np.ndarray, kv: KVView, progress=None,
-                decode_bits: bool = False) -> np.ndarray:
+                decode_bits: bool = False, media: "MediaRows | None" = None) -> np.ndarray:
         """Append `tokens` after what `kv` holds, in chunks; logits of the last token (n_vocab,).
-        decode_bits: as Engine.forward's."""
+        decode_bits, media: as Engine.forward's."""
         logits = None
-        for done, total, logits in self.prefill_steps(tokens, kv, decode_bits):
+        for done, total, logits in self.prefill_steps(tokens, kv, decode_bits, media):
             if progress is not None:
                 progress(done, total)
         if logits is None:
             raise EdgeInferError("nothing to evaluate: the prompt is empty")
         return logits
 
-    def prefill_steps(self, tokens: list[int] | np.ndarray, kv: KVView, decode_bits: bool = False):
+    def prefill_steps(self, tokens: list[int] | np.ndarray, kv: KVView, decode_bits: bool = False,
+                      media: "MediaRows | None" = None):
         """`prefill` one chunk at a time: yields (tokens done, tokens in all, logits of the
-        chunk's last token) after each chunk, so a caller can report progress in between."""
+        chunk's last token) after each chunk, so a caller can report progress in between.
+        An image is never cut: it runs in one pass (edgeinfer.vision.media_ids)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         start = kv.n_used
         cuts = self.chunk_bounds(len(tokens))
+        if media is not None:
+            cuts = media.keep_whole(tokens, cuts, self.max_prefill_rows)
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             positions = np.arange(start + lo, start + hi)
-            yield hi, len(tokens), self.forward(tokens[lo:hi], positions, kv, decode_bits=decode_bits)[0]
+            yield hi, len(tokens), self.forward(tokens[lo:hi], positions, kv, decode_bits=decode_bits,
+                                                media=media)[0]
 
     def chunk_bounds(self, n: int) -> list[int]:
         """Where a prefill of n tokens is cut: every prefill_chunk tokens, except that a last

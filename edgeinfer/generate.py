@@ -21,9 +21,11 @@ from edgeinfer.results import (FinishReason, GenerationChunk, GenerationResult, 
                                TokenLogprob, Usage)
 from edgeinfer.sampling import SamplingParams, make_token_sampler, post_sampling_probs, token_logprobs
 from edgeinfer.stopping import StopStringMatcher
+from edgeinfer.vision.media_ids import text_only
 
 if TYPE_CHECKING:
     from edgeinfer.speculative import Speculation
+    from edgeinfer.vision.media_ids import MediaRows
 
 
 def check_prompt_fits(n_prompt: int, n_ctx: int) -> None:
@@ -37,7 +39,7 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
                     params: SamplingParams, *, cancel: threading.Event | None = None,
                     progress=None, make_room: Callable[[], bool] | None = None,
                     speculation: "Speculation | None" = None,
-                    report_progress: bool = False) -> Iterator[GenerationChunk]:
+                    report_progress: bool = False, media: "MediaRows | None" = None) -> Iterator[GenerationChunk]:
     """Generate after `prompt`; `kv` must already hold exactly the prompt's first kv.n_used tokens.
 
     When the window is full, `make_room()` (a context shift) may free space and return True
@@ -52,6 +54,9 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
 
     `report_progress` yields a PromptProgress chunk before the prompt's first evaluated chunk
     and after each one (llama-server's return_progress).
+
+    `media`: the images whose ids the prompt holds (edgeinfer.vision.media_ids); samplers and
+    drafts read only the prompt's text ids.
     """
     from edgeinfer.tokenizer import StreamDecoder
 
@@ -76,13 +81,13 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
     if report_progress:
         yield progress_chunk(0)
     logits = None
-    for done, total, logits in engine.prefill_steps(prompt[n_cached:], kv):
+    for done, total, logits in engine.prefill_steps(prompt[n_cached:], kv, media=media):
         if progress is not None:
             progress(done, total)
         if report_progress:
             yield progress_chunk(done)
     t_first: float | None = None
-    history = list(prompt)
+    history = list(prompt) if media is None else text_only(prompt)
     generated: list[int] = []
     finish = FinishReason.LENGTH
     # -1 = until the model stops; with a context shift that could be forever, so cap it at
@@ -91,7 +96,7 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
     spec = speculation
     drafts: list[tuple[int, np.ndarray]] = []  # (drafted token, logits after it), K/V written
     if spec is not None:
-        spec.begin(prompt)
+        spec.begin(list(history))
 
     try:
         while len(generated) < max_tokens:

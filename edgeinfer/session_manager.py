@@ -92,13 +92,16 @@ class SessionManager:
     # -- generation ---------------------------------------------------------------------------
     def generate(self, ids: Sequence[int], params: SamplingParams, cancel: threading.Event | None = None,
                  progress: Callable[[int, int], None] | None = None, *, context_shift: bool | None = None,
-                 n_keep: int | None = None, speculation=None, report_progress: bool = False
-                 ) -> Iterator[GenerationChunk]:
+                 n_keep: int | None = None, speculation=None, report_progress: bool = False,
+                 media=None) -> Iterator[GenerationChunk]:
         """Stream a completion of `ids`, reusing the longest cached prefix.
 
         `speculation` (edgeinfer.speculative.Speculation) drafts and verifies several tokens
         per step; only tokens the stream yields are recorded, so only their blocks are
         committed to the prefix cache.
+
+        `media` (edgeinfer.vision.media_ids.MediaRows): the images whose ids `ids` holds; their
+        blocks are cached and reused by those ids like any text.
 
         The engine runs one request at a time: the lock is held while the stream is consumed.
         """
@@ -107,6 +110,8 @@ class SessionManager:
             raise EdgeInferError("the prompt is empty")
         check_prompt_fits(len(ids), self.n_ctx)
         shift = self.context_shift if context_shift is None else context_shift
+        if media is not None and len(media):
+            shift = False  # as llama-server with images: a shift could cut one in half
         if shift and self.recurrent:
             raise EdgeInferError(f"context shift is not supported for {self.engine.config.arch} models (their "
                                  f"recurrent state cannot be re-roped); raise --ctx-size instead")
@@ -135,7 +140,7 @@ class SessionManager:
                 for chunk in stream_generate(self.engine, seq, self.tokenizer, ids, params, cancel=cancel,
                                              progress=on_progress, make_room=make_room,
                                              report_progress=report_progress,
-                                             speculation=speculation):
+                                             speculation=speculation, media=media):
                     if chunk.token is not None:
                         seq.record_tokens([chunk.token])  # K/V written by the next decode
                         if not state["shifted"]:

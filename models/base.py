@@ -228,13 +228,19 @@ class Transformer:
         be.at_layer(None)
         return be.rms_norm(x[rows], "output_norm.weight", cfg.norm_eps)
 
+    # The image rows of the forward pass running now (edgeinfer.vision.media_ids.MediaStep),
+    # set by the engine around a pass whose tokens include images; None otherwise.
+    media_step = None
+
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """The input rows (n, n_embd) of `tokens`: what the first layer reads (and all a replayed
-        CUDA graph step computes on the host, edgeinfer.backends.cuda_graph)."""
-        x = self.backend.get_rows("token_embd.weight", tokens)
+        CUDA graph step computes on the host, edgeinfer.backends.cuda_graph). Image rows come
+        from the step's chunks, unscaled."""
+        step = self.media_step
+        x = self.backend.get_rows("token_embd.weight", tokens if step is None else step.token_ids(tokens))
         if self.config.embed_scale != 1.0:
             x *= np.float32(self.config.embed_scale)
-        return x
+        return x if step is None else step.place(x)
 
     def layer(self, i: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray,
               kv: "KVView") -> np.ndarray:
@@ -263,8 +269,20 @@ class Transformer:
             q_scale, kq_scale = cfg.attn_scale, 1.0
         else:  # the others scale Q K^T inside the softmax
             q_scale, kq_scale = 1.0, 1.0 / math.sqrt(cfg.head_dim)
-        out = be.attention(q, kv, i, positions, kq_scale, window, q_scale=q_scale, sinks=self.attention_sinks(i))
+        out = self.attend(q, kv, i, positions, kq_scale, window, q_scale=q_scale, sinks=self.attention_sinks(i))
         return out.reshape(out.shape[0], -1)
+
+    def attend(self, q: np.ndarray, kv: "KVView", layer: int, positions: np.ndarray, scale: float, window: int,
+               **kw) -> np.ndarray:
+        """The backend's causal attention, except that a non-causal image's rows see the whole
+        image (edgeinfer.vision.image_attention)."""
+        step = self.media_step
+        if step is None or step.limits is None:
+            return self.backend.attention(q, kv, layer, positions, scale, window, **kw)
+        from edgeinfer.vision.image_attention import attention_to_limits
+
+        return attention_to_limits(self.backend.attention, q, kv, layer, positions, step.limits, scale, window,
+                                   **kw)
 
     def attention_sinks(self, i: int) -> str | None:
         """The tensor of layer i's per-head attention sinks (gpt-oss), or None."""

@@ -227,7 +227,7 @@ class Gemma4(Transformer):
             v = be.rms_norm(v, unit_weight(hd), eps)  # V is RMS-normed without a weight
             kv.store(i, slots, k, v)
         window = cfg.sliding_window if cfg.is_swa(i) else 0
-        out = be.attention(q, kv, cfg.kv_source(i), positions, 1.0, window)
+        out = self.attend(q, kv, cfg.kv_source(i), positions, 1.0, window)
         return out.reshape(n, -1)
 
     def mlp(self, i, h):

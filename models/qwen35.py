@@ -173,7 +173,7 @@ class Qwen35(Transformer):
         v = v.reshape(n, cfg.n_head_kv, cfg.head_dim_v)
         q, k = self.mrope(i, q, positions), self.mrope(i, k, positions)
         kv.store(i, slots, k, v)
-        out = be.attention(q, kv, i, positions, 1.0 / math.sqrt(hd), 0)
+        out = self.attend(q, kv, i, positions, 1.0 / math.sqrt(hd), 0)
         out = self.dn.sigmoid_mul(out.reshape(n, -1), gate)
         return be.linear(p + "attn_output.weight", out)
 

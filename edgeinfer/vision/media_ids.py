@@ -1,0 +1,167 @@
+"""Image positions in a token sequence: ids derived from each ImageChunk's digest, and the rows and attention they stand for.
+
+A prompt with images stays a list of ints, so the session manager, the prefix cache and the
+resident sequence work on it unchanged: image row r of a chunk with digest d takes the id
+-(1 + (key(d) << ROW_BITS) + r), negative so it can never be a vocabulary id. The same image
+sent again gets the same ids, so its K/V are found in the prefix cache like any text; two
+different images differ in their ids. `MediaRows` (one prompt's chunks) turns the ids of a
+forward pass into a `MediaStep`: the embedding rows that replace token embeddings there, and
+for non-causal chunks (gemma3) the last key position each query row sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from edgeinfer.errors import EdgeInferError
+from edgeinfer.vision.chunk import ImageChunk
+
+ROW_BITS = 20  # rows per image: libmtmd's largest grids stay far below 2^20 tokens
+KEY_BITS = 40  # bits of the digest in an id: ids stay inside int64 (1 + 40 + 20 < 63)
+MAX_ROWS = 1 << ROW_BITS
+
+
+def media_key(digest: str) -> int:
+    """The digest's first KEY_BITS bits (a sha256 hex string is checked, not trusted)."""
+    if not isinstance(digest, str) or len(digest) < KEY_BITS // 4:
+        raise EdgeInferError("an image chunk's digest must be a hex string of at least 10 characters")
+    try:
+        return int(digest[:KEY_BITS // 4], 16)
+    except ValueError:
+        raise EdgeInferError("an image chunk's digest must be hexadecimal") from None
+
+
+def chunk_ids(chunk: ImageChunk) -> list[int]:
+    """The ids standing for the chunk's rows, in order."""
+    base = 1 + (media_key(chunk.digest) << ROW_BITS)
+    return [-(base + r) for r in range(chunk.n_tokens)]
+
+
+def text_only(ids: Sequence[int]) -> list[int]:
+    """The ids without image rows: what samplers' penalties and n-gram drafts read (libmtmd
+    feeds the sampler no image positions)."""
+    return [t for t in ids if t >= 0]
+
+
+def _split(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(key, row) of image ids."""
+    v = -np.asarray(ids, dtype=np.int64) - 1
+    return v >> ROW_BITS, v & (MAX_ROWS - 1)
+
+
+def image_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) index ranges of consecutive rows of one image (row 0 starts a run)."""
+    arr = np.asarray(ids, dtype=np.int64)
+    runs: list[tuple[int, int]] = []
+    idx = np.flatnonzero(arr < 0)
+    if not idx.size:
+        return runs
+    keys, rows = _split(arr[idx])
+    start = int(idx[0])
+    for j in range(1, idx.size):
+        same = idx[j] == idx[j - 1] + 1 and keys[j] == keys[j - 1] and rows[j] == rows[j - 1] + 1
+        if not same:
+            runs.append((start, int(idx[j - 1]) + 1))
+            start = int(idx[j])
+    runs.append((start, int(idx[-1]) + 1))
+    return runs
+
+
+@dataclass(frozen=True)
+class MediaStep:
+    """What one forward pass needs of its image rows."""
+
+    where: np.ndarray        # (n,) bool: rows that are image rows
+    rows: np.ndarray         # (n_image_rows, n_embd) float32, in the order of `where`'s True rows
+    limits: np.ndarray | None  # (n,) the last key position each query row sees; None: all causal
+
+    def token_ids(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens with image rows read as id 0 (their embedding is replaced by `place`)."""
+        return np.where(self.where, 0, tokens)
+
+    def place(self, x: np.ndarray) -> np.ndarray:
+        """x (n, n_embd) with the image rows put in: not scaled by Gemma's sqrt(n_embd), as libmtmd."""
+        x = np.array(x, dtype=np.float32, copy=True)
+        x[self.where] = self.rows
+        return x
+
+
+class MediaRows:
+    """The images of one request, by key: what `step` reads image ids against."""
+
+    def __init__(self, chunks: Sequence[ImageChunk], n_embd: int) -> None:
+        self._chunks: dict[int, ImageChunk] = {}
+        for chunk in chunks:
+            if not isinstance(chunk, ImageChunk):
+                raise EdgeInferError(f"an image must be encoded to an ImageChunk, got {type(chunk).__name__}")
+            emb = chunk.embeddings
+            if not isinstance(emb, np.ndarray) or emb.dtype != np.float32 or emb.ndim != 2:
+                raise EdgeInferError("an image chunk's embeddings must be a 2-D float32 array")
+            if emb.shape[1] != n_embd:
+                raise EdgeInferError(f"image embeddings are {emb.shape[1]} wide but the text model takes "
+                                     f"{n_embd}: the mmproj does not belong to this model")
+            if not 1 <= emb.shape[0] < MAX_ROWS:
+                raise EdgeInferError(f"an image chunk must have 1 to {MAX_ROWS - 1} rows, got {emb.shape[0]}")
+            if not np.isfinite(emb).all():
+                raise EdgeInferError("an image chunk's embeddings are not all finite")
+            key = media_key(chunk.digest)
+            known = self._chunks.get(key)
+            if known is not None and known.n_tokens != chunk.n_tokens:
+                raise EdgeInferError("two images share a digest but not their token count")
+            self._chunks[key] = chunk
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def step(self, tokens: np.ndarray, positions: np.ndarray) -> MediaStep | None:
+        """The image rows of a forward pass of `tokens` at `positions` (None: there are none).
+        A non-causal image's rows must run with all its later rows in the same pass: each
+        query row sees the image's last position (and the sliding window of its own)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        where = tokens < 0
+        if not where.any():
+            return None
+        keys, rows = _split(tokens[where])
+        out, limits = [], None
+        positions = np.asarray(positions, dtype=np.int64)
+        idx = np.flatnonzero(where)
+        for j, (key, row) in enumerate(zip(keys.tolist(), rows.tolist())):
+            chunk = self._chunks.get(key)
+            if chunk is None or row >= chunk.n_tokens:
+                raise EdgeInferError("the prompt holds image positions of an image that was not given")
+            out.append(chunk.embeddings[row])
+            if chunk.non_causal:
+                last = idx[j] + chunk.n_tokens - 1 - row  # index of the image's last row in this pass
+                if last >= len(tokens) or tokens[last] != tokens[idx[j]] - (chunk.n_tokens - 1 - row):
+                    raise EdgeInferError("a non-causal image must run in one forward pass")
+                if limits is None:
+                    limits = positions.copy()
+                limits[idx[j]] = positions[last]
+        return MediaStep(where, np.stack(out).astype(np.float32, copy=False), limits)
+
+    def keep_whole(self, tokens: Sequence[int], cuts: list[int], max_rows: int) -> list[int]:
+        """Prefill cut points (engine.chunk_bounds') moved off the inside of every image: a cut
+        inside an image goes to its start, or past its end where the piece would be empty.
+        An image longer than `max_rows` (one prefill pass) is an error."""
+        runs = image_runs(tokens)
+        if not runs:
+            return cuts
+        for a, b in runs:
+            n = b - a  # a cached prefix may have taken the image's first rows: what is left runs here
+            if n > max_rows:
+                raise EdgeInferError(f"an image of {n} tokens does not fit one prefill pass of {max_rows} "
+                                     f"tokens; raise --prefill-chunk (-ub) to at least {n}")
+        out = [cuts[0]]
+        for c in cuts[1:]:
+            for a, b in runs:
+                if a < c < b:
+                    c = a if a > out[-1] else b
+                    break
+            if c > out[-1]:
+                out.append(c)
+        if out[-1] != cuts[-1]:
+            out.append(cuts[-1])
+        return out
