@@ -554,3 +554,44 @@ def test_fetch_is_bounded_in_time(web):
         fetch(web + "/drip.png", 4096, total_s=0.1)
     with pytest.raises(FetchError, match="only http and https"):
         fetch("file:///etc/hostname", 4096)
+
+
+def test_serve_mmproj_flag(tmp_path, capsys, monkeypatch):
+    """serve --mmproj: a missing file is one line and exit 1, before anything loads; given, the
+    served model is loaded with it, other local models without it, and bodies may be 32 MiB."""
+    from edgeinfer.cli import main
+    from edgeinfer.commands import serve as serve_command
+
+    assert main(["serve", str(tmp_path / "x.gguf"), "--mmproj", str(tmp_path / "nope.gguf")]) == 1
+    err = capsys.readouterr().err
+    assert "--mmproj: no such file" in err and len(err.strip().splitlines()) == 1
+
+    mmproj = tmp_path / "mmproj.gguf"
+    mmproj.write_bytes(b"GGUF")
+    seen: dict = {}
+
+    def fake_app(config, loader):
+        seen["config"], seen["load"] = config, loader
+        raise SystemExit(0)  # stop before uvicorn starts
+
+    monkeypatch.setattr("edgeinfer.server.create_app", fake_app)
+    monkeypatch.setattr("edgeinfer.load", lambda name, **kw: kw)
+    with pytest.raises(SystemExit):
+        serve_command.serve(_serve_args(tmp_path, "--mmproj", str(mmproj), "--allow-image-urls"))
+    config = seen["config"]
+    assert seen["load"]()["mmproj"] == str(mmproj) and "mmproj" not in config.model_options
+    assert config.max_body_bytes == 32 << 20 and config.allow_image_urls
+    with pytest.raises(SystemExit):
+        serve_command.serve(_serve_args(tmp_path))
+    assert "mmproj" not in seen["load"]() and seen["config"].max_body_bytes == 2 << 20
+    assert not seen["config"].allow_image_urls
+
+
+def _serve_args(tmp_path, *flags: str):
+    import argparse
+
+    from edgeinfer.commands import serve as serve_command
+
+    parser = argparse.ArgumentParser()
+    serve_command.register(parser.add_subparsers())
+    return parser.parse_args(["serve", str(tmp_path / "x.gguf"), *flags])

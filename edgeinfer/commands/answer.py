@@ -6,11 +6,12 @@ import sys
 import threading
 
 
-def answer(model, messages_or_prompt, params: dict, raw: bool, verbose: bool, out=None, err=None) -> str:
+def answer(model, messages_or_prompt, params: dict, raw: bool, verbose: bool, out=None, err=None,
+           images: list[str] | None = None) -> str:
     """Stream one answer to `out` (stdout); Ctrl-C stops it. `raw` completes the last user
-    text as it is; otherwise the messages go through the chat template, and the answer is
-    shown as edgeinfer.prompt.shown_answer says (reasoning as a `<think>` block). Returns the
-    text shown."""
+    text as it is, with `images` (files) at its markers; otherwise the messages go through the
+    chat template (images as their image parts), and the answer is shown as
+    edgeinfer.prompt.shown_answer says (reasoning as a `<think>` block). Returns the text shown."""
     from edgeinfer.kernels_cuda.graph import COUNTS
     from edgeinfer.prompt.shown_answer import ShownAnswer
 
@@ -19,6 +20,10 @@ def answer(model, messages_or_prompt, params: dict, raw: bool, verbose: bool, ou
     cancel = threading.Event()
     if raw:
         prompt = messages_or_prompt if isinstance(messages_or_prompt, str) else messages_or_prompt[-1]["content"]
+        if images:
+            from edgeinfer.commands.image_input import read_image_file
+
+            params = dict(params, images=[read_image_file(p) for p in images])
         chunks = model.generate(prompt, stream=True, cancel=cancel, **params)
     else:
         chunks = model.chat(messages_or_prompt, stream=True, cancel=cancel, **params)

@@ -31,6 +31,7 @@ class Repl:
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         self.reader = reader if reader is not None else LineReader(stdout=self.out)
+        self.images: list[str] = list(getattr(args, "image", None) or [])  # for the next message (/image)
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -69,17 +70,21 @@ class Repl:
 
     def send(self, line: str) -> None:
         """Answer one message, keep the turn, save the session if one is named."""
+        images, self.images = self.images, []
         try:
             params = self.params if self.constraint is None else {**self.params, "constraint": self.constraint}
             if self.raw:
-                answer(self.model, line, params, True, self.verbose, self.out, self.err)
+                answer(self.model, line, params, True, self.verbose, self.out, self.err, images=images)
                 return  # completion: each line stands alone
-            messages = messages_for(self.system, self.history, line)
+            from edgeinfer.commands.image_input import user_content
+
+            content = user_content(line, images)  # the turn keeps its images: later turns resend them
+            messages = messages_for(self.system, self.history, content)
             text = answer(self.model, messages, params, False, self.verbose, self.out, self.err)
         except EdgeInferError as exc:
             self.error(str(exc))
             return
-        self.history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
+        self.history += [{"role": "user", "content": content}, {"role": "assistant", "content": text}]
         if self.session is not None:
             try:
                 self.save(self.session, quiet=True)
@@ -104,6 +109,8 @@ class Repl:
             self.say(rc.show(rest, self.model, self.params, self.system, self.raw))
         elif word == "/load":
             self.load(rest)
+        elif word == "/image":
+            self.attach(rest)
         elif word == "/save":
             if not rest:
                 raise EdgeInferError("usage: /save <name>")
@@ -145,6 +152,20 @@ class Repl:
             raise EdgeInferError(f"/set {what} is not supported yet")
         else:
             raise EdgeInferError(f"unknown /set option {what!r} (try /? set)")
+
+    def attach(self, path: str) -> None:
+        """`/image PATH`: the image goes with the next message."""
+        if not path:
+            raise EdgeInferError("usage: /image <path>")
+        if getattr(self.model, "images", None) is None:
+            raise EdgeInferError(f"{self.name} takes no images: start it with --mmproj FILE")
+        if self.session is not None:
+            raise EdgeInferError("images cannot go into a saved session yet (saved sessions keep text only)")
+        from edgeinfer.commands.image_input import read_image_file
+
+        read_image_file(path)  # unreadable or too large: said now, not at the next message
+        self.images.append(path)
+        self.say(f"Added image '{path}' to the next message.")
 
     def load(self, name: str) -> None:
         """`/load NAME`: a saved session of this model if one has that name, else another model."""

@@ -66,6 +66,7 @@ USAGE = '''Available Commands:
   /set            Set session variables
   /show           Show model information
   /load <model>   Load a model (or a saved session)
+  /image <path>   Attach an image to the next message
   /save <name>    Save your current session
   /clear          Clear session context
   /bye            Exit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from edgeinfer.commands.answer import answer, messages_for
+from edgeinfer.commands.image_input import add_image_options, mmproj_of, user_content
 from edgeinfer.commands.model_flags import add_model_options, add_sampling_options, sampling_from_args
 from edgeinfer.commands.run_model import completion_mode, load_with_spinner
 from edgeinfer.commands.run_session import resume_session, save_run_session
@@ -28,6 +29,7 @@ def register(sub) -> None:
     p.add_argument("--grammar-file", default=None, metavar="FILE",
                    help="answer following a llama.cpp GBNF grammar")
     add_model_options(p)
+    add_image_options(p)
     add_sampling_options(p)
     p.set_defaults(func=run)
 
@@ -44,6 +46,9 @@ def run(args) -> int:
         check_name(session)  # before the model loads
         if args.raw:
             raise EdgeInferError("--session keeps a chat; it cannot be combined with --raw")
+        if args.image:
+            raise EdgeInferError("--image cannot be combined with --session yet (saved sessions keep text only)")
+    mmproj_of(args)  # a bad flag combination fails before the model loads
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
         from edgeinfer.commands.prompt_input import read_stdin_prompt
@@ -53,6 +58,8 @@ def run(args) -> int:
         print("edgeinfer: error: no prompt given", file=sys.stderr)
         return 2
     model = load_with_spinner(args)
+    if args.image and model.images is None:
+        raise EdgeInferError(f"{args.name} takes no images: give its vision encoder with --mmproj FILE")
     raw = completion_mode(model, args)
     system, history = args.system, []
     if session is not None:
@@ -65,7 +72,9 @@ def run(args) -> int:
         if one_shot["max_tokens"] < 0:
             # The default -n stops where the window ends; only an explicit -n goes past it.
             one_shot["context_shift"] = False
-        text = answer(model, messages_for(system, history, prompt), one_shot, raw, args.verbose)
+        content = prompt if raw else user_content(prompt, args.image)
+        text = answer(model, messages_for(system, history, content), one_shot, raw, args.verbose,
+                      images=args.image if raw else None)
         if session is not None:
             history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]
             save_run_session(model, session, system, history, params, args.session_kv)

@@ -50,8 +50,8 @@ def register(sub) -> None:
                         "'*' accepts any, only behind a proxy that checks Host)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="cancel a request after S seconds, queue wait included (default: none)")
-    p.add_argument("--max-body", type=positive_int, default=2 << 20, metavar="BYTES",
-                   help="largest request body accepted (default 2 MiB)")
+    p.add_argument("--max-body", type=positive_int, default=None, metavar="BYTES",
+                   help="largest request body accepted (default 2 MiB; 32 MiB with --mmproj: images come as base64)")
     p.add_argument("--keep-alive", type=keep_alive_duration, default=-1.0, metavar="DURATION",
                    help="unload the model after this long idle, as Ollama's keep_alive: '5m', '1h30m', "
                         "seconds, 0 = after each request; requests may set their own (default: never)")
@@ -82,6 +82,9 @@ def register(sub) -> None:
     p.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="enable llama-server's POST /slots/0?action=save|restore|erase, with files in DIR "
                         "(an existing folder; default: those are refused)")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="the served model's vision encoder GGUF (llama-server's --mmproj): requests may then send "
+                        "images, in every dialect")
     p.add_argument("--allow-image-urls", action="store_true",
                    help="fetch the http(s) image URLs requests name (10 s a wait, 30 s and 20 MiB an image); "
                         "the server then reaches any address a client names, local network included "
@@ -106,7 +109,8 @@ def serve(args) -> int:
         timeout_s=args.timeout,
         api_key=args.api_key or os.environ.get("EDGEINFER_API_KEY") or None,
         cors_origins=list(args.cors_origin), allowed_hosts=list(args.allowed_host) + _bind_names(args.host),
-        max_body_bytes=args.max_body, sampling=sampling_from_args(args), keep_alive_s=args.keep_alive,
+        max_body_bytes=args.max_body or ((32 if args.mmproj else 2) << 20), sampling=sampling_from_args(args),
+        keep_alive_s=args.keep_alive,
         max_models=args.max_models, bind_host=args.host, slot_save_path=slot_save_path,
         slots_endpoint=args.slots_endpoint, reasoning=args.reasoning, verbose=args.verbose,
         allow_image_urls=args.allow_image_urls,
@@ -117,6 +121,8 @@ def serve(args) -> int:
               + ("" if config.api_key else "; consider --api-key (without one, pull, delete, copy "
                  "and create are refused)"), file=sys.stderr)
     kwargs = model_kwargs(args)
+    if args.mmproj is not None:  # the served model's only: other local models load without it
+        kwargs["mmproj"] = _mmproj_file(args.mmproj)
 
     def load_model(**overrides):  # overrides: load options a request asked for (Ollama's num_ctx...)
         import edgeinfer
@@ -147,6 +153,16 @@ def serve(args) -> int:
     if state.load_error:
         raise EdgeInferError(state.load_error)
     return 0
+
+
+def _mmproj_file(path: str) -> str:
+    """--mmproj's file, checked to exist before the model loads."""
+    from pathlib import Path
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise EdgeInferError(f"--mmproj: no such file: {path}")
+    return str(file)
 
 
 def _slot_folder(path: str | None) -> str | None:
