@@ -209,6 +209,8 @@ class SessionManager:
         seq = self._resident
         if seq is None or seq.n_used == 0 or not np.array_equal(seq.positions, np.arange(seq.n_used)):
             return None
+        if min(seq.tokens[:seq.n_used]) < 0:  # image rows (edgeinfer.vision.media_ids): files keep text ids only
+            return None
         state = None
         if self.recurrent:  # K/V go only with the state after exactly those tokens
             if seq.recurrent.n_tokens != seq.n_used:
