@@ -270,6 +270,8 @@ def test_bad_image_input_is_one_clear_error(gemma_path, model):
         model.generate("the <__media__> of <__media__>", images=[a], max_tokens=1)
     with pytest.raises(EdgeInferError, match="text model"):
         model.generate("the", images=[random_chunk(6, N_EMBD * 2, 1)], max_tokens=1)
+    with pytest.raises(EdgeInferError, match="M-RoPE"):
+        model.generate("the", images=[ImageChunk(a.embeddings, a.digest, grid=(2, 3))], max_tokens=1)
     plain = Model("tiny-gemma3", gemma_path, EngineOptions(n_ctx=64, backend="reference"))
     with pytest.raises(EdgeInferError, match="no images"):
         plain.generate("the", images=[a], max_tokens=1)

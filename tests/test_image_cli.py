@@ -100,3 +100,34 @@ def test_repl_image_goes_with_the_next_message_only(gemma_path, png):
     # the second turn resends the first turn's image (the prefix cache holds it), and adds none
     assert len(image_runs(prompts[1])) == 1 and prompts[1][:len(prompts[0])] == prompts[0]
     assert projector.calls == 1  # encoded once: the second turn's copy came by its digest
+
+
+@pytest.fixture(scope="module")
+def mmprojs(tmp_path_factory):
+    pytest.importorskip("edgeinfer.vision.gemma3")
+    from mmproj_factory import write_gemma3_mmproj
+
+    root = tmp_path_factory.mktemp("imgcli-mmproj")
+    return {"fits": write_gemma3_mmproj(root / "mmproj-fits.gguf", n_embd_text=N_EMBD),
+            "wide": write_gemma3_mmproj(root / "mmproj-wide.gguf", n_embd_text=2 * N_EMBD)}
+
+
+def test_run_with_mmproj_and_images_answers(gemma_path, mmprojs, png, capsys):
+    code = main(["run", str(gemma_path), "--mmproj", str(mmprojs["fits"]), "--image", png, "--image", png,
+                 "the <__media__> of <__media__>", "--raw", "-n", "3", "--temp", "0", "--backend", "reference",
+                 "-c", "128", "--verbose"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "prompt eval count:" in captured.err
+    code = main(["run", str(gemma_path), "--mmproj", str(mmprojs["fits"]), "--image", png, "the of", "-n", "2",
+                 "--temp", "0", "--backend", "reference", "-c", "128"])  # chat: the image as an image part
+    assert code == 0, capsys.readouterr().err
+
+
+def test_run_refuses_an_mmproj_of_another_width_and_extra_images(gemma_path, mmprojs, png, capsys):
+    code = main(["run", str(gemma_path), "--mmproj", str(mmprojs["wide"]), "--image", png, "the of", "--raw",
+                 "-n", "1", "--backend", "reference", "-c", "64"])
+    assert "another model" in _one_line_error(capsys, code)
+    code = main(["run", str(gemma_path), "--mmproj", str(mmprojs["fits"]), "--image", png, "--image", png,
+                 "the <__media__> of", "--raw", "-n", "1", "--backend", "reference", "-c", "64"])
+    assert "marker" in _one_line_error(capsys, code)

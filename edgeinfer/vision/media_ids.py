@@ -107,6 +107,9 @@ class MediaRows:
                 raise EdgeInferError(f"an image chunk must have 1 to {MAX_ROWS - 1} rows, got {emb.shape[0]}")
             if not np.isfinite(emb).all():
                 raise EdgeInferError("an image chunk's embeddings are not all finite")
+            if chunk.grid is not None:  # positions on a 2-D grid: one position a row would be wrong
+                raise EdgeInferError("images with M-RoPE grid positions (Qwen-VL) are not supported by the "
+                                     "text side yet")
             key = media_key(chunk.digest)
             known = self._chunks.get(key)
             if known is not None and known.n_tokens != chunk.n_tokens:
