@@ -27,9 +27,11 @@ from test_server import fim_vocab
 MODEL = "tiny"
 
 
-def png(width: int = 2, height: int = 2, rgb: tuple[int, int, int] = (200, 30, 30)) -> bytes:
-    """A real PNG (RGB, 8 bits), made by hand: no image library needed."""
-    rows = b"".join(b"\x00" + bytes(rgb) * width for _ in range(height))
+def png(width: int = 2, height: int = 2, rgb: tuple[int, int, int] = (200, 30, 30), rows: bytes | None = None
+        ) -> bytes:
+    """A real PNG (RGB, 8 bits), made by hand: no image library needed (`rows`: other pixel data)."""
+    if rows is None:
+        rows = b"".join(b"\x00" + bytes(rgb) * width for _ in range(height))
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
@@ -247,6 +249,8 @@ def anthropic_image(source: dict) -> dict:
 
 
 TOO_BIG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 5000).decode()   # over the fixture's 4096 bytes
+BOMB = base64.b64encode(png(60000, 60000, rows=b"")).decode()   # a header claiming 3.6 gigapixels
+TORN = base64.b64encode(RED[:12]).decode()   # the PNG signature, then half a header
 
 
 @pytest.mark.parametrize("path,body,field,needle", [
@@ -283,6 +287,8 @@ TOO_BIG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 5000).decode()   # ove
     ("/api/generate", {"prompt": "x", "images": [B64_RED], "suffix": "y"}, "images", "suffix"),
     ("/api/generate", {"prompt": "x", "images": [B64_RED], "context": [1, 2]}, "context", "images"),
     ("/api/generate", {"prompt": "x", "images": [base64.b64encode(b"GIF8").decode()]}, "images.0", "not an image"),
+    ("/api/generate", {"prompt": "x", "images": [BOMB]}, "images.0", "megapixel limit"),
+    ("/api/generate", {"prompt": "x", "images": [TORN]}, "images.0", "header cannot be read"),
     ("/completion", {"prompt": {"prompt_string": "no marker", "multimodal_data": [B64_RED]}},
      "prompt.multimodal_data", "one image per marker"),
     ("/completion", {"prompt": {"prompt_string": f"{MARKER}", "multimodal_data": ["@@"]}},

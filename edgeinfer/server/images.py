@@ -9,12 +9,14 @@ reaches the model is always bytes checked here (for Model.chat, as a data URI), 
 request text never names a file.
 Checked before anything is decoded: the model has a projector (--mmproj), the number of
 images, the base64 text's length (so the decoded size is bounded before decoding), then the
-bytes' size and their format (PNG, JPEG, WebP or GIF: what edgeinfer.vision.image_io decodes).
+bytes' size, their format (PNG, JPEG, WebP or GIF: what edgeinfer.vision.image_io decodes) and
+the pixel count their header claims.
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import io
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +95,31 @@ def checked(data: bytes, field: str, limit: int) -> tuple[bytes, str]:
     kind = media_type(data)
     if kind is None:
         raise _bad(field, f"the data is not an image this server reads ({_FORMATS})")
+    _check_header(data, field)
     return data, kind
+
+
+def _check_header(data: bytes, field: str) -> None:
+    """The image's header read (not its pixels): a header Pillow cannot read, or a size past the
+    pixel budget (a decompression bomb), is refused here, where the field can be named."""
+    import warnings
+
+    from PIL import Image as PILImage
+
+    from edgeinfer.vision.image_io import FORMATS, MAX_PIXELS
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PILImage.DecompressionBombWarning)
+            with PILImage.open(io.BytesIO(data), formats=FORMATS) as img:
+                width, height = img.size
+    except PILImage.DecompressionBombError:
+        raise _bad(field, f"the image is larger than the {MAX_PIXELS // 1_000_000} megapixel limit") from None
+    except (PILImage.UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError):
+        raise _bad(field, f"the image's header cannot be read ({_FORMATS})") from None
+    if width * height > MAX_PIXELS:
+        raise _bad(field, f"the image of {width}x{height} pixels is larger than the "
+                          f"{MAX_PIXELS // 1_000_000} megapixel limit")
 
 
 def _data_uri(url: str, field: str, limit: int) -> bytes:
