@@ -199,6 +199,21 @@ def test_anthropic_image_blocks(http, seeing):
     assert call[2] == [RED] and user_content(call) == f"look{MARKER}and say"
 
 
+def test_streamed_answers_take_images_too(http, seeing):
+    for path, body in (
+            ("/v1/messages", {"max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64_RED}}]}]}),
+            ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": [B64_RED]}]}),  # streams by default
+            ("/v1/chat/completions", {"stream": True, **chat_image(URI_RED)}),
+            ("/v1/responses", {"stream": True, "max_output_tokens": 2, "input": [{"role": "user", "content": [
+                {"type": "input_image", "image_url": URI_RED}]}]})):
+        seeing.calls.clear()
+        r = http.post(path, json=body)
+        failed = ("event: error", "response.failed", '"error":{', '"error": {', '"error":"', '"error": "')
+        assert r.status_code == 200 and not any(f in r.text for f in failed), (path, r.text)
+        assert only_call(seeing)[2] == [RED], path
+
+
 def test_responses_input_image(http, seeing):
     r = http.post("/v1/responses", json={"max_output_tokens": 2, "input": [{"role": "user", "content": [
         {"type": "input_text", "text": "what"}, {"type": "input_image", "image_url": URI_BLUE, "detail": "auto"}]}]})
@@ -601,3 +616,21 @@ def _serve_args(tmp_path, *flags: str):
     parser = argparse.ArgumentParser()
     serve_command.register(parser.add_subparsers())
     return parser.parse_args(["serve", str(tmp_path / "x.gguf"), *flags])
+
+
+def test_an_image_that_fails_to_decode_is_a_400_and_the_server_goes_on(gemma_vision):
+    """A readable header over broken pixel data passes the server's checks and fails where the
+    model decodes it: a 400 before any answer, streamed or not, and the next request is served."""
+    torn = base64.b64encode(png(8, 8, rows=b"\x00" * 5)).decode()   # too few rows for its header
+    srv = start_server(gemma_vision, sampling={"temperature": 0.0, "max_tokens": 2})
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            for stream in (False, True):
+                r = c.post("/api/chat", json={"stream": stream, "messages": [
+                    {"role": "user", "content": "x", "images": [torn]}]})
+                assert r.status_code == 400 and "image" in r.json()["error"], r.text
+            r = c.post("/api/chat", json={"stream": False, "messages": [
+                {"role": "user", "content": "x", "images": [B64_RED]}]})
+            assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
