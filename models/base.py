@@ -281,8 +281,8 @@ class Transformer:
             return self.backend.attention(q, kv, layer, positions, scale, window, **kw)
         from edgeinfer.vision.image_attention import attention_to_limits
 
-        return attention_to_limits(self.backend.attention, q, kv, layer, positions, step.limits, scale, window,
-                                   **kw)
+        return attention_to_limits(self.backend.attention, q, kv, layer, positions, step.firsts, step.limits, scale,
+                                   window, **kw)
 
     def attention_sinks(self, i: int) -> str | None:
         """The tensor of layer i's per-head attention sinks (gpt-oss), or None."""

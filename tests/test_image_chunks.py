@@ -151,11 +151,12 @@ def _explicit_forward(path, ids: list[int], chunk: ImageChunk, at: int, causal_i
     return model.forward(np.array(ids), np.arange(n), kv, logits_for=np.arange(n))
 
 
-@pytest.mark.parametrize("prefill_chunk", [256, 8])
-def test_forward_with_an_image_matches_a_reference_with_the_mask_written_out(gemma_path, prefill_chunk):
-    """A prefix longer than the sliding window (16): image rows whose window starts before
-    the image's end take the one-row path (edgeinfer.vision.image_attention)."""
-    chunk = random_chunk(6, N_EMBD, 7)
+@pytest.mark.parametrize("prefill_chunk, n_image", [(256, 6), (8, 6), (256, 20)])
+def test_forward_with_an_image_matches_a_reference_with_the_mask_written_out(gemma_path, prefill_chunk, n_image):
+    """A prefix longer than the sliding window (16), so windows cut into the text before the
+    image; an image of 6 rows fits the window (its keys moved to its start), one of 20 does
+    not (its rows run one by one, and their windows hide the image's own earliest keys)."""
+    chunk = random_chunk(n_image, N_EMBD, 7)
     ids, at = _prompt(20, chunk, 5)
     want = _explicit_forward(gemma_path, ids, chunk, at)
     engine = _engine(gemma_path, "cpu", prefill_chunk=prefill_chunk)

@@ -77,6 +77,7 @@ class MediaStep:
     where: np.ndarray        # (n,) bool: rows that are image rows
     rows: np.ndarray         # (n_image_rows, n_embd) float32, in the order of `where`'s True rows
     limits: np.ndarray | None  # (n,) the last key position each query row sees; None: all causal
+    firsts: np.ndarray | None = None  # (n,) its non-causal image's first position (its own: a causal row)
 
     def token_ids(self, tokens: np.ndarray) -> np.ndarray:
         """tokens with image rows read as id 0 (their embedding is replaced by `place`)."""
@@ -128,7 +129,7 @@ class MediaRows:
         if not where.any():
             return None
         keys, rows = _split(tokens[where])
-        out, limits = [], None
+        out, limits, firsts = [], None, None
         positions = np.asarray(positions, dtype=np.int64)
         idx = np.flatnonzero(where)
         for j, (key, row) in enumerate(zip(keys.tolist(), rows.tolist())):
@@ -141,9 +142,10 @@ class MediaRows:
                 if last >= len(tokens) or tokens[last] != tokens[idx[j]] - (chunk.n_tokens - 1 - row):
                     raise EdgeInferError("a non-causal image must run in one forward pass")
                 if limits is None:
-                    limits = positions.copy()
+                    limits, firsts = positions.copy(), positions.copy()
                 limits[idx[j]] = positions[last]
-        return MediaStep(where, np.stack(out).astype(np.float32, copy=False), limits)
+                firsts[idx[j]] = positions[idx[j]] - row
+        return MediaStep(where, np.stack(out).astype(np.float32, copy=False), limits, firsts)
 
     def keep_whole(self, tokens: Sequence[int], cuts: list[int], max_rows: int) -> list[int]:
         """Prefill cut points (engine.chunk_bounds') moved off the inside of every image: a cut
