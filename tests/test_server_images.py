@@ -246,6 +246,12 @@ def test_apply_template_shows_a_marker_per_image(http, seeing):
     assert seeing.calls == []
 
 
+def test_the_marker_is_the_model_side_one():
+    from edgeinfer.vision.prompt_images import MARKER as model_marker
+
+    assert MARKER == model_marker
+
+
 def test_capabilities_say_images_are_taken(http):
     assert http.get("/props").json()["modalities"]["vision"] is True
     assert http.get("/props").json()["media_marker"] == MARKER

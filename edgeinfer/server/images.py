@@ -23,7 +23,10 @@ from typing import Any
 from edgeinfer.server.errors import APIError
 from edgeinfer.server.image_fetch import FetchError, fetch, is_remote
 
-MARKER = "<__media__>"   # llama.cpp's default media marker, where an image goes in a prompt's text
+# llama.cpp's default media marker, where an image goes in a prompt's text: edgeinfer.vision's
+# prompt_images.MARKER, written out so the server does not import the vision package at start-up
+# (a test checks the two are equal)
+MARKER = "<__media__>"
 MAX_IMAGES = 16   # per request: each costs an encoder pass, so a request cannot ask for hundreds
 NO_IMAGES = "this model has no image input: start the server with --mmproj (the model's vision projector file)"
 _FORMATS = "PNG, JPEG, WebP or GIF"
