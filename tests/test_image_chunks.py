@@ -61,6 +61,12 @@ def test_image_ids_are_negative_keyed_by_digest_and_found_as_runs():
     ids = [1, 5, *chunk_ids(a), *chunk_ids(b), 7, *chunk_ids(a)]
     assert image_runs(ids) == [(2, 6), (6, 10), (11, 15)]
     assert text_only(ids) == [1, 5, 7]
+    # every row's id hashes the whole digest: digests that share a prefix share no id
+    rows = a.embeddings
+    x, y = ImageChunk(rows, "ab" * 32), ImageChunk(rows, "ab" * 31 + "cd")
+    assert not set(chunk_ids(x)) & set(chunk_ids(y))
+    with pytest.raises(EdgeInferError, match="digest"):
+        chunk_ids(ImageChunk(rows, "not hex" * 8))
 
 
 def test_prefill_never_cuts_an_image():

@@ -2,15 +2,18 @@
 
 A prompt with images stays a list of ints, so the session manager, the prefix cache and the
 resident sequence work on it unchanged: image row r of a chunk with digest d takes the id
--(1 + (key(d) << ROW_BITS) + r), negative so it can never be a vocabulary id. The same image
-sent again gets the same ids, so its K/V are found in the prefix cache like any text; two
-different images differ in their ids. `MediaRows` (one prompt's chunks) turns the ids of a
-forward pass into a `MediaStep`: the embedding rows that replace token embeddings there, and
-for non-causal chunks (gemma3) the last key position each query row sees.
+-(1 + (key(d, r) << ROW_BITS) + r), negative so it can never be a vocabulary id, key(d, r)
+KEY_BITS of sha256(d, r). The same image sent again gets the same ids, so its K/V are found in
+the prefix cache like any text; two different images differ in their ids, and a cached block
+of image rows matches only if every row's key does (one key is too few bits to trust alone).
+`MediaRows` (one prompt's chunks) turns the ids of a forward pass into a `MediaStep`: the
+embedding rows that replace token embeddings there, and for non-causal chunks (gemma3) each
+query row's image span.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,24 +23,26 @@ from edgeinfer.errors import EdgeInferError
 from edgeinfer.vision.chunk import ImageChunk
 
 ROW_BITS = 20  # rows per image: libmtmd's largest grids stay far below 2^20 tokens
-KEY_BITS = 40  # bits of the digest in an id: ids stay inside int64 (1 + 40 + 20 < 63)
+KEY_BITS = 40  # bits of key(d, r) in an id: ids stay inside int64 (1 + 40 + 20 < 63)
 MAX_ROWS = 1 << ROW_BITS
-
-
-def media_key(digest: str) -> int:
-    """The digest's first KEY_BITS bits (a sha256 hex string is checked, not trusted)."""
-    if not isinstance(digest, str) or len(digest) < KEY_BITS // 4:
-        raise EdgeInferError("an image chunk's digest must be a hex string of at least 10 characters")
-    try:
-        return int(digest[:KEY_BITS // 4], 16)
-    except ValueError:
-        raise EdgeInferError("an image chunk's digest must be hexadecimal") from None
+MIN_DIGEST = 32  # hex characters: an image chunk's digest is sha256 hex (64)
 
 
 def chunk_ids(chunk: ImageChunk) -> list[int]:
     """The ids standing for the chunk's rows, in order."""
-    base = 1 + (media_key(chunk.digest) << ROW_BITS)
-    return [-(base + r) for r in range(chunk.n_tokens)]
+    digest = chunk.digest
+    if not isinstance(digest, str) or len(digest) < MIN_DIGEST or not all(c in _HEX for c in digest):
+        raise EdgeInferError(f"an image chunk's digest must be at least {MIN_DIGEST} hex characters")
+    if not 1 <= chunk.n_tokens < MAX_ROWS:
+        raise EdgeInferError(f"an image chunk must have 1 to {MAX_ROWS - 1} rows, got {chunk.n_tokens}")
+    ids = []
+    for r in range(chunk.n_tokens):
+        key = int.from_bytes(hashlib.sha256(f"{digest}:{r}".encode()).digest()[:KEY_BITS // 8], "little")
+        ids.append(-(1 + (key << ROW_BITS) + r))
+    return ids
+
+
+_HEX = frozenset("0123456789abcdefABCDEF")
 
 
 def text_only(ids: Sequence[int]) -> list[int]:
@@ -46,10 +51,9 @@ def text_only(ids: Sequence[int]) -> list[int]:
     return [t for t in ids if t >= 0]
 
 
-def _split(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(key, row) of image ids."""
-    v = -np.asarray(ids, dtype=np.int64) - 1
-    return v >> ROW_BITS, v & (MAX_ROWS - 1)
+def _rows(ids: np.ndarray) -> np.ndarray:
+    """The row index each image id carries."""
+    return (-np.asarray(ids, dtype=np.int64) - 1) & (MAX_ROWS - 1)
 
 
 def image_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -59,10 +63,10 @@ def image_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
     idx = np.flatnonzero(arr < 0)
     if not idx.size:
         return runs
-    keys, rows = _split(arr[idx])
+    rows = _rows(arr[idx])
     start = int(idx[0])
     for j in range(1, idx.size):
-        same = idx[j] == idx[j - 1] + 1 and keys[j] == keys[j - 1] and rows[j] == rows[j - 1] + 1
+        same = idx[j] == idx[j - 1] + 1 and rows[j] == rows[j - 1] + 1
         if not same:
             runs.append((start, int(idx[j - 1]) + 1))
             start = int(idx[j])
@@ -91,10 +95,11 @@ class MediaStep:
 
 
 class MediaRows:
-    """The images of one request, by key: what `step` reads image ids against."""
+    """The images of one request, by their rows' ids: what `step` reads image ids against."""
 
     def __init__(self, chunks: Sequence[ImageChunk], n_embd: int) -> None:
-        self._chunks: dict[int, ImageChunk] = {}
+        self._rows: dict[int, tuple[ImageChunk, int]] = {}  # id -> (its chunk, its row)
+        self._last: dict[str, int] = {}  # digest -> the id of the image's last row
         for chunk in chunks:
             if not isinstance(chunk, ImageChunk):
                 raise EdgeInferError(f"an image must be encoded to an ImageChunk, got {type(chunk).__name__}")
@@ -104,21 +109,19 @@ class MediaRows:
             if emb.shape[1] != n_embd:
                 raise EdgeInferError(f"image embeddings are {emb.shape[1]} wide but the text model takes "
                                      f"{n_embd}: the mmproj does not belong to this model")
-            if not 1 <= emb.shape[0] < MAX_ROWS:
-                raise EdgeInferError(f"an image chunk must have 1 to {MAX_ROWS - 1} rows, got {emb.shape[0]}")
             if not np.isfinite(emb).all():
                 raise EdgeInferError("an image chunk's embeddings are not all finite")
             if chunk.grid is not None:  # positions on a 2-D grid: one position a row would be wrong
                 raise EdgeInferError("images with M-RoPE grid positions (Qwen-VL) are not supported by the "
                                      "text side yet")
-            key = media_key(chunk.digest)
-            known = self._chunks.get(key)
-            if known is not None and known.n_tokens != chunk.n_tokens:
+            ids = chunk_ids(chunk)
+            if self._last.get(chunk.digest, ids[-1]) != ids[-1]:
                 raise EdgeInferError("two images share a digest but not their token count")
-            self._chunks[key] = chunk
+            self._last[chunk.digest] = ids[-1]
+            self._rows.update((t, (chunk, r)) for r, t in enumerate(ids))
 
     def __len__(self) -> int:
-        return len(self._chunks)
+        return len(self._last)
 
     def step(self, tokens: np.ndarray, positions: np.ndarray) -> MediaStep | None:
         """The image rows of a forward pass of `tokens` at `positions` (None: there are none).
@@ -128,18 +131,18 @@ class MediaRows:
         where = tokens < 0
         if not where.any():
             return None
-        keys, rows = _split(tokens[where])
         out, limits, firsts = [], None, None
         positions = np.asarray(positions, dtype=np.int64)
         idx = np.flatnonzero(where)
-        for j, (key, row) in enumerate(zip(keys.tolist(), rows.tolist())):
-            chunk = self._chunks.get(key)
-            if chunk is None or row >= chunk.n_tokens:
+        for j, t in enumerate(tokens[where].tolist()):
+            got = self._rows.get(t)
+            if got is None:
                 raise EdgeInferError("the prompt holds image positions of an image that was not given")
+            chunk, row = got
             out.append(chunk.embeddings[row])
             if chunk.non_causal:
                 last = idx[j] + chunk.n_tokens - 1 - row  # index of the image's last row in this pass
-                if last >= len(tokens) or tokens[last] != tokens[idx[j]] - (chunk.n_tokens - 1 - row):
+                if last >= len(tokens) or tokens[last] != self._last[chunk.digest]:
                     raise EdgeInferError("a non-causal image must run in one forward pass")
                 if limits is None:
                     limits, firsts = positions.copy(), positions.copy()
