@@ -214,6 +214,23 @@ def test_streamed_answers_take_images_too(http, seeing):
         assert only_call(seeing)[2] == [RED], path
 
 
+def test_anthropic_tool_result_with_an_image(http, seeing):
+    calls = [{"role": "user", "content": "take a screenshot"},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]}]
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64_BLUE}}
+    for is_error, content, want in ((False, [{"type": "text", "text": "here:"}, shot], f"here:{MARKER}"),
+                                    (True, [shot], f"Error: {MARKER}")):
+        seeing.calls.clear()
+        r = http.post("/v1/messages", json={"max_tokens": 2, "messages": [*calls, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": content, "is_error": is_error}]}]})
+        assert r.status_code == 200, r.text
+        kind, messages, seen = only_call(seeing)
+        assert seen == [BLUE] and messages[-1]["role"] == "tool" and messages[-1]["content"] == want
+    r = http.post("/v1/messages/count_tokens", json={"messages": [*calls, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [shot]}]}]})
+    assert r.status_code == 400 and "messages.2.content.0.content.0" in r.text and "not counted" in r.text
+
+
 def test_responses_input_image(http, seeing):
     r = http.post("/v1/responses", json={"max_output_tokens": 2, "input": [{"role": "user", "content": [
         {"type": "input_text", "text": "what"}, {"type": "input_image", "image_url": URI_BLUE, "detail": "auto"}]}]})
@@ -637,6 +654,12 @@ def test_an_image_that_fails_to_decode_is_a_400_and_the_server_goes_on(gemma_vis
                 assert r.status_code == 400 and "image" in r.json()["error"], r.text
             r = c.post("/api/chat", json={"stream": False, "messages": [
                 {"role": "user", "content": "x", "images": [B64_RED]}]})
+            assert r.status_code == 200, r.text
+            r = c.post("/v1/messages", json={"max_tokens": 2, "messages": [  # a tool's screenshot
+                {"role": "user", "content": "look"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64_RED}}]}]}]})
             assert r.status_code == 200, r.text
     finally:
         srv.stop()

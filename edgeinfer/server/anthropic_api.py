@@ -8,8 +8,8 @@ uses (edgeinfer.server.tool_output.chat_plan, Model.chat):
   template's messages: text blocks the content, an assistant's `tool_use` blocks its
   `tool_calls`, its `thinking` blocks its `reasoning_content`, a `tool_result` block a tool
   message (its text; `is_error` writes "Error: " before it). A user turn's image blocks
-  (base64 or url sources: edgeinfer.server.images) go to Model.chat as image parts, for a
-  model served with --mmproj; document input is a 400. A final assistant message is
+  (base64 or url sources: edgeinfer.server.images), a tool_result's too (a screenshot), go to
+  Model.chat as image parts, for a model served with --mmproj; document input is a 400. A final assistant message is
   continued (Anthropic's prefill), in a conversation without images.
 - `tools` ({name, description, input_schema}) and `tool_choice` (auto, any = OpenAI's
   "required", tool = a named function, none; `disable_parallel_tool_use`) go to the
@@ -89,6 +89,28 @@ def _text(blocks, field: str) -> str:
             raise _refused(b.type, f"{field}.{j}", "in a tool_result")
         parts.append(b.text)
     return "\n\n".join(parts)
+
+
+def _tool_content(blocks, field: str, is_error: bool, images) -> str | list[dict]:
+    """A tool_result's content: its text ("Error: " before it for is_error), or with image blocks
+    (a screenshot a tool took) its text and image parts, each image read by `images`."""
+    if blocks is None or isinstance(blocks, str) or not any(b.type == "image" for b in blocks):
+        text = _text(blocks, field)
+        return "Error: " + text if is_error else text
+    if images is None:
+        j = next(j for j, b in enumerate(blocks) if b.type == "image")
+        raise _refused("image", f"{field}.{j}")
+    parts = [{"type": "text", "text": "Error: "}] if is_error else []
+    for j, b in enumerate(blocks):
+        if b.type == "text":
+            parts.append({"type": "text", "text": b.text})
+        elif b.type == "image":
+            parts.append(images.anthropic(b.source, f"{field}.{j}.source"))
+        else:
+            raise _refused(b.type, f"{field}.{j}", "in a tool_result")
+    if is_error and len(parts) > 1 and parts[1]["type"] == "text":  # "Error: " runs into its text
+        parts[:2] = [{"type": "text", "text": "Error: " + parts[1]["text"]}]
+    return joined_parts(parts)
 
 
 def _refused(kind: str, field: str, where: str = "") -> APIError:
@@ -189,9 +211,8 @@ def _user(role: str, blocks: list, calls: dict[str, str], images) -> list[dict]:
             if name is None:
                 raise _bad(field + ".tool_use_id", f"no earlier tool_use has the id {b.tool_use_id!r}")
             flush()
-            text = _text(b.content, field + ".content")
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "name": name,
-                        "content": "Error: " + text if b.is_error else text})
+                        "content": _tool_content(b.content, field + ".content", bool(b.is_error), images)})
         else:
             raise _refused(b.type, field, f"in a {role} message")
     flush()
