@@ -1,7 +1,8 @@
 """The fast decode and prefill-tile kernels compiled for other CPUs than this one, in subprocesses.
 
 NUMBA_CPU_NAME / NUMBA_CPU_FEATURES make Numba compile for another target:
-- haswell (AVX2, FMA, F16C, no AVX-512): the AVX2 intrinsic path,
+- haswell (AVX2, FMA, F16C, no AVX-512): the AVX2 intrinsic path (on AVX-512 hosts; an
+  AVX2-only host runs it itself),
 - x86-64 with SSE2 only: the portable-IR path (no AVX2 intrinsics, no F16C).
 Numba keys its on-disk cache by (triple, CPU name, feature string), so these runs
 share the cache directory with the host's without mixing code; the last run (host
@@ -81,11 +82,12 @@ k, v = (rng.standard_normal((40, 2, 64)).astype(np.float16) for _ in range(2))
 results["attention"] = kv_attention.attention(q, k, v, np.arange(40), np.arange(37, 40), 0.125, 16)
 results["f16_bits"] = f16.to_f16_bits(q * 1e3)
 results["f16_to_f32"] = f16.f16_to_f32(k)
-# the prefill tiles: vpdpbusd with VNNI, its portable emulation elsewhere (exact integers)
+# the prefill tiles: vpdpbusd with VNNI, its portable emulation elsewhere (exact integers);
+# matmul takes them on VNNI hosts only, so only the host's run computes them
 from edgeinfer.kernels_cpu import tile_gemm
 X = rng.standard_normal((19, 256)).astype(np.float32)
 packed = tile_gemm.pack_activations(X)
-for qt in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q6_K):
+for qt in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q6_K) if "tiles" in sys.argv[2] else ():
     w = random_blocks(qt, 6, 256, rng)
     out = np.empty((19, 6), np.float32)
     tile_gemm.matmul_rows(w, int(qt), 0, 6, packed, out)
@@ -98,13 +100,14 @@ for qt in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q6_K):
         if not np.array_equal(out8, plain8):
             sys.exit("Q4_K_X8 tiles differ from Q4_K's")
         results["tiles_Q4_K_X8"] = out8
-# the K-quant prefill GEMM (AVX2's vpmaddubsw or the portable IR): Q4_K tokens get matvec's bits
+# the K-quant prefill GEMM (AVX2's vpmaddubsw or the portable IR): Q4_K tokens get matvec's bits;
+# matmul takes it on AVX2 hosts only (so not in the SSE2 run)
 import importlib
 from edgeinfer.kernels_cpu import gemm_kquant
 MV = importlib.import_module("edgeinfer.kernels_cpu.matvec")
 X = rng.standard_normal((7, 512)).astype(np.float32)
 packed = gemm_kquant.pack_activations(*MV.quantize_activation_rows(X, K.quant_info(T.Q4_K)))
-for qt in (T.Q4_K, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ4_XS, T.IQ2_XS, T.IQ3_S):
+for qt in (T.Q4_K, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ4_XS, T.IQ2_XS, T.IQ3_S) if "gemm" in sys.argv[2] else ():
     w = random_blocks(qt, 16, 512, rng)
     w.flags.writeable = False
     out = np.empty((7, 16), np.float32)
@@ -118,7 +121,7 @@ print("ok", dispatch.kernels_for(*FAST_TYPES).matvec_kernel.stats.cache_hits)
 """
 
 
-def _run(out_file, cpu_name=None, features=None):
+def _run(out_file, parts, cpu_name=None, features=None):
     env = dict(os.environ)
     env.pop("NUMBA_CPU_NAME", None)
     env.pop("NUMBA_CPU_FEATURES", None)
@@ -126,24 +129,41 @@ def _run(out_file, cpu_name=None, features=None):
         env["NUMBA_CPU_NAME"] = cpu_name
         env["NUMBA_CPU_FEATURES"] = features
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", _SCRIPT, str(out_file)], env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-c", _SCRIPT, str(out_file), parts], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout
 
 
+def _host_is_avx2_only() -> bool:
+    from numba.core.registry import cpu_target
+
+    from edgeinfer.kernels_cpu.ir_helpers import target_features
+
+    feats = target_features(cpu_target.target_context)
+    return "+avx2" in feats and "+avx512f" not in feats
+
+
 def test_fast_kernels_on_other_cpu_targets_give_the_host_bits(tmp_path):
     # the AVX2 intrinsics and the portable IR do the same integer and float operations in
-    # the same order, so every target must produce the host's results bit for bit
+    # the same order, so every target must produce the host's results bit for bit. Each
+    # target compiles the paths matmul can take there: the SSE2 build has neither the
+    # K-quant GEMM (AVX2 hosts) nor the tiles (VNNI hosts); an AVX2 host without AVX-512
+    # runs the AVX2 path itself, so the haswell build would repeat the host's
+    targets = [("sse2-portable", "x86-64", SSE2_ONLY, False, "rows")]
+    if not _host_is_avx2_only():
+        targets.insert(0, ("avx2", "haswell", HASWELL, True, "rows,gemm"))
     outs = {}
-    for name, cpu_name, features, has_avx2 in [("avx2", "haswell", HASWELL, True),
-                                               ("sse2-portable", "x86-64", SSE2_ONLY, False)]:
-        out = _run(tmp_path / f"{name}.npz", cpu_name, features)
+    for name, cpu_name, features, has_avx2, parts in targets:
+        out = _run(tmp_path / f"{name}.npz", parts, cpu_name, features)
         assert f"target {cpu_name} {has_avx2}" in out
         assert "ok" in out
         outs[name] = np.load(tmp_path / f"{name}.npz")
     # last: the host target, loading the on-disk cache the other targets wrote beside it
-    assert "ok" in _run(tmp_path / "host.npz")
+    assert "ok" in _run(tmp_path / "host.npz", "rows,gemm,tiles")
     host = np.load(tmp_path / "host.npz")
+    assert {"gemm_Q4_K", "tiles_Q4_K"} <= set(host.files)
     for name, got in outs.items():
-        for key in host.files:
+        left_out = set(host.files) - set(got.files)
+        assert all(k.startswith(("gemm_", "tiles_")) for k in left_out), (name, left_out)
+        for key in got.files:
             np.testing.assert_array_equal(got[key], host[key], err_msg=f"{name} {key}")
