@@ -276,8 +276,8 @@ class Model:
                 text = self.template.render_prompt(messages, add_bos=self.tokenizer.add_bos,
                                                    add_generation_prompt=True, cancel=cancel)
             if images:
-                ids, media = self._image_prompt(text, images, marker, cancel, lambda piece: self.tokenizer.tokenize_parts(
-                    literal.parts(piece), add_special=False, cancel=cancel))
+                ids, media = self._image_prompt(text, images, marker, cancel, lambda piece: (
+                    self.tokenizer.tokenize_parts(literal.parts(piece), add_special=False, cancel=cancel)))
             else:
                 ids = literal.tokenize(text, add_special=True, cancel=cancel)
         except (TemplateError, TokenizerError):

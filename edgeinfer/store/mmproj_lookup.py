@@ -1,4 +1,4 @@
-"""Where a model's mmproj file is: an `mmproj-*.gguf` beside the model file, as llama.cpp's -hf finds it in the repository."""
+"""Where a model's mmproj file is: an `mmproj-*.gguf` beside the model file, as llama.cpp's -hf finds it."""
 
 from __future__ import annotations
 

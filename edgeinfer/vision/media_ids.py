@@ -1,4 +1,4 @@
-"""Image positions in a token sequence: ids derived from each ImageChunk's digest, and the rows and attention they stand for.
+"""Image positions in a token sequence: ids derived from each chunk's digest, and the rows and attention they stand for.
 
 A prompt with images stays a list of ints, so the session manager, the prefix cache and the
 resident sequence work on it unchanged: image row r of a chunk with digest d takes the id

@@ -1,4 +1,4 @@
-"""A prompt with images as token ids: the text split at its media markers, each image wrapped in its projector's tokens, as libmtmd tokenizes.
+"""A prompt with images as token ids: text split at its media markers, each image in its projector's wrap (libmtmd).
 
 Each text piece between markers is tokenized on its own, without BOS (libmtmd's
 mtmd_tokenize); the prompt's BOS goes first. An image becomes its begin text (special tokens

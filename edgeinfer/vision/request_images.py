@@ -1,4 +1,4 @@
-"""A request's images to ImageChunks: paths, bytes and chat image parts read, decoded under the pixel budget, encoded once per digest.
+"""A request's images to ImageChunks: paths, bytes and chat image parts read, decoded, encoded once per digest.
 
 Chat messages carry images as OpenAI image parts ({"type": "image_url", "image_url": {"url":
 "data:image/png;base64,..."}}); each becomes a text part holding the media marker, so the
