@@ -602,7 +602,8 @@ def test_fetch_is_bounded_in_time(web):
 
 def test_serve_mmproj_flag(tmp_path, capsys, monkeypatch):
     """serve --mmproj: a missing file is one line and exit 1, before anything loads; given, the
-    served model is loaded with it, other local models without it, and bodies may be 32 MiB."""
+    served model is loaded with it, other local models without it, and bodies may be 32 MiB; a
+    model named from the store brings the mmproj beside it ("auto"), unless --no-mmproj."""
     from edgeinfer.cli import main
     from edgeinfer.commands import serve as serve_command
 
@@ -625,20 +626,27 @@ def test_serve_mmproj_flag(tmp_path, capsys, monkeypatch):
     config = seen["config"]
     assert seen["load"]()["mmproj"] == str(mmproj) and "mmproj" not in config.model_options
     assert config.max_body_bytes == 32 << 20 and config.allow_image_urls
-    with pytest.raises(SystemExit):
-        serve_command.serve(_serve_args(tmp_path))
-    assert "mmproj" not in seen["load"]() and seen["config"].max_body_bytes == 2 << 20
+    with pytest.raises(SystemExit):  # a store name: the mmproj beside it, if there is one
+        serve_command.serve(_serve_args(tmp_path, name="gemma3:4b"))
+    assert seen["load"]()["mmproj"] == "auto" and seen["config"].max_body_bytes == 32 << 20
     assert not seen["config"].allow_image_urls
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    for flags in ((), ("--no-mmproj",)):  # a model file, or --no-mmproj: text only
+        with pytest.raises(SystemExit):
+            serve_command.serve(_serve_args(tmp_path, *flags, name="gemma3:4b" if flags else None))
+        assert "mmproj" not in seen["load"]() and seen["config"].max_body_bytes == 2 << 20
+    assert main(["serve", "gemma3:4b", "--no-mmproj", "--mmproj", str(mmproj)]) == 1
+    assert "cannot go with --mmproj" in capsys.readouterr().err
 
 
-def _serve_args(tmp_path, *flags: str):
+def _serve_args(tmp_path, *flags: str, name: str | None = None):
     import argparse
 
     from edgeinfer.commands import serve as serve_command
 
     parser = argparse.ArgumentParser()
     serve_command.register(parser.add_subparsers())
-    return parser.parse_args(["serve", str(tmp_path / "x.gguf"), *flags])
+    return parser.parse_args(["serve", name or str(tmp_path / "x.gguf"), *flags])
 
 
 def test_an_image_that_fails_to_decode_is_a_400_and_the_server_goes_on(gemma_vision):

@@ -51,7 +51,8 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="cancel a request after S seconds, queue wait included (default: none)")
     p.add_argument("--max-body", type=positive_int, default=None, metavar="BYTES",
-                   help="largest request body accepted (default 2 MiB; 32 MiB with --mmproj: images come as base64)")
+                   help="largest request body accepted (default 2 MiB; 32 MiB where the model may take images, "
+                        "which come as base64)")
     p.add_argument("--keep-alive", type=keep_alive_duration, default=-1.0, metavar="DURATION",
                    help="unload the model after this long idle, as Ollama's keep_alive: '5m', '1h30m', "
                         "seconds, 0 = after each request; requests may set their own (default: never)")
@@ -84,7 +85,8 @@ def register(sub) -> None:
                         "(an existing folder; default: those are refused)")
     p.add_argument("--mmproj", default=None, metavar="FILE",
                    help="the served model's vision encoder GGUF (llama-server's --mmproj): requests may then send "
-                        "images, in every dialect")
+                        "images, in every dialect (default: the mmproj-*.gguf beside a model named from the store)")
+    p.add_argument("--no-mmproj", action="store_true", help="load no mmproj, even one found beside the model")
     p.add_argument("--allow-image-urls", action="store_true",
                    help="fetch the http(s) image URLs requests name (10 s a wait, 30 s and 20 MiB an image); "
                         "the server then reaches any address a client names, local network included "
@@ -104,13 +106,14 @@ def serve(args) -> int:
     if args.timeout is not None and args.timeout <= 0:
         raise EdgeInferError(f"--timeout must be positive, got {args.timeout}")
     slot_save_path = _slot_folder(args.slot_save_path)
+    mmproj = _mmproj_of(args)
     config = ServerConfig(
         model_name=args.alias or args.name, pooling=args.pooling, rerank=args.rerank, max_queue=args.max_queue,
         timeout_s=args.timeout,
         api_key=args.api_key or os.environ.get("EDGEINFER_API_KEY") or None,
         cors_origins=list(args.cors_origin), allowed_hosts=list(args.allowed_host) + _bind_names(args.host),
-        max_body_bytes=args.max_body or ((32 if args.mmproj else 2) << 20), sampling=sampling_from_args(args),
-        keep_alive_s=args.keep_alive,
+        max_body_bytes=args.max_body or ((32 if mmproj is not None else 2) << 20),
+        sampling=sampling_from_args(args), keep_alive_s=args.keep_alive,
         max_models=args.max_models, bind_host=args.host, slot_save_path=slot_save_path,
         slots_endpoint=args.slots_endpoint, reasoning=args.reasoning, verbose=args.verbose,
         allow_image_urls=args.allow_image_urls,
@@ -121,8 +124,8 @@ def serve(args) -> int:
               + ("" if config.api_key else "; consider --api-key (without one, pull, delete, copy "
                  "and create are refused)"), file=sys.stderr)
     kwargs = model_kwargs(args)
-    if args.mmproj is not None:  # the served model's only: other local models load without it
-        kwargs["mmproj"] = _mmproj_file(args.mmproj)
+    if mmproj is not None:  # the served model's only: other local models load without one
+        kwargs["mmproj"] = mmproj
 
     def load_model(**overrides):  # overrides: load options a request asked for (Ollama's num_ctx...)
         import edgeinfer
@@ -155,14 +158,22 @@ def serve(args) -> int:
     return 0
 
 
-def _mmproj_file(path: str) -> str:
-    """--mmproj's file, checked to exist before the model loads."""
+def _mmproj_of(args) -> str | None:
+    """edgeinfer.load's mmproj for the served model: --mmproj's file (checked to exist before
+    the model loads), None with --no-mmproj or for a model given as a file, else "auto" (the
+    mmproj beside a model named from the store, as llama-server's -hf and `run` find it)."""
     from pathlib import Path
 
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise EdgeInferError(f"--mmproj: no such file: {path}")
-    return str(file)
+    if args.no_mmproj:
+        if args.mmproj is not None:
+            raise EdgeInferError("--no-mmproj loads no vision encoder: it cannot go with --mmproj")
+        return None
+    if args.mmproj is not None:
+        file = Path(args.mmproj).expanduser()
+        if not file.is_file():
+            raise EdgeInferError(f"--mmproj: no such file: {args.mmproj}")
+        return str(file)
+    return None if Path(args.name).expanduser().is_file() else "auto"
 
 
 def _slot_folder(path: str | None) -> str | None:
