@@ -64,6 +64,23 @@ def test_projected_embeddings_match_libmtmd(tmp_path, text_model, qtype, patch_q
         oracle.close()
 
 
+def test_a_large_image_scaled_down_into_1120_tokens_matches_libmtmd(tmp_path, text_model):
+    """calc_size_preserved_ratio's other branch: over max pixels, sides floored after the sqrt."""
+    if not mtmd_oracle.available():
+        pytest.skip(mtmd_oracle.REASON)
+    mmproj = write_gemma4v_mmproj(tmp_path / "m.gguf", N_TEXT, "F32", shape=Gemma4VisionShape(n_pos=96))
+    oracle = mtmd_oracle.Mtmd(text_model, mmproj)
+    try:
+        projector = load_mmproj(mmproj)
+        pixels = _picture(300, 260, 3)
+        assert projector.target_size(300, 260) == (280, 248)   # 296 x 256 would be 1184 tokens
+        ref, got = oracle.encode(pixels), projector.encode(pixels).embeddings
+        assert got.shape == ref.shape == (35 * 31, N_TEXT)
+        assert _relative_error(got, ref) < TOLERANCE["F32"]   # measured 1.8e-5
+    finally:
+        oracle.close()
+
+
 def test_two_images_differ_and_one_image_repeats(tmp_path):
     projector = load_mmproj(write_gemma4v_mmproj(tmp_path / "m.gguf", N_TEXT, "F32"))
     a, b = projector.encode(_picture(64, 64, 5)), projector.encode(_picture(64, 64, 6))
