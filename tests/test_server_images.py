@@ -314,6 +314,8 @@ TORN = base64.b64encode(RED[:12]).decode()   # the PNG signature, then half a he
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content.0", "content part"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "image_url": {"url": URI_RED}}]}]}, "messages", "holds no image_url"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": URI_RED}}]}, {"role": "assistant", "content": "It is"}]},
      "messages", "not supported with images"),
     ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": ["%%%"]}]}, "messages.0.images.0",

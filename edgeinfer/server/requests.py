@@ -79,10 +79,13 @@ def message_text(m: OpenAIMessage) -> str:
         return m.content
     parts = []
     for part in m.content:
-        if part.type != "text" or part.image_url is not None:
+        if part.type != "text":
             raise APIError(400, f"invalid field 'messages': content part type {part.type!r} is not supported "
-                                "(text only)",
+                                "(text, or image_url in a user message)",
                            param="messages")
+        if part.image_url is not None:
+            raise APIError(400, "invalid field 'messages': a text part holds no image_url (an image is a part of "
+                                "type 'image_url')", param="messages")
         parts.append(part.text or "")
     return "\n\n".join(parts)
 
