@@ -283,7 +283,8 @@ async def completion(request: Request):
     def start_for(prompt):
         if isinstance(prompt, MediaPrompt):
             shown = data[prompt.first:prompt.first + prompt.count]
-            return limited(lambda cancel: model.generate(prompt.text, stream=True, cancel=cancel, images=shown, **run),
+            return limited(lambda cancel: model.generate(prompt.text, stream=True, cancel=cancel, images=shown,
+                                                         **run),
                            req.t_max_predict_ms, req.n_indent)
         return limited(lambda cancel: model.generate(prompt, stream=True, cancel=cancel, **run),
                        req.t_max_predict_ms, req.n_indent)

@@ -118,7 +118,7 @@ async def generate(request: Request):
     state = request.app.state.server
     req = await read_body(request, OllamaGenerateRequest)
     keep = state.apply_keep_alive(req.keep_alive)
-    if keep == 0 and not req.prompt and req.suffix is None:
+    if keep == 0 and not req.prompt and req.suffix is None and not req.images:
         state.check_model_name(req.model)
         return load_response(state, "unload")  # the model goes as this answer does (ModelGate)
     model = await state.ensure_model(load_overrides(req))
