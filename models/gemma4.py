@@ -164,9 +164,13 @@ class Gemma4(Transformer):
     def hidden(self, tokens, positions, kv, rows):
         cfg, be = self.config, self.backend
         tokens = np.asarray(tokens)
-        x = be.get_rows("token_embd.weight", tokens)
+        step = self.media_step  # image rows: unscaled, and per-layer rows of token 0 (llama.cpp's padding)
+        ids = tokens if step is None else step.token_ids(tokens)
+        x = be.get_rows("token_embd.weight", ids)
         x *= np.float32(cfg.embed_scale)
-        per_layer = self.per_layer_inputs(tokens, x) if cfg.extra["n_embd_per_layer"] else None
+        if step is not None:
+            x = step.place(x)
+        per_layer = self.per_layer_inputs(ids, x) if cfg.extra["n_embd_per_layer"] else None
         slots = kv.append(positions)
         for i in range(cfg.n_layer):
             be.at_layer(i)
