@@ -64,12 +64,14 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
 
     `mmproj` is the vision encoder's GGUF (llama.cpp's --mmproj): then `generate(prompt,
     images=[...])` and chat image parts take images (edgeinfer.vision). "auto": the
-    `mmproj-*.gguf` beside a model named from the store (none for a model given by path).
+    `mmproj-*.gguf` beside a model named from the store (none for a model given by path); one
+    found so that does not load leaves the model without images, `model.mmproj_problem` says why.
     """
     from edgeinfer.store.registry import resolve
 
     path = resolve(str(name_or_path), download=download)
-    if mmproj == "auto":  # a model named from the store brings its mmproj along (llama.cpp's -hf)
+    found = mmproj == "auto"
+    if found:  # a model named from the store brings its mmproj along (llama.cpp's -hf)
         from edgeinfer.store.mmproj_lookup import mmproj_beside
 
         mmproj = None if Path(str(name_or_path)).expanduser().is_file() else mmproj_beside(path)
@@ -79,7 +81,7 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
         flash_attn=flash_attn),
         chat_template=chat_template, kv_pool_mb=kv_pool_mb, context_shift=context_shift, n_keep=n_keep,
         draft=draft, draft_defaults=dict(draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min),
-        mmproj=mmproj)
+        mmproj=mmproj, mmproj_found=found)
 
 
 class Model:
@@ -89,7 +91,7 @@ class Model:
     def __init__(self, name: str, path, options: EngineOptions, chat_template: str | None = None, *,
                  kv_pool_mb: float | None = None, context_shift: bool = False, n_keep: int = 0,
                  draft: str | None = None, draft_defaults: dict | None = None,
-                 mmproj: str | os.PathLike[str] | None = None) -> None:
+                 mmproj: str | os.PathLike[str] | None = None, mmproj_found: bool = False) -> None:
         from edgeinfer.prompt.chat_template import ChatTemplate
         from edgeinfer.tokenizer import load_tokenizer
 
@@ -118,10 +120,16 @@ class Model:
         self.draft_defaults = {"draft_max": 16, "draft_min": 0, "draft_p_min": 0.75, **(draft_defaults or {})}
         self.drafter = make_drafter(self, draft, options) if draft else None
         self.images = None  # edgeinfer.vision.request_images.ImageEncoder once a projector is attached
+        self.mmproj_problem = ""  # why an mmproj found beside the model was not taken
         if mmproj is not None:
             from edgeinfer.vision.mmproj import load_mmproj
 
-            self.use_projector(load_mmproj(mmproj))
+            try:
+                self.use_projector(load_mmproj(mmproj))
+            except EdgeInferError as exc:
+                if not mmproj_found:  # asked for by name: its problem is the caller's error
+                    raise
+                self.mmproj_problem = str(exc)  # only found: the text model works without it
 
     def use_projector(self, projector: Any) -> None:
         """Take images through `projector` (edgeinfer.vision.mmproj.Projector: `n_embd`,
@@ -209,7 +217,8 @@ class Model:
         from edgeinfer.vision.prompt_images import image_prompt_ids, wrap_for
 
         if self.images is None:
-            raise EdgeInferError("this model takes no images: load it with its mmproj file (--mmproj)")
+            raise EdgeInferError(self.mmproj_problem or "this model takes no images: load it with its mmproj file "
+                                 "(--mmproj)")
         self.engine.check_images()  # GPU layers: one line before any image is decoded
         n_markers = text.count(marker)
         if n_markers != len(images):  # before any image is decoded
@@ -220,7 +229,7 @@ class Model:
             if cancel is not None and cancel.is_set():
                 raise TokenizerError("tokenizing stopped: the request was cancelled")
             chunks.append(self.images.encode(image))
-        media = MediaRows(chunks, self.config.n_embd)
+        media = MediaRows(chunks, self.config.n_embd, mrope=bool(self.config.rope_sections))
         ids = image_prompt_ids(text, chunks, self.tokenizer, wrap_for(self.images.projector_type), tokenize_text,
                                marker=marker)
         return ids, media

@@ -13,6 +13,7 @@ from edgeinfer.cli import build_parser, main
 from edgeinfer.commands.image_input import user_content
 from edgeinfer.commands.repl import Repl
 from edgeinfer.engine import EngineOptions
+from edgeinfer.errors import EdgeInferError
 from edgeinfer.store.mmproj_lookup import mmproj_beside
 from edgeinfer.vision.media_ids import image_runs
 
@@ -131,3 +132,25 @@ def test_run_refuses_an_mmproj_of_another_width_and_extra_images(gemma_path, mmp
     code = main(["run", str(gemma_path), "--mmproj", str(mmprojs["fits"]), "--image", png, "--image", png,
                  "the <__media__> of", "--raw", "-n", "1", "--backend", "reference", "-c", "64"])
     assert "marker" in _one_line_error(capsys, code)
+
+
+def test_an_mmproj_found_beside_a_stored_model_that_does_not_fit_leaves_text_working(gemma_path, mmprojs, tmp_path,
+                                                                                        monkeypatch):
+    import shutil
+
+    import edgeinfer
+    from edgeinfer.store import registry
+
+    folder = tmp_path / "store"
+    folder.mkdir()
+    model_file = folder / "gemma3-img.gguf"
+    shutil.copy(gemma_path, model_file)
+    shutil.copy(mmprojs["wide"], folder / "mmproj-gemma3-img-F16.gguf")
+    monkeypatch.setattr(registry, "resolve", lambda name, download=True: model_file)
+    model = edgeinfer.load("some-stored-name", mmproj="auto", n_ctx=64, backend="reference")
+    assert model.images is None and "another model" in model.mmproj_problem
+    assert model.generate("the of", max_tokens=1, temperature=0).usage.prompt_tokens > 0
+    with pytest.raises(EdgeInferError, match="another model"):
+        model.generate("the of", images=[b"x"], max_tokens=1)
+    shutil.copy(mmprojs["fits"], folder / "mmproj-gemma3-img-F16.gguf")
+    assert edgeinfer.load("some-stored-name", mmproj="auto", n_ctx=64, backend="reference").images is not None

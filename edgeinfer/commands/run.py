@@ -59,7 +59,8 @@ def run(args) -> int:
         return 2
     model = load_with_spinner(args)
     if args.image and model.images is None:
-        raise EdgeInferError(f"{args.name} takes no images: give its vision encoder with --mmproj FILE")
+        raise EdgeInferError(model.mmproj_problem or f"{args.name} takes no images: give its vision encoder with "
+                                                     f"--mmproj FILE")
     raw = completion_mode(model, args)
     system, history = args.system, []
     if session is not None:
