@@ -43,7 +43,7 @@ def fetch(url: str, limit: int, timeout_s: float = FETCH_TIMEOUT_S, total_s: flo
                 raise FetchError(f"the image is {int(length)} bytes, larger than the {limit}-byte limit")
             data = bytearray()
             while True:  # read in pieces: a server may send more than it announced, or nothing at all
-                piece = response.read(_READ)
+                piece = response.read1(_READ)  # what one receive brings: the deadline is checked between them
                 if not piece:
                     break
                 data += piece
