@@ -59,7 +59,7 @@ class Repl:
             text = line.strip()
             if not text:
                 continue
-            if text.startswith("/"):
+            if text.startswith("/") and not self.opens_with_image(text):
                 try:
                     if not self.command(text):
                         return 0
@@ -70,7 +70,12 @@ class Repl:
 
     def send(self, line: str) -> None:
         """Answer one message, keep the turn, save the session if one is named."""
-        images, self.images = self.images, []
+        try:
+            line, typed = self.typed_images(line)
+        except EdgeInferError as exc:  # a named image that cannot be used: nothing is sent
+            self.error(str(exc))
+            return
+        images, self.images = self.images + typed, []
         try:
             params = self.params if self.constraint is None else {**self.params, "constraint": self.constraint}
             if self.raw:
@@ -90,6 +95,30 @@ class Repl:
                 self.save(self.session, quiet=True)
             except (EdgeInferError, OSError) as exc:
                 self.error(f"session not saved: {exc}")
+
+    def opens_with_image(self, text: str) -> bool:
+        """A message that starts with an image's path (`/home/me/cat.png what is this?`) is sent,
+        not taken for a slash command."""
+        if getattr(self.model, "images", None) is None or self.session is not None:
+            return False
+        from edgeinfer.commands.image_paths import starts_with_image_path
+
+        return starts_with_image_path(text)
+
+    def typed_images(self, line: str) -> tuple[str, list[str]]:
+        """Image files whose paths the message names, taken out of it (as `ollama run`); only
+        for a model that takes images outside a saved session (else the line stays as typed)."""
+        if getattr(self.model, "images", None) is None or self.session is not None:
+            return line, []
+        from edgeinfer.commands.image_paths import image_paths
+        from edgeinfer.vision.image_file import open_image_file
+
+        text, paths = image_paths(line)
+        for path in paths:
+            open_image_file(path)  # not an image, too large: said now, and the message waits
+        for path in paths:
+            self.say(f"Added image '{path}'")
+        return text, paths
 
     # -- slash commands ---------------------------------------------------------------------
     def command(self, text: str) -> bool:
