@@ -46,10 +46,17 @@ def test_a_verified_batch_has_each_tokens_decode_bits(arch, qtype, tmp_path):
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max():.3g}"
 
 
-# the other quantized types, at a batch long enough for the prompt GEMMs outside decode_bits
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ3_S"])
-def test_every_quant_type_keeps_decode_bits_in_a_batch(qtype, tmp_path):
-    path = write_tiny_model(tmp_path / "m.gguf", "qwen3moe", qtype, vocab=_vocab("qwen3moe"),
-                            shape=TinyShape(n_layer=2))
-    got, want = _batch_and_steps(path, 17)
-    assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max():.3g}"
+# every quantized type: inside decode_order no batch up to the row kernels' limit takes a
+# GEMM of another summation order (dense or expert matrices), whatever the row count
+def test_every_quant_type_keeps_the_row_kernels_in_decode_order():
+    import importlib
+
+    from edgeinfer.kernels_cpu import decode_order, quant_types
+
+    matvec = importlib.import_module("edgeinfer.kernels_cpu.matvec")
+    for qt in quant_types.fast_types():
+        for n_rows in (256, 2048, 2056):
+            for n_tok in (2, 8, 17, 64):
+                with decode_order():
+                    assert matvec.matmul_uses_rows(qt, n_tok, n_rows), (qt.name, n_rows, n_tok)
+                    assert matvec._expert_gemm_path([int(qt)], n_rows, n_tok) is None
