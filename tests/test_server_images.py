@@ -15,6 +15,7 @@ import struct
 import threading
 import time
 import zlib
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -403,6 +404,33 @@ def test_a_model_without_mmproj_says_so(blind, path, body, field):
     r = httpx.post(blind.url + path, json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert "has no image input" in r.text and "--mmproj" in r.text and field in r.text, r.text
+
+
+def test_why_an_image_cannot_be_taken_is_said(tiny, monkeypatch):
+    """An mmproj found beside the model that did not load, or layers on the GPU: the model's own
+    line, naming the field."""
+    from edgeinfer.errors import EdgeInferError
+
+    class GpuLayers(Seeing):
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.engine = SimpleNamespace(check_images=self._refuse)
+
+        @staticmethod
+        def _refuse():
+            raise EdgeInferError("images need every layer on the CPU for now: run with -ngl 0 (--gpu-layers 0)")
+
+    broken = Seeing(tiny)
+    broken.images, broken.mmproj_problem = None, "mmproj-x.gguf: the file is truncated"
+    for model, needle in ((broken, "its mmproj did not load: mmproj-x.gguf: the file is truncated"),
+                          (GpuLayers(tiny), "-ngl 0")):
+        srv = start_server(model)
+        try:
+            r = httpx.post(srv.url + "/api/generate", json={"prompt": "x", "images": [B64_RED]}, timeout=30)
+            assert r.status_code == 400 and needle in r.text and "'images.0'" in r.text, r.text
+            assert model.calls == []
+        finally:
+            srv.stop()
 
 
 def test_capabilities_without_mmproj(blind):
