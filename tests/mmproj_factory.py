@@ -33,6 +33,53 @@ class VisionShape:
     eps: float = 1e-6
 
 
+def _write(path: str | Path, title: str, meta: dict, extra_metadata: dict | None,
+           tensors: dict[str, tuple[int, ...]], omit_tensors: tuple[str, ...], tensor_type, tensor_data) -> Path:
+    """Write an mmproj: `meta` with `extra_metadata`'s replacements (None drops a key), then
+    each tensor not omitted, typed by tensor_type(name, shape) and filled with
+    tensor_data(name, qtype, shape, n_rows, n_cols), in order (one random stream)."""
+    w = GGUFWriter(str(path), "clip")
+    w.add_name(title)
+    for key, value in (extra_metadata or {}).items():
+        meta.pop(key, None)
+        if value is not None:
+            meta[key] = value
+    for key, value in meta.items():
+        _add_metadata(w, key, value)
+    plan = []
+    for name, gshape in tensors.items():
+        if name in omit_tensors:
+            continue
+        tq = tensor_type(name, gshape)
+        n_cols, n_rows = gshape[0], int(np.prod(gshape[1:]))
+        block, size = GGML_QUANT_SIZES[tq]
+        n_bytes = n_rows * n_cols // block * size
+        if tq == T.F32:
+            w.add_tensor_info(name, tuple(reversed(gshape)), np.dtype(np.float32), n_bytes)
+        else:
+            w.add_tensor_info(name, (*reversed(gshape[1:]), n_cols // block * size), np.dtype(np.uint8),
+                              n_bytes, raw_dtype=tq)
+        plan.append((name, tq, gshape, n_rows, n_cols))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, tq, gshape, n_rows, n_cols in plan:
+        w.write_tensor_data(tensor_data(name, tq, gshape, n_rows, n_cols))
+    w.close()
+    return path
+
+
+def _matrix_type(qtype: str, gshape: tuple[int, ...]) -> T:
+    """`qtype`, or F16 where a row does not fit its blocks."""
+    return T[qtype] if gshape[0] % GGML_QUANT_SIZES[T[qtype]][0] == 0 else T.F16
+
+
+def _vector(rng, gshape, around_one: bool) -> np.ndarray:
+    """A random F32 vector near 0, or near 1 (a norm's weight, a scale)."""
+    data = rng.standard_normal(gshape).astype(np.float32) * 0.1
+    return data + 1.0 if around_one else data
+
+
 def gemma3_tensors(s: VisionShape, n_embd_text: int) -> dict[str, tuple[int, ...]]:
     """Every tensor of a gemma3 mmproj, in GGML order (ne[0] first)."""
     e, n_patch = s.n_embd, (s.image_size // s.patch_size) ** 2
@@ -69,9 +116,6 @@ def write_gemma3_mmproj(path: str | Path, n_embd_text: int, qtype: str = "F32", 
     make hostile files."""
     s = shape or VisionShape()
     rng = np.random.default_rng(seed)
-    path = Path(path)
-    w = GGUFWriter(str(path), "clip")
-    w.add_name("tiny-gemma3-mmproj")
     meta: dict = {
         "clip.has_vision_encoder": True,
         "clip.projector_type": "gemma3",
@@ -88,54 +132,29 @@ def write_gemma3_mmproj(path: str | Path, n_embd_text: int, qtype: str = "F32", 
         "clip.vision.image_std": [0.5, 0.5, 0.5],
         "clip.vision.projector.scale_factor": s.merge,
     }
-    for key, value in (extra_metadata or {}).items():
-        meta.pop(key, None)
-        if value is not None:
-            meta[key] = value
-    for key, value in meta.items():
-        _add_metadata(w, key, value)
-
     tensors = gemma3_tensors(s, n_embd_text)
     if swap_ffn:  # same order (same random stream), names exchanged
         swap = {"ffn_up": "ffn_down", "ffn_down": "ffn_up"}
         tensors = {".".join(swap.get(part, part) for part in k.split(".")): v for k, v in tensors.items()}
     tensors.update(shape_overrides or {})
-    plan = []
-    for name, gshape in tensors.items():
-        if name in omit_tensors:
-            continue
-        if len(gshape) == 1 or name == "v.position_embd.weight":
-            tq = T.F32  # ggml's CPU add takes no F16 operand: converters keep these F32
-        elif name == "v.patch_embd.weight":
-            tq = T[patch_qtype]
-        elif name == "mm.input_projection.weight":
-            tq = T.F16 if qtype == "F16" else T.F32  # libmtmd transposes it: float types only
-        else:
-            tq = T[qtype] if gshape[0] % GGML_QUANT_SIZES[T[qtype]][0] == 0 else T.F16
-        n_cols, n_rows = gshape[0], int(np.prod(gshape[1:]))
-        block, size = GGML_QUANT_SIZES[tq]
-        n_bytes = n_rows * n_cols // block * size
-        if tq == T.F32:
-            w.add_tensor_info(name, tuple(reversed(gshape)), np.dtype(np.float32), n_bytes)
-        else:
-            w.add_tensor_info(name, (*reversed(gshape[1:]), n_cols // block * size), np.dtype(np.uint8),
-                              n_bytes, raw_dtype=tq)
-        plan.append((name, tq, gshape, n_rows, n_cols))
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for name, tq, gshape, n_rows, n_cols in plan:
+    def tensor_type(name, gshape):
+        if len(gshape) == 1 or name == "v.position_embd.weight":
+            return T.F32  # ggml's CPU add takes no F16 operand: converters keep these F32
+        if name == "v.patch_embd.weight":
+            return T[patch_qtype]
+        if name == "mm.input_projection.weight":
+            return T.F16 if qtype == "F16" else T.F32  # libmtmd transposes it: float types only
+        return _matrix_type(qtype, gshape)
+
+    def tensor_data(name, tq, gshape, n_rows, n_cols):
         if len(gshape) == 1:
-            data = rng.standard_normal(gshape).astype(np.float32) * 0.1
-            if name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight", "soft_emb_norm.weight")):
-                data += 1.0
-            w.write_tensor_data(data)
-            continue
+            return _vector(rng, gshape, name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight",
+                                                       "soft_emb_norm.weight")))
         std = 0.5 if name == "v.position_embd.weight" else 0.08
-        w.write_tensor_data(random_blocks(tq, n_rows, n_cols, rng, std=std))
-    w.close()
-    return path
+        return random_blocks(tq, n_rows, n_cols, rng, std=std)
+
+    return _write(path, "tiny-gemma3-mmproj", meta, extra_metadata, tensors, omit_tensors, tensor_type, tensor_data)
 
 
 # -- qwen3vl (Qwen3-VL, Qwen3.5 vision) ---------------------------------------------------
@@ -190,9 +209,6 @@ def write_qwen3vl_mmproj(path: str | Path, n_out: int, qtype: str = "F32", *,
     `patch_qtype`, vectors in F32; the keyword arguments after `seed` make hostile files."""
     s = shape or QwenVisionShape()
     rng = np.random.default_rng(seed)
-    path = Path(path)
-    w = GGUFWriter(str(path), "clip")
-    w.add_name("tiny-qwen3vl-mmproj")
     meta: dict = {
         "clip.has_vision_encoder": True,
         "clip.projector_type": "qwen3vl_merger",
@@ -210,50 +226,24 @@ def write_qwen3vl_mmproj(path: str | Path, n_out: int, qtype: str = "F32", *,
         "clip.vision.spatial_merge_size": 2,
         "clip.vision.is_deepstack_layers": [i in deepstack for i in range(s.n_layer)],
     }
-    for key, value in (extra_metadata or {}).items():
-        meta.pop(key, None)
-        if value is not None:
-            meta[key] = value
-    for key, value in meta.items():
-        _add_metadata(w, key, value)
-
     tensors = qwen3vl_tensors(s, n_out, deepstack)
     tensors.update(shape_overrides or {})
-    plan = []
-    for name, gshape in tensors.items():
-        if name in omit_tensors:
-            continue
-        if len(gshape) == 1 or name == "v.position_embd.weight":   # ggml_interpolate takes F32 only
-            tq = T.F32
-        elif name.startswith("v.patch_embd.weight"):
-            tq = T[patch_qtype]
-        else:
-            tq = T[qtype] if gshape[0] % GGML_QUANT_SIZES[T[qtype]][0] == 0 else T.F16
-        n_cols, n_rows = gshape[0], int(np.prod(gshape[1:]))
-        block, size = GGML_QUANT_SIZES[tq]
-        n_bytes = n_rows * n_cols // block * size
-        if tq == T.F32:
-            w.add_tensor_info(name, tuple(reversed(gshape)), np.dtype(np.float32), n_bytes)
-        else:
-            w.add_tensor_info(name, (*reversed(gshape[1:]), n_cols // block * size), np.dtype(np.uint8),
-                              n_bytes, raw_dtype=tq)
-        plan.append((name, tq, gshape, n_rows, n_cols))
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for name, tq, gshape, n_rows, n_cols in plan:
+    def tensor_type(name, gshape):
+        if len(gshape) == 1 or name == "v.position_embd.weight":   # ggml_interpolate takes F32 only
+            return T.F32
+        if name.startswith("v.patch_embd.weight"):
+            return T[patch_qtype]
+        return _matrix_type(qtype, gshape)
+
+    def tensor_data(name, tq, gshape, n_rows, n_cols):
         if len(gshape) == 1:
-            data = rng.standard_normal(gshape).astype(np.float32) * 0.1
-            if name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight", "norm.weight")):
-                data += 1.0
-            w.write_tensor_data(data)
-            continue
+            return _vector(rng, gshape, name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight", "norm.weight")))
         # about unit-variance activations through the blocks: weights ~ 1 / sqrt(fan-in)
         std = 0.5 if name == "v.position_embd.weight" else float(1.0 / np.sqrt(n_cols))
-        w.write_tensor_data(random_blocks(tq, n_rows, n_cols, rng, std=std))
-    w.close()
-    return path
+        return random_blocks(tq, n_rows, n_cols, rng, std=std)
+
+    return _write(path, "tiny-qwen3vl-mmproj", meta, extra_metadata, tensors, omit_tensors, tensor_type, tensor_data)
 
 
 # -- gemma4v (Gemma 4 vision) ----------------------------------------------------------------
@@ -310,9 +300,6 @@ def write_gemma4v_mmproj(path: str | Path, n_embd_text: int, qtype: str = "F32",
     clamp bounds and the position tables in F32; the arguments after `seed` make hostile files."""
     s = shape or Gemma4VisionShape()
     rng = np.random.default_rng(seed)
-    path = Path(path)
-    w = GGUFWriter(str(path), "clip")
-    w.add_name("tiny-gemma4v-mmproj")
     meta: dict = {
         "clip.has_vision_encoder": True,
         "clip.projector_type": "gemma4v",
@@ -329,50 +316,24 @@ def write_gemma4v_mmproj(path: str | Path, n_embd_text: int, qtype: str = "F32",
         "clip.vision.image_std": [0.27, 0.26, 0.28],
         "clip.vision.projector.scale_factor": s.merge,
     }
-    for key, value in (extra_metadata or {}).items():
-        meta.pop(key, None)
-        if value is not None:
-            meta[key] = value
-    for key, value in meta.items():
-        _add_metadata(w, key, value)
-
     tensors = gemma4v_tensors(s, n_embd_text)
     tensors.update(shape_overrides or {})
-    plan = []
-    for name, gshape in tensors.items():
-        if name in omit_tensors:
-            continue
-        if len(gshape) == 1 or name == "v.position_embd.weight":
-            tq = T.F32
-        elif name == "v.patch_embd.weight":
-            tq = T[patch_qtype]
-        else:
-            tq = T[qtype] if gshape[0] % GGML_QUANT_SIZES[T[qtype]][0] == 0 else T.F16
-        n_cols, n_rows = gshape[0], int(np.prod(gshape[1:]))
-        block, size = GGML_QUANT_SIZES[tq]
-        n_bytes = n_rows * n_cols // block * size
-        if tq == T.F32:
-            w.add_tensor_info(name, tuple(reversed(gshape)), np.dtype(np.float32), n_bytes)
-        else:
-            w.add_tensor_info(name, (*reversed(gshape[1:]), n_cols // block * size), np.dtype(np.uint8),
-                              n_bytes, raw_dtype=tq)
-        plan.append((name, tq, gshape, n_rows, n_cols))
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for name, tq, gshape, n_rows, n_cols in plan:
+    def tensor_type(name, gshape):
+        if len(gshape) == 1 or name == "v.position_embd.weight":
+            return T.F32
+        if name == "v.patch_embd.weight":
+            return T[patch_qtype]
+        return _matrix_type(qtype, gshape)
+
+    def tensor_data(name, tq, gshape, n_rows, n_cols):
         base, _, kind = name.rpartition(".")
         if base in GEMMA4V_CLAMPS and kind in GEMMA4V_CLAMPS[base]:
-            w.write_tensor_data(np.full(gshape, GEMMA4V_CLAMPS[base][kind], np.float32))
-            continue
+            return np.full(gshape, GEMMA4V_CLAMPS[base][kind], np.float32)
         if len(gshape) == 1:
-            data = rng.standard_normal(gshape).astype(np.float32) * 0.1
-            if name.endswith(("norm.weight", "ln1.weight", "ln2.weight", "out_scale.weight", "std_scale")):
-                data += 1.0
-            w.write_tensor_data(data)
-            continue
+            return _vector(rng, gshape, name.endswith(("norm.weight", "ln1.weight", "ln2.weight", "out_scale.weight",
+                                                       "std_scale")))
         std = 0.5 if name == "v.position_embd.weight" else float(1.0 / np.sqrt(n_cols))
-        w.write_tensor_data(random_blocks(tq, n_rows, n_cols, rng, std=std))
-    w.close()
-    return path
+        return random_blocks(tq, n_rows, n_cols, rng, std=std)
+
+    return _write(path, "tiny-gemma4v-mmproj", meta, extra_metadata, tensors, omit_tensors, tensor_type, tensor_data)
