@@ -66,7 +66,7 @@ def _write(path: str | Path, title: str, meta: dict, extra_metadata: dict | None
     for name, tq, gshape, n_rows, n_cols in plan:
         w.write_tensor_data(tensor_data(name, tq, gshape, n_rows, n_cols))
     w.close()
-    return path
+    return Path(path)
 
 
 def _matrix_type(qtype: str, gshape: tuple[int, ...]) -> T:
