@@ -21,6 +21,7 @@ WRAPS: dict[str, tuple[str, str]] = {
     "gemma3": ("<start_of_image>", "<end_of_image>"),
     "gemma3nv": ("<start_of_image>", "<end_of_image>"),
     "gemma4v": ("<|image>", "<image|>"),
+    "qwen3vl_merger": ("<|vision_start|>", "<|vision_end|>"),  # Qwen3-VL, Qwen3.5
 }
 
 
