@@ -181,6 +181,8 @@ class Engine:
         start = kv.n_used
         cuts = self.chunk_bounds(len(tokens))
         if media is not None:
+            if start == 0:  # a whole prompt: where its images sit sets M-RoPE positions (a no-op otherwise)
+                media = media.placed(tokens)
             cuts = media.keep_whole(tokens, cuts, self.max_prefill_rows)
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             positions = np.arange(start + lo, start + hi)
@@ -202,6 +204,7 @@ class Engine:
         """The most tokens one prefill forward pass takes (see chunk_bounds)."""
         return self.options.prefill_chunk + self.options.prefill_chunk // 4
 
-    def decode(self, token: int, kv: KVView) -> np.ndarray:
-        """Evaluate one token after the cache; logits (n_vocab,)."""
-        return self.forward(np.array([token]), np.array([kv.n_used]), kv)[0]
+    def decode(self, token: int, kv: KVView, media: "MediaRows | None" = None) -> np.ndarray:
+        """Evaluate one token after the cache; logits (n_vocab,). media: the request's images
+        (text after an image may still take M-RoPE positions of its own)."""
+        return self.forward(np.array([token]), np.array([kv.n_used]), kv, media=media)[0]

@@ -80,6 +80,8 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
 
     if report_progress:
         yield progress_chunk(0)
+    if media is not None:  # where the prompt's images sit: the M-RoPE positions of all that follows
+        media = media.placed(prompt)
     logits = None
     for done, total, logits in engine.prefill_steps(prompt[n_cached:], kv, media=media):
         if progress is not None:
@@ -141,20 +143,20 @@ def stream_generate(engine: Engine, kv: KVView, tokenizer, prompt: Sequence[int]
                 finish = FinishReason.LENGTH  # no room for this token's K/V: the window is full
                 break
             if spec is None:
-                logits = engine.decode(token, kv)
+                logits = engine.decode(token, kv, media)
                 continue
             # room for the token, the draft and one more sample after the draft
             limit = min(kv.n_ctx - kv.n_used - 1, max_tokens - len(generated) - 1)
             proposal, draft_s = spec.draft(history, limit)
             t = time.perf_counter()
             if not proposal:
-                logits = engine.decode(token, kv)
+                logits = engine.decode(token, kv, media)
                 spec.plain_step(time.perf_counter() - t)
                 continue
             n = 1 + len(proposal)
             keep_rollback(kv, kv.n_used, kv.n_used + n)  # rejected drafts are cut back: a state keeps copies
             rows = engine.forward(np.array([token, *proposal]), np.arange(kv.n_used, kv.n_used + n), kv,
-                                  logits_for=np.arange(n), decode_bits=True)
+                                  logits_for=np.arange(n), decode_bits=True, media=media)
             spec.start_round(len(proposal), time.perf_counter() - t, draft_s)
             logits = rows[0]
             drafts = list(zip(proposal, rows[1:]))

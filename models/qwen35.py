@@ -13,7 +13,8 @@ Every block: x + mixer(rms_norm(x, attn_norm)), then x + ffn(rms_norm(x, post_at
 - Gated attention layer: attn_q gives q and a gate per head ([q | gate] in each head's
   2 * head_dim); q and k are RMS-normed per head, roped with the file's sections
   (interleaved M-RoPE: for text every section takes the token's position, a pair that
-  falls in no section stays unrotated), attention, then out * sigmoid(gate), attn_output.
+  falls in no section stays unrotated; an image's rows take their (t, h, w) on its grid,
+  edgeinfer.vision.grid_positions), attention, then out * sigmoid(gate), attn_output.
 
 Which layers are linear: `{arch}.attention.recurrent_layers` when the file has it, else
 every layer but each `full_attention_interval`-th (4). `block_count` includes the
@@ -51,6 +52,7 @@ class Qwen35(Transformer):
         self.dn = delta_net.ops_for(backend.name)
         self._conv_w: dict[int, np.ndarray] = {}
         self._unrotated = _unrotated_pairs(config.rope_dims, config.rope_sections)
+        self._hw_pairs = _section_pairs(config.rope_dims, config.rope_sections)[1:3]
 
     # -- config -----------------------------------------------------------------------------------
     @classmethod
@@ -154,7 +156,8 @@ class Qwen35(Transformer):
         if cfg.is_recurrent(i):
             x = x + self.linear_attention(i, h, kv)
         else:
-            x = x + self.gated_attention(i, h, positions, slots, kv)
+            grid = self.media_step.grid if self.media_step is not None else None  # images on their grid
+            x = x + self.gated_attention(i, h, positions, slots, kv, grid)
         return self.feed_forward(i, x)
 
     def feed_forward(self, i, x):
@@ -162,7 +165,8 @@ class Qwen35(Transformer):
         return self.backend.norm_swiglu_residual(x, p + "post_attention_norm.weight", self.config.norm_eps,
                                                  p + "ffn_gate.weight", p + "ffn_up.weight", p + "ffn_down.weight")
 
-    def gated_attention(self, i, h, positions, slots, kv):
+    def gated_attention(self, i, h, positions, slots, kv, grid=None):
+        """grid: (n, 3) M-RoPE (t, h, w) of the rows, None: each row's position in all three."""
         be, cfg, p = self.backend, self.config, f"blk.{i}."
         n, hd, eps = h.shape[0], cfg.head_dim, cfg.norm_eps
         qg, k, v = be.linear_many([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], h)
@@ -171,20 +175,27 @@ class Qwen35(Transformer):
         gate = np.ascontiguousarray(qg[:, :, hd:]).reshape(n, -1)
         k = be.rms_norm(k.reshape(n, cfg.n_head_kv, hd), p + "attn_k_norm.weight", eps)
         v = v.reshape(n, cfg.n_head_kv, cfg.head_dim_v)
-        q, k = self.mrope(i, q, positions), self.mrope(i, k, positions)
+        q, k = self.mrope(i, q, positions, grid), self.mrope(i, k, positions, grid)
         kv.store(i, slots, k, v)
         out = self.attend(q, kv, i, positions, 1.0 / math.sqrt(hd), 0)
         out = self.dn.sigmoid_mul(out.reshape(n, -1), gate)
         return be.linear(p + "attn_output.weight", out)
 
-    def mrope(self, i: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """ggml_rope_multi (IMROPE) for text: NeoX pairs over rope_dims with the token's
-        position in the t/h/w sections; pairs in no section keep their values (position 0)."""
-        if len(self._unrotated):  # pairs in no section keep their values: set on the host
+    def mrope(self, i: int, x: np.ndarray, positions: np.ndarray, grid: np.ndarray | None = None) -> np.ndarray:
+        """ggml_rope_multi (IMROPE): NeoX pairs over rope_dims with the token's position in the
+        t/h/w sections (`grid`: each row's own t, h, w); pairs in no section keep their values
+        (position 0). A pair turns by its position alone, so each section's pairs are taken from
+        a rotation by that section's positions."""
+        if len(self._unrotated) or grid is not None:  # pairs set on the host
             x = np.asarray(x)
-        out = self.backend.rope(x, positions, *self.rope_args(i))
+        half = self.config.rope_dims // 2
+        out = self.backend.rope(x, positions if grid is None else grid[:, 0], *self.rope_args(i))
+        for c, pairs in enumerate(self._hw_pairs if grid is not None else (), start=1):
+            if len(pairs) and (grid[:, c] != grid[:, 0]).any():
+                other = self.backend.rope(x, grid[:, c], *self.rope_args(i))
+                out[..., pairs] = other[..., pairs]
+                out[..., pairs + half] = other[..., pairs + half]
         if len(self._unrotated):
-            half = self.config.rope_dims // 2
             out[..., self._unrotated] = x[..., self._unrotated]
             out[..., self._unrotated + half] = x[..., self._unrotated + half]
         return out
@@ -214,14 +225,19 @@ class Qwen35(Transformer):
 
 def _unrotated_pairs(n_dims: int, sections: tuple[int, ...]) -> np.ndarray:
     """NeoX pair indices (< n_dims / 2) ggml's interleaved M-RoPE gives the 4th (extra)
-    position, which is 0 for text: those pairs are not rotated."""
+    position, which is 0 for text and images alike (libmtmd): those pairs are not rotated."""
+    return _section_pairs(n_dims, sections)[3]
+
+
+def _section_pairs(n_dims: int, sections: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """NeoX pair indices (< n_dims / 2) ggml's interleaved M-RoPE turns by the t, h, w and
+    4th (extra) position: pair j's sector j % sum(sections) goes to t, h, w by sector % 3 while
+    below 3 x that section's size, else to the 4th."""
     s = tuple(sections) + (0,) * (4 - len(sections))
     total = sum(s)
-    out = []
+    out: tuple[list[int], ...] = ([], [], [], [])
     for pair in range(n_dims // 2):
         sector = pair % total if total else 0
-        in_section = ((sector % 3 == 0 and sector < 3 * s[0]) or (sector % 3 == 1 and sector < 3 * s[1])
-                      or (sector % 3 == 2 and sector < 3 * s[2]))
-        if not in_section:
-            out.append(pair)
-    return np.array(out, dtype=np.int64)
+        c = sector % 3
+        out[c if sector < 3 * s[c] else 3].append(pair)
+    return tuple(np.array(p, dtype=np.int64) for p in out)

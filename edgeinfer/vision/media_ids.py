@@ -7,12 +7,15 @@ KEY_BITS of sha256(d, r). The same image sent again gets the same ids, so its K/
 the prefix cache like any text; two different images differ in their ids, and a cached block
 of image rows matches only if every row's key does (one key is too few bits to trust alone).
 `MediaRows` (one prompt's chunks) turns the ids of a forward pass into a `MediaStep`: the
-embedding rows that replace token embeddings there, and for non-causal chunks (gemma3) each
-query row's image span.
+embedding rows that replace token embeddings there, for non-causal chunks (gemma3) each
+query row's image span, and for a text model with M-RoPE (Qwen-VL's images on their grid)
+each row's (t, h, w) (edgeinfer.vision.grid_positions). An image's grid is part of its rows'
+keys: its position advance is in what the prefix cache matches.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -21,6 +24,7 @@ import numpy as np
 
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.vision.chunk import ImageChunk
+from edgeinfer.vision.grid_positions import GridPositions
 
 ROW_BITS = 20  # rows per image: libmtmd's largest grids stay far below 2^20 tokens
 KEY_BITS = 40  # bits of key(d, r) in an id: ids stay inside int64 (1 + 40 + 20 < 63)
@@ -35,6 +39,8 @@ def chunk_ids(chunk: ImageChunk) -> list[int]:
         raise EdgeInferError(f"an image chunk's digest must be at least {MIN_DIGEST} hex characters")
     if not 1 <= chunk.n_tokens < MAX_ROWS:
         raise EdgeInferError(f"an image chunk must have 1 to {MAX_ROWS - 1} rows, got {chunk.n_tokens}")
+    if chunk.grid is not None:  # the grid sets the positions the image and the text after it take
+        digest = f"{digest}:{chunk.grid[0]}x{chunk.grid[1]}"
     ids = []
     for r in range(chunk.n_tokens):
         key = int.from_bytes(hashlib.sha256(f"{digest}:{r}".encode()).digest()[:KEY_BITS // 8], "little")
@@ -82,6 +88,7 @@ class MediaStep:
     rows: np.ndarray         # (n_image_rows, n_embd) float32, in the order of `where`'s True rows
     limits: np.ndarray | None  # (n,) the last key position each query row sees; None: all causal
     firsts: np.ndarray | None = None  # (n,) its non-causal image's first position (its own: a causal row)
+    grid: np.ndarray | None = None  # (n, 3) M-RoPE (t, h, w) of each row; None: one position a row
 
     def token_ids(self, tokens: np.ndarray) -> np.ndarray:
         """tokens with image rows read as id 0 (their embedding is replaced by `place`)."""
@@ -97,9 +104,13 @@ class MediaStep:
 class MediaRows:
     """The images of one request, by their rows' ids: what `step` reads image ids against."""
 
-    def __init__(self, chunks: Sequence[ImageChunk], n_embd: int) -> None:
+    def __init__(self, chunks: Sequence[ImageChunk], n_embd: int, mrope: bool = False) -> None:
+        """mrope: the text model rotates by M-RoPE sections, so images with a grid take their
+        grid positions (libmtmd: when the text model's rope type is M-RoPE)."""
         self._rows: dict[int, tuple[ImageChunk, int]] = {}  # id -> (its chunk, its row)
         self._last: dict[str, int] = {}  # digest -> the id of the image's last row
+        self._n_embd, self._mrope = n_embd, mrope
+        self._grid: GridPositions | None = None  # set by `placed`
         for chunk in chunks:
             if not isinstance(chunk, ImageChunk):
                 raise EdgeInferError(f"an image must be encoded to an ImageChunk, got {type(chunk).__name__}")
@@ -111,9 +122,11 @@ class MediaRows:
                                      f"{n_embd}: the mmproj does not belong to this model")
             if not np.isfinite(emb).all():
                 raise EdgeInferError("an image chunk's embeddings are not all finite")
-            if chunk.grid is not None:  # positions on a 2-D grid: one position a row would be wrong
-                raise EdgeInferError("images with M-RoPE grid positions (Qwen-VL) are not supported by the "
-                                     "text side yet")
+            if (chunk.grid is not None) != mrope:  # libmtmd places an image by the text model's rope type
+                raise EdgeInferError("images with M-RoPE grid positions (Qwen-VL) go with a text model with M-RoPE "
+                                     "(qwen35) and only there: the mmproj does not belong to this model")
+            if chunk.grid is not None and chunk.grid[0] * chunk.grid[1] != chunk.n_tokens:
+                raise EdgeInferError(f"an image chunk's grid {chunk.grid} does not hold its {chunk.n_tokens} rows")
             ids = chunk_ids(chunk)
             if self._last.get(chunk.digest, ids[-1]) != ids[-1]:
                 raise EdgeInferError("two images share a digest but not their token count")
@@ -123,16 +136,38 @@ class MediaRows:
     def __len__(self) -> int:
         return len(self._last)
 
+    def placed(self, ids: Sequence[int]) -> MediaRows:
+        """These images where the prompt `ids` (a whole sequence's beginning) holds them: with
+        M-RoPE, what gives every position of the sequence its grid positions."""
+        if not self._mrope or self._grid is not None:
+            return self
+        images = []
+        for a, b in image_runs(ids):
+            got = self._rows.get(int(ids[a]))
+            if got is None:
+                raise EdgeInferError("the prompt holds image positions of an image that was not given")
+            chunk, row = got
+            if row or b - a != chunk.n_tokens:  # a cut image has no place on its grid
+                raise EdgeInferError("the prompt holds part of an image")
+            images.append((a, *chunk.grid))
+        out = copy.copy(self)
+        out._grid = GridPositions(images)
+        return out
+
     def step(self, tokens: np.ndarray, positions: np.ndarray) -> MediaStep | None:
         """The image rows of a forward pass of `tokens` at `positions` (None: there are none).
         A non-causal image's rows must run with all its later rows in the same pass: each
         query row sees the image's last position (and the sliding window of its own)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         where = tokens < 0
-        if not where.any():
-            return None
-        out, limits, firsts = [], None, None
         positions = np.asarray(positions, dtype=np.int64)
+        if self._mrope and self._grid is None:
+            raise EdgeInferError("images with M-RoPE positions must be placed in their prompt first (MediaRows.placed)")
+        grid = self._grid.at(positions) if self._grid is not None else None
+        if not where.any():  # text after the images: its M-RoPE positions still lag behind
+            return None if grid is None else MediaStep(where, np.zeros((0, self._n_embd), np.float32), None,
+                                                       grid=grid)
+        out, limits, firsts = [], None, None
         idx = np.flatnonzero(where)
         for j, t in enumerate(tokens[where].tolist()):
             got = self._rows.get(t)
@@ -148,7 +183,7 @@ class MediaRows:
                     limits, firsts = positions.copy(), positions.copy()
                 limits[idx[j]] = positions[last]
                 firsts[idx[j]] = positions[idx[j]] - row
-        return MediaStep(where, np.stack(out).astype(np.float32, copy=False), limits, firsts)
+        return MediaStep(where, np.stack(out).astype(np.float32, copy=False), limits, firsts, grid)
 
     def keep_whole(self, tokens: Sequence[int], cuts: list[int], max_rows: int) -> list[int]:
         """Prefill cut points (engine.chunk_bounds') moved off the inside of every image: a cut

@@ -1,0 +1,240 @@
+"""Images in a Qwen3.5 text model (qwen35: M-RoPE) against llama.cpp: a tiny qwen35 and a tiny
+qwen3vl mmproj of its width; libmtmd tokenizes the prompt (the image wrapped in
+<|vision_start|> ... <|vision_end|>), mtmd_helper_eval_chunks decodes it with the image's rows
+at their (t, h, w) grid positions and the text after it max(rows, cols) positions on; then
+greedy decoding, against edgeinfer.load(..., mmproj=...).generate(prompt, images=[png])."""
+
+from __future__ import annotations
+
+import ctypes
+import io
+
+import numpy as np
+import pytest
+from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
+
+from edgeinfer.vision.grid_positions import GridPositions
+
+N_EMBD = 64
+STEPS = 8
+PROMPT = "the and <__media__> hello world"
+VISION = ("<|vision_start|>", "<|vision_end|>")
+SIZES = {1: (24, 40), 2: (40, 24)}  # (height, width) by seed: 3 x 5 and 5 x 3 tokens
+
+
+def qwen35_image_vocab() -> dict:
+    """bpe_vocab("qwen35") plus the control tokens libmtmd wraps a qwen3vl image in."""
+    vocab = bpe_vocab("qwen35")
+    vocab["tokens"] = list(vocab["tokens"]) + list(VISION)
+    vocab["types"] = list(vocab["types"]) + [3] * len(VISION)
+    return vocab
+
+
+def _png(seed: int) -> bytes:
+    from PIL import Image
+
+    h, w = SIZES[seed]
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 6, y * 5, (x * y) % 256], -1)
+    pixels = np.clip(base + rng.integers(-60, 60, base.shape), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    mmproj_factory = pytest.importorskip("mmproj_factory")
+    root = tmp_path_factory.mktemp("qwen35img")
+    shape = TinyShape(n_embd=N_EMBD, n_layer=2, n_head=2, n_head_kv=1, head_dim=32, n_ff=96, n_ctx=256,
+                      ssm_state=16, rope_dims=16)   # layer 0 gated DeltaNet, layer 1 gated attention
+    text = write_tiny_model(root / "text.gguf", "qwen35", "F32", shape=shape, vocab=qwen35_image_vocab())
+    mmproj = mmproj_factory.write_qwen3vl_mmproj(root / "mmproj.gguf", N_EMBD, "F32")
+    return text, mmproj
+
+
+class LlamaMtmd:
+    """llama.cpp + libmtmd on one text model and mmproj: prompt logits, then greedy tokens."""
+
+    def __init__(self, text_path, mmproj_path) -> None:
+        import mtmd_oracle
+
+        if not mtmd_oracle.available():
+            pytest.skip(mtmd_oracle.REASON)
+        import llama_cpp as L
+        from llama_cpp import mtmd_cpp as M
+
+        self.L, self.M = L, M
+        L.llama_backend_init()
+        self.model = L.llama_model_load_from_file(str(text_path).encode(), L.llama_model_default_params())
+        assert self.model
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 256, 256, 256
+        cparams.n_threads = cparams.n_threads_batch = 2
+        cparams.flash_attn_type = 0  # off: F16 K/V and the plain softmax, as edgeinfer's default
+        self.lctx = L.llama_init_from_model(self.model, cparams)
+        assert self.lctx
+        params = M.mtmd_context_params_default()
+        params.use_gpu, params.n_threads, params.warmup, params.print_timings = False, 2, False, False
+        params.flash_attn_type = 0
+        self.ctx = M.mtmd_init_from_file(str(mmproj_path).encode(), self.model, params)
+        assert self.ctx
+        assert M.mtmd_decode_use_mrope(self.ctx)
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+
+    def greedy(self, prompt: str, png: bytes, steps: int) -> tuple[list[int], np.ndarray, dict]:
+        """Greedy tokens, the first token's logits, and the image's placement by libmtmd:
+        its grid, n_pos and each row's decoder position from the image's first position."""
+        L, M = self.L, self.M
+        L.llama_memory_clear(L.llama_get_memory(self.lctx), True)
+        data = (ctypes.c_ubyte * len(png)).from_buffer_copy(png)
+        bitmap = M.mtmd_helper_bitmap_init_from_buf(self.ctx, data, len(png), False)
+        assert bitmap
+        chunks = M.mtmd_input_chunks_init()
+        try:
+            text = prompt.replace("<__media__>", M.mtmd_default_marker().decode()).encode()
+            inp = M.mtmd_input_text(text, len(text), True, True)
+            bitmaps = (M.mtmd_bitmap_p_ctypes * 1)(bitmap)
+            assert M.mtmd_tokenize(self.ctx, chunks, ctypes.byref(inp), bitmaps, 1) == 0
+            place = self._placement(chunks)
+            n_past = L.llama_pos(0)
+            assert M.mtmd_helper_eval_chunks(self.ctx, self.lctx, chunks, 0, 0, 256, True, ctypes.byref(n_past)) == 0
+            place["n_past"] = n_past.value
+        finally:
+            M.mtmd_input_chunks_free(chunks)
+            M.mtmd_bitmap_free(bitmap)
+        first = self._logits()
+        logits, tokens = first, []
+        for _ in range(steps):
+            tokens.append(int(np.argmax(logits)))
+            arr = (L.llama_token * 1)(tokens[-1])
+            assert L.llama_decode(self.lctx, L.llama_batch_get_one(arr, 1)) == 0
+            logits = self._logits()
+        return tokens, first, place
+
+    def _placement(self, chunks) -> dict:
+        M = self.M
+        pos, out = 0, {}
+        for i in range(M.mtmd_input_chunks_size(chunks)):
+            chunk = M.mtmd_input_chunks_get(chunks, i)
+            if M.mtmd_input_chunk_get_type(chunk) == M.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                img = M.mtmd_input_chunk_get_tokens_image(chunk)
+                n = M.mtmd_image_tokens_get_n_tokens(img)
+                rows = [M.mtmd_image_tokens_get_decoder_pos(img, pos, r) for r in range(n)]
+                # llama's batch takes t, y (row), x (column): the M-RoPE sections' order
+                out = {"start": pos, "grid": (M.mtmd_image_tokens_get_ny(img), M.mtmd_image_tokens_get_nx(img)),
+                       "n_pos": M.mtmd_input_chunk_get_n_pos(chunk), "thw": [(p.t, p.y, p.x) for p in rows]}
+            pos += M.mtmd_input_chunk_get_n_pos(chunk)
+        return out
+
+    def _logits(self) -> np.ndarray:
+        ptr = self.L.llama_get_logits_ith(self.lctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def close(self) -> None:
+        self.M.mtmd_free(self.ctx)
+        self.L.llama_free(self.lctx)
+        self.L.llama_model_free(self.model)
+
+
+def test_greedy_tokens_after_an_image_match_llama_cpp(files):
+    import edgeinfer
+    from edgeinfer.vision.media_ids import image_runs
+
+    text, mmproj = files
+    ref = LlamaMtmd(text, mmproj)
+    model = edgeinfer.load(str(text), mmproj=str(mmproj), n_ctx=256, backend="cpu")
+    try:
+        results = {}
+        for seed in (1, 2):
+            png = _png(seed)
+            want, want_logits, place = ref.greedy(PROMPT, png, STEPS)
+            seen = []
+            got = model.generate(PROMPT, images=[png], max_tokens=STEPS, temperature=0, on_prompt=seen.append)
+            ids = seen[0]
+            # the same wrap and the same positions as libmtmd's
+            (a, b), = image_runs(ids)
+            assert model.tokenizer.decode([ids[a - 1], ids[b]]) == "".join(VISION)
+            rows, cols = place["grid"]
+            assert (rows, cols) == model.images.encode(png).grid and rows != cols
+            assert place["n_pos"] == max(rows, cols) and a == place["start"]
+            grid = GridPositions([(a, rows, cols)])
+            np.testing.assert_array_equal(grid.at(np.arange(a, b)), place["thw"])
+            assert grid.at(np.array([len(ids) - 1]))[0, 0] == place["n_past"] - 1  # the last prompt token
+            model.reset()
+            ours = _first_logits(model, ids, png)
+            err = np.abs(ours - want_logits).max() / np.abs(want_logits).max()
+            print(f"image {seed} ({rows} x {cols}): max |ours - llama.cpp| / max |llama.cpp| = {err:.1e}")
+            assert err < 1e-3, (seed, err)
+            assert got.tokens == want[:len(got.tokens)] and len(got.tokens) >= 1, (seed, got.tokens, want)
+            results[seed] = (got.tokens, ours)
+        # two different images: different answers
+        assert np.abs(results[1][1] - results[2][1]).max() > 1e-3
+        assert results[1][0] != results[2][0]
+    finally:
+        ref.close()
+
+
+def _first_logits(model, ids, png) -> np.ndarray:
+    """The logits after the prompt, prefilled on a fresh cache with the image."""
+    from edgeinfer.vision.media_ids import MediaRows
+
+    media = MediaRows([model.images.encode(png)], N_EMBD, mrope=True)
+    return model.engine.prefill(ids, model.engine.new_cache(), media=media)
+
+
+def test_resending_the_image_reuses_its_cached_rows(files):
+    import edgeinfer
+    from edgeinfer.vision.media_ids import image_runs
+
+    text, mmproj = files
+    model = edgeinfer.load(str(text), mmproj=str(mmproj), n_ctx=256, backend="cpu")
+    png = _png(1)
+    seen = []
+    first = model.generate(PROMPT, images=[png], max_tokens=4, temperature=0, on_prompt=seen.append)
+    again = model.generate(PROMPT, images=[png], max_tokens=4, temperature=0)
+    (_, end), = image_runs(seen[0])
+    assert first.usage.cached_tokens == 0
+    assert again.usage.cached_tokens >= end  # the image's rows and the lag they leave come from the cache
+    assert again.tokens == first.tokens
+    # a longer prompt after the cached image: the text after it takes the positions libmtmd gives it
+    longer = PROMPT + " the"
+    after = model.generate(longer, images=[png], max_tokens=4, temperature=0)
+    model.reset()
+    cold = model.generate(longer, images=[png], max_tokens=4, temperature=0)
+    assert after.usage.cached_tokens >= end and cold.usage.cached_tokens == 0
+    assert after.tokens == cold.tokens
+
+
+def test_grid_positions_are_libmtmds_rule():
+    """Two images (3 x 5, then 2 x 2) between text: rows on their grids, text continuing
+    max(rows, cols) after each image's first position."""
+    grid = GridPositions([(2, 3, 5), (19, 2, 2)])
+    got = grid.at(np.arange(26))
+    assert got[:2].tolist() == [[0, 0, 0], [1, 1, 1]]
+    assert got[2].tolist() == [2, 2, 2] and got[3].tolist() == [2, 2, 3] and got[7].tolist() == [2, 3, 2]
+    assert got[16].tolist() == [2, 4, 6]   # the last row of 3 x 5
+    assert got[17].tolist() == [7, 7, 7]   # text: 2 + max(3, 5)
+    assert got[19].tolist() == [9, 9, 9] and got[22].tolist() == [9, 10, 10]
+    assert got[23].tolist() == [11, 11, 11] and grid.lag == 12   # (15 - 5) + (4 - 2)
+    assert GridPositions([]).at(np.array([4, 5])).tolist() == [[4, 4, 4], [5, 5, 5]]
+
+
+def test_text_rows_rotate_as_without_a_grid(files):
+    """Rows whose t, h and w are equal rotate bit for bit as a text row at that position; a
+    different h or w turns some pairs (the sections' ones) and only those."""
+    import edgeinfer
+
+    model = edgeinfer.load(str(files[0]), n_ctx=64, backend="cpu").engine.model
+    x = np.random.default_rng(0).standard_normal((4, 2, 32)).astype(np.float32)
+    pos = np.array([3, 4, 9, 10])
+    plain = model.mrope(1, x, pos)
+    np.testing.assert_array_equal(model.mrope(1, x, pos, np.repeat(pos[:, None], 3, axis=1)), plain)
+    grid = np.repeat(pos[:, None], 3, axis=1)
+    grid[:, 1] += 2
+    moved = model.mrope(1, x, pos, grid)
+    changed = np.flatnonzero((moved != plain).any(axis=(0, 1)))
+    half = model.config.rope_dims // 2
+    hs = model._hw_pairs[0]
+    assert sorted(changed.tolist()) == sorted(np.concatenate([hs, hs + half]).tolist())
