@@ -1,9 +1,9 @@
 """A request's images to ImageChunks: paths, bytes and chat image parts read, decoded, encoded once per digest.
 
 Chat messages carry images as OpenAI image parts ({"type": "image_url", "image_url": {"url":
-"data:image/png;base64,..."}}); each becomes a text part holding the media marker, so the
-chat template writes the marker where the image was (as llama-server does), and the image
-joins the list in marker order. Only data URLs are read: a URL is never fetched on a
+"data:image/png;base64,..."}}); a message holding some becomes one string with the media
+marker where each image was, its text parts joined as llama-server joins them, and the
+images join the list in marker order. Only data URLs are read: a URL is never fetched on a
 client's behalf.
 """
 
@@ -85,7 +85,7 @@ def data_url_bytes(url: Any) -> bytes:
 
 
 def chat_images(messages: Sequence[Any], marker: str) -> tuple[list[Any], list[bytes]]:
-    """(messages with every image part turned into a text part holding `marker`, the images'
+    """(messages with every image part turned into `marker` in the message's text, the images'
     bytes in order). Messages without image parts are passed through as they are."""
     if not isinstance(messages, (list, tuple)):
         return messages, []  # the template's check names the problem
@@ -96,16 +96,24 @@ def chat_images(messages: Sequence[Any], marker: str) -> tuple[list[Any], list[b
         if not isinstance(content, list) or not any(_is_image(p) for p in content):
             out.append(message)
             continue
-        parts = []
+        text, after_marker = "", False
         for part in content:
             if _is_image(part):
                 ref = part.get("image_url")
                 url = ref.get("url") if isinstance(ref, dict) else ref
                 images.append(data_url_bytes(url))
-                parts.append({"type": "text", "text": marker})
+                text, after_marker = text + marker, True
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                # llama.cpp's join for a message with media: text parts on their own lines,
+                # no newline before or after a marker
+                text += ("\n" if text and not after_marker else "") + part["text"]
+                after_marker = False
             else:
-                parts.append(part)
-        out.append({**message, "content": parts})
+                raise EdgeInferError(f"a content part must be {{'type': 'text', 'text': ...}} or an image_url part, "
+                                     f"got {str(part)[:60]!r}")
+        # one string, as llama-server hands the template a message with media (a template
+        # that reads content as a string would otherwise print the parts' list)
+        out.append({**message, "content": text})
     return out, images
 
 
