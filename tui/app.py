@@ -27,7 +27,9 @@ from edgeinfer.sessions.conversations import Conversation, ConversationStore
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.prompt.shown_answer import ShownAnswer
 from edgeinfer.tui import controller, layout
+from edgeinfer.tui.attachments import Attachments, image_command, images_of, label, last_user_images
 from edgeinfer.tui.export import export_markdown, to_markdown
+from edgeinfer.tui.image_actions import ImageActions
 from edgeinfer.tui.loading import (ModelLoader, accepts_progress, default_loader, local_models,  # noqa: F401
                                    open_model, pull_model, quantization_of, short_name as _short)
 from edgeinfer.tui.screens import (ConfirmScreen, HelpScreen, ModelPickerScreen, RenameScreen,
@@ -37,7 +39,7 @@ from edgeinfer.tui.widgets import (AssistantMessage, KeyBar, PromptInput, Stats,
                                    UserMessage, Welcome, code_blocks)
 
 
-class ChatApp(App):
+class ChatApp(ImageActions, App):
     """Chat with a local model; conversations in a side panel, settings per conversation."""
 
     TITLE = "edgeinfer chat"
@@ -75,6 +77,7 @@ class ChatApp(App):
         self._warned: set[str] = set()  # corrupt-file notices already shown
         self._previous_answer: dict | None = None  # the answer being regenerated
         self._live: controller.LiveRate | None = None  # the answer streaming now
+        self.attachments = Attachments()  # images for the next message (/image PATH, Ctrl+G)
 
     @property
     def conv(self) -> Conversation:
@@ -188,19 +191,32 @@ class ChatApp(App):
     @on(PromptInput.Submitted)
     async def _on_submit(self, event: PromptInput.Submitted) -> None:
         text = event.text
-        if not text.strip():
+        if not text.strip() and not self.attachments.pending:
             return
         if self.model is None:
-            self.notify("the model is still loading" if self.loading else "no model loaded: Ctrl+O picks one",
-                        severity="warning")
+            self._no_model()
+            return
+        path = image_command(text)
+        if path is not None:  # `/image PATH`: the prompt box is cleared only once the image is kept
+            if self._attach_noted(path):
+                event.prompt.clear()
             return
         if self._busy():
             return
         event.prompt.clear()
-        self.conv.messages.append({"role": "user", "content": text})
+        message = {"role": "user", "content": text}
+        images = self.attachments.take()
+        if images:
+            message["images"] = images
+        self._show_pending()
+        self.conv.messages.append(message)
         await self.query("#welcome").remove()
-        await self.query_one("#chat").mount(UserMessage(text))
+        await self.query_one("#chat").mount(UserMessage(text, [label(r) for r in images]))
         await self._start_answer()
+
+    def _no_model(self) -> None:
+        self.notify("the model is still loading" if self.loading else "no model loaded: Ctrl+O picks one",
+                    severity="warning")
 
     async def _start_answer(self, previous: dict | None = None) -> None:
         """Stream an answer to the conversation; `previous`: the answer it regenerates (kept as an
@@ -222,7 +238,11 @@ class ChatApp(App):
         self.stats.state = "answering… (Esc stops)"
         self._live = controller.LiveRate(self.stats.ctx_used, time.monotonic())
         self._show_stats()
-        self._generate(self.model, self.conv.chat_messages(), self.session.params(), widget, self._cancel)
+        messages, problems = self.attachments.chat_messages(self.conv.messages, self.conv.chat_messages(),
+                                                            self.model, _short(self.model_name))
+        for problem in problems:
+            self.notify(problem, severity="warning", timeout=8)
+        self._generate(self.model, messages, self.session.params(), widget, self._cancel)
 
     @work(thread=True, group="generate", exit_on_error=False)
     def _generate(self, model, messages: list[dict], params: dict, widget: AssistantMessage,
@@ -277,6 +297,7 @@ class ChatApp(App):
         self.stats.state = ""
         if error:
             self.notify(error, title="error", severity="error", timeout=10)
+        asked = last_user_images(self.conv.messages[-1:])  # the question's images, if it is taken back
         end = self.session.end_answer(self._previous_answer, widget.text,
                                       last.finish_reason if last is not None else None)
         if end.kind == "answer":
@@ -292,6 +313,8 @@ class ChatApp(App):
             prompt = self.query_one("#prompt", PromptInput)
             if not prompt.text:
                 prompt.text = end.question
+            self.attachments.give_back(asked)
+            self._show_pending()
         if last is not None and last.usage is not None:
             u, t = last.usage, last.timings
             self.stats.ctx_used = u.prompt_tokens + u.completion_tokens
@@ -352,6 +375,7 @@ class ChatApp(App):
     async def action_edit_last(self) -> None:
         if self._busy():
             return
+        images = last_user_images(self.conv.messages)
         answers, text = self.session.take_back_last_message()
         for _ in range(answers):
             await self._remove_last_widget(AssistantMessage)
@@ -359,6 +383,8 @@ class ChatApp(App):
             self.notify("no message to edit", severity="warning")
             return
         await self._remove_last_widget(UserMessage)
+        self.attachments.give_back(images)  # the message keeps its images when sent again
+        self._show_pending()
         prompt = self.query_one("#prompt", PromptInput)
         prompt.text = text
         prompt.move_cursor(prompt.document.end)
@@ -592,8 +618,8 @@ class ChatApp(App):
             widgets.append(Welcome(self._welcome()))
         if self.conv.system.strip():
             widgets.append(SystemMessage(self.conv.system))
-        widgets += [UserMessage(m["content"]) if m["role"] == "user" else self._answer_view(m)
-                    for m in self.conv.messages]
+        widgets += [UserMessage(m["content"], [label(r) for r in images_of(m)]) if m["role"] == "user"
+                    else self._answer_view(m) for m in self.conv.messages]
         if widgets:
             await chat.mount_all(widgets)
         chat.scroll_end(animate=False)

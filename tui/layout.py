@@ -53,6 +53,7 @@ BINDINGS = [
     Binding("ctrl+l", "edit_last", "Edit last"),
     Binding("ctrl+s", "settings", "Settings"),
     Binding("ctrl+o", "pick_model", "Model"),
+    Binding("ctrl+g", "attach_image", "Image"),
     Binding("ctrl+f", "search", "Search"),
     Binding("f3", "copy_answer", "Copy answer"),
     Binding("f4", "copy_code", "Copy code"),
@@ -69,6 +70,6 @@ BINDINGS = [
 # The key line, in priority order: what does not fit is behind "F1 help".
 KEYS = [Key("Enter", "send"), Key("Esc", "stop"), Key("^N", "new"), Key("^O", "model"),
         Key("^S", "settings"), Key("^R", "regenerate"), Key("^F", "search"), Key("^L", "edit last"),
-        Key("F3", "copy answer"), Key("F5", "copy chat"), Key("F9", "export"), Key("^B", "chats"),
+        Key("F3", "copy answer"), Key("^G", "image"), Key("F5", "copy chat"), Key("F9", "export"), Key("^B", "chats"),
         Key("F2", "rename"), Key("F8", "delete"), Key("^T", "theme"), Key("^Q", "quit"),
         Key("F1", "help")]

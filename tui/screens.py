@@ -1,8 +1,8 @@
-"""Modal screens: help, settings, model picker (and pull), search, rename and delete confirmation."""
+"""Modal screens: help, settings, model picker (and pull), search, image path, rename and delete confirmation."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from textual import work
 from textual.app import ComposeResult
@@ -38,6 +38,7 @@ the prompt box stays usable while the model writes.
 | Ctrl+C | copy the selected text |
 | Ctrl+S | settings: system prompt, temperature, top-p, top-k, min-p, repeat penalty, seed, stop strings, max tokens, context size |
 | Ctrl+O | pick another local model, or pull one by name |
+| Ctrl+G | attach an image to the next message (or type `/image PATH`; needs `--mmproj`) |
 | Ctrl+B | show / hide the conversation list |
 | F2 | rename the conversation |
 | F8 | delete the conversation |
@@ -250,6 +251,39 @@ class SearchScreen(ModalScreen[str | None]):
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         event.stop()
         self.dismiss(event.option.id)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ImagePathScreen(ModalScreen[None]):
+    """Ctrl+G: an image file's path for the next message. `attach(path)` checks and keeps it,
+    raising EdgeInferError for a bad one: then a notice says why and the path stays to fix."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, attach: Callable[[str], Any]) -> None:
+        super().__init__()
+        self.attach = attach
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="image-body", classes="dialog"):
+            yield Label("Image for the next message: a PNG, JPEG, WebP or GIF file (Enter attaches, Esc cancels)")
+            yield Input(placeholder="path/to/image.png", id="image-path")
+
+    def on_mount(self) -> None:
+        self.query_one("#image-path", Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        from edgeinfer.errors import EdgeInferError
+
+        event.stop()
+        try:
+            self.attach(event.value.strip())
+        except EdgeInferError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        self.dismiss(None)
 
     def action_cancel(self) -> None:
         self.dismiss(None)

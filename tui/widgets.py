@@ -54,12 +54,15 @@ class PromptInput(TextArea):
 
 
 class UserMessage(Static):
-    """A message the user sent (shown as plain text: no markup is interpreted)."""
+    """A message the user sent (shown as plain text: no markup is interpreted); `images`: a line
+    under it for each attached image ("image: cat.png 1024×768")."""
 
-    def __init__(self, text: str) -> None:
-        super().__init__(text, markup=False, classes="message user")
+    def __init__(self, text: str, images: list[str] | None = None) -> None:
+        shown = "\n".join([text, *images]) if images and text else "\n".join(images or [text])
+        super().__init__(shown, markup=False, classes="message user")
         self.border_title = "You"
         self.text = text
+        self.images = list(images or [])
 
 
 class SystemMessage(Static):

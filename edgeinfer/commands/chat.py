@@ -22,9 +22,35 @@ def register(sub) -> None:
     p.add_argument("--session-kv", action="store_true",
                    help="new conversations also save their KV cache, so resuming one prefills nothing "
                         "(bigger files; a per-conversation setting, Ctrl+S)")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="NAME's vision encoder GGUF: messages may then carry images (/image PATH or Ctrl+G); "
+                        "default: the mmproj-*.gguf beside a model named from the store")
+    p.add_argument("--no-mmproj", action="store_true", help="load no mmproj, even one found beside a model")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(func=chat)
+
+
+def mmproj_loader(args):
+    """edgeinfer.load's mmproj for a model `name`: --mmproj's file for the named model, else the
+    one beside a store model ("auto"), none with --no-mmproj."""
+    from pathlib import Path
+
+    from edgeinfer.errors import EdgeInferError
+
+    if args.no_mmproj and args.mmproj is not None:
+        raise EdgeInferError("--no-mmproj loads no vision encoder: it cannot go with --mmproj")
+    if args.mmproj is not None and not Path(args.mmproj).expanduser().is_file():
+        raise EdgeInferError(f"--mmproj: no such file: {args.mmproj}")
+
+    def mmproj(name: str):
+        if args.no_mmproj:
+            return None
+        if args.mmproj is not None and name == args.name:
+            return str(Path(args.mmproj).expanduser())
+        return "auto"
+
+    return mmproj
 
 
 def chat(args) -> int:
@@ -39,10 +65,12 @@ def chat(args) -> int:
     # The named model loads before the screen opens, so a first start's kernel compile
     # count shows on stderr; a model that is not local yet is left to the app's download.
     kwargs = model_kwargs(args, context_shift=True)  # a bad flag or lookup cache file: one line, before the screen
+    mmproj = mmproj_loader(args)
     preloaded = {}
     if args.name:
         try:
-            preloaded[(args.name, args.ctx_size)] = edgeinfer.load(args.name, download=False, **kwargs)
+            preloaded[(args.name, args.ctx_size)] = edgeinfer.load(args.name, download=False, **kwargs,
+                                                                   mmproj=mmproj(args.name))
         except EdgeInferError:
             pass
 
@@ -50,7 +78,7 @@ def chat(args) -> int:
         model = preloaded.pop((name, n_ctx), None)
         if model is not None:
             return model
-        return edgeinfer.load(name, **{**kwargs, "n_ctx": n_ctx})
+        return edgeinfer.load(name, **{**kwargs, "n_ctx": n_ctx, "mmproj": mmproj(name)})
 
     app = ChatApp(args.name, load_model=load, store=ConversationStore(args.data_dir),
                   sampling=params, system=args.system, n_ctx=args.ctx_size, save_kv=args.session_kv)
