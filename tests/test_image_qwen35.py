@@ -241,3 +241,23 @@ def test_text_rows_rotate_as_without_a_grid(files):
     half = model.config.rope_dims // 2
     hs = model._hw_pairs[0]
     assert sorted(changed.tolist()) == sorted(np.concatenate([hs, hs + half]).tolist())
+
+
+def test_a_causal_image_may_be_cut_between_prefill_passes(files):
+    """A qwen3vl image is causal: a prefill pass smaller than the image cuts it (as libmtmd's
+    n_batch does) and the logits stay those of one pass."""
+    import edgeinfer
+    from edgeinfer.vision.media_ids import image_runs
+
+    text, mmproj = files
+    png = _png(1)
+    logits = {}
+    for chunk in (256, 4):
+        model = edgeinfer.load(str(text), mmproj=str(mmproj), n_ctx=256, backend="cpu", prefill_chunk=chunk)
+        seen = []
+        model.generate(PROMPT, images=[png], max_tokens=1, temperature=0, on_prompt=seen.append)
+        (a, b), = image_runs(seen[0])
+        if chunk == 4:
+            assert b - a > model.engine.max_prefill_rows
+        logits[chunk] = _first_logits(model, seen[0], png)
+    np.testing.assert_allclose(logits[4], logits[256], rtol=0, atol=1e-4 * np.abs(logits[256]).max())

@@ -185,11 +185,16 @@ class MediaRows:
                 firsts[idx[j]] = positions[idx[j]] - row
         return MediaStep(where, np.stack(out).astype(np.float32, copy=False), limits, firsts, grid)
 
+    def _non_causal(self, token: int) -> bool:
+        got = self._rows.get(int(token))
+        return got is None or got[0].non_causal  # an image not given: kept whole, step names it
+
     def keep_whole(self, tokens: Sequence[int], cuts: list[int], max_rows: int) -> list[int]:
-        """Prefill cut points (engine.chunk_bounds') moved off the inside of every image: a cut
-        inside an image goes to its start, or past its end where the piece would be empty.
-        An image longer than `max_rows` (one prefill pass) is an error."""
-        runs = image_runs(tokens)
+        """Prefill cut points (engine.chunk_bounds') moved off the inside of every non-causal
+        image: a cut inside one goes to its start, or past its end where the piece would be
+        empty. A non-causal image longer than `max_rows` (one prefill pass) is an error. A causal
+        image (qwen3vl) may be cut anywhere, as libmtmd splits it into n_batch batches."""
+        runs = [(a, b) for a, b in image_runs(tokens) if self._non_causal(tokens[a])]
         if not runs:
             return cuts
         for a, b in runs:
