@@ -254,3 +254,24 @@ def test_chat_loads_the_named_model_with_its_mmproj_and_others_with_theirs(tmp_p
     assert mmproj_loader(args)("a.gguf") == str(mmproj) and mmproj_loader(args)("other") == "auto"
     args = build_parser().parse_args(["chat", "a.gguf", "--no-mmproj"])
     assert mmproj_loader(args)("a.gguf") is None
+
+
+def test_edgeinfer_chat_loads_the_model_with_its_mmproj(gemma_path, tmp_path, monkeypatch):
+    pytest.importorskip("edgeinfer.vision.gemma3")
+    from mmproj_factory import write_gemma3_mmproj
+
+    from edgeinfer.cli import main
+
+    mmproj = write_gemma3_mmproj(tmp_path / "mmproj-tiny.gguf", n_embd_text=N_EMBD)
+    seen = {}
+
+    def run(app):  # instead of the screen: what its loader gives
+        model = app.load_model(app.model_name, 64)
+        seen["images"] = model.images is not None
+
+    monkeypatch.setattr(ChatApp, "run", run)
+    code = main(["chat", str(gemma_path), "--mmproj", str(mmproj), "--backend", "reference", "-c", "64",
+                 "--data-dir", str(tmp_path / "s")])
+    assert code == 0 and seen == {"images": True}
+    code = main(["chat", str(gemma_path), "--backend", "reference", "-c", "64", "--data-dir", str(tmp_path / "s")])
+    assert code == 0 and seen == {"images": False}  # a model given as a file: images with --mmproj only
