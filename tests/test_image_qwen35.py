@@ -261,3 +261,28 @@ def test_a_causal_image_may_be_cut_between_prefill_passes(files):
             assert b - a > model.engine.max_prefill_rows
         logits[chunk] = _first_logits(model, seen[0], png)
     np.testing.assert_allclose(logits[4], logits[256], rtol=0, atol=1e-4 * np.abs(logits[256]).max())
+
+
+def test_text_after_the_image_runs_alike_one_row_or_several_at_a_time(files):
+    """What speculative verification runs: tokens after the image in one pass (decode_bits)
+    give the logits decoding them one by one gives, at the same lagging positions."""
+    import edgeinfer
+    from edgeinfer.vision.media_ids import MediaRows
+
+    text, mmproj = files
+    model = edgeinfer.load(str(text), mmproj=str(mmproj), n_ctx=256, backend="cpu")
+    png = _png(2)
+    seen = []
+    model.generate(PROMPT, images=[png], max_tokens=1, temperature=0, on_prompt=seen.append)
+    ids, engine, after = seen[0], model.engine, [5, 17, 42]
+    media = MediaRows([model.images.encode(png)], N_EMBD, mrope=True).placed(ids)
+    one, many = engine.new_cache(), engine.new_cache()
+    engine.prefill(ids, one, media=media)
+    engine.prefill(ids, many, media=media)
+    singles = np.stack([engine.decode(t, one, media) for t in after])
+    rows = engine.forward(np.array(after), np.arange(len(ids), len(ids) + 3), many, logits_for=np.arange(3),
+                          decode_bits=True, media=media)
+    np.testing.assert_array_equal(rows, singles)
+    unplaced = engine.new_cache()
+    engine.prefill(ids, unplaced, media=media)
+    assert np.abs(engine.decode(after[0], unplaced) - singles[0]).max() > 1e-4  # without the lag: another answer
