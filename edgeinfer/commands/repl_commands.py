@@ -73,7 +73,8 @@ USAGE = '''Available Commands:
   /?, /help       Help for a command
   /? shortcuts    Help for keyboard shortcuts
 
-Use """ to begin a multi-line message.'''
+Use """ to begin a multi-line message.
+An image file's path in a message (/..., ./..., ~/...) attaches it, for a model with an mmproj.'''
 
 USAGE_SET = '''Available Commands:
   /set parameter ...     Set a parameter
