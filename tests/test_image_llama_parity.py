@@ -4,9 +4,9 @@ then greedy decoding, against edgeinfer.load(..., mmproj=...).generate(prompt, i
 
 from __future__ import annotations
 
-import ctypes
 import io
 
+import mtmd_oracle
 import numpy as np
 import pytest
 
@@ -43,76 +43,19 @@ def files(tmp_path_factory, request):
     return text, mmproj, request.param
 
 
-class LlamaMtmd:
-    """llama.cpp + libmtmd on one text model and mmproj: prompt logits, then greedy tokens."""
-
-    def __init__(self, text_path, mmproj_path) -> None:
-        self.L = pytest.importorskip("llama_cpp")
-        self.M = pytest.importorskip("llama_cpp.mtmd_cpp", reason="this llama-cpp-python has no libmtmd bindings")
-        L, M = self.L, self.M
-        L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(str(text_path).encode(), L.llama_model_default_params())
-        assert self.model
-        cparams = L.llama_context_default_params()
-        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 512, 512, 512
-        cparams.n_threads = cparams.n_threads_batch = 2
-        cparams.flash_attn_type = 0  # off: F16 K/V and the plain softmax, as edgeinfer's default
-        self.lctx = L.llama_init_from_model(self.model, cparams)
-        assert self.lctx
-        params = M.mtmd_context_params_default()
-        params.use_gpu, params.n_threads, params.warmup, params.print_timings = False, 2, False, False
-        params.flash_attn_type = 0
-        self.ctx = M.mtmd_init_from_file(str(mmproj_path).encode(), self.model, params)
-        assert self.ctx
-        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
-
-    def greedy(self, prompt: str, png: bytes, steps: int) -> tuple[list[int], np.ndarray]:
-        L, M = self.L, self.M
-        L.llama_memory_clear(L.llama_get_memory(self.lctx), True)
-        data = (ctypes.c_ubyte * len(png)).from_buffer_copy(png)
-        bitmap = M.mtmd_helper_bitmap_init_from_buf(self.ctx, data, len(png), False)
-        assert bitmap
-        chunks = M.mtmd_input_chunks_init()
-        try:
-            text = prompt.replace("<__media__>", M.mtmd_default_marker().decode()).encode()
-            inp = M.mtmd_input_text(text, len(text), True, True)
-            bitmaps = (M.mtmd_bitmap_p_ctypes * 1)(bitmap)
-            assert M.mtmd_tokenize(self.ctx, chunks, ctypes.byref(inp), bitmaps, 1) == 0
-            n_past = L.llama_pos(0)
-            assert M.mtmd_helper_eval_chunks(self.ctx, self.lctx, chunks, 0, 0, 512, True, ctypes.byref(n_past)) == 0
-        finally:
-            M.mtmd_input_chunks_free(chunks)
-            M.mtmd_bitmap_free(bitmap)
-        first = self._logits()
-        logits, tokens = first, []
-        for _ in range(steps):
-            tokens.append(int(np.argmax(logits)))
-            arr = (L.llama_token * 1)(tokens[-1])
-            assert L.llama_decode(self.lctx, L.llama_batch_get_one(arr, 1)) == 0
-            logits = self._logits()
-        return tokens, first
-
-    def _logits(self) -> np.ndarray:
-        ptr = self.L.llama_get_logits_ith(self.lctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-
-    def close(self) -> None:
-        self.M.mtmd_free(self.ctx)
-        self.L.llama_free(self.lctx)
-        self.L.llama_model_free(self.model)
-
-
 def test_greedy_tokens_after_an_image_match_llama_cpp(files):
     import edgeinfer
 
     text, mmproj, _ = files
-    ref = LlamaMtmd(text, mmproj)
+    if not mtmd_oracle.available():
+        pytest.skip(mtmd_oracle.REASON)
+    ref = mtmd_oracle.LlamaMtmd(text, mmproj)
     model = edgeinfer.load(str(text), mmproj=str(mmproj), n_ctx=512, backend="cpu")
     try:
         results = {}
         for seed in (1, 2):
             png = _png(seed)
-            want, want_logits = ref.greedy(PROMPT, png, STEPS)
+            want, want_logits, _ = ref.greedy(PROMPT, png, STEPS)
             seen = []
             got = model.generate(PROMPT, images=[png], max_tokens=STEPS, temperature=0, on_prompt=seen.append)
             model.reset()

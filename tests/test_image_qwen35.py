@@ -9,9 +9,9 @@ sequential positions it is 4e-2, with t for h and w 4e-3."""
 
 from __future__ import annotations
 
-import ctypes
 import io
 
+import mtmd_oracle
 import numpy as np
 import pytest
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
@@ -57,96 +57,14 @@ def files(tmp_path_factory, request):
     return text, mmproj
 
 
-class LlamaMtmd:
-    """llama.cpp + libmtmd on one text model and mmproj: prompt logits, then greedy tokens."""
-
-    def __init__(self, text_path, mmproj_path) -> None:
-        import mtmd_oracle
-
-        if not mtmd_oracle.available():
-            pytest.skip(mtmd_oracle.REASON)
-        import llama_cpp as L
-        from llama_cpp import mtmd_cpp as M
-
-        self.L, self.M = L, M
-        L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(str(text_path).encode(), L.llama_model_default_params())
-        assert self.model
-        cparams = L.llama_context_default_params()
-        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 256, 256, 256
-        cparams.n_threads = cparams.n_threads_batch = 2
-        cparams.flash_attn_type = 0  # off: F16 K/V and the plain softmax, as edgeinfer's default
-        self.lctx = L.llama_init_from_model(self.model, cparams)
-        assert self.lctx
-        params = M.mtmd_context_params_default()
-        params.use_gpu, params.n_threads, params.warmup, params.print_timings = False, 2, False, False
-        params.flash_attn_type = 0
-        self.ctx = M.mtmd_init_from_file(str(mmproj_path).encode(), self.model, params)
-        assert self.ctx
-        assert M.mtmd_decode_use_mrope(self.ctx)
-        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
-
-    def greedy(self, prompt: str, png: bytes, steps: int) -> tuple[list[int], np.ndarray, dict]:
-        """Greedy tokens, the first token's logits, and the image's placement by libmtmd:
-        its grid, n_pos and each row's decoder position from the image's first position."""
-        L, M = self.L, self.M
-        L.llama_memory_clear(L.llama_get_memory(self.lctx), True)
-        data = (ctypes.c_ubyte * len(png)).from_buffer_copy(png)
-        bitmap = M.mtmd_helper_bitmap_init_from_buf(self.ctx, data, len(png), False)
-        assert bitmap
-        chunks = M.mtmd_input_chunks_init()
-        try:
-            text = prompt.replace("<__media__>", M.mtmd_default_marker().decode()).encode()
-            inp = M.mtmd_input_text(text, len(text), True, True)
-            bitmaps = (M.mtmd_bitmap_p_ctypes * 1)(bitmap)
-            assert M.mtmd_tokenize(self.ctx, chunks, ctypes.byref(inp), bitmaps, 1) == 0
-            place = self._placement(chunks)
-            n_past = L.llama_pos(0)
-            assert M.mtmd_helper_eval_chunks(self.ctx, self.lctx, chunks, 0, 0, 256, True, ctypes.byref(n_past)) == 0
-            place["n_past"] = n_past.value
-        finally:
-            M.mtmd_input_chunks_free(chunks)
-            M.mtmd_bitmap_free(bitmap)
-        first = self._logits()
-        logits, tokens = first, []
-        for _ in range(steps):
-            tokens.append(int(np.argmax(logits)))
-            arr = (L.llama_token * 1)(tokens[-1])
-            assert L.llama_decode(self.lctx, L.llama_batch_get_one(arr, 1)) == 0
-            logits = self._logits()
-        return tokens, first, place
-
-    def _placement(self, chunks) -> dict:
-        M = self.M
-        pos, out = 0, {}
-        for i in range(M.mtmd_input_chunks_size(chunks)):
-            chunk = M.mtmd_input_chunks_get(chunks, i)
-            if M.mtmd_input_chunk_get_type(chunk) == M.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                img = M.mtmd_input_chunk_get_tokens_image(chunk)
-                n = M.mtmd_image_tokens_get_n_tokens(img)
-                rows = [M.mtmd_image_tokens_get_decoder_pos(img, pos, r) for r in range(n)]
-                # llama's batch takes t, y (row), x (column): the M-RoPE sections' order
-                out = {"start": pos, "grid": (M.mtmd_image_tokens_get_ny(img), M.mtmd_image_tokens_get_nx(img)),
-                       "n_pos": M.mtmd_input_chunk_get_n_pos(chunk), "thw": [(p.t, p.y, p.x) for p in rows]}
-            pos += M.mtmd_input_chunk_get_n_pos(chunk)
-        return out
-
-    def _logits(self) -> np.ndarray:
-        ptr = self.L.llama_get_logits_ith(self.lctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-
-    def close(self) -> None:
-        self.M.mtmd_free(self.ctx)
-        self.L.llama_free(self.lctx)
-        self.L.llama_model_free(self.model)
-
-
 def test_greedy_tokens_after_an_image_match_llama_cpp(files):
     import edgeinfer
     from edgeinfer.vision.media_ids import image_runs
 
     text, mmproj = files
-    ref = LlamaMtmd(text, mmproj)
+    if not mtmd_oracle.available():
+        pytest.skip(mtmd_oracle.REASON)
+    ref = mtmd_oracle.LlamaMtmd(text, mmproj, n_ctx=256)
     model = edgeinfer.load(str(text), mmproj=str(mmproj), n_ctx=256, backend="cpu")
     try:
         results = {}
