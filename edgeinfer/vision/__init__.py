@@ -6,6 +6,7 @@ Layout (each module one job):
 - image_io.py: decoding an image (Pillow) under a pixel budget;
 - image_ops.py: resize, pad and normalize as libmtmd computes them;
 - vit.py: the ViT encoder blocks shared by the projectors, on the CPU kernels;
+- patch_attention.py: non-causal attention over the patches, spread over the threads;
 - gemma3.py, gemma4v.py, qwen3vl.py: one projector each (its preprocessing and graph);
   gemma4v_encoder.py: Gemma 4's own vision tower (2-D RoPE, RMS-normed blocks), gemma4v's.
 """

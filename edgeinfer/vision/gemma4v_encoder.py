@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as T
 
 from edgeinfer import kernels_cpu
 from edgeinfer.vision.mmproj import MmprojFile
+from edgeinfer.vision.patch_attention import attend
 from edgeinfer.vision.vit import Linear, activation, rms_norm
 
 ROPE_BASE = 100.0    # libmtmd sets rope_theta = 100 for gemma4v; the file has no key for it
@@ -249,20 +250,9 @@ class Gemma4VisionTower:
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Non-causal attention with scale 1 (gemma4v's kq_scale), q k v (n, heads, d) -> (n, heads * d).
-    Softmax as ggml's: exp in float32, the sum in double. Queries go in slices (each row's
-    softmax is its own), so a score matrix is at most QUERY_ROWS x n."""
-    n, nh, d = q.shape
-    out = np.empty((n, nh, d), np.float32)
-    for h in range(nh):
-        kh, vh = np.ascontiguousarray(k[:, h]), np.ascontiguousarray(v[:, h])
-        for lo in range(0, n, QUERY_ROWS):
-            s = q[lo:lo + QUERY_ROWS, h] @ kh.T
-            s -= s.max(axis=-1, keepdims=True)
-            np.exp(s, out=s)
-            s *= (1.0 / s.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
-            out[lo:lo + QUERY_ROWS, h] = s @ vh
-    return out.reshape(n, nh * d)
+    """Non-causal attention with scale 1 (gemma4v's kq_scale), q k v (n, heads, d) -> (n, heads * d),
+    in QUERY_ROWS slices."""
+    return attend(q, k, v, 1.0, QUERY_ROWS)
 
 
 def _norm_heads(x: np.ndarray, norm: tuple[Norm | None, bool], n: int, nh: int, d: int) -> np.ndarray:

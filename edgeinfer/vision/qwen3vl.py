@@ -33,6 +33,7 @@ from edgeinfer.vision import image_ops
 from edgeinfer.vision.chunk import ImageChunk
 from edgeinfer.vision.image_io import MAX_PIXELS, Image, ImageError, from_pixels
 from edgeinfer.vision.mmproj import MmprojFile
+from edgeinfer.vision.patch_attention import attend
 from edgeinfer.vision.qwen_resize import smart_size
 from edgeinfer.vision.vit import LayerNorm, Linear, activation
 
@@ -291,21 +292,8 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.float32) -> np.ndarray:
-    """Non-causal attention, q k v (n, heads, d) -> (n, heads * d); softmax as ggml's (exp in
-    float32, the sum in double). Queries go in slices (a row's softmax is its own), so the
-    score matrix stays QUERY_ROWS x n: 16384 patches take 64 MB a head, not 1 GB."""
-    n, nh, d = q.shape
-    out = np.empty((n, nh, d), np.float32)
-    for j in range(nh):
-        kj, vj = np.ascontiguousarray(k[:, j]), np.ascontiguousarray(v[:, j])
-        for r in range(0, n, QUERY_ROWS):
-            s = q[r:r + QUERY_ROWS, j] @ kj.T
-            s *= scale
-            s -= s.max(axis=-1, keepdims=True)
-            np.exp(s, out=s)
-            s *= (1.0 / s.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
-            out[r:r + QUERY_ROWS, j] = s @ vj
-    return out.reshape(n, nh * d)
+    """Non-causal attention, q k v (n, heads, d) -> (n, heads * d), in QUERY_ROWS slices."""
+    return attend(q, k, v, scale, QUERY_ROWS)
 
 
 def _align_corners(n_out: int, n_in: int) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as T
 from edgeinfer import kernels_cpu
 from edgeinfer.backends.base import _gelu_f16_table  # ggml's CPU GELU table, built in one place
 from edgeinfer.vision.mmproj import MmprojFile, VisionParams
+from edgeinfer.vision.patch_attention import attend
 
 _FLOAT_KERNEL_TYPES = (T.F32, T.F16)
 
@@ -93,20 +94,9 @@ def _gelu_quick_table() -> np.ndarray:
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, scale: float) -> np.ndarray:
-    """Non-causal attention over all patches, one head at a time (an (n, n) score matrix per head):
-    q, k, v (n, n_head * d) -> (n, n_head * d). Softmax as ggml's: exp in float32, sum in double."""
+    """Non-causal attention over all patches: q, k, v (n, n_head * d) -> (n, n_head * d)."""
     n, width = q.shape
-    d = width // n_head
-    heads = [np.ascontiguousarray(t.reshape(n, n_head, d).transpose(1, 0, 2)) for t in (q, k, v)]
-    out = np.empty((n, n_head, d), np.float32)
-    for h in range(n_head):
-        s = heads[0][h] @ heads[1][h].T
-        s *= np.float32(scale)
-        s -= s.max(axis=-1, keepdims=True)
-        np.exp(s, out=s)
-        s *= (1.0 / s.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
-        out[:, h] = s @ heads[2][h]
-    return out.reshape(n, width)
+    return attend(*(t.reshape(n, n_head, width // n_head) for t in (q, k, v)), scale)
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""Non-causal attention over an image's patches, shared by every ViT: heads and query slices
+spread over the kernels' threads."""
+from __future__ import annotations
+
+import numpy as np
+
+from edgeinfer.kernels_cpu import get_threads
+from edgeinfer.kernels_cpu.threads import worker_pool
+
+QUERY_ROWS = 1024   # queries per slice: a score matrix is at most QUERY_ROWS x n (16384 patches: 64 MB)
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, query_rows: int | None = None) -> np.ndarray:
+    """softmax(q k^T * scale) v for every head, q k v (n, heads, d) -> (n, heads * d). Softmax
+    as ggml's: exp in float32, the sum in double. Each (head, query slice) is one piece of
+    work; numpy's products and exp release the GIL, so the pieces run side by side."""
+    n, nh, d = q.shape
+    rows = query_rows or QUERY_ROWS
+    out = np.empty((n, nh, d), np.float32)
+    heads = [(np.ascontiguousarray(q[:, h]), np.ascontiguousarray(k[:, h]), np.ascontiguousarray(v[:, h]))
+             for h in range(nh)]
+    scale = np.float32(scale)
+
+    def piece(job: tuple[int, int]) -> None:
+        h, lo = job
+        qh, kh, vh = heads[h]
+        s = qh[lo:lo + rows] @ kh.T
+        if scale != 1:
+            s *= scale
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s *= (1.0 / s.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+        out[lo:lo + rows, h] = s @ vh
+
+    jobs = [(h, lo) for h in range(nh) for lo in range(0, n, rows)]
+    n_threads = min(get_threads(), len(jobs))
+    if n_threads > 1:
+        list(worker_pool(n_threads).map(piece, jobs))
+    else:
+        for job in jobs:
+            piece(job)
+    return out.reshape(n, nh * d)
