@@ -432,7 +432,10 @@ def test_hybrid_recurrent_model_logits_match_cpu(tmp_path, arch):
 def test_gemma3_270m_logits_match_cpu(gemma_path, monkeypatch):
     # on the emulator, one order a launch: the kernel tests above check both
     monkeypatch.setenv("EDGEINFER_CUDA_EMULATE_ORDER", "forward")
-    _compare(gemma_path, ks=[0, 6, 18], n_ctx=128, n_tokens=16)
+    # six layers: the real model's shapes through the GPU kernels. No offload (k=0) and the
+    # whole model with its output head (k=n_layer) are the tiny models' cases above: here each
+    # took minutes on the emulator, the reference forwards included
+    _compare(gemma_path, ks=[6], n_ctx=128, n_tokens=16)
 
 
 # -- the session manager's paged KV in VRAM -----------------------------------------------
