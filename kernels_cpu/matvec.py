@@ -580,7 +580,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         dispatch.matmul_int(w_raw, qt, xq, xd, xs, out)
         return out
     n_threads = get_threads()
-    if n_threads > 1 and _fast(qt) and n_rows >= 2 * _PREFILL_TILE_ROWS:
+    if n_threads > 1 and (_fast(qt) or qt in (qk.F16, qk.BF16)) and n_rows >= 2 * _PREFILL_TILE_ROWS:
         # numpy's BLAS runs single-threaded beside Numba (see edgeinfer.backends.cpu), so the row tiles
         # are split across our own threads: each dequantizes its tiles on its own thread
         # (no Numba parallel region) and calls BLAS, both without the GIL.
@@ -600,13 +600,24 @@ def _tiled_gemm(X: np.ndarray, w_raw: np.ndarray, qt: int, r0: int, r1: int, out
     for a in range(r0, r1, _PREFILL_TILE_ROWS):
         b = min(a + _PREFILL_TILE_ROWS, r1)
         t = tile[: b - a]
-        if serial:
+        if serial and qt in (qk.F16, qk.BF16):
+            _half_rows_serial(w_raw, qt, a, t)
+        elif serial:
             dispatch.dequantize_fast_serial(w_raw, qt, a, t)
         else:
             _dequant_into(w_raw, qt, a, t)
         # Into a fresh contiguous block: numpy only calls BLAS when `out` is contiguous,
         # and a column slice of `out` is not (that fallback ran ~10x slower).
         out[:, a:b] = X @ t.T
+
+
+def _half_rows_serial(w_raw: np.ndarray, qt: int, start: int, out: np.ndarray) -> None:
+    """out[i] = F16/BF16 row start + i as float32 on this thread (numpy's casts release the GIL)."""
+    rows = w_raw[start:start + out.shape[0]].view(np.uint16)
+    if qt == qk.F16:
+        out[...] = rows.view(np.float16)
+    else:
+        out.view(np.uint32)[...] = rows.astype(np.uint32) << 16
 
 
 def _dequant_into(w_raw: np.ndarray, qt: int, start: int, out: np.ndarray) -> None:
