@@ -506,3 +506,47 @@ def test_the_sdk_sees_errors_and_the_endpoint_is_documented(live, client):
     body = doc["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["$ref"].endswith("/ResponsesRequest")
     assert {"get", "delete"} <= set(doc["paths"]["/v1/responses/{response_id}"])
+
+
+# -- the store: bounded, least recently used out ---------------------------------------------------
+
+def test_the_store_is_bounded_least_recently_used_out():
+    from edgeinfer.server.responses_store import ResponseStore
+
+    def response(i: int, pad: int = 0) -> dict:
+        return {"id": f"resp_{i}", "output": "x" * pad}
+
+    store = ResponseStore(max_entries=3, max_bytes=9_050)
+    for i in range(3):
+        store.put(response(i), [{"id": f"msg_{i}"}])
+    assert store.get("resp_0") is not None   # used: now the most recent
+    store.put(response(3), [])
+    assert [store.get(f"resp_{i}") is not None for i in range(4)] == [True, False, True, True]
+    assert store.find_item("msg_1") is None and store.find_item("msg_0") == {"id": "msg_0"}
+    # the byte bound: one large response pushes out the oldest until the rest fit
+    store.put(response(4, pad=9_000), [])
+    assert len(store) == 1 and store.get("resp_4") is not None
+    store.put(response(5, pad=9_050), [])   # larger than the whole store: not kept, nothing lost
+    assert store.get("resp_5") is None and store.get("resp_4") is not None
+    store.put(response(4), [])   # the same id again: replaced, its bytes counted once
+    for i in (6, 7):
+        store.put(response(i), [])
+    assert len(store) == 3 and store.delete("resp_4") and not store.delete("resp_4") and len(store) == 2
+
+
+def test_an_evicted_response_cannot_be_continued(live, client, monkeypatch):
+    import openai
+
+    from edgeinfer.server.responses_store import ResponseStore, store_of
+
+    monkeypatch.setattr(live.app.state, "responses", ResponseStore(max_entries=3), raising=False)
+    first = client.responses.create(model=MODEL, input="one", max_output_tokens=1)
+    second = client.responses.create(model=MODEL, input="two", max_output_tokens=1)
+    client.responses.create(model=MODEL, input="three", previous_response_id=first.id, max_output_tokens=1)
+    client.responses.create(model=MODEL, input="four", max_output_tokens=1)
+    assert len(store_of(live.app)) == 3
+    with pytest.raises(openai.BadRequestError) as e:   # "two", the least recently used, went out
+        client.responses.create(model=MODEL, input="five", previous_response_id=second.id, max_output_tokens=1)
+    assert e.value.body["code"] == "previous_response_not_found"
+    again = client.responses.create(model=MODEL, input="six", previous_response_id=first.id, max_output_tokens=1)
+    assert again.previous_response_id == first.id   # continued from, so kept
