@@ -183,6 +183,28 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray, table: np.ndarray) -> np.ndarray:
     return out
 
 
+@njit(**_JIT)
+def _gelu_kernel(x, table, out):
+    x_bits = x.view(np.uint32)
+    for i in range(x.shape[0]):
+        g = x[i]
+        if g <= -10.0:
+            out[i] = 0.0
+        elif g >= 10.0:
+            out[i] = g
+        else:
+            out[i] = table[f16_bits_of(x_bits[i])]
+
+
+def gelu(x: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """ggml's CPU GELU: table[F16 bits of x], identity above 10, zero below -10 (the
+    vision encoders' MLP; gelu_mul without the up half)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    _in_pieces(lambda a, o: _gelu_kernel(a, table, o), x.size, x.reshape(-1), out.reshape(-1))
+    return out
+
+
 @njit(error_model="numpy", **_JIT)   # no zero-division branch: the loop vectorizes
 def _silu_mul_kernel(gate, up, out):
     for i in range(gate.shape[0]):

@@ -63,6 +63,15 @@ def test_gelu_mul_is_bit_exact_and_correct():
     np.testing.assert_allclose(got, gelu * up, atol=2e-3 * np.abs(gelu * up).max())
 
 
+def test_gelu_is_gelu_mul_without_its_up_half():
+    # the vision encoders' MLP: ggml's GELU table, identity from 10, zero from -10
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(3000) * 6, [-12.0, 12.0, -10.0, 10.0, 0.0]]).astype(np.float32)
+    got = ops.gelu(x, _gelu_f16_table())
+    np.testing.assert_array_equal(got, Backend(None).gelu_mul(x, np.ones_like(x)))
+    assert got[-5:].tolist() == [0.0, 12.0, 0.0, 10.0, 0.0]
+
+
 def _ggml_v_expf_avx2(x: np.ndarray) -> np.ndarray:
     """ggml_v_expf's AVX2 code transcribed literally, bit tricks and all three ranges
     (an independent check of the closed form `ggml_expf_any` uses)."""
@@ -126,3 +135,4 @@ def test_prefill_sized_inputs_take_the_parallel_kernels_with_the_same_bits():
     np.testing.assert_array_equal(ops.rms_norm(x, w, 1e-6), _Vectors({"w": w}).rms_norm(x, "w", 1e-6))
     np.testing.assert_array_equal(ops.gelu_mul(x, y, _gelu_f16_table()), Backend(None).gelu_mul(x, y))
     np.testing.assert_array_equal(ops.silu_mul(x, y), Backend(None).silu_mul(x, y))
+    np.testing.assert_array_equal(ops.gelu(x, _gelu_f16_table()), Backend(None).gelu_mul(x, np.ones_like(x)))

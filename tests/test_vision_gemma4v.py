@@ -149,4 +149,6 @@ def test_attention_in_query_slices_is_the_same(tmp_path, monkeypatch):
     whole = projector.encode(pixels).embeddings
     monkeypatch.setattr(gemma4v_encoder, "QUERY_ROWS", 100)
     sliced = projector.encode(pixels).embeddings
-    assert np.abs(sliced - whole).max() <= 1e-5 * np.abs(whole).max()
+    # BLAS picks its kernel by the slice's height, so a score may differ in its last bits
+    # (~2e-5 seen through 8 layers); a slice that lost or repeated rows is off by O(1)
+    assert np.abs(sliced - whole).max() <= 1e-4 * np.abs(whole).max()

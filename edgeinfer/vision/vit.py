@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as T
 
 from edgeinfer import kernels_cpu
 from edgeinfer.backends.base import _gelu_f16_table  # ggml's CPU GELU table, built in one place
+from edgeinfer.kernels_cpu import ops
 from edgeinfer.vision.mmproj import MmprojFile, VisionParams
 from edgeinfer.vision.patch_attention import attend
 
@@ -75,8 +76,7 @@ def activation(x: np.ndarray, op: str) -> np.ndarray:
         with np.errstate(over="ignore"):
             return (x / (np.float32(1.0) + np.exp(-x))).astype(np.float32)
     if op == "gelu":
-        g = _gelu_f16_table()[x.astype(np.float16).view(np.uint16)]
-        return np.where(x >= 10.0, x, np.where(x <= -10.0, np.float32(0.0), g)).astype(np.float32)
+        return ops.gelu(x, _gelu_f16_table())
     return _gelu_quick_table()[x.astype(np.float16).view(np.uint16)]
 
 
