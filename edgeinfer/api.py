@@ -151,6 +151,12 @@ class Model:
 
         return supports_tools(self.template.source)
 
+    def _polyfills(self, messages: list[dict]) -> bool:
+        """Whether a history's calls and tool results need writing as text for this template."""
+        from edgeinfer.prompt.tool_polyfill import needs_polyfill
+
+        return not self.supports_tools and needs_polyfill(messages, None)
+
     @property
     def n_ctx(self) -> int:
         return self.engine.n_ctx
@@ -239,8 +245,8 @@ class Model:
              ) -> GenerationResult | Iterator[GenerationChunk]:
         """Answer the conversation `messages` ({"role", "content"} dicts) through the chat template.
 
-        `tools` (OpenAI's list of functions) go to the template's `tools` variable
-        (ToolsNotSupportedError if it has none); `tool_choice` "required" or a named function
+        `tools` (OpenAI's list of functions) go to the template's `tools` variable (a template
+        without one gets them as text: edgeinfer.prompt.tool_polyfill); `tool_choice` "required" or a named function
         constrains the answer to calls whose arguments validate, "auto" (default) only once a
         call begins; `enable_thinking` and `reasoning_effort` (gpt-oss: "low", "medium",
         "high") are passed to the template. Read calls and reasoning out of the text with
@@ -276,7 +282,7 @@ class Model:
             literal = LiteralText(self.tokenizer)
             messages, shown_tools = literal.protect(messages), literal.protect(tools)
             # a channel template also needs its history reshaped (reasoning where it reads it)
-            if tools or thinking is not None or effort is not None or channels:
+            if tools or thinking is not None or effort is not None or channels or self._polyfills(messages):
                 from edgeinfer.prompt.tool_calls import render_with_tools
 
                 text = render_with_tools(self.template, messages, shown_tools, add_bos=self.tokenizer.add_bos,

@@ -363,6 +363,33 @@ def test_gemma_round_trip(gemma_path):
         with c.messages.stream(**kw) as s:
             final = s.get_final_message()
         assert final.content[0].text == whole.content[0].text and final.usage.cache_read_input_tokens > 0
+        # Gemma 3's template renders no tools: they are written into its prompt as text
+        # (edgeinfer.prompt.tool_polyfill), a forced call is the generic JSON call
+        tools = [{"name": "get_weather", "description": "Current weather in a city", "input_schema": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}]
+        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+        call = c.messages.create(model="gemma3", max_tokens=60, messages=ask, tools=tools,
+                                 tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+        assert call.stop_reason == "tool_use" and [b.type for b in call.content] == ["tool_use"]
+        use = call.content[0]
+        assert use.name == "get_weather" and isinstance(use.input.get("city"), str)
+        with c.messages.stream(model="gemma3", max_tokens=60, messages=ask, tools=tools,
+                               tool_choice={"type": "any", "disable_parallel_tool_use": True}) as s:
+            streamed = s.get_final_message()
+        assert streamed.stop_reason == "tool_use" and [(b.name, b.input) for b in streamed.content] == \
+            [(use.name, use.input)]
+        # the tool's result goes back: the turn renders (Gemma's turns alternate) and is answered
+        turn = ask + [{"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}]}]
+        answer = c.messages.create(model="gemma3", max_tokens=8, messages=turn, tools=tools)
+        assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use") and answer.content
+        counted = c.messages.count_tokens(model="gemma3", messages=turn, tools=tools).input_tokens
+        assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == counted
+        assert answer.usage.cache_read_input_tokens > 0   # the call's prompt came from the cache
+        # and an error
+        with pytest.raises(anthropic.BadRequestError) as e:
+            c.messages.create(model="gemma3", max_tokens=8, messages=turn[:1] + turn[2:])
+        assert e.value.body["error"]["type"] == "invalid_request_error" and use.id in e.value.message
     finally:
         live.stop()
 

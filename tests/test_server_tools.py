@@ -230,21 +230,30 @@ def test_ollama_tools_round_trip(servers, fmt):
     assert parts[-1].done and "".join(p.message.content or "" for p in parts) == r.message.content
 
 
-def test_a_model_without_tool_support_is_a_clear_400(fim_model_path):  # noqa: F811
+def test_a_template_without_tools_gets_them_as_text(fim_model_path):  # noqa: F811
+    """As llama-server's polyfill: the tools in the system prompt, a forced call the generic
+    JSON call; a bad tool is still a 400 naming the field."""
     import ollama
     import openai
 
-    srv = start_server(load_tiny(fim_model_path))
+    model = edgeinfer.load(str(fim_model_path), backend="reference", n_ctx=2048)
+    assert not model.supports_tools
+    srv = start_server(model)
     try:
-        with pytest.raises(openai.BadRequestError) as e:
-            openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])
-        assert "does not support tools" in e.value.body["message"] and e.value.body["param"] == "tools"
-        with pytest.raises(ollama.ResponseError) as e2:
-            ollama.Client(host=srv.url).chat(model=MODEL, messages=ASK, tools=[WEATHER])
-        assert e2.value.status_code == 400 and "does not support tools" in e2.value.error
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        r = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=named,
+                                                       parallel_tool_calls=False, max_tokens=200)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        _check_call(r.choices[0].message.tool_calls[0], "get_weather")
+        prompt = tool_calls.render_with_tools(model.template, ASK, [WEATHER], add_bos=False)
+        assert "following tools" in prompt and '"name": "get_weather"' in prompt
+        r2 = ollama.Client(host=srv.url).chat(model=MODEL, messages=ASK, tools=[WEATHER], options={"num_predict": 2})
+        assert r2.done
         r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": ASK, "tools": [
             {"type": "function", "function": {"name": "bad name"}}]})
         assert r.status_code == 400 and "'tools'" in r.json()["error"]["message"]
+        with pytest.raises(openai.BadRequestError):
+            openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, tool_choice="required")
     finally:
         srv.stop()
 

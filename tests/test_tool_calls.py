@@ -142,9 +142,23 @@ def test_thinking_switch_and_no_tool_support():
     on = tc.render_with_tools(tmpl, msgs, None, add_bos=False, enable_thinking=True)
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert on.endswith("<|im_start|>assistant\n")
+    # a template without tools (Gemma 3) gets them as text, and its turns still alternate
     gemma = ChatTemplate(TEMPLATES["gemma-3-it"])
-    with pytest.raises(tc.ToolsNotSupportedError, match="does not support tools"):
-        tc.render_with_tools(gemma, msgs, [WEATHER], add_bos=True)
+    history = [{"role": "system", "content": "Be brief."}, *msgs,
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "18"},
+               {"role": "user", "content": "Thanks"}]
+    text = tc.render_with_tools(gemma, history, [WEATHER], add_bos=True)
+    assert text.count("<start_of_turn>user") == 2 and text.count("<start_of_turn>model") == 2
+    assert "Be brief.\n\nYou can call any of the following tools" in text and '"name": "get_weather"' in text
+    assert '<start_of_turn>model\n{"name": "get_weather", "arguments": {"city": "Oslo"}}<end_of_turn>' in text
+    assert '{"tool_response": {"name": "get_weather", "content": "18"}}\n\nThanks<end_of_turn>' in text
+    bare = tc.render_with_tools(gemma, history[1:], None, add_bos=True)   # a history without tools
+    assert "tool_response" in bare and "You can call" not in bare
+    assert tc.parse_tool_calls('{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+                               tc.detect_format(gemma.source)).tool_calls[0].name == "get_weather"
     with pytest.raises(tc.ToolCallError, match=r"tools\[0\]"):
         tc.normalize_tools([{"type": "function", "function": {"name": "bad name!"}}])
     with pytest.raises(tc.ToolCallError, match="not among the tools"):

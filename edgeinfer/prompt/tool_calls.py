@@ -32,6 +32,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.prompt import gemma4_format, harmony
 from edgeinfer.prompt.answer_parts import IncrementalReader, ParsedOutput, ToolCall, partial_suffix
+from edgeinfer.prompt.tool_polyfill import needs_polyfill, polyfilled
 
 __all__ = ["ToolCall", "ParsedOutput", "ToolsNotSupportedError", "ToolCallError", "detect_format",
            "supports_tools", "normalize_tools", "normalize_messages", "render_with_tools",
@@ -149,11 +150,12 @@ def render_with_tools(template, messages: Sequence[Mapping[str, Any]], tools: An
                       reasoning_effort: str | None = None, cancel=None, add_generation_prompt: bool = True,
                       **kwargs: Any) -> str:
     """The prompt for `messages` (+ `tools`) through the model's own template
-    (edgeinfer.prompt.chat_template.ChatTemplate.render_prompt: its budget applies); a
+    (edgeinfer.prompt.chat_template.ChatTemplate.render_prompt: its budget applies); one
+    that does not render tools gets them as text (edgeinfer.prompt.tool_polyfill); a
     channel template (harmony, Gemma 4) gets the history as it reads it (template_history)."""
     tools = normalize_tools(tools)
-    if tools and not supports_tools(template.source):
-        raise ToolsNotSupportedError("this model's chat template does not support tools")
+    if not supports_tools(template.source) and needs_polyfill(messages, tools):
+        messages, tools = polyfilled(normalize_messages(messages), tools), []  # as llama-server's polyfill
     if enable_thinking is not None:
         kwargs["enable_thinking"] = bool(enable_thinking)
     if reasoning_effort is not None:

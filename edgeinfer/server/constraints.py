@@ -195,7 +195,8 @@ def add_constraint(params: dict, constraint) -> dict:
 def tool_keywords(model, tools: list | None, tool_choice: Any = None,
                   parallel_tool_calls: bool | None = None) -> dict:
     """Model.chat keywords for a request's tools, checked: a 400 naming the field for a bad
-    tool or choice, or for a model whose template cannot take tools."""
+    tool or choice (a template that cannot render tools gets them as text:
+    edgeinfer.prompt.tool_polyfill)."""
     from edgeinfer.prompt.tool_calls import ToolCallError, normalize_tools, select_tools
 
     try:
@@ -210,8 +211,6 @@ def tool_keywords(model, tools: list | None, tool_choice: Any = None,
         mode, _ = select_tools(normalized, tool_choice)
     except ToolCallError as exc:
         raise _bad("tool_choice", exc) from None
-    if not model.supports_tools:
-        raise _bad("tools", "this model does not support tools (its chat template does not render them)")
     out: dict = {"tools": normalized}
     if tool_choice is not None:
         out["tool_choice"] = tool_choice
