@@ -6,7 +6,10 @@ golden tests in `tests/test_tokenizer_golden.py` hold us to that):
 - `llama` vocabularies (Gemma, Llama 2, Mistral): SentencePiece-style BPE with scores and
   `<0xXX>` byte fallback (`spm.py`);
 - `gpt2` vocabularies (Llama 3, Qwen): byte-level BPE with merges and the pre-tokenizer
-  `tokenizer.ggml.pre` names (`bpe.py`).
+  `tokenizer.ggml.pre` names (`bpe.py`);
+- `bert` vocabularies: WordPiece (`wpm.py`);
+- `t5` vocabularies (T5, XLM-R rerankers such as bge-reranker-v2-m3): unigram SentencePiece
+  with the precompiled charsmap's normalization (`ugm.py`).
 
 Special tokens: control and user-defined tokens are cut out of the text first, longest
 first (llama.cpp's `tokenizer_st_partition`); user-defined ones always, control ones only
@@ -29,6 +32,7 @@ from edgeinfer.metadata import meta_bool, meta_float_array, meta_int, meta_int_a
 from edgeinfer.tokenizer.bpe import CHAR_TO_BYTE, BPEFast, BPEReference, lenient_text, pre_tokenizer_for
 from edgeinfer.tokenizer.spm import SPMSession
 from edgeinfer.tokenizer.spm_bpe import SpmBPEFast, SpmBPEReference
+from edgeinfer.tokenizer.ugm import Unigram, charsmap_bytes
 from edgeinfer.tokenizer.wpm import WordPiece
 
 __all__ = ["Tokenizer", "StreamDecoder", "load_tokenizer", "TokenAttr"]
@@ -184,7 +188,7 @@ class Tokenizer:
         def flag(key: str, default: bool) -> bool:
             return meta_bool(meta, f"tokenizer.ggml.{key}", default)
 
-        self._escaped_spaces = model in ("llama", "bert")  # U+2581 for spaces, not GPT-2's byte characters
+        self._escaped_spaces = model in ("llama", "bert", "t5")  # U+2581 for spaces, not GPT-2's byte characters
         spm_style = False  # SentencePiece-style BPE (Gemma 4's pre-tokenizer)
         if model == "llama":
             self.add_bos, self.add_eos = True, False
@@ -217,16 +221,30 @@ class Tokenizer:
             self.add_space_prefix, self.clean_spaces = False, False
             defaults = {"bos_id": 101, "unk_id": 100, "sep_id": 102, "pad_id": 0, "mask_id": 103}
             self._spm = self._bpe_ref = self._bpe_fast = None
+        elif model == "t5":  # unigram SentencePiece (T5, XLM-R): text </s>
+            self.add_bos, self.add_eos = False, True
+            self.add_space_prefix, self.clean_spaces = flag("add_space_prefix", False), False
+            defaults = {"eos_id": 1, "unk_id": 2, "pad_id": 0}
+            self._spm = self._bpe_ref = self._bpe_fast = None
+            # built before the special-token fix-ups below change attributes, as llama.cpp's tries
+            self._ugm = Unigram(texts, self._scores, list(self._attrs),
+                                charsmap_bytes(meta.get("tokenizer.ggml.precompiled_charsmap")),
+                                self.add_space_prefix, flag("remove_extra_whitespaces", False))
         else:
             raise TokenizerError(f"unsupported tokenizer model tokenizer.ggml.model={model!r} "
-                                 f"(edgeinfer supports 'llama', 'gpt2', 'gemma4' and 'bert')")
-        self.add_sep = model == "bert" and flag("add_sep_token", True)
+                                 f"(edgeinfer supports 'llama', 'gpt2', 'gemma4', 'bert' and 't5')")
+        if model != "t5":
+            self._ugm = None
+        # llama-server's rerank pairs put SEP between query and document where this is set
+        self.add_sep = flag("add_sep_token", model == "bert")
         # llama.cpp forces BOS on for Gemma 4's pre-tokenizer whatever add_bos_token says
         self.add_bos = True if spm_style else flag("add_bos_token", self.add_bos)
         self.add_eos = flag("add_eos_token", self.add_eos)
         self._init_special_ids(defaults, meta)
         self._wpm = WordPiece(self._id_of, self.unk_id) if model == "bert" else None
         self._init_eog()
+        if self._ugm is not None:
+            self._ugm.finish(self._attrs, self.unk_id)
         special_mask = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN
         self._special_order = sorted(  # stable: equal lengths stay in id order
             np.flatnonzero(np.array(self._attrs, dtype=np.int64) & special_mask).tolist(),
@@ -371,7 +389,19 @@ class Tokenizer:
         if add_special and self.add_bos:
             out.append(self._need(self.bos_id, "BOS"))
 
-        if self._wpm is not None:
+        if self._ugm is not None:
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                    continue
+                ids = self._fragments.get(frag)
+                if ids is None:
+                    start = len(out)
+                    self._ugm.encode(frag, out)
+                    self._fragments.put(frag, out[start:])
+                else:
+                    out += ids
+        elif self._wpm is not None:
             for frag in fragments:
                 if isinstance(frag, int):
                     out.append(frag)
