@@ -44,17 +44,21 @@ def wpm_vocab() -> dict:
 def write_tiny_encoder(path: str | Path, arch: str = "bert", qtype: str = "F32", *,
                        shape: TinyShape | None = None, pooling: int | None = 1, seed: int = 0,
                        fused_qkv: bool | None = None, n_ctx_train: int = 128, classifier: bool = False,
-                       n_cls_out: int = 1, add_eos: bool = False, rerank_template: str | None = None) -> Path:
+                       n_cls_out: int = 1, add_eos: bool = False, rerank_template: str | None = None,
+                       vocab: dict | None = None) -> Path:
     """A random-weight `bert` or `nomic-bert` GGUF; matrices in `qtype`, norms and biases F32.
 
     `classifier` adds a cross-encoder's head as llama.cpp loads it: `cls.weight`/`cls.bias`
     (n_embd -> n_embd, tanh) and `cls.output.weight`/`cls.output.bias` (n_embd -> n_cls_out;
-    more than one output is declared by `{arch}.classifier.output_labels`)."""
+    more than one output is declared by `{arch}.classifier.output_labels`).
+
+    `vocab`: the WordPiece one of `wpm_vocab` unless given; one with a "write" entry (as
+    `ugm_factory.ugm_vocab`: XLM-R's unigram SentencePiece) writes its own tokenizer keys."""
     if arch not in ENCODERS:
         raise ValueError(f"unknown encoder architecture {arch}")
     s = shape or TinyShape(n_embd=64, n_layer=2, n_head=4, n_head_kv=4, head_dim=16, n_ff=128)
     fused = (arch == "nomic-bert") if fused_qkv is None else fused_qkv
-    vocab = wpm_vocab()
+    vocab = vocab or wpm_vocab()
     rng = np.random.default_rng(seed)
     qt = qtype_of(qtype)
     e, n_vocab = s.n_embd, len(vocab["tokens"])
@@ -73,17 +77,20 @@ def write_tiny_encoder(path: str | Path, arch: str = "bert", qtype: str = "F32",
     if arch == "nomic-bert":
         w.add_rope_freq_base(1000.0)
     w.add_file_type(0)
-    w.add_tokenizer_model("bert")
-    w.add_token_list(vocab["tokens"])
-    w.add_token_types(vocab["types"])
     w.add_token_type_count(2)
-    w.add_bos_token_id(vocab["cls"])
-    w.add_sep_token_id(vocab["sep"])
-    w.add_unk_token_id(vocab["unk"])
-    w.add_pad_token_id(vocab["pad"])
-    w.add_mask_token_id(vocab["mask"])
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(add_eos)
+    if "write" in vocab:
+        vocab["write"](w)
+    else:
+        w.add_tokenizer_model("bert")
+        w.add_token_list(vocab["tokens"])
+        w.add_token_types(vocab["types"])
+        w.add_bos_token_id(vocab["cls"])
+        w.add_sep_token_id(vocab["sep"])
+        w.add_unk_token_id(vocab["unk"])
+        w.add_pad_token_id(vocab["pad"])
+        w.add_mask_token_id(vocab["mask"])
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(add_eos)
     if n_cls_out > 1:
         w.add_array(f"{arch}.classifier.output_labels", [f"LABEL_{i}" for i in range(n_cls_out)])
     if rerank_template is not None:
