@@ -15,6 +15,7 @@ import pytest
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
 from gguf_factory_embed import write_tiny_encoder, write_tiny_reranker
 from test_server import start_server
+from ugm_factory import write_ugm_encoder
 
 import edgeinfer
 from edgeinfer.embedding import rerank, rerank_tokens
@@ -36,6 +37,8 @@ def files(tmp_path_factory):
         "labels": write_tiny_reranker(d / "labels.gguf", n_cls_out=3, seed=7),
         "template": write_tiny_reranker(d / "template.gguf", rerank_template=TEMPLATE, seed=9),
         "embed": write_tiny_encoder(d / "embed.gguf", "bert", pooling=1),
+        # bge-reranker-v2-m3-shaped: XLM-R's unigram vocabulary (tokenizer.ggml.model t5, a charsmap)
+        "xlmr": write_ugm_encoder(d / "xlmr.gguf", pooling=4, classifier=True, seed=11),   # <s> q </s></s> d </s>
         # Qwen3-Reranker-shaped: causal, its rerank template, `cls.output` = the yes / no rows
         "qwen3": write_tiny_model(d / "qwen3-rank.gguf", "qwen3", vocab=bpe_vocab("qwen2"), shape=QWEN,
                                   extra_metadata={"qwen3.pooling_type": 4,
@@ -76,14 +79,21 @@ def oracle_scores(path, query, docs, n_ctx=128) -> tuple[list[float], list[list[
     return scores, pairs
 
 
-@pytest.mark.parametrize("key", ["rank", "no-eos", "labels", "template", "qwen3"])
+XLMR_DOCS = DOCS + ["café naïve Zürich", "ﬁle ＡＢＣ ①  日本語", "Ω 😀 unknown", "  spaced\tout\n"]
+
+
+@pytest.mark.parametrize("key", ["rank", "no-eos", "labels", "template", "qwen3", "xlmr"])
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_scores_match_llama_cpp(files, key, backend):
     n_ctx = 512 if key == "qwen3" else 128   # (the tiny byte-level vocabulary: long pairs)
-    want, pairs = oracle_scores(files[key], QUERY, DOCS, n_ctx)
+    docs = XLMR_DOCS if key == "xlmr" else DOCS
+    want, pairs = oracle_scores(files[key], QUERY, docs, n_ctx)
     model = edgeinfer.load(str(files[key]), n_ctx=n_ctx, backend=backend, threads=1)
-    assert [rerank_tokens(model, QUERY, d) for d in DOCS] == pairs
-    got = rerank(model, QUERY, DOCS)
+    assert [rerank_tokens(model, QUERY, d) for d in docs] == pairs
+    if key == "xlmr":   # XLM-R's pair: <s> query </s> </s> document </s>
+        q = model.tokenizer.tokenize(QUERY, add_special=False)
+        assert pairs[0] == [0, *q, 2, 2, *model.tokenizer.tokenize(docs[0], add_special=False), 2]
+    got = rerank(model, QUERY, docs)
     assert got.token_counts == [len(p) for p in pairs]
     np.testing.assert_allclose(got.scores, want, rtol=0, atol=1e-4)
     assert np.ptp(want) > 0.05   # the documents really score apart
