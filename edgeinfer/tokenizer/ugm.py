@@ -149,20 +149,20 @@ class Unigram:
         self._id_of: dict[bytes, int] = {}  # the token trie's contents: the last of duplicates wins
         self._longest: dict[bytes, int] = {}  # first _HEAD bytes -> the longest such token
         self._ud_prefixes: set[bytes] = set()  # every prefix of a user-defined token
-        min_score = np.float32(np.finfo(np.float32).max)
-        for tid, (text, attr) in enumerate(zip(texts, attrs)):
-            if attr & _NORMAL:
-                min_score = min(min_score, np.float32(scores[tid]))
-            if attr & matched:
-                self._id_of[text] = tid
-                if len(text) >= _HEAD:
-                    head = text[:_HEAD]
-                    if len(text) > self._longest.get(head, 0):
-                        self._longest[head] = len(text)
-            if attr & _USER_DEFINED:
-                self._ud_prefixes.update(text[:k] for k in range(1, len(text) + 1))
+        kinds = np.asarray(attrs, np.int64)
+        normal = np.asarray(scores, np.float32)[(kinds & _NORMAL) != 0]
+        min_score = normal.min() if normal.size else np.finfo(np.float32).max
+        for tid in np.flatnonzero(kinds & matched).tolist():
+            text = texts[tid]
+            self._id_of[text] = tid
+            if len(text) >= _HEAD:
+                head = text[:_HEAD]
+                if len(text) > self._longest.get(head, 0):
+                    self._longest[head] = len(text)
+        for tid in np.flatnonzero(kinds & _USER_DEFINED).tolist():
+            self._ud_prefixes.update(texts[tid][:k] for k in range(1, len(texts[tid]) + 1))
         # float arithmetic, as llama.cpp's `float unknown_token_score`
-        self._unk_score = float(np.float32(min_score - _UNK_PENALTY))
+        self._unk_score = float(np.float32(min_score) - _UNK_PENALTY)
         self._ud_max = max(map(len, self._ud_prefixes), default=0)
         self._unk: int | None = None
         self._token_score: dict[int, float] = {}
