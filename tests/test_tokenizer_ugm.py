@@ -22,13 +22,13 @@ TEXTS = [
     "ﬁle ﬃ ＡＢＣ １２３ ① ½ ™ …", "\u3000full\u3000width\u3000", "no\u00a0break", "zero\u200bwidth\ufeff",
     "日本語 中文 한국어", "русский мир ελληνικά", "Ω≈ 😀 x ∑", "\U0001F600\U0001F601", "?!?", "....",
     "<ud>", "<ud>x<u", "<u<ud<sep2>y", "a<sep2>b", "<s>hello</s>", "the</s>end<mask>", "[PAD440]",
-    "\u2581already\u2581escaped", "xΩ", "a xΩ", "ΨΨ x", "™ TM ™x", "\x00nul\x00", "ctrl\x01\x02\x7f", "\ufffd", "ß" * 5, "word " * 40,
+    "\u2581already\u2581escaped", "xΩ", "a xΩ", "zΩ zΩx", "ΨΨ x", "™ TM ™x", "\x00nul\x00", "ctrl\x01\x02\x7f", "\ufffd", "ß" * 5, "word " * 40,
 ]
 BYTES = [b"\xff", b"bad\xc3(", b"\xe2\x96", b"ok\x80\x80ok", b"\xf0\x9f\x98", b"\xed\xa0\x80x", b"\xc0\xafend"]
 FUZZ_ALPHABET = (list("abcdeghilnorstuwxyzABC019.,'-") + [" ", " ", "  ", "\t", "\n"]
                  + ["é", "e\u0301", "ü", "ß", "ﬁ", "Ａ", "①", "½", "\u3000", "\u00a0", "\u200b", "\x00",
                     "😀", "Ω", "日本", "語", "한", "мир", "<ud>", "<u", "</s>", "<s>", "\u2581", "\ufffd",
-                    "hello", "world", "code", "rank", "xΩ", "Ψ", "™", "TM"])
+                    "hello", "world", "code", "rank", "xΩ", "zΩ", "Ψ", "™", "TM"])
 CONFIGS = {
     "xlmr": {},
     "keep-spaces": {"remove_extra_whitespaces": False},
@@ -85,6 +85,7 @@ def test_paths_really_differ(pair):
     assert tok.unk_id in unk and unk.count(tok.unk_id) < 3
     omega = tok.tokenize("xΩ", add_special=False)   # the UNK penalty decides
     assert tok.token_id("x\u03a9") in omega or not tok.add_space_prefix
+    assert tok.unk_id in tok.tokenize("zΩ", add_special=False) or not tok.add_space_prefix
     assert tok.tokenize("Ψ", add_special=False)[-1] == tok.token_id("\u03a8")   # unused pieces match
     if tok._ugm._charsmap is not None:
         assert tok.tokenize("ﬁ", add_special=False) == tok.tokenize("fi", add_special=False)

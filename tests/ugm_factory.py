@@ -155,7 +155,7 @@ def ugm_vocab(*, charsmap: bool = True, add_space_prefix: bool = True, remove_ex
         types.append(1)
         # longer pieces likelier per character; a 0.5 grid makes ties common
         scores.append(round((-2.0 - 6.0 * rng.random() - 1.0 / len(p)) * 2) / 2)
-    fixed = {"\u2581": -3.0, "\u2581x": -4.0, "x": -4.0}  # (so that "xΩ" below decides by the UNK penalty)
+    fixed = {"\u2581": -3.0, "\u2581x": -4.0, "x": -4.0, "\u2581z": -4.0, "z": -4.0}  # (for "xΩ", "zΩ" below)
     for k, text in enumerate(tokens):
         scores[k] = fixed.get(text, scores[k])
     # "Ω" alone is unknown: "▁x" + UNK (lowest normal score - 10) loses to "▁" + "xΩ" (lowest
@@ -163,6 +163,10 @@ def ugm_vocab(*, charsmap: bool = True, add_space_prefix: bool = True, remove_ex
     tokens.append("x\u03a9")
     types.append(5)
     scores.append(min(sc for sc, t in zip(scores, types) if t == 1) - 6.0)
+    # and "▁z" + UNK (lowest - 14) wins over "▁" + "zΩ" (lowest - 17): a penalty over 13 loses
+    tokens.append("z\u03a9")
+    types.append(5)
+    scores.append(scores[-1] - 11.0)
     if user_defined:  # "TM" only comes from normalizing "™": the Viterbi scores it 0, not -20
         for ud in ("<sep2>", "<ud>", "TM"):
             tokens.append(ud)
