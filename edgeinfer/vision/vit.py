@@ -15,11 +15,12 @@ from gguf import GGMLQuantizationType as T
 
 from edgeinfer import kernels_cpu
 from edgeinfer.backends.base import _gelu_f16_table  # ggml's CPU GELU table, built in one place
-from edgeinfer.kernels_cpu import ops
+from edgeinfer.kernels_cpu import gemm_f32_tiles, ops
 from edgeinfer.vision.mmproj import MmprojFile, VisionParams
 from edgeinfer.vision.patch_attention import attend
 
 _FLOAT_KERNEL_TYPES = (T.F32, T.F16)
+_TILED_MIN_ROWS = 64   # patches from which float matrices take the tiled GEMM (fewer: the text path's)
 
 
 def _f16_round(x: np.ndarray) -> np.ndarray:
@@ -39,7 +40,10 @@ class Linear:
         x = np.ascontiguousarray(x, np.float32)
         if self.qtype == T.F16:  # ggml's F16 dot takes its input in F16 too
             x = _f16_round(x)
-        y = kernels_cpu.matmul(self.w_raw, self.qtype, x)
+        if self.qtype in _FLOAT_KERNEL_TYPES and x.shape[0] >= _TILED_MIN_ROWS and x.shape[1] % 8 == 0:
+            y = gemm_f32_tiles.gemm(self.w_raw.view(np.float16 if self.qtype == T.F16 else np.float32), x)
+        else:
+            y = kernels_cpu.matmul(self.w_raw, self.qtype, x)
         return y + self.bias if self.bias is not None else y
 
 
