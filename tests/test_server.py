@@ -427,11 +427,11 @@ def test_host_allow_list(http, host, status):
         assert "not allowed" in r.json()["error"]["message"]
 
 
-def test_foreign_origin_is_refused_and_cors_is_off(http):
+def test_foreign_origin_is_refused_and_a_loopback_page_gets_cors(http):
     r = http.post("/api/generate", json={"prompt": "hi"}, headers={"origin": "https://evil.example"})
     assert r.status_code == 403 and "origin" in r.json()["error"]
     r = http.get("/v1/models", headers={"origin": "http://localhost:3000"})
-    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
 
 
 def test_api_key_cors_and_configured_host(model):

@@ -81,6 +81,7 @@ def test_origin_rules():
     assert mw.origin_allowed("http://localhost:5173") and mw.origin_allowed("vscode-webview://abc")
     assert not mw.origin_allowed("https://evil.example") and not mw.origin_allowed("null")
     assert not mw.origin_allowed("http://localhost.evil.example")
+    assert not SecurityMiddleware(None, cors_origins=["none"]).origin_allowed("http://localhost:5173")
 
 
 def test_schemas_are_strict():

@@ -44,7 +44,10 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require Authorization: Bearer KEY (default: $EDGEINFER_API_KEY; /health stays open)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="allow browser requests from ORIGIN (repeatable; '*' allows any)")
+                   help="also allow browser requests from ORIGIN (repeatable or comma-separated; a '*' in it "
+                        "stands for any part, '*' alone allows any, 'none' refuses all; $OLLAMA_ORIGINS adds "
+                        "more). Default: pages on this machine (localhost, 127.0.0.1, [::1], any port) and "
+                        "app://, file://, tauri://, vscode-webview://, vscode-file://")
     p.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
                    help="accept this Host header besides localhost/127.0.0.1/::1 (repeatable; "
                         "'*' accepts any, only behind a proxy that checks Host)")
@@ -107,11 +110,12 @@ def serve(args) -> int:
         raise EdgeInferError(f"--timeout must be positive, got {args.timeout}")
     slot_save_path = _slot_folder(args.slot_save_path)
     mmproj = _mmproj_of(args)
+    origins = _origins(args.cors_origin)
     config = ServerConfig(
         model_name=args.alias or args.name, pooling=args.pooling, rerank=args.rerank, max_queue=args.max_queue,
         timeout_s=args.timeout,
         api_key=args.api_key or os.environ.get("EDGEINFER_API_KEY") or None,
-        cors_origins=list(args.cors_origin), allowed_hosts=list(args.allowed_host) + _bind_names(args.host),
+        cors_origins=origins, allowed_hosts=list(args.allowed_host) + _bind_names(args.host),
         max_body_bytes=args.max_body or ((32 if mmproj is not None else 2) << 20),
         sampling=sampling_from_args(args), keep_alive_s=args.keep_alive,
         max_models=args.max_models, bind_host=args.host, slot_save_path=slot_save_path,
@@ -156,6 +160,19 @@ def serve(args) -> int:
     if state.load_error:
         raise EdgeInferError(state.load_error)
     return 0
+
+
+def _origins(flags: list[str]) -> list[str]:
+    """--cors-origin values and $OLLAMA_ORIGINS, checked now: a bad one stops serve with one line."""
+    from edgeinfer.server.cors import BadOrigin, configured_origins, origin_policy
+
+    origins = configured_origins(flags, os.environ.get("OLLAMA_ORIGINS"))
+    for source, values in (("--cors-origin", flags), ("$OLLAMA_ORIGINS", origins[len(flags):])):
+        try:
+            origin_policy(values)
+        except BadOrigin as exc:
+            raise EdgeInferError(f"{source}: {exc}") from None
+    return origins
 
 
 def _mmproj_of(args) -> str | None:

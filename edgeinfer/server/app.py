@@ -16,12 +16,12 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from edgeinfer.server import anthropic_api, embeddings_api, llama_api, models_api, ollama_api, openai_api, slot_api
 from edgeinfer.server import rerank_api, responses_api
 from edgeinfer.server.access_log import AccessLogMiddleware
+from edgeinfer.server.cors import CORS, origin_policy
 from edgeinfer.server.errors import APIError, error_body, error_response
 from edgeinfer.server.model_gate import ModelGate
 from edgeinfer.server.security import SecurityMiddleware
@@ -113,9 +113,7 @@ def create_app(config: ServerConfig, model=None, loader: Callable[[], Any] | Non
         state.metrics.requests.labels(endpoint=path if path in known else "other", status=str(status)).inc()
 
     app.add_middleware(ModelGate, state=state, paths=known - NO_MODEL_PATHS)
-    if config.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
-                           allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"])
+    app.add_middleware(CORS, policy=origin_policy(config.cors_origins))  # loopback pages by default
     app.add_middleware(SecurityMiddleware, allowed_hosts=config.allowed_hosts, api_key=config.api_key,
                        cors_origins=config.cors_origins, max_body_bytes=config.max_body_bytes,
                        on_response=count)

@@ -4,8 +4,9 @@
   that re-points its name at 127.0.0.1 still sends `Host: evil.example`, so it gets 403.
   The header is parsed strictly (name or [IPv6], optional port 1-65535, nothing else):
   a lenient split would let `localhost:80@evil.example` pass as "localhost".
-- Origin: browsers send it on cross-site requests; a page from a foreign origin may not
-  even make "simple" POSTs (no preflight) unless `--cors-origin` allows that origin.
+- Origin: browsers send it on cross-site requests; a page from an origin the policy (cors.py)
+  does not allow may not even make "simple" POSTs (no preflight): 403. Its preflight is answered
+  200 without CORS headers, as llama-server answers it, which the browser takes as a refusal.
 - Optional Bearer API key; `/health` stays open so supervisors can probe it.
 - Body size: a declared Content-Length over the limit is refused before it is read
   (the endpoints also count the bytes of chunked bodies).
@@ -19,17 +20,15 @@ import json
 import logging
 import re
 from typing import Iterable
-from urllib.parse import urlsplit
 
 from starlette.requests import ClientDisconnect
 
+from edgeinfer.server.cors import origin_policy
 from edgeinfer.server.errors import error_body
 
 log = logging.getLogger("edgeinfer.server")
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-# Origins of local apps and editor webviews, which Ollama also lets in.
-LOCAL_ORIGIN_SCHEMES = ("app", "file", "tauri", "vscode-webview", "vscode-file")
 OPEN_PATHS = ("/health",)
 
 
@@ -102,7 +101,7 @@ class SecurityMiddleware:
         self.any_host = "*" in extra
         self.allowed_hosts = set(LOOPBACK_HOSTS) | extra
         self.api_key = api_key.encode() if api_key else None
-        self.cors_origins = {o.rstrip("/") for o in cors_origins}
+        self.origins = origin_policy(cors_origins)
         self.max_body_bytes = max_body_bytes
         self.on_response = on_response  # (path, status) -> None, for the request metrics
 
@@ -124,7 +123,12 @@ class SecurityMiddleware:
         try:
             if refusal is not None:
                 status, message, extra_headers = refusal
-                await _send_json(send_and_count, status, error_body(path, status, message), extra_headers)
+                if message is None:   # a refused preflight: an empty 200
+                    await send_and_count({"type": "http.response.start", "status": status,
+                                          "headers": [(b"content-length", b"0")]})
+                    await send_and_count({"type": "http.response.body", "body": b""})
+                else:
+                    await _send_json(send_and_count, status, error_body(path, status, message), extra_headers)
             else:
                 await self.app(scope, receive, send_and_count)
         except ClientDisconnect:
@@ -148,9 +152,12 @@ class SecurityMiddleware:
             return 403, (f"host {name!r} is not allowed; start the server with "
                          f"--allowed-host {name} to allow it"), {}
         origin = headers.get("origin")
-        if origin is not None and not self.origin_allowed(origin):
-            return 403, f"origin {origin!r} is not allowed; start the server with --cors-origin to allow it", {}
         preflight = method == "OPTIONS" and "access-control-request-method" in headers
+        if origin is not None and not self.origin_allowed(origin):
+            log.info("refused the origin %r (serve --cors-origin allows it)", origin[:200])
+            if preflight:   # no CORS headers: the browser refuses the request it asked about
+                return 200, None, {}
+            return 403, f"origin {origin!r} is not allowed; start the server with --cors-origin to allow it", {}
         if self.api_key is not None and path not in OPEN_PATHS and not preflight:
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
@@ -169,13 +176,7 @@ class SecurityMiddleware:
         return None
 
     def origin_allowed(self, origin: str) -> bool:
-        o = origin.rstrip("/")
-        if "*" in self.cors_origins or o in self.cors_origins:
-            return True
-        parts = urlsplit(o)
-        if parts.scheme in LOCAL_ORIGIN_SCHEMES:
-            return True
-        return parts.scheme in ("http", "https") and (parts.hostname or "") in LOOPBACK_HOSTS
+        return self.origins.allows(origin)
 
 
 async def _send_json(send, status: int, body: dict, headers: dict[str, str]) -> None:
