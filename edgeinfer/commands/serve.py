@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+from pathlib import Path
 
 from edgeinfer.commands.arg_types import non_negative_int, port_number, positive_float, positive_int
 from edgeinfer.commands.model_flags import (add_model_options, add_sampling_options, model_kwargs,
@@ -68,8 +69,14 @@ def register(sub) -> None:
                         "least recently used one goes (default 1)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="access log on stderr, one line per request: text (default) or json")
-    p.add_argument("-a", "--alias", default=None, metavar="NAME",
-                   help="the name the served model answers to and responses report (default: NAME as given)")
+    p.add_argument("-a", "--alias", action="append", type=name_list, default=[], metavar="NAMES",
+                   help="names the served model answers to, comma-separated (repeatable); the first in "
+                        "alphabetical order names it in responses, as llama-server's (default: NAME as given)")
+    p.add_argument("--tags", action="append", type=name_list, default=[], metavar="TAGS",
+                   help="tags listed with the model on /v1/models, comma-separated (informational)")
+    p.add_argument("--strict-model-names", action="store_true",
+                   help="answer 404 to a request naming a model the server does not know, even when it "
+                        "serves one model file (default: such a server answers to any name)")
     p.add_argument("--pooling", choices=("none", "mean", "cls", "last", "rank"), default=None,
                    help="embeddings' pooling, over the file's: none gives a vector per token (/embeddings only)")
     p.add_argument("--rerank", "--reranking", action="store_true",
@@ -100,6 +107,14 @@ def register(sub) -> None:
     p.set_defaults(func=serve)
 
 
+def name_list(text: str) -> list[str]:
+    """argparse type: comma-separated names (--alias, --tags), spaces trimmed, empty ones dropped."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no name")
+    return names
+
+
 def serve(args) -> int:
     import uvicorn
 
@@ -111,8 +126,11 @@ def serve(args) -> int:
     slot_save_path = _slot_folder(args.slot_save_path)
     mmproj = _mmproj_of(args)
     origins = _origins(args.cors_origin)
+    aliases = sorted({a for names in args.alias for a in names})
     config = ServerConfig(
-        model_name=args.alias or args.name, pooling=args.pooling, rerank=args.rerank, max_queue=args.max_queue,
+        model_name=aliases[0] if aliases else args.name, aliases=aliases,
+        tags=sorted({t for names in args.tags for t in names}), any_model_name=any_model_name(args),
+        pooling=args.pooling, rerank=args.rerank, max_queue=args.max_queue,
         timeout_s=args.timeout,
         api_key=args.api_key or os.environ.get("EDGEINFER_API_KEY") or None,
         cors_origins=origins, allowed_hosts=list(args.allowed_host) + _bind_names(args.host),
@@ -139,6 +157,8 @@ def serve(args) -> int:
     app = create_app(config, loader=load_model)
     state = app.state.server
     access_log.configure(args.log_format)
+    if args.verbose:
+        _log_info_lines()
     server = uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port,
                                            read_timeout_s=args.read_timeout, idle_timeout_s=args.idle_timeout))
 
@@ -162,6 +182,25 @@ def serve(args) -> int:
     return 0
 
 
+def _log_info_lines() -> None:
+    """--verbose: the server's info lines on stderr too (a name mapped to the served model, a
+    refused origin, a client gone mid-body); without it only warnings reach stderr."""
+    if not any(getattr(h, "edgeinfer_verbose", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.edgeinfer_verbose = True
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.INFO)
+
+
+def any_model_name(args) -> bool:
+    """One model file served and no store of several: any model name means it, as llama-server
+    and LM Studio answer (clients configured with gpt-3.5-turbo work). A model named from the
+    store, or --max-models above 1, serves the store: an unknown name stays a 404, as in Ollama."""
+    one_file = Path(args.name).expanduser().is_file() and args.max_models == 1
+    return one_file and not args.strict_model_names
+
+
 def _origins(flags: list[str]) -> list[str]:
     """--cors-origin values and $OLLAMA_ORIGINS, checked now: a bad one stops serve with one line."""
     from edgeinfer.server.cors import BadOrigin, configured_origins, origin_policy
@@ -179,8 +218,6 @@ def _mmproj_of(args) -> str | None:
     """edgeinfer.load's mmproj for the served model: --mmproj's file (checked to exist before
     the model loads), None with --no-mmproj or for a model given as a file, else "auto" (the
     mmproj beside a model named from the store, as llama-server's -hf and `run` find it)."""
-    from pathlib import Path
-
     if args.no_mmproj:
         if args.mmproj is not None:
             raise EdgeInferError("--no-mmproj loads no vision encoder: it cannot go with --mmproj")

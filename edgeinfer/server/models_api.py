@@ -237,6 +237,9 @@ async def show(request: Request) -> JSONResponse:
 
 def _openai_model(state, name: str, slot=None) -> dict:
     body = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "edgeinfer"}
+    if slot is not None:  # llama-server's fields: every --alias, and --tags (the served model's)
+        body["aliases"] = sorted(slot.aliases)
+        body["tags"] = list(state.config.tags) if slot is state.default else []
     model = slot.model if slot is not None else None
     if model is not None:
         body["meta"] = {"n_ctx": model.n_ctx, "n_ctx_train": model.config.n_ctx_train}

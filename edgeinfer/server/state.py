@@ -51,6 +51,9 @@ def kv_cache_types(model) -> dict:
 @dataclass
 class ServerConfig:
     model_name: str = "default"
+    aliases: list[str] = field(default_factory=list)  # more names of the served model (serve --alias a,b)
+    tags: list[str] = field(default_factory=list)     # listed on /v1/models, nothing else (serve --tags)
+    any_model_name: bool = False            # one model file served: any name means it (no --strict-model-names)
     max_queue: int = 8
     timeout_s: float | None = None          # per request, queue wait included
     api_key: str | None = None
@@ -100,6 +103,8 @@ class ServerState:
         self.config = config
         self.default = Slot(config.model_name, loader)
         self.default.keep_alive_s = config.keep_alive_s
+        self.default.aliases.update(config.aliases)
+        self._mapped_names: set[str] = set()  # names any_model_name mapped, each logged once
         self.slots: list[Slot] = [self.default]
         self.load_error: str | None = None
         self.metrics = Metrics()
@@ -408,6 +413,13 @@ class ServerState:
     def check_model_name(self, name: str | None) -> None:
         """Requests name the model: the request's slot (the served one for "default"/empty)."""
         if name is None or name in MODEL_ALIASES or name in self.model_names():
+            return
+        if self.config.any_model_name and self.slot is self.default:
+            # a placeholder name (gpt-3.5-turbo, local-model) means the one model served
+            if self.config.verbose and name not in self._mapped_names and len(self._mapped_names) < 256:
+                self._mapped_names.add(name)
+                log.info("the model name %r means the served model %r (serve --strict-model-names refuses it)",
+                         name[:200], self.config.model_name)
             return
         raise APIError(404, f"model {name!r} not found; this server runs {self.config.model_name!r} "
                             "and the models in its local store", param="model", code="model_not_found")
