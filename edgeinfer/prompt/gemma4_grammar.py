@@ -140,7 +140,7 @@ def calls_grammar(tools: Sequence[Mapping], marks: Mapping[str, str]) -> tuple[s
         f"g4_string: {quote} G4_TEXT {quote}",
         text,
         'G4_KEY: /[A-Za-z_$][A-Za-z0-9_.$\\-]*/',
-        "G4_INT: /-?(0|[1-9][0-9]*)/",
+        "G4_INT: /-?(0|[1-9][0-9]{0,15})/",  # 16 digits at most, as llama.cpp's integers
         "G4_NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/",
         "G4_WS: /[ \\t\\n]{1,4}/",  # Gemma writes none; a little is read, never unbounded
     ]

@@ -33,6 +33,7 @@ import numpy as np
 from edgeinfer.errors import GrammarError
 from edgeinfer.prompt.grammar_bounds import KIND_NAMES as _KIND_NAMES
 from edgeinfer.prompt.grammar_bounds import check_bounds, check_grammar_bounds, check_schema_bounds
+from edgeinfer.prompt.schema_rules import as_llama_cpp
 
 __all__ = ["GrammarError", "Constraint", "GrammarMatcher", "json_schema", "any_json", "gbnf",
            "lark", "regex", "from_request", "lazy_tags", "check_bounds"]
@@ -126,7 +127,9 @@ def _one_line(msg: str) -> str:
 
 
 def json_schema(schema: Mapping[str, Any] | str | bool, *, compact: bool = False) -> Constraint:
-    """Output must be JSON valid against `schema` (a dict, or its JSON text); `compact`: at
+    """Output must be JSON valid against `schema` (a dict, or its JSON text), read as llama.cpp
+    reads it (edgeinfer.prompt.schema_rules: an object with properties and no
+    additionalProperties takes only those keys, an integer at most 16 digits); `compact`: at
     most one space or newline between its tokens (COMPACT_JSON_LAYOUT, for strict output)."""
     if isinstance(schema, str):
         try:
@@ -140,11 +143,13 @@ def json_schema(schema: Mapping[str, Any] | str | bool, *, compact: bool = False
     check_schema_bounds(schema)
     try:
         text = _json.dumps(schema, ensure_ascii=False)
+        # as llama.cpp's converter: objects closed to their properties, integers of 16 digits
+        read = _json.dumps(as_llama_cpp(schema), ensure_ascii=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from None
     try:
         grammar = _llg().LLMatcher.grammar_from_json_schema(
-            text, defaults=COMPACT_JSON_LAYOUT if compact else JSON_LAYOUT)
+            read, defaults=COMPACT_JSON_LAYOUT if compact else JSON_LAYOUT)
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"invalid JSON schema: {_one_line(str(exc))}") from None
     return _validated("json_schema", text, grammar)

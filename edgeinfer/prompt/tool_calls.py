@@ -30,7 +30,7 @@ import re
 from typing import Any, Iterable, Mapping, Sequence
 
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.prompt import gemma4_format, harmony
+from edgeinfer.prompt import gemma4_format, harmony, schema_rules
 from edgeinfer.prompt.answer_parts import IncrementalReader, ParsedOutput, ToolCall, partial_suffix
 from edgeinfer.prompt.tool_polyfill import needs_polyfill, polyfilled
 
@@ -476,34 +476,11 @@ def _rooted(schema: dict, calls: list[dict]) -> dict:
 
 
 def strict_arguments(schema: Any) -> Any:
-    """A tool's parameter schema with every object closed to its declared properties: where
-    an object schema does not say `additionalProperties`, it gets false (OpenAI's strict
-    mode, llama.cpp's tool grammars). An explicit `additionalProperties` (true or a schema)
-    is followed. No parameters at all means the empty object."""
-    if not isinstance(schema, Mapping):
-        return schema
-    out = {k: _strict_sub(k, v) for k, v in schema.items()}
-    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) \
-        or "properties" in out
-    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
-               "unevaluatedProperties", "additionalItems")
-
-
-def _strict_sub(key: str, value: Any) -> Any:
-    if key in _SCHEMA_MAPS and isinstance(value, Mapping):
-        return {k: strict_arguments(v) for k, v in value.items()}
-    if key in _SCHEMA_LISTS and isinstance(value, list):
-        return [strict_arguments(v) for v in value]
-    if key in _SCHEMA_ONE and isinstance(value, Mapping):
-        return strict_arguments(value)
-    return value
+    """A tool's parameter schema as llama.cpp's tool grammars read it
+    (edgeinfer.prompt.schema_rules): every object closed to its declared properties where it
+    does not say `additionalProperties` (OpenAI's strict mode; no parameters at all is the
+    empty object), an explicit one followed, integers at most 16 digits."""
+    return schema_rules.as_llama_cpp(schema, bare_objects=True)
 
 
 def _has_refs(value: Any) -> bool:
