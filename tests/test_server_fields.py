@@ -111,7 +111,6 @@ REFUSED = [
     ("/api/generate", with_(GEN, context=[-1]), "context"),
     ("/api/generate", with_(GEN, context=["a"]), "context"),
     ("/api/generate", with_(GEN, context=[1], suffix="x"), "context"),
-    ("/api/show", {"model": MODEL, "verbose": True}, "verbose"),
     ("/completion", with_(LCMPL, n_probs=-1), "n_probs"),
     ("/completion", with_(LCMPL, post_sampling_probs=1), "post_sampling_probs"),
     ("/completion", with_(LCMPL, return_tokens=1), "return_tokens"),
@@ -180,6 +179,10 @@ ACCEPTED = [
         {"role": "assistant", "content": "", "thinking": "hm", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
         {"role": "tool", "tool_name": "f", "content": "42"}, MSG])),
     ("/api/show", {"model": MODEL, "verbose": False}),
+    ("/api/show", {"model": MODEL, "verbose": True}),
+    # OpenAI's prompt-cache routing hint (Codex): the prefix cache reuses a prefix whatever the key
+    ("/v1/chat/completions", with_(CHAT, prompt_cache_key="session-1")),
+    ("/v1/completions", with_(CMPL, prompt_cache_key="session-1")),
     ("/completion", with_(LCMPL, n_probs=0, id_slot=-1, cache_prompt=False, n_keep=4, return_tokens=False,
                           samplers=["penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"])),
     ("/infill", with_(INFILL, id_slot=0, n_indent=2, t_max_prompt_ms=500, t_max_predict_ms=500,
@@ -192,6 +195,19 @@ ACCEPTED = [
 def test_fields_that_ask_for_nothing_are_accepted(client, path, body):
     r = client.post(path, json=body)
     assert r.status_code == 200, r.text
+
+
+def test_show_verbose_has_every_key_of_the_file(client):
+    """As Ollama's: `verbose` adds the file's keys, the vocabulary arrays whole, to model_info."""
+    short = client.post("/api/show", json={"model": MODEL}).json()["model_info"]
+    full = client.post("/api/show", json={"model": MODEL, "verbose": True}).json()
+    info = full["model_info"]
+    assert "tokenizer.ggml.tokens" not in short
+    assert isinstance(info["tokenizer.ggml.tokens"], list) and len(info["tokenizer.ggml.tokens"]) > 100
+    assert {k: info[k] for k in short} == short and "tokenizer.chat_template" not in info
+    assert full["template"] and full["details"]
+    r = client.post("/api/show", json={"model": MODEL, "verbose": "yes"})
+    assert r.status_code == 400 and "'verbose'" in r.json()["error"]
 
 
 def test_think_switches_a_thinking_template(fim_model_path):

@@ -218,6 +218,8 @@ async def show(request: Request) -> JSONResponse:
         f"{arch}.context_length": info.context_length, f"{arch}.embedding_length": info.embedding_length,
         f"{arch}.block_count": info.block_count, f"{arch}.attention.head_count": info.head_count,
         f"{arch}.attention.head_count_kv": info.head_count_kv}
+    if req.verbose:  # Ollama's verbose: every key of the file, its vocabulary arrays whole
+        model_info_keys = {**await anyio.to_thread.run_sync(_file_keys, model.path), **model_info_keys}
     named = state.slot.named
     template = getattr(getattr(model, "template", None), "source", "") or ""
     capabilities = ["completion"] + (["insert"] if has_fim(model.tokenizer) else []) + \
@@ -231,6 +233,18 @@ async def show(request: Request) -> JSONResponse:
                          "template": template, "system": (named.system or "") if named else "",
                          "details": details(info), "model_info": model_info_keys,
                          "capabilities": capabilities, "modified_at": _entry(state, "", model.path)["modified_at"]})
+
+
+def _file_keys(path) -> dict:
+    """The GGUF metadata of `path` as JSON values (its template is /api/show's `template`)."""
+    from edgeinfer.loader import open_model
+
+    try:
+        metadata = open_model(path).gguf.metadata
+    except EdgeInferError as exc:
+        raise APIError(500, f"cannot read the metadata of {path}: {exc}") from None
+    return {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in metadata.items()
+            if k != "tokenizer.chat_template"}
 
 
 # -- OpenAI ---------------------------------------------------------------------------------

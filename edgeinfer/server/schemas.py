@@ -164,6 +164,9 @@ class OpenAISampling(Body):
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
     metadata: Annotated[dict[str, Annotated[str, StringConstraints(max_length=512)]],
                         Field(max_length=16)] | None = None
+    # OpenAI's routing hint for its prompt cache (Codex sends it): the prefix cache here is
+    # keyed by the prompt's own tokens, so a shared prefix is reused whatever the key
+    prompt_cache_key: Annotated[str, StringConstraints(max_length=256)] | None = None
     store: Unsupported("stored completions are not supported", False) = None
     service_tier: Unsupported("service tiers are not offered", "auto", "default") = None
 
@@ -308,7 +311,7 @@ class OllamaChatRequest(OllamaBase):
 class OllamaShowRequest(Body):
     model: str | None = None
     name: str | None = None  # older clients
-    verbose: Unsupported("verbose model details are not available", False) = None
+    verbose: bool | None = None  # model_info with every key of the file, the vocabulary arrays whole (as Ollama)
 
 
 # -- llama-server ---------------------------------------------------------------------------
