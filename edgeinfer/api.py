@@ -225,7 +225,6 @@ class Model:
         if self.images is None:
             raise EdgeInferError(self.mmproj_problem or "this model takes no images: load it with its mmproj file "
                                  "(--mmproj)")
-        self.engine.check_images()  # GPU layers: one line before any image is decoded
         n_markers = text.count(marker)
         if n_markers != len(images):  # before any image is decoded
             raise EdgeInferError(f"the prompt has {n_markers} image marker(s) for {len(images)} image(s): "

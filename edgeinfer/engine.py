@@ -135,8 +135,6 @@ class Engine:
         if (text.size and (text.min() < 0 or text.max() >= self.config.n_vocab)) or \
                 (step is None and tokens.size and tokens.min() < 0):
             raise EdgeInferError(f"token id out of range 0..{self.config.n_vocab - 1}")
-        if step is not None:
-            self.check_images()
         before = kv.n_used
 
         def run() -> np.ndarray:
@@ -153,12 +151,6 @@ class Engine:
         except BaseException:  # Ctrl-C or an error mid-layer: drop the half-written tokens
             kv.truncate(before)
             raise
-
-    def check_images(self) -> None:
-        """EdgeInferError unless this engine can take image rows: its layers all on the CPU (the
-        image rows and their attention are host-side; the GPU layers' kernels have no image spans)."""
-        if self.offload is not None and self.offload.on_gpu:
-            raise EdgeInferError("images need every layer on the CPU for now: run with -ngl 0 (--gpu-layers 0)")
 
     def prefill(self, tokens: list[int] | np.ndarray, kv: KVView, progress=None,
                 decode_bits: bool = False, media: "MediaRows | None" = None) -> np.ndarray:

@@ -6,8 +6,10 @@
 // at row s % block_size, i.e. physical slot p = block_table[s / bs] * bs + s % bs; kpos[p]
 // is the position of the token there. Positions live with the blocks, so a block shared by
 // several sequences (prefix cache, fork) carries its positions along. Masking is by
-// position (causal: kpos <= qpos; sliding window: qpos - kpos < window), never by slot, so
-// context shifts and reused prefix blocks need no special case. A contiguous cache is the
+// position (causal: kpos <= qlim; sliding window: qpos - kpos < window), never by slot, so
+// context shifts and reused prefix blocks need no special case. qlim is qpos itself for
+// text; an image's rows (libmtmd's non-causal image batch) take their image's last
+// position there, so each sees its whole image and the window still counts from its own. A contiguous cache is the
 // special case block_size = n_ctx, block_table = {0} (then p = s).
 //
 //   kv_store:                f32 K/V of new tokens -> their slots (f16)
@@ -129,8 +131,8 @@ __device__ __forceinline__ long long paged_row(const int* block_table, int block
     return paged_slot(block_table, block_size, slot) * n_kv + kvh;  // times the head dim: element offset
 }
 
-__device__ __forceinline__ bool visible(int kp, int qp, int window) {
-    return kp <= qp && (window <= 0 || qp - kp < window);
+__device__ __forceinline__ bool visible(int kp, int qp, int ql, int window) {
+    return kp <= ql && (window <= 0 || qp - kp < window);
 }
 
 // One warp's running softmax state; lane owns output dims lane, lane+32, ... (NL of them)
@@ -213,7 +215,8 @@ extern "C" __global__ void kv_positions(int* kpos, const int* block_table, const
 
 template <bool QUANT>
 __device__ __forceinline__ void flash_prefill(const float* q, KvSide kc, KvSide vc, const int* block_table,
-                                              const int* kpos, const int* qpos, float* out, int n_q, int n_keys,
+                                              const int* kpos, const int* qpos, const int* qlim, float* out,
+                                              int n_q, int n_keys,
                                               int block_size, int n_head, int n_kv, int hd, int hd_v, float scale,
                                               int window, const float* sinks) {
     const __half* k_cache = reinterpret_cast<const __half*>(kc.base);
@@ -226,7 +229,7 @@ __device__ __forceinline__ void flash_prefill(const float* q, KvSide kc, KvSide 
     const int head = blockIdx.y, kvh = head / (n_head / n_kv);
     const int qi = blockIdx.x * FA_WARPS + warp;
     const bool active = qi < n_q;
-    const int qp = active ? qpos[qi] : 0;
+    const int qp = active ? qpos[qi] : 0, ql = active ? qlim[qi] : 0;
     for (int d = lane; d < hd; d += 32)
         qs[warp][d] = active ? q[((long long)qi * n_head + head) * hd + d] * scale : 0.0f;
     Online<> st;
@@ -252,7 +255,7 @@ __device__ __forceinline__ void flash_prefill(const float* q, KvSide kc, KvSide 
         __syncthreads();
         if (!active) continue;
         float score = -CUDART_INF_F;
-        if (visible(kp_s[lane], qp, window)) {
+        if (visible(kp_s[lane], qp, ql, window)) {
             float acc = 0.0f;
             for (int d = 0; d < hd; ++d) acc += qs[warp][d] * __half2float(ks[lane][d]);
             score = acc;
@@ -272,7 +275,8 @@ __device__ __forceinline__ void flash_prefill(const float* q, KvSide kc, KvSide 
 
 // n_keys_p: the key count in VRAM (a step's input, so that a CUDA graph replays it)
 #define FLASH_ARGS                                                                                              \
-    const float *q, const int *block_table, const int *kpos, const int *qpos, float *out, int n_q,              \
+    const float *q, const int *block_table, const int *kpos, const int *qpos, const int *qlim, float *out,      \
+        int n_q,                                                                                                \
         const int *n_keys_p, int block_size, int n_head, int n_kv, int hd, int hd_v, float scale, int window,   \
         const float *sinks
 
@@ -280,16 +284,16 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     flash_attention_prefill(const __half* k_cache, const __half* v_cache, FLASH_ARGS) {
     const KvSide kc{reinterpret_cast<const uint8_t*>(k_cache), KV_F16, 2 * hd};
     const KvSide vc{reinterpret_cast<const uint8_t*>(v_cache), KV_F16, 2 * hd_v};
-    flash_prefill<false>(q, kc, vc, block_table, kpos, qpos, out, n_q, *n_keys_p, block_size, n_head, n_kv, hd, hd_v,
-                         scale, window, sinks);
+    flash_prefill<false>(q, kc, vc, block_table, kpos, qpos, qlim, out, n_q, *n_keys_p, block_size, n_head, n_kv,
+                         hd, hd_v, scale, window, sinks);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     flash_attention_prefill_q(const uint8_t* k_cache, const uint8_t* v_cache, int k_type, int v_type,
                               int k_row_bytes, int v_row_bytes, FLASH_ARGS) {
     const KvSide kc{k_cache, k_type, k_row_bytes}, vc{v_cache, v_type, v_row_bytes};
-    flash_prefill<true>(q, kc, vc, block_table, kpos, qpos, out, n_q, *n_keys_p, block_size, n_head, n_kv, hd, hd_v,
-                        scale, window, sinks);
+    flash_prefill<true>(q, kc, vc, block_table, kpos, qpos, qlim, out, n_q, *n_keys_p, block_size, n_head, n_kv,
+                        hd, hd_v, scale, window, sinks);
 }
 
 #ifdef ATT_WMMA
@@ -298,7 +302,8 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
 
 template <int HD, int WARPS, bool QUANT>
 __device__ __forceinline__ void flash_tc(const float* q, KvSide kc, KvSide vc, const int* block_table,
-                                         const int* kpos, const int* qpos, float* out, int n_q, int n_keys,
+                                         const int* kpos, const int* qpos, const int* qlim, float* out, int n_q,
+                                         int n_keys,
                                          int block_size, int n_head, int n_kv, int hd, int hd_v, float scale,
                                          int window, const float* sinks) {
     using namespace nvcuda;
@@ -328,6 +333,7 @@ __device__ __forceinline__ void flash_tc(const float* q, KvSide kc, KvSide vc, c
     const int row = lane >> 1, half = lane & 1;  // a pair of lanes a query row, 8 keys / HD/2 dims each
     const int qi = q0 + 16 * warp + row;
     const int qp = qi < n_q ? qpos[qi] : INT_MIN;  // an absent query sees no key
+    const int ql = qi < n_q ? qlim[qi] : INT_MIN;
     for (int base = 0; base < n_keys; base += TC_KEYS) {
         __syncthreads();  // the previous tile consumed
         for (int idx = threadIdx.x; idx < TC_KEYS * HD; idx += blockDim.x) {
@@ -366,7 +372,7 @@ __device__ __forceinline__ void flash_tc(const float* q, KvSide kc, KvSide vc, c
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
             const int col = 8 * half + c;
-            sc[c] = visible(kp_s[col], qp, window) ? ss[warp][row * 16 + col] : -CUDART_INF_F;
+            sc[c] = visible(kp_s[col], qp, ql, window) ? ss[warp][row * 16 + col] : -CUDART_INF_F;
             tmax = fmaxf(tmax, sc[c]);
         }
         tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
@@ -418,15 +424,15 @@ __device__ __forceinline__ void flash_tc(const float* q, KvSide kc, KvSide vc, c
         flash_attention_tc_##HD(const __half* k_cache, const __half* v_cache, FLASH_ARGS) {                  \
         const KvSide kc{reinterpret_cast<const uint8_t*>(k_cache), KV_F16, 2 * hd};                         \
         const KvSide vc{reinterpret_cast<const uint8_t*>(v_cache), KV_F16, 2 * hd_v};                       \
-        flash_tc<HD, WARPS, false>(q, kc, vc, block_table, kpos, qpos, out, n_q, *n_keys_p, block_size, n_head, \
-                                   n_kv, hd, hd_v, scale, window, sinks);                                       \
+        flash_tc<HD, WARPS, false>(q, kc, vc, block_table, kpos, qpos, qlim, out, n_q, *n_keys_p, block_size,    \
+                                   n_head, n_kv, hd, hd_v, scale, window, sinks);                               \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
         flash_attention_tc_q_##HD(const uint8_t* k_cache, const uint8_t* v_cache, int k_type, int v_type,      \
                                   int k_row_bytes, int v_row_bytes, FLASH_ARGS) {                               \
         const KvSide kc{k_cache, k_type, k_row_bytes}, vc{v_cache, v_type, v_row_bytes};                        \
-        flash_tc<HD, WARPS, true>(q, kc, vc, block_table, kpos, qpos, out, n_q, *n_keys_p, block_size, n_head,  \
-                                  n_kv, hd, hd_v, scale, window, sinks);                                        \
+        flash_tc<HD, WARPS, true>(q, kc, vc, block_table, kpos, qpos, qlim, out, n_q, *n_keys_p, block_size,     \
+                                  n_head, n_kv, hd, hd_v, scale, window, sinks);                                \
     }
 
 TC_ENTRY(64, 4)
@@ -438,7 +444,8 @@ TC_ENTRY(256, 1)
 
 template <int HD, bool QUANT>
 __device__ __forceinline__ void decode_attention(const float* q, KvSide kc, KvSide vc, const int* block_table,
-                                                 const int* kpos, const int* qpos, float* out, int n_keys,
+                                                 const int* kpos, const int* qpos, const int* qlim, float* out,
+                                                 int n_keys,
                                                  int block_size, int n_head, int n_kv, int hd, int hd_v, float scale,
                                                  int window, const float* sinks) {
     const __half* k_cache = reinterpret_cast<const __half*>(kc.base);
@@ -449,7 +456,7 @@ __device__ __forceinline__ void decode_attention(const float* q, KvSide kc, KvSi
     __shared__ float o_s[DA_WARPS][HD];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int head = blockIdx.x, qi = blockIdx.y, kvh = head / (n_head / n_kv);
-    const int qp = qpos[qi];
+    const int qp = qpos[qi], ql = qlim[qi];
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[((long long)qi * n_head + head) * hd + d] * scale;
     __syncthreads();
     Online<NL> st;
@@ -457,7 +464,7 @@ __device__ __forceinline__ void decode_attention(const float* q, KvSide kc, KvSi
     for (int base = warp * 32; base < n_keys; base += 32 * DA_WARPS) {
         const int s = base + lane;
         float score = -CUDART_INF_F;
-        if (s < n_keys && visible(kpos[paged_slot(block_table, block_size, s)], qp, window)) {
+        if (s < n_keys && visible(kpos[paged_slot(block_table, block_size, s)], qp, ql, window)) {
             const long long row = paged_row(block_table, block_size, n_kv, s, kvh);
             float acc = 0.0f;
             if (QUANT) {
@@ -506,8 +513,8 @@ __device__ __forceinline__ void decode_attention(const float* q, KvSide kc, KvSi
 
 #define DECODE_ARGS FLASH_ARGS
 #define DECODE_CALL(HD, QUANT)                                                                                   \
-    decode_attention<HD, QUANT>(q, kc, vc, block_table, kpos, qpos, out, *n_keys_p, block_size, n_head, n_kv, hd, \
-                                hd_v, scale, window, sinks)
+    decode_attention<HD, QUANT>(q, kc, vc, block_table, kpos, qpos, qlim, out, *n_keys_p, block_size, n_head, n_kv, \
+                                hd, hd_v, scale, window, sinks)
 #define F16_SIDES                                                                                                \
     const KvSide kc{reinterpret_cast<const uint8_t*>(k_cache), KV_F16, 2 * hd};                                 \
     const KvSide vc{reinterpret_cast<const uint8_t*>(v_cache), KV_F16, 2 * hd_v}

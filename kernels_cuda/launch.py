@@ -366,7 +366,8 @@ def kv_store(k, v, k_cache, v_cache, block_table, slots, block_size: int) -> Non
 
 
 def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys, block_size: int, n_kv: int,
-              hd_v: int, scale: float, window: int, sinks=None, k_type: str = "f16", v_type: str = "f16"):
+              hd_v: int, scale: float, window: int, sinks=None, k_type: str = "f16", v_type: str = "f16",
+              qlim=None):
     """q (n, n_head, hd) over the first n_keys logical slots of a paged cache -> (n, n_head, hd_v).
 
     n_keys is an int32 in VRAM (a step's inputs, never a kernel argument: a graph replays it).
@@ -374,7 +375,11 @@ def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys, block_size: 
     kpos (int32, device) holds the position of every PHYSICAL slot (n_phys_blocks * block_size,
     stored with the blocks); block_table maps the sequence's logical blocks to physical ones.
     The cache is f16 values, or with a quantized `k_type` / `v_type` rows of raw blocks
-    (uint8, (..., n_kv, row bytes)); q then comes rotated as K was (hadamard_rows)."""
+    (uint8, (..., n_kv, row bytes)); q then comes rotated as K was (hadamard_rows).
+
+    qlim (int32, device, one a query; default qpos): the last key position each query sees.
+    An image's rows (a non-causal image, edgeinfer.vision.image_attention) take the image's
+    last position; the sliding window still counts back from qpos."""
     n, n_head, hd = q.shape
     if not attention_supports(hd, hd_v):
         raise ValueError(f"head dim {hd}/{hd_v}: the CUDA attention needs an even head dim <= {MAX_HEAD_DIM}")
@@ -383,7 +388,7 @@ def attention(q, k_cache, v_cache, block_table, kpos, qpos, n_keys, block_size: 
 
         n_keys = gpuarray.to_gpu(np.array([n_keys], np.int32))
     out = _empty((n, n_head, hd_v))
-    args = (q, block_table, kpos, qpos,
+    args = (q, block_table, kpos, qpos, qpos if qlim is None else qlim,
             out, np.int32(n), n_keys, np.int32(block_size), np.int32(n_head), np.int32(n_kv),
             np.int32(hd), np.int32(hd_v), np.float32(scale), np.int32(window), sinks)
     quant = k_type != "f16" or v_type != "f16"

@@ -279,10 +279,7 @@ class Transformer:
         step = self.media_step
         if step is None or step.limits is None:
             return self.backend.attention(q, kv, layer, positions, scale, window, **kw)
-        from edgeinfer.vision.image_attention import attention_to_limits
-
-        return attention_to_limits(self.backend.attention, q, kv, layer, positions, step.firsts, step.limits, scale,
-                                   window, **kw)
+        return self.backend.image_attention(q, kv, layer, positions, step.firsts, step.limits, scale, window, **kw)
 
     def attention_sinks(self, i: int) -> str | None:
         """The tensor of layer i's per-head attention sinks (gpt-oss), or None."""

@@ -356,6 +356,16 @@ class Backend:
             out_slots += p[:, :, :, None, j:j + 32] * block[None, :, None, :, :]
         return _reduce32(out_slots).reshape(n, n_head, -1)
 
+    def image_attention(self, q, kv: "KVView", layer: int, positions: np.ndarray, firsts: np.ndarray,
+                        limits: np.ndarray, scale: float, window: int, **kw):
+        """`attention`, except that query r, a row of the non-causal image at positions
+        firsts[r]..limits[r], sees its whole image (firsts[r] == limits[r]: a causal row). The
+        default runs `attention` on views of the cache (edgeinfer.vision.image_attention);
+        a backend whose kernels mask by a per-query limit overrides it."""
+        from edgeinfer.vision.image_attention import attention_to_limits
+
+        return attention_to_limits(self.attention, q, kv, layer, positions, firsts, limits, scale, window, **kw)
+
 
 def _reduce32(slots: np.ndarray) -> np.ndarray:
     """GGML_F32x8_REDUCE of 32 float32 slots (last axis, as 4 x 8 lanes): x = (s0+s2) +

@@ -400,23 +400,39 @@ class HybridBackend(Backend):
                   window: int, q_scale: float = 1.0, sinks: str | None = None) -> Any:
         """Over `layer`'s K/V (which a shared-K/V layer of another side may read): on the GPU
         where they are in VRAM, else on the host; the output on the side of the block being run."""
-        on_gpu = self._side == CUDA
         d = device_kv(kv, layer)
         if d is not None:
-            head_sinks = self.cuda.vector_gpu(sinks) if sinks else None
-            t = d.types
-            qd = self.to_device(q).array
-            if t.rot_k:  # a quantized cache's rotations, as the CPU path's (edgeinfer.kv.cache_types)
-                qd = launch.hadamard_rows(qd, t.rot_k)
-            out = launch.attention(qd, d.k, d.v, d.block_table, d.kpos, self._ints(positions), d.n_keys,
-                                   d.block_size, d.k.shape[1], d.hd_v, scale * q_scale, window, head_sinks,
-                                   k_type=t.k, v_type=t.v)
-            if t.rot_v:
-                out = launch.hadamard_rows(out, t.rot_v)
-            out = DeviceTensor(out, self)
-            return out if on_gpu else self.to_host(out)
+            return self._device_attention(q, d, positions, None, scale * q_scale, window, sinks)
         out = self.cpu.attention(self.to_host(q), kv, layer, positions, scale, window, q_scale=q_scale, sinks=sinks)
-        return self.to_device(out) if on_gpu else out
+        return self.to_device(out) if self._side == CUDA else out
+
+    def image_attention(self, q: Any, kv: KVView, layer: int, positions: np.ndarray, firsts: np.ndarray,
+                        limits: np.ndarray, scale: float, window: int, q_scale: float = 1.0,
+                        sinks: str | None = None) -> Any:
+        """K/V in VRAM: one launch, each query masked by its image's last position (launch.attention's
+        qlim). K/V on the host: the CPU backend's views of the cache."""
+        d = device_kv(kv, layer)
+        if d is not None:
+            return self._device_attention(q, d, positions, limits, scale * q_scale, window, sinks)
+        out = self.cpu.image_attention(self.to_host(q), kv, layer, positions, firsts, limits, scale, window,
+                                       q_scale=q_scale, sinks=sinks)
+        return self.to_device(out) if self._side == CUDA else out
+
+    def _device_attention(self, q: Any, d: Any, positions: np.ndarray, limits: np.ndarray | None, scale: float,
+                          window: int, sinks: str | None) -> Any:
+        """launch.attention over device K/V `d`; the output on the side of the block being run."""
+        head_sinks = self.cuda.vector_gpu(sinks) if sinks else None
+        t = d.types
+        qd = self.to_device(q).array
+        if t.rot_k:  # a quantized cache's rotations, as the CPU path's (edgeinfer.kv.cache_types)
+            qd = launch.hadamard_rows(qd, t.rot_k)
+        out = launch.attention(qd, d.k, d.v, d.block_table, d.kpos, self._ints(positions), d.n_keys,
+                               d.block_size, d.k.shape[1], d.hd_v, scale, window, head_sinks,
+                               k_type=t.k, v_type=t.v, qlim=None if limits is None else self._ints(limits))
+        if t.rot_v:
+            out = launch.hadamard_rows(out, t.rot_v)
+        out = DeviceTensor(out, self)
+        return out if self._side == CUDA else self.to_host(out)
 
 
 def make_backend(gguf: "GGUFFile", plan: "OffloadPlan", cpu: Backend) -> Backend:

@@ -20,7 +20,6 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
-from edgeinfer.errors import EdgeInferError
 from edgeinfer.server.errors import APIError
 from edgeinfer.server.image_fetch import FetchError, fetch, is_remote
 
@@ -166,13 +165,6 @@ class RequestImages:
             problem = getattr(self.model, "mmproj_problem", "")  # an mmproj found beside it that did not load
             raise _bad(field, f"this model has no image input: its mmproj did not load: {problem}" if problem
                        else NO_IMAGES)
-        if not self.refs:  # the engine's own refusal (layers on the GPU), before any image is read
-            check = getattr(getattr(self.model, "engine", None), "check_images", None)
-            try:
-                if check is not None:
-                    check()
-            except EdgeInferError as exc:
-                raise _bad(field, str(exc)) from None
         if len(self.refs) >= MAX_IMAGES:
             raise _bad(field, f"a request may hold at most {MAX_IMAGES} images")
 
