@@ -247,7 +247,8 @@ class Model:
         `tools` (OpenAI's list of functions) go to the template's `tools` variable (a template
         without one gets them as text: edgeinfer.prompt.tool_polyfill); `tool_choice` "required" or a named function
         constrains the answer to calls whose arguments validate, "auto" (default) only once a
-        call begins; `enable_thinking` and `reasoning_effort` (gpt-oss: "low", "medium",
+        call begins, and one call unless `parallel_tool_calls` is true (llama-server's default);
+        `enable_thinking` and `reasoning_effort` (gpt-oss: "low", "medium",
         "high") are passed to the template. Read calls and reasoning out of the text with
         `edgeinfer.prompt.tool_calls.parse_output(text, model.tool_format, ...)`."""
         # As llama.cpp: drop a BOS the template wrote (the tokenizer adds it), and parse the
@@ -258,7 +259,7 @@ class Model:
         from edgeinfer.prompt.tool_calls import CHANNEL_FORMATS, markup_token_ids
 
         tools, tool_choice = params.pop("tools", None), params.pop("tool_choice", None)
-        parallel = params.pop("parallel_tool_calls", True)
+        parallel = params.pop("parallel_tool_calls", False)  # llama-server's default: one call
         thinking = params.pop("enable_thinking", None)
         effort = params.pop("reasoning_effort", None)
         channels = self.tool_format in CHANNEL_FORMATS  # the answer's structure is control tokens

@@ -178,11 +178,12 @@ def test_tool_result_reaches_the_template(servers):
 
 
 def test_required_parallel_calls_validate(servers):
+    """parallel_tool_calls true: several calls may follow one another, each valid."""
     client = openai_client(servers["hermes"])
     found = None
     for seed in range(16):
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, SEARCH], tool_choice="required",
-                                           seed=seed, **{**SAMPLED, "max_tokens": 600})
+                                           seed=seed, parallel_tool_calls=True, **{**SAMPLED, "max_tokens": 600})
         c = r.choices[0]
         assert c.finish_reason in ("tool_calls", "length")
         if c.finish_reason == "tool_calls":
@@ -195,7 +196,7 @@ def test_required_parallel_calls_validate(servers):
     seed, calls = found
     # streamed: the same calls, indexed 0, 1, ... as the client accumulates them
     with client.chat.completions.stream(model=MODEL, messages=ASK, tools=[WEATHER, SEARCH], tool_choice="required",
-                                        seed=seed, **{**SAMPLED, "max_tokens": 600}) as s:
+                                        seed=seed, parallel_tool_calls=True, **{**SAMPLED, "max_tokens": 600}) as s:
         final = s.get_final_completion()
     got = final.choices[0].message.tool_calls
     assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == \

@@ -343,10 +343,15 @@ def test_forced_calls_sampled_at_temperature_1_are_compact(tool_models, fmt):
 def test_auto_grammar_takes_the_tags_as_the_model_writes_them(call_tok, fmt, call):
     """Under tool_choice "auto", free text, then a call opened and closed by the special
     tokens the vocabulary has (the model emits `</tool_call>` and `[TOOL_CALLS]` as one token
-    each, not spelled out), then free text again; undeclared arguments still refused."""
+    each, not spelled out); undeclared arguments still refused. The answer ends after its one
+    call (parallel_tool_calls false, the default); with parallel calls, free text may follow."""
     c = tc.tool_constraint([NO_PARAMS], "auto", fmt, call_tok)
     assert _admits(c, call_tok, "Sure. " + call)
     assert _admits(c, call_tok, "plain text only")
     assert not _admits(c, call_tok, "Sure. " + call.replace("{}", '{"x": 1}'))
     if fmt == "hermes":
-        assert _admits(c, call_tok, "Sure. " + call + " Done.")
+        assert not _admits(c, call_tok, "Sure. " + call + " Done.")
+        assert not _admits(c, call_tok, "Sure. " + call + "\n" + call)
+        parallel = tc.tool_constraint([NO_PARAMS], "auto", fmt, call_tok, parallel=True)
+        assert _admits(parallel, call_tok, "Sure. " + call + " Done.")
+        assert _admits(parallel, call_tok, "Sure. " + call + "\n" + call)

@@ -98,3 +98,43 @@ class IncrementalReader:
 
     def _events(self, events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         raise NotImplementedError
+
+
+class CallAnswerStream:
+    """A family's stream reader (push / flush, as IncrementalReader) whose content events read
+    as the whole answer's parse does around calls: whitespace next to a call (the "\\n"
+    between two calls) is never content, and under a forced call (`forced`: the grammar
+    allowed nothing but calls) no text is. Whitespace is held until text follows it;
+    what is still held at the end is dropped after a call and shown otherwise."""
+
+    def __init__(self, inner, *, forced: bool = False) -> None:
+        self._inner, self._forced = inner, forced
+        self._held = ""      # whitespace-only content not yet shown
+        self._calls = False  # a call was read
+
+    def push(self, text: str) -> list[tuple[str, Any]]:
+        return self._shaped(self._inner.push(text), final=False)
+
+    def flush(self) -> list[tuple[str, Any]]:
+        return self._shaped(self._inner.flush(), final=True)
+
+    def _shaped(self, events: list[tuple[str, Any]], final: bool) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for kind, value in events:
+            if kind == "tool_call":
+                self._held, self._calls = "", True
+                out.append((kind, value))
+            elif kind != "content":
+                out.append((kind, value))
+            elif self._forced:
+                continue
+            elif not value.strip():
+                self._held += value
+            else:
+                out.append((kind, self._held + value))
+                self._held = ""
+        if final and self._held and not self._calls:
+            out.append(("content", self._held))
+        if final:
+            self._held = ""
+        return merge_runs(out)

@@ -170,6 +170,7 @@ class Gemma4Stream(IncrementalReader):
         self.tools = tools
         self._buf = ""
         self._state = "start"  # start, content, channel, thought_start, thought, call
+        self._calls_read = False  # a call was read (a tag cut off after it is markup)
 
     def _step(self, events, final: bool) -> None:
         getattr(self, "_step_" + self._state)(events, final)
@@ -189,6 +190,9 @@ class Gemma4Stream(IncrementalReader):
         found = min(((self._buf.find(t), t) for t in tags if t in self._buf), default=None)
         if found is None:
             keep = 0 if final else partial_suffix(self._buf, tags)
+            cut = partial_suffix(self._buf.rstrip(), tags) if final and self._calls_read else 0
+            if cut:  # a next tag cut off (max_tokens) after a call: markup, not content
+                self._buf = self._buf.rstrip()[:-cut]
             events.append(("content", self._buf[:len(self._buf) - keep]))
             self._buf = self._buf[len(self._buf) - keep:]
             return
@@ -232,6 +236,7 @@ class Gemma4Stream(IncrementalReader):
             return
         call = read_call(self._buf[:at])
         if call is not None:
+            self._calls_read = True
             events.append(("tool_call", call))
         self._buf = self._buf[at + len(CALL_CLOSE):]
         self._state = "content"

@@ -31,7 +31,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.prompt import gemma4_format, harmony, schema_rules
-from edgeinfer.prompt.answer_parts import IncrementalReader, ParsedOutput, ToolCall, partial_suffix
+from edgeinfer.prompt.answer_parts import (CallAnswerStream, IncrementalReader, ParsedOutput, ToolCall,
+                                           partial_suffix)
 from edgeinfer.prompt.tool_polyfill import needs_polyfill, polyfilled
 
 __all__ = ["ToolCall", "ParsedOutput", "ToolsNotSupportedError", "ToolCallError", "detect_format",
@@ -264,7 +265,11 @@ def _parse_calls(text: str, fmt: str) -> ParsedOutput:
             if call is not None:
                 calls.append(call)
             pos = m.end()
-        content.append(text[pos:])
+        rest = text[pos:]
+        cut = partial_suffix(rest.rstrip(), ("<tool_call>",)) if calls else 0
+        if cut:  # a next call cut off inside its tag ("<tool", max_tokens) is markup too
+            rest = rest.rstrip()[:-cut]
+        content.append(rest)
         joined = "".join(content)
         return ParsedOutput(joined.strip() if pos else text, calls)
     if fmt == "mistral":
@@ -311,10 +316,8 @@ def parse_output(text: str, fmt: str, *, reasoning: bool = False, think_started:
                  tools: bool = True, forced: bool = False) -> ParsedOutput:
     """Reasoning (when asked), then tool calls (when the request had tools), then content
     (`forced`: the request forced a call, see parse_tool_calls)."""
-    if fmt == "harmony":  # its channels say which text is which
-        return harmony.parse(text, tools=tools)
-    if fmt == "gemma4":
-        out = gemma4_format.parse(text, tools=tools)
+    if fmt in CHANNEL_FORMATS:  # its channels say which text is which
+        out = harmony.parse(text, tools=tools) if fmt == "harmony" else gemma4_format.parse(text, tools=tools)
         if forced:
             out.content = ""
         return out
@@ -329,12 +332,16 @@ def parse_output(text: str, fmt: str, *, reasoning: bool = False, think_started:
 def answer_stream(fmt: str, *, reasoning: bool = False, think_started: bool = False,
                   tools: bool = True, forced: bool = False):
     """The incremental reader of a `fmt` answer: harmony's, or a ToolCallStream. Both have
-    push(text) / flush() returning the same events."""
+    push(text) / flush() returning the same events; with `tools`, shaped around the calls as
+    the whole answer's parse is (CallAnswerStream: no call markup, whitespace or, when
+    `forced`, any text as content)."""
     if fmt == "harmony":
-        return harmony.HarmonyStream(tools=tools)
-    if fmt == "gemma4":
-        return gemma4_format.Gemma4Stream(tools=tools)
-    return ToolCallStream(fmt, reasoning=reasoning, think_started=think_started, tools=tools, forced=forced)
+        inner = harmony.HarmonyStream(tools=tools)
+    elif fmt == "gemma4":
+        inner = gemma4_format.Gemma4Stream(tools=tools)
+    else:
+        inner = ToolCallStream(fmt, reasoning=reasoning, think_started=think_started, tools=tools, forced=forced)
+    return CallAnswerStream(inner, forced=forced) if tools else inner
 
 
 class ToolCallStream(IncrementalReader):
@@ -358,6 +365,7 @@ class ToolCallStream(IncrementalReader):
         self._think_started = think_started
         self._seen_content = False  # anything but whitespace emitted as content
         self._after_think = False
+        self._calls_read = False  # a hermes call was read (a cut-off tag after it is markup)
 
     # -- internals -------------------------------------------------------------------------
     def _step(self, events, final) -> None:
@@ -399,7 +407,11 @@ class ToolCallStream(IncrementalReader):
                 self._emit_content(events, self._buf[:at])
                 self._buf, self._state = self._buf[at:], "call"
                 return
-            keep = 0 if final else partial_suffix(self._buf, ("<tool_call>",))
+            keep = partial_suffix(self._buf if not final else self._buf.rstrip(), ("<tool_call>",))
+            if final and keep:
+                if self._calls_read:  # a next call cut off inside its tag: markup, as parse_tool_calls
+                    self._buf = self._buf.rstrip()[:-keep]
+                keep = 0
         else:
             at = self._buf.find("[TOOL_CALLS]") if self.fmt == "mistral" else -1
             if at >= 0:
@@ -426,6 +438,7 @@ class ToolCallStream(IncrementalReader):
         block = self._buf if end < 0 else self._buf[:end + len("</tool_call>")]
         parsed = parse_tool_calls(block, "hermes", self.forced)
         if parsed.tool_calls:
+            self._calls_read = True
             events.extend(("tool_call", c) for c in parsed.tool_calls)
         else:
             self._emit_content(events, parsed.content)  # "" for a call cut off
@@ -533,14 +546,17 @@ def select_tools(tools: list[dict], tool_choice: Any) -> tuple[str, list[dict]]:
 
 
 def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
-                    parallel: bool = True):
+                    parallel: bool = False):
     """The grammar for a tool request, or None (unconstrained).
 
     "required" / a named function: the answer is one call (more with `parallel`) in the
-    family's syntax, its arguments valid against the function's parameter schema.
+    family's syntax, its arguments valid against the function's parameter schema, and
+    nothing after it (the grammar ends: generation stops there).
     "auto": free text, and a valid call once the family's trigger appears (hermes
-    `<tool_call>`, mistral `[TOOL_CALLS]`, llama3 `<|python_tag|>`); "generic" and "harmony"
-    answers stay unconstrained under "auto". "none" or no tools: None.
+    `<tool_call>`, mistral `[TOOL_CALLS]`, llama3 `<|python_tag|>`), the answer's end after
+    it unless `parallel`; "generic" and "harmony" answers stay unconstrained under "auto".
+    "none" or no tools: None. `parallel` is false by default, as llama-server's
+    `parallel_tool_calls`: a second call a small budget cuts off would end in "length".
     """
     from edgeinfer.prompt import grammar
 
@@ -574,7 +590,7 @@ def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
             return None
         if tokenizer is not None and tokenizer.token_id(trig) is None and trig.startswith("<"):
             return None  # the vocabulary cannot emit the trigger as one token: leave auto free
-        return grammar.lark(_free_text_then_calls(_token_ref(tokenizer, trig), body))
+        return grammar.lark(_free_text_then_calls(_token_ref(tokenizer, trig), body, parallel))
     call_rule = "%json " + json.dumps(any_call, ensure_ascii=False)
     if fmt == "hermes":
         open_tag, close_tag = _token_ref(tokenizer, "<tool_call>"), _token_ref(tokenizer, "</tool_call>")
@@ -591,12 +607,13 @@ def tool_constraint(tools: Any, tool_choice: Any, fmt: str, tokenizer=None, *,
     return grammar.lark(f"start: {body}\ncall: {one}\n")
 
 
-def _free_text_then_calls(trigger: str, body: str) -> str:
-    """Lark for tool_choice "auto": free text, and after each trigger a call (`body`). The
+def _free_text_then_calls(trigger: str, body: str, parallel: bool) -> str:
+    """Lark for tool_choice "auto": free text, and after each trigger a call (`body`); with
+    `parallel` false, the answer ends after its one call (llama.cpp's lazy grammar). The
     trigger and the call's closing tag are special tokens where the vocabulary has them
     (what the model emits), else text; a text trigger is matched lazily, as llguidance's
     structural tags do."""
-    head = ["%llguidance {}", "start: call* TEXT", "TEXT: /(.|\\n)*/"]
+    head = ["%llguidance {}", "start: call* TEXT" if parallel else "start: TEXT | call", "TEXT: /(.|\\n)*/"]
     if trigger.startswith("<["):
         return "\n".join(head + [f"call: TEXT {trigger} {body}"]) + "\n"
     return "\n".join(head + [f"call_trigger[lazy]: TEXT {trigger}", f"call: call_trigger {body}"]) + "\n"
@@ -619,7 +636,7 @@ def _gemma4_calls(chosen: list[dict], tokenizer, mode: str, parallel: bool):
     if mode == "auto":
         if not trigger.startswith("<["):
             return None  # the vocabulary cannot emit the trigger as one token: leave auto free
-        return grammar.lark(_free_text_then_calls(trigger, body) + "\n".join(rules) + "\n")
+        return grammar.lark(_free_text_then_calls(trigger, body, parallel) + "\n".join(rules) + "\n")
     head = [f"start: thought? call{'+' if parallel else ''}", f"call: {trigger} {body}",
             gemma4_grammar.thought_rule(marks)]
     return grammar.lark("\n".join(head + rules) + "\n")

@@ -232,8 +232,8 @@ def tools_of(req: AnthropicMessagesBase) -> list[dict] | None:
 def tool_choice_of(req: AnthropicMessagesBase) -> tuple[Any, bool | None]:
     """(OpenAI's tool_choice, parallel_tool_calls) for Anthropic's tool_choice."""
     tc = req.tool_choice
-    if tc is None:
-        return None, None
+    if tc is None:  # Messages' default: parallel tool use (the server's elsewhere is one call)
+        return None, True
     if tc.name is not None and tc.type != "tool":
         raise _bad("tool_choice.name", "it goes with type 'tool' only")
     if tc.type == "none" and tc.disable_parallel_tool_use is not None:
@@ -244,7 +244,7 @@ def tool_choice_of(req: AnthropicMessagesBase) -> tuple[Any, bool | None]:
         choice: Any = {"type": "function", "function": {"name": tc.name}}
     else:
         choice = {"auto": "auto", "any": "required", "none": "none"}[tc.type]
-    return choice, (False if tc.disable_parallel_tool_use else None)
+    return choice, not tc.disable_parallel_tool_use
 
 
 def thinking_of(model, req: AnthropicMessagesBase, max_tokens: int | None) -> bool | None:

@@ -234,7 +234,7 @@ def _head(req: ResponsesRequest, model_name: str, params: dict, fmt: TextFormat 
     return {"id": new_id("resp"), "object": "response", "created_at": int(time.time()), "background": False,
             "error": None, "incomplete_details": None, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "max_tool_calls": req.max_tool_calls,
-            "model": model_name, "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "model": model_name, "parallel_tool_calls": req.parallel_tool_calls is True,  # one call unless asked
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
                           "summary": req.reasoning.summary if req.reasoning else None},
