@@ -115,3 +115,20 @@ class CORS(CORSMiddleware):
 
     def is_allowed_origin(self, origin: str) -> bool:
         return self.policy.allows(origin)
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def spelled(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [(_SPELLING.get(k, k), v) for k, v in message.get("headers", [])]
+            await send(message)
+
+        await super().__call__(scope, receive, spelled if scope["type"] == "http" else send)
+
+
+# The CORS names as llama-server (and Ollama) write them: header names are case-insensitive, but
+# clients that copy headers into a plain dict, as llama.cpp's server tests do, look them up so.
+# (h11 writes a name as given; only these names change, after every check that reads them.)
+_SPELLING = {name.lower().encode(): name.encode() for name in (
+    "Access-Control-Allow-Origin", "Access-Control-Allow-Methods", "Access-Control-Allow-Headers",
+    "Access-Control-Allow-Credentials", "Access-Control-Allow-Private-Network", "Access-Control-Max-Age",
+    "Access-Control-Expose-Headers")}
