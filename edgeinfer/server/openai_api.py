@@ -132,7 +132,9 @@ async def chat_completions(request: Request):
         out = []
         if chunk.index not in pending:
             pending[chunk.index] = []
-            out.append(delta(chunk.index, {"role": "assistant", "content": ""}, None, []))
+            # a forced call has no content at all: null, as the unstreamed message's (and OpenAI's)
+            opening = None if reader is not None and reader.forced else ""
+            out.append(delta(chunk.index, {"role": "assistant", "content": opening}, None, []))
         held = pending[chunk.index]
         if chunk.logprobs is not None:
             held.append(chunk.logprobs)
