@@ -86,9 +86,9 @@ def test_a_bad_cors_origin_stops_serve_with_one_line(capsys, tmp_path):
 
     assert main(["serve", str(tmp_path / "m.gguf"), "--cors-origin", "chat.example"]) == 1
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == ["edgeinfer: error: --cors-origin: 'chat.example' is not an origin: "
-                                        "give scheme://host[:port] (a '*' may stand for a part), 'localhost', "
-                                        "'*' or 'none'"]
+    assert err.strip().splitlines() == [("edgeinfer: error: --cors-origin: 'chat.example' is not an origin: "
+                                         "give scheme://host[:port] (a '*' may stand for a part), 'localhost', "
+                                         "'*' or 'none'")]
 
 
 # -- on the wire -------------------------------------------------------------------------------

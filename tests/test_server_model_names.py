@@ -62,8 +62,8 @@ def test_one_model_server_answers_to_any_name(model, server_log):
         assert ollama.Client(host=srv.url).chat(model="llama3", messages=CHAT,
                                                 options={"num_predict": 1}).model == MODEL
         mapped = [line for line in server_log if "gpt-3.5-turbo" in line]
-        assert mapped == [f"the model name 'gpt-3.5-turbo' means the served model {MODEL!r} "
-                          "(serve --strict-model-names refuses it)"]          # once, not per request
+        assert mapped == [(f"the model name 'gpt-3.5-turbo' means the served model {MODEL!r} "
+                           "(serve --strict-model-names refuses it)")]          # once, not per request
         assert sum("'local-model'" in line for line in server_log) == 1
     finally:
         srv.stop()

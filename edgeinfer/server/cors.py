@@ -15,8 +15,8 @@ The policy decides only which *origins* get the headers; the Host check against 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from starlette.middleware.cors import CORSMiddleware
 
