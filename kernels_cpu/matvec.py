@@ -62,12 +62,20 @@ def use_prompt_gemms(qts, experts: bool = False) -> list:
     cold start's second process to compile. `warm_prompt_gemms` then loads them, so a
     first prompt does not stop for seconds to compile them unannounced."""
     kernels = []
-    for gemm, path in ((gemm_kquant, "kquant"), (gemm_q32, "q32")):
-        types = sorted({int(qt) for qt in qts
-                        if _fast(int(qt)) and matmul_path(qt, 8, _INT8_MATMUL_MAX_TOKENS + 1) == path})
-        driver = gemm.DRIVERS.use_types(types)   # None where none is this GEMM's
-        if driver is None:
+    # the path each type's long prompt takes, asked of matmul_path itself: whatever it picks
+    # on this host (VNNI tiles, the AVX2 GEMMs) is what compiles here
+    paths = {int(qt): matmul_path(qt, 8, _INT8_MATMUL_MAX_TOKENS + 1) for qt in qts if _fast(int(qt))}
+    for path in ("kquant", "q32", "tiles"):
+        types = sorted(qt for qt, p in paths.items() if p == path)
+        if not types:
             continue
+        if path == "tiles":   # one kernel for every tile type, and the activations' packing
+            path_kernels = [tile_gemm._matmul_rows, tile_gemm._quantize_packed]
+        else:
+            driver = (gemm_kquant if path == "kquant" else gemm_q32).DRIVERS.use_types(types)
+            if driver is None:   # none of these types is this GEMM's
+                continue
+            path_kernels = [driver.kernel] + ([driver.expert_kernel] if experts else [])
         if (path, tuple(types), experts) not in _PROMPT_GEMMS:
             _PROMPT_GEMMS.append((path, tuple(types), experts))
         job = (f"import importlib; importlib.import_module('edgeinfer.kernels_cpu.matvec')"
@@ -75,7 +83,7 @@ def use_prompt_gemms(qts, experts: bool = False) -> list:
         # the second process gets the first GEMM; a second one compiles here after the
         # warm-up pass, while that process is still busy (~5 s a type each)
         elsewhere = not kernels
-        for kernel in [driver.kernel] + ([driver.expert_kernel] if experts else []):
+        for kernel in path_kernels:
             if elsewhere:
                 compile_progress.compile_elsewhere(kernel, job, 4)
             kernels.append(kernel)
@@ -92,6 +100,9 @@ def warm_prompt_gemms() -> None:
 def compile_prompt_gemm(path: str, types: tuple, experts: bool = False) -> None:
     """Call the `path` GEMM's driver for `types` (and its experts' region) once on zeros,
     with the argument types a prompt passes: it compiles, or loads from Numba's cache."""
+    if path == "tiles":
+        _compile_tiles(int(types[0]))
+        return
     gemm = gemm_kquant if path == "kquant" else gemm_q32
     driver = gemm.DRIVERS.use_types(types)
     qt = int(types[0])
@@ -109,6 +120,17 @@ def compile_prompt_gemm(path: str, types: tuple, experts: bool = False) -> None:
             compile_progress.wait_for(driver.expert_kernel)
         one = np.zeros(1, np.int64)
         driver.run_experts([w], [qt], one, seg, one, np.array([4]), 8, packed, [out], get_threads())
+
+
+def _compile_tiles(qt: int) -> None:
+    """tile_gemm's kernels for a long prompt (VNNI hosts), called once on zeros with the
+    argument types matmul_many passes: they compile, or load from Numba's cache."""
+    w = _readonly(np.zeros((8, row_bytes(qt, 256)), np.uint8))   # 8 rows: a whole Q4_K_X8 group
+    out = np.empty((4, 8), np.float32)
+    for kernel in (tile_gemm._quantize_packed, tile_gemm._matmul_rows):
+        if compile_progress._pending:
+            compile_progress.wait_for(kernel)
+    tile_gemm.matmul_rows(w, qt, 0, 8, tile_gemm.pack_activations(np.zeros((4, 256), np.float32)), out)
 
 
 def _f32_vec(x: np.ndarray, n: int, what: str) -> np.ndarray:

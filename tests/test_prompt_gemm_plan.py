@@ -1,0 +1,52 @@
+"""The cold start's plan of prompt GEMMs comes from matmul_path itself: whichever path a
+long prompt takes on this host (the AVX2 GEMMs, or the VNNI tiles on AVX-512 VNNI CPUs)
+has its kernels registered and warmed at load, none compiled at the first long prompt."""
+import importlib
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from quant_blocks import random_blocks
+
+from edgeinfer import kernels_cpu as K
+from edgeinfer.kernels_cpu import compile_progress, tile_gemm
+
+MATVEC = importlib.import_module("edgeinfer.kernels_cpu.matvec")
+
+
+def test_the_tiles_path_registers_its_kernels(monkeypatch):
+    # what a VNNI host's dispatch answers for these types, whatever this host is
+    monkeypatch.setattr(MATVEC, "matmul_path", lambda qt, n_rows, n_tok: "tiles")
+    monkeypatch.setattr(MATVEC, "_PROMPT_GEMMS", [])
+    monkeypatch.setattr(compile_progress, "_elsewhere", {})
+    kernels = MATVEC.use_prompt_gemms([T.Q4_K, T.Q6_K, T.Q8_0])
+    assert kernels == [tile_gemm._matmul_rows, tile_gemm._quantize_packed]
+    assert MATVEC._PROMPT_GEMMS == [("tiles", (int(T.Q8_0), int(T.Q4_K), int(T.Q6_K)), False)]
+    jobs = {id(k): job for k, job, _ in compile_progress._elsewhere.values()}
+    assert "compile_prompt_gemm('tiles'" in jobs[id(tile_gemm._matmul_rows)]
+
+
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0, T.Q5_0, T.IQ4_XS, T.MXFP4])
+def test_every_type_registers_the_path_its_long_prompt_takes(qt, monkeypatch):
+    monkeypatch.setattr(MATVEC, "_PROMPT_GEMMS", [])
+    monkeypatch.setattr(compile_progress, "_elsewhere", {})
+    path = MATVEC.matmul_path(qt, 8, MATVEC._INT8_MATMUL_MAX_TOKENS + 1)
+    kernels = MATVEC.use_prompt_gemms([qt])
+    if path in ("kquant", "q32", "tiles"):
+        assert [p for p, _, _ in MATVEC._PROMPT_GEMMS] == [path] and kernels, path
+    else:   # BLAS on dequantized tiles: nothing of ours to compile for it
+        assert kernels == [] and MATVEC._PROMPT_GEMMS == [], path
+
+
+@pytest.mark.skipif(not tile_gemm.has_vnni(), reason="the VNNI tiles serve prompts only on CPUs with AVX-512 VNNI")
+def test_warm_up_compiles_the_tiles_a_prompt_calls(monkeypatch):
+    monkeypatch.setattr(MATVEC, "_PROMPT_GEMMS", [])
+    MATVEC.use_prompt_gemms([T.Q4_K])
+    MATVEC.warm_prompt_gemms()
+    before = (len(tile_gemm._matmul_rows.signatures), len(tile_gemm._quantize_packed.signatures))
+    assert min(before) >= 1
+    rng = np.random.default_rng(3)
+    w = random_blocks(T.Q4_K, 64, 512, rng)
+    w.flags.writeable = False
+    K.matmul(w, T.Q4_K, rng.standard_normal((200, 512)).astype(np.float32))
+    assert (len(tile_gemm._matmul_rows.signatures), len(tile_gemm._quantize_packed.signatures)) == before
