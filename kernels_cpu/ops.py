@@ -13,7 +13,7 @@ from numba import njit
 
 from . import compile_progress
 from .f16 import f16_bits_of
-from .ggml_math import ggml_expf_any
+from .ggml_math import ggml_expf_any, hsum8
 from .threads import apply_threads, get_threads, worker_pool
 
 _JIT = dict(cache=True, nogil=True)
@@ -54,6 +54,48 @@ def _rms_norm_kernel(x, w, eps, out):
         scale = np.float32(1.0) / np.float32(math.sqrt(np.float32(mean + eps)))
         for k in range(n):
             out[i, k] = np.float32(x[i, k] * scale) * w[k]
+
+
+@njit(**_JIT)
+def _layer_norm_kernel(x, w, b, eps, out):
+    # ggml_norm on AVX2, then ggml_mul by w and ggml_add of b: the sum in double in order,
+    # mean = float(sum) / n; x - mean in float32, its squares summed 8 at a time (hsum8) into a
+    # double (the tail one by one); variance = float(that / n); scale = 1 / sqrtf(variance + eps)
+    n = x.shape[1]
+    body = n - n % 8
+    for i in range(x.shape[0]):
+        s = 0.0
+        for k in range(n):
+            s += np.float64(x[i, k])
+        mean = np.float32(np.float32(s) / np.float32(n))
+        ss = 0.0
+        for k0 in range(0, body, 8):
+            c = np.empty(8, np.float32)
+            for j in range(8):
+                v = np.float32(x[i, k0 + j] - mean)
+                out[i, k0 + j] = v
+                c[j] = np.float32(v * v)
+            ss += np.float64(hsum8(c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]))
+        for k in range(body, n):
+            v = np.float32(x[i, k] - mean)
+            out[i, k] = v
+            ss += np.float64(np.float32(v * v))
+        scale = np.float32(1.0) / np.float32(math.sqrt(np.float32(np.float32(ss / n) + eps)))
+        for k in range(n):
+            out[i, k] = np.float32(np.float32(out[i, k] * scale) * w[k]) + b[k]
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float) -> np.ndarray:
+    """ggml_norm(x) * w + b over the last axis, in ggml's AVX2 order (the vision encoders'
+    LayerNorm); b None: no bias (0 added: the same floats)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    b = np.zeros(n, np.float32) if b is None else np.ascontiguousarray(b, dtype=np.float32)
+    out = np.empty_like(x2)
+    _in_pieces(lambda xs, o: _layer_norm_kernel(xs, w, b, np.float32(eps), o), x2.shape[0], x2, out)
+    return out.reshape(x.shape)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:

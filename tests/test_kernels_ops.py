@@ -136,3 +136,41 @@ def test_prefill_sized_inputs_take_the_parallel_kernels_with_the_same_bits():
     np.testing.assert_array_equal(ops.gelu_mul(x, y, _gelu_f16_table()), Backend(None).gelu_mul(x, y))
     np.testing.assert_array_equal(ops.silu_mul(x, y), Backend(None).silu_mul(x, y))
     np.testing.assert_array_equal(ops.gelu(x, _gelu_f16_table()), Backend(None).gelu_mul(x, np.ones_like(x)))
+    np.testing.assert_array_equal(ops.layer_norm(x, w, y[0], 1e-6), _layer_norm_ggml(x, w, y[0], 1e-6))
+
+
+def _layer_norm_ggml(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    """ggml_norm (AVX2) * w + b, transcribed with numpy: the sum in double in order, the
+    mean rounded to float32, centred squares summed 8 lanes at a time (hsum8) into a double."""
+    n = x.shape[1]
+    body = n - n % 8
+    out = np.empty_like(x)
+    for i, row in enumerate(x):
+        s = 0.0
+        for v in row.tolist():   # in order, in double
+            s += v
+        mean = np.float32(np.float32(s) / np.float32(n))
+        c = (row - mean).astype(np.float32)
+        sq = (c * c).astype(np.float32)
+        lanes = sq[:body].reshape(-1, 8)
+        t = (lanes[:, :4] + lanes[:, 4:]).astype(np.float32)
+        h = ((t[:, 0] + t[:, 2]).astype(np.float32) + (t[:, 1] + t[:, 3]).astype(np.float32)).astype(np.float32)
+        ss = 0.0
+        for v in h.tolist() + sq[body:].tolist():
+            ss += v
+        scale = np.float32(1.0) / np.float32(np.sqrt(np.float32(np.float32(ss / n) + np.float32(eps))))
+        out[i] = ((c * scale).astype(np.float32) * w).astype(np.float32) + b
+    return out
+
+
+@pytest.mark.parametrize("n", [8, 13, 72, 1152])
+def test_layer_norm_is_ggmls_order_bit_for_bit(n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((5, n)) * 3 + 1.5).astype(np.float32)
+    w, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    got = ops.layer_norm(x, w, b, 1e-6)
+    np.testing.assert_array_equal(got, _layer_norm_ggml(x, w, b, 1e-6))
+    x64 = x.astype(np.float64)
+    want = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-6) * w + b
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(ops.layer_norm(x, w, None, 1e-6), ops.layer_norm(x, w, np.zeros(n, np.float32), 1e-6))

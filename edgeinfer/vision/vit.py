@@ -48,7 +48,7 @@ class Linear:
 
 
 class LayerNorm:
-    """ggml_norm then weight and bias: mean and variance summed in double, scale in float32."""
+    """ggml_norm then weight and bias, in ggml's order (kernels_cpu.ops.layer_norm)."""
 
     def __init__(self, mm: MmprojFile, prefix: str, n: int, eps: float, required: bool = True) -> None:
         self.weight = mm.vector(prefix + ".weight", n, required)
@@ -59,12 +59,7 @@ class LayerNorm:
         return self.weight is not None
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        x64 = x.astype(np.float64)
-        centred = (x64 - x64.mean(axis=-1, keepdims=True)).astype(np.float32)
-        var = np.square(centred.astype(np.float64)).mean(axis=-1, keepdims=True).astype(np.float32)
-        out = centred * (np.float32(1.0) / np.sqrt(var + self.eps))
-        out = out * self.weight
-        return out + self.bias if self.bias is not None else out
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
