@@ -62,6 +62,12 @@ def main() -> None:
     from mtmd_oracle import Mtmd
 
     set_threads(args.threads)
+    # as in a run with a text model loaded (edgeinfer.backends.cpu): numpy's BLAS on one thread
+    # beside our own threads, which spread the encoder's pieces; left at its default here, each
+    # of them would start BLAS threads of its own on the same cores
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1, user_api="blas")
     with tempfile.TemporaryDirectory() as tmp:
         text, mmproj = _files(args.keep, Path(tmp))
         pixels = _picture(args.size)
