@@ -19,6 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from edgeinfer import kernels_cpu
+from edgeinfer.kernels_cpu.f16 import round_f16
 from edgeinfer.vision.mmproj import MmprojFile
 from edgeinfer.vision.patch_attention import attend
 from edgeinfer.vision.vit import Linear, activation, rms_norm
@@ -26,11 +27,6 @@ from edgeinfer.vision.vit import Linear, activation, rms_norm
 ROPE_BASE = 100.0    # libmtmd sets rope_theta = 100 for gemma4v; the file has no key for it
 QUERY_ROWS = 1024    # attention's queries per slice: 1120 tokens x 9 patches would be 400 MB a head at once
 _ONE = np.float32(1.0)
-
-
-def _f16_round(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return x.astype(np.float16).astype(np.float32)
 
 
 class ClampedLinear:
@@ -200,7 +196,7 @@ class Gemma4VisionTower:
         ph, pw = x.shape[0] // p, x.shape[1] // p
         x = x * np.float32(2.0) - np.float32(1.0)   # gemma4v's ggml_scale_bias(2, -1)
         rows = x[:ph * p, :pw * p].reshape(ph, p, pw, p, 3).transpose(0, 2, 4, 1, 3).reshape(ph * pw, 3 * p * p)
-        return _f16_round(np.ascontiguousarray(rows, np.float32)), ph, pw
+        return round_f16(np.ascontiguousarray(rows, np.float32)), ph, pw
 
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, int, int]:
         """-> (hidden (ph * pw, n_embd), ph, pw)."""

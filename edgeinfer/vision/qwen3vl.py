@@ -28,6 +28,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from edgeinfer import kernels_cpu
+from edgeinfer.kernels_cpu.f16 import round_f16
 from edgeinfer.metadata import MAX_FF, meta_int
 from edgeinfer.vision import image_ops
 from edgeinfer.vision.chunk import ImageChunk
@@ -42,11 +43,6 @@ MIN_TOKENS, MAX_TOKENS = 8, 4096   # libmtmd's set_limit_image_tokens(8, 4096) f
 ROPE_BASE = 10000.0                # ggml_rope_multi's freq_base in the graph
 MAX_SIDE = 65536                   # libmtmd's largest resize target
 QUERY_ROWS = 1024                  # attention's queries per slice
-
-
-def _f16_round(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return x.astype(np.float16).astype(np.float32)
 
 
 class PatchEmbedding:
@@ -74,7 +70,7 @@ class PatchEmbedding:
         p = self.patch
         ph, pw = x.shape[0] // p, x.shape[1] // p
         rows = x.reshape(ph, p, pw, p, 3).transpose(0, 2, 4, 1, 3).reshape(ph * pw, 3 * p * p)
-        rows = np.ascontiguousarray(_f16_round(rows))
+        rows = np.ascontiguousarray(round_f16(rows))
         out = sum(kernels_cpu.matmul(k, T.F16, rows) for k in self.kernels) + self.bias
         return out.reshape(ph, pw, -1).astype(np.float32)
 
