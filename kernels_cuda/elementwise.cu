@@ -2,6 +2,7 @@
 //
 //   rms_norm:  out = x / sqrt(mean(x^2) + eps) * w (+ residual)   one block per row
 //              (the weight multiply and gemma's "x + norm(h)" residual are fused in)
+//   layer_norm: out = (x - mean) / sqrt(var + eps) * w + b, w and b optional (a vision encoder's norm)
 //   rope:      rotary embedding of the first n_dims of every head; "norm" (adjacent pairs)
 //              or "neox" (halves) mode; optional freq_factors (llama3 scaling) divide the
 //              frequencies; base is passed per call (gemma's per-layer bases)
@@ -36,6 +37,48 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
     for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
         const float y = xr[i] * r * w[i];
         yr[i] = rr ? rr[i] + y : y;
+    }
+}
+
+// The sum of every thread's s over the block (a multiple of 32 threads, up to 1024), returned to
+// all of them; `partial` is free again on return, so a kernel can call it twice.
+__device__ __forceinline__ float block_sum(float s, float* partial) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        s = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.0f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (threadIdx.x == 0) partial[0] = s;
+    }
+    __syncthreads();
+    const float total = partial[0];
+    __syncthreads();
+    return total;
+}
+
+extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b, float* out, int n_cols,
+                                      float eps) {
+    // one block per row; the variance from x - mean (two passes, as ggml_norm), not E[x^2] - mean^2
+    __shared__ float partial[32];
+    const float* xr = x + (long long)blockIdx.x * n_cols;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) s += xr[i];
+    const float mean = block_sum(s, partial) / (float)n_cols;
+    float v = 0.0f;
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
+        const float d = xr[i] - mean;
+        v += d * d;
+    }
+    const float r = rsqrtf(block_sum(v, partial) / (float)n_cols + eps);
+    float* yr = out + (long long)blockIdx.x * n_cols;
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
+        float y = (xr[i] - mean) * r;
+        if (w) y *= w[i];
+        if (b) y += b[i];
+        yr[i] = y;
     }
 }
 
