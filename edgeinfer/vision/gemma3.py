@@ -36,6 +36,7 @@ class Gemma3Projector:
                           f"clip.vision.projector.scale_factor {merge}")
         self.params = vp
         self.vit = ViT(mm)
+        self.ops = mm.ops   # where the ViT runs (edgeinfer.vision.encoder_ops)
         self.soft_emb_norm = mm.vector("mm.soft_emb_norm.weight", vp.n_embd)
         # stored (n_embd_text, n_embd_vision) in GGML order; libmtmd multiplies by its transpose,
         # which ggml can only form from float tensors

@@ -43,6 +43,7 @@ class Gemma4VProjector:
         e = vp.n_embd
         self.merge = meta_int(mm.gguf.metadata, "clip.vision.projector.scale_factor", 1, 1 << 10, DEFAULT_MERGE)
         self.tower = Gemma4VisionTower(mm)
+        self.ops = mm.ops   # where the tower's matrices and attention run (edgeinfer.vision.encoder_ops)
         bias = mm.vector("v.std_bias", e, required=False)
         scale = mm.vector("v.std_scale", e, required=False)
         self.std = (bias, scale) if bias is not None and scale is not None else None  # libmtmd: both or neither
@@ -104,7 +105,7 @@ class Gemma4VProjector:
         if self.std is not None:
             t = (t - self.std[0]) * self.std[1]
         t = rms_norm(t, _ONE, self.params.eps)
-        return np.ascontiguousarray(self.proj(t), np.float32)
+        return np.ascontiguousarray(self.ops.host(self.proj(t)), np.float32)
 
     def encode(self, image: Image | np.ndarray) -> ImageChunk:
         img = image if isinstance(image, Image) else from_pixels(image)

@@ -21,8 +21,7 @@ from gguf import GGMLQuantizationType as T
 from edgeinfer import kernels_cpu
 from edgeinfer.kernels_cpu.f16 import round_f16
 from edgeinfer.vision.mmproj import MmprojFile
-from edgeinfer.vision.patch_attention import attend
-from edgeinfer.vision.vit import Linear, activation, rms_norm
+from edgeinfer.vision.vit import Linear, rms_norm
 
 ROPE_BASE = 100.0    # libmtmd sets rope_theta = 100 for gemma4v; the file has no key for it
 QUERY_ROWS = 1024    # attention's queries per slice: 1120 tokens x 9 patches would be 400 MB a head at once
@@ -35,6 +34,7 @@ class ClampedLinear:
 
     def __init__(self, mm: MmprojFile, name: str, n_in: int, n_out: int, bias: bool = True) -> None:
         self.linear = Linear(mm, name, n_in, n_out, name + ".bias" if bias else None)
+        self.ops = mm.ops
         bound = {}
         for k in ("input_min", "input_max", "output_min", "output_max"):
             present = mm.tensor(f"{name}.{k}", (1,), (T.F32,), required=False)   # libmtmd reads F32 only
@@ -45,15 +45,16 @@ class ClampedLinear:
             if lo is not None and hi is not None and lo > hi:
                 raise mm.fail(f"{name}.{side}_min {lo} is above {name}.{side}_max {hi}")
 
-    @staticmethod
-    def _clamp(x: np.ndarray, lo, hi) -> np.ndarray:
+    def _clamp(self, x, lo, hi):
+        """x bounded (on the host), or x as it is, wherever it is, without bounds."""
         if lo is None and hi is None:
             return x
-        return np.clip(x, lo, hi).astype(np.float32)
+        return np.clip(self.ops.host(x), lo, hi).astype(np.float32)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x):
+        """By the encoder's ops: the result where they compute (edgeinfer.vision.encoder_ops)."""
         b = self.bounds
-        y = self.linear(self._clamp(x, b["input_min"], b["input_max"]))
+        y = self.ops.linear(self.linear, self._clamp(x, b["input_min"], b["input_max"]))
         return self._clamp(y, b["output_min"], b["output_max"])
 
 
@@ -166,6 +167,7 @@ class Gemma4VisionTower:
 
     def __init__(self, mm: MmprojFile) -> None:
         vp = self.params = mm.vision
+        self.ops = mm.ops   # the matrices and the attention (edgeinfer.vision.encoder_ops)
         e, p = vp.n_embd, vp.patch_size
         if vp.head_dim % 4:
             raise mm.fail(f"clip.vision head size {vp.head_dim} is not a multiple of 4 (two rotary halves of pairs)")
@@ -218,37 +220,32 @@ class Gemma4VisionTower:
         return np.ascontiguousarray(h, np.float32), ph, pw
 
     def _block(self, blk: Block, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        vp = self.params
+        """h on the host in and out: the norms, RoPE and clamps are the host's, the matrices
+        and the attention the ops'."""
+        vp, ops = self.params, self.ops
         n, nh, d = h.shape[0], vp.n_head, vp.head_dim
-        a = blk.ln1(h)
-        q, k, v = blk.q(a), blk.k(a), blk.v(a)
+        a = ops.device(blk.ln1(h))
+        q, k, v = ops.host(blk.q(a)), ops.host(blk.k(a)), ops.host(blk.v(a))
         q = _norm_heads(q, blk.q_norm, n, nh, d)
         k = _norm_heads(k, blk.k_norm, n, nh, d)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         v = rms_norm(v.reshape(n, nh, d), _ONE, vp.eps)   # gemma4v: V RMS-normed per head, no weight
-        a = attention(q, k, v)
-        a = blk.o(a)
+        a = ops.host(blk.o(ops.attention(q, k, v, 1.0, QUERY_ROWS)))   # gemma4v's kq_scale is 1
         if blk.attn_post_norm:
             a = blk.attn_post_norm(a)
         h = a + h
-        x = blk.ln2(h)
+        x = ops.device(blk.ln2(h))
         if blk.gate is not None:   # ggml_geglu_split: gelu(gate) * up
-            f = activation(blk.gate(x), vp.ffn_op) * blk.up(x)
+            f = ops.glu(blk.gate(x), blk.up(x), vp.ffn_op)
         else:
-            f = activation(blk.up(x), vp.ffn_op)
-        f = blk.down(f)
+            f = ops.activation(blk.up(x), vp.ffn_op)
+        f = ops.host(blk.down(f))
         if blk.ffn_post_norm:
             f = blk.ffn_post_norm(f)
         h = h + f
         if blk.out_scale is not None:
             h = h * blk.out_scale
         return h.astype(np.float32)
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Non-causal attention with scale 1 (gemma4v's kq_scale), q k v (n, heads, d) -> (n, heads * d),
-    in QUERY_ROWS slices."""
-    return attend(q, k, v, 1.0, QUERY_ROWS)
 
 
 def _norm_heads(x: np.ndarray, norm: tuple[Norm | None, bool], n: int, nh: int, d: int) -> np.ndarray:

@@ -15,6 +15,7 @@ from edgeinfer.loader import SUPPORTED_TYPES
 from edgeinfer.metadata import (MAX_EMBD, MAX_FF, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, meta_bool,
                                 meta_float, meta_float_array, meta_int, meta_str)
 from edgeinfer.vision.chunk import ImageChunk
+from edgeinfer.vision.encoder_ops import CpuOps
 
 # Projector type (clip.projector_type) -> the module under edgeinfer.vision that runs it. Each
 # module has `from_file(mmproj: MmprojFile) -> Projector`; imported only when a file needs it.
@@ -62,10 +63,13 @@ class VisionParams:
 class MmprojFile:
     """An opened mmproj GGUF with checked accessors: every tensor read through `tensor`."""
 
-    def __init__(self, gf: GGUFFile, projector_type: str) -> None:
+    def __init__(self, gf: GGUFFile, projector_type: str, ops=None) -> None:
         self.gguf = gf
         self.path = gf.path
         self.projector_type = projector_type
+        # where the encoder computes (edgeinfer.vision.encoder_ops): the projectors' matrices
+        # and norms are offered to it as they are read, the CPU's by default
+        self.ops = ops if ops is not None else CpuOps()
         self.vision = read_vision_params(self)
 
     def fail(self, problem: str) -> MmprojError:
@@ -150,8 +154,9 @@ def projector_type_of(gf: GGUFFile) -> str:
     return ptype
 
 
-def load_mmproj(path: str | os.PathLike[str]) -> Projector:
-    """Open, check and load an mmproj file; its projector type picks the module."""
+def load_mmproj(path: str | os.PathLike[str], ops=None) -> Projector:
+    """Open, check and load an mmproj file; its projector type picks the module. `ops`: where
+    the encoder runs (edgeinfer.vision.encoder_ops.CpuOps by default, gpu_encoder.GpuOps)."""
     gf = GGUFFile.open(path)
     if gf.architecture != "clip":
         raise MmprojError(f"{gf.path}: general.architecture is {gf.architecture!r}, not 'clip': "
@@ -169,4 +174,4 @@ def load_mmproj(path: str | os.PathLike[str]) -> Projector:
         if exc.name != f"edgeinfer.vision.{module_name}":
             raise
         raise MmprojError(f"{gf.path}: projector type {ptype!r} is not implemented yet") from None
-    return module.from_file(MmprojFile(gf, ptype))
+    return module.from_file(MmprojFile(gf, ptype, ops))

@@ -34,9 +34,8 @@ from edgeinfer.vision import image_ops
 from edgeinfer.vision.chunk import ImageChunk
 from edgeinfer.vision.image_io import MAX_PIXELS, Image, ImageError, from_pixels
 from edgeinfer.vision.mmproj import MmprojFile
-from edgeinfer.vision.patch_attention import attend
 from edgeinfer.vision.qwen_resize import smart_size
-from edgeinfer.vision.vit import LayerNorm, Linear, activation
+from edgeinfer.vision.vit import LayerNorm, Linear
 
 MERGE = 2                          # the graph merges 2x2 patches, whatever spatial_merge_size says
 MIN_TOKENS, MAX_TOKENS = 8, 4096   # libmtmd's set_limit_image_tokens(8, 4096) for Qwen-VL
@@ -84,11 +83,14 @@ class Merger:
         hidden = _rows_of(mm, fc1 + ".weight")
         self.fc1 = Linear(mm, fc1, n_in, hidden, fc1 + ".bias")
         self.fc2 = Linear(mm, fc2, hidden, n_out, fc2 + ".bias")
+        self.ops = mm.ops
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x):
+        """By the encoder's ops (edgeinfer.vision.encoder_ops): the result where they compute."""
+        ops = self.ops
         if self.norm is not None:
-            x = self.norm(x)
-        return self.fc2(activation(self.fc1(x), "gelu"))
+            x = ops.layer_norm(self.norm, x)
+        return ops.linear(self.fc2, ops.activation(ops.linear(self.fc1, x), "gelu"))
 
 
 def _rows_of(mm: MmprojFile, name: str) -> int:
@@ -116,20 +118,23 @@ class Block:
         gate = mm.tensor(b + "ffn_gate.weight", (e, vp.n_ff), required=False)
         self.gate = Linear(mm, b + "ffn_gate", e, vp.n_ff, b + "ffn_gate.bias") if gate else None
         self.down = Linear(mm, b + "ffn_down", vp.n_ff, e, b + "ffn_down.bias")
+        self.ops = mm.ops
 
-    def __call__(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, vp) -> np.ndarray:
+    def __call__(self, h, cos: np.ndarray, sin: np.ndarray, vp):
+        """h where the encoder's ops compute, in and out; the rotary on the host."""
+        ops = self.ops
         n, e, nh = h.shape[0], vp.n_embd, vp.n_head
-        qkv = self.qkv(self.ln1(h)) + self.qkv_b
+        qkv = ops.host(ops.linear(self.qkv, ops.layer_norm(self.ln1, h))) + self.qkv_b
         q, k, v = qkv[:, :e], qkv[:, e:2 * e], qkv[:, 2 * e:]
         q, k = _rotate(q.reshape(n, nh, -1), cos, sin), _rotate(k.reshape(n, nh, -1), cos, sin)
         scale = np.float32(1.0) / np.sqrt(np.float32(vp.head_dim))
-        h = h + self.out(_attention(q, k, v.reshape(n, nh, -1), scale))
-        x = self.ln2(h)
+        h = ops.add(h, ops.linear(self.out, ops.attention(q, k, v.reshape(n, nh, -1), scale, QUERY_ROWS)))
+        x = ops.layer_norm(self.ln2, h)
         if self.gate is not None:   # ggml's *glu_split: act(gate) * up
-            y = activation(self.gate(x), vp.ffn_op) * self.up(x)
+            y = ops.glu(ops.linear(self.gate, x), ops.linear(self.up, x), vp.ffn_op)
         else:
-            y = activation(self.up(x), vp.ffn_op)
-        return (h + self.down(y)).astype(np.float32)
+            y = ops.activation(ops.linear(self.up, x), vp.ffn_op)
+        return ops.add(h, ops.linear(self.down, y))
 
 
 class Qwen3VLProjector:
@@ -139,6 +144,7 @@ class Qwen3VLProjector:
     def __init__(self, mm: MmprojFile) -> None:
         vp = self.params = mm.vision
         self.path = mm.path
+        self.ops = mm.ops   # where the blocks and mergers run (edgeinfer.vision.encoder_ops)
         e = vp.n_embd
         merge = meta_int(mm.gguf.metadata, "clip.vision.spatial_merge_size", 1, 65535, MERGE)
         if merge != MERGE:
@@ -223,18 +229,19 @@ class Qwen3VLProjector:
         if x.ndim != 3 or x.shape[2] != 3 or not x.shape[0] or not x.shape[1] or x.shape[0] % step or x.shape[1] % step:
             raise ValueError(f"pixels of shape {x.shape} are not on the {step}-pixel grid")
         ph, pw = x.shape[0] // vp.patch_size, x.shape[1] // vp.patch_size
+        ops = self.ops
         h = _blocks_of_four(self.patch_embd(x)) + _blocks_of_four(self._positions(ph, pw))
         cos, sin = _rotation(ph, pw, vp.head_dim)
         if self.pre_ln:
-            h = self.pre_ln(h)
+            h = ops.layer_norm(self.pre_ln, h)
         deep = []
         for i, blk in enumerate(self.blocks):
             h = blk(h, cos, sin, vp)
             if i in self.deepstack:
-                deep.append(self.deepstack[i](h.reshape(-1, 4 * vp.n_embd)))
+                deep.append(ops.host(self.deepstack[i](h.reshape(-1, 4 * vp.n_embd))))
         if self.post_ln:
-            h = self.post_ln(h)
-        out = self.merger(h.reshape(-1, 4 * vp.n_embd))
+            h = ops.layer_norm(self.post_ln, h)
+        out = ops.host(self.merger(h.reshape(-1, 4 * vp.n_embd)))
         out = np.concatenate([out, *deep], axis=1) if deep else out
         return np.ascontiguousarray(out, np.float32), (ph // MERGE, pw // MERGE)
 
@@ -285,11 +292,6 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     a, b = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return np.concatenate([a * c - b * s, a * s + b * c], axis=-1).astype(np.float32)
-
-
-def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.float32) -> np.ndarray:
-    """Non-causal attention, q k v (n, heads, d) -> (n, heads * d), in QUERY_ROWS slices."""
-    return attend(q, k, v, scale, QUERY_ROWS)
 
 
 def _align_corners(n_out: int, n_in: int) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:

@@ -1,4 +1,5 @@
-"""The ViT encoder the projectors share (SigLIP-style pre-norm blocks), on edgeinfer's CPU kernels.
+"""The ViT encoder the projectors share (SigLIP-style pre-norm blocks); its blocks run through the
+file's encoder ops (edgeinfer.vision.encoder_ops: the CPU kernels, or gpu_encoder's VRAM).
 
 It follows libmtmd's build_inp + build_vit graph for learned position embeddings and LayerNorm
 (NORM_TYPE_NORMAL): patch convolution as one matmul, + position embeddings, optional pre-norm,
@@ -14,9 +15,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from edgeinfer import kernels_cpu
-from edgeinfer.backends.base import _gelu_f16_table  # ggml's CPU GELU table, built in one place
 from edgeinfer.kernels_cpu import gemm_f32_tiles, ops
 from edgeinfer.kernels_cpu.f16 import round_f16  # x.astype(float16).astype(float32), 4x faster
+from edgeinfer.vision.activation import activation  # noqa: F401 (the projectors import it from here)
 from edgeinfer.vision.mmproj import MmprojFile, VisionParams
 from edgeinfer.vision.patch_attention import attend
 
@@ -32,6 +33,8 @@ class Linear:
         self.qtype = info.qtype
         self.w_raw = mm.gguf.raw(info.name)
         self.bias = mm.vector(bias, n_out, required=False) if bias else None
+        self.n_in, self.n_out = n_in, n_out
+        mm.ops.load_linear(self)   # in VRAM from the start where the encoder runs there
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, np.float32)
@@ -51,6 +54,8 @@ class LayerNorm:
         self.weight = mm.vector(prefix + ".weight", n, required)
         self.bias = mm.vector(prefix + ".bias", n, required=False) if self.weight is not None else None
         self.eps = np.float32(eps)
+        mm.ops.load_vector(self.weight)
+        mm.ops.load_vector(self.bias)
 
     def __bool__(self) -> bool:
         return self.weight is not None
@@ -65,34 +70,12 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (x * (np.float32(1.0) / np.sqrt(ms + np.float32(eps)))) * weight
 
 
-def activation(x: np.ndarray, op: str) -> np.ndarray:
-    """The MLP's activation as ggml's CPU computes it (GELU and quick GELU from F16 tables)."""
-    x = np.asarray(x, np.float32)
-    if op == "silu":
-        with np.errstate(over="ignore"):
-            return (x / (np.float32(1.0) + np.exp(-x))).astype(np.float32)
-    if op == "gelu":
-        return ops.gelu(x, _gelu_f16_table())
-    return _gelu_quick_table()[x.astype(np.float16).view(np.uint16)]
-
-
-_QUICK: list[np.ndarray] = []
-
-
-def _gelu_quick_table() -> np.ndarray:
-    """ggml's quick-GELU table: x * sigmoid(1.702 x) for every F16 input, rounded to F16."""
-    if not _QUICK:
-        x = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-        with np.errstate(all="ignore"):
-            y = x * (np.float32(1.0) / (np.float32(1.0) + np.exp(np.float32(-1.702) * x)))
-        _QUICK.append(y.astype(np.float16).astype(np.float32))
-    return _QUICK[0]
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, scale: float) -> np.ndarray:
-    """Non-causal attention over all patches: q, k, v (n, n_head * d) -> (n, n_head * d)."""
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, scale: float, ops=None) -> np.ndarray:
+    """Non-causal attention over all patches: q, k, v (n, n_head * d) -> (n, n_head * d), by `ops`
+    (edgeinfer.vision.encoder_ops; the CPU's patch_attention without)."""
     n, width = q.shape
-    return attend(*(t.reshape(n, n_head, width // n_head) for t in (q, k, v)), scale)
+    heads = [t.reshape(n, n_head, width // n_head) for t in (q, k, v)]
+    return ops.attention(*heads, scale) if ops is not None else attend(*heads, scale)
 
 
 @dataclass
@@ -123,6 +106,7 @@ class ViT:
     def __init__(self, mm: MmprojFile) -> None:
         vp: VisionParams = mm.vision
         self.params = vp
+        self.ops = mm.ops   # where the blocks run (edgeinfer.vision.encoder_ops)
         e, p = vp.n_embd, vp.patch_size
         width = vp.n_head * vp.head_dim
         patch = mm.tensor("v.patch_embd.weight", (p, p, 3, e), _FLOAT_KERNEL_TYPES)
@@ -164,15 +148,16 @@ class ViT:
         if h.shape[0] != self.pos.shape[0]:
             raise ValueError(f"{h.shape[0]} patches, but {self.pos.shape[0]} position embeddings")
         h = h + self.pos
+        ops = self.ops
         if self.pre_ln:
-            h = self.pre_ln(h)
+            h = ops.layer_norm(self.pre_ln, h)
         scale = np.float32(1.0) / np.sqrt(np.float32(vp.head_dim))
         for blk in self.blocks:
-            a = blk.ln1(h)
-            a = attention(blk.q(a), blk.k(a), blk.v(a), vp.n_head, scale)
-            h = blk.o(a) + h
-            f = blk.down(activation(blk.up(blk.ln2(h)), vp.ffn_op))
-            h = h + f
+            a = ops.layer_norm(blk.ln1, h)
+            a = attention(ops.linear(blk.q, a), ops.linear(blk.k, a), ops.linear(blk.v, a), vp.n_head, scale, ops)
+            h = ops.add(ops.linear(blk.o, a), h)
+            f = ops.linear(blk.down, ops.activation(ops.linear(blk.up, ops.layer_norm(blk.ln2, h)), vp.ffn_op))
+            h = ops.add(h, f)
         if self.post_ln:
-            h = self.post_ln(h)
-        return h.astype(np.float32)
+            h = ops.layer_norm(self.post_ln, h)
+        return ops.host(h).astype(np.float32)
