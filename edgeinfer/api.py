@@ -39,7 +39,7 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
          context_shift: bool = False, n_keep: int = 0, draft: str | None = None, draft_max: int = 16,
          draft_min: int = 0, draft_p_min: float = 0.75, n_cpu_moe: int | None = None,
          cache_type_k: str = "f16", cache_type_v: str = "f16", flash_attn: str = "auto",
-         mmproj: str | os.PathLike[str] | None = None) -> "Model":
+         mmproj: str | os.PathLike[str] | None = None, mmproj_offload: bool = True) -> "Model":
     """Resolve a model name (alias, hf.co/..., or path), open and check it, build the engine.
 
     `n_cpu_moe` is llama.cpp's --n-cpu-moe: the first N layers keep their experts on the
@@ -66,7 +66,12 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
     images=[...])` and chat image parts take images (edgeinfer.vision). "auto": the
     `mmproj-*.gguf` beside a model named from the store (none for a model given by path); one
     found so that does not load leaves the model without images, `model.mmproj_problem` says why.
+    `mmproj_offload` (llama.cpp's --mmproj-offload, on by default): with text layers on the GPU,
+    the vision encoder's matrices and attention run there too (edgeinfer.vision.gpu_encoder);
+    False keeps the encoder on the CPU (--no-mmproj-offload). Without GPU layers it is on the CPU.
     """
+    if not isinstance(mmproj_offload, bool):
+        raise EdgeInferError(f"mmproj_offload must be True or False, got {mmproj_offload!r}")
     from edgeinfer.store.registry import resolve
 
     path = resolve(str(name_or_path), download=download)
@@ -81,7 +86,7 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
         flash_attn=flash_attn),
         chat_template=chat_template, kv_pool_mb=kv_pool_mb, context_shift=context_shift, n_keep=n_keep,
         draft=draft, draft_defaults=dict(draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min),
-        mmproj=mmproj, mmproj_found=found)
+        mmproj=mmproj, mmproj_found=found, mmproj_offload=mmproj_offload)
 
 
 class Model:
@@ -91,7 +96,8 @@ class Model:
     def __init__(self, name: str, path, options: EngineOptions, chat_template: str | None = None, *,
                  kv_pool_mb: float | None = None, context_shift: bool = False, n_keep: int = 0,
                  draft: str | None = None, draft_defaults: dict | None = None,
-                 mmproj: str | os.PathLike[str] | None = None, mmproj_found: bool = False) -> None:
+                 mmproj: str | os.PathLike[str] | None = None, mmproj_found: bool = False,
+                 mmproj_offload: bool = True) -> None:
         from edgeinfer.prompt.chat_template import ChatTemplate
         from edgeinfer.tokenizer import load_tokenizer
 
@@ -125,11 +131,25 @@ class Model:
             from edgeinfer.vision.mmproj import load_mmproj
 
             try:
-                self.use_projector(load_mmproj(mmproj))
+                self.use_projector(load_mmproj(mmproj, ops=self._encoder_ops(mmproj_offload)))
             except EdgeInferError as exc:
                 if not mmproj_found:  # asked for by name: its problem is the caller's error
                     raise
                 self.mmproj_problem = str(exc)  # only found: the text model works without it
+
+    def _encoder_ops(self, offload: bool) -> Any:
+        """Where the vision encoder runs (edgeinfer.vision.encoder_ops): in VRAM beside text layers
+        on the GPU, as llama.cpp puts it, unless `offload` is off; None: the CPU's."""
+        plan = self.engine.offload
+        if plan is None or not plan.gpu_layers or self.engine.backend.name != "hybrid":
+            return None
+        if not offload:
+            from edgeinfer.vision.encoder_ops import CpuOps
+
+            return CpuOps("--no-mmproj-offload")
+        from edgeinfer.vision.gpu_encoder import GpuOps
+
+        return GpuOps()
 
     def use_projector(self, projector: Any) -> None:
         """Take images through `projector` (edgeinfer.vision.mmproj.Projector: `n_embd`,
@@ -165,9 +185,11 @@ class Model:
     def placement(self) -> str:
         """One line: where the layers run (the GPU offload split, or why all are on the CPU)."""
         plan = self.engine.offload
-        if plan is None:
-            return f"{self.engine.backend.name} backend"
-        return plan.describe()
+        where = f"{self.engine.backend.name} backend" if plan is None else plan.describe()
+        if self.images is not None:   # and where the image encoder runs
+            ops = getattr(self.images.projector, "ops", None)
+            where += "; " + (ops.describe() if ops is not None else "vision encoder on the CPU")
+        return where
 
     # -- text <-> tokens ------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:

@@ -20,6 +20,7 @@ def load_with_spinner(args):
         from edgeinfer.commands.image_input import mmproj_of
 
         kwargs["mmproj"] = mmproj_of(args)
+        kwargs["mmproj_offload"] = not getattr(args, "no_mmproj_offload", False)
     with spinner(f"loading {args.name}"):
         model = edgeinfer.load(args.name, **kwargs)
     if getattr(args, "verbose", False) or args.gpu_layers not in ("auto", "0", 0):

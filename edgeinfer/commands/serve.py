@@ -97,6 +97,9 @@ def register(sub) -> None:
                    help="the served model's vision encoder GGUF (llama-server's --mmproj): requests may then send "
                         "images, in every dialect (default: the mmproj-*.gguf beside a model named from the store)")
     p.add_argument("--no-mmproj", action="store_true", help="load no mmproj, even one found beside the model")
+    p.add_argument("--no-mmproj-offload", action="store_true",
+                   help="keep the vision encoder on the CPU when the model has GPU layers "
+                        "(llama.cpp's --no-mmproj-offload; by default it runs in VRAM beside them)")
     p.add_argument("--allow-image-urls", action="store_true",
                    help="fetch the http(s) image URLs requests name (10 s a wait, 30 s and 20 MiB an image); "
                         "the server then reaches any address a client names, local network included "
@@ -148,6 +151,7 @@ def serve(args) -> int:
     kwargs = model_kwargs(args)
     if mmproj is not None:  # the served model's only: other local models load without one
         kwargs["mmproj"] = mmproj
+        kwargs["mmproj_offload"] = not getattr(args, "no_mmproj_offload", False)
 
     def load_model(**overrides):  # overrides: load options a request asked for (Ollama's num_ctx...)
         import edgeinfer
@@ -164,7 +168,10 @@ def serve(args) -> int:
 
     def load() -> None:
         try:
-            state.set_model(load_model())
+            model = load_model()
+            state.set_model(model)
+            if args.verbose:   # where the layers and the vision encoder run
+                print(f"edgeinfer: {model.placement}", file=sys.stderr)
             print(f"edgeinfer: serving {args.name} on http://{_url_host(args.host)}:{args.port}", file=sys.stderr)
         except EdgeInferError as exc:
             state.load_error = str(exc)
