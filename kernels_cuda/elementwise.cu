@@ -3,6 +3,8 @@
 //   rms_norm:  out = x / sqrt(mean(x^2) + eps) * w (+ residual)   one block per row
 //              (the weight multiply and gemma's "x + norm(h)" residual are fused in)
 //   layer_norm: out = (x - mean) / sqrt(var + eps) * w + b, w and b optional (a vision encoder's norm)
+//   pad_cols:  rows of n_cols copied into rows of n_pad, zeros after (a float matrix's input whose
+//              width is no multiple of the GEMM's 32-value chunks, e.g. SigLIP's 4304)
 //   rope:      rotary embedding of the first n_dims of every head; "norm" (adjacent pairs)
 //              or "neox" (halves) mode; optional freq_factors (llama3 scaling) divide the
 //              frequencies; base is passed per call (gemma's per-layer bases)
@@ -79,6 +81,14 @@ extern "C" __global__ void layer_norm(const float* x, const float* w, const floa
         if (w) y *= w[i];
         if (b) y += b[i];
         yr[i] = y;
+    }
+}
+
+extern "C" __global__ void pad_cols(const float* x, float* out, long long n, int n_cols, int n_pad) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const int c = (int)(i % n_pad);
+        out[i] = c < n_cols ? x[(i / n_pad) * n_cols + c] : 0.0f;
     }
 }
 

@@ -28,7 +28,7 @@ KERNEL_NAMES = {
                      "paged_decode_attention",
                      "paged_decode_attention_wide", "paged_decode_attention_q", "paged_decode_attention_q_wide"],
     "kv_quant.cu": ["kv_store_quant", "hadamard_rows"],
-    "elementwise.cu": ["rms_norm", "layer_norm", "rope", "rope_qk", "rope_qk_store", "silu_mul", "gelu_mul", "gelu", "mul", "mul_rows", "scale_rows", "scale", "add",
+    "elementwise.cu": ["rms_norm", "layer_norm", "pad_cols", "rope", "rope_qk", "rope_qk_store", "silu_mul", "gelu_mul", "gelu", "mul", "mul_rows", "scale_rows", "scale", "add",
                        "add_rows", "swiglu_oai", "add_id", "moe_combine"],
     "recurrent.cu": ["gated_delta_net", "ssm_conv_silu", "delta_gates", "l2_norm_rows", "sigmoid_mul",
                      "qkv_split_norm"],
@@ -238,6 +238,15 @@ def layer_norm(x, weight, bias, eps: float):
     threads = min(1024, max(32, (n_cols + 31) // 32 * 32))
     _run("elementwise.cu", "layer_norm", (x.size // n_cols, 1, 1), (threads, 1, 1),
          x, weight, bias, out, np.int32(n_cols), np.float32(eps))
+    return out
+
+
+def pad_cols(x, n_pad: int):
+    """x (n, n_cols) -> (n, n_pad), zeros in the new columns (n_pad >= n_cols)."""
+    n, n_cols = x.shape
+    out = _empty((n, n_pad))
+    grid, block = _grid1d(n * n_pad)
+    _run("elementwise.cu", "pad_cols", grid, block, x, out, np.int64(n * n_pad), np.int32(n_cols), np.int32(n_pad))
     return out
 
 

@@ -33,7 +33,7 @@ MAX_STATIC_SHARED = 48 * 1024
 # the most threads kernels_cuda/launch.py gives each kernel a block (one table, checked below
 # against the kernel names ptxas reports)
 LAUNCH_THREADS = {"matvec": 128, "gemm": 128, "dequant": 256, "kv_store": 128, "flash_attention_prefill": 256,
-                  "paged_decode_attention": 128, "rms_norm": 1024, "layer_norm": 1024, "rope": 256, "silu_mul": 256, "gelu_mul": 256,
+                  "paged_decode_attention": 128, "rms_norm": 1024, "layer_norm": 1024, "pad_cols": 256, "rope": 256, "silu_mul": 256, "gelu_mul": 256,
                   "gelu": 256, "mul": 256, "mul_rows": 256, "scale_rows": 256, "scale": 256, "add": 256, "add_rows": 256, "swiglu_oai": 256, "add_id": 256, "moe_combine": 256,
                   "gated_delta_net": 128, "ssm_conv_silu": 256, "delta_gates": 256, "l2_norm_rows": 128,
                   "sigmoid_mul": 256, "qkv_split_norm": 128, "kv_store_quant": 32, "hadamard_rows": 32,

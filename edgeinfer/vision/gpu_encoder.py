@@ -4,7 +4,9 @@ what a model with GPU layers uses unless --no-mmproj-offload (llama.cpp's defaul
 - Matrices of a type the kernels take (kernels_cuda.launch.supports: F32, F16, Q8_0 and the
   other GGUF types, rows of whole 32-value blocks) are uploaded once, at load, as the file's
   raw rows, like the text model's; their products are the text model's matvec / GEMM
-  (launch.linear), the bias added in place. A matrix the kernels cannot take runs on the CPU.
+  (launch.linear), the bias added in place. A float matrix whose rows are no multiple of 32
+  (SigLIP's ffn_down: 4304) is uploaded with zero columns up to one, and its input padded with
+  zeros (launch.pad_cols): the same sums. Another matrix the kernels cannot take runs on the CPU.
 - LayerNorm (launch.layer_norm), GELU (launch.gelu, gelu_mul), SiLU-gating and the residual
   adds stay in VRAM; SiLU and quick GELU alone have no kernel here: the host computes them.
 - The patch attention is the text model's flash attention: K and V stored (F16, as the text
@@ -17,12 +19,15 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
 from edgeinfer.kernels_cuda import launch, runtime
 from edgeinfer.vision.activation import activation
 from edgeinfer.vision.patch_attention import attend
 
 _GLU = {"gelu": "gelu_mul", "silu": "silu_mul"}   # gated activations with a fused kernel
+_FLOAT = {T.F32: np.float32, T.F16: np.float16}    # matrix types whose rows can be padded
+CHUNK = 32   # the matmul kernels take rows of whole 32-value chunks
 
 
 def _on_device(x: Any) -> bool:
@@ -36,7 +41,7 @@ class GpuOps:
 
     def __init__(self) -> None:
         runtime.context()
-        self._mats: dict[int, tuple[Any, Any, Any]] = {}   # id(Linear) -> (Linear, raw rows, bias) in VRAM
+        self._mats: dict[int, tuple[Any, Any, Any, int]] = {}   # id(Linear) -> (it, raw rows, bias, row width)
         self._vecs: dict[int, tuple[np.ndarray, Any]] = {}  # id(host vector) -> (it, its VRAM copy)
         self._index: dict[int, tuple[Any, ...]] = {}       # patches -> attention's int32 tables
         self.n_matrices = 0      # matrices uploaded
@@ -47,12 +52,19 @@ class GpuOps:
     def load_linear(self, lin: Any) -> None:
         from pycuda import gpuarray
 
-        if not launch.supports(lin.qtype, lin.n_in):
+        width = -(-lin.n_in // CHUNK) * CHUNK
+        if lin.qtype in _FLOAT and width != lin.n_in:   # zero columns up to whole chunks
+            rows = np.asarray(lin.w_raw).view(_FLOAT[lin.qtype]).reshape(lin.n_out, lin.n_in)
+            padded = np.zeros((lin.n_out, width), rows.dtype)
+            padded[:, :lin.n_in] = rows
+            raw = padded.view(np.uint8)
+        elif launch.supports(lin.qtype, lin.n_in):
+            raw, width = np.ascontiguousarray(lin.w_raw).view(np.uint8).reshape(lin.n_out, -1), lin.n_in
+        else:
             self.n_on_cpu += 1
             return
-        raw = np.ascontiguousarray(lin.w_raw).view(np.uint8).reshape(lin.n_out, -1)
         w = gpuarray.to_gpu(raw)
-        self._mats[id(lin)] = (lin, w, self._vector(lin.bias))
+        self._mats[id(lin)] = (lin, w, self._vector(lin.bias), width)
         self.n_matrices += 1
         self.nbytes += raw.nbytes
 
@@ -88,9 +100,11 @@ class GpuOps:
         hit = self._mats.get(id(lin))
         if hit is None or hit[0] is not lin:   # a matrix the kernels lack: the CPU's product
             return self.device(lin(self.host(x)))
-        _, w, bias = hit
-        xd = self.device(x)
-        y = launch.linear(w, lin.qtype, lin.n_out, lin.n_in, xd.reshape(-1, lin.n_in))
+        _, w, bias, width = hit
+        xd = self.device(x).reshape(-1, lin.n_in)
+        if width != lin.n_in:
+            xd = launch.pad_cols(xd, width)
+        y = launch.linear(w, lin.qtype, lin.n_out, width, xd)
         if bias is not None:
             launch.add_rows(y, bias)
         return y
