@@ -11,6 +11,7 @@ images (emulator; the "alternate" and "reverse" orders give the same):
     gemma3    1.5e-4   1.8e-4   1.6e-3
     gemma4v   4.3e-4   2.8e-4   6.0e-3
     qwen3vl   5.3e-4   4.6e-4   1.1e-2
+    + deep    4.5e-4   4.0e-4   6.5e-3   (a deepstack merger after layer 1)
 
 Q8_0's is the size of the CPU's own rounding of its activations to q8_0 (against exact products
 of the same weights: 2.2e-3, 5.4e-3, 9.7e-3). The bounds are 2e-3 (float) and 2.5e-2 (Q8_0);
@@ -42,6 +43,8 @@ WRITERS = {  # projector -> (mmproj writer, text width, image (h, w))
     "gemma4v": (mmproj_factory.write_gemma4v_mmproj, 64, (56, 40)),
     "qwen3vl": (mmproj_factory.write_qwen3vl_mmproj, 64, (24, 40)),
 }
+# Qwen3-VL's deepstack mergers after layer 1 too (embeddings only: the text models here take none)
+DEEPSTACK = (lambda path, n, qtype: mmproj_factory.write_qwen3vl_mmproj(path, n, qtype, deepstack=(1,)), 64, (24, 40))
 TOKENS = 6
 
 
@@ -70,7 +73,7 @@ def _both(tmp_path, projector: str, qtype: str):
     from edgeinfer.vision.gpu_encoder import GpuOps
     from edgeinfer.vision.mmproj import load_mmproj
 
-    writer, n_text, (h, w) = WRITERS[projector]
+    writer, n_text, (h, w) = DEEPSTACK if projector == "qwen3vl-deepstack" else WRITERS[projector]
     path = writer(tmp_path / "mmproj.gguf", n_text, qtype)
     pixels = _pixels(h, w)
     want = load_mmproj(path).encode(pixels).embeddings
@@ -80,7 +83,7 @@ def _both(tmp_path, projector: str, qtype: str):
 
 
 @pytest.mark.parametrize("qtype", list(BOUND))
-@pytest.mark.parametrize("projector", list(WRITERS))
+@pytest.mark.parametrize("projector", [*WRITERS, "qwen3vl-deepstack"])
 def test_the_gpu_encoder_gives_the_cpus_embeddings(tmp_path, cuda_emulator, projector, qtype):
     want, got, ops = _both(tmp_path, projector, qtype)
     assert ops.n_matrices >= 8 and ops.n_on_cpu == 0, ops.describe()   # every matrix in VRAM
