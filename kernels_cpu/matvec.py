@@ -41,45 +41,100 @@ _INT8_MATMUL_MAX_TOKENS = 64   # up to here the 8-bit row kernels beat dequantiz
 _Q4K_GEMM_MIN_TOKENS = 12
 
 
-def use_model_types(tensors, experts: bool = False) -> list:
-    """Register the types of a model's matrices (`tensors`: objects with .qtype and .n_rows;
-    repacked ids as `repack` will give them) so that one kernel set serves all of them
-    and only their code compiles (dispatch.use_types), and one driver per prompt GEMM
-    (`use_prompt_gemms`). Returns the kernels its first tokens and prompts compile."""
+def model_matrices(tensors, experts=()) -> tuple[list, list]:
+    """A model's matrices as the kernels see them: (type id, n_rows) of its 2-D tensors
+    (`tensors`: objects with .qtype, .n_rows and .shape; repacked ids as `repack` will give
+    them) and (type id, rows an expert) of its 3-D expert tensors (`experts`)."""
     from .repack import repacks
 
-    ids = [qk.Q4_K_X8 if repacks(t.qtype, t.n_rows) else int(t.qtype) for t in tensors]
-    ks = dispatch.use_types(ids)
-    return (ks.forward_kernels() if ks is not None else []) + use_prompt_gemms(ids, experts)
+    mats = [t for t in tensors if len(t.shape) == 2]
+    return ([(qk.Q4_K_X8 if repacks(t.qtype, t.n_rows) else int(t.qtype), t.n_rows) for t in mats],
+            [(int(t.qtype), t.shape[1]) for t in experts])
 
 
-_PROMPT_GEMMS: list = []   # (path, types, experts) of the GEMM drivers the loaded models' prompts run
+def use_model_types(tensors, experts=()) -> list:
+    """Register the types of a model's matrices (model_matrices) so that one kernel set
+    serves all of them and only their code compiles (dispatch.use_types), and the kernels
+    of every path its prompts take (`use_prompt_gemms`). Returns the kernels its first
+    tokens and prompts compile."""
+    matrices, expert_matrices = model_matrices(tensors, experts)
+    ks = dispatch.use_types([qt for qt, _ in matrices + expert_matrices])
+    return (ks.forward_kernels() if ks is not None else []) + use_prompt_gemms(matrices, expert_matrices)
 
 
-def use_prompt_gemms(qts, experts: bool = False) -> list:
-    """Make one driver of each prompt GEMM serve all of these types (gemm_parallel.Drivers.
-    use_types) and return its kernels (with experts: the experts' region too), given to a
-    cold start's second process to compile. `warm_prompt_gemms` then loads them, so a
-    first prompt does not stop for seconds to compile them unannounced."""
+def prompt_paths(matrices, n_tokens: int, experts=()) -> frozenset:
+    """What a prompt chunk of n_tokens reaches in the matmuls, as the dispatch below picks
+    it: (path, type id) for every matrix (type id, n_rows) (matmul_path; "blas-serial":
+    the BLAS path's row tiles dequantized on each worker thread), and ("experts-" + path,
+    type id) for every 3-D expert tensor (type id, rows an expert): the row kernels, and
+    from _GEMM_MIN_TOKENS tokens the expert GEMM (one expert may get every token)."""
+    got = set()
+    for qt, n_rows in matrices:
+        path = matmul_path(qt, n_rows, n_tokens)
+        if path == "blas" and _serial_tiles(int(qt), n_rows):
+            path = "blas-serial"
+        got.add((path, int(qt)))
+    for qt, n_per in experts:   # each tensor as if alone (a pair of two types may take less)
+        qt = int(qt)
+        got.add(("experts-rows" if _fast(qt) else "experts-plain", qt))
+        path = _expert_gemm_path([qt], n_per, n_tokens) if _fast(qt) else None
+        if path and n_tokens >= _GEMM_MIN_TOKENS[qt]:
+            got.add(("experts-" + path, qt))
+    return frozenset(got)
+
+
+def prompt_plan(matrices, experts=()) -> dict:
+    """{path: type ids} of every path a prompt of any length reaches (prompt_paths): matmul_path's
+    answers change only up to one past _INT8_MATMUL_MAX_TOKENS (tests/test_cold_start_families.py
+    checks every length to 600 against this plan)."""
+    plan: dict = {}
+    for n in range(1, _INT8_MATMUL_MAX_TOKENS + 2):
+        for path, qt in prompt_paths(matrices, n, experts):
+            plan.setdefault(path, set()).add(qt)
+    return plan
+
+
+_PROMPT_GEMMS: list = []   # (path, types, experts) of the prompt kernels the loaded models' prompts run
+# the paths whose kernels use_prompt_gemms registers (the BLAS ones: for the fast types);
+# the others ("rows", "f32", a slow type's "blas") the warm-up's two-token pass runs itself
+PROMPT_KERNEL_PATHS = ("kquant", "q32", "tiles", "blas", "blas-serial")
+
+
+def use_prompt_gemms(matrices, experts=()) -> list:
+    """Make one driver of each prompt GEMM serve all the types of a model's matrices
+    (gemm_parallel.Drivers.use_types) and return the kernels of every path prompt_plan
+    finds (the GEMMs, their experts' regions, the BLAS path's dequantizing tiles), given
+    to a cold start's second process to compile. `warm_prompt_gemms` then loads them, so
+    a first prompt does not stop for seconds to compile them unannounced. `matrices`:
+    (type id, n_rows) pairs or bare type ids (then 8 rows), `experts` likewise the expert
+    tensors' (type id, rows an expert), or True: the same matrices as experts."""
+    matrices = [(int(m), 8) if not isinstance(m, tuple) else (int(m[0]), m[1]) for m in matrices]
+    if experts is True:
+        experts = matrices
+    plan = prompt_plan(matrices, [(int(m[0]), m[1]) for m in experts or ()])
     kernels = []
-    # the path each type's long prompt takes, asked of matmul_path itself: whatever it picks
-    # on this host (VNNI tiles, the AVX2 GEMMs) is what compiles here
-    paths = {int(qt): matmul_path(qt, 8, _INT8_MATMUL_MAX_TOKENS + 1) for qt in qts if _fast(int(qt))}
-    for path in ("kquant", "q32", "tiles"):
-        types = sorted(qt for qt, p in paths.items() if p == path)
+    for path in PROMPT_KERNEL_PATHS:
+        types = sorted(plan.get(path, set()) | plan.get("experts-" + path, set()))
+        if path.startswith("blas"):   # ours only for the fast types (F16 & co: the pass's own)
+            types = [qt for qt in types if _fast(qt)]
         if not types:
             continue
+        with_experts = bool(plan.get("experts-" + path))
         if path == "tiles":   # one kernel for every tile type, and the activations' packing
             path_kernels = [tile_gemm._matmul_rows, tile_gemm._quantize_packed]
+        elif path.startswith("blas"):   # a long prompt's float tiles (matmul's _tiled_gemm)
+            ks = dispatch.kernels_for(*types)
+            types = list(ks.types)
+            path_kernels = [ks.dequant_kernel_serial if path == "blas-serial" else ks.dequant_kernel]
         else:
             driver = (gemm_kquant if path == "kquant" else gemm_q32).DRIVERS.use_types(types)
             if driver is None:   # none of these types is this GEMM's
                 continue
-            path_kernels = [driver.kernel] + ([driver.expert_kernel] if experts else [])
-        if (path, tuple(types), experts) not in _PROMPT_GEMMS:
-            _PROMPT_GEMMS.append((path, tuple(types), experts))
+            path_kernels = [driver.kernel] + ([driver.expert_kernel] if with_experts else [])
+        if (path, tuple(types), with_experts) not in _PROMPT_GEMMS:
+            _PROMPT_GEMMS.append((path, tuple(types), with_experts))
         job = (f"import importlib; importlib.import_module('edgeinfer.kernels_cpu.matvec')"
-               f".compile_prompt_gemm({path!r}, {tuple(types)!r}, {experts})")
+               f".compile_prompt_gemm({path!r}, {tuple(types)!r}, {with_experts})")
         # the second process gets the first GEMM; a second one compiles here after the
         # warm-up pass, while that process is still busy (~5 s a type each)
         elsewhere = not kernels
@@ -102,6 +157,12 @@ def compile_prompt_gemm(path: str, types: tuple, experts: bool = False) -> None:
     with the argument types a prompt passes: it compiles, or loads from Numba's cache."""
     if path == "tiles":
         _compile_tiles(int(types[0]))
+        return
+    if path.startswith("blas"):   # types: the model's kernel set, whose dequantizer serves them all
+        ks, qt = dispatch.kernel_set(types), int(types[0])
+        y = np.empty((8, quant_info(qt).block_size), np.float32)
+        w = dispatch.zero_weights(qt, 8, y.shape[1])
+        (ks.dequant_kernel_serial if path == "blas-serial" else ks.dequant_kernel)(w, qt, 0, y)
         return
     gemm = gemm_kquant if path == "kquant" else gemm_q32
     driver = gemm.DRIVERS.use_types(types)
@@ -602,7 +663,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         dispatch.matmul_int(w_raw, qt, xq, xd, xs, out)
         return out
     n_threads = get_threads()
-    if n_threads > 1 and (_fast(qt) or qt in (qk.F16, qk.BF16)) and n_rows >= 2 * _PREFILL_TILE_ROWS:
+    if _serial_tiles(qt, n_rows):
         # numpy's BLAS runs single-threaded beside Numba (see edgeinfer.backends.cpu), so the row tiles
         # are split across our own threads: each dequantizes its tiles on its own thread
         # (no Numba parallel region) and calls BLAS, both without the GIL.
@@ -613,6 +674,12 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
     else:
         _tiled_gemm(X, w_raw, qt, 0, n_rows, out, False)
     return out
+
+
+def _serial_tiles(qt: int, n_rows: int) -> bool:
+    """Whether matmul's BLAS path dequantizes its row tiles on each worker thread (else in
+    one parallel region)."""
+    return get_threads() > 1 and (_fast(qt) or qt in (qk.F16, qk.BF16)) and n_rows >= 2 * _PREFILL_TILE_ROWS
 
 
 def _tiled_gemm(X: np.ndarray, w_raw: np.ndarray, qt: int, r0: int, r1: int, out: np.ndarray,

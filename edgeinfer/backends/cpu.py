@@ -13,10 +13,18 @@ from edgeinfer import kernels_cpu
 from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.backends.offload import is_expert_tensor
 from edgeinfer.kernels_cpu import flash_attention, fused_layer, kv_attention, moe_routing, ops
-from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
+from edgeinfer.kernels_cpu.matvec import matvec_prepared, model_matrices, prepare_group, prompt_paths
 from edgeinfer.kernels_cpu.repack import repack, repacks
 from edgeinfer.kernels_cpu.threads import worker_pool
 from edgeinfer.rope import ROPE_NEOX
+
+
+def attention_path(n_queries: int, flash: bool) -> str:
+    """Which attention CpuBackend.attention runs for n_queries new tokens: "flash" (a
+    flash-order cache), "exact" (llama.cpp's order, up to EXACT_MAX_QUERIES) or "blas"."""
+    if flash:
+        return "flash"
+    return "exact" if n_queries <= kv_attention.EXACT_MAX_QUERIES else "blas"
 
 
 class CpuBackend(Backend):
@@ -34,8 +42,10 @@ class CpuBackend(Backend):
         threadpool_limits(1, user_api="blas")
         self._rope_angles: dict = {}
         # one kernel set for the model's types: only their code compiles
-        experts = any(is_expert_tensor(name, info.shape) for name, info in gguf.tensors.items())
+        experts = [info for name, info in gguf.tensors.items()   # the 3-D ones, not gpt-oss's expert biases
+                   if len(info.shape) == 3 and is_expert_tensor(name, info.shape)]
         self._type_kernels = kernels_cpu.use_model_types(gguf.tensors.values(), experts)
+        self._matrices, self._expert_matrices = model_matrices(gguf.tensors.values(), experts)
         self._prepared: dict = {}
         self._weights: dict = {}
 
@@ -77,6 +87,12 @@ class CpuBackend(Backend):
         kv = np.zeros((n, 1, 32), np.float16)
         kv_attention.attention_blas(np.zeros((n, 1, 32), np.float32), kv, kv, np.arange(n), np.arange(n), 1.0)
 
+    def prompt_reach(self, n_tokens: int, flash: bool = False) -> frozenset:
+        """What a prompt chunk of n_tokens reaches here, as the dispatch picks it: its matmuls'
+        and experts' paths (kernels_cpu.matvec.prompt_paths) and its attention's."""
+        return prompt_paths(self._matrices, n_tokens, self._expert_matrices) | {
+            ("attention", attention_path(n_tokens, flash))}
+
     def forward_kernels(self, config) -> list:
         """The Numba kernels a forward pass of this model compiles on its first tokens (a
         short prompt, then decode): what kernels_cpu.compile_progress.warm_up checks."""
@@ -84,8 +100,11 @@ class CpuBackend(Backend):
         from edgeinfer.kernels_cpu import quant_kernels as qk
         from edgeinfer.kernels_cpu.matvec import compile_quantize_act_first
 
+        # one attention kernel per head size: gemma4's sliding layers have their own
+        heads = {(config.head_dim_of(i), config.head_dim_v_of(i)) for i in range(config.n_layer)
+                 if not config.is_recurrent(i)} or {(config.head_dim, config.head_dim_v)}
         kernels = [*self._type_kernels, qk.quantize_act, ops._rms_norm_kernel, ops._rope_kernel, ops._rope_cache_kernel,
-                   f16._round_f16_kernel, kv_attention.attention_kernel(config.head_dim, config.head_dim_v),
+                   f16._round_f16_kernel, *[kv_attention.attention_kernel(*h) for h in sorted(heads)],
                    # the long-prompt attention's (warm_prompt_kernels)
                    f16._f16_to_f32_kernel, kv_attention._mask_and_center, kv_attention._normalize_f16]
         blocks = {kernels_cpu.quant_info(t.qtype).act_block for t in self.gguf.tensors.values()
@@ -161,11 +180,12 @@ class CpuBackend(Backend):
             q = q * np.float32(q_scale)
         head_sinks = self.vector(sinks) if sinks is not None else None
         types = getattr(kv, "cache_types", None)
-        if types is not None and types.flash_order:   # llama.cpp's flash-attention order over the blocks
+        path = attention_path(q.shape[0], types is not None and types.flash_order)
+        if path == "flash":   # llama.cpp's flash-attention order over the blocks
             out = flash_attention.flash_attention(q, k, v, kpos, positions, types.k, types.v, scale, window,
                                                   head_sinks, rotate_q=types.rot_k)
             return types.rotate("v", out)
-        if q.shape[0] <= kv_attention.EXACT_MAX_QUERIES:  # decode, short prompts: llama.cpp's order
+        if path == "exact":  # decode, short prompts: llama.cpp's order
             return kv_attention.attention(q, k, v, kpos, positions, scale, window, head_sinks)
         return kv_attention.attention_blas(q, k, v, kpos, np.asarray(positions), scale, window, head_sinks)
 
