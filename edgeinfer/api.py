@@ -15,7 +15,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -107,6 +107,11 @@ class Model:
         self.config = model_file.config
         self.tokenizer = load_tokenizer(model_file.gguf)
         self.template = ChatTemplate.for_model(model_file.gguf.metadata, chat_template)
+        if mmproj is not None and mmproj_offload and options.gpu_layers != 0:
+            from edgeinfer.vision.vram_estimate import encoder_vram_bytes
+
+            # the offload plan leaves the encoder its VRAM (used only where layers go to a GPU)
+            options = replace(options, vram_reserve=encoder_vram_bytes(mmproj))
         self.engine = Engine(model_file, options)
         general_name = meta_str(model_file.gguf.metadata, "general.name", "") or ""
         self.identity = model_identity(path, general_name)  # for saved sessions and cache keys

@@ -8,6 +8,7 @@ needs an activation buffer bigger than one chunk.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,6 +41,7 @@ class EngineOptions:
     cache_type_k: str = "f16"  # llama.cpp's --cache-type-k / -ctk (edgeinfer.kv.cache_types)
     cache_type_v: str = "f16"  # --cache-type-v / -ctv
     flash_attn: str = "auto"  # llama.cpp's -fa: on, off, auto (the flash order where the cache is quantized)
+    vram_reserve: int = 0  # bytes of VRAM the offload plan leaves free (the vision encoder's)
 
     @property
     def cache_types(self) -> CacheTypes:
@@ -63,7 +65,8 @@ def make_backend(mf: ModelFile, options: EngineOptions) -> tuple[Backend, "Offlo
         cpu = CpuBackend(mf.gguf, threads=options.threads)
         plan = plan_for_model(mf.gguf, mf.config, options.n_ctx, gpu_layers=options.gpu_layers,
                               prefill_rows=options.prefill_chunk + options.prefill_chunk // 4,
-                              n_cpu_moe=options.n_cpu_moe, cache_types=of_config(mf.config, options.cache_types))
+                              n_cpu_moe=options.n_cpu_moe, cache_types=of_config(mf.config, options.cache_types),
+                              reserve_bytes=options.vram_reserve)
         if not plan.on_gpu:
             cpu.prepare_weights()   # a GPU plan leaves them to first use: offloaded layers never ask
             return cpu, plan
@@ -105,7 +108,19 @@ class Engine:
             self.decode(min(3, top), kv)
             self.backend.warm_prompt_kernels()
 
-        return compile_progress.warm_up(forward, self.backend.forward_kernels(self.config), report)
+        return compile_progress.warm_up(forward, self.backend.forward_kernels(self.config), report, self._warm_key())
+
+    def _warm_key(self) -> str | None:
+        """What the warm-up pass reaches depends on: the model file (its family and types),
+        the thread count (matvec's BLAS tiles) and the K/V types (flash order, quantized K/V)."""
+        path = self.model_file.gguf.path
+        try:
+            st = os.stat(path)
+        except (OSError, TypeError):
+            return None
+        from edgeinfer.kernels_cpu import get_threads
+
+        return f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{get_threads()}|{self.cache_types!r}"
 
     @property
     def step_graphs(self):

@@ -88,6 +88,7 @@ class OffloadPlan:
     cpu_expert_weights: int = 0  # bytes of expert tensors kept on the CPU beside GPU layers
     gpu_expert_layers: tuple[int, ...] = ()  # GPU layers whose experts are in VRAM too
     vram_experts: int = 0  # their bytes (part of vram_weights)
+    vram_reserved: int = 0  # bytes the plan left free for the vision encoder
 
     @property
     def vram_total(self) -> int:
@@ -123,7 +124,8 @@ class OffloadPlan:
             experts += f", experts {_gib(self.cpu_expert_weights)} on the CPU"
         return (f"offloading {len(self.gpu_layers)}/{self.n_layer} layers to GPU "
                 f"({dev.name}, {_gib(dev.free_vram)} free): weights {_gib(self.vram_weights)}, "
-                f"KV {_gib(self.vram_kv)}, scratch {_gib(self.vram_scratch)}{head}{experts}")
+                f"KV {_gib(self.vram_kv)}, scratch {_gib(self.vram_scratch)}{head}{experts}"
+                + (f", {_gib(self.vram_reserved)} kept for the vision encoder" if self.vram_reserved else ""))
 
 
 def _gib(n: int) -> str:
@@ -227,9 +229,13 @@ def parse_gpu_layers(value: str | int) -> int | str:
 def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
                  kv_dtype: str = "f16", gpu_layers: int | str = "auto",
                  prefill_rows: int = DEFAULT_PREFILL_ROWS, no_device_reason: str = "no GPU",
-                 n_cpu_moe: int | None = None, kv_token_bytes: Sequence[int] | None = None) -> OffloadPlan:
+                 n_cpu_moe: int | None = None, kv_token_bytes: Sequence[int] | None = None,
+                 reserve_bytes: int = 0) -> OffloadPlan:
     """Place the first k blocks (and the head when it fits) on `device`, then the experts of
-    the GPU blocks from n_cpu_moe on (None: as many as fit); see the module doc."""
+    the GPU blocks from n_cpu_moe on (None: as many as fit); see the module doc.
+    `reserve_bytes` stay free for something else in VRAM (the vision encoder)."""
+    if reserve_bytes < 0:
+        raise OffloadError(f"a VRAM reserve must not be negative, got {reserve_bytes}")
     if kv_dtype not in KV_BYTES_PER_VALUE:
         raise OffloadError(f"unknown KV cache type {kv_dtype!r} (choose from {', '.join(KV_BYTES_PER_VALUE)})")
     if n_cpu_moe is not None and n_cpu_moe < 0:
@@ -239,6 +245,7 @@ def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
 
     def cpu(reason: str) -> OffloadPlan:
         return OffloadPlan([], False, 0, 0, 0, reason, n_layer, device)
+    kept = f" ({_gib(reserve_bytes)} kept for the vision encoder)" if reserve_bytes else ""
 
     if device is None:
         return cpu(no_device_reason)
@@ -254,7 +261,7 @@ def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
     scratch_head = rows * sizes.n_vocab * 4  # logits of a whole chunk (perplexity-style requests)
     scratch_experts = rows * sizes.expert_scratch_values_per_row * 4
     expert_bytes = list(sizes.expert_weights) or [0] * n_layer
-    budget = vram_budget(device)
+    budget = max(0, vram_budget(device) - reserve_bytes)
 
     def cost(k: int, head: bool, expert_layers: range = range(0)) -> tuple[int, int, int]:
         weights = (sum(sizes.layer_weights[:k]) + (sizes.output_weights if head else 0)
@@ -279,18 +286,18 @@ def plan_offload(sizes: ModelSizes, device: DeviceInfo | None, n_ctx: int, *,
             need = sum(cost(k, False))
             raise OffloadError(
                 f"--gpu-layers {request} needs {_gib(need)} of VRAM but {device.name} has "
-                f"{_gib(budget)} usable ({_gib(device.free_vram)} free); {fit_k} layers fit, "
-                f"use --gpu-layers {fit_k} or auto")
+                f"{_gib(budget)} usable ({_gib(device.free_vram)} free{kept}); {fit_k} layers fit, "
+                f"use --gpu-layers {fit_k} or auto" + (", or --no-mmproj-offload" if reserve_bytes else ""))
     head = want_head and fits(k, True)
     if k == 0 and not head:
-        return cpu(f"{device.name} has {_gib(device.free_vram)} free, not enough for one layer")
+        return cpu(f"{device.name} has {_gib(device.free_vram)} free{kept}, not enough for one layer")
     experts = _expert_layers(k, n_cpu_moe, [e > 0 for e in expert_bytes], lambda r: fits(k, head, r))
     weights, kv, scratch = cost(k, head, experts)
     cpu_experts = sum(expert_bytes[:experts.start if experts else k])  # GPU layers' experts left on the CPU
     why = "all layers fit" if k == n_layer else (
         f"--gpu-layers {request}" if request != "auto" else f"{k} of {n_layer} layers fit in {_gib(budget)}")
     return OffloadPlan(list(range(k)), head, weights, kv, scratch, why, n_layer, device, cpu_experts,
-                       tuple(experts), sum(expert_bytes[i] for i in experts))
+                       tuple(experts), sum(expert_bytes[i] for i in experts), reserve_bytes)
 
 
 def _expert_layers(k: int, n_cpu_moe: int | None, has_experts: list[bool], fits) -> range:
@@ -322,7 +329,7 @@ def hypothetical_card(vram_gib: float) -> DeviceInfo:
 def plan_for_model(gguf: "GGUFFile", cfg: "ModelConfig", n_ctx: int, *, gpu_layers: int | str = "auto",
                    kv_dtype: str = "f16", prefill_rows: int = DEFAULT_PREFILL_ROWS,
                    device: DeviceInfo | None = None, n_cpu_moe: int | None = None,
-                   cache_types: "CacheTypes | None" = None) -> OffloadPlan:
+                   cache_types: "CacheTypes | None" = None, reserve_bytes: int = 0) -> OffloadPlan:
     """Plan for `gguf` on `device`, or on the real GPU probed now (a CPU plan with the reason
     when there is none); `cache_types` (edgeinfer.kv.cache_types) counts K/V in their real bytes."""
     sizes = model_sizes_from_gguf(gguf, cfg)
@@ -340,4 +347,4 @@ def plan_for_model(gguf: "GGUFFile", cfg: "ModelConfig", n_ctx: int, *, gpu_laye
         device = device_info() if ok else None
     return plan_offload(sizes, device, n_ctx, kv_dtype=kv_dtype, gpu_layers=gpu_layers,
                         prefill_rows=prefill_rows, no_device_reason=reason, n_cpu_moe=n_cpu_moe,
-                        kv_token_bytes=token_bytes)
+                        kv_token_bytes=token_bytes, reserve_bytes=reserve_bytes)
