@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import pytest
+from llama_oracle import importorskip_oracle
 
 _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)   # to_float, from_float
 _VEC_DOT = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
@@ -65,7 +66,7 @@ class Ggml:
 
 def oracle_ggml() -> Ggml:
     """The oracle's ggml, or skip where llama_cpp (or its bundled libraries) is missing."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = importorskip_oracle()
     lib_dir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
     if not os.path.exists(os.path.join(lib_dir, "libggml-cpu.so")):
         pytest.skip(f"no libggml-cpu.so in {lib_dir}")

@@ -6,7 +6,7 @@ import ctypes
 
 import numpy as np
 
-REASON = "llama-cpp-python with libmtmd (the image oracle) is not installed"
+REASON = "llama-cpp-python with libmtmd (the image oracle) is not installed; .ci/run installs it from ../shared/wheels"
 
 
 def available() -> bool:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import pytest
+from llama_oracle import importorskip_oracle
 from hypothesis import strategies as st
 
 from edgeinfer.generate import collect
@@ -214,7 +215,7 @@ def check_against_llama_cpp(path, engine, prompt: list[int], *, steps: int = 32,
     each step's argmax must agree wherever llama.cpp's top two are further apart than twice
     the step's difference. Returns (our prompt logits, llama.cpp's, the bound, llama.cpp's
     greedy tokens) for the caller's further checks; skips without the oracle."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = importorskip_oracle()
     ref = [llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=96, n_batch=96, n_threads=2,
                            verbose=False, flash_attn=fa) for fa in (False, True)]
     want = []

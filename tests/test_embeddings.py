@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from llama_oracle import importorskip_oracle
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
 from gguf_factory_embed import write_tiny_encoder
 
@@ -47,7 +48,7 @@ def cosine(a, b) -> np.ndarray:
 
 
 def test_wordpiece_ids_match_llama_cpp(files):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = importorskip_oracle()
     path = files[("bert", 1)]
     ref = llama_cpp.Llama(model_path=str(path), embedding=True, n_ctx=128, verbose=False)
     tok = load_tokenizer(GGUFFile.open(path))
@@ -60,7 +61,7 @@ def test_wordpiece_ids_match_llama_cpp(files):
                          ids=lambda k: f"{k[0]}-pool{k[1]}")
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_embeddings_match_llama_cpp(files, key, backend):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = importorskip_oracle()
     path = files[key]
     ref = llama_cpp.Llama(model_path=str(path), embedding=True, pooling_type=key[1], n_ctx=128,
                           n_threads=1, verbose=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from llama_oracle import importorskip_oracle
 from gguf_factory import gemma4_sized_file
 from oracles import cold_greedy, greedy, random_ids
 
@@ -89,7 +90,7 @@ def test_show_reports_heads_and_kv_bytes_per_token(path, capsys):
 def test_q8_0_cache_equals_llama_cpp(tmp_path):
     """q8_0 K and V, flash attention on both sides: the logits of the prompt and of 12 greedy
     steps as llama.cpp's (to the logit cap's tanh), the paged pool's as the contiguous cache's."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = importorskip_oracle()
     from edgeinfer.engine import Engine, EngineOptions
     from edgeinfer.kv.cache_types import GGML_TYPE_ID
 

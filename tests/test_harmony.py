@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from llama_oracle import importorskip_oracle
 
 import edgeinfer
 from edgeinfer.prompt import harmony, tool_calls
@@ -236,7 +237,7 @@ def test_template_renders_the_harmony_prompt(effort):
 
 
 def test_template_matches_jinja2_as_hf_and_llama_cpp_python_run_it():
-    formatter = pytest.importorskip("llama_cpp.llama_chat_format").Jinja2ChatFormatter
+    formatter = importorskip_oracle("llama_cpp.llama_chat_format").Jinja2ChatFormatter
     f = formatter(template=TEMPLATE, eos_token="<|return|>", bos_token="<|startoftext|>")
     later = CONVERSATION + [{"role": "assistant", "content": "18 degrees.", "reasoning_content": "easy"},
                             {"role": "user", "content": "Thanks!"}]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from llama_oracle import importorskip_oracle
 
 from edgeinfer.engine import Engine, EngineOptions
 from edgeinfer.kv.cache_types import GGML_TYPE_ID
@@ -20,7 +21,7 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("tk,tv", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16"), ("f16", "q8_0"),
                                    ("iq4_nl", "iq4_nl"), ("f16", "f16")])  # f16: -fa on
 def test_logits_and_greedy_tokens_equal_llama_cpp(tiny, tk, tv):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = importorskip_oracle()
     prompt = [1] + np.random.default_rng(0).integers(3, 200, 20).tolist()
     ref = llama_cpp.Llama(model_path=str(tiny), logits_all=True, n_ctx=96, n_batch=96, n_threads=2, verbose=False,
                           flash_attn=True, type_k=GGML_TYPE_ID[tk], type_v=GGML_TYPE_ID[tv])

@@ -8,6 +8,7 @@ import math
 import httpx
 import numpy as np
 import pytest
+from llama_oracle import importorskip_oracle
 
 import edgeinfer
 from edgeinfer.generate import prompt_logprobs
@@ -173,7 +174,7 @@ def test_gemma_logprobs_match_llama_cpp(gemma_path):
     per batch so llama.cpp runs its decode path (and ours, prefill_chunk=1, too: a short
     prompt's GEMMs sum in another order, which can flip a near tie); within 1e-3, and the
     same top ids."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = importorskip_oracle()
     ref = llama_cpp.Llama(model_path=str(gemma_path), logits_all=True, n_ctx=256, n_batch=1, n_threads=2,
                           verbose=False)
     theirs = ref.create_completion(PROMPT, max_tokens=12, temperature=0, logprobs=3, echo=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from llama_oracle import importorskip_oracle
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
 from oracles import check_against_llama_cpp, engine_for, greedy_tokens
 
@@ -97,7 +98,7 @@ def test_bad_sections_and_heads_are_one_line_errors(tmp_path):
                                   "\u0301leading mark, and\u0308 'LL \u00e9\u0301\u0327"])
 def test_qwen35_pre_tokenizer_matches_llama_cpp(tmp_path, text):
     """Letter runs take combining marks (\\p{M}); the fast and the reference splitters agree."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = importorskip_oracle()
     from edgeinfer.tokenizer import Tokenizer
 
     path = _file(tmp_path, "qwen35", "Q8_0")

@@ -12,6 +12,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+from llama_oracle import importorskip_oracle
 from gguf_factory import TinyShape, bpe_vocab, write_tiny_model
 from gguf_factory_embed import write_tiny_encoder, write_tiny_reranker
 from test_server import start_server
@@ -51,7 +52,7 @@ def files(tmp_path_factory):
 def oracle_scores(path, query, docs, n_ctx=128) -> tuple[list[float], list[list[int]]]:
     """llama-server's scores from llama.cpp: each pair formatted as format_prompt_rerank,
     decoded alone with rank pooling, the pooled output's first value."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = importorskip_oracle()
     ref = llama_cpp.Llama(model_path=str(path), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK,
                           n_ctx=n_ctx, n_threads=1, verbose=False)
     vocab = llama_cpp.llama_model_get_vocab(ref.model)

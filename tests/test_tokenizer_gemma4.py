@@ -5,6 +5,7 @@ U+2581, merges over whole lines, `<0xXX>` byte fallback, newline runs taken whol
 from __future__ import annotations
 
 import pytest
+from llama_oracle import importorskip_oracle
 
 from gguf_factory import TinyShape, gemma4_vocab, write_tiny_model
 from edgeinfer.gguf_file import GGUFFile
@@ -29,7 +30,7 @@ def tok(path):
 
 @pytest.fixture(scope="module")
 def oracle(path):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")
+    llama_cpp = importorskip_oracle()
     return llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
 
 

@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from llama_oracle import importorskip_oracle
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -109,7 +110,7 @@ class Oracle:
     """llama.cpp over one GGUF, vocabulary only (the tests without an oracle run without it)."""
 
     def __init__(self, path: Path) -> None:
-        self.ll = ll = pytest.importorskip("llama_cpp")
+        self.ll = ll = importorskip_oracle()
         self.model = ll.Llama(str(path), vocab_only=True, verbose=False)
         self.vocab = ll.llama_model_get_vocab(self.model._model.model)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
@@ -152,7 +153,7 @@ def o200k(tmp_path_factory) -> tuple[Tokenizer, Oracle]:
 # -- the split itself ----------------------------------------------------------------------------
 
 def llama_cpp_words(texts: list[bytes]) -> list[list[bytes]]:
-    pytest.importorskip("llama_cpp")
+    importorskip_oracle()
     req = json.dumps({"regex": GPT4O_REGEX, "texts": [t.hex() for t in texts]})
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("llama_split_oracle.py"))],
                           input=req, capture_output=True, text=True, timeout=300)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from llama_oracle import importorskip_oracle
 
 from edgeinfer.errors import EdgeInferError, TokenizerError
 from edgeinfer.gguf_file import GGUFFile
@@ -45,7 +46,7 @@ def fuzz_texts(n: int = 150, seed: int = 1) -> list[str]:
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def pair(request, tmp_path_factory):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")
+    llama_cpp = importorskip_oracle()
     path = write_ugm_encoder(tmp_path_factory.mktemp("ugm") / f"{request.param}.gguf",
                              ugm_vocab(**CONFIGS[request.param]))
     return load_tokenizer(GGUFFile.open(path)), llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
