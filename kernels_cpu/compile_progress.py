@@ -19,11 +19,13 @@ so that neither process waits on the other. A warm cache starts no process.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterable
 
 MESSAGE = "compiling kernels for this CPU (first start only)"
@@ -228,13 +230,28 @@ def _start_elsewhere(missing: list) -> bool:
     return True
 
 
-def warm_up(run: Callable[[], object], kernels: Iterable, report: Reporter | None = None) -> int:
+def _marker(key: str | None):
+    """The file a finished pass with this key leaves in Numba's cache folder (None: no key,
+    or no folder to keep it in)."""
+    from numba.core import config
+
+    if not key or not config.CACHE_DIR:
+        return None
+    return Path(config.CACHE_DIR) / "warmed" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def warm_up(run: Callable[[], object], kernels: Iterable, report: Reporter | None = None,
+            key: str | None = None) -> int:
     """Run `run` (a tiny forward pass) under `reporting` unless every one of `kernels` is
-    already compiled or cached on disk; at a cold start, kernels registered with
-    `compile_elsewhere` compile in a second process meanwhile. Returns how many kernels
-    were compiled."""
+    already compiled or cached on disk and, given a `key` (the model and what changes its
+    pass), a pass with that key ran to its end on this cache before: `kernels` are the
+    ones every model's pass compiles, but a pass reaches more (a recurrent layer's, an
+    expert router's, a second head size's attention) that another model's pass left
+    uncompiled. At a cold start, kernels registered with `compile_elsewhere` compile in a
+    second process meanwhile. Returns how many kernels were compiled."""
     missing = [k for k in kernels if not on_disk(k)]
-    if not missing:
+    marker = _marker(key)
+    if not missing and (marker is None or marker.exists()):
         return 0
     shared = _start_elsewhere(missing)
     with reporting(len(missing), report) as counter:
@@ -244,4 +261,10 @@ def warm_up(run: Callable[[], object], kernels: Iterable, report: Reporter | Non
                 if entry is not None and entry[0] is k:
                     exec(entry[1], {})   # noqa: S102 - a job registered by this package's code
         run()
+    if marker is not None:
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError:
+            pass   # a read-only cache: the pass runs again next time, nothing worse
     return counter.done if counter.started else 0

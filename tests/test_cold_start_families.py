@@ -177,3 +177,33 @@ def test_no_kernel_compiles_or_loads_after_load(arch, family_files):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["lengths"][0] == 1 and got["lengths"][-1] == MAX_PROMPT and got["groups"] >= 3, got
     assert got["new"] == {} and got["compiled"] == [], (got["lengths"], got["new"], got["compiled"])
+
+
+# -- a warm start skips the pass only where this model's pass ran before -------------------
+
+def test_a_models_pass_runs_once_on_a_cache_that_holds_its_listed_kernels(tmp_path, monkeypatch):
+    """Another model's pass may have left every listed kernel on disk but not this one's own
+    (a recurrent layer's, an expert router's): the pass runs, once per model key."""
+    from numba import njit
+    from numba.core import config
+
+    from edgeinfer.kernels_cpu import compile_progress as cp
+
+    monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
+
+    @njit
+    def listed(x):
+        return x + 1.0
+    listed(1.0)   # compiled: as by another model's pass
+    ran = []
+    quiet = lambda *a: None  # noqa: E731
+    for key in ("model A", "model A", "model B", None):
+        cp.warm_up(lambda: ran.append(key), [listed], report=quiet, key=key)
+    assert ran == ["model A", "model B"]
+
+    def broken():
+        raise RuntimeError("stopped mid-pass")
+    with pytest.raises(RuntimeError):
+        cp.warm_up(broken, [listed], report=quiet, key="model C")
+    cp.warm_up(lambda: ran.append("model C"), [listed], report=quiet, key="model C")
+    assert ran[-1] == "model C"   # a pass that did not finish leaves no mark
