@@ -97,13 +97,21 @@ class Engine:
         the first request. Nothing happens when they are cached. Returns kernels compiled."""
         from edgeinfer.backends.cpu import CpuBackend
 
-        if not isinstance(self.backend, CpuBackend) or self.n_ctx < 3 or not self.model.GENERATES:
+        if not isinstance(self.backend, CpuBackend) or self.n_ctx < 3:
             return 0  # the reference backend compiles nothing; GPU plans keep their own warm-up
         from edgeinfer.kernels_cpu import compile_progress
 
+        top = self.config.n_vocab - 1
+        if not self.model.GENERATES:   # an encoder: an input of one token and one of two (embeddings)
+            def forward() -> None:
+                for ids in ([min(1, top)], [min(1, top), min(2, top)]):
+                    self.model.encode(np.array(ids, np.int64), [len(ids)])
+                self.backend.warm_prompt_kernels(attention=False)
+
+            return compile_progress.warm_up(forward, self.backend.encoder_kernels(), report, self._warm_key())
+
         def forward() -> None:
             kv = KVCache(self.config, 16, cache_types=self.cache_types)   # scratch: a short prompt, then one decoded token
-            top = self.config.n_vocab - 1
             self.prefill([min(1, top), min(2, top)], kv)
             self.decode(min(3, top), kv)
             self.backend.warm_prompt_kernels()

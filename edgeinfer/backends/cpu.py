@@ -76,13 +76,15 @@ class CpuBackend(Backend):
     def decode_order(self):
         return kernels_cpu.decode_order()
 
-    def warm_prompt_kernels(self) -> None:
+    def warm_prompt_kernels(self, attention: bool = True) -> None:
         """Compile (or load) what Engine.warm_up's two-token prompt does not reach: the
         prompt GEMMs (kernels_cpu.matvec.warm_prompt_gemms) and the long-prompt attention's
-        helpers (a prompt past kv_attention.EXACT_MAX_QUERIES tokens)."""
+        helpers (a prompt past kv_attention.EXACT_MAX_QUERIES tokens; not an encoder's)."""
         from edgeinfer.kernels_cpu.matvec import warm_prompt_gemms
 
         warm_prompt_gemms()
+        if not attention:
+            return
         n = kv_attention.EXACT_MAX_QUERIES + 1
         kv = np.zeros((n, 1, 32), np.float16)
         kv_attention.attention_blas(np.zeros((n, 1, 32), np.float32), kv, kv, np.arange(n), np.arange(n), 1.0)
@@ -92,6 +94,21 @@ class CpuBackend(Backend):
         and experts' paths (kernels_cpu.matvec.prompt_paths) and its attention's."""
         return prompt_paths(self._matrices, n_tokens, self._expert_matrices) | {
             ("attention", attention_path(n_tokens, flash))}
+
+    def encoder_kernels(self) -> list:
+        """The Numba kernels an encoder's first inputs compile (its matmuls and their
+        activations' quantizers: its other ops are numpy), for compile_progress.warm_up."""
+        from edgeinfer.kernels_cpu import quant_kernels as qk
+
+        return [*self._type_kernels, qk.quantize_act, *self._row_quantizers()]
+
+    def _row_quantizers(self) -> list:
+        """The quantizers of a prompt's activation rows this model's types take."""
+        from edgeinfer.kernels_cpu import quant_kernels as qk
+
+        blocks = {kernels_cpu.quant_info(t.qtype).act_block for t in self.gguf.tensors.values()
+                  if t.qtype in kernels_cpu.QUANT_INFO}
+        return ([qk.quantize_rows_q8_0] if 32 in blocks else []) + ([qk.quantize_rows_q8_k] if 256 in blocks else [])
 
     def forward_kernels(self, config) -> list:
         """The Numba kernels a forward pass of this model compiles on its first tokens (a
@@ -107,10 +124,7 @@ class CpuBackend(Backend):
                    f16._round_f16_kernel, *[kv_attention.attention_kernel(*h) for h in sorted(heads)],
                    # the long-prompt attention's (warm_prompt_kernels)
                    f16._f16_to_f32_kernel, kv_attention._mask_and_center, kv_attention._normalize_f16]
-        blocks = {kernels_cpu.quant_info(t.qtype).act_block for t in self.gguf.tensors.values()
-                  if t.qtype in kernels_cpu.QUANT_INFO}
-        kernels += [qk.quantize_rows_q8_0] if 32 in blocks else []
-        kernels += [qk.quantize_rows_q8_k] if 256 in blocks else []
+        kernels += self._row_quantizers()
         if config.arch.startswith("gemma"):
             kernels.append(ops._gelu_mul_kernel)
             # nothing big is left for the end of the pass: this process compiles the decode
