@@ -63,7 +63,7 @@ def family_files(tmp_path_factory) -> dict:
             continue
         # gemma4: E2B's kinds of layers (gguf_factory.gemma4_file's), two head sizes among them
         shape = (TinyShape(**GEMMA4_SHAPE, n_ff_layers=(256,) * 4 + (512,) * 4, n_ctx=N_CTX) if arch == "gemma4"
-                 else TinyShape(n_ctx=N_CTX))
+                 else TinyShape(n_ctx=N_CTX, n_ff_exp=256))   # experts of 256 columns: K-quant down_exps
         vocab = bpe_vocab("qwen2") if arch.startswith(("qwen", "gpt")) else spm_vocab()
         out[arch] = str(write_tiny_model(root / f"{arch}.gguf", arch, qtype, vocab=vocab, tensor_qtypes=mixed,
                                          shape=shape))
