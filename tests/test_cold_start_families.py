@@ -29,6 +29,7 @@ from edgeinfer.engine import Engine, EngineOptions
 from edgeinfer.gguf_file import GGUFFile
 from edgeinfer.models import ARCHITECTURES
 from edgeinfer.kernels_cpu import gemm_kquant, repack, tile_gemm
+from edgeinfer.kernels_cpu.quant_kernels import Q4_K_X8
 
 MATVEC = importlib.import_module("edgeinfer.kernels_cpu.matvec")
 MAX_PROMPT = 600
@@ -78,21 +79,23 @@ def _chunks(n: int) -> list[int]:
     return [b - a for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-def _force_isa(monkeypatch, vnni: bool) -> None:
-    """What the dispatch sees on a Zen 4 (AVX-512 VNNI: the tiles, Q4_K repacked) or a Zen 3."""
+def _force_isa(monkeypatch, vnni: bool, avx512: bool) -> None:
+    """What the dispatch sees on a Zen 4 (AVX-512 VNNI: the tiles, Q4_K repacked), an
+    AVX-512 CPU without VNNI (the AVX2 GEMMs on repacked Q4_K) or a Zen 3."""
     monkeypatch.setattr(tile_gemm, "has_vnni", lambda: vnni)
     monkeypatch.setattr(gemm_kquant, "host_has_avx2", lambda: True)
-    monkeypatch.setattr(repack, "host_repacks", lambda: vnni)
+    monkeypatch.setattr(repack, "host_repacks", lambda: avx512)
 
 
-@pytest.mark.parametrize("vnni", [False, True], ids=["avx2", "avx512-vnni"])
-def test_the_plan_holds_every_path_of_every_prompt_length(family_files, vnni, monkeypatch):
+@pytest.mark.parametrize("vnni, avx512", [(False, False), (False, True), (True, True)],
+                         ids=["avx2", "avx512", "avx512-vnni"])
+def test_the_plan_holds_every_path_of_every_prompt_length(family_files, vnni, avx512, monkeypatch):
     """Every (path, type) a chunk of any prompt of 1..600 tokens reaches is run by the
     warm-up's own pass (two tokens, then one) or is in the plan use_prompt_gemms registers
     kernels for; and the forced ISA did change the dispatch's answers."""
-    _force_isa(monkeypatch, vnni)
+    _force_isa(monkeypatch, vnni, avx512)
     chunks = {c for n in range(1, MAX_PROMPT + 1) for c in _chunks(n)}
-    seen = set()
+    seen, seen_types = set(), set()
     for arch, path in family_files.items():
         lengths = range(1, MAX_PROMPT + 1) if arch in ENCODERS else chunks   # an encoder's input: one pass
         gguf = GGUFFile.open(path)
@@ -104,6 +107,7 @@ def test_the_plan_holds_every_path_of_every_prompt_length(family_files, vnni, mo
         for c in sorted(lengths):
             for where, qt in MATVEC.prompt_paths(matrices, c, expert_matrices):
                 seen.add(where)
+                seen_types.add((where, qt))
                 kernels_of_ours = where.removeprefix("experts-") in MATVEC.PROMPT_KERNEL_PATHS and (
                     not where.endswith("blas") and not where.endswith("blas-serial") or MATVEC._fast(qt))
                 if kernels_of_ours:
@@ -113,6 +117,7 @@ def test_the_plan_holds_every_path_of_every_prompt_length(family_files, vnni, mo
     # the forcing took: a VNNI host's long prompts take the tiles, a Zen 3's the AVX2 GEMMs
     assert ("tiles" in seen) == vnni and ("kquant" in seen) != vnni, seen
     assert {"blas", "blas-serial"} & seen and ("experts-kquant" in seen) != vnni, seen
+    assert any(qt == Q4_K_X8 for _, qt in seen_types) == avx512, seen_types
 
 
 def test_the_attention_path_turns_at_the_exact_limit():
