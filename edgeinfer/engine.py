@@ -121,7 +121,7 @@ class Engine:
     def _warm_key(self) -> str | None:
         """What the warm-up pass reaches depends on: the model file (its family and types),
         the thread count (matvec's BLAS tiles) and the K/V types (flash order, quantized K/V)."""
-        path = self.model_file.gguf.path
+        path = getattr(self.model_file.gguf, "path", None)   # None: a stand-in without a file
         try:
             st = os.stat(path)
         except (OSError, TypeError):
