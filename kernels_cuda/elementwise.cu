@@ -15,33 +15,6 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-extern "C" __global__ void rms_norm(const float* x, const float* w, const float* residual, float* out, int n_cols,
-                                    float eps) {
-    // one block (up to 1024 threads, a multiple of 32) per row
-    __shared__ float partial[32];
-    const float* xr = x + (long long)blockIdx.x * n_cols;
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) s += xr[i] * xr[i];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        s = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.0f;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (threadIdx.x == 0) partial[0] = s;
-    }
-    __syncthreads();
-    const float r = rsqrtf(partial[0] / (float)n_cols + eps);
-    float* yr = out + (long long)blockIdx.x * n_cols;
-    const float* rr = residual ? residual + (long long)blockIdx.x * n_cols : 0;
-    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
-        const float y = xr[i] * r * w[i];
-        yr[i] = rr ? rr[i] + y : y;
-    }
-}
-
 // The sum of every thread's s over the block (a multiple of 32 threads, up to 1024), returned to
 // all of them; `partial` is free again on return, so a kernel can call it twice.
 __device__ __forceinline__ float block_sum(float s, float* partial) {
@@ -59,6 +32,22 @@ __device__ __forceinline__ float block_sum(float s, float* partial) {
     const float total = partial[0];
     __syncthreads();
     return total;
+}
+
+extern "C" __global__ void rms_norm(const float* x, const float* w, const float* residual, float* out, int n_cols,
+                                    float eps) {
+    // one block (up to 1024 threads, a multiple of 32) per row
+    __shared__ float partial[32];
+    const float* xr = x + (long long)blockIdx.x * n_cols;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) s += xr[i] * xr[i];
+    const float r = rsqrtf(block_sum(s, partial) / (float)n_cols + eps);
+    float* yr = out + (long long)blockIdx.x * n_cols;
+    const float* rr = residual ? residual + (long long)blockIdx.x * n_cols : 0;
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
+        const float y = xr[i] * r * w[i];
+        yr[i] = rr ? rr[i] + y : y;
+    }
 }
 
 extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b, float* out, int n_cols,
