@@ -18,7 +18,8 @@ kernel sets, claims) -> dot_q32 / dot_mxfp4 / dot_kquant / dot_q4k_x8 (IR row do
 built with ir_helpers); quant_kernels (plain Numba kernels); tile_gemm (8-bit prefill
 tiles, VNNI); gemm_kquant (8-bit K-quant / IQ4_XS prefill, AVX2); repack (Q4_K_X8); kv_attention (+ kv_attention_ir, ggml_math); ops, f16,
 f32_ggml (F32 matrices in ggml's order), gemm_f32_tiles and softmax_rows (the vision encoders' float GEMM and softmax),
-fused_layer (one decode MLP a call); threads, cache_dir, cache_load, compile_progress.
+fused_layer (one decode MLP a call); threads, cache_dir, cache_load, compile_progress and
+prompt_plan (the prompt kernels a model reaches, registered and warmed at load).
 """
 from . import cache_dir as _cache_dir
 from . import cache_load as _cache_load
@@ -29,7 +30,8 @@ _cache_load.install()    # cached kernels load without Numba's full registry ref
 from .matvec import (  # noqa: E402
                      decode_order, dequantize_rows, expert_matvec, get_rows, matmul, matmul_many, matmul_uses_int8, matvec,
                      matvec_many,
-                     quantize_activation_rows, quantize_activations, use_model_types)
+                     quantize_activation_rows, quantize_activations)
+from .prompt_plan import use_model_types  # noqa: E402
 from .kv_attention import attention
 from .ops import gelu_mul, rms_norm, rope_inplace
 from .quant_types import QUANT_INFO, QuantInfo, quant_info, row_bytes, supported_types

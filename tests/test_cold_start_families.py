@@ -8,7 +8,7 @@ itself: the child groups 1..600 by what CpuBackend.prompt_reach gives for each o
 engine's chunks (an encoder's input: one pass) and runs the first and last length of
 every group. The same grouping, on
 a forced AVX2 and a forced AVX-512 VNNI host, is checked against the cold start's plan
-(kernels_cpu.matvec.prompt_plan) here, without compiling anything.
+(kernels_cpu.prompt_plan.prompt_plan) here, without compiling anything.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from edgeinfer.kernels_cpu.quant_kernels import Q4_K_X8
 from edgeinfer.models import ARCHITECTURES
 
 MATVEC = importlib.import_module("edgeinfer.kernels_cpu.matvec")
+PLAN = importlib.import_module("edgeinfer.kernels_cpu.prompt_plan")
 MAX_PROMPT = 600
 N_CTX = 1024
 
@@ -100,15 +101,15 @@ def test_the_plan_holds_every_path_of_every_prompt_length(family_files, vnni, av
         lengths = range(1, MAX_PROMPT + 1) if arch in ENCODERS else chunks   # an encoder's input: one pass
         gguf = GGUFFile.open(path)
         experts = [i for name, i in gguf.tensors.items() if len(i.shape) == 3 and is_expert_tensor(name, i.shape)]
-        matrices, expert_matrices = MATVEC.model_matrices(gguf.tensors.values(), experts)
-        plan = MATVEC.prompt_plan(matrices, expert_matrices)
-        by_the_pass = MATVEC.prompt_paths(matrices, 2, expert_matrices) | MATVEC.prompt_paths(matrices, 1,
+        matrices, expert_matrices = PLAN.model_matrices(gguf.tensors.values(), experts)
+        plan = PLAN.prompt_plan(matrices, expert_matrices)
+        by_the_pass = PLAN.prompt_paths(matrices, 2, expert_matrices) | PLAN.prompt_paths(matrices, 1,
                                                                                                  expert_matrices)
         for c in sorted(lengths):
-            for where, qt in MATVEC.prompt_paths(matrices, c, expert_matrices):
+            for where, qt in PLAN.prompt_paths(matrices, c, expert_matrices):
                 seen.add(where)
                 seen_types.add((where, qt))
-                kernels_of_ours = where.removeprefix("experts-") in MATVEC.PROMPT_KERNEL_PATHS and (
+                kernels_of_ours = where.removeprefix("experts-") in PLAN.PROMPT_KERNEL_PATHS and (
                     not where.endswith("blas") and not where.endswith("blas-serial") or MATVEC._fast(qt))
                 if kernels_of_ours:
                     assert qt in plan.get(where, ()), (arch, c, where, qt)

@@ -14,6 +14,7 @@ from edgeinfer.kernels_cpu import gemm_kquant, gemm_q32, tile_gemm
 from quant_blocks import random_blocks
 
 MATVEC = importlib.import_module("edgeinfer.kernels_cpu.matvec")
+PLAN = importlib.import_module("edgeinfer.kernels_cpu.prompt_plan")
 TYPES = [T(t) for t in gemm_q32.GEMM_TYPES]
 AVX2_GEMMS = gemm_kquant.host_has_avx2() and not tile_gemm.has_vnni()
 
@@ -183,10 +184,10 @@ def test_warm_up_compiles_the_drivers_a_prompt_calls(path, types):
     # calling them on zeros with the argument types a prompt passes, so the prompt's call
     # adds no new signature (no compile at the first real prompt)
     gemm = gemm_q32 if path == "q32" else gemm_kquant
-    kernels = MATVEC.use_prompt_gemms(list(types), experts=True)
+    kernels = PLAN.use_prompt_gemms(list(types), experts=True)
     driver = gemm.DRIVERS.for_types(types)
     assert kernels == [driver.kernel, driver.expert_kernel]
-    MATVEC.warm_prompt_gemms()
+    PLAN.warm_prompt_gemms()
     before = (len(driver.kernel.signatures), len(driver.expert_kernel.signatures))
     assert min(before) >= 1
     rng = np.random.default_rng(3)

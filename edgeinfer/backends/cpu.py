@@ -13,7 +13,8 @@ from edgeinfer import kernels_cpu
 from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.backends.offload import is_expert_tensor
 from edgeinfer.kernels_cpu import flash_attention, fused_layer, kv_attention, moe_routing, ops
-from edgeinfer.kernels_cpu.matvec import matvec_prepared, model_matrices, prepare_group, prompt_paths
+from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
+from edgeinfer.kernels_cpu.prompt_plan import model_matrices, prompt_paths
 from edgeinfer.kernels_cpu.repack import repack, repacks
 from edgeinfer.kernels_cpu.threads import worker_pool
 from edgeinfer.rope import ROPE_NEOX
@@ -78,9 +79,9 @@ class CpuBackend(Backend):
 
     def warm_prompt_kernels(self, attention: bool = True) -> None:
         """Compile (or load) what Engine.warm_up's two-token prompt does not reach: the
-        prompt GEMMs (kernels_cpu.matvec.warm_prompt_gemms) and the long-prompt attention's
+        prompt GEMMs (kernels_cpu.prompt_plan.warm_prompt_gemms) and the long-prompt attention's
         helpers (a prompt past kv_attention.EXACT_MAX_QUERIES tokens; not an encoder's)."""
-        from edgeinfer.kernels_cpu.matvec import warm_prompt_gemms
+        from edgeinfer.kernels_cpu.prompt_plan import warm_prompt_gemms
 
         warm_prompt_gemms()
         if not attention:
@@ -91,7 +92,7 @@ class CpuBackend(Backend):
 
     def prompt_reach(self, n_tokens: int, flash: bool = False) -> frozenset:
         """What a prompt chunk of n_tokens reaches here, as the dispatch picks it: its matmuls'
-        and experts' paths (kernels_cpu.matvec.prompt_paths) and its attention's."""
+        and experts' paths (kernels_cpu.prompt_plan.prompt_paths) and its attention's."""
         return prompt_paths(self._matrices, n_tokens, self._expert_matrices) | {
             ("attention", attention_path(n_tokens, flash))}
 
