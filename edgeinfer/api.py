@@ -89,6 +89,15 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
         mmproj=mmproj, mmproj_found=found, mmproj_offload=mmproj_offload)
 
 
+
+def _vram_exhausted(exc: BaseException) -> bool:
+    """Whether `exc` is the CUDA driver's out-of-memory (pycuda's driver.MemoryError)."""
+    try:
+        from pycuda import driver
+    except ImportError:
+        return False
+    return isinstance(exc, getattr(driver, "MemoryError", ()))
+
 class Model:
     """A loaded model; requests go through its SessionManager, so a request reuses the
     longest cached prefix (a growing conversation prefills only its new tokens)."""
@@ -136,11 +145,29 @@ class Model:
             from edgeinfer.vision.mmproj import load_mmproj
 
             try:
-                self.use_projector(load_mmproj(mmproj, ops=self._encoder_ops(mmproj_offload)))
+                self.use_projector(self._load_projector(load_mmproj, mmproj, mmproj_offload))
             except EdgeInferError as exc:
                 if not mmproj_found:  # asked for by name: its problem is the caller's error
                     raise
                 self.mmproj_problem = str(exc)  # only found: the text model works without it
+
+    def _load_projector(self, load_mmproj, path, offload: bool) -> Any:
+        """The mmproj at `path` with its encoder where `_encoder_ops` puts it; on the CPU after
+        all when its upload runs out of VRAM (the plan's reserve is an estimate, and other
+        programs take VRAM too), said in `placement` rather than failing the load."""
+        ops = self._encoder_ops(offload)
+        try:
+            return load_mmproj(path, ops=ops)
+        except Exception as exc:
+            if getattr(ops, "where", "CPU") != "GPU" or not _vram_exhausted(exc):
+                raise
+        from edgeinfer.vision.encoder_ops import CpuOps
+
+        import gc
+
+        del ops
+        gc.collect()   # its partial upload goes with it
+        return load_mmproj(path, ops=CpuOps("its upload ran out of VRAM"))
 
     def _encoder_ops(self, offload: bool) -> Any:
         """Where the vision encoder runs (edgeinfer.vision.encoder_ops): in VRAM beside text layers

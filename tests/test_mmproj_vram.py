@@ -94,3 +94,36 @@ def test_load_keeps_the_encoders_vram_out_of_the_plan(tmp_path, cuda_emulator):
     assert plan(gpu_layers=1).vram_reserved == encoder_vram_bytes(mmproj) > 0
     assert plan(gpu_layers=1, mmproj_offload=False).vram_reserved == 0   # the encoder stays on the CPU
     assert plan(gpu_layers=0).vram_reserved == 0
+
+
+def test_an_upload_that_runs_out_of_vram_leaves_the_encoder_on_the_cpu(tmp_path, cuda_emulator, monkeypatch):
+    """The reserve is an estimate and other programs take VRAM too: the load goes on with the
+    encoder on the CPU, said in placement, and encodes as the CPU encoder does."""
+    import cuda_device
+    from image_fixtures import write_gemma3
+    from edgeinfer.kernels_cuda.emulator.standin import driver   # the emulated device's pycuda
+
+    import edgeinfer
+    from edgeinfer.vision import gpu_encoder
+
+    cuda_device.require()
+    text = write_gemma3(tmp_path / "text.gguf", n_embd=64, n_layer=2)
+    mmproj = mmproj_factory.write_gemma3_mmproj(tmp_path / "mmproj.gguf", 64, "F16")
+    upload = gpu_encoder.GpuOps.load_linear
+    calls = []
+
+    def fails_on_the_third(self, lin):
+        calls.append(lin)
+        if len(calls) == 3:
+            raise driver.MemoryError("cuMemAlloc failed: out of memory")
+        upload(self, lin)
+    monkeypatch.setattr(gpu_encoder.GpuOps, "load_linear", fails_on_the_third)
+    model = edgeinfer.load(str(text), mmproj=str(mmproj), n_ctx=256, backend="cpu", gpu_layers=1)
+    assert model.engine.backend.name == "hybrid" and len(calls) == 3
+    assert model.images.projector.ops.where == "CPU"
+    assert "vision encoder on the CPU (its upload ran out of VRAM)" in model.placement
+    # another failure than VRAM's is not hidden
+    calls.clear()
+    monkeypatch.setattr(gpu_encoder.GpuOps, "load_linear", lambda self, lin: (_ for _ in ()).throw(RuntimeError("x")))
+    with pytest.raises(RuntimeError):
+        edgeinfer.load(str(text), mmproj=str(mmproj), n_ctx=256, backend="cpu", gpu_layers=1)
