@@ -155,7 +155,8 @@ def overloads():
     return {id(d): (d.py_func.__qualname__, set(d.overloads)) for d in gc.get_objects()
             if isinstance(d, Dispatcher) and (d.py_func.__module__ or "").startswith("edgeinfer")}
 
-model = edgeinfer.load(sys.argv[1], n_ctx=int(sys.argv[3]))
+cache = sys.argv[4:6] or ['f16', 'f16']   # K and V types (-ctk / -ctv)
+model = edgeinfer.load(sys.argv[1], n_ctx=int(sys.argv[3]), cache_type_k=cache[0], cache_type_v=cache[1])
 engine = model.engine
 flash = engine.cache_types.flash_order
 
@@ -189,8 +190,18 @@ print(json.dumps({"lengths": lengths, "groups": len(set(keys)), "new": new, "com
 
 @pytest.mark.parametrize("arch", sorted(FIXTURES))
 def test_no_kernel_compiles_or_loads_after_load(arch, family_files):
+    _holds_after_load(family_files[arch])
+
+
+# quantized K/V caches take the flash order's kernels (kv_quant, the flash attention)
+@pytest.mark.parametrize("cache", [("q8_0", "q8_0"), ("q4_0", "f16")], ids=["q8_0", "q4_0-k"])
+def test_nothing_compiles_after_load_with_a_quantized_cache(cache, family_files):
+    _holds_after_load(family_files["llama"], *cache)
+
+
+def _holds_after_load(path: str, *cache: str) -> None:
     env = dict(os.environ)   # the suite's Numba cache: warm after the first family of a type set
-    out = subprocess.run([sys.executable, "-c", _CHILD, family_files[arch], str(MAX_PROMPT), str(N_CTX)],
+    out = subprocess.run([sys.executable, "-c", _CHILD, path, str(MAX_PROMPT), str(N_CTX), *cache],
                          env=env, capture_output=True, text=True, timeout=900, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
