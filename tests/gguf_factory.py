@@ -435,14 +435,6 @@ def _layer_tensors(arch: str, s: TinyShape, i: int) -> dict[str, tuple[int, int]
     return t
 
 
-# llama.cpp's LLAMA_FTYPE_MOSTLY_* for a file whose matrices are mostly this ggml type (the K-quants
-# as their _M mixes): what llama-quantize writes to general.file_type
-_LLAMA_FTYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
-                "Q3_K": 12, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XXS": 23,
-                "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ2_S": 28, "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32,
-                "MXFP4": 38}
-
-
 def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", *,
                      shape: TinyShape | None = None, vocab: dict | None = None, seed: int = 0,
                      tie_embeddings: bool | None = None, chat_template: str | None = None,
@@ -526,7 +518,7 @@ def write_tiny_model(path: str | Path, arch: str = "llama", qtype: str = "F32", 
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
         w.add_expert_feed_forward_length(s.n_ff_exp)
-    w.add_file_type(_LLAMA_FTYPE.get(qt.name, 0))   # general.file_type counts LLAMA_FTYPE_*, not ggml types
+    w.add_file_type(int(qt) if qt != T.F32 else 0)
 
     w.add_tokenizer_model(vocab["model"])
     w.add_tokenizer_pre(vocab.get("pre", "default"))
