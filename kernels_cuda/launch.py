@@ -223,10 +223,8 @@ def dequantize(w, qtype: Q, n_rows: int, n_cols: int):
 def rms_norm(x, weight, eps: float, residual=None):
     """Over the last axis of x (any leading shape), times weight (+ residual)."""
     n_cols = x.shape[-1]
-    rows = x.size // n_cols
     out = _empty(x.shape)
-    threads = min(1024, max(32, (n_cols + 31) // 32 * 32))
-    _run("elementwise.cu", "rms_norm", (rows, 1, 1), (threads, 1, 1),
+    _run("elementwise.cu", "rms_norm", (x.size // n_cols, 1, 1), _row_block(n_cols),
          x, weight, residual, out, np.int32(n_cols), np.float32(eps))
     return out
 
@@ -235,10 +233,14 @@ def layer_norm(x, weight, bias, eps: float):
     """(x - mean) / sqrt(var + eps) over the last axis of x, times weight, plus bias (either None)."""
     n_cols = x.shape[-1]
     out = _empty(x.shape)
-    threads = min(1024, max(32, (n_cols + 31) // 32 * 32))
-    _run("elementwise.cu", "layer_norm", (x.size // n_cols, 1, 1), (threads, 1, 1),
+    _run("elementwise.cu", "layer_norm", (x.size // n_cols, 1, 1), _row_block(n_cols),
          x, weight, bias, out, np.int32(n_cols), np.float32(eps))
     return out
+
+
+def _row_block(n_cols: int) -> tuple[int, int, int]:
+    """A row kernel's block (one block a row, block_sum's shape): whole warps, up to 1024 threads."""
+    return (min(1024, max(32, (n_cols + 31) // 32 * 32)), 1, 1)
 
 
 def pad_cols(x, n_pad: int):
