@@ -85,5 +85,11 @@ def _read_merge(mm: MmprojFile) -> int:
     return meta_int(mm.gguf.metadata, "clip.vision.projector.scale_factor", 1, 1 << 10, DEFAULT_MERGE)
 
 
+def max_patches(mm: MmprojFile) -> int:
+    """Patch rows of every image: the ViT's fixed square."""
+    vp = mm.vision
+    return (vp.image_size // vp.patch_size) ** 2
+
+
 def from_file(mm: MmprojFile) -> Gemma3Projector:
     return Gemma3Projector(mm)

@@ -18,7 +18,8 @@ from edgeinfer.vision.chunk import ImageChunk
 from edgeinfer.vision.encoder_ops import CpuOps
 
 # Projector type (clip.projector_type) -> the module under edgeinfer.vision that runs it. Each
-# module has `from_file(mmproj: MmprojFile) -> Projector`; imported only when a file needs it.
+# module has `from_file(mmproj: MmprojFile) -> Projector` and `max_patches(mmproj) -> int` (its largest
+# image's patch rows, for vram_estimate); imported only when a file needs it.
 # Adding a projector: one line here and one module.
 PROJECTORS: dict[str, str] = {
     "gemma3": "gemma3",

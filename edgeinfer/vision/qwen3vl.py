@@ -257,6 +257,11 @@ class Qwen3VLProjector:
         return (a * (one - dx) * (one - dy) + b * dx * (one - dy) + c * (one - dx) * dy + d * dx * dy).astype(np.float32)
 
 
+def max_patches(mm: MmprojFile) -> int:
+    """Patch rows of the largest image it takes: MAX_TOKENS merged tokens of MERGE x MERGE patches."""
+    return MAX_TOKENS * MERGE * MERGE
+
+
 def from_file(mm: MmprojFile) -> Qwen3VLProjector:
     return Qwen3VLProjector(mm)
 

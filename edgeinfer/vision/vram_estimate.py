@@ -9,11 +9,11 @@ normed input, Q, K, V, attention out, FFN up and gate), plus attention's F16 K a
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.gguf_file import GGUFFile
-from edgeinfer.metadata import meta_int
 
 # float32 rows alive at once in one block: FFN up and gate; residual, normed input, Q, K, V and
 # the attention's output
@@ -24,31 +24,22 @@ PAD_MARGIN = 0.05      # row padding of float matrices (<= 31 columns a row)
 def encoder_vram_bytes(path: str | os.PathLike[str]) -> int:
     """Bytes to keep free in VRAM for the encoder of the mmproj at `path`; 0 for a file that
     does not open as an mmproj (its load reports the problem in its own line)."""
-    from edgeinfer.vision.mmproj import MmprojFile, projector_type_of
+    from edgeinfer.vision.mmproj import PROJECTORS, MmprojFile, projector_type_of
 
     try:
         gf = GGUFFile.open(path)
         mm = MmprojFile(gf, projector_type_of(gf))
     except (EdgeInferError, OSError, ValueError):
         return 0
+    module = PROJECTORS.get(mm.projector_type)
+    if module is None:
+        return 0
     weights = sum(int(info.n_bytes) for info in gf.tensors.values())
     vp = mm.vision
-    patches = max_patches(mm)
+    # the projector's module knows its largest image (a fixed square, or a token ceiling)
+    patches = importlib.import_module(f"edgeinfer.vision.{module}").max_patches(mm)
     width = vp.n_head * vp.head_dim
     row_values = LIVE_FF_ROWS * vp.n_ff + LIVE_EMBD_ROWS * max(vp.n_embd, width)
     activations = patches * row_values * 4 + 2 * patches * width * 2
     return int(weights * (1.0 + PAD_MARGIN)) + activations
 
-
-def max_patches(mm) -> int:
-    """Patch rows of the largest image the projector takes: the fixed square for gemma3, the
-    dynamic resize's token ceiling times its merge area for gemma4v and qwen3vl."""
-    md, vp = mm.gguf.metadata, mm.vision
-    if mm.projector_type == "gemma4v":
-        from edgeinfer.vision import gemma4v
-        merge = meta_int(md, "clip.vision.projector.scale_factor", 1, 1 << 10, gemma4v.DEFAULT_MERGE)
-        return gemma4v.MAX_TOKENS * merge * merge
-    if mm.projector_type == "qwen3vl_merger":
-        from edgeinfer.vision import qwen3vl
-        return qwen3vl.MAX_TOKENS * qwen3vl.MERGE * qwen3vl.MERGE
-    return (vp.image_size // vp.patch_size) ** 2
