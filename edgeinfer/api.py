@@ -89,7 +89,6 @@ def load(name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: in
         mmproj=mmproj, mmproj_found=found, mmproj_offload=mmproj_offload)
 
 
-
 def _vram_exhausted(exc: BaseException) -> bool:
     """Whether `exc` is the CUDA driver's out-of-memory (pycuda's driver.MemoryError)."""
     try:
@@ -97,6 +96,7 @@ def _vram_exhausted(exc: BaseException) -> bool:
     except ImportError:
         return False
     return isinstance(exc, getattr(driver, "MemoryError", ()))
+
 
 class Model:
     """A loaded model; requests go through its SessionManager, so a request reuses the
@@ -142,29 +142,28 @@ class Model:
         self.images = None  # edgeinfer.vision.request_images.ImageEncoder once a projector is attached
         self.mmproj_problem = ""  # why an mmproj found beside the model was not taken
         if mmproj is not None:
-            from edgeinfer.vision.mmproj import load_mmproj
-
             try:
-                self.use_projector(self._load_projector(load_mmproj, mmproj, mmproj_offload))
+                self.use_projector(self._load_projector(mmproj, mmproj_offload))
             except EdgeInferError as exc:
                 if not mmproj_found:  # asked for by name: its problem is the caller's error
                     raise
                 self.mmproj_problem = str(exc)  # only found: the text model works without it
 
-    def _load_projector(self, load_mmproj, path, offload: bool) -> Any:
+    def _load_projector(self, path, offload: bool) -> Any:
         """The mmproj at `path` with its encoder where `_encoder_ops` puts it; on the CPU after
         all when its upload runs out of VRAM (the plan's reserve is an estimate, and other
         programs take VRAM too), said in `placement` rather than failing the load."""
+        import gc
+
+        from edgeinfer.vision.encoder_ops import CpuOps
+        from edgeinfer.vision.mmproj import load_mmproj
+
         ops = self._encoder_ops(offload)
         try:
             return load_mmproj(path, ops=ops)
         except Exception as exc:
             if getattr(ops, "where", "CPU") != "GPU" or not _vram_exhausted(exc):
                 raise
-        from edgeinfer.vision.encoder_ops import CpuOps
-
-        import gc
-
         del ops
         gc.collect()   # its partial upload goes with it
         return load_mmproj(path, ops=CpuOps("its upload ran out of VRAM"))
