@@ -7,6 +7,7 @@ sessions `run` saved.
 
 from __future__ import annotations
 
+from edgeinfer.commands.image_input import add_offload_option, mmproj_offload_of
 from edgeinfer.commands.model_flags import (add_model_options, add_sampling_options, model_kwargs,
                                            sampling_from_args)
 
@@ -26,9 +27,7 @@ def register(sub) -> None:
                    help="NAME's vision encoder GGUF: messages may then carry images (/image PATH or Ctrl+G); "
                         "default: the mmproj-*.gguf beside a model named from the store")
     p.add_argument("--no-mmproj", action="store_true", help="load no mmproj, even one found beside a model")
-    p.add_argument("--no-mmproj-offload", action="store_true",
-                   help="keep the vision encoder on the CPU when the model has GPU layers "
-                        "(llama.cpp's --no-mmproj-offload; by default it runs in VRAM beside them)")
+    add_offload_option(p)
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(func=chat)
@@ -68,7 +67,7 @@ def chat(args) -> int:
     # The named model loads before the screen opens, so a first start's kernel compile
     # count shows on stderr; a model that is not local yet is left to the app's download.
     kwargs = model_kwargs(args, context_shift=True)  # a bad flag or lookup cache file: one line, before the screen
-    kwargs["mmproj_offload"] = not getattr(args, "no_mmproj_offload", False)
+    kwargs["mmproj_offload"] = mmproj_offload_of(args)
     mmproj = mmproj_loader(args)
     preloaded = {}
     if args.name:

@@ -1,4 +1,5 @@
-"""`run`'s images: the --mmproj / --no-mmproj / --no-mmproj-offload / --image flags, and image files as chat image parts."""
+"""`run`'s images: the --mmproj / --no-mmproj / --image flags, and image files as chat image parts;
+--no-mmproj-offload for run, chat and serve."""
 
 from __future__ import annotations
 
@@ -13,11 +14,21 @@ def add_image_options(p) -> None:
     p.add_argument("--mmproj", default=None, metavar="FILE",
                    help="the vision encoder's GGUF (default: an mmproj-*.gguf beside a model named from the store)")
     p.add_argument("--no-mmproj", action="store_true", help="load no mmproj, even one found beside the model")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for the prompt (repeatable; at each <__media__> in it, else before it)")
+    add_offload_option(p)
+
+
+def add_offload_option(p) -> None:
+    """--no-mmproj-offload (run, chat, serve); mmproj_offload_of reads it for edgeinfer.load."""
     p.add_argument("--no-mmproj-offload", action="store_true",
                    help="keep the vision encoder on the CPU when the model has GPU layers "
                         "(llama.cpp's --no-mmproj-offload; by default it runs in VRAM beside them)")
-    p.add_argument("--image", action="append", default=[], metavar="PATH",
-                   help="an image for the prompt (repeatable; at each <__media__> in it, else before it)")
+
+
+def mmproj_offload_of(args) -> bool:
+    """edgeinfer.load's mmproj_offload: False with --no-mmproj-offload."""
+    return not getattr(args, "no_mmproj_offload", False)
 
 
 def mmproj_of(args) -> str | None:

@@ -17,10 +17,10 @@ def load_with_spinner(args):
 
     kwargs = model_kwargs(args, context_shift=True)  # as llama-cli: a long chat goes on
     if hasattr(args, "no_mmproj"):  # `run`'s image flags (edgeinfer.commands.image_input)
-        from edgeinfer.commands.image_input import mmproj_of
+        from edgeinfer.commands.image_input import mmproj_of, mmproj_offload_of
 
         kwargs["mmproj"] = mmproj_of(args)
-        kwargs["mmproj_offload"] = not getattr(args, "no_mmproj_offload", False)
+        kwargs["mmproj_offload"] = mmproj_offload_of(args)
     with spinner(f"loading {args.name}"):
         model = edgeinfer.load(args.name, **kwargs)
     if getattr(args, "verbose", False) or args.gpu_layers not in ("auto", "0", 0):

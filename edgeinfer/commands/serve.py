@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from edgeinfer.commands.arg_types import non_negative_int, port_number, positive_float, positive_int
+from edgeinfer.commands.image_input import add_offload_option, mmproj_offload_of
 from edgeinfer.commands.model_flags import (add_model_options, add_sampling_options, model_kwargs,
                                            sampling_from_args)
 from edgeinfer.errors import EdgeInferError
@@ -97,9 +98,7 @@ def register(sub) -> None:
                    help="the served model's vision encoder GGUF (llama-server's --mmproj): requests may then send "
                         "images, in every dialect (default: the mmproj-*.gguf beside a model named from the store)")
     p.add_argument("--no-mmproj", action="store_true", help="load no mmproj, even one found beside the model")
-    p.add_argument("--no-mmproj-offload", action="store_true",
-                   help="keep the vision encoder on the CPU when the model has GPU layers "
-                        "(llama.cpp's --no-mmproj-offload; by default it runs in VRAM beside them)")
+    add_offload_option(p)
     p.add_argument("--allow-image-urls", action="store_true",
                    help="fetch the http(s) image URLs requests name (10 s a wait, 30 s and 20 MiB an image); "
                         "the server then reaches any address a client names, local network included "
@@ -151,7 +150,7 @@ def serve(args) -> int:
     kwargs = model_kwargs(args)
     if mmproj is not None:  # the served model's only: other local models load without one
         kwargs["mmproj"] = mmproj
-        kwargs["mmproj_offload"] = not getattr(args, "no_mmproj_offload", False)
+        kwargs["mmproj_offload"] = mmproj_offload_of(args)
 
     def load_model(**overrides):  # overrides: load options a request asked for (Ollama's num_ctx...)
         import edgeinfer
