@@ -17,7 +17,7 @@ Files: quant_types (the type registry); matvec (entry points) -> dispatch (type 
 kernel sets, claims) -> dot_q32 / dot_mxfp4 / dot_kquant / dot_q4k_x8 (IR row dots and dequantization,
 built with ir_helpers); quant_kernels (plain Numba kernels); tile_gemm (8-bit prefill
 tiles, VNNI); gemm_kquant (8-bit K-quant / IQ4_XS prefill, AVX2); repack (Q4_K_X8); kv_attention (+ kv_attention_ir, ggml_math); ops, f16,
-f32_ggml (F32 matrices in ggml's order), gemm_f32_tiles and softmax_rows (the vision encoders' float GEMM and softmax),
+f32_ggml (F32 matrices in ggml's order), gemm_float (BLAS) and softmax_rows (the vision encoders' float GEMM and softmax),
 fused_layer (one decode MLP a call); threads, cache_dir, cache_load, compile_progress and
 prompt_plan (the prompt kernels a model reaches, registered and warmed at load).
 """

@@ -14,6 +14,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .ir_helpers import IRHelpers, target_features
+from .threads import in_pieces
 
 _JIT = dict(cache=True, nogil=True)
 
@@ -87,7 +88,7 @@ def round_f16(x: np.ndarray) -> np.ndarray:
     """x.astype(float16).astype(float32) for float32 x."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty(x.shape, np.float32)
-    _round_f16_kernel(x.reshape(-1), out.reshape(-1))
+    in_pieces(_round_f16_kernel, x.size, x.reshape(-1), out.reshape(-1))
     return out
 
 

@@ -14,7 +14,7 @@ from numba import njit
 from . import compile_progress
 from .f16 import f16_bits_of
 from .ggml_math import ggml_expf_any, hsum8
-from .threads import apply_threads, get_threads, worker_pool
+from .threads import PARALLEL_MIN, apply_threads, in_pieces
 
 _JIT = dict(cache=True, nogil=True)
 ROPE_MODES = {"normal": 0, "neox": 1}
@@ -25,22 +25,6 @@ ROPE_MODES = {"normal": 0, "neox": 1}
 # the calling thread: handing pieces to the pool costs ~0.1 ms, and right after the
 # GEMMs' parallel regions (gemm_parallel.py) their spinning workers slow the pool down.
 # From 2^15 to 2^18: a 32-token prefill of gemma3-270m's norms 8.2 -> 3.6 ms (2 threads).
-_PARALLEL_MIN = 1 << 18
-
-
-def _in_pieces(kernel, n: int, *arrays) -> None:
-    """kernel(*(a[lo:hi] for a in arrays)) over pieces of the first axis (length n), on the
-    worker threads when the input is prefill-sized; each element is computed as one call
-    would compute it."""
-    n_threads = get_threads()
-    if n_threads < 2 or n < n_threads or arrays[0].size < _PARALLEL_MIN:
-        kernel(*arrays)
-        return
-    cuts = [i * n // n_threads for i in range(n_threads + 1)]
-    list(worker_pool(n_threads).map(lambda i: kernel(*(a[cuts[i]:cuts[i + 1]] for a in arrays)),
-                                     range(n_threads)))
-
-
 @njit(**_JIT)
 def _rms_norm_kernel(x, w, eps, out):
     # ggml's order: float32 squares summed in double in order, the mean rounded to
@@ -94,7 +78,7 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float) -
     w = np.ascontiguousarray(w, dtype=np.float32)
     b = np.zeros(n, np.float32) if b is None else np.ascontiguousarray(b, dtype=np.float32)
     out = np.empty_like(x2)
-    _in_pieces(lambda xs, o: _layer_norm_kernel(xs, w, b, np.float32(eps), o), x2.shape[0], x2, out)
+    in_pieces(lambda xs, o: _layer_norm_kernel(xs, w, b, np.float32(eps), o), x2.shape[0], x2, out)
     return out.reshape(x.shape)
 
 
@@ -107,11 +91,11 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = 
     if out is None:
         out = np.empty_like(x)
     rows, eps32 = x.reshape(-1, x.shape[-1]), np.float32(eps)
-    if rows.size < _PARALLEL_MIN:   # a decoded token's (100+ calls a token): straight in
+    if rows.size < PARALLEL_MIN:   # a decoded token's (100+ calls a token): straight in
         _rms_norm_kernel(rows, w, eps32, out.reshape(rows.shape))
         return out
     apply_threads()
-    _in_pieces(lambda xs, os: _rms_norm_kernel(xs, w, eps32, os), rows.shape[0], rows,
+    in_pieces(lambda xs, os: _rms_norm_kernel(xs, w, eps32, os), rows.shape[0], rows,
                out.reshape(-1, x.shape[-1]))
     return out
 
@@ -220,7 +204,7 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray, table: np.ndarray) -> np.ndarray:
     out = np.empty_like(gate)
     if compile_progress._pending:
         compile_progress.wait_for(_gelu_mul_kernel)
-    _in_pieces(lambda g, u, o: _gelu_mul_kernel(g, u, table, o), gate.size, gate.reshape(-1),
+    in_pieces(lambda g, u, o: _gelu_mul_kernel(g, u, table, o), gate.size, gate.reshape(-1),
                up.reshape(-1), out.reshape(-1))
     return out
 
@@ -243,7 +227,7 @@ def gelu(x: np.ndarray, table: np.ndarray) -> np.ndarray:
     vision encoders' MLP; gelu_mul without the up half)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)
-    _in_pieces(lambda a, o: _gelu_kernel(a, table, o), x.size, x.reshape(-1), out.reshape(-1))
+    in_pieces(lambda a, o: _gelu_kernel(a, table, o), x.size, x.reshape(-1), out.reshape(-1))
     return out
 
 
@@ -261,7 +245,7 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     out = np.empty_like(gate)
     if compile_progress._pending:
         compile_progress.wait_for(_silu_mul_kernel)
-    _in_pieces(_silu_mul_kernel, gate.size, gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+    in_pieces(_silu_mul_kernel, gate.size, gate.reshape(-1), up.reshape(-1), out.reshape(-1))
     return out
 
 

@@ -23,7 +23,7 @@ from numba.extending import intrinsic
 
 from .ggml_math import C1, C2, C3, C4, C5, LN2_HI, LN2_LO, LOG2E, R
 
-_NO_NANS = {"nnan", "ninf", "nsz"}      # what lets the max and exp loops vectorize, and nothing more
+_NO_NANS = {"nnan", "ninf", "nsz"}      # what lets the exp loop vectorize, and nothing more
 _SUM = {"nnan", "ninf", "nsz", "reassoc"}
 _LOWEST = np.float32(-87.0)
 
@@ -75,16 +75,18 @@ def _sum(row):
 
 
 @njit(fastmath=_NO_NANS, cache=True, nogil=True)
-def exp_rows(s, scale, sums):
-    """s (rows, n) float32 C-contiguous, scale > 0: each row to its unnormalized softmax
-    weights in place, their sums to sums (rows,). Releases the GIL."""
+def _exp_rows(s, scale, maxes, sums):
     n = s.shape[1]
     for r in range(s.shape[0]):
         row = s[r]
-        m = row[0]
-        for j in range(n):
-            m = max(m, row[j])
-        m = m * scale   # = max(row * scale): rounding is monotonic and scale > 0
+        m = maxes[r] * scale   # = max(row * scale): rounding is monotonic and scale > 0
         for j in range(n):
             row[j] = exp_nonpositive(row[j] * scale - m)
         sums[r] = _sum(row)
+
+
+def exp_rows(s: np.ndarray, scale: np.float32, sums: np.ndarray) -> None:
+    """s (rows, n) float32 C-contiguous, scale > 0: each row to its unnormalized softmax
+    weights in place, their sums to sums (rows,). Releases the GIL. The row maxima come
+    from numpy's SIMD reduction: Numba leaves a float max loop scalar (4x slower)."""
+    _exp_rows(s, np.float32(scale), s.max(axis=1), sums)

@@ -102,3 +102,19 @@ def worker_pool(n: int):
         _POOL.clear()
         pool = _POOL[n] = ThreadPoolExecutor(n, thread_name_prefix="edgeinfer-worker")
     return pool
+
+
+PARALLEL_MIN = 1 << 18   # elements from which an elementwise op splits itself over the threads
+
+
+def in_pieces(kernel, n: int, *arrays) -> None:
+    """kernel(*(a[lo:hi] for a in arrays)) over pieces of the first axis (length n), on the
+    worker threads when the input is prefill-sized; each element is computed as one call
+    would compute it."""
+    n_threads = get_threads()
+    if n_threads < 2 or n < n_threads or arrays[0].size < PARALLEL_MIN:
+        kernel(*arrays)
+        return
+    cuts = [i * n // n_threads for i in range(n_threads + 1)]
+    list(worker_pool(n_threads).map(lambda i: kernel(*(a[cuts[i]:cuts[i + 1]] for a in arrays)),
+                                     range(n_threads)))

@@ -9,6 +9,7 @@ import pytest
 from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.kernels_cpu import ops
 from edgeinfer.kernels_cpu.reference import reference_rms_norm, reference_rope
+from edgeinfer.kernels_cpu.threads import PARALLEL_MIN
 from edgeinfer.rope import ROPE_NEOX, ROPE_NORM
 
 
@@ -124,11 +125,11 @@ def test_silu_mul_is_ggml_swiglu_bit_for_bit():
 
 
 def test_prefill_sized_inputs_take_the_parallel_kernels_with_the_same_bits():
-    # from ops._PARALLEL_MIN elements the ops run on all threads, in pieces whose edges
+    # from PARALLEL_MIN elements the ops run on all threads, in pieces whose edges
     # fall inside rows (300 x 1001 is not a multiple of the piece size)
     rng = np.random.default_rng(4)
     n_tok, n = 300, 1001
-    assert n_tok * n >= ops._PARALLEL_MIN
+    assert n_tok * n >= PARALLEL_MIN
     x = (rng.standard_normal((n_tok, n)) * 3).astype(np.float32)
     y = rng.standard_normal((n_tok, n)).astype(np.float32)
     w = rng.standard_normal(n).astype(np.float32)

@@ -43,6 +43,16 @@ class CpuOps:
         """x W^T + b of a vit.Linear."""
         return lin(x)
 
+    def linears(self, lins: tuple, x: Any) -> list:
+        """[lin(x) for lin in lins], x prepared once for matrices of one type (Q, K and V)."""
+        prepared: dict = {}
+        out = []
+        for lin in lins:
+            if lin.qtype not in prepared:
+                prepared[lin.qtype] = lin.prepare(x)
+            out.append(lin.apply(prepared[lin.qtype]))
+        return out
+
     def layer_norm(self, ln: Any, x: Any) -> Any:
         """A vit.LayerNorm (ggml_norm, weight, bias)."""
         return ln(x)

@@ -96,6 +96,9 @@ class GpuOps:
         return gpuarray.to_gpu(np.ascontiguousarray(x, np.float32))
 
     # -- ops --------------------------------------------------------------------------------------
+    def linears(self, lins: tuple, x: Any) -> list:
+        return [self.linear(lin, x) for lin in lins]
+
     def linear(self, lin: Any, x: Any) -> Any:
         hit = self._mats.get(id(lin))
         if hit is None or hit[0] is not lin:   # a matrix the kernels lack: the CPU's product

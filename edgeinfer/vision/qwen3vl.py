@@ -131,7 +131,7 @@ class Block:
         h = ops.add(h, ops.linear(self.out, ops.attention(q, k, v.reshape(n, nh, -1), scale, QUERY_ROWS)))
         x = ops.layer_norm(self.ln2, h)
         if self.gate is not None:   # ggml's *glu_split: act(gate) * up
-            y = ops.glu(ops.linear(self.gate, x), ops.linear(self.up, x), vp.ffn_op)
+            y = ops.glu(*ops.linears((self.gate, self.up), x), vp.ffn_op)
         else:
             y = ops.activation(ops.linear(self.up, x), vp.ffn_op)
         return ops.add(h, ops.linear(self.down, y))

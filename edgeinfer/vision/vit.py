@@ -15,14 +15,14 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from edgeinfer import kernels_cpu
-from edgeinfer.kernels_cpu import gemm_f32_tiles, ops
+from edgeinfer.kernels_cpu import gemm_float, ops
 from edgeinfer.kernels_cpu.f16 import round_f16  # x.astype(float16).astype(float32), 4x faster
 from edgeinfer.vision.activation import activation  # noqa: F401 (the projectors import it from here)
 from edgeinfer.vision.mmproj import MmprojFile, VisionParams
 from edgeinfer.vision.patch_attention import attend
 
 _FLOAT_KERNEL_TYPES = (T.F32, T.F16)
-_TILED_MIN_ROWS = 64   # patches from which float matrices take the tiled GEMM (fewer: the text path's)
+_BLAS_MIN_ROWS = 64   # patches from which float matrices take gemm_float (fewer: the text path's)
 
 
 class Linear:
@@ -36,15 +36,24 @@ class Linear:
         self.n_in, self.n_out = n_in, n_out
         mm.ops.load_linear(self)   # in VRAM from the start where the encoder runs there
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def prepare(self, x: np.ndarray) -> np.ndarray:
+        """x as this matrix's product reads it: float32, rounded to F16 for an F16 matrix
+        (ggml's F16 dot takes its input in F16 too). Matrices of one type share it."""
         x = np.ascontiguousarray(x, np.float32)
-        if self.qtype == T.F16:  # ggml's F16 dot takes its input in F16 too
-            x = round_f16(x)
-        if self.qtype in _FLOAT_KERNEL_TYPES and x.shape[0] >= _TILED_MIN_ROWS and x.shape[1] % 8 == 0:
-            y = gemm_f32_tiles.gemm(self.w_raw.view(np.float16 if self.qtype == T.F16 else np.float32), x)
-        else:
-            y = kernels_cpu.matmul(self.w_raw, self.qtype, x)
-        return y + self.bias if self.bias is not None else y
+        return round_f16(x) if self.qtype == T.F16 else x
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        """x W^T + b of an input already through prepare()."""
+        if self.qtype in _FLOAT_KERNEL_TYPES and x.shape[0] >= _BLAS_MIN_ROWS:
+            return gemm_float.gemm(self.w_raw.view(np.float16 if self.qtype == T.F16 else np.float32), x,
+                                   bias=self.bias)
+        y = kernels_cpu.matmul(self.w_raw, self.qtype, x)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.apply(self.prepare(x))
 
 
 class LayerNorm:
@@ -154,7 +163,7 @@ class ViT:
         scale = np.float32(1.0) / np.sqrt(np.float32(vp.head_dim))
         for blk in self.blocks:
             a = ops.layer_norm(blk.ln1, h)
-            a = attention(ops.linear(blk.q, a), ops.linear(blk.k, a), ops.linear(blk.v, a), vp.n_head, scale, ops)
+            a = attention(*ops.linears((blk.q, blk.k, blk.v), a), vp.n_head, scale, ops)
             h = ops.add(ops.linear(blk.o, a), h)
             f = ops.linear(blk.down, ops.activation(ops.linear(blk.up, ops.layer_norm(blk.ln2, h)), vp.ffn_op))
             h = ops.add(h, f)

@@ -1,0 +1,50 @@
+"""kernels_cpu.gemm_float (the vision encoders' float GEMM) against float64 numpy."""
+import numpy as np
+import pytest
+
+from edgeinfer import kernels_cpu
+from edgeinfer.kernels_cpu import gemm_float
+
+
+def _with_threads(n, fn):
+    old = kernels_cpu.get_threads()
+    kernels_cpu.set_threads(n)
+    try:
+        return fn()
+    finally:
+        kernels_cpu.set_threads(old)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n_tok,k,n_rows", [(1, 8, 1), (5, 12, 7), (97, 72, 13), (130, 264, 50)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_products_match_float64(dtype, n_tok, k, n_rows, threads, monkeypatch):
+    monkeypatch.setattr(gemm_float, "CHUNK_VALUES", 5 * k)   # several chunks a thread, a short last one
+    rng = np.random.default_rng(n_tok * k + n_rows)
+    w = rng.standard_normal((n_rows, k)).astype(dtype)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    got = _with_threads(threads, lambda: gemm_float.gemm(w, x))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert got.shape == (n_tok, n_rows) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_bias_gives_the_bits_of_a_separate_add(dtype, threads, monkeypatch):
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((50, 264)).astype(dtype)
+    x = rng.standard_normal((130, 264)).astype(np.float32)
+    bias = rng.standard_normal(50).astype(np.float32)
+    monkeypatch.setattr(gemm_float, "CHUNK_VALUES", 9 * 264)
+    plain, biased = _with_threads(threads, lambda: (gemm_float.gemm(w, x), gemm_float.gemm(w, x, bias=bias)))
+    np.testing.assert_array_equal(biased, plain + bias)
+
+
+@pytest.mark.parametrize("w,x,bias", [(np.zeros((3, 16), np.float32), np.zeros((2, 8), np.float32), None),
+                                      (np.zeros((3, 16), np.int8), np.zeros((2, 16), np.float32), None),
+                                      (np.zeros((3, 16), np.float32), np.zeros((2, 16), np.float32),
+                                       np.zeros(2, np.float32))])
+def test_shapes_and_types_it_cannot_take_are_refused(w, x, bias):
+    with pytest.raises(ValueError, match="gemm"):
+        gemm_float.gemm(w, x, bias=bias)
