@@ -61,13 +61,7 @@ def main() -> None:
     from edgeinfer.vision.mmproj import load_mmproj
     from mtmd_oracle import Mtmd
 
-    set_threads(args.threads)
-    # as in a run with a text model loaded (edgeinfer.backends.cpu): numpy's BLAS on one thread
-    # beside our own threads, which spread the encoder's pieces; left at its default here, each
-    # of them would start BLAS threads of its own on the same cores
-    from threadpoolctl import threadpool_limits
-
-    threadpool_limits(1, user_api="blas")
+    set_threads(args.threads)   # (the encoder keeps numpy's BLAS to one thread itself)
     with tempfile.TemporaryDirectory() as tmp:
         text, mmproj = _files(args.keep, Path(tmp))
         pixels = _picture(args.size)

@@ -36,11 +36,11 @@ from .kv_attention import attention
 from .ops import gelu_mul, rms_norm, rope_inplace
 from .quant_types import QUANT_INFO, QuantInfo, quant_info, row_bytes, supported_types
 from .reference import reference_dequantize, reference_matmul, reference_matvec
-from .threads import get_threads, set_threads
+from .threads import get_threads, set_threads, single_threaded_blas
 
 __all__ = [
     "decode_order", "matvec", "matvec_many", "expert_matvec", "matmul", "matmul_many", "get_rows", "dequantize_rows", "quantize_activations", "quantize_activation_rows",
     "matmul_uses_int8", "use_model_types", "supported_types", "quant_info", "row_bytes", "QuantInfo", "QUANT_INFO",
-    "set_threads", "get_threads", "rms_norm", "rope_inplace", "gelu_mul", "attention",
+    "set_threads", "get_threads", "single_threaded_blas", "rms_norm", "rope_inplace", "gelu_mul", "attention",
     "reference_dequantize", "reference_matvec", "reference_matmul",
 ]

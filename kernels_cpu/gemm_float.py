@@ -5,7 +5,7 @@
 numpy's BLAS (OpenBLAS, whose AVX2 or AVX-512 kernels it picks at run time) does the
 products. On the encoders' shapes (4096 patches x 1152 x 4304, two Zen 3 threads) it ran at
 ~145-160 GFLOP/s, the Numba tile kernel it replaced at ~80-120. BLAS is kept to one thread
-beside Numba (edgeinfer.backends.cpu), so each worker thread takes one contiguous range of
+(threads.single_threaded_blas), so each worker thread takes one contiguous range of
 rows, widens them from F16 to float32 (exact) a chunk at a time and multiplies that chunk
 by all of X: BLAS packs X once a chunk, and the chunks are large. (The text model's prompt
 path cuts rows into small tiles, each packing X again; on these shapes that ran at 70-95.)
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .f16 import f16_to_f32
-from .threads import get_threads, worker_pool
+from .threads import get_threads, single_threaded_blas, worker_pool
 
 CHUNK_VALUES = 1 << 22   # weights a thread widens to float32 at a time (16 MB)
 MIN_ROWS = 8             # rows a thread's range holds at least
@@ -39,6 +39,7 @@ def gemm(w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None) -> np.nda
             raise ValueError(f"gemm's bias has shape {np.shape(bias)}, not ({n_rows},)")
         bias = np.asarray(bias, np.float32)
     out = np.empty((x.shape[0], n_rows), np.float32)
+    single_threaded_blas()   # each of our threads calls it
     n_threads = max(1, min(get_threads(), n_rows // MIN_ROWS))
     cuts = [i * n_rows // n_threads for i in range(n_threads + 1)]
     chunk = max(1, CHUNK_VALUES // max(k, 1))

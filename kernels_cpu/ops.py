@@ -222,11 +222,15 @@ def _gelu_kernel(x, table, out):
             out[i] = table[f16_bits_of(x_bits[i])]
 
 
-def gelu(x: np.ndarray, table: np.ndarray) -> np.ndarray:
+def gelu(x: np.ndarray, table: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """ggml's CPU GELU: table[F16 bits of x], identity above 10, zero below -10 (the
-    vision encoders' MLP; gelu_mul without the up half)."""
+    vision encoders' MLP; gelu_mul without the up half). `out` may be x itself: each
+    element is read before it is written."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    out = np.empty_like(x)
+    if out is None:
+        out = np.empty_like(x)
+    elif out.shape != x.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"gelu's out must be C-contiguous float32 {x.shape}, got {out.dtype} {out.shape}")
     in_pieces(lambda a, o: _gelu_kernel(a, table, o), x.size, x.reshape(-1), out.reshape(-1))
     return out
 

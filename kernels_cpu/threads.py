@@ -118,3 +118,20 @@ def in_pieces(kernel, n: int, *arrays) -> None:
     cuts = [i * n // n_threads for i in range(n_threads + 1)]
     list(worker_pool(n_threads).map(lambda i: kernel(*(a[cuts[i]:cuts[i + 1]] for a in arrays)),
                                      range(n_threads)))
+
+
+_blas_limited = False
+
+
+def single_threaded_blas() -> None:
+    """Keep numpy's BLAS to one thread, for the whole process (once; later calls cost a flag
+    test). Its own threads compete with Numba's OpenMP workers, which spin after each parallel
+    region (a 255-token Gemma prefill ran 11x slower: 15 vs 174 tok/s with 2 Numba threads),
+    and the code that calls BLAS from our worker threads (the vision encoders' products and
+    attention) would run threads x BLAS threads on the cores."""
+    global _blas_limited
+    if not _blas_limited:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(1, user_api="blas")
+        _blas_limited = True

@@ -48,3 +48,17 @@ def test_the_bias_gives_the_bits_of_a_separate_add(dtype, threads, monkeypatch):
 def test_shapes_and_types_it_cannot_take_are_refused(w, x, bias):
     with pytest.raises(ValueError, match="gemm"):
         gemm_float.gemm(w, x, bias=bias)
+
+
+def test_numpy_blas_is_kept_to_one_thread_beside_ours(monkeypatch):
+    # each of our worker threads calls BLAS: with BLAS threads of its own the cores run
+    # threads x BLAS threads (the encoder alone, with no text model's backend to limit it)
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from edgeinfer.kernels_cpu import threads
+
+    monkeypatch.setattr(threads, "_blas_limited", False)
+    with threadpool_limits(2, user_api="blas"):
+        gemm_float.gemm(np.ones((16, 8), np.float16), np.ones((4, 8), np.float32))
+        blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+        assert blas and set(blas) == {1}, blas

@@ -73,6 +73,18 @@ def test_gelu_is_gelu_mul_without_its_up_half():
     assert got[-5:].tolist() == [0.0, 12.0, 0.0, 10.0, 0.0]
 
 
+def test_gelu_in_place_gives_the_same_bits_and_refuses_a_wrong_out():
+    # the vision MLP overwrites its up product (300 x 1001: prefill-sized, split over threads)
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((300, 1001)) * 6).astype(np.float32)
+    want = ops.gelu(x, _gelu_f16_table())
+    y = x.copy()
+    assert ops.gelu(y, _gelu_f16_table(), out=y) is y
+    np.testing.assert_array_equal(y, want)
+    with pytest.raises(ValueError, match="out"):
+        ops.gelu(x, _gelu_f16_table(), out=np.empty((300, 1000), np.float32))
+
+
 def _ggml_v_expf_avx2(x: np.ndarray) -> np.ndarray:
     """ggml_v_expf's AVX2 code transcribed literally, bit tricks and all three ranges
     (an independent check of the closed form `ggml_expf_any` uses)."""

@@ -35,12 +35,7 @@ class CpuBackend(Backend):
         super().__init__(gguf)
         if threads:
             kernels_cpu.set_threads(threads)
-        # numpy's BLAS (prefill GEMM tiles, attention) runs single-threaded: Numba's OpenMP
-        # workers spin after each parallel region, and BLAS threads competing with them made
-        # a 255-token Gemma prefill 11x slower (15 vs 174 tok/s with 2 Numba threads).
-        from threadpoolctl import threadpool_limits
-
-        threadpool_limits(1, user_api="blas")
+        kernels_cpu.single_threaded_blas()   # the prefill GEMM tiles' and attention's BLAS
         self._rope_angles: dict = {}
         # one kernel set for the model's types: only their code compiles
         experts = [info for name, info in gguf.tensors.items()   # the 3-D ones, not gpt-oss's expert biases

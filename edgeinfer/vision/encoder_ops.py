@@ -58,7 +58,9 @@ class CpuOps:
         return ln(x)
 
     def activation(self, x: Any, op: str) -> Any:
-        return activation(x, op)
+        """The MLP's activation; x is the up product, which nothing else reads: GELU
+        overwrites it."""
+        return activation(x, op, in_place=True)
 
     def glu(self, gate: Any, up: Any, op: str) -> Any:
         """act(gate) * up (ggml's *glu_split)."""

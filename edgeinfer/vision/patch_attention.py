@@ -11,7 +11,7 @@ import numpy as np
 
 from edgeinfer.kernels_cpu import get_threads
 from edgeinfer.kernels_cpu.softmax_rows import exp_rows
-from edgeinfer.kernels_cpu.threads import worker_pool
+from edgeinfer.kernels_cpu.threads import single_threaded_blas, worker_pool
 
 QUERY_ROWS = 1024   # queries per slice: a score matrix is at most QUERY_ROWS x n (16384 patches: 64 MB)
 
@@ -22,6 +22,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, query_rows
     GIL, so the pieces run side by side."""
     n, nh, d = q.shape
     rows = query_rows or QUERY_ROWS
+    single_threaded_blas()   # the pieces run side by side, each calling BLAS
     out = np.empty((n, nh, d), np.float32)
     heads = [(np.ascontiguousarray(q[:, h]), np.ascontiguousarray(k[:, h]), np.ascontiguousarray(v[:, h]))
              for h in range(nh)]
