@@ -158,6 +158,39 @@ def rope_cache(positions, n_dims: int, base: float, freq_scale: float = 1.0,
     return cos, sin
 
 
+@njit(**_JIT)
+def _rope_cache_vision_kernel(first, second, n_dims, base, cos, sin):
+    theta_scale = math.pow(np.float32(base), np.float32(-2.0) / np.float32(n_dims))  # powf
+    section = n_dims // 2
+    for t in range(first.shape[0]):
+        theta_a = np.float32(first[t])
+        theta_b = np.float32(second[t])
+        for i in range(n_dims):
+            if i == section:
+                theta_b = np.float32(second[t])   # the second section restarts from its position
+            th = theta_a if i < section else theta_b
+            cos[t, i] = math.cos(th)   # the C library's cosf/sinf, as ggml's
+            sin[t, i] = math.sin(th)
+            theta_a = np.float32(theta_a * theta_scale)
+            theta_b = np.float32(theta_b * theta_scale)
+
+
+def rope_cache_vision(first, second, n_dims: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (n_pos, n_dims) of ggml_rope_multi(..., n_dims, sections {n_dims / 2} x 4,
+    GGML_ROPE_TYPE_VISION) (ggml_mrope_cache_init): pair i < n_dims / 2 turned by
+    first * s^i, pair n_dims / 2 + i by second * s^i, s = powf(base, -2 / n_dims), each angle
+    by ggml's float32 recurrence; rope_rotate(x, ..., 2 * n_dims, neox=True) turns dims i and
+    i + n_dims of a head of 2 * n_dims by pair i."""
+    first = np.ascontiguousarray(first, dtype=np.int64).reshape(-1)
+    second = np.ascontiguousarray(second, dtype=np.int64).reshape(-1)
+    if first.shape != second.shape or n_dims % 2:
+        raise ValueError(f"rope_cache_vision: {first.shape} and {second.shape} positions, n_dims {n_dims}")
+    cos = np.empty((first.shape[0], n_dims), np.float32)
+    sin = np.empty_like(cos)
+    _rope_cache_vision_kernel(first, second, int(n_dims), np.float32(base), cos, sin)
+    return cos, sin
+
+
 def rope_inplace(x: np.ndarray, positions, freq_base: float, mode: str = "normal", n_dims: int | None = None,
                  freq_scale: float = 1.0, freq_factors: np.ndarray | None = None) -> np.ndarray:
     """Rotate the first n_dims (default: all) of each head in place; x (n_tok, n_heads, head_dim) f32,

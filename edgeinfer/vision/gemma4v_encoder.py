@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as T
 from edgeinfer import kernels_cpu
 from edgeinfer.kernels_cpu.f16 import round_f16
 from edgeinfer.vision.mmproj import MmprojFile
+from edgeinfer.vision.position_ops import neox_2d_angles, rotate_2d_neox
 from edgeinfer.vision.vit import Linear, rms_norm
 
 ROPE_BASE = 100.0    # libmtmd sets rope_theta = 100 for gemma4v; the file has no key for it
@@ -128,40 +129,6 @@ def _block(mm: MmprojFile, i: int) -> Block:
         _scale_vector(mm, b + "out_scale.weight", e))
 
 
-def rope_tables(cols: np.ndarray, rows: np.ndarray, d_head: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin (n, d_head / 2): pairs 0 .. d/4 turned by the column, the rest by the row.
-    ggml's rope cache starts at the position and multiplies by base^(-2/(d/2)) pair after
-    pair in float32; the same steps here give the same angles."""
-    n_dims = d_head // 2
-    step = np.float32(ROPE_BASE ** float(np.float32(-2.0) / np.float32(n_dims)))
-    halves = []
-    for pos in (cols, rows):
-        theta = pos.astype(np.float32)
-        angles = np.empty((pos.shape[0], n_dims // 2), np.float32)
-        for j in range(n_dims // 2):
-            angles[:, j] = theta
-            theta = (theta * step).astype(np.float32)
-        halves.append(angles)
-    ang = np.concatenate(halves, axis=1)
-    return np.cos(ang), np.sin(ang)
-
-
-def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """(n, heads, d): NeoX rotation inside each half of the head (dims i and i + d/4 of the
-    first half by angle i, the same in the second half by angle d/4 + i)."""
-    _n, _nh, d = x.shape
-    quarter = d // 4
-    out = np.empty_like(x)
-    for half in range(2):
-        base = half * 2 * quarter
-        a, b = x[..., base:base + quarter], x[..., base + quarter:base + 2 * quarter]
-        c = cos[:, None, half * quarter:(half + 1) * quarter]
-        s = sin[:, None, half * quarter:(half + 1) * quarter]
-        out[..., base:base + quarter] = a * c - b * s
-        out[..., base + quarter:base + 2 * quarter] = a * s + b * c
-    return out
-
-
 class Gemma4VisionTower:
     """Normalized pixels (H, W, 3) on the patch grid -> (n_patches, n_embd), patches row-major."""
 
@@ -212,14 +179,14 @@ class Gemma4VisionTower:
         h = (h + self.pos_x[cols_i]) + self.pos_y[rows_i]
         if self.pre_ln:
             h = self.pre_ln(h)
-        cos, sin = rope_tables(cols_i, rows_i, vp.head_dim)
+        angles = neox_2d_angles(cols_i, rows_i, vp.head_dim, ROPE_BASE)
         for blk in self.blocks:
-            h = self._block(blk, h, cos, sin)
+            h = self._block(blk, h, angles)
         if self.post_ln:
             h = self.post_ln(h)
         return np.ascontiguousarray(h, np.float32), ph, pw
 
-    def _block(self, blk: Block, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    def _block(self, blk: Block, h: np.ndarray, angles: tuple) -> np.ndarray:
         """h on the host in and out: the norms, RoPE and clamps are the host's, the matrices
         and the attention the ops'."""
         vp, ops = self.params, self.ops
@@ -228,7 +195,7 @@ class Gemma4VisionTower:
         q, k, v = ops.host(blk.q(a)), ops.host(blk.k(a)), ops.host(blk.v(a))
         q = _norm_heads(q, blk.q_norm, n, nh, d)
         k = _norm_heads(k, blk.k_norm, n, nh, d)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q, k = rotate_2d_neox(q, angles), rotate_2d_neox(k, angles)
         v = rms_norm(v.reshape(n, nh, d), _ONE, vp.eps)   # gemma4v: V RMS-normed per head, no weight
         a = ops.host(blk.o(ops.attention(q, k, v, 1.0, QUERY_ROWS)))   # gemma4v's kq_scale is 1
         if blk.attn_post_norm:

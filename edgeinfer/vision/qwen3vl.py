@@ -34,6 +34,7 @@ from edgeinfer.vision import image_ops
 from edgeinfer.vision.chunk import ImageChunk
 from edgeinfer.vision.image_io import MAX_PIXELS, Image, ImageError, from_pixels
 from edgeinfer.vision.mmproj import MmprojFile
+from edgeinfer.vision.position_ops import mrope_vision_angles, resize_align_corners, rotate_mrope_vision
 from edgeinfer.vision.qwen_resize import smart_size
 from edgeinfer.vision.vit import LayerNorm, Linear
 
@@ -120,13 +121,13 @@ class Block:
         self.down = Linear(mm, b + "ffn_down", vp.n_ff, e, b + "ffn_down.bias")
         self.ops = mm.ops
 
-    def __call__(self, h, cos: np.ndarray, sin: np.ndarray, vp):
+    def __call__(self, h, angles: tuple, vp):
         """h where the encoder's ops compute, in and out; the rotary on the host."""
         ops = self.ops
         n, e, nh = h.shape[0], vp.n_embd, vp.n_head
         qkv = ops.host(ops.linear(self.qkv, ops.layer_norm(self.ln1, h))) + self.qkv_b
         q, k, v = qkv[:, :e], qkv[:, e:2 * e], qkv[:, 2 * e:]
-        q, k = _rotate(q.reshape(n, nh, -1), cos, sin), _rotate(k.reshape(n, nh, -1), cos, sin)
+        q, k = rotate_mrope_vision(q.reshape(n, nh, -1), angles), rotate_mrope_vision(k.reshape(n, nh, -1), angles)
         scale = np.float32(1.0) / np.sqrt(np.float32(vp.head_dim))
         h = ops.add(h, ops.linear(self.out, ops.attention(q, k, v.reshape(n, nh, -1), scale, QUERY_ROWS)))
         x = ops.layer_norm(self.ln2, h)
@@ -231,12 +232,12 @@ class Qwen3VLProjector:
         ph, pw = x.shape[0] // vp.patch_size, x.shape[1] // vp.patch_size
         ops = self.ops
         h = _blocks_of_four(self.patch_embd(x)) + _blocks_of_four(self._positions(ph, pw))
-        cos, sin = _rotation(ph, pw, vp.head_dim)
+        angles = _angles(ph, pw, vp.head_dim)
         if self.pre_ln:
             h = ops.layer_norm(self.pre_ln, h)
         deep = []
         for i, blk in enumerate(self.blocks):
-            h = blk(h, cos, sin, vp)
+            h = blk(h, angles, vp)
             if i in self.deepstack:
                 deep.append(ops.host(self.deepstack[i](h.reshape(-1, 4 * vp.n_embd))))
         if self.post_ln:
@@ -248,13 +249,7 @@ class Qwen3VLProjector:
     def _positions(self, ph: int, pw: int) -> np.ndarray:
         """The learned (side, side) table at (ph, pw): ggml_interpolate, bilinear, align corners."""
         t = self.pos_embd
-        if (ph, pw) == t.shape[:2]:
-            return t
-        (y0, y1), dy = _align_corners(ph, t.shape[0])
-        (x0, x1), dx = _align_corners(pw, t.shape[1])
-        dy, dx, one = dy[:, None, None], dx[None, :, None], np.float32(1.0)
-        a, b, c, d = t[y0][:, x0], t[y0][:, x1], t[y1][:, x0], t[y1][:, x1]
-        return (a * (one - dx) * (one - dy) + b * dx * (one - dy) + c * (one - dx) * dy + d * dx * dy).astype(np.float32)
+        return t if (ph, pw) == t.shape[:2] else resize_align_corners(t, ph, pw)
 
 
 def max_patches(mm: MmprojFile) -> int:
@@ -273,38 +268,9 @@ def _blocks_of_four(grid: np.ndarray) -> np.ndarray:
     return grid.reshape(r // 2, 2, c // 2, 2, n).transpose(0, 2, 1, 3, 4).reshape(r * c, n)
 
 
-def _rotation(ph: int, pw: int, d_head: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin (n_patches, d_head / 2) of ggml's vision rotary: pair k turns dims k and
-    k + d/2; the first d/4 pairs by the patch's row, the rest by its column, pair j of each
-    at base^(-4j/d) (ggml steps the angle up by that factor in float32)."""
-    quarter = d_head // 4
-    step = np.float32(ROPE_BASE) ** np.float32(-2.0 / (d_head // 2))
-    freq = np.empty(quarter, np.float32)
-    theta = np.float32(1.0)
-    for j in range(quarter):
-        freq[j] = theta
-        theta = np.float32(theta * step)
-    rows = np.broadcast_to(np.arange(ph, dtype=np.float32)[:, None, None], (ph, pw, 1))
-    cols = np.broadcast_to(np.arange(pw, dtype=np.float32)[None, :, None], (ph, pw, 1))
-    ang = np.concatenate([_blocks_of_four(np.ascontiguousarray(rows)) * freq,
-                          _blocks_of_four(np.ascontiguousarray(cols)) * freq], axis=1).astype(np.float32)
-    return np.cos(ang), np.sin(ang)
-
-
-def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """GGML_ROPE_TYPE_VISION on (n, heads, d): dims k and k + d/2 turned by angle k."""
-    half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate([a * c - b * s, a * s + b * c], axis=-1).astype(np.float32)
-
-
-def _align_corners(n_out: int, n_in: int) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
-    """Source indices (i0, i1) and weights of ggml's bilinear upscale with align corners, in float32."""
-    f32 = np.float32
-    sf = f32(n_out - 1) / f32(n_in - 1) if n_out > 1 and n_in > 1 else f32(n_out) / f32(n_in)
-    pos = np.arange(n_out, dtype=f32) / sf
-    i0 = np.floor(pos).astype(np.int64)
-    i0c, i1c = np.clip(i0, 0, n_in - 1), np.clip(i0 + 1, 0, n_in - 1)
-    frac = np.clip(pos - i0c.astype(f32), f32(0.0), f32(1.0)).astype(f32)
-    return (i0c, i1c), frac
+def _angles(ph: int, pw: int, d_head: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rotary's (cos, sin) of every patch, in the merged 2x2 order: its row, its column."""
+    rows = np.broadcast_to(np.arange(ph, dtype=np.int64)[:, None, None], (ph, pw, 1))
+    cols = np.broadcast_to(np.arange(pw, dtype=np.int64)[None, :, None], (ph, pw, 1))
+    return mrope_vision_angles(_blocks_of_four(np.ascontiguousarray(rows))[:, 0],
+                               _blocks_of_four(np.ascontiguousarray(cols))[:, 0], d_head, ROPE_BASE)
