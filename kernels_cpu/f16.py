@@ -98,5 +98,5 @@ def f16_to_f32(h: np.ndarray) -> np.ndarray:
     if h.dtype != np.float16:
         raise TypeError(f"expected float16, got {h.dtype}")
     out = np.empty(h.shape, np.float32)
-    _f16_to_f32_kernel(h.reshape(-1).view(np.uint16), out.reshape(-1))
+    in_pieces(_f16_to_f32_kernel, h.size, h.reshape(-1).view(np.uint16), out.reshape(-1))
     return out
