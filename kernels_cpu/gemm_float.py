@@ -22,7 +22,7 @@ import functools
 import numpy as np
 
 from .f16 import f16_to_f32
-from .threads import get_threads, single_threaded_blas, worker_pool
+from .threads import get_threads, on_a_worker, single_threaded_blas, worker_pool
 
 CHUNK_VALUES = 1 << 23   # weights widened to float32 at a time (32 MB: the ViTs' largest matrices, whole)
 
@@ -44,7 +44,7 @@ def gemm(w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None) -> np.nda
     n_tok = x.shape[0]
     out = np.empty((n_tok, n_rows), np.float32)
     single_threaded_blas()   # each of our threads calls it
-    n_threads = max(1, min(get_threads(), n_tok))
+    n_threads = 1 if on_a_worker() else max(1, min(get_threads(), n_tok))
     cuts = [i * n_tok // n_threads for i in range(n_threads + 1)]
     n_chunks = -(-n_rows * k // CHUNK_VALUES) if k else 1
     chunk = max(1, -(-n_rows // max(n_chunks, 1)))   # rows a chunk, the chunks even

@@ -91,6 +91,15 @@ def default_threads() -> int:
 _POOL: dict[int, object] = {}
 
 
+def on_a_worker() -> bool:
+    """Whether this thread is one of worker_pool's: work it hands the pool again would wait
+    behind itself (every worker busy waiting), so it runs its pieces itself."""
+    return threading.current_thread().name.startswith(_WORKER_PREFIX)
+
+
+_WORKER_PREFIX = "edgeinfer-worker"
+
+
 def worker_pool(n: int):
     """A persistent pool of n Python threads for work that splits itself across cores
     outside Numba's parallel regions (the BLAS prefill GEMM and attention: numpy's BLAS is
@@ -100,7 +109,7 @@ def worker_pool(n: int):
     pool = _POOL.get(n)
     if pool is None:
         _POOL.clear()
-        pool = _POOL[n] = ThreadPoolExecutor(n, thread_name_prefix="edgeinfer-worker")
+        pool = _POOL[n] = ThreadPoolExecutor(n, thread_name_prefix=_WORKER_PREFIX)
     return pool
 
 
@@ -112,7 +121,7 @@ def in_pieces(kernel, n: int, *arrays) -> None:
     worker threads when the input is prefill-sized; each element is computed as one call
     would compute it."""
     n_threads = get_threads()
-    if n_threads < 2 or n < n_threads or arrays[0].size < PARALLEL_MIN:
+    if n_threads < 2 or n < n_threads or arrays[0].size < PARALLEL_MIN or on_a_worker():
         kernel(*arrays)
         return
     cuts = [i * n // n_threads for i in range(n_threads + 1)]

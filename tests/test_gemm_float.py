@@ -62,3 +62,16 @@ def test_numpy_blas_is_kept_to_one_thread_beside_ours(monkeypatch):
         gemm_float.gemm(np.ones((16, 8), np.float16), np.ones((4, 8), np.float32))
         blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
         assert blas and set(blas) == {1}, blas
+
+
+def test_called_from_a_worker_thread_it_runs_there_instead_of_waiting_on_the_pool():
+    # every worker busy waiting on pieces queued behind it would hang; 2 workers, 2 calls
+    from edgeinfer.kernels_cpu.threads import worker_pool
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 16)).astype(np.float16)
+    x = rng.standard_normal((80, 16)).astype(np.float32)
+    want = _with_threads(2, lambda: gemm_float.gemm(w, x))
+    got = _with_threads(2, lambda: list(worker_pool(2).map(lambda _: gemm_float.gemm(w, x), range(2))))
+    for g in got:
+        np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
