@@ -84,6 +84,45 @@ def vec_dot_rows(w, x, out, lanes):
         out[r] = s
 
 
+def _make_vec_dot_f16_tokens(lanes: int):
+    step = 4 * lanes   # a compile-time constant: the chains unroll into registers
+
+    @njit(parallel=True, **_JIT)
+    def kernel(w, X, out):
+        n_tok, n = X.shape
+        body = n - n % step
+        for t in prange(n_tok):
+            x = X[t]
+            for r in range(w.shape[0]):
+                wr = w[r]
+                acc = np.zeros(step, np.float32)
+                for i in range(0, body, step):
+                    for q in range(step):  # independent chains: one fma each a step
+                        acc[q] += wr[i + q] * x[i + q]
+                red = np.empty(lanes, np.float32)
+                for l in range(lanes):
+                    red[l] = (acc[l] + acc[2 * lanes + l]) + (acc[lanes + l] + acc[3 * lanes + l])
+                total = np.float64(_hsum(red, lanes))
+                for k in range(body, n):
+                    total += np.float64(np.float32(wr[k] * x[k]))
+                out[t, r] = np.float32(total)
+    return kernel
+
+
+_VEC_DOT_F16 = {}
+
+
+def vec_dot_f16_tokens(w: np.ndarray, X: np.ndarray, out: np.ndarray, lanes: int) -> np.ndarray:
+    """out[t, r] = ggml_vec_dot_f16(w[r], X[t]) for F16 values held in float32: vec_dot_rows's
+    steps and reduction, the leftovers past the last full step summed in double. Tokens on
+    the threads (a convolution's patches: thousands of them, each against every row)."""
+    kernel = _VEC_DOT_F16.get(lanes)
+    if kernel is None:
+        kernel = _VEC_DOT_F16[lanes] = _make_vec_dot_f16_tokens(lanes)
+    kernel(w, X, out)
+    return out
+
+
 SGEMM_TOKENS = 4   # tokens a tile: 4 independent accumulator chains a row
 
 

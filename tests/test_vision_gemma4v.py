@@ -8,10 +8,10 @@ resize's branches: a square one scaled up to the 70-token minimum, a wide one ro
 8-pixel grid (bicubic + pad). Error = max |ours - libmtmd| / max |libmtmd|, measured (x86-64
 AVX2, 2 threads, three seeds, these images and a 96x40 one): F32 matrices 1.7e-6 .. 5.0e-5,
 F16 1.6e-4 .. 2.8e-4 (F16 roundings of a matrix's input or GELU's table falling the other way
-after sums in another order), Q8_0 7e-8 .. 4.2e-3: both sides quantize the activations to 8
-bits, bit for bit, until a last-bit difference upstream moves one value across a rounding step
-and that dot is one quantum off (hence the looser Q8_0 bound). libmtmd runs with flash
-attention off (its CPU flash attention rounds Q, K and V to F16).
+after sums in another order), Q8_0 6.9e-8 and 1.3e-7: both sides quantize the activations to
+8 bits, and since the rotary and the patch embedding give ggml's bits (vision.position_ops,
+vision.patch_conv) no rounding falls the other way (before: 4.2e-3, one quantum off).
+libmtmd runs with flash attention off (its CPU flash attention rounds Q, K and V to F16).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from edgeinfer.vision.mmproj import MmprojError, load_mmproj
 
 N_TEXT = 256    # gemma4_file's width
 IMAGES = ((64, 64, 1), (150, 90, 2))   # -> 72x72 (9x9 tokens), 152x88 (19x11 tokens)
-TOLERANCE = {"F32": 1e-4, "F16": 1e-3, "Q8_0": 1e-2}
+TOLERANCE = {"F32": 1e-4, "F16": 1e-3, "Q8_0": 1e-3}
 
 
 @pytest.fixture(scope="module")

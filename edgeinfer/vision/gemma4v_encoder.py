@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from edgeinfer import kernels_cpu
 from edgeinfer.kernels_cpu.f16 import round_f16
 from edgeinfer.vision.mmproj import MmprojFile
+from edgeinfer.vision.patch_conv import PatchKernel
 from edgeinfer.vision.position_ops import neox_2d_angles, rotate_2d_neox
 from edgeinfer.vision.vit import Linear, rms_norm
 
@@ -143,7 +143,7 @@ class Gemma4VisionTower:
         if not np.all(np.isfinite(kernel)):
             raise mm.fail("tensor 'v.patch_embd.weight' holds values that are not finite")
         # ggml_conv_2d's im2col is F16 and the product takes the kernel in F16 too
-        self.patch_w = np.ascontiguousarray(kernel.astype(np.float16)).view(np.uint8)
+        self.patch_kernel = PatchKernel(kernel)
         pos = mm.gguf.tensors.get("v.position_embd.weight")
         n_pos = int(pos.shape[1]) if pos is not None and len(pos.shape) >= 2 else 0
         if not 1 <= n_pos <= 1 << 20:
@@ -175,7 +175,7 @@ class Gemma4VisionTower:
             raise ValueError(f"a {pw}x{ph} patch grid is beyond the {self.n_pos} learned positions a side")
         cols_i = np.tile(np.arange(pw), ph)
         rows_i = np.repeat(np.arange(ph), pw)
-        h = kernels_cpu.matmul(self.patch_w, T.F16, rows)
+        h = self.patch_kernel(rows)
         h = (h + self.pos_x[cols_i]) + self.pos_y[rows_i]
         if self.pre_ln:
             h = self.pre_ln(h)

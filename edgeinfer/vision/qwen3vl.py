@@ -27,13 +27,13 @@ import math
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from edgeinfer import kernels_cpu
 from edgeinfer.kernels_cpu.f16 import round_f16
 from edgeinfer.metadata import MAX_FF, meta_int
 from edgeinfer.vision import image_ops
 from edgeinfer.vision.chunk import ImageChunk
 from edgeinfer.vision.image_io import MAX_PIXELS, Image, ImageError, from_pixels
 from edgeinfer.vision.mmproj import MmprojFile
+from edgeinfer.vision.patch_conv import PatchKernel
 from edgeinfer.vision.position_ops import mrope_vision_angles, resize_align_corners, rotate_mrope_vision
 from edgeinfer.vision.qwen_resize import smart_size
 from edgeinfer.vision.vit import LayerNorm, Linear
@@ -61,7 +61,7 @@ class PatchEmbedding:
                 k16 = np.ascontiguousarray(k, np.float16)
             if not np.all(np.isfinite(k16)):
                 raise mm.fail(f"tensor {name!r} holds values beyond F16's range")
-            self.kernels.append(k16.view(np.uint8))
+            self.kernels.append(PatchKernel(k16))
         self.bias = mm.vector("v.patch_embd.bias", n_embd)
         self.patch = patch
 
@@ -71,7 +71,7 @@ class PatchEmbedding:
         ph, pw = x.shape[0] // p, x.shape[1] // p
         rows = x.reshape(ph, p, pw, p, 3).transpose(0, 2, 4, 1, 3).reshape(ph * pw, 3 * p * p)
         rows = np.ascontiguousarray(round_f16(rows))
-        out = sum(kernels_cpu.matmul(k, T.F16, rows) for k in self.kernels) + self.bias
+        out = sum(k(rows) for k in self.kernels) + self.bias
         return out.reshape(ph, pw, -1).astype(np.float32)
 
 

@@ -19,6 +19,7 @@ from edgeinfer.kernels_cpu import gemm_float, ops
 from edgeinfer.kernels_cpu.f16 import round_f16  # x.astype(float16).astype(float32), 4x faster
 from edgeinfer.vision.activation import activation  # noqa: F401 (the projectors import it from here)
 from edgeinfer.vision.mmproj import MmprojFile, VisionParams
+from edgeinfer.vision.patch_conv import PatchKernel
 from edgeinfer.vision.patch_attention import attend
 
 _FLOAT_KERNEL_TYPES = (T.F32, T.F16)
@@ -122,7 +123,7 @@ class ViT:
         # ggml's conv_2d unfolds the image into F16 patches (im2col) and multiplies them by the
         # kernel as F16 (the F16 dot's operand type): an F32 kernel is rounded to F16 too
         kernel = np.asarray(mm.gguf.array(patch.name)).reshape(e, -1)  # rows: one channel's (c, y, x)
-        self.patch_w = np.ascontiguousarray(kernel.astype(np.float16)).view(np.uint8)
+        self.patch_kernel = PatchKernel(kernel)
         self.patch_b = mm.vector("v.patch_embd.bias", e, required=False)
         n_side = vp.image_size // p
         pos = mm.tensor("v.position_embd.weight", (e, n_side * n_side), _FLOAT_KERNEL_TYPES)
@@ -151,7 +152,7 @@ class ViT:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         vp = self.params
-        h = kernels_cpu.matmul(self.patch_w, T.F16, self.patches(x))
+        h = self.patch_kernel(self.patches(x))
         if self.patch_b is not None:
             h = h + self.patch_b
         if h.shape[0] != self.pos.shape[0]:
