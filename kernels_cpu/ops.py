@@ -19,12 +19,7 @@ from .threads import PARALLEL_MIN, apply_threads, in_pieces
 _JIT = dict(cache=True, nogil=True)
 ROPE_MODES = {"normal": 0, "neox": 1}
 
-# Long prompts' inputs (from this many elements) are cut into one piece per thread, run on
-# the worker pool (a Numba parallel region here would leave its OpenMP worker spinning on
-# a core while the next pool job runs: measured 1.5x slower prefill). Shorter ones stay on
-# the calling thread: handing pieces to the pool costs ~0.1 ms, and right after the
-# GEMMs' parallel regions (gemm_parallel.py) their spinning workers slow the pool down.
-# From 2^15 to 2^18: a 32-token prefill of gemma3-270m's norms 8.2 -> 3.6 ms (2 threads).
+
 @njit(**_JIT)
 def _rms_norm_kernel(x, w, eps, out):
     # ggml's order: float32 squares summed in double in order, the mean rounded to
@@ -96,7 +91,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = 
         return out
     apply_threads()
     in_pieces(lambda xs, os: _rms_norm_kernel(xs, w, eps32, os), rows.shape[0], rows,
-               out.reshape(-1, x.shape[-1]))
+              out.reshape(-1, x.shape[-1]))
     return out
 
 
@@ -238,7 +233,7 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray, table: np.ndarray) -> np.ndarray:
     if compile_progress._pending:
         compile_progress.wait_for(_gelu_mul_kernel)
     in_pieces(lambda g, u, o: _gelu_mul_kernel(g, u, table, o), gate.size, gate.reshape(-1),
-               up.reshape(-1), out.reshape(-1))
+              up.reshape(-1), out.reshape(-1))
     return out
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from edgeinfer.metadata import meta_int
 from edgeinfer.vision import image_ops
 from edgeinfer.vision.chunk import ImageChunk
 from edgeinfer.vision.image_io import Image, from_pixels
@@ -30,7 +29,7 @@ class Gemma3Projector:
             raise mm.fail(f"clip.vision.image_size {vp.image_size} is not a multiple of "
                           f"clip.vision.patch_size {vp.patch_size}")
         side = vp.image_size // vp.patch_size
-        self.merge = merge = _read_merge(mm)
+        self.merge = merge = mm.pooling_merge(DEFAULT_MERGE)
         if side % merge:
             raise mm.fail(f"{side} patches a side do not pool evenly by "
                           f"clip.vision.projector.scale_factor {merge}")
@@ -79,10 +78,6 @@ class Gemma3Projector:
             x = x.astype(np.float16).astype(np.float32)  # ggml's F16 matmul takes F16 inputs
         out = (x @ self.proj).astype(np.float32)
         return ImageChunk(embeddings=out, digest=img.digest, non_causal=True)
-
-
-def _read_merge(mm: MmprojFile) -> int:
-    return meta_int(mm.gguf.metadata, "clip.vision.projector.scale_factor", 1, 1 << 10, DEFAULT_MERGE)
 
 
 def max_patches(mm: MmprojFile) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeinfer.metadata import MAX_EMBD, meta_int
+from edgeinfer.metadata import MAX_EMBD
 from edgeinfer.vision import image_ops
 from edgeinfer.vision.chunk import ImageChunk
 from edgeinfer.vision.gemma4v_encoder import ClampedLinear, Gemma4VisionTower
@@ -33,16 +33,11 @@ MAX_SIDE = 65536                   # libmtmd's largest resize target
 _ONE = np.float32(1.0)
 
 
-
-def read_merge(mm: MmprojFile) -> int:
-    """The pooling's side: merge x merge patches a token."""
-    return meta_int(mm.gguf.metadata, "clip.vision.projector.scale_factor", 1, 1 << 10, DEFAULT_MERGE)
-
-
 def max_patches(mm: MmprojFile) -> int:
     """Patch rows of the largest image it takes: MAX_TOKENS tokens of merge x merge patches."""
-    merge = read_merge(mm)
+    merge = mm.pooling_merge(DEFAULT_MERGE)
     return MAX_TOKENS * merge * merge
+
 
 class Gemma4VProjector:
     """A checked gemma4v mmproj: images in, (tokens, text width) embeddings out."""
@@ -52,7 +47,7 @@ class Gemma4VProjector:
         vp = self.params = mm.vision
         self.path = mm.path
         e = vp.n_embd
-        self.merge = read_merge(mm)
+        self.merge = mm.pooling_merge(DEFAULT_MERGE)
         self.tower = Gemma4VisionTower(mm)
         self.ops = mm.ops   # where the tower's matrices and attention run (edgeinfer.vision.encoder_ops)
         bias = mm.vector("v.std_bias", e, required=False)

@@ -96,6 +96,11 @@ class MmprojFile:
                             f"{self.projector_type} projector cannot use here")
         return info
 
+    def pooling_merge(self, default: int) -> int:
+        """clip.vision.projector.scale_factor: the pooling's side (merge x merge patches a
+        token); `default`, the projector's own, where the file has none."""
+        return meta_int(self.gguf.metadata, "clip.vision.projector.scale_factor", 1, 1 << 10, default)
+
     def vector(self, name: str, n: int, required: bool = True) -> np.ndarray | None:
         """A 1-D F32 tensor (norm weight, bias) as a float32 array."""
         info = self.tensor(name, (n,), (T.F32, T.F16), required)
