@@ -48,6 +48,8 @@ from .flash_attention_ir import V_KEYS, V_KEYS_HEADS, prefetch_rows
 from .expf_glibc import expf
 from .f16 import f16_round
 from .ggml_math import fma_f32, hsum8
+from .kv_attention import reduce_slots
+from .kv_attention_ir import SLOTS
 from .quant_kernels import KVALUES_IQ4NL, f16
 from .threads import apply_threads, get_threads
 
@@ -143,23 +145,16 @@ def _dot_iq4_nl(krow, qx, qd, nb, acc):
 
 @njit(inline="always", **_JIT)
 def _dot_f16(krow, q16, hd, slots):
-    """ggml_vec_dot_f16 (K row as F16 bytes, Q rounded to F16): 32 float32 slots in order
-    (the products are exact), the fixed reduction, leftovers in double."""
-    n_vec = hd - hd % 32
-    for i in range(32):
+    """ggml_vec_dot_f16 (K row as F16 bytes, Q rounded to F16): SLOTS float32 slots in order
+    (the products are exact), the fixed reduction of this CPU's build, leftovers in double."""
+    n_vec = hd - hd % SLOTS
+    for i in range(SLOTS):
         slots[i] = np.float32(0.0)
-    for c in range(0, n_vec, 32):
-        for i in range(32):
+    for c in range(0, n_vec, SLOTS):
+        for i in range(SLOTS):
             e = c + i
             slots[i] = np.float32(slots[i] + f16(krow[2 * e], krow[2 * e + 1]) * q16[e])
-    x = np.empty(8, np.float32)
-    for i in range(8):
-        x[i] = np.float32(np.float32(slots[i] + slots[16 + i]) + np.float32(slots[8 + i] + slots[24 + i]))
-    t0 = np.float32(x[0] + x[4])
-    t1 = np.float32(x[1] + x[5])
-    t2 = np.float32(x[2] + x[6])
-    t3 = np.float32(x[3] + x[7])
-    dot = np.float64(np.float32(np.float32(t0 + t1) + np.float32(t2 + t3)))
+    dot = np.float64(reduce_slots(slots))
     for e in range(n_vec, hd):
         dot += np.float64(f16(krow[2 * e], krow[2 * e + 1])) * np.float64(q16[e])
     return np.float32(dot)
@@ -275,7 +270,7 @@ def _make_rows(tk: int, tv: int):
             t = job // n_blocks
             g0 = job % n_blocks * kv_block
             qp = qpos[t]
-            lanes = np.empty(32, np.float32)
+            lanes = np.empty(SLOTS, np.float32)   # _dot_f16's slots (the quantized dots use 8)
             vbuf = np.empty(hdv, np.float32)
             accs_all = np.zeros((kv_block, group, hdv), np.float32)   # F16 values when V is F16
             Ms_all = np.full((kv_block, group), -np.inf, np.float32)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kv_quant
+from .ggml_math_ref import SLOTS, reduce_slots
 from .libm import expf, tanhf
 
 
@@ -43,14 +44,6 @@ def _hsum8(x: np.ndarray) -> np.ndarray:
     """hsum_float_8 over the last axis (8 lanes)."""
     t = [(x[..., i] + x[..., i + 4]).astype(np.float32) for i in range(4)]
     return ((t[0] + t[2]).astype(np.float32) + (t[1] + t[3]).astype(np.float32)).astype(np.float32)
-
-
-def _reduce32(slots: np.ndarray) -> np.ndarray:
-    """GGML_F32x8_REDUCE of 32 float32 slots (last axis)."""
-    s = slots.reshape(slots.shape[:-1] + (4, 8))
-    x = (s[..., 0, :] + s[..., 2, :]) + (s[..., 1, :] + s[..., 3, :])
-    t = x[..., :4] + x[..., 4:]
-    return (t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])
 
 
 def quantize_q(type_k: str, q: np.ndarray) -> np.ndarray:
@@ -72,11 +65,11 @@ def kq_dots(type_k: str, k: np.ndarray, qq: np.ndarray) -> np.ndarray:
         hd = k.shape[2]
         q16 = qq.astype(np.float32).reshape(n, n_kv, g, hd)
         k32 = np.asarray(k, np.float16).astype(np.float32)
-        n_vec = hd - hd % 32
-        slots = np.zeros((n, n_kv, g, n_keys, 32), np.float32)
-        for c in range(0, n_vec, 32):
-            slots += q16[:, :, :, None, c:c + 32] * k32[:, :, c:c + 32].transpose(1, 0, 2)[None, :, None]
-        dots = _reduce32(slots).astype(np.float64)
+        n_vec = hd - hd % SLOTS   # ggml_vec_dot_f16: 32 slots, 64 on AVX-512
+        slots = np.zeros((n, n_kv, g, n_keys, SLOTS), np.float32)
+        for c in range(0, n_vec, SLOTS):
+            slots += q16[:, :, :, None, c:c + SLOTS] * k32[:, :, c:c + SLOTS].transpose(1, 0, 2)[None, :, None]
+        dots = reduce_slots(slots).astype(np.float64)
         if n_vec < hd:
             dots += np.einsum("tkgd,skd->tkgs", q16[..., n_vec:].astype(np.float64), k32[:, :, n_vec:].astype(np.float64))
         return dots.astype(np.float32).reshape(n, n_head, n_keys)

@@ -1,4 +1,13 @@
-"""ggml's float32 math as llama.cpp's AVX2 build computes it: ggml_v_expf and the 8-lane horizontal sum.
+"""ggml's float32 math as llama.cpp's x86 build for this CPU computes it: ggml_v_expf and the horizontal sums.
+
+llama.cpp built natively for an AVX-512 CPU (AVX512F and DQ) runs its vector exp, SiLU,
+softmax and F16/F32 dots 16 lanes wide with their own roundings; its AVX2 build 8 wide.
+edgeinfer reproduces the build that matches the CPU it compiles for (`AVX512`, from the
+Numba target's features, so a NUMBA_CPU_NAME build reproduces that target's llama.cpp):
+- ggml_v_expf, AVX2: exp(x) = k + k j with k = 2^n, one fma (j without its 1);
+  AVX-512: 1 + c1 b is rounded inside the polynomial (j512 ~ 1 + j), then scalef(j512, n).
+- the softmax and variance sums: each vector's horizontal sum (AVX2's movehl/movehdup,
+  `hsum8`; AVX-512's _mm512_reduce_add_ps, `hsum16`) added into a double.
 
 The constants are ggml_v_expf's, as written there in hexadecimal; the numpy reference
 (edgeinfer.backends.base) reads them from here. The compiled pieces inline into the attention
@@ -9,7 +18,20 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core.registry import cpu_target
 from numba.extending import intrinsic
+
+from .ir_helpers import target_features
+
+
+def _avx512_build() -> bool:
+    """Whether llama.cpp's build for the CPU Numba compiles for is its AVX-512 one
+    (ggml's exp, SiLU and softmax take 16 lanes where AVX512F and AVX512DQ are there)."""
+    return {"+avx512f", "+avx512dq"} <= target_features(cpu_target.target_context)
+
+
+AVX512 = _avx512_build()
+LANES = 16 if AVX512 else 8   # float32 lanes of ggml's vec_* loops (exp, SiLU, softmax, variance)
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
 
@@ -42,6 +64,18 @@ def expf_parts(x):
     return n, j
 
 
+@njit(inline="always", **_JIT)
+def expf_parts512(x):
+    """AVX-512 ggml_v_expf's exponent n and polynomial j512: exp(x) ~ 2^n * j512, where
+    j512 holds the 1 (its last fma adds the polynomial to fma(c1, b, 1))."""
+    z = fma_f32(x, LOG2E, R)
+    n = np.float32(z - R)
+    b = fma_f32(-n, LN2_LO, fma_f32(-n, LN2_HI, x))
+    u = np.float32(b * b)
+    j = fma_f32(fma_f32(fma_f32(C5, b, C4), u, fma_f32(C3, b, C2)), u, fma_f32(C1, b, np.float32(1.0)))
+    return n, j
+
+
 @intrinsic
 def pow2_f64(typingctx, n):
     """2.0 ** n for an int64 -1022 <= n <= 1023, from the exponent bits (vectorizes)."""
@@ -56,6 +90,24 @@ def pow2_f64(typingctx, n):
 
 @njit(inline="always", **_JIT)
 def ggml_expf_any(x):
+    """ggml_v_expf of this CPU's llama.cpp build for any finite float32 x (branch-free)."""
+    if AVX512:
+        return expf512_any(x)
+    return expf256_any(x)
+
+
+@njit(inline="always", **_JIT)
+def expf512_any(x):
+    """AVX-512 ggml_v_expf: scalef(j512, n), one rounding of 2^n * j512 (exact in float64;
+    a subnormal or infinite result rounds there once); |n| > 192: 0 or inf."""
+    n, j = expf_parts512(x)
+    k = pow2_f64(np.int64(min(max(n, np.float32(-193.0)), np.float32(193.0))))
+    r = np.float32(np.float64(j) * k)
+    return np.float32(0.0) if n < -192.0 else (np.float32(np.inf) if n > 192.0 else r)
+
+
+@njit(inline="always", **_JIT)
+def expf256_any(x):
     """ggml_v_expf (AVX2) for any finite float32 x, its three ranges: |n| <= 126,
     fma(j, k, k) with k = 2^n, one rounding of 2^n * (1 + j) (exact in float64);
     126 < |n| <= 192, two power-of-two factors, 1 + j rounded to float32 first and the
@@ -76,3 +128,21 @@ def hsum8(a0, a1, a2, a3, a4, a5, a6, a7):
     t2 = np.float32(a2 + a6)
     t3 = np.float32(a3 + a7)
     return np.float32(np.float32(t0 + t2) + np.float32(t1 + t3))
+
+
+@njit(inline="always", **_JIT)
+def hsum16(v, o):
+    """_mm512_reduce_add_ps of v[o:o + 16]: the 256-bit halves, then the 128-bit ones,
+    then (0 + 2) + (1 + 3)."""
+    h = np.empty(4, np.float32)
+    for i in range(4):
+        h[i] = np.float32(np.float32(v[o + i] + v[o + i + 8]) + np.float32(v[o + i + 4] + v[o + i + 12]))
+    return np.float32(np.float32(h[0] + h[2]) + np.float32(h[1] + h[3]))
+
+
+@njit(inline="always", **_JIT)
+def hsum_vec(v, o):
+    """The horizontal sum of one of ggml's vec_* vectors, v[o:o + LANES], on this build."""
+    if AVX512:
+        return hsum16(v, o)
+    return hsum8(v[o], v[o + 1], v[o + 2], v[o + 3], v[o + 4], v[o + 5], v[o + 6], v[o + 7])

@@ -17,6 +17,10 @@ llama.cpp's CPU decode path (no flash attention) computes, per query row and hea
    j goes to slot j % 32, where j is the key's slot in the cache (its position in a fresh
    sequence; llama.cpp pads the key count to 256, so there are no leftovers).
 
+On AVX-512 CPUs the order is that of llama.cpp's AVX-512 build (ggml_math.AVX512): 64 slots
+of 16 lanes (SLOTS) ending in _mm512_reduce_add_ps, the exp of ggml_math.expf512_any, and
+the softmax groups of 16 keys (LANES), each summed by that reduction.
+
 A masked key contributes exactly zero everywhere, so the kernels skip it. The numpy
 reference of the same math is `edgeinfer.backends.base.Backend.attention`; the tests require
 the two to agree bit for bit.
@@ -31,9 +35,9 @@ from numba import njit, prange
 from . import compile_progress
 from .f16 import f16_round, f16_to_f32, round_f16
 from .f16 import f16_value as _f16
-from .ggml_math import expf_parts, hsum8, pow2_f64
-from .kv_attention_ir import (KEYS, dot_f16_32, kq_dots_1, kq_dots_2, kq_dots_4, kq_dots_8, via_f16,
-                              wslots_2, wslots_4, wslots_8, wslots_16)
+from .ggml_math import AVX512, LANES, expf512_any, expf_parts, hsum_vec, pow2_f64
+from .kv_attention_ir import (KEYS, KQ_HEAD_SIZES, SLOTS, dot_f16_32, kq_dots_32, kq_dots_64, kq_dots_128, kq_dots_256,
+                              via_f16, wslots_2, wslots_4, wslots_8, wslots_16)
 from .threads import apply_threads, get_threads, worker_pool
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
@@ -116,12 +120,23 @@ def dot_f16_scalar(k_row, q16, n_vec, acc, n_slots):
     for c in range(0, n_vec, n_slots):
         for lane in range(n_slots):
             acc[lane] += _f16(k_row[c + lane]) * q16[c + lane]
-    return reduce32(acc)
+    return reduce_slots(acc)
 
 
 @njit(**_JIT)
 def dot_f16_vector(k_row, q16, n_vec):
     return dot_f16_32(k_row, q16, n_vec)
+
+
+@njit(inline="always", **_JIT)
+def reduce_slots(acc):
+    """ggml_vec_dot_f16's reduction of its SLOTS float32 slots on this CPU's llama.cpp build."""
+    if AVX512:
+        x = np.empty(16, np.float32)
+        for i in range(16):
+            x[i] = np.float32(np.float32(acc[i] + acc[32 + i]) + np.float32(acc[16 + i] + acc[48 + i]))
+        return hsum_vec(x, 0)
+    return reduce32(acc)
 
 
 @njit(inline="always", **_JIT)
@@ -161,12 +176,12 @@ def _allowed(kp, qp, window):
 
 
 @njit(**_JIT)
-def _scores_and_weights(q16, k_bits, g, kpos, qp, window, kq_scale, w, sink, n_slots=32):
+def _scores_and_weights(q16, k_bits, g, kpos, qp, window, kq_scale, w, sink, n_slots=SLOTS):
     """Fill w[:S] with the F16-rounded softmax weights of one query row (q16: F16 values),
     a key at a time (CPUs without F16C, head sizes without the 16-key kernels)."""
     hd = q16.shape[0]
-    n_vec = hd - hd % 32
-    acc = np.zeros(32, np.float32)
+    n_vec = hd - hd % SLOTS
+    acc = np.zeros(SLOTS, np.float32)
     for j in range(k_bits.shape[0]):
         if not _allowed(kpos[j], qp, window):
             continue   # _softmax_f16 gives it weight 0 whatever w[j] holds
@@ -182,14 +197,14 @@ def _scores_and_weights(q16, k_bits, g, kpos, qp, window, kq_scale, w, sink, n_s
 
 @njit(**_JIT)
 def _weighted_values(w, v_bits, g, out):
-    """out[d] = sum_j w[j] * V[j, d] as ggml_vec_dot_f16 over the keys (key j in slot j % 32).
+    """out[d] = sum_j w[j] * V[j, d] as ggml_vec_dot_f16 over the keys (key j in slot j % SLOTS).
     Keys outer, dims inner (vectorized): each (slot, dim) still sums its keys in order."""
     n_keys, hdv = v_bits.shape[0], v_bits.shape[2]
-    acc = np.zeros((32, hdv), np.float32)
+    acc = np.zeros((SLOTS, hdv), np.float32)
     for j in range(n_keys):
         wj = w[j]
         if wj != 0.0:  # a zero weight adds exactly +0
-            row = acc[j & 31]
+            row = acc[j & (SLOTS - 1)]
             for d in range(hdv):
                 row[d] += _f16(v_bits[j, g, d]) * wj
     _reduce_slots(acc, out)
@@ -201,11 +216,29 @@ def _slot_pair_sums(acc, i, d):
     return np.float32(np.float32(acc[i, d] + acc[16 + i, d]) + np.float32(acc[8 + i, d] + acc[24 + i, d]))
 
 
+@njit(inline="always", **_JIT)
+def _slot_sums512(acc, i, d):
+    """GGML_F32x16_REDUCE's first steps for lane i of dim d: (s_i + s_32+i) + (s_16+i + s_48+i)."""
+    return np.float32(np.float32(acc[i, d] + acc[32 + i, d]) + np.float32(acc[16 + i, d] + acc[48 + i, d]))
+
+
+@njit(inline="always", **_JIT)
+def _lane_sums512(acc, k, d):
+    """_mm512_reduce_add_ps's first two steps for lane k < 4 (x_k + x_8+k) + (x_4+k + x_12+k)."""
+    return np.float32(np.float32(_slot_sums512(acc, k, d) + _slot_sums512(acc, k + 8, d))
+                      + np.float32(_slot_sums512(acc, k + 4, d) + _slot_sums512(acc, k + 12, d)))
+
+
 @njit(**_JIT)
 def _reduce_slots(acc, out):
-    """reduce32 of the 32 slot rows for every dim at once (lane-wise over the dims): one
-    loop over the dims with the whole reduction inside (eight loops over the dims, one per
-    slot group, made LLVM emit eight vectorized copies: a quarter of the kernel's IR)."""
+    """reduce_slots of the SLOTS slot rows for every dim at once (lane-wise over the dims):
+    one loop over the dims with the whole reduction inside (eight loops over the dims, one
+    per slot group, made LLVM emit eight vectorized copies: a quarter of the kernel's IR)."""
+    if AVX512:
+        for d in range(out.shape[0]):
+            out[d] = np.float32(np.float32(_lane_sums512(acc, 0, d) + _lane_sums512(acc, 2, d))
+                                + np.float32(_lane_sums512(acc, 1, d) + _lane_sums512(acc, 3, d)))
+        return
     for d in range(out.shape[0]):
         t0 = np.float32(_slot_pair_sums(acc, 0, d) + _slot_pair_sums(acc, 4, d))
         t1 = np.float32(_slot_pair_sums(acc, 1, d) + _slot_pair_sums(acc, 5, d))
@@ -218,13 +251,13 @@ def _reduce_slots(acc, out):
 def _kq_blocks(q16, k_bits, g, n_blocks, w, hd):
     """_make_kq_dots' kernel for head size hd (a constant where inlined: one branch stays)."""
     if hd == 64:
-        kq_dots_2(q16, k_bits, g, n_blocks, w)
+        kq_dots_64(q16, k_bits, g, n_blocks, w)
     elif hd == 128:
-        kq_dots_4(q16, k_bits, g, n_blocks, w)
+        kq_dots_128(q16, k_bits, g, n_blocks, w)
     elif hd == 256:
-        kq_dots_8(q16, k_bits, g, n_blocks, w)
+        kq_dots_256(q16, k_bits, g, n_blocks, w)
     else:
-        kq_dots_1(q16, k_bits, g, n_blocks, w)
+        kq_dots_32(q16, k_bits, g, n_blocks, w)
 
 
 @njit(inline="always", **_JIT)
@@ -244,8 +277,8 @@ def _weighted_blocks(w, lo, hi, v_bits, g, acc, hdv):
 def _seen_slots(kpos, qpos, window):
     """(n_tok, 2): for each query, the slots from the first to the last key it sees, lo..hi
     (a sliding window sees a short run of a long cache); lo = hi where it sees none. lo is
-    rounded down to a multiple of 8: the softmax sums its weights in groups of 8 slots
-    counted from slot 0, and groups counted from elsewhere round differently."""
+    rounded down to a multiple of LANES: the softmax sums its weights in groups of LANES
+    slots counted from slot 0, and groups counted from elsewhere round differently."""
     seen = np.zeros((qpos.shape[0], 2), np.int64)
     for t in range(qpos.shape[0]):
         lo, hi = kpos.shape[0], 0
@@ -254,7 +287,7 @@ def _seen_slots(kpos, qpos, window):
                 lo = min(lo, j)
                 hi = j + 1
         lo = min(lo, hi)
-        seen[t, 0], seen[t, 1] = lo - lo % 8, hi
+        seen[t, 0], seen[t, 1] = lo - lo % LANES, hi
     return seen
 
 
@@ -272,7 +305,7 @@ def _attend_one(q16, k_bits, v_bits, g, kpos, qp, window, kq_scale, lo, hi, w, o
     for j in range(lo + nb * KEYS, hi):
         w[j] = dot_f16_32(k_bits[j, g], q16, q16.shape[0])
     _softmax_f16(w[lo:hi], kpos[lo:hi], qp, window, kq_scale, sink)
-    acc = np.zeros((32, v_bits.shape[2]), np.float32)
+    acc = np.zeros((SLOTS, v_bits.shape[2]), np.float32)
     _weighted_blocks(w, lo, hi, v_bits, g, acc, hdv)
     _reduce_slots(acc, out)
 
@@ -296,19 +329,22 @@ def _softmax_f16(w, kpos, qp, window, kq_scale, sink):
         else:
             w[j] = neg_inf
     for j in range(n):
-        nn, jj = expf_parts(np.float32(w[j] - mx))
-        k = pow2_f64(np.int64(max(nn, np.float32(-127.0))))
-        e = np.float32(np.float64(np.float32(jj + np.float32(1.0))) * k)
-        w[j] = np.float32(0.0) if nn < -126.0 else e
+        if AVX512:
+            w[j] = expf512_any(np.float32(w[j] - mx))
+        else:
+            nn, jj = expf_parts(np.float32(w[j] - mx))
+            k = pow2_f64(np.int64(max(nn, np.float32(-127.0))))
+            e = np.float32(np.float64(np.float32(jj + np.float32(1.0))) * k)
+            w[j] = np.float32(0.0) if nn < -126.0 else e
     total = 0.0
-    n8 = n - n % 8
-    for c in range(0, n8, 8):
-        total += np.float64(hsum8(w[c], w[c + 1], w[c + 2], w[c + 3], w[c + 4], w[c + 5], w[c + 6], w[c + 7]))
+    n8 = n - n % LANES
+    for c in range(0, n8, LANES):
+        total += np.float64(hsum_vec(w, c))
     if n8 < n:
-        e = np.zeros(8, np.float32)
+        e = np.zeros(LANES, np.float32)
         for lane in range(n - n8):
             e[lane] = w[n8 + lane]
-        total += np.float64(hsum8(e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]))
+        total += np.float64(hsum_vec(e, 0))
     if sink > neg_inf:
         total += np.float64(math.exp(np.float32(sink - mx)))
     inv = np.float32(1.0 / total)
@@ -319,7 +355,7 @@ def _softmax_f16(w, kpos, qp, window, kq_scale, sink):
             w[j] = f16_round(np.float32(w[j] * inv))
 
 
-_SLOTS = 32  # ggml_vec_dot_f16's 4 x 8 accumulators, passed at run time (see the KQ loop)
+_SLOTS = SLOTS  # ggml_vec_dot_f16's 4 accumulators of LANES, passed at run time (see the KQ loop)
 
 
 def _make_attention_rows(hd: int, hdv: int):
@@ -356,7 +392,7 @@ _FAST_HEAD_SIZES = (32, 64, 128, 256)
 
 def attention_kernel(hd: int, hdv: int):
     """The compiled attention kernel for these head sizes (made on first use)."""
-    key = (hd, hdv) if _VECTOR_F16 and hd in _FAST_HEAD_SIZES and hdv in _FAST_HEAD_SIZES else (0, 0)
+    key = (hd, hdv) if _VECTOR_F16 and hd in KQ_HEAD_SIZES and hdv in _FAST_HEAD_SIZES else (0, 0)
     kernel = _ROWS_KERNELS.get(key)
     if kernel is None:
         kernel = _ROWS_KERNELS[key] = _make_attention_rows(*key)
@@ -369,7 +405,7 @@ def attention_kernel(hd: int, hdv: int):
 def compile_here(hd: int, hdv: int) -> None:
     """Compile (or load) the attention kernel for these head sizes with the signature
     `attention` calls it with, on a few dummy rows."""
-    n_slots = 32
+    n_slots = SLOTS
     q = np.ones((2, 2, hd), np.float32)
     k, v = np.ones((n_slots, 1, hd), np.float16), np.ones((n_slots, 1, hdv), np.float16)
     attention(q, k, v, np.arange(n_slots), np.array([n_slots - 2, n_slots - 1]), 1.0, 0)

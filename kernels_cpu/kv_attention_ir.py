@@ -1,7 +1,9 @@
 """The decode attention's LLVM-IR intrinsics: ggml_vec_dot_f16 in its exact order, 16 keys a step.
 
 kv_attention.py's kernels call these; the order of every float op is llama.cpp's (see
-kv_attention.py's docstring), so each intrinsic states the sums it keeps.
+kv_attention.py's docstring), so each intrinsic states the sums it keeps. On AVX-512 CPUs
+they keep the order of llama.cpp's AVX-512 build (ggml_math.AVX512): ggml_vec_dot_f16's
+four accumulators are 16 lanes wide (64 slots) and end in _mm512_reduce_add_ps.
 """
 from __future__ import annotations
 
@@ -10,40 +12,49 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .ggml_math import AVX512
 from .ir_helpers import counted_loop
+
+SLOTS = 64 if AVX512 else 32   # ggml_vec_dot_f16's 4 accumulators x lanes: the slots of a dot
 
 
 @intrinsic
 def dot_f16_32(typingctx, k_row, q, n):
     """ggml_vec_dot_f16 of F16 bits k_row (1-D uint16, C) with float32 q over the first n
-    elements (a multiple of 32), in its exact order: four <8 x float> accumulators fed in
-    turn, then GGML_F32x8_REDUCE. Emitted only where the CPU has F16C (vcvtph2ps)."""
+    elements (a multiple of SLOTS), in its exact order: four <8 x float> accumulators fed in
+    turn, then GGML_F32x8_REDUCE (AVX-512: four <16 x float>, GGML_F32x16_REDUCE). Emitted
+    only where the CPU has F16C (vcvtph2ps)."""
     sig = types.float32(k_row, q, n)
 
     def codegen(context, builder, sig, args):
         f32, i64 = ir.FloatType(), ir.IntType(64)
-        v8f = ir.VectorType(f32, 8)
+        lanes = SLOTS // 4
+        v8f = ir.VectorType(f32, lanes)
         ka = context.make_array(sig.args[0])(context, builder, args[0])
         qa = context.make_array(sig.args[1])(context, builder, args[1])
         kp = builder.bitcast(ka.data, ir.IntType(16).as_pointer())
         qp = builder.bitcast(qa.data, f32.as_pointer())
         n = args[2]
-        zero = ir.Constant(v8f, [0.0] * 8)
+        zero = ir.Constant(v8f, [0.0] * lanes)
 
         def step(i, accs):
             new = []
             for j, a in enumerate(accs):
-                off = builder.add(i, ir.Constant(i64, 8 * j))
-                kv = builder.load(builder.bitcast(builder.gep(kp, [off]), ir.VectorType(ir.IntType(16), 8).as_pointer()), align=2)
-                kf = builder.fpext(builder.bitcast(kv, ir.VectorType(ir.HalfType(), 8)), v8f)
+                off = builder.add(i, ir.Constant(i64, lanes * j))
+                kv = builder.load(builder.bitcast(builder.gep(kp, [off]), ir.VectorType(ir.IntType(16), lanes).as_pointer()), align=2)
+                kf = builder.fpext(builder.bitcast(kv, ir.VectorType(ir.HalfType(), lanes)), v8f)
                 qv = builder.load(builder.bitcast(builder.gep(qp, [off]), v8f.as_pointer()), align=4)
                 new.append(builder.fadd(a, builder.fmul(kf, qv)))  # F16 x F16 products are exact: = fma
             return new
-        fin = counted_loop(builder, n, 32, [zero] * 4, step, "dot16")
+        fin = counted_loop(builder, n, SLOTS, [zero] * 4, step, "dot16")
         x0 = builder.fadd(builder.fadd(fin[0], fin[2]), builder.fadd(fin[1], fin[3]))
 
         def lane(v, k):
             return builder.extract_element(v, ir.Constant(ir.IntType(32), k))
+        if AVX512:   # _mm512_reduce_add_ps: the 256-bit halves, the 128-bit ones, (0 + 2) + (1 + 3)
+            h = [builder.fadd(builder.fadd(lane(x0, k), lane(x0, k + 8)), builder.fadd(lane(x0, k + 4), lane(x0, k + 12)))
+                 for k in range(4)]
+            return builder.fadd(builder.fadd(h[0], h[2]), builder.fadd(h[1], h[3]))
         t = [builder.fadd(lane(x0, k), lane(x0, k + 4)) for k in range(4)]
         return builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))
     return sig, codegen
@@ -91,28 +102,38 @@ def _shuf(b, x, y, idx):
 
 
 def _dot_lanes(b, kptr, qs):
-    """One key's ggml_vec_dot_f16 with q (hd/32 vectors <32 x float>) up to its last step:
-    the 32 slots summed over the chunks in order, then slots l and 16 + l added: the
-    <16 x float> whose lanes reduce32 finishes (_reduce16_keys)."""
+    """One key's ggml_vec_dot_f16 with q (hd/SLOTS vectors <SLOTS x float>) up to its last
+    steps: the slots summed over the chunks in order, then slots l and SLOTS/2 + l added
+    (AVX-512: then lanes l and 16 + l, GGML_F32x16_REDUCE's (x0 + x2) + (x1 + x3)): the
+    <16 x float> whose lanes _reduce16_keys finishes."""
     f32 = ir.FloatType()
-    acc = ir.Constant(ir.VectorType(f32, 32), [0.0] * 32)
+    acc = ir.Constant(ir.VectorType(f32, SLOTS), [0.0] * SLOTS)
     for c, qc in enumerate(qs):
-        kf = _f16_vec(b, b.gep(kptr, [ir.Constant(ir.IntType(64), 64 * c)]), 32)
+        kf = _f16_vec(b, b.gep(kptr, [ir.Constant(ir.IntType(64), 2 * SLOTS * c)]), SLOTS)
         # F16 x F16 products are exact in float32, so an fma rounds as the add alone; the
         # first add from zero stays (0 + -0 is +0)
         acc = b.fadd(acc, b.fmul(kf, qc)) if c == 0 else _fma_ir(b, kf, qc, acc)
-    return b.fadd(_shuf(b, acc, acc, range(16)), _shuf(b, acc, acc, range(16, 32)))
+    half = SLOTS // 2
+    y = b.fadd(_shuf(b, acc, acc, range(half)), _shuf(b, acc, acc, range(half, SLOTS)))
+    if AVX512:
+        return b.fadd(_shuf(b, y, y, range(16)), _shuf(b, y, y, range(16, 32)))
+    return y
 
 
 def _reduce16_keys(b, ys):
     """16 keys' _dot_lanes vectors -> <16 x float> of their dots, key k in lane k, each
-    lane by reduce32's own adds: x_i = y_i + y_{8+i}, t_k = x_k + x_{k+4},
-    (t0 + t1) + (t2 + t3). Each round pairs two vectors, so it also transposes."""
+    lane by the reduction's own adds. AVX2 (reduce32): x_i = y_i + y_{8+i},
+    t_k = x_k + x_{k+4}, (t0 + t1) + (t2 + t3); AVX-512 (_mm512_reduce_add_ps of y):
+    h_i = y_i + y_{8+i}, g_k = h_k + h_{k+4}, (g0 + g2) + (g1 + g3). Each round pairs two
+    vectors, so it also transposes."""
     def rounds(vs, lo, hi):
         return [b.fadd(_shuf(b, x, y, lo), _shuf(b, x, y, hi)) for x, y in zip(vs[0::2], vs[1::2])]
     u = rounds(ys, [*range(8), *range(16, 24)], [*range(8, 16), *range(24, 32)])        # x of 2 keys
     v = rounds(u, [i + 8 * q for q in range(4) for i in range(4)], [i + 4 + 8 * q for q in range(4) for i in range(4)])
-    w = rounds(v, list(range(0, 32, 2)), list(range(1, 32, 2)))                          # t0+t1, t2+t3
+    if AVX512:   # 4 lanes a key: (0 + 2), (1 + 3), then their sum
+        w = rounds(v, [4 * q + i for q in range(8) for i in (0, 1)], [4 * q + i for q in range(8) for i in (2, 3)])
+    else:
+        w = rounds(v, list(range(0, 32, 2)), list(range(1, 32, 2)))                      # t0+t1, t2+t3
     return rounds(w, list(range(0, 32, 2)), list(range(1, 32, 2)))[0]
 
 
@@ -127,20 +148,22 @@ def _f32_ptr(context, b, ty, val):
     return b.bitcast(context.make_array(ty)(context, b, val).data, ir.FloatType().as_pointer())
 
 
-def _make_kq_dots(n_chunks):
+def _make_kq_dots(hd):
+    n_chunks = hd // SLOTS
+
     @intrinsic
     def kq_dots(typingctx, q16, k_bits, g, n_blocks, w):
-        """w[j] = the reduce32 dot of key j (KV head g of k_bits, (S, n_kv, 32 * n_chunks)
-        F16 bits) with q16 (F16 values as float32) for j < KEYS * n_blocks: for each key
-        exactly what dot_f16_32 returns, 16 keys a step."""
+        """w[j] = the ggml_vec_dot_f16 of key j (KV head g of k_bits, (S, n_kv, hd) F16 bits,
+        hd a multiple of SLOTS) with q16 (F16 values as float32) for j < KEYS * n_blocks:
+        for each key exactly what dot_f16_32 returns, 16 keys a step."""
         sig = types.void(q16, k_bits, g, n_blocks, w)
 
         def codegen(context, b, sig, args):
             f32, i64 = ir.FloatType(), ir.IntType(64)
             kbase, kstride = _kv_head(context, b, sig.args[1], args[1], args[2])
-            v32 = ir.VectorType(f32, 32)
+            v32 = ir.VectorType(f32, SLOTS)
             qp, wp = _f32_ptr(context, b, sig.args[0], args[0]), _f32_ptr(context, b, sig.args[4], args[4])
-            qs = [b.load(b.bitcast(b.gep(qp, [ir.Constant(i64, 32 * c)]), v32.as_pointer()), align=4)
+            qs = [b.load(b.bitcast(b.gep(qp, [ir.Constant(i64, SLOTS * c)]), v32.as_pointer()), align=4)
                   for c in range(n_chunks)]
 
             v16 = ir.VectorType(f32, 16)
@@ -169,9 +192,9 @@ def _make_kq_dots(n_chunks):
 def _make_weighted_slots(n_vchunks):
     @intrinsic
     def weighted_slots(typingctx, w, lo, hi, v_bits, g, acc):
-        """acc[j % 32, :] += w[j] * V[j] for keys lo <= j < hi in order (KV head g of v_bits,
-        (S, n_kv, 16 * n_vchunks) F16 bits), zero weights skipped: the 32 slots of
-        _weighted_values, whose other keys have weight 0. acc (32, hd_v) starts zeroed.
+        """acc[j % SLOTS, :] += w[j] * V[j] for keys lo <= j < hi in order (KV head g of v_bits,
+        (S, n_kv, 16 * n_vchunks) F16 bits), zero weights skipped: the slots of
+        _weighted_values, whose other keys have weight 0. acc (SLOTS, hd_v) starts zeroed.
         Keys in order: V streams from memory in order (slot by slot it was 32 rows apart)."""
         sig = types.void(w, lo, hi, v_bits, g, acc)
 
@@ -192,7 +215,7 @@ def _make_weighted_slots(n_vchunks):
                     wv = b.shuffle_vector(b.insert_element(ir.Constant(v16, None), wj, ir.Constant(ir.IntType(32), 0)),
                                           ir.Constant(v16, None), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
                     vrow = b.gep(vbase, [b.mul(j, vstride)])
-                    arow = b.gep(abase, [b.mul(b.and_(j, ir.Constant(i64, 31)), astride)])
+                    arow = b.gep(abase, [b.mul(b.and_(j, ir.Constant(i64, SLOTS - 1)), astride)])
                     for c in range(n_vchunks):
                         ap = b.bitcast(b.gep(arow, [ir.Constant(i64, 64 * c)]), v16.as_pointer())
                         vf = _f16_vec(b, b.gep(vrow, [ir.Constant(i64, 32 * c)]), 16)
@@ -205,5 +228,8 @@ def _make_weighted_slots(n_vchunks):
     return weighted_slots
 
 
-kq_dots_1, kq_dots_2, kq_dots_4, kq_dots_8 = (_make_kq_dots(c) for c in (1, 2, 4, 8))
+# the head sizes with 16-key kernels: multiples of SLOTS (AVX-512: hd 32 takes the per-key loop)
+KQ_HEAD_SIZES = tuple(hd for hd in (32, 64, 128, 256) if hd % SLOTS == 0)
+kq_dots_32, kq_dots_64, kq_dots_128, kq_dots_256 = (_make_kq_dots(hd) if hd % SLOTS == 0 else None
+                                                    for hd in (32, 64, 128, 256))
 wslots_2, wslots_4, wslots_8, wslots_16 = (_make_weighted_slots(c) for c in (2, 4, 8, 16))

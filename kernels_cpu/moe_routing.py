@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .ggml_math import ggml_expf_any, hsum8
+from .ggml_math import LANES, ggml_expf_any, hsum_vec
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
 F16_MIN_NORMAL = np.float32(6.103515625e-5)
@@ -18,9 +18,9 @@ F16_MIN_NORMAL = np.float32(6.103515625e-5)
 @njit(**_JIT)
 def softmax_topk(logits, k, normalize, experts, weights):
     """experts[t], weights[t] (k each, largest probability first; ties: the lower index) for
-    router logits (n, n_expert) float32, as ggml_soft_max_f32 on AVX2 and build_moe_ffn."""
+    router logits (n, n_expert) float32, as ggml_soft_max_f32 (vectors of LANES) and build_moe_ffn."""
     n, m = logits.shape
-    body = m - m % 8
+    body = m - m % LANES
     probs = np.empty(m, np.float32)
     for t in range(n):
         mx = logits[t, 0]
@@ -28,11 +28,10 @@ def softmax_topk(logits, k, normalize, experts, weights):
             if logits[t, e] > mx:
                 mx = logits[t, e]
         total = 0.0  # ggml_float: double
-        for g in range(0, body, 8):
-            for i in range(8):
+        for g in range(0, body, LANES):
+            for i in range(LANES):
                 probs[g + i] = ggml_expf_any(np.float32(logits[t, g + i] - mx))
-            total += np.float64(hsum8(probs[g], probs[g + 1], probs[g + 2], probs[g + 3],
-                                      probs[g + 4], probs[g + 5], probs[g + 6], probs[g + 7]))
+            total += np.float64(hsum_vec(probs, g))
         for e in range(body, m):
             probs[e] = np.float32(np.exp(np.float64(np.float32(logits[t, e] - mx))))
             total += np.float64(probs[e])

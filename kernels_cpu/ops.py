@@ -13,7 +13,7 @@ from numba import njit
 
 from . import compile_progress
 from .f16 import f16_bits_of
-from .ggml_math import ggml_expf_any, hsum8
+from .ggml_math import LANES, ggml_expf_any, hsum_vec
 from .threads import PARALLEL_MIN, apply_threads, in_pieces
 
 _JIT = dict(cache=True, nogil=True)
@@ -37,24 +37,25 @@ def _rms_norm_kernel(x, w, eps, out):
 
 @njit(**_JIT)
 def _layer_norm_kernel(x, w, b, eps, out):
-    # ggml_norm on AVX2, then ggml_mul by w and ggml_add of b: the sum in double in order,
-    # mean = float(sum) / n; x - mean in float32, its squares summed 8 at a time (hsum8) into a
-    # double (the tail one by one); variance = float(that / n); scale = 1 / sqrtf(variance + eps)
+    # ggml_norm, then ggml_mul by w and ggml_add of b: the sum in double in order,
+    # mean = float(sum) / n; x - mean in float32, its squares summed a vector of LANES at a
+    # time (ggml_vec_cvar_f32: hsum_vec) into a double (the tail one by one);
+    # variance = float(that / n); scale = 1 / sqrtf(variance + eps)
     n = x.shape[1]
-    body = n - n % 8
+    body = n - n % LANES
     for i in range(x.shape[0]):
         s = 0.0
         for k in range(n):
             s += np.float64(x[i, k])
         mean = np.float32(np.float32(s) / np.float32(n))
         ss = 0.0
-        for k0 in range(0, body, 8):
-            c = np.empty(8, np.float32)
-            for j in range(8):
+        for k0 in range(0, body, LANES):
+            c = np.empty(LANES, np.float32)
+            for j in range(LANES):
                 v = np.float32(x[i, k0 + j] - mean)
                 out[i, k0 + j] = v
                 c[j] = np.float32(v * v)
-            ss += np.float64(hsum8(c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]))
+            ss += np.float64(hsum_vec(c, 0))
         for k in range(body, n):
             v = np.float32(x[i, k] - mean)
             out[i, k] = v
@@ -65,7 +66,7 @@ def _layer_norm_kernel(x, w, b, eps, out):
 
 
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float) -> np.ndarray:
-    """ggml_norm(x) * w + b over the last axis, in ggml's AVX2 order (the vision encoders'
+    """ggml_norm(x) * w + b over the last axis, in ggml's order for this CPU (the vision encoders'
     LayerNorm); b None: no bias (0 added: the same floats)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     n = x.shape[-1]
@@ -271,7 +272,7 @@ def _silu_mul_kernel(gate, up, out):
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """ggml's swiglu on AVX2: gate / (1 + ggml_v_expf(-gate)) * up, in float32."""
+    """ggml's swiglu: gate / (1 + ggml_v_expf(-gate)) * up, in float32 (this CPU's build's exp)."""
     gate = np.ascontiguousarray(gate, dtype=np.float32)
     up = np.ascontiguousarray(up, dtype=np.float32)
     out = np.empty_like(gate)

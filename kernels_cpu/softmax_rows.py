@@ -6,7 +6,8 @@ One pass for the maximum and one for the weights, instead of numpy's six passes 
 matrix far larger than the caches (scale, max, subtract, exp, a float64 sum, divide); the
 division moves to the (n, head_dim) output, which is 57x smaller at 4096 patches.
 
-exp is ggml_v_expf's polynomial (ggml_math's constants) on its |n| <= 126 range: the inputs
+exp is ggml_v_expf's polynomial (ggml_math's constants; on AVX-512 CPUs its AVX-512 build's,
+whose polynomial holds the 1) on its |n| <= 126 range: the inputs
 are <= 0, and those under -87 are clamped there (they weigh < 2^-125 against the row's
 largest, 1.0). No reassociation reaches the exp (it would fold ggml's rounding trick
 (x log2e + 1.5 2^23) - 1.5 2^23 away): LLVM vectorizes it 8 lanes at a time as written, and
@@ -21,7 +22,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .ggml_math import C1, C2, C3, C4, C5, LN2_HI, LN2_LO, LOG2E, R
+from .ggml_math import AVX512, C1, C2, C3, C4, C5, LN2_HI, LN2_LO, LOG2E, R
 
 _NO_NANS = {"nnan", "ninf", "nsz"}      # what lets the exp loop vectorize, and nothing more
 _SUM = {"nnan", "ninf", "nsz", "reassoc"}
@@ -61,8 +62,10 @@ def exp_nonpositive(x):
     n = z - R
     b = _fma(-n, LN2_LO, _fma(-n, LN2_HI, x))
     u = b * b
-    j = _fma(_fma(_fma(C5, b, C4), u, _fma(C3, b, C2)), u, C1 * b)
     k = _pow2(np.int32(n))
+    if AVX512:   # scalef(j512, n): k is a power of two, so the product is exact
+        return _fma(_fma(_fma(C5, b, C4), u, _fma(C3, b, C2)), u, _fma(C1, b, np.float32(1.0))) * k
+    j = _fma(_fma(_fma(C5, b, C4), u, _fma(C3, b, C2)), u, C1 * b)
     return _fma(j, k, k)
 
 

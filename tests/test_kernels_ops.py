@@ -119,6 +119,43 @@ def _ggml_v_expf_avx2(x: np.ndarray) -> np.ndarray:
     return np.where(d, big, np.where(c, mid, small))
 
 
+def _ggml_v_expf_avx512(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf's AVX-512 code transcribed literally: the polynomial ends in fma(c1, b, 1),
+    then _mm512_scalef_ps (one rounding of j * 2^n), 0 or inf where |n| > 192."""
+    from edgeinfer.kernels_cpu import ggml_math as gm
+
+    def fma(a, b, c):
+        return (np.asarray(a, np.float64) * b + c).astype(np.float32)
+
+    x = x.astype(np.float32)
+    with np.errstate(all="ignore"):
+        z = fma(x, gm.LOG2E, gm.R)
+        n = (z - gm.R).astype(np.float32)
+        b = fma(-n, gm.LN2_LO, fma(-n, gm.LN2_HI, x))
+        d = np.abs(n) > 192
+        u = (b * b).astype(np.float32)
+        j = fma(fma(fma(gm.C5, b, gm.C4), u, fma(gm.C3, b, gm.C2)), u, fma(gm.C1, b, np.float32(1.0)))
+        res = np.ldexp(j.astype(np.float64), np.where(d, 0, n).astype(np.int32)).astype(np.float32)
+        alt = np.where(n <= 0, np.float32(0.0), np.float32(np.inf))
+    return np.where(d, alt, res)
+
+
+def _ggml_v_expf(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf as the llama.cpp build for this CPU computes it."""
+    from edgeinfer.kernels_cpu import ggml_math as gm
+
+    return _ggml_v_expf_avx512(x) if gm.AVX512 else _ggml_v_expf_avx2(x)
+
+
+def test_both_builds_exps_are_close_to_exp():
+    # the two transcriptions differ in last bits only: neither may stray from exp
+    x = np.linspace(-87, 88, 200001).astype(np.float32)
+    want = np.exp(x.astype(np.float64))
+    for f in (_ggml_v_expf_avx2, _ggml_v_expf_avx512):
+        np.testing.assert_allclose(f(x), want, rtol=4e-7)
+    assert np.any(_ggml_v_expf_avx2(x) != _ggml_v_expf_avx512(x))
+
+
 def test_silu_mul_is_ggml_swiglu_bit_for_bit():
     from edgeinfer.backends.base import ggml_expf_any
     rng = np.random.default_rng(3)
@@ -127,7 +164,7 @@ def test_silu_mul_is_ggml_swiglu_bit_for_bit():
                            [0.0, -0.0, 87.0, 88.5, 90.0, 103.0, 104.5, 130.0, -88.0, -88.5, -89.0,
                             -132.0, 1e6, -1e6]]).astype(np.float32)
     up = rng.standard_normal(gate.shape).astype(np.float32)
-    np.testing.assert_array_equal(ggml_expf_any(-gate), _ggml_v_expf_avx2(-gate))
+    np.testing.assert_array_equal(ggml_expf_any(-gate), _ggml_v_expf(-gate))
     got = ops.silu_mul(gate, up)
     np.testing.assert_array_equal(got, Backend(None).silu_mul(gate, up))
     g64 = gate.astype(np.float64)
@@ -153,10 +190,13 @@ def test_prefill_sized_inputs_take_the_parallel_kernels_with_the_same_bits():
 
 
 def _layer_norm_ggml(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
-    """ggml_norm (AVX2) * w + b, transcribed with numpy: the sum in double in order, the
-    mean rounded to float32, centred squares summed 8 lanes at a time (hsum8) into a double."""
+    """ggml_norm * w + b, transcribed with numpy: the sum in double in order, the mean
+    rounded to float32, centred squares summed a vector at a time (8 lanes, movehl/movehdup;
+    AVX-512: 16 lanes, _mm512_reduce_add_ps) into a double."""
+    from edgeinfer.kernels_cpu.ggml_math import LANES
+
     n = x.shape[1]
-    body = n - n % 8
+    body = n - n % LANES
     out = np.empty_like(x)
     for i, row in enumerate(x):
         s = 0.0
@@ -165,7 +205,9 @@ def _layer_norm_ggml(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) ->
         mean = np.float32(np.float32(s) / np.float32(n))
         c = (row - mean).astype(np.float32)
         sq = (c * c).astype(np.float32)
-        lanes = sq[:body].reshape(-1, 8)
+        lanes = sq[:body].reshape(-1, LANES)
+        if LANES == 16:   # the 256-bit halves first
+            lanes = (lanes[:, :8] + lanes[:, 8:]).astype(np.float32)
         t = (lanes[:, :4] + lanes[:, 4:]).astype(np.float32)
         h = ((t[:, 0] + t[:, 2]).astype(np.float32) + (t[:, 1] + t[:, 3]).astype(np.float32)).astype(np.float32)
         ss = 0.0

@@ -318,15 +318,17 @@ class Backend:
             allowed &= (qpos - kpos[None, :]) < window  # (n, S)
         q16 = q.astype(np.float16).astype(np.float32).reshape(n, n_kv, group, hd)
         k32 = k.astype(np.float32)
-        # Q K^T as ggml_vec_dot_f16: 32 float32 slots, slot e % 32 sums dims e, e+32, ... in
-        # order (the products of two F16 values are exact), the fixed reduction, then the
-        # dims past the last multiple of 32 in double.
-        n_vec = hd - hd % 32
-        slots = np.zeros((n, n_kv, group, n_keys, 32), np.float32)
-        for c in range(0, n_vec, 32):
-            kc = k32[:, :, c:c + 32].transpose(1, 0, 2)  # (n_kv, S, 32)
-            slots += q16[:, :, :, None, c:c + 32] * kc[None, :, None, :, :]
-        dots = _reduce32(slots).astype(np.float64)
+        # Q K^T as ggml_vec_dot_f16: SLOTS float32 slots (32; 64 on AVX-512), slot e % SLOTS
+        # sums dims e, e + SLOTS, ... in order (the products of two F16 values are exact), the
+        # fixed reduction, then the dims past the last multiple of SLOTS in double.
+        from edgeinfer.kernels_cpu.ggml_math_ref import LANES, SLOTS, expf_nonpositive, hsum_vec, reduce_slots
+
+        n_vec = hd - hd % SLOTS
+        slots = np.zeros((n, n_kv, group, n_keys, SLOTS), np.float32)
+        for c in range(0, n_vec, SLOTS):
+            kc = k32[:, :, c:c + SLOTS].transpose(1, 0, 2)  # (n_kv, S, SLOTS)
+            slots += q16[:, :, :, None, c:c + SLOTS] * kc[None, :, None, :, :]
+        dots = reduce_slots(slots).astype(np.float64)
         if n_vec < hd:
             dots += np.einsum("tkgd,skd->tkgs", q16[..., n_vec:].astype(np.float64),
                               k32[:, :, n_vec:].astype(np.float64))
@@ -336,25 +338,25 @@ class Backend:
         if sinks is not None:
             sink = np.asarray(self.vector(sinks), np.float32)[None, :, None]
             mx = np.maximum(mx, sink)
-        e = ggml_expf(scores - mx)
-        pad = (-n_keys) % 8  # ggml sums each group of 8 in float32, the groups in double
+        e = expf_nonpositive(scores - mx)
+        pad = (-n_keys) % LANES  # ggml sums each vector of LANES in float32, those sums in double
         groups = np.concatenate([e, np.zeros((n, n_head, pad), np.float32)], axis=-1)
-        total = _hsum8(groups.reshape(n, n_head, -1, 8)).astype(np.float64).sum(axis=-1, keepdims=True)
+        total = hsum_vec(groups.reshape(n, n_head, -1, LANES)).astype(np.float64).sum(axis=-1, keepdims=True)
         if sinks is not None:
             from edgeinfer.kernels_cpu import libm
 
             total += libm.expf(sink - mx).astype(np.float64)
         probs = (e * (1.0 / total).astype(np.float32)).astype(np.float16).astype(np.float32)
-        # weights x V: ggml_vec_dot_f16 over the keys, key j in slot j % 32, in key order
-        pad32 = (-n_keys) % 32
+        # weights x V: ggml_vec_dot_f16 over the keys, key j in slot j % SLOTS, in key order
+        pad32 = (-n_keys) % SLOTS
         v32 = np.concatenate([v.astype(np.float32), np.zeros((pad32,) + v.shape[1:], np.float32)])
         p = np.concatenate([probs, np.zeros((n, n_head, pad32), np.float32)], axis=-1)
         p = p.reshape(n, n_kv, group, -1)
-        out_slots = np.zeros((n, n_kv, group, v.shape[2], 32), np.float32)
-        for j in range(0, n_keys + pad32, 32):
-            block = v32[j:j + 32].transpose(1, 2, 0)  # (n_kv, hd_v, 32)
-            out_slots += p[:, :, :, None, j:j + 32] * block[None, :, None, :, :]
-        return _reduce32(out_slots).reshape(n, n_head, -1)
+        out_slots = np.zeros((n, n_kv, group, v.shape[2], SLOTS), np.float32)
+        for j in range(0, n_keys + pad32, SLOTS):
+            block = v32[j:j + SLOTS].transpose(1, 2, 0)  # (n_kv, hd_v, SLOTS)
+            out_slots += p[:, :, :, None, j:j + SLOTS] * block[None, :, None, :, :]
+        return reduce_slots(out_slots).reshape(n, n_head, -1)
 
     def image_attention(self, q, kv: "KVView", layer: int, positions: np.ndarray, firsts: np.ndarray,
                         limits: np.ndarray, scale: float, window: int, **kw):
@@ -365,15 +367,6 @@ class Backend:
         from edgeinfer.vision.image_attention import attention_to_limits
 
         return attention_to_limits(self.attention, q, kv, layer, positions, firsts, limits, scale, window, **kw)
-
-
-def _reduce32(slots: np.ndarray) -> np.ndarray:
-    """GGML_F32x8_REDUCE of 32 float32 slots (last axis, as 4 x 8 lanes): x = (s0+s2) +
-    (s1+s3) per lane, then lanes i+4 onto i, then ((0+1) + (2+3))."""
-    s = slots.reshape(slots.shape[:-1] + (4, 8))
-    x = (s[..., 0, :] + s[..., 2, :]) + (s[..., 1, :] + s[..., 3, :])
-    t = x[..., :4] + x[..., 4:]
-    return (t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])
 
 
 def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -400,51 +393,11 @@ def _gelu_f16_table() -> np.ndarray:
     return _GELU_TABLE[0]
 
 
-def _hsum8(lanes: np.ndarray) -> np.ndarray:
-    """The AVX horizontal sum of 8 float32 lanes (last axis): (0+4, 1+5, 2+6, 3+7), then
-    (0+2, 1+3), then their sum."""
-    t = lanes[..., :4] + lanes[..., 4:]
-    return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
-
-
-def _ggml_expf_parts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ggml_v_expf's exponent n and polynomial j for float32 x: exp(x) ~ 2^n * (1 + j)."""
-    from edgeinfer.kernels_cpu import ggml_math as gm
-
-    def fma(a, b, c):  # exact product in float64, then the roundings
-        return (np.asarray(a, np.float64) * b + c).astype(np.float32)
-
-    with np.errstate(invalid="ignore", over="ignore"):
-        z = fma(x, gm.LOG2E, gm.R)
-        n = (z - gm.R).astype(np.float32)
-        b = fma(-n, gm.LN2_LO, fma(-n, gm.LN2_HI, x))
-        u = (b * b).astype(np.float32)
-        j = fma(fma(fma(gm.C5, b, gm.C4), u, fma(gm.C3, b, gm.C2)), u,
-                (gm.C1 * b).astype(np.float32))
-    return n, j
-
-
-def ggml_expf(x: np.ndarray) -> np.ndarray:
-    """ggml_v_expf (llama.cpp's vectorised float32 exp) for x <= 0; -inf -> 0."""
-    n, j = _ggml_expf_parts(np.asarray(x, np.float32))
-    with np.errstate(invalid="ignore", over="ignore"):
-        tiny = ~(n >= -126.0)
-        k = np.ldexp(np.float32(1.0), np.where(tiny, 0, n).astype(np.int32)).astype(np.float32)
-        out = ((j + np.float32(1.0)).astype(np.float32) * k).astype(np.float32)
-    return np.where(tiny, np.float32(0.0), out)
-
-
 def ggml_expf_any(x: np.ndarray) -> np.ndarray:
-    """ggml_v_expf (AVX2) over any finite float32 x: 2^n * (1 + j) rounded once to float32
-    for |n| <= 126 (its fma), 2^n * float32(1 + j) rounded again beyond (two power-of-two
-    factors), 0 for n < -192 and inf for n > 192."""
-    n, j = _ggml_expf_parts(np.asarray(x, np.float32))
-    with np.errstate(invalid="ignore", over="ignore"):
-        nc = np.clip(n, -193, 193).astype(np.int32)
-        one_j = np.where(np.abs(n) <= 126, j.astype(np.float64) + 1.0,
-                         (j + np.float32(1.0)).astype(np.float32).astype(np.float64))
-        out = np.ldexp(one_j, nc).astype(np.float32)
-    return np.where(n > 192, np.float32(np.inf), np.where(n < -192, np.float32(0.0), out)).astype(np.float32)
+    """ggml_v_expf of this CPU's llama.cpp build over any finite float32 x (kernels_cpu.ggml_math_ref)."""
+    from edgeinfer.kernels_cpu import ggml_math_ref   # Numba: not at import, the CLI and server start light
+
+    return ggml_math_ref.expf_any(x)
 
 
 class ReferenceBackend(Backend):

@@ -1,8 +1,8 @@
 """Expert routing: from a token's router logits to its chosen experts and their weights, in
 ggml's order (llama.cpp's build_moe_ffn), so that the same experts win as in llama.cpp.
 
-- `softmax_topk` (qwen3moe): softmax over all experts (ggml_soft_max_f32: AVX2 exp over
-  8 lanes at a time, summed in double), the top k by probability, their probabilities
+- `softmax_topk` (qwen3moe): softmax over all experts (ggml_soft_max_f32: the vector exp
+  over 8 lanes at a time, 16 on AVX-512, each vector's sum added in double), the top k by probability, their probabilities
   renormalised to sum 1 (the sum clamped below at 2^-14, as llama.cpp does). Compiled
   (kernels_cpu.moe_routing); `softmax_topk_reference` is the numpy statement of it.
 - `topk_softmax` (gpt-oss): the top k of the logits (the router's bias added), then a
@@ -13,26 +13,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeinfer.backends.base import _hsum8, ggml_expf_any
-
 F16_MIN_NORMAL = np.float32(6.103515625e-5)  # llama.cpp's clamp of the weights' sum
 
 
 def ggml_softmax(logits: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis as ggml_compute_forward_soft_max_f32 on AVX2: exp(x - max)
-    8 lanes at a time (ggml_v_expf) with each group's horizontal sum added in double, the
-    tail with libm's expf; then every value times (float)(1 / sum)."""
+    """Softmax over the last axis as ggml_compute_forward_soft_max_f32: exp(x - max) a vector
+    of LANES at a time (ggml_v_expf; 8, or 16 on AVX-512) with each vector's horizontal sum
+    added in double, the tail with libm's expf; then every value times (float)(1 / sum)."""
+    from edgeinfer.kernels_cpu import ggml_math_ref, libm  # Numba: not at import, the CLI and server start light
+
+    lanes = ggml_math_ref.LANES
     x = np.asarray(logits, np.float32)
     shifted = (x - x.max(axis=-1, keepdims=True)).astype(np.float32)
     n = x.shape[-1]
-    body = n - n % 8
+    body = n - n % lanes
     y = np.empty_like(shifted)
-    y[..., :body] = ggml_expf_any(shifted[..., :body])
-    from edgeinfer.kernels_cpu import libm  # Numba: not at import, the CLI and server start light
-
+    y[..., :body] = ggml_math_ref.expf_any(shifted[..., :body])
     y[..., body:] = libm.expf(shifted[..., body:])
-    groups = y[..., :body].reshape(y.shape[:-1] + (body // 8, 8))
-    total = np.cumsum(_hsum8(groups).astype(np.float64), axis=-1)[..., -1] if body else 0.0
+    groups = y[..., :body].reshape(y.shape[:-1] + (body // lanes, lanes))
+    total = np.cumsum(ggml_math_ref.hsum_vec(groups).astype(np.float64), axis=-1)[..., -1] if body else 0.0
     tail = y[..., body:].astype(np.float64)
     total = total + (np.cumsum(tail, axis=-1)[..., -1] if n > body else 0.0)
     scale = (1.0 / np.asarray(total, np.float64)).astype(np.float32)
