@@ -4,9 +4,11 @@ from these dot products, and a last-bit difference there can pick another expert
 - Decode (one token): ggml_vec_dot_f32. GGML_F32_STEP (4 vectors of `lanes`) fused
   multiply-adds per step, the 4 accumulators reduced lane-wise as (0 + 2) + (1 + 3), then
   across lanes (AVX2: 128-bit halves, then hadd twice; AVX-512: _mm512_reduce_add_ps), the
-  tail (n % STEP) added one product at a time.
+  tail (n % STEP) added one product at a time as GCC compiled it: products of whole vectors
+  (then half a vector) rounded before their adds, the last few fused (`_tail`).
 - Prompts (two tokens or more): llamafile's tinyBLAS sgemm, which ggml calls for F32 x F32
-  with n >= 2: one vector accumulator of `lanes` per output over k, then its horizontal sum.
+  with n >= 2 where k is a multiple of `lanes` and the rows of 4: one vector accumulator
+  of `lanes` per output over k, then its horizontal sum; else vec_dot_f32 per token.
 `lanes` is 16 where the CPU has AVX-512 (ggml's build for it), else 8. The kernels compile
 with LLVM's `contract` only (no reassociation): a * b + c becomes one fused multiply-add, as
 GGML_F32_VEC_FMA is, and every sum keeps the order written here; the lanes are independent
@@ -24,7 +26,7 @@ from numba.core import cgutils
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
-from edgeinfer.kernels_cpu.ggml_math import hsum8
+from edgeinfer.kernels_cpu.ggml_math import hsum8, unfused
 from edgeinfer.kernels_cpu.ir_helpers import (F32T, I32, IRHelpers, c64, counted_loop, row_ptrs, target_features,
                                               vec)
 
@@ -62,6 +64,22 @@ def _hsum_sgemm(v, lanes):
     return hsum8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7])
 
 
+@njit(inline="always", **_JIT)
+def _tail(wr, x, body, n, lanes, s):
+    """ggml_vec_dot_f32's leftovers (sumf += x[i]*y[i]) as GCC compiled them in llama.cpp's
+    builds: the products of whole vectors (lanes, then one half vector) rounded on their
+    own and added one by one in order, the last few (< lanes / 2) fused multiply-adds."""
+    left = n - body
+    plain = body + left // lanes * lanes
+    if left % lanes >= lanes // 2:
+        plain += lanes // 2
+    for k in range(body, plain):
+        s += unfused(wr[k] * x[k])
+    for k in range(plain, n):
+        s += wr[k] * x[k]
+    return s
+
+
 @njit(parallel=True, **_JIT)
 def vec_dot_rows(w, x, out, lanes):
     """out[r] = ggml_vec_dot_f32(w[r], x) for every row; w (n_rows, n) float32."""
@@ -78,10 +96,7 @@ def vec_dot_rows(w, x, out, lanes):
         red = np.empty(lanes, np.float32)
         for l in range(lanes):
             red[l] = (acc[l] + acc[2 * lanes + l]) + (acc[lanes + l] + acc[3 * lanes + l])
-        s = _hsum(red, lanes)
-        for k in range(body, n):
-            s += wr[k] * x[k]
-        out[r] = s
+        out[r] = _tail(wr, x, body, n, lanes, _hsum(red, lanes))
 
 
 def _make_vec_dot_f16_tokens(lanes: int):
@@ -190,9 +205,10 @@ def matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 def matmul(w: np.ndarray, X: np.ndarray, out: np.ndarray) -> np.ndarray:
     """ggml's F32 x F32 product for two tokens or more: tinyBLAS where k is a multiple of its
-    vector, else ggml's vec_dot per token (its fallback)."""
+    vector and the matrix's rows of 4 (its tiles; it declines other counts), else ggml's
+    vec_dot per token (its fallback: a one-row gate such as qwen35moe's shared-expert gate)."""
     lanes = host_lanes()
-    if X.shape[1] % lanes == 0:
+    if X.shape[1] % lanes == 0 and w.shape[0] % 4 == 0:
         n_tok = X.shape[0]
         pad = -n_tok % SGEMM_TOKENS
         Xp = np.ascontiguousarray(X, np.float32) if not pad else np.concatenate(

@@ -46,6 +46,21 @@ C2 = np.float32(float.fromhex("0x1.fffdb6p-2"))
 C1 = np.float32(float.fromhex("0x1.ffffecp-1"))
 
 
+@intrinsic
+def unfused(typingctx, x):
+    """x (float32) through llvm.arithmetic.fence: LLVM fuses a product into the add that
+    consumes it (an fma) even without fast-math flags; a product passed through this keeps
+    its own rounding, as a C compiler's separate vmulps then vaddss."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        fn = builder.module.globals.get("llvm.arithmetic.fence.f32") or ir.Function(
+            builder.module, ir.FunctionType(f32, [f32]), "llvm.arithmetic.fence.f32")
+        return builder.call(fn, args)
+    return sig, codegen
+
+
 @njit(inline="always", **_JIT)
 def fma_f32(a, b, c):
     # float32 FMA: a*b of two float32 is exact in float64, so only the final roundings

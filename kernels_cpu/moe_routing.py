@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .expf_glibc import expf
 from .ggml_math import LANES, ggml_expf_any, hsum_vec
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
@@ -33,7 +34,7 @@ def softmax_topk(logits, k, normalize, experts, weights):
                 probs[g + i] = ggml_expf_any(np.float32(logits[t, g + i] - mx))
             total += np.float64(hsum_vec(probs, g))
         for e in range(body, m):
-            probs[e] = np.float32(np.exp(np.float64(np.float32(logits[t, e] - mx))))
+            probs[e] = expf(np.float32(logits[t, e] - mx))   # ggml's tail: libm's expf
             total += np.float64(probs[e])
         scale = np.float32(1.0 / total)
         for e in range(m):

@@ -1,0 +1,71 @@
+"""kernels_cpu.f32_ggml against the oracle's own ggml_mul_mat (F32 x F32), bit for bit.
+
+The shapes cover what decides ggml's path: k a multiple of its vector or not (tinyBLAS or
+vec_dot_f32), the matrix's row count a multiple of 4 or not (tinyBLAS declines other counts:
+a one-row gate such as qwen35moe's shared-expert gate), one token or several, and every
+leftover length of vec_dot_f32 (its tail: whole vectors of products rounded on their own,
+then half a vector, then fused multiply-adds, as GCC compiled llama.cpp's builds)."""
+from __future__ import annotations
+
+import ctypes
+
+import ggml_flash_oracle as gfo
+import numpy as np
+import pytest
+from ggml_lib import oracle_ggml
+
+from edgeinfer.kernels_cpu import f32_ggml
+
+_P = ctypes.c_void_p
+_F32 = 0   # GGML_TYPE_F32
+
+
+def _ggml_product(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """ggml_mul_mat(w (rows, k), x (n, k)) -> (n, rows), on 2 threads."""
+    g = oracle_ggml()
+    gfo._setup(g)
+    b = g.base
+    b.ggml_mul_mat.restype = _P
+    b.ggml_mul_mat.argtypes = [_P, _P, _P]
+    (rows, k), n = w.shape, x.shape[0]
+    ctx = b.ggml_init(gfo._InitParams(64 << 20, None, False))
+    try:
+        ta = b.ggml_new_tensor_4d(ctx, _F32, k, rows, 1, 1)
+        tb = b.ggml_new_tensor_4d(ctx, _F32, k, n, 1, 1)
+        gfo._fill(g, ta, w)
+        gfo._fill(g, tb, x)
+        out = b.ggml_mul_mat(ctx, ta, tb)
+        gf = b.ggml_new_graph(ctx)
+        b.ggml_build_forward_expand(gf, out)
+        g.cpu.ggml_graph_compute_with_ctx(ctx, gf, 2)
+        res = np.empty((n, rows), np.float32)
+        ctypes.memmove(res.ctypes.data, b.ggml_get_data(out), res.nbytes)
+        return res
+    finally:
+        b.ggml_free(ctx)
+
+
+def _ours(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    if x.shape[0] == 1:
+        f32_ggml.matvec(w, x[0], out[0])
+    else:
+        f32_ggml.matmul(w, x, out)
+    return out
+
+
+@pytest.mark.parametrize("rows,k", [(8, 64), (8, 256), (1, 64), (1, 2048), (6, 100), (128, 2048), (12, 48)])
+@pytest.mark.parametrize("n", [1, 2, 3, 10])
+def test_f32_products_are_ggml_s(rows, k, n):
+    rng = np.random.default_rng(rows * 1000 + k + n)
+    w = rng.standard_normal((rows, k)).astype(np.float32)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    np.testing.assert_array_equal(_ours(w, x), _ggml_product(w, x))
+
+
+def test_every_vec_dot_leftover_length():
+    rng = np.random.default_rng(0)
+    for k in range(64, 128 + 1):
+        w = rng.standard_normal((3, k)).astype(np.float32)
+        x = rng.standard_normal((1, k)).astype(np.float32)
+        np.testing.assert_array_equal(_ours(w, x), _ggml_product(w, x), err_msg=f"k={k}")
