@@ -49,12 +49,12 @@ def files(tmp_path_factory):
     }
 
 
-def oracle_scores(path, query, docs, n_ctx=128) -> tuple[list[float], list[list[int]]]:
+def oracle_scores(path, query, docs, n_ctx=128, flash_attn=False) -> tuple[list[float], list[list[int]]]:
     """llama-server's scores from llama.cpp: each pair formatted as format_prompt_rerank,
     decoded alone with rank pooling, the pooled output's first value."""
     llama_cpp = importorskip_oracle()
     ref = llama_cpp.Llama(model_path=str(path), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK,
-                          n_ctx=n_ctx, n_threads=1, verbose=False)
+                          n_ctx=n_ctx, n_threads=1, verbose=False, flash_attn=flash_attn)
     vocab = llama_cpp.llama_model_get_vocab(ref.model)
     template = ref.metadata.get("tokenizer.chat_template.rerank")
     eos = llama_cpp.llama_vocab_eos(vocab)
@@ -96,7 +96,12 @@ def test_scores_match_llama_cpp(files, key, backend):
         assert pairs[0] == [0, *q, 2, 2, *model.tokenizer.tokenize(docs[0], add_special=False), 2]
     got = rerank(model, QUERY, docs)
     assert got.token_counts == [len(p) for p in pairs]
-    np.testing.assert_allclose(got.scores, want, rtol=0, atol=1e-4)
+    # as tests/oracles.py bounds the families: 1e-4, or twice llama.cpp's own disagreement
+    # (flash attention on against off) where the random tiny model magnifies rounding more
+    # (labels, doc "a": 2.2e-4 on an AVX-512 host, where we are 1.1e-4 from its default)
+    spread = np.abs(np.subtract(oracle_scores(files[key], QUERY, docs, n_ctx, flash_attn=True)[0], want))
+    off = np.abs(np.subtract(got.scores, want))
+    assert np.all(off <= np.maximum(1e-4, 2 * spread)), (off, spread)   # each document its own bound
     assert np.ptp(want) > 0.05   # the documents really score apart
 
 
