@@ -203,18 +203,29 @@ def matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
+TINYBLAS_ROWS = 4   # tinyBLAS tiles src0's rows by 16, 8 or 4, and declines other counts
+
+
 def matmul(w: np.ndarray, X: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """ggml's F32 x F32 product for two tokens or more: tinyBLAS where k is a multiple of its
-    vector and the matrix's rows of 4 (its tiles; it declines other counts), else ggml's
-    vec_dot per token (its fallback: a one-row gate such as qwen35moe's shared-expert gate)."""
+    """ggml_mul_mat(w, X) for two tokens or more: tinyBLAS where k is a multiple of its
+    vector and w's rows a multiple of TINYBLAS_ROWS, else ggml's vec_dot per token (its
+    fallback: a one-row gate such as qwen35moe's shared-expert gate)."""
     lanes = host_lanes()
-    if X.shape[1] % lanes == 0 and w.shape[0] % 4 == 0:
-        n_tok = X.shape[0]
-        pad = -n_tok % SGEMM_TOKENS
-        Xp = np.ascontiguousarray(X, np.float32) if not pad else np.concatenate(
-            [X, np.zeros((pad, X.shape[1]), np.float32)])
-        sgemm_rows(np.ascontiguousarray(w, np.float32), Xp, out, lanes)
-    else:
-        for t in range(X.shape[0]):
-            vec_dot_rows(w, X[t], out[t], lanes)
+    if X.shape[1] % lanes == 0 and w.shape[0] % TINYBLAS_ROWS == 0:
+        return sgemm(w, X, out)
+    for t in range(X.shape[0]):
+        vec_dot_rows(w, X[t], out[t], lanes)
+    return out
+
+
+def sgemm(w: np.ndarray, X: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out = X @ w.T in tinyBLAS's order (k a multiple of host_lanes()), for a caller that
+    has checked ggml would take it (tinyBLAS tiles ggml's src0: for a conv's product that
+    is the patches, not the kernel: vision.patch_conv)."""
+    lanes = host_lanes()
+    n_tok = X.shape[0]
+    pad = -n_tok % SGEMM_TOKENS
+    Xp = np.ascontiguousarray(X, np.float32) if not pad else np.concatenate(
+        [X, np.zeros((pad, X.shape[1]), np.float32)])
+    sgemm_rows(np.ascontiguousarray(w, np.float32), Xp, out, lanes)
     return out

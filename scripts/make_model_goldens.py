@@ -1,6 +1,11 @@
 """Make the llama.cpp golden files for model parity (needs llama-cpp-python==0.3.36).
 
     python scripts/make_model_goldens.py            # writes tests/data/goldens/*.json
+    python scripts/make_model_goldens.py --gemma    # only Gemma 3 270M's, for this oracle's build
+
+- Gemma 3 270M's golden is per llama.cpp build: gemma3-270m.json from the AVX2 wheel,
+  gemma3-270m-avx512.json from the AVX-512 one (their sums run in different orders, and
+  edgeinfer reproduces the build of the CPU it runs on: kernels_cpu.ggml_math.AVX512).
 
 - gemma3-270m.json: for each prompt, llama.cpp's token ids, its 32 greedy tokens, and the
   top-64 (id, logit) pairs at the last prompt position, from llama.cpp's one-token-at-a-time
@@ -110,10 +115,24 @@ def tiny_goldens(arch: str, qtype: str, workdir: Path) -> dict:
             "fa_logits": np.round(logits[True], 5).tolist()}
 
 
+def gemma_golden_name(avx512: bool) -> str:
+    """The Gemma golden's file for llama.cpp's AVX2 or AVX-512 build."""
+    return "gemma3-270m-avx512.json" if avx512 else "gemma3-270m.json"
+
+
+def oracle_is_avx512() -> bool:
+    import llama_cpp
+
+    return "AVX512 = 1" in llama_cpp.llama_print_system_info().decode()
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "gemma3-270m.json").write_text(json.dumps(gemma_goldens()))
-    print("wrote gemma3-270m.json")
+    name = gemma_golden_name(oracle_is_avx512())
+    (OUT / name).write_text(json.dumps(gemma_goldens()))
+    print(f"wrote {name}")
+    if "--gemma" in sys.argv[1:]:
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for arch in TINY_ARCHS:
             for qtype in TINY_TYPES:

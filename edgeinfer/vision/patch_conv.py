@@ -13,9 +13,6 @@ import numpy as np
 
 from edgeinfer.kernels_cpu import f32_ggml
 
-TINYBLAS_ROWS = 4   # tinyBLAS tiles src0's rows by 16, 8 or 4, and declines other counts
-
-
 class PatchKernel:
     """A conv kernel (n_embd, values a patch), kept as its F16 values in float32."""
 
@@ -33,7 +30,7 @@ class PatchKernel:
         n, k = patches.shape
         out = np.empty((n, self.w.shape[0]), np.float32)
         lanes = f32_ggml.host_lanes()
-        if n >= 2 and n % TINYBLAS_ROWS == 0 and k % lanes == 0:
-            return f32_ggml.matmul(self.w, patches, out)
+        if n >= 2 and n % f32_ggml.TINYBLAS_ROWS == 0 and k % lanes == 0:   # src0 is the patches
+            return f32_ggml.sgemm(self.w, patches, out)
         f32_ggml.vec_dot_f16_tokens(self.w, patches, out, lanes)
         return out
