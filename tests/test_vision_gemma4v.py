@@ -21,19 +21,17 @@ import pytest
 from gguf_factory import gemma4_file
 from mmproj_factory import Gemma4VisionShape, write_gemma4v_mmproj
 
-from edgeinfer.kernels_cpu.ggml_math import AVX512
 from edgeinfer.vision.mmproj import MmprojError, load_mmproj
 
 N_TEXT = 256    # gemma4_file's width
 IMAGES = ((64, 64, 1), (150, 90, 2))   # -> 72x72 (9x9 tokens), 152x88 (19x11 tokens)
-TOLERANCE = {"F32": 1e-4, "F16": 1e-3, "Q8_0": 1e-3}
-# On AVX-512 hosts (llama.cpp's AVX-512 build) half of random 150x90 pictures land 2.4e-3 to
-# 4.4e-3 from libmtmd with a Q8_0 mmproj (12 seeds: 6 at ~1e-7, 6 there): one 8-bit quantum
-# of some activation flips. The attention and the float linears are not in ggml's order on
-# either build; why only this build's order meets them at a quantum boundary so often is not
-# found yet (issue #54 stays open on it). Held there to the bound before parity work.
-if AVX512:
-    TOLERANCE["Q8_0"] = 1e-2
+# Q8_0: about half of random 150x90 pictures land 1.9e-3 to 4.4e-3 from libmtmd (12 seeds on an
+# AVX-512 host, with OpenBLAS's SkylakeX or Haswell kernels; the rest ~1e-7; this picture
+# gives 2.37e-3 with llama.cpp's AVX-512 and AVX2 builds alike):
+# one 8-bit quantum of an activation flips, because the attention and the float linears run
+# in BLAS's order, not ggml's, and which pictures flip moves with the BLAS kernels (the Zen 3
+# host's happened to spare both pictures here). Issue #54 holds the 1e-3 goal open on it.
+TOLERANCE = {"F32": 1e-4, "F16": 1e-3, "Q8_0": 1e-2}
 
 
 @pytest.fixture(scope="module")
