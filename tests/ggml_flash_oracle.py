@@ -80,3 +80,28 @@ def flash_attn_ext(g: Ggml, q: np.ndarray, k: np.ndarray, v: np.ndarray, type_k:
         return res
     finally:
         b.ggml_free(ctx)
+
+
+def mul_mat(g: Ggml, a: np.ndarray, b: np.ndarray, ggml_type: int) -> np.ndarray:
+    """ggml_mul_mat(a (m, k), b (n, k)) -> (n, m), both of ggml_type (0 F32, 1 F16: the arrays'
+    dtype must match), run on 2 threads as a graph of one node."""
+    _setup(g)
+    base = g.base
+    base.ggml_mul_mat.restype = _P
+    base.ggml_mul_mat.argtypes = [_P, _P, _P]
+    (m, k), n = a.shape, b.shape[0]
+    ctx = base.ggml_init(_InitParams(64 << 20, None, False))
+    try:
+        ta = base.ggml_new_tensor_4d(ctx, ggml_type, k, m, 1, 1)
+        tb = base.ggml_new_tensor_4d(ctx, ggml_type, k, n, 1, 1)
+        _fill(g, ta, a)
+        _fill(g, tb, b)
+        out = base.ggml_mul_mat(ctx, ta, tb)                       # [n, m]: out[j][i] = a[i] . b[j]
+        gf = base.ggml_new_graph(ctx)
+        base.ggml_build_forward_expand(gf, out)
+        g.cpu.ggml_graph_compute_with_ctx(ctx, gf, 2)
+        res = np.empty((n, m), np.float32)
+        ctypes.memmove(res.ctypes.data, base.ggml_get_data(out), res.nbytes)
+        return res
+    finally:
+        base.ggml_free(ctx)

@@ -7,8 +7,6 @@ leftover length of vec_dot_f32 (its tail: whole vectors of products rounded on t
 then half a vector, then fused multiply-adds, as GCC compiled llama.cpp's builds)."""
 from __future__ import annotations
 
-import ctypes
-
 import ggml_flash_oracle as gfo
 import numpy as np
 import pytest
@@ -16,33 +14,12 @@ from ggml_lib import oracle_ggml
 
 from edgeinfer.kernels_cpu import f32_ggml
 
-_P = ctypes.c_void_p
 _F32 = 0   # GGML_TYPE_F32
 
 
 def _ggml_product(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """ggml_mul_mat(w (rows, k), x (n, k)) -> (n, rows), on 2 threads."""
-    g = oracle_ggml()
-    gfo._setup(g)
-    b = g.base
-    b.ggml_mul_mat.restype = _P
-    b.ggml_mul_mat.argtypes = [_P, _P, _P]
-    (rows, k), n = w.shape, x.shape[0]
-    ctx = b.ggml_init(gfo._InitParams(64 << 20, None, False))
-    try:
-        ta = b.ggml_new_tensor_4d(ctx, _F32, k, rows, 1, 1)
-        tb = b.ggml_new_tensor_4d(ctx, _F32, k, n, 1, 1)
-        gfo._fill(g, ta, w)
-        gfo._fill(g, tb, x)
-        out = b.ggml_mul_mat(ctx, ta, tb)
-        gf = b.ggml_new_graph(ctx)
-        b.ggml_build_forward_expand(gf, out)
-        g.cpu.ggml_graph_compute_with_ctx(ctx, gf, 2)
-        res = np.empty((n, rows), np.float32)
-        ctypes.memmove(res.ctypes.data, b.ggml_get_data(out), res.nbytes)
-        return res
-    finally:
-        b.ggml_free(ctx)
+    return gfo.mul_mat(oracle_ggml(), w, x, _F32)
 
 
 def _ours(w: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -22,27 +22,7 @@ _F16 = 1   # GGML_TYPE_F16
 
 def _ggml_f16_product(rows: np.ndarray, kernel: np.ndarray) -> np.ndarray:
     """ggml_mul_mat(im2col rows (n, k) F16, kernel (e, k) F16) -> (n, e), as ggml_conv_2d."""
-    g = oracle_ggml()
-    gfo._setup(g)
-    b = g.base
-    b.ggml_mul_mat.restype = _P
-    b.ggml_mul_mat.argtypes = [_P, _P, _P]
-    (n, k), e = rows.shape, kernel.shape[0]
-    ctx = b.ggml_init(gfo._InitParams(64 << 20, None, False))
-    try:
-        ta = b.ggml_new_tensor_4d(ctx, _F16, k, n, 1, 1)
-        tb = b.ggml_new_tensor_4d(ctx, _F16, k, e, 1, 1)
-        gfo._fill(g, ta, rows.astype(np.float16))
-        gfo._fill(g, tb, kernel.astype(np.float16))
-        out = b.ggml_mul_mat(ctx, ta, tb)                       # [n, e]: out[j][i] = rows[i] . kernel[j]
-        gf = b.ggml_new_graph(ctx)
-        b.ggml_build_forward_expand(gf, out)
-        g.cpu.ggml_graph_compute_with_ctx(ctx, gf, 2)
-        res = np.empty((e, n), np.float32)
-        ctypes.memmove(res.ctypes.data, b.ggml_get_data(out), res.nbytes)
-        return res.T
-    finally:
-        b.ggml_free(ctx)
+    return gfo.mul_mat(oracle_ggml(), rows.astype(np.float16), kernel.astype(np.float16), _F16).T
 
 
 @pytest.mark.parametrize("k", [768, 588, 36, 100])
