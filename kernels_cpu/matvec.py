@@ -310,7 +310,7 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- prefill routing
-# Which kernel serves a matmul of n tokens (matmul_path), on an AVX2 CPU without VNNI:
+# Which kernel serves a matmul of n tokens (matmul_path), on an AVX2 CPU (VNNI: see below):
 # - "rows": the decode row kernels, token by token on each row chunk (matvec's bits);
 # - "kquant": gemm_kquant (gemm_kquant.GEMM_TYPES: Q2_K-Q6_K, IQ4_XS): for Q4_K also matvec's bits;
 # - "q32": gemm_q32 (gemm_q32.GEMM_TYPES: the 32-element block types and MXFP4);
@@ -323,6 +323,14 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
 # BLAS on long prompts (512 tokens: Q5_0 9.7 against 12.6 ms, Q4_0 2048 x 2048 18 against
 # 37, MXFP4 2880 x 2880 42 against 90). Q2_K, Q3_K and IQ4_XS on 8192 x 2048 and 2048 x 8192:
 # about even at 4 tokens, the GEMM 1.2-3.3x faster at 8, 2.0-2.6x faster than BLAS at 512.
+# On VNNI CPUs the same GEMMs serve short batches (measured on an AVX-512 VNNI Xeon, 2
+# threads, against the row kernels: Q4_K_X8 2048 x 2048 at 16 tokens 0.52 against 0.63 ms,
+# at 64 1.82 against 2.35; Q6_K 2048 x 8192 at 8 1.20 against 1.95, at 64 7.3 against 15.2;
+# Q5_0 2048 x 640 at 16 0.23 against 0.45), and long prompts of the K-quants too, where they
+# beat the VNNI tiles (512 tokens: Q6_K 2048 x 8192 55 against 80 ms, 640 x 2048 6.3 against
+# 8.0, Q4_K_X8 2048 x 2048 13.2 against 14.8); the 32-element types keep the tiles there
+# (Q5_0 2048 x 640 5.39 against 5.41 for q32, Q8_0 256 x 640 1.46 against 1.51).
+_KQUANT_OVER_TILES = (qk.Q4_K, qk.Q4_K_X8, qk.Q6_K)
 # Speculative verification needs every row to be what decoding that token alone would
 # give: inside `decode_order()` the short batches keep to the paths with matvec's bits.
 # q32 and kquant from this many tokens (outside decode_order). Q8_0 keeps the row kernels
@@ -362,7 +370,9 @@ def matmul_path(qtype, n_rows: int, n_tokens: int) -> str:
         return "blas"
     short = n_tokens <= _INT8_MATMUL_MAX_TOKENS
     exact = short and _in_decode_order()
-    avx2_gemms = gemm_kquant.host_has_avx2() and not tile_gemm.has_vnni() and n_rows % 8 == 0
+    avx2_gemms = gemm_kquant.host_has_avx2() and n_rows % 8 == 0
+    if not short and _uses_tiles(qt) and qt not in _KQUANT_OVER_TILES:
+        return "tiles"
     if avx2_gemms and _KQUANT_GEMM and qt in gemm_kquant.GEMM_TYPES:
         if qt in (qk.Q4_K, qk.Q4_K_X8) and n_tokens >= _Q4K_GEMM_MIN_TOKENS:   # matvec's bits
             return "kquant"
@@ -473,8 +483,8 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
 
     Up to _INT8_MATMUL_MAX_TOKENS tokens, fast-path types quantize each token to 8 bits and
     use the decode row kernels (each weight row read once for all tokens; llama.cpp's
-    numerics). Longer prompts take 8-bit kernels where there are some: the VNNI tiles
-    (tile_gemm), or on AVX2 CPUs without VNNI gemm_kquant for the K-quants and IQ4_XS. Otherwise tiles
+    numerics). Longer prompts take 8-bit kernels where there are some: gemm_kquant and gemm_q32
+    (AVX2), or on VNNI CPUs the VNNI tiles for the 32-element types (tile_gemm). Otherwise tiles
     of rows are dequantized into a small float32 buffer and multiplied with BLAS (numpy's
     OpenBLAS).
     """

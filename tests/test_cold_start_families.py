@@ -81,7 +81,7 @@ def _chunks(n: int) -> list[int]:
 
 
 def _force_isa(monkeypatch, vnni: bool, avx512: bool) -> None:
-    """What the dispatch sees on a Zen 4 (AVX-512 VNNI: the tiles, Q4_K repacked), an
+    """What the dispatch sees on a Zen 4 (AVX-512 VNNI: the tiles too, Q4_K repacked), an
     AVX-512 CPU without VNNI (the AVX2 GEMMs on repacked Q4_K) or a Zen 3."""
     monkeypatch.setattr(tile_gemm, "has_vnni", lambda: vnni)
     monkeypatch.setattr(gemm_kquant, "host_has_avx2", lambda: True)
@@ -115,9 +115,10 @@ def test_the_plan_holds_every_path_of_every_prompt_length(family_files, vnni, av
                     assert qt in plan.get(where, ()), (arch, c, where, qt)
                 else:
                     assert (where, qt) in by_the_pass, (arch, c, where, qt)
-    # the forcing took: a VNNI host's long prompts take the tiles, a Zen 3's the AVX2 GEMMs
-    assert ("tiles" in seen) == vnni and ("kquant" in seen) != vnni, seen
-    assert {"blas", "blas-serial"} & seen and ("experts-kquant" in seen) != vnni, seen
+    # the forcing took: a VNNI host's long prompts of the 32-element types take the tiles;
+    # the AVX2 GEMMs serve short batches and the K-quants everywhere
+    assert ("tiles" in seen) == vnni and "kquant" in seen and "experts-kquant" in seen, seen
+    assert {"blas", "blas-serial"} & seen, seen
     assert any(qt == Q4_K_X8 for _, qt in seen_types) == avx512, seen_types
 
 

@@ -137,8 +137,7 @@ def test_pack_activations_pads_tokens_and_packs_block_sums():
     np.testing.assert_array_equal(pairs[:, :, 8:], sums[1])
 
 
-@pytest.mark.skipif(not gemm_kquant.host_has_avx2() or tile_gemm.has_vnni(),
-                    reason="gemm_kquant serves long prompts on AVX2 CPUs without VNNI only; this one is not")
+@pytest.mark.skipif(not gemm_kquant.host_has_avx2(), reason="gemm_kquant is AVX2 code: this CPU has no AVX2")
 def test_long_prompts_take_it_through_matmul_and_matmul_many():
     rng = np.random.default_rng(3)
     ws = [_readonly(random_blocks(T.Q4_K, n, 512, rng)) for n in (16, 40)] + [_readonly(random_blocks(T.Q6_K, 24, 512, rng))]
@@ -146,7 +145,8 @@ def test_long_prompts_take_it_through_matmul_and_matmul_many():
     X = rng.standard_normal((80, 512)).astype(np.float32)
     assert K.matmul_uses_int8(T.Q4_K, 80, 16) and MATVEC.matmul_path(T.Q4_K, 16, 80) == "kquant"   # not the row kernels
     assert K.matmul_uses_int8(T.Q6_K, 80, 16)
-    assert not K.matmul_uses_int8(T.Q4_K, 80, 20)    # rows not in eights: the float GEMM
+    # rows not in eights: the float GEMM, or the VNNI tiles where there is VNNI
+    assert MATVEC.matmul_path(T.Q4_K, 20, 80) == ("tiles" if tile_gemm.has_vnni() else "blas")
     one = K.matmul(ws[0], T.Q4_K, X)
     six = K.matmul(ws[2], T.Q6_K, X)
     many = K.matmul_many(ws, qts, X)                 # Q/K/V with V in Q6_K: one packing
@@ -158,8 +158,7 @@ def test_long_prompts_take_it_through_matmul_and_matmul_many():
             np.testing.assert_array_equal(got[t], K.matvec(w, T.Q4_K, X[t]))
 
 
-@pytest.mark.skipif(not gemm_kquant.host_has_avx2() or tile_gemm.has_vnni(),
-                    reason="gemm_kquant serves Q4_K batches on AVX2 CPUs without VNNI only; this one is not")
+@pytest.mark.skipif(not gemm_kquant.host_has_avx2(), reason="gemm_kquant is AVX2 code: this CPU has no AVX2")
 def test_short_batches_route_by_size_and_keep_matvec_bits_in_decode_order():
     # a short prompt takes gemm_kquant from 12 tokens; a speculative batch
     # (decode_order) only where it keeps matvec's bits: Q4_K from 12 tokens, never Q6_K
@@ -192,8 +191,7 @@ def test_the_interleaved_copy_gives_the_same_bits():
     np.testing.assert_array_equal(_gemm(repack.interleave_q4_k(w), X, 1012), _gemm(w, X))
 
 
-@pytest.mark.skipif(not gemm_kquant.host_has_avx2() or tile_gemm.has_vnni(),
-                    reason="gemm_kquant serves prompts on AVX2 CPUs without VNNI only; this one is not")
+@pytest.mark.skipif(not gemm_kquant.host_has_avx2(), reason="gemm_kquant is AVX2 code: this CPU has no AVX2")
 def test_q3_k_q2_k_iq4_xs_prompts_route_to_it_outside_decode_order():
     # a Q3_K_M-style Q/K/V (Q3_K, Q2_K, IQ4_XS mixed with Q4_K) from 8 tokens: one packing for
     # all, each matrix's rows what the kernel alone gives; fewer tokens, or a speculative

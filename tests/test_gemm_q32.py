@@ -16,7 +16,9 @@ from quant_blocks import random_blocks
 MATVEC = importlib.import_module("edgeinfer.kernels_cpu.matvec")
 PLAN = importlib.import_module("edgeinfer.kernels_cpu.prompt_plan")
 TYPES = [T(t) for t in gemm_q32.GEMM_TYPES]
-AVX2_GEMMS = gemm_kquant.host_has_avx2() and not tile_gemm.has_vnni()
+AVX2_GEMMS = gemm_kquant.host_has_avx2()
+# a long prompt of a 32-element type in the VNNI tiles' layouts takes them where there is VNNI
+LONG_Q32 = "tiles" if tile_gemm.has_vnni() else "q32"
 
 
 def _readonly(w):
@@ -87,13 +89,13 @@ def test_extreme_values_do_not_overflow_the_i16_sums():
         assert np.all(np.abs(out - want) <= 2e-6 * scale), qtype.name
 
 
-@pytest.mark.skipif(not AVX2_GEMMS, reason="the AVX2 GEMMs serve prompts only on AVX2 CPUs without VNNI")
+@pytest.mark.skipif(not AVX2_GEMMS, reason="the 8-bit GEMMs are AVX2 code: this CPU has no AVX2")
 def test_routing_by_size_and_decode_order():
     assert MATVEC.matmul_path(T.Q5_0, 64, 2) == "rows"
     assert MATVEC.matmul_path(T.Q5_0, 64, 4) == "q32"
     assert MATVEC.matmul_path(T.Q5_0, 60, 40) == "rows"        # rows not in eights
     assert MATVEC.matmul_path(T.Q8_0, 64, 40) == "rows"        # llama.cpp's batches keep these bits
-    assert MATVEC.matmul_path(T.Q8_0, 64, 65) == "q32"
+    assert MATVEC.matmul_path(T.Q8_0, 64, 65) == LONG_Q32
     assert MATVEC.matmul_path(T.MXFP4, 64, 512) == "q32"
     assert MATVEC.matmul_path(T.Q6_K, 64, 16) == "kquant"
     assert MATVEC.matmul_path(T.Q5_K, 64, 16) == "kquant"
@@ -103,11 +105,11 @@ def test_routing_by_size_and_decode_order():
         assert MATVEC.matmul_path(T.Q5_0, 64, 40) == "rows"
         assert MATVEC.matmul_path(T.Q6_K, 64, 16) == "rows"
         assert MATVEC.matmul_path(T.Q4_K, 64, 32) == "kquant"   # matvec's bits anyway
-        assert MATVEC.matmul_path(T.Q5_0, 64, 65) == "q32"      # a long prompt is never a verification
+        assert MATVEC.matmul_path(T.Q5_0, 64, 65) == LONG_Q32   # a long prompt is never a verification
     assert not MATVEC._in_decode_order()
 
 
-@pytest.mark.skipif(not AVX2_GEMMS, reason="the AVX2 GEMMs serve prompts only on AVX2 CPUs without VNNI")
+@pytest.mark.skipif(not AVX2_GEMMS, reason="the 8-bit GEMMs are AVX2 code: this CPU has no AVX2")
 def test_matmul_takes_the_gemm_and_decode_order_keeps_matvec_bits():
     rng = np.random.default_rng(11)
     w = _readonly(random_blocks(T.Q5_0, 48, 640, rng))
@@ -125,7 +127,7 @@ def test_matmul_takes_the_gemm_and_decode_order_keeps_matvec_bits():
     np.testing.assert_array_equal(many[1], fast[:, :16])
 
 
-@pytest.mark.skipif(not AVX2_GEMMS, reason="the AVX2 GEMMs serve prompts only on AVX2 CPUs without VNNI")
+@pytest.mark.skipif(not AVX2_GEMMS, reason="the 8-bit GEMMs are AVX2 code: this CPU has no AVX2")
 @pytest.mark.parametrize("qtype", [T.MXFP4, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_expert_matmul_runs_busy_experts_through_the_gemm(qtype):
     # 5 experts of 48 rows (3 work items a matrix), gate and up: experts 2 (261 tokens: two
@@ -177,7 +179,7 @@ def test_a_models_types_share_one_driver():
     assert gemm_q32.DRIVERS.for_types([T.Q5_0]) is union
 
 
-@pytest.mark.skipif(not AVX2_GEMMS, reason="the AVX2 GEMMs serve prompts only on AVX2 CPUs without VNNI")
+@pytest.mark.skipif(not AVX2_GEMMS, reason="the 8-bit GEMMs are AVX2 code: this CPU has no AVX2")
 @pytest.mark.parametrize("path, types", [("q32", (T.MXFP4,)), ("kquant", (T.Q4_K, T.Q6_K))])
 def test_warm_up_compiles_the_drivers_a_prompt_calls(path, types):
     # Engine.warm_up's pass is two tokens: the GEMMs a longer prompt takes are compiled by

@@ -34,18 +34,19 @@ def test_every_type_registers_the_path_its_long_prompt_takes(qt, monkeypatch):
     path = MATVEC.matmul_path(qt, 8, MATVEC._INT8_MATMUL_MAX_TOKENS + 1)
     kernels = PLAN.use_prompt_gemms([qt])
     # a GEMM's driver, the tiles, or BLAS on float tiles that the type's kernel set dequantizes
-    assert [p for p, _, _ in PLAN._PROMPT_GEMMS] == [path] and kernels, path
+    # (on a VNNI host a 32-element type registers the GEMM its short batches take too)
+    assert path in [p for p, _, _ in PLAN._PROMPT_GEMMS] and kernels, path
 
 
 @pytest.mark.skipif(not tile_gemm.has_vnni(), reason="the VNNI tiles serve prompts only on CPUs with AVX-512 VNNI")
 def test_warm_up_compiles_the_tiles_a_prompt_calls(monkeypatch):
     monkeypatch.setattr(PLAN, "_PROMPT_GEMMS", [])
-    PLAN.use_prompt_gemms([T.Q4_K])
+    PLAN.use_prompt_gemms([T.Q5_0])
     PLAN.warm_prompt_gemms()
     before = (len(tile_gemm._matmul_rows.signatures), len(tile_gemm._quantize_packed.signatures))
     assert min(before) >= 1
     rng = np.random.default_rng(3)
-    w = random_blocks(T.Q4_K, 64, 512, rng)
+    w = random_blocks(T.Q5_0, 64, 512, rng)
     w.flags.writeable = False
-    K.matmul(w, T.Q4_K, rng.standard_normal((200, 512)).astype(np.float32))
+    K.matmul(w, T.Q5_0, rng.standard_normal((200, 512)).astype(np.float32))   # tiles: Q5_0's long prompts
     assert (len(tile_gemm._matmul_rows.signatures), len(tile_gemm._quantize_packed.signatures)) == before
