@@ -259,19 +259,19 @@ def test_matvec_prepared_equals_matvec():
 def test_f32_prompt_products_follow_tinyblas(n_tok):
     # a router's F32 matrix on a prompt (llamafile's sgemm, which ggml calls for n >= 2): one
     # fma chain of 8 lanes per output over k, then AVX's horizontal sum; the tokens of a
-    # tile run side by side, each keeping its own chain (on AVX-512 hosts the lanes are 16)
+    # tile run side by side, each keeping its own chain (on AVX-512 hosts the lanes are 16,
+    # summed by _mm512_reduce_add_ps: the 256-bit halves added, then AVX's sum of 8)
     from edgeinfer.kernels_cpu import f32_ggml
 
-    if f32_ggml.host_lanes() != 8:
-        pytest.skip("the numpy order below is the 8-lane one; this CPU's ggml uses 16")
+    lanes = f32_ggml.host_lanes()
     rng = np.random.default_rng(n_tok)
     W = rng.standard_normal((24, 256)).astype(np.float32)
     X = rng.standard_normal((n_tok, 256)).astype(np.float32)
     want = np.empty((n_tok, 24), np.float32)
     for t in range(n_tok):
-        acc = np.zeros((24, 8), np.float32)
-        for i in range(0, 256, 8):
-            acc = fma_f32(W[:, i:i + 8], X[t, i:i + 8], acc)
-        want[t] = hsum8(acc)
+        acc = np.zeros((24, lanes), np.float32)
+        for i in range(0, 256, lanes):
+            acc = fma_f32(W[:, i:i + lanes], X[t, i:i + lanes], acc)
+        want[t] = hsum8(acc if lanes == 8 else (acc[:, :8] + acc[:, 8:]).astype(np.float32))
     got = K.matmul(W.view(np.uint8), T.F32, X)
     np.testing.assert_array_equal(got, want)
