@@ -26,7 +26,7 @@ from numba.core import cgutils
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
-from edgeinfer.kernels_cpu.ggml_math import hsum8, unfused
+from edgeinfer.kernels_cpu.ggml_math import hsum8, hsum16, unfused
 from edgeinfer.kernels_cpu.ir_helpers import (F32T, I32, IRHelpers, c64, counted_loop, row_ptrs, target_features,
                                               vec)
 
@@ -43,13 +43,7 @@ def host_lanes() -> int:
 def _hsum(v, lanes):
     """The horizontal sum of one vector: _mm512_reduce_add_ps, or AVX's two halves then hadd."""
     if lanes == 16:
-        h8 = np.empty(8, np.float32)
-        for i in range(8):
-            h8[i] = v[i] + v[i + 8]
-        h4 = np.empty(4, np.float32)
-        for i in range(4):
-            h4[i] = h8[i] + h8[i + 4]
-        return np.float32((h4[0] + h4[2]) + (h4[1] + h4[3]))
+        return hsum16(v, 0)
     t = np.empty(4, np.float32)
     for i in range(4):
         t[i] = v[i] + v[i + 4]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kv_quant
-from .ggml_math_ref import SLOTS, reduce_slots
+from .ggml_math_ref import SLOTS, hsum8, reduce_slots
 from .libm import expf, tanhf
 
 
@@ -38,12 +38,6 @@ def _fma(a, b, c):
     """float32 fma, as ggml_math.fma_f32: the float32 product is exact in float64."""
     return (np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32) + np.asarray(c, np.float32)
             ).astype(np.float32)
-
-
-def _hsum8(x: np.ndarray) -> np.ndarray:
-    """hsum_float_8 over the last axis (8 lanes)."""
-    t = [(x[..., i] + x[..., i + 4]).astype(np.float32) for i in range(4)]
-    return ((t[0] + t[2]).astype(np.float32) + (t[1] + t[3]).astype(np.float32)).astype(np.float32)
 
 
 def quantize_q(type_k: str, q: np.ndarray) -> np.ndarray:
@@ -87,7 +81,7 @@ def kq_dots(type_k: str, k: np.ndarray, qq: np.ndarray) -> np.ndarray:
         for b in range(0, paired, 2):
             acc = _fma(d[..., b, None], lanes[..., b, :], acc)
             acc2 = _fma(d[..., b + 1, None], lanes[..., b + 1, :], acc2)
-        out = _hsum8((acc + acc2).astype(np.float32))
+        out = hsum8((acc + acc2).astype(np.float32))
         if paired < nb:    # the scalar tail: sumf += d * sumi, not fused
             tail = lanes[..., nb - 1, :].sum(axis=-1, dtype=np.float64).astype(np.float32)
             out = (out + (d[..., nb - 1] * tail).astype(np.float32)).astype(np.float32)
@@ -97,7 +91,7 @@ def kq_dots(type_k: str, k: np.ndarray, qq: np.ndarray) -> np.ndarray:
         acc = _fma(d[..., b, None], lanes[..., b, :], acc)
         if km is not None:
             summs = _fma(km[:, :, b].T[None, :, None], qs.reshape(n, n_kv, g, 1, nb)[..., b], summs)
-    out = _hsum8(acc)
+    out = hsum8(acc)
     if km is not None:
         out = (out + summs).astype(np.float32)
     return out.reshape(n, n_head, n_keys)

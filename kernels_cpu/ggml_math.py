@@ -32,6 +32,7 @@ def _avx512_build() -> bool:
 
 AVX512 = _avx512_build()
 LANES = 16 if AVX512 else 8   # float32 lanes of ggml's vec_* loops (exp, SiLU, softmax, variance)
+SLOTS = 4 * LANES             # ggml_vec_dot_f16's four accumulators of LANES: the slots of a dot
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
 
@@ -69,12 +70,19 @@ def fma_f32(a, b, c):
 
 
 @njit(inline="always", **_JIT)
-def expf_parts(x):
-    """ggml_v_expf's exponent n and polynomial j: exp(x) ~ 2^n * (1 + j)."""
+def _expf_reduced(x):
+    """ggml_v_expf's range reduction, both builds: the exponent n, the reduced argument b,
+    and b * b."""
     z = fma_f32(x, LOG2E, R)
     n = np.float32(z - R)
     b = fma_f32(-n, LN2_LO, fma_f32(-n, LN2_HI, x))
-    u = np.float32(b * b)
+    return n, b, np.float32(b * b)
+
+
+@njit(inline="always", **_JIT)
+def expf_parts(x):
+    """ggml_v_expf's exponent n and polynomial j: exp(x) ~ 2^n * (1 + j)."""
+    n, b, u = _expf_reduced(x)
     j = fma_f32(fma_f32(fma_f32(C5, b, C4), u, fma_f32(C3, b, C2)), u, np.float32(C1 * b))
     return n, j
 
@@ -83,10 +91,7 @@ def expf_parts(x):
 def expf_parts512(x):
     """AVX-512 ggml_v_expf's exponent n and polynomial j512: exp(x) ~ 2^n * j512, where
     j512 holds the 1 (its last fma adds the polynomial to fma(c1, b, 1))."""
-    z = fma_f32(x, LOG2E, R)
-    n = np.float32(z - R)
-    b = fma_f32(-n, LN2_LO, fma_f32(-n, LN2_HI, x))
-    u = np.float32(b * b)
+    n, b, u = _expf_reduced(x)
     j = fma_f32(fma_f32(fma_f32(C5, b, C4), u, fma_f32(C3, b, C2)), u, fma_f32(C1, b, np.float32(1.0)))
     return n, j
 

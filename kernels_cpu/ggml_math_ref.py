@@ -6,7 +6,7 @@ import numpy as np
 from . import ggml_math as gm
 
 LANES = gm.LANES
-SLOTS = 4 * LANES   # ggml_vec_dot_f16's four accumulators
+SLOTS = gm.SLOTS
 
 
 def _fma(a, b, c):

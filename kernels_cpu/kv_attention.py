@@ -355,9 +355,6 @@ def _softmax_f16(w, kpos, qp, window, kq_scale, sink):
             w[j] = f16_round(np.float32(w[j] * inv))
 
 
-_SLOTS = SLOTS  # ggml_vec_dot_f16's 4 accumulators of LANES, passed at run time (see the KQ loop)
-
-
 def _make_attention_rows(hd: int, hdv: int):
     """The attention kernel for heads of hd (K) and hdv (V) elements: the 16-key kernels
     for those sizes where they exist (32, 64, 128, 256; with F16C), else the per-key loops
@@ -430,7 +427,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray, qpo
         compile_progress.wait_for(kernel)
     kernel(q16, np.ascontiguousarray(k).view(np.uint16), np.ascontiguousarray(v).view(np.uint16),
            np.ascontiguousarray(kpos, dtype=np.int64), np.ascontiguousarray(qpos, dtype=np.int64), int(window),
-           np.float32(kq_scale), head_sinks(sinks, q.shape[1]), out, _SLOTS)
+           np.float32(kq_scale), head_sinks(sinks, q.shape[1]), out, SLOTS)
     return out
 
 

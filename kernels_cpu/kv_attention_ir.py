@@ -12,10 +12,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .ggml_math import AVX512
+from .ggml_math import AVX512, SLOTS
 from .ir_helpers import counted_loop
-
-SLOTS = 64 if AVX512 else 32   # ggml_vec_dot_f16's 4 accumulators x lanes: the slots of a dot
 
 
 @intrinsic

@@ -2,8 +2,8 @@
 ggml's order (llama.cpp's build_moe_ffn), so that the same experts win as in llama.cpp.
 
 - `softmax_topk` (qwen3moe): softmax over all experts (ggml_soft_max_f32: the vector exp
-  over 8 lanes at a time, 16 on AVX-512, each vector's sum added in double), the top k by probability, their probabilities
-  renormalised to sum 1 (the sum clamped below at 2^-14, as llama.cpp does). Compiled
+  over 8 lanes at a time, 16 on AVX-512, each vector's sum added in double), the top k by
+  probability, their probabilities renormalised to sum 1 (the sum clamped below at 2^-14, as llama.cpp does). Compiled
   (kernels_cpu.moe_routing); `softmax_topk_reference` is the numpy statement of it.
 - `topk_softmax` (gpt-oss): the top k of the logits (the router's bias added), then a
   softmax over those k only. One numpy step per layer.
