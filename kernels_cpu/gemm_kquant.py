@@ -31,6 +31,7 @@ IQ4_XS 8192 x 2048: 111-139 against 231-260 ms.
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 from llvmlite import ir
@@ -39,7 +40,7 @@ from numba.core import cgutils
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
-from . import gemm_parallel
+from . import gemm_kquant_wide as wide, gemm_parallel
 from .dot_iquant import BLOCK_BYTES as _IQ_BLOCK_BYTES, FACTOR as _IQ_FACTOR, SUB as _IQ_SUB, odd as _odd
 from .dot_kquant import _q3k_scales, _q23k_codes, k_nibbles, q4k_block_bytes, q4k_qs32, q4k_scales_heads
 from .dot_q32 import q32_values
@@ -68,6 +69,11 @@ _HAS_IQ2_XXS = _HAS_IQ2_XS = _HAS_IQ2_S = _HAS_IQ3_XXS = _HAS_IQ3_S = True
 # value = code - offset (times the group's scale); the i-quants' values are within +-62
 _CODE_OFFSET = {Q6_K: 32, Q3_K: 4, **{qt: 64 for qt in IQ_GEMM_TYPES}}
 _JIT = dict(cache=True, nogil=True)
+# 512-bit VNNI hosts: four row groups at a time take gemm_kquant_wide's 32-row products (the
+# same bits). EDGEINFER_NO_WIDE_GEMM=1 keeps the 8-row kernel (A/B benchmarks; the drivers
+# compiled either way are cached under their own names)
+_WIDE = wide.host_has_wide() and not os.environ.get("EDGEINFER_NO_WIDE_GEMM")
+WIDE_TILE_TOKENS = 128      # tokens a wide staged block serves (acc: 256 bytes a token)
 
 
 @functools.cache
@@ -426,6 +432,96 @@ _stage_iq2xs, _tokens_iq2xs = _make_stage(IQ2_XS), _make_tokens(IQ2_XS)
 _stage_iq2s, _tokens_iq2s = _make_stage(IQ2_S), _make_tokens(IQ2_S)
 _stage_iq3xxs, _tokens_iq3xxs = _make_stage(IQ3_XXS), _make_tokens(IQ3_XXS)
 _stage_iq3s, _tokens_iq3s = _make_stage(IQ3_S), _make_tokens(IQ3_S)
+_merge_q4k = wide.make_merge(wide.StagedLayout(_CODES, _SCALES, _MINS, _D, _DMIN, False, SCRATCH_BYTES))
+_merge_per16 = wide.make_merge(wide.StagedLayout(_CODES, _SCALES6, _PAIRS6, _D6, _DMIN6, True, SCRATCH_BYTES))
+_wide_q4k, _wide_q2k = wide.make_tokens("q4k"), wide.make_tokens("q2k")
+_wide_q6k, _wide_q3k = wide.make_tokens("per16", _CODE_OFFSET[Q6_K]), wide.make_tokens("per16", _CODE_OFFSET[Q3_K])
+_wide_iq = wide.make_tokens("per16", _CODE_OFFSET[IQ3_S])   # every i-quant's offset is 64
+
+
+@njit(**_JIT)
+def _wide_block(w, qt, g, bi, s4, sw, xq, xd, xb, t0, acc, t1):
+    """Block bi of row groups g..g + 3 against tokens t0..t1 (gemm_kquant_wide)."""
+    if _WIDE and _HAS_Q4_K and qt == Q4_K:
+        for q in range(wide.GROUPS):
+            _stage_q4k(w, g + q, bi, s4[q])
+        _merge_q4k(s4, sw)
+        _wide_q4k(sw, xq, xd, xb, bi, t0, acc, t1)
+    elif _WIDE and _HAS_Q4_K_X8 and qt == Q4_K_X8:
+        for q in range(wide.GROUPS):
+            _stage_q4k_x8(w, g + q, bi, s4[q])
+        _merge_q4k(s4, sw)
+        _wide_q4k(sw, xq, xd, xb, bi, t0, acc, t1)
+    elif _WIDE and _HAS_Q5_K and qt == Q5_K:
+        for q in range(wide.GROUPS):
+            _stage_q5k(w, g + q, bi, s4[q])
+        _merge_q4k(s4, sw)
+        _wide_q4k(sw, xq, xd, xb, bi, t0, acc, t1)
+    elif _WIDE and _HAS_Q6_K and qt == Q6_K:
+        for q in range(wide.GROUPS):
+            _stage_q6k(w, g + q, bi, s4[q])
+        _merge_per16(s4, sw)
+        _wide_q6k(sw, xq, xd, xb, bi, t0, acc, t1)
+    elif _WIDE and _HAS_Q3_K and qt == Q3_K:
+        for q in range(wide.GROUPS):
+            _stage_q3k(w, g + q, bi, s4[q])
+        _merge_per16(s4, sw)
+        _wide_q3k(sw, xq, xd, xb, bi, t0, acc, t1)
+    elif _WIDE and _HAS_Q2_K and qt == Q2_K:
+        for q in range(wide.GROUPS):
+            _stage_q2k(w, g + q, bi, s4[q])
+        _merge_per16(s4, sw)
+        _wide_q2k(sw, xq, xd, xb, bi, t0, acc, t1)
+    elif _WIDE and _HAS_IQ2_XXS and qt == IQ2_XXS:
+        for q in range(wide.GROUPS):
+            _stage_iq2xxs(w, g + q, bi, s4[q])
+        _merge_per16(s4, sw)
+        _wide_iq(sw, xq, xd, xb, bi, t0, acc, t1)
+    elif _WIDE and _HAS_IQ2_XS and qt == IQ2_XS:
+        for q in range(wide.GROUPS):
+            _stage_iq2xs(w, g + q, bi, s4[q])
+        _merge_per16(s4, sw)
+        _wide_iq(sw, xq, xd, xb, bi, t0, acc, t1)
+    elif _WIDE and _HAS_IQ2_S and qt == IQ2_S:
+        for q in range(wide.GROUPS):
+            _stage_iq2s(w, g + q, bi, s4[q])
+        _merge_per16(s4, sw)
+        _wide_iq(sw, xq, xd, xb, bi, t0, acc, t1)
+    elif _WIDE and _HAS_IQ3_XXS and qt == IQ3_XXS:
+        for q in range(wide.GROUPS):
+            _stage_iq3xxs(w, g + q, bi, s4[q])
+        _merge_per16(s4, sw)
+        _wide_iq(sw, xq, xd, xb, bi, t0, acc, t1)
+    elif _WIDE and _HAS_IQ3_S and qt == IQ3_S:
+        for q in range(wide.GROUPS):
+            _stage_iq3s(w, g + q, bi, s4[q])
+        _merge_per16(s4, sw)
+        _wide_iq(sw, xq, xd, xb, bi, t0, acc, t1)
+
+
+@njit(**_JIT)
+def _gemm_wide(w, qt, g0, g1, xq, xd, xb, out):
+    """_gemm_rows' groups g0..g1 in fours with the 32-row kernels where this CPU and type
+    have them; returns the first group left for the 8-row kernel."""
+    if not _WIDE or qt == IQ4_XS:   # IQ4_XS's signed values: vpmaddubsw with vpsignb
+        return g0
+    n_tok = out.shape[0]
+    nb, n_pad = xd.shape
+    s4 = np.empty((wide.GROUPS, SCRATCH_BYTES), np.uint8)
+    sw = np.empty(wide.SCRATCH_BYTES, np.uint8)
+    acc = np.empty((n_pad, wide.ACC_COLS), np.float32)
+    g = g0
+    while g + wide.GROUPS <= g1:
+        for t0 in range(0, n_pad, WIDE_TILE_TOKENS):
+            t1 = min(t0 + WIDE_TILE_TOKENS, n_pad)
+            acc[t0:t1] = 0.0
+            for bi in range(nb):
+                _wide_block(w, qt, g, bi, s4, sw, xq, xd, xb, t0, acc, t1)
+            for t in range(t0, min(t1, n_tok)):
+                for k in range(wide.ROWS):
+                    out[t, GROUP_ROWS * g + k] = acc[t, k] + acc[t, wide.ROWS + k]
+        g += wide.GROUPS
+    return g
 
 
 @njit(**_JIT)
@@ -433,6 +529,7 @@ def _gemm_rows(w, qt, g0, g1, xq, xd, xb, tile, out):
     """out[t, 8g + k] for row groups g0 <= g < g1 and every token of out, `tile` tokens at
     a time: each staged block serves that many tokens, and the tile's accumulators
     (64 bytes a token) stay in L1."""
+    g0 = _gemm_wide(w, qt, g0, g1, xq, xd, xb, out)
     n_tok = out.shape[0]
     nb, n_pad = xd.shape
     s = np.empty(SCRATCH_BYTES, np.uint8)
@@ -557,8 +654,8 @@ def matmul_rows(w_raw: np.ndarray, qt: int, g0: int, g1: int, packed, out: np.nd
 
 
 # the parallel region over 1 to 3 matrices, per type set: DRIVERS.run(ws, qts, packed, outs, n_threads)
-DRIVERS = gemm_parallel.Drivers(globals(), ("_gemm_rows",), {Q4_K: "Q4_K", Q4_K_X8: "Q4_K_X8", Q5_K: "Q5_K",
+DRIVERS = gemm_parallel.Drivers(globals(), ("_wide_block", "_gemm_wide", "_gemm_rows"), {Q4_K: "Q4_K", Q4_K_X8: "Q4_K_X8", Q5_K: "Q5_K",
                                                            Q6_K: "Q6_K", Q3_K: "Q3_K", Q2_K: "Q2_K",
                                                            IQ4_XS: "IQ4_XS", IQ2_XXS: "IQ2_XXS", IQ2_XS: "IQ2_XS",
                                                            IQ2_S: "IQ2_S", IQ3_XXS: "IQ3_XXS", IQ3_S: "IQ3_S"},
-                             TILE_TOKENS, "kquant")
+                             TILE_TOKENS, "kquant_wide" if _WIDE else "kquant")

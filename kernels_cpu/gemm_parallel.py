@@ -28,7 +28,7 @@ from .dispatch import CLAIMS_PER_THREAD, _fetch_add
 
 GROUP_ROWS = 8      # rows a group (both GEMMs: one per 32-bit lane)
 TOKENS_PAD = 4      # both GEMMs' token step: a packed segment's length is a multiple of it
-ITEM_GROUPS = 2     # row groups a work item (16 rows: the claim overhead, once per item)
+ITEM_GROUPS = 4     # row groups a work item (32 rows: the claim overhead once; gemm_kquant_wide's width)
 _JIT = dict(cache=True, nogil=True)
 _gemm_rows = _segment = _TILE = None   # bound in each Driver's copies
 

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import edgeinfer.kernels_cpu as K
-from edgeinfer.kernels_cpu import gemm_kquant, tile_gemm
+from edgeinfer.kernels_cpu import gemm_kquant, gemm_kquant_wide, tile_gemm
 from edgeinfer.kernels_cpu.reference import reference_quantize_act
 from quant_blocks import random_blocks
 
@@ -41,7 +41,7 @@ def _readonly(w):
 @pytest.mark.parametrize("n_tok", [1, 5, 70, 300])   # 300: two token tiles, the last partial
 def test_each_token_equals_matvec_bit_for_bit(n_tok):
     rng = np.random.default_rng(n_tok)
-    w = _readonly(random_blocks(T.Q4_K, 24, 768, rng))
+    w = _readonly(random_blocks(T.Q4_K, 40, 768, rng))   # 5 groups: a wide group (VNNI-512) and one
     X = rng.standard_normal((n_tok, 768)).astype(np.float32) * rng.uniform(0.01, 10, (n_tok, 1)).astype(np.float32)
     got = _gemm(w, X)
     for t in range(n_tok):
@@ -53,9 +53,31 @@ def test_each_token_equals_matvec_bit_for_bit(n_tok):
 @pytest.mark.parametrize("n_tok", [3, 70, 300])
 def test_each_type_matches_the_reference(qt, n_tok):
     rng = np.random.default_rng(10 * int(qt) + n_tok)
-    w = _readonly(random_blocks(qt, 16, 1024, rng))
+    w = _readonly(random_blocks(qt, 40, 1024, rng))
     X = rng.standard_normal((n_tok, 1024)).astype(np.float32)
     _within_rounding(_gemm(w, X, qt), w, qt, X)
+
+
+WIDE_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S]
+
+
+@pytest.mark.skipif(not gemm_kquant_wide.host_has_wide(),
+                    reason="the 32-row kernels need AVX512-VNNI to run (elsewhere they are not compiled)")
+@pytest.mark.parametrize("qt", WIDE_TYPES)
+@pytest.mark.parametrize("n_tok", [1, 13, 300])   # 13: a step of 8 and a last 4 (with padding); 300: 3 tiles
+def test_wide_groups_have_the_8_row_kernels_bits(qt, n_tok):
+    """Rows in groups of 4 (gemm_kquant_wide) against each 8-row group alone: equal bits."""
+    rng = np.random.default_rng(7 * int(qt) + n_tok)
+    w = _readonly(random_blocks(qt, 72, 512, rng))   # 9 groups: two wide groups and one left
+    X = rng.standard_normal((n_tok, 512)).astype(np.float32) * rng.uniform(0.01, 10, (n_tok, 1)).astype(np.float32)
+    packed = gemm_kquant.pack_activations(*MATVEC.quantize_activation_rows(X, Q4K))
+    wide = np.full((n_tok, 72), np.nan, np.float32)
+    gemm_kquant.matmul_rows(w, int(qt), 0, 9, packed, wide)
+    narrow = np.full((n_tok, 72), np.nan, np.float32)
+    for g in range(9):   # one group a call: never four, so never the wide kernel
+        gemm_kquant.matmul_rows(w, int(qt), g, g + 1, packed, narrow)
+    np.testing.assert_array_equal(wide, narrow)
+    _within_rounding(wide, w, qt, X)
 
 
 # byte offset and f16 bytes of d (and dmin) in a block, for filling every other byte
