@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.core.registry import cpu_target
