@@ -70,16 +70,21 @@ def host_has_wide() -> bool:
     return {"+avx512vnni", "+avx512bw", "+avx512f"} <= target_features(cpu_target.target_context)
 
 
-def _store(b, base, off, v):
+def store(b, base, off, v):
     b.store(v, b.bitcast(b.gep(base, [c64(off)]), v.type.as_pointer()), align=1)
 
 
-def _load(b, base, off, ty):
+def load(b, base, off, ty):
     return b.load(b.bitcast(b.gep(base, [c64(off)]), ty.as_pointer()), align=1)
 
 
-def _cat(b, lo, hi):
-    return b.shuffle_vector(lo, hi, mask(range(2 * lo.type.count)))
+def gather_groups(b, src, at, ty):
+    """The GROUPS staged scratches' `ty` vectors at byte `at` of each (src: their i8
+    pointers), one after the other in one vector (8-row lanes -> 32-row lanes)."""
+    vs = [load(b, p, at, ty) for p in src]
+    while len(vs) > 1:   # GROUPS is a power of two
+        vs = [b.shuffle_vector(vs[i], vs[i + 1], mask(range(2 * vs[i].type.count))) for i in range(0, len(vs), 2)]
+    return vs[0]
 
 
 def _merge_codegen(lay: StagedLayout):
@@ -90,26 +95,20 @@ def _merge_codegen(lay: StagedLayout):
         src = [b.gep(s4, [c64(q * lay.stride)]) for q in range(GROUPS)]
 
         def cat(at, ty):
-            vs = [_load(b, p, at, ty) for p in src]
-            out = vs[0]
-            for v in vs[1:]:
-                n = out.type.count
-                v = b.shuffle_vector(v, v, mask(list(range(v.type.count)) + [0] * (n - v.type.count)))
-                out = b.shuffle_vector(out, v, mask(list(range(n)) + list(range(n, n + ty.count))))
-            return out
+            return gather_groups(b, src, at, ty)
         for line in range(64):   # codes: [j][k] lines of 8 rows x 4 bytes -> 32 rows
-            _store(b, sw, _CODES + _LINE * line, cat(lay.codes + 32 * line, vec(I8, 32)))
+            store(b, sw, _CODES + _LINE * line, cat(lay.codes + 32 * line, vec(I8, 32)))
         n_sc, n_pr = (16, 8) if lay.per16 else (8, 4)
         sc_at, pr_at = (_SC16, _PR16) if lay.per16 else (_SC, _MN)
         for g in range(n_sc):   # each row's scale twice as i16 -> once as i32
             v = cat(lay.scales + 32 * g, vec(I16, 16))
             v = b.shuffle_vector(v, v, mask(range(0, 4 * ROWS // 2, 2)))
-            _store(b, sw, sc_at + 4 * ROWS * g, b.sext(v, vec(I32, ROWS)))
+            store(b, sw, sc_at + 4 * ROWS * g, b.sext(v, vec(I32, ROWS)))
         for i in range(n_pr):   # the i16 pairs for vpmaddwd, 32 rows
-            _store(b, sw, pr_at + 4 * ROWS * i, cat(lay.mins + 32 * i, vec(I16, 16)))
+            store(b, sw, pr_at + 4 * ROWS * i, cat(lay.mins + 32 * i, vec(I16, 16)))
         d_at, dmin_at = (_D16, _DMIN16) if lay.per16 else (_D, _DMIN)
         for at, dst in ((lay.d, d_at), (lay.dmin, dmin_at)):
-            _store(b, sw, dst, cat(at, vec(F32T, 8)))
+            store(b, sw, dst, cat(at, vec(F32T, 8)))
         return context.get_dummy_value()
     return codegen
 
@@ -125,7 +124,7 @@ def make_merge(lay: StagedLayout):
     return merge
 
 
-def _dpbusd(h, acc, w, x):
+def dpbusd512(h, acc, w, x):
     return h.x86("llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [acc, w, x])
 
 
@@ -133,7 +132,7 @@ def _madd(h, a16, x16):
     return h.x86("llvm.x86.avx512.pmaddw.d.512", vec(I32, 16), [a16, x16])
 
 
-def _bcast(h, p, off):
+def bcast16(h, p, off):
     """The 4 bytes at p + off in all 16 lanes (vpdpbusd's embedded broadcast)."""
     return h.splat(h.load(p, c64(off), I32), LANES)
 
@@ -160,8 +159,8 @@ def _scaled_sums(h, sw, xs, n_groups):
                 at = b.add(b.mul(j, c64(8 * _LINE)), c64(_CODES + _LINE * line))
                 wv = [h.load(sw, b.add(at, c64(64 * v)), vec(I32, LANES)) for v in range(NV)]
                 for t, x in enumerate(xs):
-                    xb = _bcast(h, b.gep(x, [b.mul(j, c64(32))]), 4 * line)
-                    sub[t] = [_dpbusd(h, s, w, xb) for s, w in zip(sub[t], wv)]
+                    xb = bcast16(h, b.gep(x, [b.mul(j, c64(32))]), 4 * line)
+                    sub[t] = [dpbusd512(h, s, w, xb) for s, w in zip(sub[t], wv)]
             isum = [[b.add(i, b.mul(s, c)) for i, s, c in zip(it, st, sc)] for it, st in zip(isum, sub)]
         return [v for it in isum for v in it]
     flat = counted_loop(b, c64(8), 1, [zero] * (NV * nt), sub_block, "kqw_sub")
@@ -175,7 +174,7 @@ def _pair_sums(h, sw, bs, at, n, first):
     for i in range(n):
         pv = [h.load(sw, c64(at + 4 * ROWS * i + 64 * v), vec(I16, 2 * LANES)) for v in range(NV)]
         for t, p in enumerate(bs):
-            xb = b.bitcast(_bcast(h, p, first + 4 * i), vec(I16, 2 * LANES))
+            xb = b.bitcast(bcast16(h, p, first + 4 * i), vec(I16, 2 * LANES))
             out[t] = [b.add(o, _madd(h, w, xb)) for o, w in zip(out[t], pv)]
     return out
 
@@ -212,7 +211,7 @@ def _tokens_codegen(kind: str, code_offset: int):
             for v in range(NV):   # acc += (scale * dx) * ints: the 8-row kernel's fma per row
                 a = h.load(ap, c64(off + 64 * v), vec(F32T, LANES))
                 f = h.fma(b.fmul(scale[v], h.splat(dx, LANES)), b.sitofp(ints[v], vec(F32T, LANES)), a)
-                _store(b, ap, off + 64 * v, f)
+                store(b, ap, off + 64 * v, f)
 
         def tokens_at(first, n_t):
             ts = [b.add(first, c64(ti)) for ti in range(n_t)]

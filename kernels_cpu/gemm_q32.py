@@ -32,7 +32,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import gemm_parallel
+import os
+
+from . import gemm_parallel, gemm_kquant_wide, gemm_q32_wide as wide
 from .dot_mxfp4 import e8m0_half, mxfp4_values
 from .dot_q32 import q32_values
 from .gemm_kquant import GROUP_ROWS, TOKENS, _bcast, _store, _store_d, _transpose8
@@ -59,6 +61,12 @@ _TYPE_NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5
 _HAS_Q8_0 = _HAS_Q4_0 = _HAS_Q4_1 = _HAS_Q5_0 = _HAS_Q5_1 = _HAS_IQ4_NL = _HAS_MXFP4 = True
 TILE_TOKENS = 256        # tokens a staged run serves (a multiple of TOKENS)
 _JIT = dict(cache=True, nogil=True)
+# 512-bit VNNI hosts: four row groups at a time take gemm_q32_wide's 32-row products (the
+# same bits); EDGEINFER_NO_WIDE_GEMM=1 keeps the 8-row kernel (as gemm_kquant's)
+_WIDE = gemm_kquant_wide.host_has_wide() and not os.environ.get("EDGEINFER_NO_WIDE_GEMM")
+WIDE_TILE_TOKENS = 128   # tokens a wide staged run serves (acc: 128 bytes a token)
+_WIDE_GROUPS, _WIDE_ROWS = gemm_kquant_wide.GROUPS, gemm_kquant_wide.ROWS
+_WIDE_SCRATCH = wide.scratch_bytes(NBLK)
 
 
 def _values(h, row, wo, qt):
@@ -195,6 +203,133 @@ _st8_iq4_nl, _tk8_iq4_nl, _st1_iq4_nl, _tk1_iq4_nl = _KERNELS[IQ4_NL]
 _st8_mxfp4, _tk8_mxfp4, _st1_mxfp4, _tk1_mxfp4 = _KERNELS[MXFP4]
 
 
+def _wide_kernels(qt):
+    """(merge, tokens) for a full run of NBLK blocks, then for one block (a row's tail)."""
+    args = (_PER_BLOCK[qt], _CODE_BYTES, qt in _SIGNED, SCRATCH_BYTES)
+    return (wide.make_merge(qt, NBLK, *args), wide.make_tokens(qt, NBLK),
+            wide.make_merge(qt, 1, *args), wide.make_tokens(qt, 1))
+
+
+_wm8_q8_0, _wt8_q8_0, _wm1_q8_0, _wt1_q8_0 = _wide_kernels(Q8_0)
+_wm8_q4_0, _wt8_q4_0, _wm1_q4_0, _wt1_q4_0 = _wide_kernels(Q4_0)
+_wm8_q4_1, _wt8_q4_1, _wm1_q4_1, _wt1_q4_1 = _wide_kernels(Q4_1)
+_wm8_q5_0, _wt8_q5_0, _wm1_q5_0, _wt1_q5_0 = _wide_kernels(Q5_0)
+_wm8_q5_1, _wt8_q5_1, _wm1_q5_1, _wt1_q5_1 = _wide_kernels(Q5_1)
+_wm8_iq4_nl, _wt8_iq4_nl, _wm1_iq4_nl, _wt1_iq4_nl = _wide_kernels(IQ4_NL)
+_wm8_mxfp4, _wt8_mxfp4, _wm1_mxfp4, _wt1_mxfp4 = _wide_kernels(MXFP4)
+
+@njit(**_JIT)
+def _run_wide(w, qt, g, bi, n, s4, sw, xq, xd, xs, t0, acc, t1):
+    """_run for row groups g..g + 3 (gemm_q32_wide): stage each, merge, multiply."""
+    x, d, m = xq[:, 32 * bi:], xd[:, bi:], xs[:, bi:]
+    full = n == NBLK
+    if _WIDE and _HAS_Q8_0 and qt == Q8_0:
+        if full:
+            for q in range(_WIDE_GROUPS):
+                _st8_q8_0(w, g + q, bi, s4[q])
+            _wm8_q8_0(s4, sw)
+            _wt8_q8_0(sw, x, d, m, t0, acc, t1)
+        else:
+            for q in range(_WIDE_GROUPS):
+                _st1_q8_0(w, g + q, bi, s4[q])
+            _wm1_q8_0(s4, sw)
+            _wt1_q8_0(sw, x, d, m, t0, acc, t1)
+    elif _WIDE and _HAS_Q4_0 and qt == Q4_0:
+        if full:
+            for q in range(_WIDE_GROUPS):
+                _st8_q4_0(w, g + q, bi, s4[q])
+            _wm8_q4_0(s4, sw)
+            _wt8_q4_0(sw, x, d, m, t0, acc, t1)
+        else:
+            for q in range(_WIDE_GROUPS):
+                _st1_q4_0(w, g + q, bi, s4[q])
+            _wm1_q4_0(s4, sw)
+            _wt1_q4_0(sw, x, d, m, t0, acc, t1)
+    elif _WIDE and _HAS_Q4_1 and qt == Q4_1:
+        if full:
+            for q in range(_WIDE_GROUPS):
+                _st8_q4_1(w, g + q, bi, s4[q])
+            _wm8_q4_1(s4, sw)
+            _wt8_q4_1(sw, x, d, m, t0, acc, t1)
+        else:
+            for q in range(_WIDE_GROUPS):
+                _st1_q4_1(w, g + q, bi, s4[q])
+            _wm1_q4_1(s4, sw)
+            _wt1_q4_1(sw, x, d, m, t0, acc, t1)
+    elif _WIDE and _HAS_Q5_0 and qt == Q5_0:
+        if full:
+            for q in range(_WIDE_GROUPS):
+                _st8_q5_0(w, g + q, bi, s4[q])
+            _wm8_q5_0(s4, sw)
+            _wt8_q5_0(sw, x, d, m, t0, acc, t1)
+        else:
+            for q in range(_WIDE_GROUPS):
+                _st1_q5_0(w, g + q, bi, s4[q])
+            _wm1_q5_0(s4, sw)
+            _wt1_q5_0(sw, x, d, m, t0, acc, t1)
+    elif _WIDE and _HAS_Q5_1 and qt == Q5_1:
+        if full:
+            for q in range(_WIDE_GROUPS):
+                _st8_q5_1(w, g + q, bi, s4[q])
+            _wm8_q5_1(s4, sw)
+            _wt8_q5_1(sw, x, d, m, t0, acc, t1)
+        else:
+            for q in range(_WIDE_GROUPS):
+                _st1_q5_1(w, g + q, bi, s4[q])
+            _wm1_q5_1(s4, sw)
+            _wt1_q5_1(sw, x, d, m, t0, acc, t1)
+    elif _WIDE and _HAS_IQ4_NL and qt == IQ4_NL:
+        if full:
+            for q in range(_WIDE_GROUPS):
+                _st8_iq4_nl(w, g + q, bi, s4[q])
+            _wm8_iq4_nl(s4, sw)
+            _wt8_iq4_nl(sw, x, d, m, t0, acc, t1)
+        else:
+            for q in range(_WIDE_GROUPS):
+                _st1_iq4_nl(w, g + q, bi, s4[q])
+            _wm1_iq4_nl(s4, sw)
+            _wt1_iq4_nl(sw, x, d, m, t0, acc, t1)
+    elif _WIDE and _HAS_MXFP4 and qt == MXFP4:
+        if full:
+            for q in range(_WIDE_GROUPS):
+                _st8_mxfp4(w, g + q, bi, s4[q])
+            _wm8_mxfp4(s4, sw)
+            _wt8_mxfp4(sw, x, d, m, t0, acc, t1)
+        else:
+            for q in range(_WIDE_GROUPS):
+                _st1_mxfp4(w, g + q, bi, s4[q])
+            _wm1_mxfp4(s4, sw)
+            _wt1_mxfp4(sw, x, d, m, t0, acc, t1)
+
+
+@njit(**_JIT)
+def _gemm_wide(w, qt, g0, g1, xq, xd, xs, out):
+    """_gemm_rows' groups g0..g1 in fours with the 32-row kernels where this CPU has them;
+    returns the first group left for the 8-row kernel."""
+    if not _WIDE:
+        return g0
+    n_tok = out.shape[0]
+    n_pad, nb = xd.shape
+    s4 = np.empty((_WIDE_GROUPS, SCRATCH_BYTES), np.uint8)
+    sw = np.empty(_WIDE_SCRATCH, np.uint8)
+    acc = np.empty((n_pad, _WIDE_ROWS), np.float32)
+    n_full = nb - nb % NBLK
+    g = g0
+    while g + _WIDE_GROUPS <= g1:
+        for t0 in range(0, n_pad, WIDE_TILE_TOKENS):
+            t1 = min(t0 + WIDE_TILE_TOKENS, n_pad)
+            acc[t0:t1] = 0.0
+            for bi in range(0, n_full, NBLK):
+                _run_wide(w, qt, g, bi, NBLK, s4, sw, xq, xd, xs, t0, acc, t1)
+            for bi in range(n_full, nb):
+                _run_wide(w, qt, g, bi, 1, s4, sw, xq, xd, xs, t0, acc, t1)
+            for t in range(t0, min(t1, n_tok)):
+                for k in range(_WIDE_ROWS):
+                    out[t, GROUP_ROWS * g + k] = acc[t, k]
+        g += _WIDE_GROUPS
+    return g
+
+
 @njit(**_JIT)
 def _run(w, qt, g, bi, n, s, xq, xd, xs, t0, acc, t1):
     """Blocks bi..bi+n (n: NBLK or 1) of row group g against tokens t0..t1."""
@@ -255,6 +390,7 @@ def _run(w, qt, g, bi, n, s, xq, xd, xs, t0, acc, t1):
 def _gemm_rows(w, qt, g0, g1, xq, xd, xs, tile, out):
     """out[t, 8g + k] for row groups g0 <= g < g1 and every token of out, `tile` tokens at
     a time (each staged run serves that many; their accumulators stay in L1)."""
+    g0 = _gemm_wide(w, qt, g0, g1, xq, xd, xs, out)
     n_tok = out.shape[0]
     n_pad, nb = xd.shape
     s = np.empty(SCRATCH_BYTES, np.uint8)
@@ -311,4 +447,5 @@ def matmul_rows(w_raw: np.ndarray, qt: int, g0: int, g1: int, packed, out: np.nd
 
 
 # the parallel region over 1 to 3 matrices, per type set: DRIVERS.run(ws, qts, packed, outs, n_threads)
-DRIVERS = gemm_parallel.Drivers(globals(), ("_run", "_gemm_rows"), _TYPE_NAMES, TILE_TOKENS, "q32")
+DRIVERS = gemm_parallel.Drivers(globals(), ("_run", "_run_wide", "_gemm_wide", "_gemm_rows"), _TYPE_NAMES,
+                                TILE_TOKENS, "q32_wide" if _WIDE else "q32")

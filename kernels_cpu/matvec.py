@@ -331,6 +331,7 @@ def get_rows(w_raw: np.ndarray, qtype: T, n_cols: int, ids) -> np.ndarray:
 # 8.0, Q4_K_X8 2048 x 2048 13.2 against 14.8); the 32-element types keep the tiles there
 # (Q5_0 2048 x 640 5.39 against 5.41 for q32, Q8_0 256 x 640 1.46 against 1.51).
 _KQUANT_OVER_TILES = (qk.Q4_K, qk.Q4_K_X8, qk.Q6_K)
+_GEMM_OVER_TILES = _KQUANT_OVER_TILES   # long prompts of these types take their GEMM over the tiles
 # Speculative verification needs every row to be what decoding that token alone would
 # give: inside `decode_order()` the short batches keep to the paths with matvec's bits.
 # q32 and kquant from this many tokens (outside decode_order). Q8_0 keeps the row kernels
@@ -351,6 +352,14 @@ if gemm_kquant_wide.host_has_wide():
     # tokens 640 x 1024 0.084 against 0.076 ms, 2048 x 2048 0.32 against 0.27, 2048 x 8192
     # 1.17 against 0.94; at 6 within 5% either way
     _Q4K_GEMM_MIN_TOKENS = 8
+    # gemm_q32_wide from 4 tokens (rows against q32): Q4_0 2048 x 2048 0.32 against 0.20 ms,
+    # Q4_1 0.52 against 0.24, MXFP4 2880 x 2880 0.74 against 0.48 (Q8_0 keeps llama.cpp's
+    # row bits up to _INT8_MATMUL_MAX_TOKENS: 2048 x 2048 at 16 tokens 1.31 against 0.50)
+    _GEMM_MIN_TOKENS.update({qt: 4 for qt in (qk.Q4_0, qk.Q4_1, qk.Q5_1, qk.IQ4_NL, qk.MXFP4)})
+    # and long prompts, over the VNNI tiles (512 tokens): Q5_0 2048 x 640 3.4 against 5.7 ms,
+    # Q4_0 2048 x 2048 8.9 against 12.6, Q8_0 256 x 640 0.99 against 1.45, MXFP4 2880 x 2880
+    # 17.2 against 22.3
+    _GEMM_OVER_TILES = _GEMM_OVER_TILES + tuple(gemm_q32.GEMM_TYPES)
 _Q32_GEMM = _FAST and not os.environ.get("EDGEINFER_NO_Q32_GEMM")
 _ORDER = threading.local()
 
@@ -381,7 +390,7 @@ def matmul_path(qtype, n_rows: int, n_tokens: int) -> str:
     short = n_tokens <= _INT8_MATMUL_MAX_TOKENS
     exact = short and _in_decode_order()
     avx2_gemms = gemm_kquant.host_has_avx2() and n_rows % 8 == 0
-    if not short and _uses_tiles(qt) and qt not in _KQUANT_OVER_TILES:
+    if not short and _uses_tiles(qt) and qt not in _GEMM_OVER_TILES:
         return "tiles"
     if avx2_gemms and _KQUANT_GEMM and qt in gemm_kquant.GEMM_TYPES:
         if qt in (qk.Q4_K, qk.Q4_K_X8) and n_tokens >= _Q4K_GEMM_MIN_TOKENS:   # matvec's bits

@@ -182,14 +182,15 @@ def test_long_prompts_take_it_through_matmul_and_matmul_many():
 
 @pytest.mark.skipif(not gemm_kquant.host_has_avx2(), reason="gemm_kquant is AVX2 code: this CPU has no AVX2")
 def test_short_batches_route_by_size_and_keep_matvec_bits_in_decode_order():
-    # a short prompt takes gemm_kquant from 12 tokens; a speculative batch
-    # (decode_order) only where it keeps matvec's bits: Q4_K from 12 tokens, never Q6_K
+    # a short prompt takes gemm_kquant from 12 tokens (Q4_K from 8 where the 32-row kernels
+    # run); a speculative batch (decode_order) only where it keeps matvec's bits: Q4_K, never Q6_K
     rng = np.random.default_rng(5)
     w = _readonly(random_blocks(T.Q4_K, 32, 512, rng))
     w6 = _readonly(random_blocks(T.Q6_K, 32, 512, rng))
-    for n_tok, q4k_prompt, q4k_exact, q6k_prompt in ((4, False, False, False), (8, False, False, False),
-                                                    (12, True, True, True), (17, True, True, True),
-                                                    (40, True, True, True)):
+    q4k_from = 8 if gemm_kquant_wide.host_has_wide() else 12
+    assert MATVEC._Q4K_GEMM_MIN_TOKENS == q4k_from
+    for n_tok, q6k_prompt in ((4, False), (8, False), (12, True), (17, True), (40, True)):
+        q4k_prompt = q4k_exact = n_tok >= q4k_from
         assert MATVEC._kquant_gemm_for(T.Q4_K, 32, n_tok) == q4k_prompt
         # (Q6_K's crossover is 4 tokens on VNNI hosts, where its GEMM pays sooner)
         assert MATVEC._kquant_gemm_for(T.Q6_K, 32, n_tok) == (q6k_prompt or n_tok >= MATVEC._GEMM_MIN_TOKENS[T.Q6_K])

@@ -10,15 +10,16 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import edgeinfer.kernels_cpu as K
-from edgeinfer.kernels_cpu import gemm_kquant, gemm_q32, tile_gemm
+from edgeinfer.kernels_cpu import gemm_kquant, gemm_kquant_wide, gemm_q32, tile_gemm
 from quant_blocks import random_blocks
 
 MATVEC = importlib.import_module("edgeinfer.kernels_cpu.matvec")
 PLAN = importlib.import_module("edgeinfer.kernels_cpu.prompt_plan")
 TYPES = [T(t) for t in gemm_q32.GEMM_TYPES]
 AVX2_GEMMS = gemm_kquant.host_has_avx2()
-# a long prompt of a 32-element type in the VNNI tiles' layouts takes them where there is VNNI
-LONG_Q32 = "tiles" if tile_gemm.has_vnni() else "q32"
+# a long prompt of a 32-element type in the VNNI tiles' layouts takes them where there is
+# 256-bit VNNI only (with 512-bit VNNI gemm_q32_wide is faster)
+LONG_Q32 = "tiles" if tile_gemm.has_vnni() and not gemm_kquant_wide.host_has_wide() else "q32"
 
 
 def _readonly(w):
@@ -34,6 +35,27 @@ def _reference(w, qtype, X):
     xq, xd, _ = MATVEC.quantize_activation_rows(X, info)
     Xq = (xq.reshape(X.shape[0], -1, info.act_block).astype(np.float64) * xd[:, :, None]).reshape(X.shape)
     return Xq @ W.T, np.abs(Xq) @ np.abs(W).T
+
+
+@pytest.mark.skipif(not gemm_kquant_wide.host_has_wide(),
+                    reason="the 32-row kernels need AVX512-VNNI to run (elsewhere they are not compiled)")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tok", [1, 13, 300])   # 300: three token tiles
+def test_wide_groups_have_the_8_row_kernels_bits(qtype, n_tok):
+    """Rows in groups of 4 (gemm_q32_wide) against each 8-row group alone: equal bits,
+    with a tail of blocks past the runs of NBLK (11 blocks)."""
+    rng = np.random.default_rng(3 * int(qtype) + n_tok)
+    w = _readonly(random_blocks(qtype, 72, 352, rng))   # 9 groups: two wide groups and one left
+    X = rng.standard_normal((n_tok, 352)).astype(np.float32) * rng.uniform(0.01, 10, (n_tok, 1)).astype(np.float32)
+    packed = gemm_q32.pack_activations(*MATVEC.quantize_activation_rows(X, K.quant_info(qtype)))
+    wide = np.full((n_tok, 72), np.nan, np.float32)
+    gemm_q32.matmul_rows(w, int(qtype), 0, 9, packed, wide)
+    narrow = np.full((n_tok, 72), np.nan, np.float32)
+    for g in range(9):   # one group a call: never four, so never the wide kernel
+        gemm_q32.matmul_rows(w, int(qtype), g, g + 1, packed, narrow)
+    np.testing.assert_array_equal(wide, narrow)
+    want, scale = _reference(w, qtype, X)
+    assert np.all(np.abs(wide - want) <= 2e-5 * scale + 1e-30)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
