@@ -12,7 +12,7 @@ import numpy as np
 from edgeinfer import kernels_cpu
 from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.backends.offload import is_expert_tensor
-from edgeinfer.kernels_cpu import flash_attention, fused_layer, kv_attention, moe_routing, ops
+from edgeinfer.kernels_cpu import flash_attention, fused_layer, heap, kv_attention, moe_routing, ops
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
 from edgeinfer.kernels_cpu.prompt_plan import model_matrices, prompt_paths
 from edgeinfer.kernels_cpu.repack import repack, repacks
@@ -36,6 +36,7 @@ class CpuBackend(Backend):
         if threads:
             kernels_cpu.set_threads(threads)
         kernels_cpu.single_threaded_blas()   # the prefill GEMM tiles' and attention's BLAS
+        heap.keep_freed_buffers()             # a layer's big temporaries: reused, not re-faulted
         self._rope_angles: dict = {}
         # one kernel set for the model's types: only their code compiles
         experts = [info for name, info in gguf.tensors.items()   # the 3-D ones, not gpt-oss's expert biases
