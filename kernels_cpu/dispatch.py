@@ -15,16 +15,17 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .dot_kquant import (deq_row_iq4_xs, deq_row_q2_k, deq_row_q3_k, deq_row_q4_k, deq_row_q5_k, deq_row_q6_k,
-                         row_iq4_xs, row_q2_k, row_q3_k, row_q4_k, row_q5_k, row_q6_k, rows_q5_k, rows_q6_k)
+                         row_iq4_xs, row_q2_k, row_q3_k, row_q4_k, row_q5_k, row_q6_k, rows_q5_k, rows_q6_k,
+                         tok_iq4_xs, tok_q2_k, tok_q3_k, tok_q4_k, tok_q5_k, tok_q6_k)
 from .dot_q32 import (deq_row_iq4_nl, deq_row_q4_0, deq_row_q4_1, deq_row_q5_0, deq_row_q5_1, deq_row_q8_0,
                       row_iq4_nl, row_q4_0, row_q4_1, row_q5_0, row_q5_1, row_q8_0, rows_q4_0, rows_q4_1,
-                      rows_q5_0, rows_q5_1, rows_q8_0)
+                      rows_q5_0, rows_q5_1, rows_q8_0, tok_iq4_nl, tok_q4_0, tok_q4_1, tok_q5_0, tok_q5_1, tok_q8_0)
 from .dot_iquant import (deq_row_iq1_m, deq_row_iq1_s, deq_row_iq2_s, deq_row_iq2_xs, deq_row_iq2_xxs,
                          deq_row_iq3_s, deq_row_iq3_xxs, row_iq1_m, row_iq1_s, row_iq2_s, row_iq2_xs, row_iq2_xxs,
                          row_iq3_s, row_iq3_xxs)
 from .dot_mxfp4 import deq_row_mxfp4, row_mxfp4, rows_mxfp4
 from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
-from .ir_helpers import I64, ROWS, X8_ROWS
+from .ir_helpers import I64, ROWS, TOKENS_A_ROW, X8_ROWS
 from .quant_kernels import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K,
                             Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0)
 from . import compile_progress
@@ -197,6 +198,52 @@ def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
 
 
 @njit(**_JIT)
+def _has_tokens_rows(qt, n_rows):
+    """Whether _dot_rows_tokens serves this matrix: its decode rows are the row_loop kernels'
+    (Q4_K's only where llama.cpp does not repack it, rows % 8 != 0)."""
+    return ((_HAS_Q8_0 and qt == Q8_0) or (_HAS_Q6_K and qt == Q6_K) or (_HAS_Q5_K and qt == Q5_K)
+            or (_HAS_Q4_0 and qt == Q4_0) or (_HAS_Q4_1 and qt == Q4_1) or (_HAS_Q5_0 and qt == Q5_0)
+            or (_HAS_Q5_1 and qt == Q5_1) or (_HAS_IQ4_NL and qt == IQ4_NL) or (_HAS_Q3_K and qt == Q3_K)
+            or (_HAS_Q2_K and qt == Q2_K) or (_HAS_IQ4_XS and qt == IQ4_XS)
+            or (_HAS_Q4_K and qt == Q4_K and n_rows % 8 != 0))
+
+
+@njit(**_JIT)
+def _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, out):
+    """out[t + j, r] for r0 <= r < r1 and the TOKENS_A_ROW tokens from t: each row read and
+    unpacked once for them, each (row, token) with matvec's bits (ir_helpers.token_row_loop)."""
+    for r in range(r0, r1):
+        if _HAS_Q8_0 and qt == Q8_0:
+            vals = tok_q8_0(w, r, xq, xd, xs, t)
+        elif _HAS_Q6_K and qt == Q6_K:
+            vals = tok_q6_k(w, r, xq, xd, xs, t)
+        elif _HAS_Q5_K and qt == Q5_K:
+            vals = tok_q5_k(w, r, xq, xd, xs, t)
+        elif _HAS_Q4_0 and qt == Q4_0:
+            vals = tok_q4_0(w, r, xq, xd, xs, t)
+        elif _HAS_Q4_1 and qt == Q4_1:
+            vals = tok_q4_1(w, r, xq, xd, xs, t)
+        elif _HAS_Q5_0 and qt == Q5_0:
+            vals = tok_q5_0(w, r, xq, xd, xs, t)
+        elif _HAS_Q5_1 and qt == Q5_1:
+            vals = tok_q5_1(w, r, xq, xd, xs, t)
+        elif _HAS_IQ4_NL and qt == IQ4_NL:
+            vals = tok_iq4_nl(w, r, xq, xd, xs, t)
+        elif _HAS_Q3_K and qt == Q3_K:
+            vals = tok_q3_k(w, r, xq, xd, xs, t)
+        elif _HAS_Q2_K and qt == Q2_K:
+            vals = tok_q2_k(w, r, xq, xd, xs, t)
+        elif _HAS_IQ4_XS and qt == IQ4_XS:
+            vals = tok_iq4_xs(w, r, xq, xd, xs, t)
+        elif _HAS_Q4_K:
+            vals = tok_q4_k(w, r, xq, xd, xs, t)
+        else:   # not reached: _has_tokens_rows names the types above
+            return
+        for j in range(TOKENS_A_ROW):
+            out[t + j, r] = vals[j]
+
+
+@njit(**_JIT)
 def _n_items(n_rows):
     return (n_rows + CHUNK - 1) // CHUNK
 
@@ -288,10 +335,18 @@ def _claimed_rows(w, qt, out, g0, g1, xq, xd, xs):
         if xq.shape[0] == 1:
             _dot_rows(w, qt, a * CHUNK, min(b * CHUNK, n_rows), xq[0], xd[0], xs[0], out[0])
         else:
+            n_tok = xq.shape[0]
+            by_four = _has_tokens_rows(qt, n_rows)
             for g in range(a, b):
                 r0 = g * CHUNK
-                for t in range(xq.shape[0]):
-                    _dot_rows(w, qt, r0, min(r0 + CHUNK, n_rows), xq[t], xd[t], xs[t], out[t])
+                r1 = min(r0 + CHUNK, n_rows)
+                t = 0
+                if by_four:   # tokens four at a time, each row unpacked once for them
+                    while t + TOKENS_A_ROW <= n_tok:
+                        _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, out)
+                        t += TOKENS_A_ROW
+                for u in range(t, n_tok):
+                    _dot_rows(w, qt, r0, r1, xq[u], xd[u], xs[u], out[u])
 
 
 @njit(parallel=True, **_JIT)
@@ -376,7 +431,7 @@ def _dequant_rows_kernel(w, qt, rows, y):
 # has its own file in Numba's on-disk cache), made once per type set and process. The
 # code of a type is the one definition above, whichever copies contain it: the same bits.
 
-_SPECIALISED = ("_quartered_rows", "_dot_rows", "_deq_row", "_claimed_rows",
+_SPECIALISED = ("_quartered_rows", "_dot_rows", "_has_tokens_rows", "_dot_rows_tokens", "_deq_row", "_claimed_rows",
                 "_claimed_items", "_matvec_kernel", "_dequant_kernel",
                 "_dequant_kernel_serial", "_dequant_rows_kernel",
                 "_expert_items", "_expert_matvec_kernel")   # callees before callers

@@ -12,7 +12,8 @@ from numba.extending import intrinsic
 
 from .dot_q32 import KVALUES_IQ4NL, nibbles32
 from .ir_helpers import (F32T, I8, I16, I32, X8_BLOCK, IRHelpers, array_ptrs, c64, const_vec, counted_loop,
-                         make_deq_intrinsic, make_row_intrinsic, mask, row_loop, store, target_features, vec, ROWS)
+                         make_deq_intrinsic, make_row_intrinsic, make_tokens_intrinsic, mask, row_loop, store,
+                         target_features, vec, ROWS)
 
 
 def q4k_block_bytes(x8: bool) -> int:
@@ -384,6 +385,13 @@ rows_q6_k = make_row_intrinsic(_body_q6_k, nrows=ROWS)    # prefetching lost 50%
 row_iq4_xs = make_row_intrinsic(_body_iq4_xs)
 row_q2_k = make_row_intrinsic(_make_body_q23_k(False))
 row_q3_k = make_row_intrinsic(_make_body_q23_k(True))
+# a short batch's tokens, four a row (dispatch._dot_rows_tokens): each the row kernel's bits
+tok_q4_k = make_tokens_intrinsic(_make_body_q45_k(False), with_mins=True)
+tok_q5_k = make_tokens_intrinsic(_make_body_q45_k(True))
+tok_q6_k = make_tokens_intrinsic(_body_q6_k)
+tok_iq4_xs = make_tokens_intrinsic(_body_iq4_xs)
+tok_q2_k = make_tokens_intrinsic(_make_body_q23_k(False))
+tok_q3_k = make_tokens_intrinsic(_make_body_q23_k(True))
 
 
 deq_row_q4_k = make_deq_intrinsic(256, make_deq_q45_k(False))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from .ir_helpers import (F32T, I8, I16, I32, as_i8, c64, const_vec, make_deq_intrinsic, make_row_intrinsic,
-                         mask, store, vec, ROWS)
+                         make_tokens_intrinsic, mask, store, vec, ROWS)
 from .quant_kernels import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1
 
 
@@ -21,8 +21,13 @@ def _body_q8_0(h, wrow, xq, xd, xs, bi, acc):
     wv = h.load(wrow, b.add(wo, c64(2)), vec(I8, 32))
     xv = h.load(xq, b.mul(bi, c64(32)), vec(I8, 32))
     # |w| (u8) . sign(w)*x (s8): products are the same, and vpmaddubsw takes u8 x s8
-    # pairs: |w|*|x| <= 128*127, two of them < 2^15
-    s = h.madd_i16(h.maddubs(h.abs_i8(wv), h.sign_i8(xv, wv)), const_vec(I16, 16, 1))
+    # pairs: |w|*|x| <= 128*127, two of them < 2^15, so vpdpbusd's lane sums (VNNI: one
+    # instruction for the two) are the same integers
+    aw, sx = h.abs_i8(wv), h.sign_i8(xv, wv)
+    if h.vnni:
+        s = h.dpbusd(const_vec(I32, 8, 0), aw, sx)
+    else:
+        s = h.madd_i16(h.maddubs(aw, sx), const_vec(I16, 16, 1))
     return h.fma(d, b.sitofp(s, vec(F32T, 8)), acc)
 
 
@@ -212,6 +217,14 @@ rows_q4_0 = make_row_intrinsic(_make_body_q32_rows(Q4_0), nrows=ROWS)
 rows_q4_1 = make_row_intrinsic(_make_body_q32_rows(Q4_1), nrows=ROWS)
 rows_q5_0 = make_row_intrinsic(_make_body_q32_rows(Q5_0), nrows=ROWS)
 rows_q5_1 = make_row_intrinsic(_make_body_q32_rows(Q5_1), nrows=ROWS)
+
+# a short batch's tokens, four a row (dispatch._dot_rows_tokens): each the row kernel's bits
+tok_q8_0 = make_tokens_intrinsic(_body_q8_0, block_bytes=34)
+tok_q4_0 = make_tokens_intrinsic(_make_body_q32(Q4_0))
+tok_q4_1 = make_tokens_intrinsic(_make_body_q32(Q4_1))
+tok_q5_0 = make_tokens_intrinsic(_make_body_q32(Q5_0))
+tok_q5_1 = make_tokens_intrinsic(_make_body_q32(Q5_1))
+tok_iq4_nl = make_tokens_intrinsic(_make_body_q32(IQ4_NL))
 
 deq_row_q8_0 = make_deq_intrinsic(32, _deq_q8_0)
 deq_row_q4_0 = make_deq_intrinsic(32, _make_deq_q32(Q4_0))

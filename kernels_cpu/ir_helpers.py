@@ -443,6 +443,68 @@ def make_row_intrinsic(body, with_mins=False, nrows=1, block_bytes=0):
     return make_sums_intrinsic(sums, nrows)
 
 
+
+TOKENS_A_ROW = 4   # tokens a row loop of make_tokens_intrinsic serves
+
+
+def token_row_loop(context, builder, sig, args, body, with_mins=False, ntok=TOKENS_A_ROW, block_bytes=0):
+    """row_loop for one row against ntok tokens (args: w, r, xq, xd, xs with a row per
+    token, t0): tokens t0..t0 + ntok - 1. Each (row, token) pair keeps its own
+    accumulators and the body's operations, so each sum has the bits of row_loop on that
+    token alone; the weight loads and unpacking, the same IR for every token, are emitted
+    once (LLVM merges them), so a short batch decodes each block once, not per token.
+    block_bytes > 0: software prefetch 4 KiB ahead in the row, as row_loop's."""
+    w = context.make_array(sig.args[0])(context, builder, args[0])
+    stride0 = cgutils.unpack_tuple(builder, w.strides)[0]
+    wrow = builder.gep(builder.bitcast(w.data, I8.as_pointer()), [builder.mul(args[1], stride0)])
+    t0 = args[5]
+    per_token = []   # (xq, xd, xs) pointers of each token
+    arrs = [context.make_array(sig.args[k])(context, builder, args[k]) for k in (2, 3, 4)]
+    for j in range(ntok):
+        t = builder.add(t0, c64(j))
+        ptrs = []
+        for a in arrs:
+            st = cgutils.unpack_tuple(builder, a.strides)[0]
+            ptrs.append(builder.gep(builder.bitcast(a.data, I8.as_pointer()), [builder.mul(t, st)]))
+        per_token.append(ptrs)
+    nb = cgutils.unpack_tuple(builder, arrs[1].shape)[1]
+    h = IRHelpers(builder, target_features(context))
+    zero = ir.Constant(vec(F32T, 8), [0.0] * 8)
+    zero4 = ir.Constant(vec(F32T, 4), [0.0] * 4)
+    width = 2 if with_mins else 1
+
+    def blocks(i, accs):
+        if block_bytes:
+            h.prefetch(builder.gep(wrow, [builder.add(builder.mul(i, c64(block_bytes)), c64(4096))]))
+        out = []
+        for k, (xq, xd, xs) in enumerate(per_token):
+            if with_mins:
+                out += body(h, wrow, xq, xd, xs, i, tuple(accs[2 * k:2 * k + 2]))
+            else:
+                out.append(body(h, wrow, xq, xd, xs, i, accs[k]))
+        return out
+    fin = counted_loop(builder, nb, 1, [zero, zero4][:width] * ntok, blocks, "qdot_tok")
+    sums = []
+    for k in range(ntok):
+        hs = [h.hsum_f32(r) for r in fin[width * k:width * k + width]]
+        sums.append(builder.fadd(hs[0], hs[1]) if with_mins else hs[0])
+    return sums
+
+
+def make_tokens_intrinsic(body, with_mins=False, ntok=TOKENS_A_ROW, block_bytes=0):
+    """row_tokens(w, r, xq, xd, xs, t0) -> the tuple of row r's dots with tokens t0..t0 +
+    ntok - 1 (token_row_loop; xq, xd, xs 2-D with a row per token)."""
+    @intrinsic
+    def row_tokens(typingctx, w, r, xq, xd, xs, t0):
+        sig = types.UniTuple(types.float32, ntok)(w, r, xq, xd, xs, t0)
+
+        def codegen(context, builder, sig, args):
+            return context.make_tuple(builder, sig.return_type,
+                                      token_row_loop(context, builder, sig, args, body, with_mins, ntok,
+                                                     block_bytes))
+        return sig, codegen
+    return row_tokens
+
 # ----------------------------------------------------------------------------- dequantization (prefill)
 
 def deq_loop(context, builder, sig, args, block, body, x8=False):

@@ -1,0 +1,36 @@
+"""dispatch._dot_rows_tokens: a short batch's tokens four a row, each with matvec's bits.
+
+A short prompt or a speculative batch on the decode row kernels used to run every token
+over a chunk of rows on its own; ir_helpers.token_row_loop runs four tokens per row loop
+with each (row, token) pair's own accumulators and operations."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import edgeinfer.kernels_cpu as K
+from edgeinfer.kernels_cpu import dispatch
+from quant_blocks import random_blocks
+
+TYPES = [T.Q8_0, T.Q6_K, T.Q5_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q3_K, T.Q2_K, T.IQ4_XS, T.Q4_K]
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tok", [4, 7, 9])   # a run of four and 3 left; two runs and 1
+def test_each_token_of_a_batch_has_matvecs_bits(qt, n_tok):
+    rng = np.random.default_rng(int(qt) * 10 + n_tok)
+    n_rows = 44 if qt == T.Q4_K else 40   # Q4_K: rows % 8 != 0, where its decode rows are row_loop's
+    w = random_blocks(qt, n_rows, 768, rng)
+    w.flags.writeable = False
+    X = rng.standard_normal((n_tok, 768)).astype(np.float32) * rng.uniform(0.01, 10, (n_tok, 1)).astype(np.float32)
+    assert dispatch.kernel_set((int(qt),)).has_tokens_rows(int(qt), n_rows)
+    with K.decode_order():   # a speculative batch: the row kernels, for every type
+        got = K.matmul(w, qt, X)
+    for t in range(n_tok):
+        np.testing.assert_array_equal(got[t], K.matvec(w, qt, X[t]), err_msg=f"token {t}")
+
+
+def test_repacked_q4_k_keeps_its_own_rows():
+    # Q4_K with rows % 8 == 0 decodes in llama.cpp's repacked gemv order: not token_row_loop's
+    assert not dispatch.kernel_set((int(T.Q4_K),)).has_tokens_rows(int(T.Q4_K), 64)
