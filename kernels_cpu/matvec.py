@@ -60,11 +60,15 @@ def quantize_activations(x: np.ndarray, info: QuantInfo):
 
 
 def compile_quantize_here(rows: bool) -> None:
-    """Compile (or load) quantize_rows_q8_k (rows) or quantize_act with the signature the
-    prefill or decode path calls it with (compile_progress's second process)."""
+    """Compile (or load) the row quantizers (rows: quantize_rows_q8_k, and the parallel ones
+    a prompt of PARALLEL_ROWS tokens takes) or quantize_act with the signatures the prefill
+    or decode path calls them with (compile_progress's second process)."""
     if rows:
         xq, xd, xs = np.empty((2, 256), np.int8), np.empty((2, 1), np.float32), np.empty((2, 16), np.int32)
         qk.quantize_rows_q8_k(np.zeros((2, 256), np.float32), xq, xd, xs)
+        qk.quantize_rows_q8_k_parallel(np.zeros((2, 256), np.float32), xq, xd, xs)
+        xd, xs = np.empty((2, 8), np.float32), np.empty((2, 8), np.int32)
+        qk.quantize_rows_q8_0_parallel(np.zeros((2, 256), np.float32), xq, xd, xs)
     else:
         qk.quantize_act(np.zeros(256, np.float32), 256)
 
@@ -91,16 +95,17 @@ def quantize_activation_rows(X: np.ndarray, info: QuantInfo):
     """X (n_tok, n_cols) f32 -> per-row (xq, xd, xs) stacked: shapes (n_tok, ...) as quantize_activations."""
     n_tok, n = X.shape
     xq = np.empty((n_tok, n), np.int8)
+    wide = n_tok >= qk.PARALLEL_ROWS   # a prompt: its rows on every thread
     if info.act_block == 32:
         xd = np.empty((n_tok, n // 32), np.float32)
         xs = np.empty((n_tok, n // 32), np.int32)
-        qk.quantize_rows_q8_0(X, xq, xd, xs)
+        (qk.quantize_rows_q8_0_parallel if wide else qk.quantize_rows_q8_0)(X, xq, xd, xs)
     else:
         xd = np.empty((n_tok, n // 256), np.float32)
         xs = np.empty((n_tok, n // 16), np.int32)
         if compile_progress._pending:
             compile_progress.wait_for(qk.quantize_rows_q8_k)
-        qk.quantize_rows_q8_k(X, xq, xd, xs)
+        (qk.quantize_rows_q8_k_parallel if wide else qk.quantize_rows_q8_k)(X, xq, xd, xs)
     return xq, xd, xs
 
 

@@ -98,16 +98,28 @@ def scale_iq4xs(w, r, o, ib):
 
 # ----------------------------------------------------------------------------- activations
 
+@njit(inline="always", **_JIT)
+def _abs_bits(bits, i):
+    """|x[i]|'s bits as an int32 (bits: x viewed as int32), 0 for a NaN: non-negative floats
+    order as their bits, so the largest magnitude is an integer max, which vectorizes (a
+    float max reduction does not without fast-math), and a NaN never wins, as in ggml's
+    `if (ax > amax)`."""
+    a = bits[i] & np.int32(0x7FFFFFFF)
+    return a if a <= np.int32(0x7F800000) else np.int32(0)
+
+
 @njit(**_JIT)
 def quantize_q8_0(x, xq, xd, xs, n32):
     """x (n,) f32 -> int8 xq (n,), per-32 scale xd (n/32,) and per-32 sum of xq xs (n/32,).
 
     As llama.cpp's AVX2 quantize_row_q8_0: d = amax/127 rounded to fp16, q = rint(x*127/amax).
     """
+    bits = x.view(np.int32)
     for b in range(x.shape[0] // 32):
-        amax = np.float32(0.0)
+        top = np.int32(0)
         for k in range(n32):
-            amax = max(amax, abs(x[b * 32 + k]))
+            top = max(top, _abs_bits(bits, b * 32 + k))
+        amax = _bits_to_f32(top)
         d = amax / np.float32(127.0)
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
         s = np.int32(0)
@@ -134,28 +146,32 @@ def _round_f16(v):
 def quantize_q8_k(x, xq, xd, xs, n16):
     """x (n,) f32 -> int8 xq (n,), per-256 float scale xd (n/256,), per-16 sums xs (n/16,).
 
-    As ggml's quantize_row_q8_K: the value of largest magnitude maps to -127, d = 1/iscale.
+    As ggml's quantize_row_q8_K: the value of largest magnitude (the first of them) maps
+    to -127, d = 1/iscale.
     """
+    bits = x.view(np.int32)
     for b in range(x.shape[0] // 256):
-        amax = np.float32(0.0)
-        vmax = np.float32(0.0)
+        o = b * 256
+        top = np.int32(0)
         for k in range(256):
-            a = abs(x[b * 256 + k])
-            if a > amax:
-                amax = a
-                vmax = x[b * 256 + k]
-        if amax == 0:
+            top = max(top, _abs_bits(bits, o + k))
+        if top == 0:
             xd[b] = 0.0
             for k in range(256):
-                xq[b * 256 + k] = 0
+                xq[o + k] = 0
             for g in range(16):
                 xs[b * 16 + g] = 0
             continue
-        iscale = np.float32(-127.0) / vmax
+        first = 0
+        for k in range(256):
+            if _abs_bits(bits, o + k) == top:
+                first = k
+                break
+        iscale = np.float32(-127.0) / x[o + first]
         for g in range(16):
             s = np.int32(0)
             for k in range(n16):
-                i = b * 256 + g * 16 + k
+                i = o + g * 16 + k
                 q = min(np.int32(127), np.int32(np.rint(iscale * x[i])))
                 xq[i] = q
                 s += q
@@ -191,6 +207,23 @@ def quantize_rows_q8_0(X, XQ, XD, XS):
 def quantize_rows_q8_k(X, XQ, XD, XS):
     """quantize_q8_k over the rows of X (n_tok, n)."""
     for t in range(X.shape[0]):
+        quantize_q8_k(X[t], XQ[t], XD[t], XS[t], 16)
+
+
+# a prompt's rows on every thread: a 512 x 8192 input took 4.9 ms on one thread of a 2-core
+# AVX-512 Xeon (8.9 before the integer max), 2.5 ms on two
+PARALLEL_ROWS = 16   # rows from which the quantization takes a parallel region
+
+
+@njit(parallel=True, **_JIT)
+def quantize_rows_q8_0_parallel(X, XQ, XD, XS):
+    for t in prange(X.shape[0]):
+        quantize_q8_0(X[t], XQ[t], XD[t], XS[t], 32)
+
+
+@njit(parallel=True, **_JIT)
+def quantize_rows_q8_k_parallel(X, XQ, XD, XS):
+    for t in prange(X.shape[0]):
         quantize_q8_k(X[t], XQ[t], XD[t], XS[t], 16)
 
 
