@@ -36,7 +36,6 @@ import os
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
@@ -44,7 +43,7 @@ from . import gemm_kquant_wide as wide, gemm_parallel
 from .dot_iquant import BLOCK_BYTES as _IQ_BLOCK_BYTES, FACTOR as _IQ_FACTOR, SUB as _IQ_SUB, odd as _odd
 from .dot_kquant import _q3k_scales, _q23k_codes, k_nibbles, q4k_block_bytes, q4k_qs32, q4k_scales_heads
 from .dot_q32 import q32_values
-from .ir_helpers import (F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, row_ptrs,
+from .ir_helpers import (F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, row_pointer, row_ptrs,
                          target_features, vec)
 from .quant_kernels import IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q4_K_X8, Q5_K, Q6_K
 
@@ -376,16 +375,9 @@ def _make_tokens(qt):
         i8p = I8.as_pointer()
         sbase = b.bitcast(s.data, i8p)
 
-        def rows_of(arr, block_major):
-            # block-major activations: token t of block bi at bi * stride0 + t * stride1
-            strides = cgutils.unpack_tuple(b, arr.strides)
-            base = b.bitcast(arr.data, i8p)
-            if block_major:
-                base = b.gep(base, [b.mul(bi, strides[0])])
-            stride = strides[1] if block_major else strides[0]
-            return lambda t: b.gep(base, [b.mul(t, stride)])
-        xrow, drow, brow = (rows_of(a, True) for a in (xq, xd, xb))
-        arow = rows_of(acc, False)
+        # block-major activations: token t of block bi at bi * stride0 + t * stride1
+        xrow, drow, brow = (row_pointer(b, a, bi) for a in (xq, xd, xb))
+        arow = row_pointer(b, acc)
         per16 = qt in (Q6_K, Q3_K, Q2_K) or qt in IQ_GEMM_TYPES
         d = h.load(sbase, c64(_D6 if per16 else _D_XS if qt == IQ4_XS else _D), vec(F32T, 8))
         dmin = (h.load(sbase, c64(_DMIN6 if qt == Q2_K else _DMIN), vec(F32T, 8))

@@ -29,11 +29,11 @@ import functools
 from typing import NamedTuple
 
 from numba import types
-from numba.core import cgutils
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
-from .ir_helpers import F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, target_features, vec
+from .ir_helpers import (F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, mask, row_pointer,
+                         target_features, vec)
 
 GROUPS = 4              # gemm_kquant's 8-row groups a wide group
 ROWS = 8 * GROUPS       # rows a wide group: two zmm of i32 lanes
@@ -191,15 +191,8 @@ def _tokens_codegen(kind: str, code_offset: int):
         i8p = I8.as_pointer()
         sw = b.bitcast(s.data, i8p)
 
-        def rows_of(arr, block_major):
-            strides = cgutils.unpack_tuple(b, arr.strides)
-            base = b.bitcast(arr.data, i8p)
-            if block_major:
-                base = b.gep(base, [b.mul(bi, strides[0])])
-            stride = strides[1] if block_major else strides[0]
-            return lambda t: b.gep(base, [b.mul(t, stride)])
-        xrow, drow, brow = (rows_of(a, True) for a in (xq, xd, xb))
-        arow = rows_of(acc, False)
+        xrow, drow, brow = (row_pointer(b, a, bi) for a in (xq, xd, xb))   # block-major
+        arow = row_pointer(b, acc)
         per16 = kind != "q4k"
 
         def floats(at):

@@ -29,7 +29,6 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 import os
@@ -38,7 +37,8 @@ from . import gemm_parallel, gemm_kquant_wide, gemm_q32_wide as wide
 from .dot_mxfp4 import e8m0_half, mxfp4_values
 from .dot_q32 import q32_values
 from .gemm_kquant import GROUP_ROWS, TOKENS, _bcast, _store, _store_d, _transpose8
-from .ir_helpers import F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, row_ptrs, target_features, vec
+from .ir_helpers import (F32T, I8, I16, I32, IRHelpers, c64, const_vec, counted_loop, row_pointer, row_ptrs,
+                         target_features, vec)
 from .quant_kernels import IQ4_NL, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 GEMM_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4)
@@ -138,12 +138,8 @@ def _make_tokens(qt, nblk):
         i8p = I8.as_pointer()
         sbase = b.bitcast(s.data, i8p)
 
-        def rows_of(arr):
-            # token-major activations: token t's row at t * stride0, its blocks in order
-            stride = cgutils.unpack_tuple(b, arr.strides)[0]
-            base = b.bitcast(arr.data, i8p)
-            return lambda t: b.gep(base, [b.mul(t, stride)])
-        xrow, drow, srow, arow = rows_of(xq), rows_of(xd), rows_of(xs), rows_of(acc)
+        # token-major activations: token t's row at t * stride0, its blocks in order
+        xrow, drow, srow, arow = (row_pointer(b, a) for a in (xq, xd, xs, acc))
         scale_at = [_PER_BLOCK[qt] * j + _CODE_BYTES * (2 if qt in _SIGNED else 1) for j in range(nblk)]
         d_rows = [h.load(sbase, c64(at), vec(F32T, 8)) for at in scale_at]
         m_rows = [h.load(sbase, c64(at + 32), vec(F32T, 8)) for at in scale_at] if qt in _MIN else None

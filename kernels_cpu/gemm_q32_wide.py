@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .gemm_kquant_wide import GROUPS, LANES, NV, ROWS, bcast16, dpbusd512, gather_groups, store
-from .ir_helpers import F32T, I8, I32, IRHelpers, c64, const_vec, counted_loop, target_features, vec
+from .ir_helpers import F32T, I8, I32, IRHelpers, c64, const_vec, counted_loop, row_pointer, target_features, vec
 from .quant_kernels import IQ4_NL, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 TOKENS = 4                 # tokens a step (gemm_q32's padding)
@@ -81,11 +80,7 @@ def make_tokens(qt: int, nblk: int):
         i8p = I8.as_pointer()
         sw = b.bitcast(s.data, i8p)
 
-        def rows_of(arr):
-            stride = cgutils.unpack_tuple(b, arr.strides)[0]
-            base = b.bitcast(arr.data, i8p)
-            return lambda t: b.gep(base, [b.mul(t, stride)])
-        xrow, drow, srow, arow = rows_of(xq), rows_of(xd), rows_of(xs), rows_of(acc)
+        xrow, drow, srow, arow = (row_pointer(b, a) for a in (xq, xd, xs, acc))
 
         def floats(at):
             return [h.load(sw, c64(at + 64 * v), vec(F32T, LANES)) for v in range(NV)]

@@ -407,6 +407,16 @@ def row_ptrs(builder, arr, first, n, x8=False):
     return [builder.gep(base, [builder.mul(r, stride)]) for r in rows]
 
 
+def row_pointer(builder, arr, block=None):
+    """t -> i8* to row t of a Numba array struct (context.make_array's): arr[t], or with
+    `block` (an i64) arr[block, t] of a block-major array."""
+    strides = cgutils.unpack_tuple(builder, arr.strides)
+    base = builder.bitcast(arr.data, I8.as_pointer())
+    if block is not None:
+        base = builder.gep(base, [builder.mul(block, strides[0])])
+    stride = strides[0] if block is None else strides[1]
+    return lambda t: builder.gep(base, [builder.mul(t, stride)])
+
 ROWS = 4   # rows per loop of the multi-row kernels (_quartered_rows unpacks 4)
 
 

@@ -13,6 +13,7 @@ from edgeinfer import kernels_cpu
 from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.backends.offload import is_expert_tensor
 from edgeinfer.kernels_cpu import flash_attention, fused_layer, heap, kv_attention, moe_routing, ops
+from edgeinfer.kernels_cpu.act_quant import PARALLEL_ROWS
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
 from edgeinfer.kernels_cpu.prompt_plan import model_matrices, prompt_paths
 from edgeinfer.kernels_cpu.repack import repack, repacks
@@ -80,6 +81,9 @@ class CpuBackend(Backend):
         from edgeinfer.kernels_cpu.prompt_plan import warm_prompt_gemms
 
         warm_prompt_gemms()
+        for qtype in self._act_block_types():   # a prompt's rows quantized on every thread
+            kernels_cpu.quantize_activation_rows(np.zeros((PARALLEL_ROWS, 256), np.float32),
+                                                 kernels_cpu.quant_info(qtype))
         if not attention:
             return
         n = kv_attention.EXACT_MAX_QUERIES + 1
@@ -103,9 +107,19 @@ class CpuBackend(Backend):
         """The quantizers of a prompt's activation rows this model's types take."""
         from edgeinfer.kernels_cpu import quant_kernels as qk
 
-        blocks = {kernels_cpu.quant_info(t.qtype).act_block for t in self.gguf.tensors.values()
-                  if t.qtype in kernels_cpu.QUANT_INFO}
-        return ([qk.quantize_rows_q8_0] if 32 in blocks else []) + ([qk.quantize_rows_q8_k] if 256 in blocks else [])
+        blocks = {kernels_cpu.quant_info(t).act_block for t in self._act_block_types()}
+        # and the parallel ones a prompt of PARALLEL_ROWS tokens takes
+        return (([qk.quantize_rows_q8_0, qk.quantize_rows_q8_0_parallel] if 32 in blocks else [])
+                + ([qk.quantize_rows_q8_k, qk.quantize_rows_q8_k_parallel] if 256 in blocks else []))
+
+    def _act_block_types(self) -> list:
+        """One quantized type of this model per activation block size it needs (Q8_0's 32,
+        Q8_K's 256)."""
+        by_block = {}
+        for t in self.gguf.tensors.values():
+            if t.qtype in kernels_cpu.QUANT_INFO:
+                by_block.setdefault(kernels_cpu.quant_info(t.qtype).act_block, t.qtype)
+        return [by_block[b] for b in sorted(by_block)]
 
     def forward_kernels(self, config) -> list:
         """The Numba kernels a forward pass of this model compiles on its first tokens (a
