@@ -214,7 +214,9 @@ class Drivers:
             g.update({f"_HAS_{n}": q in key for q, n in self._names.items()})
             suffix = "_".join(self._names[q] for q in key)
             for fname in self._specialised:
-                g[fname] = _copy(self._g[fname], g, f"{fname}_{suffix}")
+                # named by the driver too ("kquant_wide", "kquant"): copies that bind other
+                # globals must not share Numba's cache entries
+                g[fname] = _copy(self._g[fname], g, f"{fname}_{self._name}_{suffix}")
             got = self._drivers[key] = Driver(g[self._specialised[-1]], self._g["_segment"], self._tile,
                                               f"{self._name}_{suffix}")
         return got
