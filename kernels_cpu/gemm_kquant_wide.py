@@ -60,8 +60,8 @@ class StagedLayout(NamedTuple):
     mins: int       # Q4_K: 4 x 16 i16 min pairs; per-16: 8 x 16 i16 pairs
     d: int
     dmin: int
-    per16: bool
-    stride: int     # bytes from one group's scratch to the next     # the per-16 layout (Q6_K, Q3_K, Q2_K, i-quants) rather than Q4_K's
+    per16: bool     # the per-16 layout (Q6_K, Q3_K, Q2_K, i-quants) rather than Q4_K's
+    stride: int     # bytes from one group's scratch to the next
 
 
 @functools.cache
