@@ -31,7 +31,6 @@ IQ4_XS 8192 x 2048: 111-139 against 231-260 ms.
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 from llvmlite import ir
@@ -69,9 +68,8 @@ _HAS_IQ2_XXS = _HAS_IQ2_XS = _HAS_IQ2_S = _HAS_IQ3_XXS = _HAS_IQ3_S = True
 _CODE_OFFSET = {Q6_K: 32, Q3_K: 4, **{qt: 64 for qt in IQ_GEMM_TYPES}}
 _JIT = dict(cache=True, nogil=True)
 # 512-bit VNNI hosts: four row groups at a time take gemm_kquant_wide's 32-row products (the
-# same bits). EDGEINFER_NO_WIDE_GEMM=1 keeps the 8-row kernel (A/B benchmarks; the drivers
-# compiled either way are cached under their own names)
-_WIDE = wide.host_has_wide() and not os.environ.get("EDGEINFER_NO_WIDE_GEMM")
+# same bits; gemm_kquant_wide.enabled)
+_WIDE = wide.enabled()
 WIDE_TILE_TOKENS = 128      # tokens a wide staged block serves (acc: 256 bytes a token)
 
 

@@ -26,6 +26,7 @@ has no 512-bit form.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 from numba import types
@@ -68,6 +69,14 @@ class StagedLayout(NamedTuple):
 def host_has_wide() -> bool:
     """Whether the CPU Numba compiles for has 512-bit vpdpbusd and vpmaddwd."""
     return {"+avx512vnni", "+avx512bw", "+avx512f"} <= target_features(cpu_target.target_context)
+
+
+@functools.cache
+def enabled() -> bool:
+    """Whether the 32-row kernels run (gemm_kquant's, gemm_q32's) and matvec routes by their
+    crossovers: on such CPUs, unless EDGEINFER_NO_WIDE_GEMM=1 (A/B benchmarks; the GEMM
+    drivers compiled either way are cached under their own names)."""
+    return host_has_wide() and not os.environ.get("EDGEINFER_NO_WIDE_GEMM")
 
 
 def store(b, base, off, v):

@@ -25,10 +25,13 @@ import numpy as np
 from numba import njit, prange
 
 from .dispatch import CLAIMS_PER_THREAD, _fetch_add
+from .gemm_kquant_wide import GROUPS
 
 GROUP_ROWS = 8      # rows a group (both GEMMs: one per 32-bit lane)
 TOKENS_PAD = 4      # both GEMMs' token step: a packed segment's length is a multiple of it
-ITEM_GROUPS = 4     # row groups a work item (32 rows: the claim overhead once; gemm_kquant_wide's width)
+# row groups a work item (32 rows: the claim overhead once), gemm_kquant_wide's step, so a
+# work item's groups are the 32-row kernels' whole
+ITEM_GROUPS = GROUPS
 _JIT = dict(cache=True, nogil=True)
 _gemm_rows = _segment = _TILE = None   # bound in each Driver's copies
 

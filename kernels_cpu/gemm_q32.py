@@ -31,8 +31,6 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-import os
-
 from . import gemm_parallel, gemm_kquant_wide, gemm_q32_wide as wide
 from .dot_mxfp4 import e8m0_half, mxfp4_values
 from .dot_q32 import q32_values
@@ -62,8 +60,8 @@ _HAS_Q8_0 = _HAS_Q4_0 = _HAS_Q4_1 = _HAS_Q5_0 = _HAS_Q5_1 = _HAS_IQ4_NL = _HAS_M
 TILE_TOKENS = 256        # tokens a staged run serves (a multiple of TOKENS)
 _JIT = dict(cache=True, nogil=True)
 # 512-bit VNNI hosts: four row groups at a time take gemm_q32_wide's 32-row products (the
-# same bits); EDGEINFER_NO_WIDE_GEMM=1 keeps the 8-row kernel (as gemm_kquant's)
-_WIDE = gemm_kquant_wide.host_has_wide() and not os.environ.get("EDGEINFER_NO_WIDE_GEMM")
+# same bits; gemm_kquant_wide.enabled)
+_WIDE = gemm_kquant_wide.enabled()
 WIDE_TILE_TOKENS = 128   # tokens a wide staged run serves (acc: 128 bytes a token)
 _WIDE_GROUPS, _WIDE_ROWS = gemm_kquant_wide.GROUPS, gemm_kquant_wide.ROWS
 _WIDE_SCRATCH = wide.scratch_bytes(NBLK)
@@ -213,6 +211,7 @@ _wm8_q5_0, _wt8_q5_0, _wm1_q5_0, _wt1_q5_0 = _wide_kernels(Q5_0)
 _wm8_q5_1, _wt8_q5_1, _wm1_q5_1, _wt1_q5_1 = _wide_kernels(Q5_1)
 _wm8_iq4_nl, _wt8_iq4_nl, _wm1_iq4_nl, _wt1_iq4_nl = _wide_kernels(IQ4_NL)
 _wm8_mxfp4, _wt8_mxfp4, _wm1_mxfp4, _wt1_mxfp4 = _wide_kernels(MXFP4)
+
 
 @njit(**_JIT)
 def _run_wide(w, qt, g, bi, n, s4, sw, xq, xd, xs, t0, acc, t1):

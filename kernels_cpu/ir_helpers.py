@@ -351,31 +351,39 @@ def row_loop(context, builder, sig, args, body, with_mins=False, nrows=1, block_
     """
     (wrows, xq, xd, xs), nb = array_ptrs(context, builder, sig, args, nrows)
     h = IRHelpers(builder, target_features(context))
+    # software prefetch, this many bytes ahead in each row's stream
+    # (x86 prefetches never fault, so running past the matrix's end is harmless)
+    pf_dist = (4096 if nrows == 1 else 1024) if block_bytes else 0
+    return _dots_loop(builder, h, [(wrow, xq, xd, xs) for wrow in wrows], nb, body, with_mins,
+                      wrows, block_bytes, pf_dist)
+
+
+def _dots_loop(builder, h, pairs, nb, body, with_mins, streams, block_bytes, pf_dist):
+    """`for b in range(nb): acc[k] = body(pairs[k]..., b, acc[k])` over (wrow, xq, xd, xs)
+    pairs (several rows against one token: row_loop; one row against several tokens:
+    token_row_loop), each pair with its own accumulators; returns each pair's horizontal
+    sum. block_bytes > 0: prefetch each of `streams` pf_dist bytes ahead."""
     zero = ir.Constant(vec(F32T, 8), [0.0] * 8)
     zero4 = ir.Constant(vec(F32T, 4), [0.0] * 4)
-    if block_bytes:  # software prefetch, this many bytes ahead in each row's stream
-        # (x86 prefetches never fault, so running past the matrix's end is harmless)
-        pf_dist = ir.Constant(I64, 4096 if nrows == 1 else 1024)
-    width = 2 if with_mins else 1        # accumulators per row, flattened for the loop
+    width = 2 if with_mins else 1        # accumulators per pair, flattened for the loop
 
     def blocks(i, accs):
         if block_bytes:
-            for wrow in wrows:
-                h.prefetch(builder.gep(wrow, [builder.add(builder.mul(i, c64(block_bytes)), pf_dist)]))
+            for wrow in streams:
+                h.prefetch(builder.gep(wrow, [builder.add(builder.mul(i, c64(block_bytes)), c64(pf_dist))]))
         out = []
-        for k, wrow in enumerate(wrows):
+        for k, (wrow, xq, xd, xs) in enumerate(pairs):
             if with_mins:
                 out += body(h, wrow, xq, xd, xs, i, tuple(accs[2 * k:2 * k + 2]))
             else:
                 out.append(body(h, wrow, xq, xd, xs, i, accs[k]))
         return out
-    fin = counted_loop(builder, nb, 1, [zero, zero4][:width] * len(wrows), blocks, "qdot")
+    fin = counted_loop(builder, nb, 1, [zero, zero4][:width] * len(pairs), blocks, "qdot")
     sums = []
-    for k in range(len(wrows)):
+    for k in range(len(pairs)):
         hs = [h.hsum_f32(r) for r in fin[width * k:width * k + width]]
         sums.append(builder.fadd(hs[0], hs[1]) if with_mins else hs[0])
     return sums
-
 
 def c64(v):
     return ir.Constant(I64, v)
@@ -467,38 +475,13 @@ def token_row_loop(context, builder, sig, args, body, with_mins=False, ntok=TOKE
     w = context.make_array(sig.args[0])(context, builder, args[0])
     stride0 = cgutils.unpack_tuple(builder, w.strides)[0]
     wrow = builder.gep(builder.bitcast(w.data, I8.as_pointer()), [builder.mul(args[1], stride0)])
-    t0 = args[5]
-    per_token = []   # (xq, xd, xs) pointers of each token
     arrs = [context.make_array(sig.args[k])(context, builder, args[k]) for k in (2, 3, 4)]
-    for j in range(ntok):
-        t = builder.add(t0, c64(j))
-        ptrs = []
-        for a in arrs:
-            st = cgutils.unpack_tuple(builder, a.strides)[0]
-            ptrs.append(builder.gep(builder.bitcast(a.data, I8.as_pointer()), [builder.mul(t, st)]))
-        per_token.append(ptrs)
+    rows = [row_pointer(builder, a) for a in arrs]   # each token's xq, xd, xs
+    tokens = [builder.add(args[5], c64(j)) for j in range(ntok)]
+    pairs = [(wrow, *(row(t) for row in rows)) for t in tokens]
     nb = cgutils.unpack_tuple(builder, arrs[1].shape)[1]
     h = IRHelpers(builder, target_features(context))
-    zero = ir.Constant(vec(F32T, 8), [0.0] * 8)
-    zero4 = ir.Constant(vec(F32T, 4), [0.0] * 4)
-    width = 2 if with_mins else 1
-
-    def blocks(i, accs):
-        if block_bytes:
-            h.prefetch(builder.gep(wrow, [builder.add(builder.mul(i, c64(block_bytes)), c64(4096))]))
-        out = []
-        for k, (xq, xd, xs) in enumerate(per_token):
-            if with_mins:
-                out += body(h, wrow, xq, xd, xs, i, tuple(accs[2 * k:2 * k + 2]))
-            else:
-                out.append(body(h, wrow, xq, xd, xs, i, accs[k]))
-        return out
-    fin = counted_loop(builder, nb, 1, [zero, zero4][:width] * ntok, blocks, "qdot_tok")
-    sums = []
-    for k in range(ntok):
-        hs = [h.hsum_f32(r) for r in fin[width * k:width * k + width]]
-        sums.append(builder.fadd(hs[0], hs[1]) if with_mins else hs[0])
-    return sums
+    return _dots_loop(builder, h, pairs, nb, body, with_mins, [wrow], block_bytes, 4096)
 
 
 def make_tokens_intrinsic(body, with_mins=False, ntok=TOKENS_A_ROW, block_bytes=0):

@@ -60,15 +60,13 @@ def quantize_activations(x: np.ndarray, info: QuantInfo):
 
 
 def compile_quantize_here(rows: bool) -> None:
-    """Compile (or load) the row quantizers (rows: quantize_rows_q8_k, and the parallel ones
-    a prompt of PARALLEL_ROWS tokens takes) or quantize_act with the signatures the prefill
-    or decode path calls them with (compile_progress's second process)."""
+    """Compile (or load) the Q8_K row quantizers (rows: quantize_rows_q8_k and the parallel
+    one a prompt of PARALLEL_ROWS tokens takes) or quantize_act with the signatures the
+    prefill or decode path calls them with (compile_progress's second process)."""
     if rows:
         xq, xd, xs = np.empty((2, 256), np.int8), np.empty((2, 1), np.float32), np.empty((2, 16), np.int32)
         qk.quantize_rows_q8_k(np.zeros((2, 256), np.float32), xq, xd, xs)
         qk.quantize_rows_q8_k_parallel(np.zeros((2, 256), np.float32), xq, xd, xs)
-        xd, xs = np.empty((2, 8), np.float32), np.empty((2, 8), np.int32)
-        qk.quantize_rows_q8_0_parallel(np.zeros((2, 256), np.float32), xq, xd, xs)
     else:
         qk.quantize_act(np.zeros(256, np.float32), 256)
 
@@ -95,17 +93,17 @@ def quantize_activation_rows(X: np.ndarray, info: QuantInfo):
     """X (n_tok, n_cols) f32 -> per-row (xq, xd, xs) stacked: shapes (n_tok, ...) as quantize_activations."""
     n_tok, n = X.shape
     xq = np.empty((n_tok, n), np.int8)
-    wide = n_tok >= qk.PARALLEL_ROWS   # a prompt: its rows on every thread
+    parallel = n_tok >= qk.PARALLEL_ROWS   # a prompt: its rows on every thread
     if info.act_block == 32:
         xd = np.empty((n_tok, n // 32), np.float32)
         xs = np.empty((n_tok, n // 32), np.int32)
-        (qk.quantize_rows_q8_0_parallel if wide else qk.quantize_rows_q8_0)(X, xq, xd, xs)
+        (qk.quantize_rows_q8_0_parallel if parallel else qk.quantize_rows_q8_0)(X, xq, xd, xs)
     else:
         xd = np.empty((n_tok, n // 256), np.float32)
         xs = np.empty((n_tok, n // 16), np.int32)
         if compile_progress._pending:
             compile_progress.wait_for(qk.quantize_rows_q8_k)
-        (qk.quantize_rows_q8_k_parallel if wide else qk.quantize_rows_q8_k)(X, xq, xd, xs)
+        (qk.quantize_rows_q8_k_parallel if parallel else qk.quantize_rows_q8_k)(X, xq, xd, xs)
     return xq, xd, xs
 
 
@@ -352,7 +350,7 @@ if tile_gemm.has_vnni():
     # against 0.092 for the rows, at 8 0.135 against 0.175; 2048 x 8192 at 4 0.80 against 0.97
     # (Q4_K_X8 keeps 12 there: 640 x 1024 at 8, 0.077 against 0.070)
     _GEMM_MIN_TOKENS[qk.Q6_K] = 4
-if gemm_kquant_wide.host_has_wide():
+if gemm_kquant_wide.enabled():
     # the 32-row kernels (AVX512-VNNI Xeon, 2 threads, rows against kquant): Q4_K_X8 at 8
     # tokens 640 x 1024 0.084 against 0.076 ms, 2048 x 2048 0.32 against 0.27, 2048 x 8192
     # 1.17 against 0.94; at 6 within 5% either way
@@ -508,7 +506,8 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
     Up to _INT8_MATMUL_MAX_TOKENS tokens, fast-path types quantize each token to 8 bits and
     use the decode row kernels (each weight row read once for all tokens; llama.cpp's
     numerics). Longer prompts take 8-bit kernels where there are some: gemm_kquant and gemm_q32
-    (AVX2), or on VNNI CPUs the VNNI tiles for the 32-element types (tile_gemm). Otherwise tiles
+    (32 rows a step with 512-bit VNNI), or with 256-bit VNNI only the VNNI tiles for the
+    32-element types (tile_gemm). Otherwise tiles
     of rows are dequantized into a small float32 buffer and multiplied with BLAS (numpy's
     OpenBLAS).
     """

@@ -61,8 +61,9 @@ def test_each_type_matches_the_reference(qt, n_tok):
 WIDE_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S]
 
 
-@pytest.mark.skipif(not gemm_kquant_wide.host_has_wide(),
-                    reason="the 32-row kernels need AVX512-VNNI to run (elsewhere they are not compiled)")
+@pytest.mark.skipif(not gemm_kquant_wide.enabled(),
+                    reason="the 32-row kernels run only with AVX512-VNNI (elsewhere they are not compiled) "
+                           "and without EDGEINFER_NO_WIDE_GEMM")
 @pytest.mark.parametrize("qt", WIDE_TYPES)
 @pytest.mark.parametrize("n_tok", [1, 13, 300])   # 13: a step of 8 and a last 4 (with padding); 300: 3 tiles
 def test_wide_groups_have_the_8_row_kernels_bits(qt, n_tok):
@@ -187,7 +188,7 @@ def test_short_batches_route_by_size_and_keep_matvec_bits_in_decode_order():
     rng = np.random.default_rng(5)
     w = _readonly(random_blocks(T.Q4_K, 32, 512, rng))
     w6 = _readonly(random_blocks(T.Q6_K, 32, 512, rng))
-    q4k_from = 8 if gemm_kquant_wide.host_has_wide() else 12
+    q4k_from = 8 if gemm_kquant_wide.enabled() else 12
     assert MATVEC._Q4K_GEMM_MIN_TOKENS == q4k_from
     for n_tok, q6k_prompt in ((4, False), (8, False), (12, True), (17, True), (40, True)):
         q4k_prompt = q4k_exact = n_tok >= q4k_from

@@ -19,7 +19,7 @@ TYPES = [T(t) for t in gemm_q32.GEMM_TYPES]
 AVX2_GEMMS = gemm_kquant.host_has_avx2()
 # a long prompt of a 32-element type in the VNNI tiles' layouts takes them where there is
 # 256-bit VNNI only (with 512-bit VNNI gemm_q32_wide is faster)
-LONG_Q32 = "tiles" if tile_gemm.has_vnni() and not gemm_kquant_wide.host_has_wide() else "q32"
+LONG_Q32 = "tiles" if tile_gemm.has_vnni() and not gemm_kquant_wide.enabled() else "q32"
 
 
 def _readonly(w):
@@ -37,8 +37,9 @@ def _reference(w, qtype, X):
     return Xq @ W.T, np.abs(Xq) @ np.abs(W).T
 
 
-@pytest.mark.skipif(not gemm_kquant_wide.host_has_wide(),
-                    reason="the 32-row kernels need AVX512-VNNI to run (elsewhere they are not compiled)")
+@pytest.mark.skipif(not gemm_kquant_wide.enabled(),
+                    reason="the 32-row kernels run only with AVX512-VNNI (elsewhere they are not compiled) "
+                           "and without EDGEINFER_NO_WIDE_GEMM")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n_tok", [1, 13, 300])   # 300: three token tiles
 def test_wide_groups_have_the_8_row_kernels_bits(qtype, n_tok):
