@@ -20,7 +20,7 @@ from . import quant_kernels as qk
 from .quant_types import QuantInfo, check_weight, quant_info, row_bytes
 from .threads import apply_threads, get_threads, worker_pool
 
-from . import dispatch, f32_ggml, gemm_kquant, gemm_kquant_wide, gemm_q32, tile_gemm
+from . import bf16_ggml, dispatch, f32_ggml, gemm_kquant, gemm_kquant_wide, gemm_q32, tile_gemm
 
 # EDGEINFER_PLAIN_KERNELS=1 routes every type through the plain Numba kernels (debugging).
 _FAST = not os.environ.get("EDGEINFER_PLAIN_KERNELS")
@@ -131,8 +131,8 @@ def matvec(w_raw: np.ndarray, qtype: T, x: np.ndarray, out: np.ndarray | None = 
 
         matvec_f16(w_raw.view(np.uint16), x, out)
         return out
-    if qt == qk.BF16:
-        qk.matvec_half_kernel(w_raw.view(np.uint16), True, x, out)
+    if qt == qk.BF16:   # ggml's order, vdpbf16ps where the CPU has it
+        bf16_ggml.matvec(w_raw.view(np.uint16), x, out)
         return out
     xq, xd, xs = quantize_activations(x, info)
     if _fast(qt):
@@ -388,6 +388,8 @@ def matmul_path(qtype, n_rows: int, n_tokens: int) -> str:
     qt = int(qtype)
     if qt == qk.F32:
         return "f32"
+    if qt == qk.BF16:
+        return "bf16"
     if not _fast(qt):
         return "blas"
     short = n_tokens <= _INT8_MATMUL_MAX_TOKENS
@@ -526,7 +528,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         raise ValueError(f"out must be float32 ({n_tok}, {n_rows}), got {out.dtype} {out.shape}")
     qt = int(info.qtype)
     path = matmul_path(qt, n_rows, n_tok)
-    if path in ("f32", "blas") and n_tok <= _INT8_MATMUL_MAX_TOKENS and _in_decode_order():
+    if path in ("f32", "bf16", "blas") and n_tok <= _INT8_MATMUL_MAX_TOKENS and _in_decode_order():
         # float weights (a router, a tensor the file keeps in F16) sum in another order for
         # a batch (tinyBLAS, BLAS) than for one token: here each row is matvec's
         for t in range(n_tok):
@@ -534,6 +536,9 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         return out
     if path == "f32":
         f32_ggml.matmul(w_raw.view(np.float32), np.ascontiguousarray(X, np.float32), out)
+        return out
+    if path == "bf16":
+        bf16_ggml.matmul(w_raw.view(np.uint16), X, out)
         return out
     if path in ("kquant", "q32", "tiles"):
         matmul_many([w_raw], [qt], X, [out])

@@ -74,7 +74,7 @@ def prompt_plan(matrices, experts=()) -> dict:
 
 _PROMPT_GEMMS: list = []   # (path, types, experts) of the prompt kernels the loaded models' prompts run
 # the paths whose kernels use_prompt_gemms registers (the BLAS ones: for the fast types);
-# the others ("rows", "f32", a slow type's "blas") the warm-up's two-token pass runs itself
+# the others ("rows", "f32", "bf16", a slow type's "blas") the warm-up's two-token pass runs itself
 PROMPT_KERNEL_PATHS = ("kquant", "q32", "tiles", "blas", "blas-serial")
 
 

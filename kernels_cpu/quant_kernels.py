@@ -1,8 +1,8 @@
 """Plain Numba kernels over GGUF blocks: block dequantization and per-row integer dot
 products for every type (the 8-bit activation quantizers: act_quant.py).
 
-The F32/F16/BF16 matvecs are used directly; the
-quantized dots and dequantization are the straightforward second implementation
+The F16/BF16 row dequantizer is used directly (their products: matvec_half_ir.py,
+bf16_ggml.py, f32_ggml.py for F32); the quantized dots and dequantization are the straightforward second implementation
 that the IR kernels (dispatch.py) are tested against (and what EDGEINFER_PLAIN_KERNELS=1
 runs).
 
@@ -549,16 +549,6 @@ def matvec_q_kernel(w, wi8, qt, xq, xd, xs, out, n16, n32):
             out[r] = _dot_row_q32(w, wi8, qt, r, xq, xd, xs, n16, n32)
 
 
-@njit(parallel=True, fastmath=_FAST, **_JIT)
-def matvec_f32_kernel(wf, x, out):
-    """out = wf @ x for float32 weights; fastmath lets LLVM reorder the float sum into vectors."""
-    for r in prange(out.shape[0]):
-        acc = np.float32(0.0)
-        for k in range(x.shape[0]):
-            acc += wf[r, k] * x[k]
-        out[r] = acc
-
-
 @njit(parallel=True, **_JIT)
 def dequantize_half_rows_kernel(wh, is_bf16, rows, out):
     """out[i] = row rows[i] of F16/BF16 weights given as uint16 (n_rows, n_cols)."""
@@ -571,21 +561,6 @@ def dequantize_half_rows_kernel(wh, is_bf16, rows, out):
             for k in range(out.shape[1]):
                 v = wh[r, k]
                 out[i, k] = f16(v & 0xFF, v >> 8)
-
-
-@njit(parallel=True, fastmath=_FAST, **_JIT)
-def matvec_half_kernel(wh, is_bf16, x, out):
-    """out = w @ x for F16/BF16 weights given as uint16 (n_rows, n_cols)."""
-    for r in prange(out.shape[0]):
-        acc = np.float32(0.0)
-        if is_bf16:
-            for k in range(x.shape[0]):
-                acc += _bf16_u16(wh[r, k]) * x[k]
-        else:
-            for k in range(x.shape[0]):
-                v = wh[r, k]
-                acc += f16(v & 0xFF, v >> 8) * x[k]
-        out[r] = acc
 
 
 @njit(inline="always", **_JIT)

@@ -82,9 +82,10 @@ def flash_attn_ext(g: Ggml, q: np.ndarray, k: np.ndarray, v: np.ndarray, type_k:
         b.ggml_free(ctx)
 
 
-def mul_mat(g: Ggml, a: np.ndarray, b: np.ndarray, ggml_type: int) -> np.ndarray:
-    """ggml_mul_mat(a (m, k), b (n, k)) -> (n, m), both of ggml_type (0 F32, 1 F16: the arrays'
-    dtype must match), run on 2 threads as a graph of one node."""
+def mul_mat(g: Ggml, a: np.ndarray, b: np.ndarray, ggml_type: int, b_type: int | None = None) -> np.ndarray:
+    """ggml_mul_mat(a (m, k), b (n, k)) -> (n, m): a of ggml_type (0 F32, 1 F16, 30 BF16 given
+    as uint16: the arrays' element size must match), b of b_type (default: ggml_type), run on
+    2 threads as a graph of one node."""
     _setup(g)
     base = g.base
     base.ggml_mul_mat.restype = _P
@@ -93,7 +94,7 @@ def mul_mat(g: Ggml, a: np.ndarray, b: np.ndarray, ggml_type: int) -> np.ndarray
     ctx = base.ggml_init(_InitParams(64 << 20, None, False))
     try:
         ta = base.ggml_new_tensor_4d(ctx, ggml_type, k, m, 1, 1)
-        tb = base.ggml_new_tensor_4d(ctx, ggml_type, k, n, 1, 1)
+        tb = base.ggml_new_tensor_4d(ctx, ggml_type if b_type is None else b_type, k, n, 1, 1)
         _fill(g, ta, a)
         _fill(g, tb, b)
         out = base.ggml_mul_mat(ctx, ta, tb)                       # [n, m]: out[j][i] = a[i] . b[j]

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as T
 
 import edgeinfer.kernels_cpu as K
 from edgeinfer.errors import UnsupportedModelError
-from edgeinfer.kernels_cpu import dispatch, quant_kernels, quant_types
+from edgeinfer.kernels_cpu import bf16_ggml_ref, dispatch, quant_kernels, quant_types
 from edgeinfer.kernels_cpu.reference import reference_quantize_act
 from quant_blocks import random_blocks
 
@@ -47,6 +47,14 @@ def _act_bound(W, x, block):
     return 1.01 * (np.abs(W) @ step)
 
 
+def _float_act(qtype, x):
+    """A float type's activation as its kernels take it: BF16 rounds it to BF16 (ggml's
+    vec_dot_type for BF16), the others keep float32."""
+    if qtype == T.BF16:
+        return bf16_ggml_ref.widen(bf16_ggml_ref.to_bf16(x)).astype(np.float64)
+    return x.astype(np.float64)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matvec_matches_reference(qtype):
     rng = np.random.default_rng(1)
@@ -56,12 +64,13 @@ def test_matvec_matches_reference(qtype):
         y = K.matvec(w, qtype, x)
         W = K.reference_dequantize(w, qtype).astype(np.float64)
         act = K.quant_info(qtype).act_block
-        xq = reference_quantize_act(x, act) if act else x.astype(np.float64)
+        xq = reference_quantize_act(x, act) if act else _float_act(qtype, x)
         tight = W @ xq
         tol = 2e-5 * (np.abs(W) @ np.abs(xq)) + 1e-30
         assert np.all(np.abs(y - tight) <= tol), (qtype.name, n_rows, n_cols, np.abs(y - tight).max())
         ref = K.reference_matvec(w, qtype, x)
-        loose = (_act_bound(W, x, act) if act else 0) + tol + 1e-6 * np.abs(ref)
+        rounding = _act_bound(W, x, act) if act else np.abs(W) @ np.abs(xq - x)   # BF16's, or none
+        loose = rounding + tol + 1e-6 * np.abs(ref)
         assert np.all(np.abs(y - ref) <= loose), (qtype.name, n_rows, n_cols)
 
 
@@ -103,7 +112,7 @@ def test_matmul_matches_reference(qtype):
                     np.testing.assert_array_equal(Y[t], K.matvec(w, qtype, X[t]))
         else:                                         # float GEMM: only summation order differs
             tol = 2e-5 * (np.abs(X) @ np.abs(W).T) + 1e-30
-            assert np.all(np.abs(Y - X.astype(np.float64) @ W.T) <= tol), (qtype.name, n_tok)
+            assert np.all(np.abs(Y - _float_act(qtype, X) @ W.T) <= tol), (qtype.name, n_tok)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
