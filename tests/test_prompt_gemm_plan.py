@@ -38,15 +38,18 @@ def test_every_type_registers_the_path_its_long_prompt_takes(qt, monkeypatch):
     assert path in [p for p, _, _ in PLAN._PROMPT_GEMMS] and kernels, path
 
 
-@pytest.mark.skipif(not tile_gemm.has_vnni(), reason="the VNNI tiles serve prompts only on CPUs with AVX-512 VNNI")
-def test_warm_up_compiles_the_tiles_a_prompt_calls(monkeypatch):
+@pytest.mark.parametrize("qt", [T.Q5_0, T.Q4_K])
+def test_warm_up_compiles_the_gemm_a_prompt_calls(qt, monkeypatch):
+    """Whatever a long prompt of the type takes here (the VNNI tiles, gemm_q32 or gemm_kquant,
+    32 rows a step on 512-bit VNNI hosts), its kernels are compiled by the warm-up."""
     monkeypatch.setattr(PLAN, "_PROMPT_GEMMS", [])
-    PLAN.use_prompt_gemms([T.Q5_0])
+    kernels = PLAN.use_prompt_gemms([qt])
     PLAN.warm_prompt_gemms()
-    before = (len(tile_gemm._matmul_rows.signatures), len(tile_gemm._quantize_packed.signatures))
-    assert min(before) >= 1
+    compiled = [k for k in kernels if hasattr(k, "signatures")]
+    before = [len(k.signatures) for k in compiled]
+    assert compiled and min(before) >= 1, (MATVEC.matmul_path(qt, 64, 200), kernels)
     rng = np.random.default_rng(3)
-    w = random_blocks(T.Q5_0, 64, 512, rng)
+    w = random_blocks(qt, 64, 512, rng)
     w.flags.writeable = False
-    K.matmul(w, T.Q5_0, rng.standard_normal((200, 512)).astype(np.float32))   # tiles: Q5_0's long prompts
-    assert (len(tile_gemm._matmul_rows.signatures), len(tile_gemm._quantize_packed.signatures)) == before
+    K.matmul(w, qt, rng.standard_normal((200, 512)).astype(np.float32))
+    assert [len(k.signatures) for k in compiled] == before
