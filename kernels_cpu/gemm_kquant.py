@@ -34,7 +34,7 @@ import functools
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
@@ -607,25 +607,47 @@ def _pack(xq, xd, xs, first, stride, total):
     xq_p = np.zeros((total, 256), np.int8)
     xd_p = np.zeros(total, np.float32)
     xb = np.zeros((total, 12), np.int32)
-    _pack_rows(np.ascontiguousarray(xq, np.int8), np.ascontiguousarray(xd, np.float32),
-               np.ascontiguousarray(xs, np.int32), first, stride, xq_p, xd_p, xb.view(np.int16))
+    pack = _pack_rows_parallel if xq.shape[0] >= PARALLEL_PACK_ROWS else _pack_rows
+    pack(np.ascontiguousarray(xq, np.int8), np.ascontiguousarray(xd, np.float32),
+         np.ascontiguousarray(xs, np.int32), first, stride, xq_p, xd_p, xb.view(np.int16))
     return xq_p, xd_p, xb
+
+
+@njit(inline="always", **_JIT)
+def _pack_row(xq, xd, xs, first, stride, pq, pd, pb16, i):
+    """Block bi of input row i into packed row first[i] + bi * stride[i] of zeroed outputs:
+    its bytes, its scale, its per-32 sums then its per-16 sums as i16 (|s| <= 32 * 128)."""
+    for bi in range(xd.shape[1]):
+        r = first[i] + bi * stride[i]
+        pq[r, :] = xq[i, 256 * bi:256 * bi + 256]
+        pd[r] = xd[i, bi]
+        g = 16 * bi
+        for j in range(8):
+            pb16[r, j] = xs[i, g + 2 * j] + xs[i, g + 2 * j + 1]
+        for j in range(16):
+            pb16[r, 8 + j] = xs[i, g + j]
 
 
 @njit(**_JIT)
 def _pack_rows(xq, xd, xs, first, stride, pq, pd, pb16):
-    """Block bi of input row i into packed row first[i] + bi * stride[i] of zeroed outputs:
-    its bytes, its scale, its per-32 sums then its per-16 sums as i16 (|s| <= 32 * 128)."""
     for i in range(xq.shape[0]):
-        for bi in range(xd.shape[1]):
-            r = first[i] + bi * stride[i]
-            pq[r, :] = xq[i, 256 * bi:256 * bi + 256]
-            pd[r] = xd[i, bi]
-            g = 16 * bi
-            for j in range(8):
-                pb16[r, j] = xs[i, g + 2 * j] + xs[i, g + 2 * j + 1]
-            for j in range(16):
-                pb16[r, 8 + j] = xs[i, g + j]
+        _pack_row(xq, xd, xs, first, stride, pq, pd, pb16, i)
+
+
+@njit(parallel=True, **_JIT)
+def _pack_rows_parallel(xq, xd, xs, first, stride, pq, pd, pb16):
+    for i in prange(xq.shape[0]):   # rows go to distinct packed rows
+        _pack_row(xq, xd, xs, first, stride, pq, pd, pb16, i)
+
+
+PARALLEL_PACK_ROWS = 32   # from here the rows pack on every thread (512 x 2048, 2 threads: 0.44 -> 0.09 ms)
+
+
+def warm_pack() -> None:
+    """Compile (or load) the parallel packer too: the warm-up's short prompt takes the serial one."""
+    n = PARALLEL_PACK_ROWS
+    _pack(np.zeros((n, 256), np.int8), np.zeros((n, 1), np.float32), np.zeros((n, 16), np.int32),
+          np.arange(n), np.full(n, n), n)
 
 
 @njit(inline="always", **_JIT)

@@ -153,6 +153,8 @@ def compile_prompt_gemm(path: str, types: tuple, experts: bool = False) -> None:
     if compile_progress._pending:
         compile_progress.wait_for(driver.kernel)
     driver.run([w], [qt], gemm.pack_activations(xq, xd, xs), [out], get_threads())
+    if gemm is gemm_kquant:
+        gemm.warm_pack()
     if experts:
         packed, seg = gemm.pack_segments(xq, xd, xs, [4])
         if compile_progress._pending:
