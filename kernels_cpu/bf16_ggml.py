@@ -6,7 +6,8 @@ NaN made quiet: `to_bf16`). Then, per llama.cpp build (`BUILD`, from the Numba t
   - "bf16" (AVX512-BF16): two vdpbf16ps accumulators over 64-value steps, each reduced
     (_mm512_reduce_add_ps) and added into a double; the n % 64 tail in double.
   - "avx512" (AVX512F only): two 16-lane accumulators of widened values over 32-value steps
-    (mul then add, which GCC fuses), each reduced into the double; the tail in double.
+    (mul then add, which GCC fuses), each reduced into the double; the tail in double. (Read
+    from the source: no host here has AVX-512 without BF16 to hold it to an oracle.)
   - "avx2" (and the portable build): four 8-lane accumulators over 32-value steps, reduced
     (c1 + c3) + (c2 + c4), then AVX's halves / movehl / movehdup; the tail in double.
 - Prompts (two tokens or more): llamafile's tinyBLAS, which ggml calls for n >= 2 when k is
@@ -14,9 +15,10 @@ NaN made quiet: `to_bf16`). Then, per llama.cpp build (`BUILD`, from the Numba t
   accumulator an output over k, then its horizontal sum. Otherwise vec_dot per token.
 
 A vdpbf16ps lane is acc = (acc + a_odd b_odd) + a_even b_even, each add rounded, each
-product exact (bf16_ggml_ref.py: the numpy reference of every path). The BLAS path this replaces
-dequantized tiles to float32 and summed in BLAS's order, a float32 activation and another
-order: not llama.cpp's numbers, and its decode was a scalar loop.
+product exact (bf16_ggml_ref.py: the numpy reference of every path). The path this replaces
+dequantized tiles to float32 for BLAS, with the activation in float32: not llama.cpp's
+numbers, and its decode was a scalar loop. F16 weights keep matvec_half_ir.py: vdpbf16ps
+would round their values.
 """
 from __future__ import annotations
 
