@@ -13,7 +13,7 @@ from numba.extending import intrinsic
 
 from .dot_kquant import k_nibbles, make_deq_q45_k, q4k_block_bytes, q4k_qs32, q4k_scales_heads, q4k_scales_vec
 from .ir_helpers import (F16T, F32T, I8, I16, I32, ROWS, X8_BLOCK, X8_ROWS, IRHelpers, array_ptrs, c64, const_vec,
-                         counted_loop, make_deq_intrinsic, mask, target_features, vec)
+                         counted_loop, make_deq_intrinsic, mask, prefetch_lines, target_features, vec)
 
 
 def _reduce_rows4(h, vs):
@@ -252,9 +252,7 @@ def rows8_q4_k_x8(typingctx, w, g, xq, xd, xs):
             zero = ir.Constant(vec(F32T, 4), [0.0] * 4)
 
             def block(bi, accs):
-                ahead = b.add(b.mul(bi, c64(X8_BLOCK)), c64(X8_PREFETCH))
-                for line in range(0, X8_BLOCK, 64):
-                    h.prefetch(b.gep(gbase, [b.add(ahead, c64(line))]))
+                prefetch_lines(h, [gbase], bi, X8_BLOCK, X8_PREFETCH)
                 return (_q4_k_x8_block_512(h, gbase, xq, xd, xs, bi, *accs[:2], 0)
                         + _q4_k_x8_block_512(h, gbase, xq, xd, xs, bi, *accs[2:], 1))
         elif h.avx2:

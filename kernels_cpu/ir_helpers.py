@@ -362,6 +362,15 @@ def row_loop(context, builder, sig, args, body, with_mins=False, nrows=1, block_
                       wrows, block_bytes, pf_dist)
 
 
+def prefetch_lines(h, streams, bi, block_bytes, dist):
+    """Prefetch every cache line of block bi + dist bytes in each stream (row pointers)."""
+    b = h.b
+    ahead = b.add(b.mul(bi, c64(block_bytes)), c64(dist))
+    for wrow in streams:
+        for line in range(0, block_bytes, 64):
+            h.prefetch(b.gep(wrow, [b.add(ahead, c64(line))]))
+
+
 def _dots_loop(builder, h, pairs, nb, body, with_mins, streams, block_bytes, pf_dist):
     """`for b in range(nb): acc[k] = body(pairs[k]..., b, acc[k])` over (wrow, xq, xd, xs)
     pairs (several rows against one token: row_loop; one row against several tokens:
@@ -373,10 +382,7 @@ def _dots_loop(builder, h, pairs, nb, body, with_mins, streams, block_bytes, pf_
 
     def blocks(i, accs):
         if block_bytes:
-            for wrow in streams:
-                ahead = builder.add(builder.mul(i, c64(block_bytes)), c64(pf_dist))
-                for line in range(0, block_bytes, 64):   # every cache line of a block
-                    h.prefetch(builder.gep(wrow, [builder.add(ahead, c64(line))]))
+            prefetch_lines(h, streams, i, block_bytes, pf_dist)
         out = []
         for k, (wrow, xq, xd, xs) in enumerate(pairs):
             if with_mins:
