@@ -581,8 +581,11 @@ def pack_activations(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray):
     nb, n_pad = k // 256, -(-n // TOKENS) * TOKENS
     # block bi of token t at row bi * n_pad + t (pack_segments' layout for one segment,
     # without its bookkeeping: ~15 us of numpy a call)
-    pq, pd, pb = _pack(xq, xd, xs, np.arange(n), np.full(n, n_pad), nb * n_pad)
-    return pq.reshape(nb, n_pad, 256), pd.reshape(nb, n_pad), pb.reshape(nb, n_pad, 12)
+    pq, pd, pb = _pack(xq, xd, xs, np.arange(n), np.full(n, n_pad), nb * n_pad, zeroed=False)
+    pq, pd, pb = pq.reshape(nb, n_pad, 256), pd.reshape(nb, n_pad), pb.reshape(nb, n_pad, 12)
+    for a in (pq, pd, pb):   # only the padding tokens need zeros: every other row is written
+        a[:, n:] = 0
+    return pq, pd, pb
 
 
 def pack_segments(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, counts):
@@ -599,14 +602,15 @@ def pack_segments(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, counts):
     return (xq_p.reshape(p, k), xd_p.reshape(p, nb), xb.reshape(p, nb * 12)), seg
 
 
-def _pack(xq, xd, xs, first, stride, total):
-    """Zeroed packed buffers of `total` block rows (xq (total, 256), xd (total,), xb (total,
-    12)) with block bi of input row i at row first[i] + bi * stride[i]. Compiled: numpy's
-    gather and scatter steps cost ~50 us a call, as much as a short prompt's product on a
-    small matrix."""
-    xq_p = np.zeros((total, 256), np.int8)
-    xd_p = np.zeros(total, np.float32)
-    xb = np.zeros((total, 12), np.int32)
+def _pack(xq, xd, xs, first, stride, total, zeroed=True):
+    """Packed buffers of `total` block rows (xq (total, 256), xd (total,), xb (total, 12))
+    with block bi of input row i at row first[i] + bi * stride[i], the rows no input row
+    fills zeroed (zeroed=False: left to the caller). Compiled: numpy's gather and scatter
+    steps cost ~50 us a call, as much as a short prompt's product on a small matrix."""
+    new = np.zeros if zeroed else np.empty
+    xq_p = new((total, 256), np.int8)
+    xd_p = new(total, np.float32)
+    xb = new((total, 12), np.int32)
     pack = _pack_rows_parallel if xq.shape[0] >= PARALLEL_PACK_ROWS else _pack_rows
     pack(np.ascontiguousarray(xq, np.int8), np.ascontiguousarray(xd, np.float32),
          np.ascontiguousarray(xs, np.int32), first, stride, xq_p, xd_p, xb.view(np.int16))
