@@ -12,8 +12,8 @@ from numba.extending import intrinsic
 
 from .dot_q32 import KVALUES_IQ4NL, nibbles32
 from .ir_helpers import (F32T, I8, I16, I32, X8_BLOCK, IRHelpers, array_ptrs, c64, const_vec, counted_loop,
-                         make_deq_intrinsic, make_row_intrinsic, make_tokens_intrinsic, mask, prefetch_lines, row_loop,
-                         store, target_features, vec, ROWS)
+                         make_deq_intrinsic, make_row_intrinsic, make_tokens_intrinsic, mask, prefetch_row_streams,
+                         row_loop, store, target_features, vec, ROWS)
 
 
 def q4k_block_bytes(x8: bool) -> int:
@@ -450,8 +450,7 @@ def _q5_k_rows4_pairs(context, builder, sig, args):
     h = IRHelpers(builder, target_features(context))
     zero = ir.Constant(vec(F32T, 8), [0.0] * 8)
     def block(bi, accs):
-        if h.avx512bw:   # as the quartered Q6_K rows: every line of each stream 1 KiB ahead
-            prefetch_lines(h, wrows, bi, 176, 1024)
+        prefetch_row_streams(h, wrows, bi, 176)   # as the quartered Q6_K rows (row_loop)
         return _q5_k_rows4_block_256(h, wrows, xq, xd, xs, bi, accs)
     fin = counted_loop(builder, nb, 1, [zero] * 4, block, "q5k4")
     return [h.hsum_f32(v) for v in fin]

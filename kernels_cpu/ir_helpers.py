@@ -351,15 +351,8 @@ def row_loop(context, builder, sig, args, body, with_mins=False, nrows=1, block_
     """
     (wrows, xq, xd, xs), nb = array_ptrs(context, builder, sig, args, nrows)
     h = IRHelpers(builder, target_features(context))
-    # software prefetch, this many bytes ahead in each row's stream
-    # (x86 prefetches never fault, so running past the matrix's end is harmless)
-    pf_dist = (4096 if nrows == 1 else 1024) if block_bytes else 0
-    if block_bytes > 64 and not h.avx512bw:
-        # the K-quants' four-row loops prefetch on AVX-512 hosts only: measured there (Xeon,
-        # Q6_K 4096 x 14336 from memory: 23-27 -> 32-36 GB/s); on Zen 3 one line a block lost
-        pf_dist = block_bytes = 0
     return _dots_loop(builder, h, [(wrow, xq, xd, xs) for wrow in wrows], nb, body, with_mins,
-                      wrows, block_bytes, pf_dist)
+                      wrows, block_bytes)
 
 
 def prefetch_lines(h, streams, bi, block_bytes, dist):
@@ -371,18 +364,29 @@ def prefetch_lines(h, streams, bi, block_bytes, dist):
             h.prefetch(b.gep(wrow, [b.add(ahead, c64(line))]))
 
 
-def _dots_loop(builder, h, pairs, nb, body, with_mins, streams, block_bytes, pf_dist):
+def prefetch_row_streams(h, streams, bi, block_bytes):
+    """A row loop's software prefetch of block bi's lines ahead in each of its row streams
+    (x86 prefetches never fault, so running past the matrix's end is harmless): 4 KiB ahead
+    in a lone stream, 1 KiB in each of several. Blocks of more than a line (the K-quants)
+    prefetch on AVX-512 hosts only: measured there (Xeon, Q6_K 4096 x 14336 from memory:
+    23-27 -> 32-36 GB/s); on Zen 3 one line a block had lost."""
+    if block_bytes > 64 and not h.avx512bw:
+        return
+    prefetch_lines(h, streams, bi, block_bytes, 4096 if len(streams) == 1 else 1024)
+
+
+def _dots_loop(builder, h, pairs, nb, body, with_mins, streams, block_bytes):
     """`for b in range(nb): acc[k] = body(pairs[k]..., b, acc[k])` over (wrow, xq, xd, xs)
     pairs (several rows against one token: row_loop; one row against several tokens:
     token_row_loop), each pair with its own accumulators; returns each pair's horizontal
-    sum. block_bytes > 0: prefetch each of `streams` pf_dist bytes ahead."""
+    sum. block_bytes > 0: prefetch_row_streams on `streams`."""
     zero = ir.Constant(vec(F32T, 8), [0.0] * 8)
     zero4 = ir.Constant(vec(F32T, 4), [0.0] * 4)
     width = 2 if with_mins else 1        # accumulators per pair, flattened for the loop
 
     def blocks(i, accs):
         if block_bytes:
-            prefetch_lines(h, streams, i, block_bytes, pf_dist)
+            prefetch_row_streams(h, streams, i, block_bytes)
         out = []
         for k, (wrow, xq, xd, xs) in enumerate(pairs):
             if with_mins:
@@ -396,6 +400,7 @@ def _dots_loop(builder, h, pairs, nb, body, with_mins, streams, block_bytes, pf_
         hs = [h.hsum_f32(r) for r in fin[width * k:width * k + width]]
         sums.append(builder.fadd(hs[0], hs[1]) if with_mins else hs[0])
     return sums
+
 
 def c64(v):
     return ir.Constant(I64, v)
@@ -493,7 +498,7 @@ def token_row_loop(context, builder, sig, args, body, with_mins=False, ntok=TOKE
     pairs = [(wrow, *(row(t) for row in rows)) for t in tokens]
     nb = cgutils.unpack_tuple(builder, arrs[1].shape)[1]
     h = IRHelpers(builder, target_features(context))
-    return _dots_loop(builder, h, pairs, nb, body, with_mins, [wrow], block_bytes, 4096)
+    return _dots_loop(builder, h, pairs, nb, body, with_mins, [wrow], block_bytes)
 
 
 def make_tokens_intrinsic(body, with_mins=False, ntok=TOKENS_A_ROW, block_bytes=0):
