@@ -564,7 +564,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
 def _serial_tiles(qt: int, n_rows: int) -> bool:
     """Whether matmul's BLAS path dequantizes its row tiles on each worker thread (else in
     one parallel region)."""
-    return get_threads() > 1 and (_fast(qt) or qt in (qk.F16, qk.BF16)) and n_rows >= 2 * _PREFILL_TILE_ROWS
+    return get_threads() > 1 and (_fast(qt) or qt == qk.F16) and n_rows >= 2 * _PREFILL_TILE_ROWS
 
 
 def _tiled_gemm(X: np.ndarray, w_raw: np.ndarray, qt: int, r0: int, r1: int, out: np.ndarray,
@@ -574,8 +574,8 @@ def _tiled_gemm(X: np.ndarray, w_raw: np.ndarray, qt: int, r0: int, r1: int, out
     for a in range(r0, r1, _PREFILL_TILE_ROWS):
         b = min(a + _PREFILL_TILE_ROWS, r1)
         t = tile[: b - a]
-        if serial and qt in (qk.F16, qk.BF16):
-            _half_rows_serial(w_raw, qt, a, t)
+        if serial and qt == qk.F16:
+            _f16_rows_serial(w_raw, a, t)
         elif serial:
             dispatch.dequantize_fast_serial(w_raw, qt, a, t)
         else:
@@ -585,13 +585,10 @@ def _tiled_gemm(X: np.ndarray, w_raw: np.ndarray, qt: int, r0: int, r1: int, out
         out[:, a:b] = X @ t.T
 
 
-def _half_rows_serial(w_raw: np.ndarray, qt: int, start: int, out: np.ndarray) -> None:
-    """out[i] = F16/BF16 row start + i as float32 on this thread (numpy's casts release the GIL)."""
-    rows = w_raw[start:start + out.shape[0]].view(np.uint16)
-    if qt == qk.F16:
-        out[...] = rows.view(np.float16)
-    else:
-        out.view(np.uint32)[...] = rows.astype(np.uint32) << 16
+def _f16_rows_serial(w_raw: np.ndarray, start: int, out: np.ndarray) -> None:
+    """out[i] = F16 row start + i as float32 on this thread (numpy's cast releases the GIL;
+    BF16 takes bf16_ggml, never these tiles)."""
+    out[...] = w_raw[start:start + out.shape[0]].view(np.float16)
 
 
 def _dequant_into(w_raw: np.ndarray, qt: int, start: int, out: np.ndarray) -> None:

@@ -2,9 +2,9 @@
 products for every type (the 8-bit activation quantizers: act_quant.py).
 
 The F16/BF16 row dequantizer is used directly (their products: matvec_half_ir.py,
-bf16_ggml.py, f32_ggml.py for F32); the quantized dots and dequantization are the straightforward second implementation
-that the IR kernels (dispatch.py) are tested against (and what EDGEINFER_PLAIN_KERNELS=1
-runs).
+bf16_ggml.py, and f32_ggml.py for F32); the quantized dots and dequantization are the
+straightforward second implementation that the IR kernels (dispatch.py) are tested against
+(and what EDGEINFER_PLAIN_KERNELS=1 runs).
 
 Layouts follow ggml-quants.c. Inner loops take their length at run time (`n16`,
 `n32`): a literal `range(32)` is fully unrolled before LLVM vectorizes and stays
