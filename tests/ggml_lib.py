@@ -71,3 +71,15 @@ def oracle_ggml() -> Ggml:
     if not os.path.exists(os.path.join(lib_dir, "libggml-cpu.so")):
         pytest.skip(f"no libggml-cpu.so in {lib_dir}")
     return Ggml(lib_dir)
+
+
+def our_mul_mat(kernels, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """ggml_mul_mat(w, x)'s counterpart (n, rows) in a kernels_cpu module with matvec(w, x,
+    out) and matmul(w, X, out) in ggml's orders (f32_ggml, bf16_ggml): matvec for one token,
+    as ggml's vec_dot path, matmul for more."""
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    if x.shape[0] == 1:
+        kernels.matvec(w, x[0], out[0])
+    else:
+        kernels.matmul(w, x, out)
+    return out

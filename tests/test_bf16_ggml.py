@@ -15,7 +15,7 @@ import ggml_flash_oracle as gfo
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from ggml_lib import oracle_ggml
+from ggml_lib import oracle_ggml, our_mul_mat
 from test_kernels_targets import HASWELL, SSE2_ONLY
 
 import edgeinfer.kernels_cpu as K
@@ -34,12 +34,7 @@ def _case(rows, k, n, seed):
 
 
 def _ours(w, x):
-    out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    if x.shape[0] == 1:
-        bf16_ggml.matvec(w, x[0], out[0])
-    else:
-        bf16_ggml.matmul(w, x, out)
-    return out
+    return our_mul_mat(bf16_ggml, w, x)
 
 
 def _oracle_build(g) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ggml_flash_oracle as gfo
 import numpy as np
 import pytest
-from ggml_lib import oracle_ggml
+from ggml_lib import oracle_ggml, our_mul_mat
 
 from edgeinfer.kernels_cpu import f32_ggml
 
@@ -23,12 +23,7 @@ def _ggml_product(w: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 def _ours(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    if x.shape[0] == 1:
-        f32_ggml.matvec(w, x[0], out[0])
-    else:
-        f32_ggml.matmul(w, x, out)
-    return out
+    return our_mul_mat(f32_ggml, w, x)
 
 
 @pytest.mark.parametrize("rows,k", [(8, 64), (8, 256), (1, 64), (1, 2048), (6, 100), (128, 2048), (12, 48)])
