@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .ir_helpers import IRHelpers, target_features
-from .threads import in_pieces
+from .threads import piece_bounds, team_threads
 
 _JIT = dict(cache=True, nogil=True)
 
@@ -76,6 +76,20 @@ def _f16_to_f32_kernel(bits, out):
         out[i] = f16_value(bits[i])
 
 
+@njit(parallel=True, **_JIT)
+def _round_f16_team(x, out, nt):
+    for p in prange(nt):
+        lo, hi = piece_bounds(x.shape[0], nt, p, 64)
+        _round_f16_kernel(x[lo:hi], out[lo:hi])
+
+
+@njit(parallel=True, **_JIT)
+def _f16_to_f32_team(bits, out, nt):
+    for p in prange(nt):
+        lo, hi = piece_bounds(bits.shape[0], nt, p, 64)
+        _f16_to_f32_kernel(bits[lo:hi], out[lo:hi])
+
+
 def to_f16_bits(x: np.ndarray) -> np.ndarray:
     """x (float32, any shape) -> the uint16 bits of x.astype(float16)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -88,7 +102,11 @@ def round_f16(x: np.ndarray) -> np.ndarray:
     """x.astype(float16).astype(float32) for float32 x."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty(x.shape, np.float32)
-    in_pieces(_round_f16_kernel, x.size, x.reshape(-1), out.reshape(-1))
+    nt = team_threads(x.size)
+    if nt == 1:
+        _round_f16_kernel(x.reshape(-1), out.reshape(-1))
+    else:
+        _round_f16_team(x.reshape(-1), out.reshape(-1), nt)
     return out
 
 
@@ -98,5 +116,17 @@ def f16_to_f32(h: np.ndarray) -> np.ndarray:
     if h.dtype != np.float16:
         raise TypeError(f"expected float16, got {h.dtype}")
     out = np.empty(h.shape, np.float32)
-    in_pieces(_f16_to_f32_kernel, h.size, h.reshape(-1).view(np.uint16), out.reshape(-1))
+    nt = team_threads(h.size)
+    if nt == 1:
+        _f16_to_f32_kernel(h.reshape(-1).view(np.uint16), out.reshape(-1))
+    else:
+        _f16_to_f32_team(h.reshape(-1).view(np.uint16), out.reshape(-1), nt)
     return out
+
+
+def warm_team_kernels() -> None:
+    """Compile (or load) round_f16's and f16_to_f32's parallel twins on a few values."""
+    x = np.ones(256, np.float32)
+    _round_f16_team(x, np.empty_like(x), 2)
+    _f16_to_f32_team(x.astype(np.float16).view(np.uint16), np.empty_like(x), 2)
+

@@ -231,3 +231,40 @@ KQ_HEAD_SIZES = tuple(hd for hd in (32, 64, 128, 256) if hd % SLOTS == 0)
 kq_dots_32, kq_dots_64, kq_dots_128, kq_dots_256 = (_make_kq_dots(hd) if hd % SLOTS == 0 else None
                                                     for hd in (32, 64, 128, 256))
 wslots_2, wslots_4, wslots_8, wslots_16 = (_make_weighted_slots(c) for c in (2, 4, 8, 16))
+
+
+# ----------------------------------------------------------------------------- long prompts' softmax
+@intrinsic
+def scale_and_max16(typingctx, row, scale, seen, n):
+    """row[:n] *= scale in place (n a multiple of 16); returns the maximum of the scaled
+    values where seen[j] (bools), -inf if none. 16 lanes of vmaxps: Numba leaves a float
+    max loop scalar, whatever its fastmath flags (3-4x slower)."""
+    sig = types.float32(row, scale, seen, n)
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        f32, i8 = ir.FloatType(), ir.IntType(8)
+        v16f, v16b = ir.VectorType(f32, 16), ir.VectorType(i8, 16)
+        rp = b.bitcast(context.make_array(sig.args[0])(context, b, args[0]).data, f32.as_pointer())
+        sp = b.bitcast(context.make_array(sig.args[2])(context, b, args[2]).data, i8.as_pointer())
+        ninf = ir.Constant(v16f, [float("-inf")] * 16)
+        scale16 = b.shuffle_vector(b.insert_element(ir.Constant(v16f, ir.Undefined), args[1], ir.Constant(ir.IntType(32), 0)),
+                                   ir.Constant(v16f, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+        mod = b.module
+        vmax = mod.globals.get("llvm.maxnum.v16f32") or ir.Function(mod, ir.FunctionType(v16f, [v16f, v16f]),
+                                                                   "llvm.maxnum.v16f32")
+
+        def step(i, accs):
+            p = b.bitcast(b.gep(rp, [i]), v16f.as_pointer())
+            v = b.fmul(b.load(p, align=4), scale16)
+            b.store(v, p, align=4)
+            s = b.load(b.bitcast(b.gep(sp, [i]), v16b.as_pointer()), align=1)
+            keep = b.icmp_unsigned("!=", s, ir.Constant(v16b, [0] * 16))
+            return [b.call(vmax, [accs[0], b.select(keep, v, ninf)])]
+        acc = counted_loop(b, args[3], 16, [ninf], step, "smax")[0]
+        m = b.extract_element(acc, ir.Constant(ir.IntType(32), 0))
+        for lane in range(1, 16):   # maxnum: the order of a maximum does not matter
+            e = b.extract_element(acc, ir.Constant(ir.IntType(32), lane))
+            m = b.select(b.fcmp_ordered(">", e, m), e, m)
+        return m
+    return sig, codegen

@@ -24,7 +24,7 @@ from numba.extending import intrinsic
 
 from .ggml_math import AVX512, C1, C2, C3, C4, C5, LN2_HI, LN2_LO, LOG2E, R
 
-_NO_NANS = {"nnan", "ninf", "nsz"}      # what lets the exp loop vectorize, and nothing more
+NO_NANS = {"nnan", "ninf", "nsz"}      # what lets the exp loop vectorize, and nothing more
 _SUM = {"nnan", "ninf", "nsz", "reassoc"}
 _LOWEST = np.float32(-87.0)
 
@@ -54,7 +54,7 @@ def _pow2(typingctx, n):
     return sig, codegen
 
 
-@njit(inline="always", fastmath=_NO_NANS, cache=True, nogil=True)
+@njit(inline="always", fastmath=NO_NANS, cache=True, nogil=True)
 def exp_nonpositive(x):
     """exp(x) for x <= 0 (x < -87 taken as -87): ggml_v_expf's fast path."""
     x = max(x, _LOWEST)
@@ -77,7 +77,7 @@ def _sum(row):
     return acc
 
 
-@njit(fastmath=_NO_NANS, cache=True, nogil=True)
+@njit(fastmath=NO_NANS, cache=True, nogil=True)
 def _exp_rows(s, scale, maxes, sums):
     n = s.shape[1]
     for r in range(s.shape[0]):

@@ -113,19 +113,42 @@ def worker_pool(n: int):
     return pool
 
 
-# Long prompts' inputs (from this many elements) are cut into one piece per thread, run on
-# the worker pool (a Numba parallel region here would leave its OpenMP worker spinning on
-# a core while the next pool job runs: measured 1.5x slower prefill). Shorter ones stay on
-# the calling thread: handing pieces to the pool costs ~0.1 ms, and right after the
-# GEMMs' parallel regions (gemm_parallel.py) their spinning workers slow the pool down.
+# Long prompts' inputs (from this many elements) are cut into one piece per thread. Shorter
+# ones stay on the calling thread: a parallel region's start, or handing pieces to the
+# pool, costs more than their work.
 # From 2^15 to 2^18: a 32-token prefill of gemma3-270m's norms 8.2 -> 3.6 ms (2 threads).
 PARALLEL_MIN = 1 << 18
+
+
+def team_threads(size: int) -> int:
+    """On how many threads a row- or element-wise kernel over `size` elements runs: the
+    kernels' count from PARALLEL_MIN elements, else 1 (the calling thread), and 1 on a
+    worker_pool thread (the pool already keeps every core busy).
+
+    The pieces run in a Numba parallel region (cut by `piece_bounds`), not on the worker
+    pool: after each prefill GEMM's region its OpenMP worker spins on a core for a while,
+    and pool threads started then share the cores with it (a 1B-shaped model's 512-token
+    prefill spent 78 ms in RMSNorm in the model against 23 ms alone). A region of ours
+    puts that spinning worker to work instead."""
+    if size < PARALLEL_MIN or on_a_worker():
+        return 1
+    apply_threads()
+    return get_threads()
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def piece_bounds(n, n_pieces, p, align):
+    """[lo, hi) of piece p of n_pieces over range(n), each inner edge a multiple of align."""
+    lo = p * n // n_pieces // align * align
+    hi = n if p == n_pieces - 1 else (p + 1) * n // n_pieces // align * align
+    return lo, hi
 
 
 def in_pieces(kernel, n: int, *arrays) -> None:
     """kernel(*(a[lo:hi] for a in arrays)) over pieces of the first axis (length n), on the
     worker threads when the input is prefill-sized; each element is computed as one call
-    would compute it."""
+    would compute it. (The vision encoders' ops; the text model's prefill ops run as
+    `team_threads` says.)"""
     n_threads = get_threads()
     if n_threads < 2 or n < n_threads or arrays[0].size < PARALLEL_MIN or on_a_worker():
         kernel(*arrays)

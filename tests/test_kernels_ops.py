@@ -8,6 +8,7 @@ import pytest
 
 from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.kernels_cpu import ops
+from edgeinfer.kernels_cpu.f16 import f16_to_f32, round_f16
 from edgeinfer.kernels_cpu.reference import reference_rms_norm, reference_rope
 from edgeinfer.kernels_cpu.threads import PARALLEL_MIN
 from edgeinfer.rope import ROPE_NEOX, ROPE_NORM
@@ -187,6 +188,8 @@ def test_prefill_sized_inputs_take_the_parallel_kernels_with_the_same_bits():
     np.testing.assert_array_equal(ops.silu_mul(x, y), Backend(None).silu_mul(x, y))
     np.testing.assert_array_equal(ops.gelu(x, _gelu_f16_table()), Backend(None).gelu_mul(x, np.ones_like(x)))
     np.testing.assert_array_equal(ops.layer_norm(x, w, y[0], 1e-6), _layer_norm_ggml(x, w, y[0], 1e-6))
+    np.testing.assert_array_equal(round_f16(x), x.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(f16_to_f32(x.astype(np.float16)), x.astype(np.float16).astype(np.float32))
 
 
 def _layer_norm_ggml(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:

@@ -76,11 +76,13 @@ class CpuBackend(Backend):
 
     def warm_prompt_kernels(self, attention: bool = True) -> None:
         """Compile (or load) what Engine.warm_up's two-token prompt does not reach: the
-        prompt GEMMs (kernels_cpu.prompt_plan.warm_prompt_gemms) and the long-prompt attention's
-        helpers (a prompt past kv_attention.EXACT_MAX_QUERIES tokens; not an encoder's)."""
+        prompt GEMMs (kernels_cpu.prompt_plan.warm_prompt_gemms), the float ops' parallel
+        twins (ops.warm_team_kernels) and the long-prompt attention's helpers (a prompt past
+        kv_attention.EXACT_MAX_QUERIES tokens; not an encoder's)."""
         from edgeinfer.kernels_cpu.prompt_plan import warm_prompt_gemms
 
         warm_prompt_gemms()
+        ops.warm_team_kernels()
         for qtype in self._act_block_types():   # a prompt's rows quantized on every thread
             kernels_cpu.quantize_activation_rows(np.zeros((PARALLEL_ROWS, 256), np.float32),
                                                  kernels_cpu.quant_info(qtype))
@@ -134,7 +136,7 @@ class CpuBackend(Backend):
         kernels = [*self._type_kernels, qk.quantize_act, ops._rms_norm_kernel, ops._rope_kernel, ops._rope_cache_kernel,
                    f16._round_f16_kernel, *[kv_attention.attention_kernel(*h) for h in sorted(heads)],
                    # the long-prompt attention's (warm_prompt_kernels)
-                   f16._f16_to_f32_kernel, kv_attention._mask_and_center, kv_attention._normalize_f16]
+                   f16._f16_to_f32_kernel, kv_attention._softmax_rows_f16]
         kernels += self._row_quantizers()
         if config.arch.startswith("gemma"):
             kernels.append(ops._gelu_mul_kernel)
