@@ -35,6 +35,19 @@ _MAGIC = np.float32(12582912.0)       # 1.5 * 2^23: adding it rounds a float32 <
 _TWO_24 = np.float32(16777216.0)      # F16's smallest subnormal is 2^-24
 
 
+def has_f16c() -> bool:
+    """Whether the CPU Numba compiles for has F16C: the host's, unless NUMBA_CPU_NAME /
+    NUMBA_CPU_FEATURES name another target (then only an explicit +f16c counts)."""
+    from numba.core import config
+    from llvmlite import binding
+
+    if config.CPU_FEATURES is not None:
+        return "+f16c" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME is not None and config.CPU_NAME != "host":
+        return False
+    return binding.get_host_cpu_features().get("f16c", False)
+
+
 @njit(inline="always", **_JIT)
 def f16_bits_of(x_bits):
     """F16 bits (as uint32) of the float32 whose bits are x_bits (uint32), ties to even."""

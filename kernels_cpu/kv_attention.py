@@ -33,112 +33,19 @@ import numpy as np
 from numba import njit, prange
 
 from . import compile_progress
-from .f16 import f16_round, f16_to_f32, round_f16
+from .f16 import f16_round, f16_to_f32, has_f16c, round_f16
 from .f16 import f16_value as _f16
 from .ggml_math import AVX512, LANES, expf512_any, expf_parts, hsum_vec, pow2_f64
 from .kv_attention_ir import (KEYS, KQ_HEAD_SIZES, SLOTS, dot_f16_32, kq_dots_32, kq_dots_64, kq_dots_128, kq_dots_256,
-                              scale_and_max16, via_f16, wslots_2, wslots_4, wslots_8, wslots_16)
-from .softmax_rows import NO_NANS as _NO_NANS
-from .softmax_rows import exp_nonpositive
-from .threads import apply_threads, get_threads, worker_pool
+                              via_f16, wslots_2, wslots_4, wslots_8, wslots_16)
+from .blas_sgemm import sgemm_address
+from .prompt_attention import attention_team, softmax_rows_f16
+from .threads import apply_threads, get_threads, on_a_worker, worker_pool
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: the order of every float op matters here
 
 
-def _has_f16c() -> bool:
-    """Whether the CPU Numba compiles for has F16C: the host's, unless NUMBA_CPU_NAME /
-    NUMBA_CPU_FEATURES name another target (then only an explicit +f16c counts)."""
-    from numba.core import config
-    from llvmlite import binding
-
-    if config.CPU_FEATURES is not None:
-        return "+f16c" in config.CPU_FEATURES.split(",")
-    if config.CPU_NAME is not None and config.CPU_NAME != "host":
-        return False
-    return binding.get_host_cpu_features().get("f16c", False)
-
-
-_VECTOR_F16 = _has_f16c()
-
-
-# The softmax below runs serially: attention_blas parallelises over query blocks on the
-# worker pool, and a Numba parallel region entered from a second Python thread gives that
-# thread its own OpenMP team. libgomp then has more threads than cores and stops spinning
-# between regions, which made every later decode step ~1.8x slower.
-_MAX = {"nnan", "nsz", "reassoc"}   # lets a float max or sum loop vectorize (no bit target here)
-
-
-@njit(**_JIT)
-def _seen_keys(kpos, qpos, window):
-    """seen[i, j]: whether query i (at qpos[i]) sees key j (at kpos[j]): causal, in the window."""
-    seen = np.empty((qpos.shape[0], kpos.shape[0]), np.bool_)
-    for i in range(qpos.shape[0]):
-        p = qpos[i]
-        for j in range(kpos.shape[0]):
-            seen[i, j] = kpos[j] <= p and (window <= 0 or p - kpos[j] < window)
-    return seen
-
-
-@njit(**_JIT)
-def _scale_and_max(row, scale, seen, m):
-    """row <- row * scale; the maximum of m and the seen keys' scaled scores."""
-    body = row.shape[0] - row.shape[0] % 16
-    m = max(m, scale_and_max16(row, scale, seen, body))
-    for j in range(body, row.shape[0]):
-        v = np.float32(row[j] * scale)
-        row[j] = v
-        if seen[j] and v > m:
-            m = v
-    return m
-
-
-@njit(fastmath=_NO_NANS, **_JIT)
-def _exp_seen(row, seen, m):
-    """row[j] <- exp(row[j] - m) for the keys the query sees (finite, <= m), 0 for the others."""
-    for j in range(row.shape[0]):
-        e = exp_nonpositive(min(row[j] - m, np.float32(0.0)))   # an unseen key's may be > 0
-        row[j] = e if seen[j] else np.float32(0.0)
-
-
-@njit(fastmath=_MAX, **_JIT)
-def _sum_f64(row):
-    total = 0.0
-    for j in range(row.shape[0]):
-        total += np.float64(row[j])
-    return total
-
-
-@njit(**_JIT)
-def _softmax_rows_f16(scores, scale, kpos, qpos, window, row_sinks):
-    """Masked softmax of each row of scores * scale in place, weights rounded to F16 (the
-    cache type); row r belongs to query r % len(qpos), whose keys are those with kpos <=
-    its position (and within the window), its sink row_sinks[r] (-inf: none).
-
-    One row at a time through L1, four vectorized passes: the scaled row and its maximum
-    over the seen keys, ggml_v_expf's polynomial (softmax_rows.exp_nonpositive: the inputs
-    are <= 0), the sum in double (in partial sums: there is no bit-exact target here, as
-    the products around it are BLAS's), and the F16-rounded quotients. It replaced three
-    passes around numpy's exp, the max and the sum each one scalar chain: 2.2 -> 0.5 ms
-    for a 64-query block over 512 keys, 32 heads (45% of attention_blas's time)."""
-    n = qpos.shape[0]
-    seen = _seen_keys(kpos, qpos, window)
-    for r in range(scores.shape[0]):
-        row = scores[r]
-        mine = seen[r % n]
-        m = _scale_and_max(row, scale, mine, row_sinks[r])
-        if m == -np.inf:   # sees no key and has no sink: no weights
-            row[:] = 0.0
-            continue
-        _exp_seen(row, mine, m)
-        total = _sum_f64(row)
-        if row_sinks[r] > -np.inf:
-            total += np.float64(math.exp(np.float32(row_sinks[r] - m)))
-        inv = np.float32(1.0 / total)
-        for j in range(row.shape[0]):
-            if _VECTOR_F16:
-                row[j] = via_f16(np.float32(row[j] * inv))
-            else:
-                row[j] = _round_f16(np.float32(row[j] * inv))
+_VECTOR_F16 = has_f16c()
 
 
 @njit(**_JIT)
@@ -495,9 +402,6 @@ def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray
         keep = kpos > np.min(qpos) - window
         if not keep.all():
             k, v, kpos = k[keep], v[keep], kpos[keep]
-    # once for all threads: (n_kv, hd, S) and (n_kv, S, hd_v) float32, Q rounded to F16
-    k = f16_to_f32(k).transpose(1, 2, 0)
-    v = f16_to_f32(v).transpose(1, 0, 2)
     q = round_f16(q)
     n = q.shape[0]
     sinks = head_sinks(sinks, q.shape[1])
@@ -509,6 +413,20 @@ def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray
         if window:
             seen &= kpos > qpos[a:b].min() - window
         blocks.append((a, b, _as_slice(np.flatnonzero(seen))))
+    fn = sgemm_address()
+    if fn and not on_a_worker() and all(isinstance(keys, slice) for _, _, keys in blocks):
+        # every block's keys a run of slots (slots in position order): one parallel region
+        pieces = np.array(sorted(((h, a, b, keys.start, keys.stop) for h in range(k.shape[1])
+                                  for a, b, keys in blocks), key=lambda p: -(p[2] - p[1]) * (p[4] - p[3])),
+                          np.int64).reshape(-1, 5)
+        apply_threads()
+        attention_team(fn, q, f16_to_f32(k), f16_to_f32(v), np.ascontiguousarray(kpos, dtype=np.int64),
+                       np.ascontiguousarray(qpos, dtype=np.int64), np.float32(kq_scale), int(window), sinks,
+                       pieces, out, get_threads())
+        return out
+    # on the worker pool: (n_kv, hd, S) and (n_kv, S, hd_v) float32, once for all threads
+    k = f16_to_f32(k).transpose(1, 2, 0)
+    v = f16_to_f32(v).transpose(1, 0, 2)
 
     def run(mine):
         for a, b, keys in mine:
@@ -554,9 +472,9 @@ def _attention_blas_rows(q, k, v, kpos, qpos, kq_scale, window, sinks):
     qg = np.ascontiguousarray(q.reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)).reshape(n_kv, group * n, hd)
     scores = qg @ k  # (n_kv, group * n, S)
     row_sinks = np.repeat(sinks, n)  # rows (KV head, head in group, query) = head * n + query
-    _softmax_rows_f16(scores.reshape(-1, scores.shape[-1]), np.float32(kq_scale),
-                      np.ascontiguousarray(kpos, dtype=np.int64),
-                      np.ascontiguousarray(qpos, dtype=np.int64), int(window), row_sinks)
+    softmax_rows_f16(scores.reshape(-1, scores.shape[-1]), np.float32(kq_scale),
+                     np.ascontiguousarray(kpos, dtype=np.int64),
+                     np.ascontiguousarray(qpos, dtype=np.int64), int(window), row_sinks)
     out = (scores @ v).reshape(n_head, n, -1)  # rows were (KV head, head in group, query)
     return np.ascontiguousarray(out.transpose(1, 0, 2), dtype=np.float32)
 

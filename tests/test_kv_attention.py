@@ -10,6 +10,7 @@ from edgeinfer.backends.base import Backend
 from edgeinfer.kernels_cpu.ggml_math_ref import SLOTS
 from edgeinfer.kernels_cpu.ggml_math_ref import expf_nonpositive as ggml_expf
 from edgeinfer.kernels_cpu import kv_attention
+from edgeinfer.kernels_cpu.blas_sgemm import sgemm_address
 
 
 class _Cache:
@@ -222,7 +223,8 @@ print(len(os.listdir("/proc/self/task")) - before)
 def test_blas_attention_starts_no_openmp_team_on_the_worker_threads():
     # A Numba parallel region entered from a worker thread gives it its own OpenMP team;
     # with more OpenMP threads than cores libgomp stops spinning and every later decode
-    # step slowed ~1.8x. The pool's 2 threads are all the prefill attention may add.
+    # step slowed ~1.8x. The prefill attention runs on the main team where it can call
+    # numpy's sgemm from Numba (no thread added), else on the pool's 2 threads.
     import os
     import subprocess
     import sys
@@ -230,7 +232,55 @@ def test_blas_attention_starts_no_openmp_team_on_the_worker_threads():
     env = dict(os.environ, NUMBA_NUM_THREADS="2")
     added = subprocess.run([sys.executable, "-c", _THREADS_AFTER_BLAS_ATTENTION], env=env,
                            capture_output=True, text=True, check=True).stdout.split()[-1]
-    assert int(added) == 2
+    assert int(added) == (0 if sgemm_address() else 2)
+
+
+def test_blas_attention_on_the_team_and_on_the_pool_agree(monkeypatch):
+    # the team's pieces (KV head x query block, numpy's sgemm called from Numba) against the
+    # pool's numpy products and the exact kernel: GQA groups, two KV heads, windows, sinks
+    if not sgemm_address():
+        pytest.skip("numpy's BLAS has no 64-bit-integer cblas_sgemm: attention_blas keeps its pool path")
+    rng = np.random.default_rng(11)
+    q, k, v = _case(rng, 150, 170, 6, 2, 64, 64)
+    kpos, qpos = np.arange(170), np.arange(20, 170)
+    sinks = rng.standard_normal(6).astype(np.float32)
+    for window, sk in ((0, None), (40, None), (0, sinks)):
+        team = kv_attention.attention_blas(q, k, v, kpos, qpos, 0.125, window, sk)
+        with monkeypatch.context() as m:
+            m.setattr(kv_attention, "sgemm_address", lambda: 0)
+            pool = kv_attention.attention_blas(q, k, v, kpos, qpos, 0.125, window, sk)
+        exact = kv_attention.attention(q, k, v, kpos, qpos, 0.125, window, sk)
+        scale = np.abs(exact).max()
+        np.testing.assert_allclose(team, pool, atol=1e-4 * scale)
+        np.testing.assert_allclose(team, exact, atol=2e-3 * scale)
+
+
+def test_sgemm_from_numba_matches_numpy():
+    from numba import njit
+
+    from edgeinfer.kernels_cpu.blas_sgemm import sgemm
+
+    fn = sgemm_address()
+    if not fn:
+        pytest.skip("numpy's BLAS has no 64-bit-integer cblas_sgemm")
+
+    @njit
+    def products(fn, a, b, bt, c1, c2):
+        # rows 1.. of a (5 x 7 at a stride of 9), b's block from offset 3 (7 x 4, stride 6),
+        # and bt (4 x 7 at a stride of 8) taken transposed
+        sgemm(fn, 0, 5, 4, 7, a, 9, 9, b, 3, 6, c1, 0, 4)
+        sgemm(fn, 1, 5, 4, 7, a, 9, 9, bt, 0, 8, c2, 0, 4)
+
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((6, 9)).astype(np.float32)
+    b = rng.standard_normal((8, 6)).astype(np.float32)
+    bt = rng.standard_normal((4, 8)).astype(np.float32)
+    c1, c2 = np.zeros((5, 4), np.float32), np.zeros((5, 4), np.float32)
+    products(fn, a, b, bt, c1, c2)
+    a_ = a.reshape(-1)[9:9 + 5 * 9].reshape(5, 9)[:, :7].astype(np.float64)
+    b_ = b.reshape(-1)[3:3 + 7 * 6].reshape(7, 6)[:, :4].astype(np.float64)
+    np.testing.assert_allclose(c1, a_ @ b_, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(c2, a_ @ bt[:, :7].astype(np.float64).T, rtol=1e-5, atol=1e-5)
 
 
 class _SinkBackend(Backend):

@@ -13,6 +13,7 @@ from edgeinfer import kernels_cpu
 from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.backends.offload import is_expert_tensor
 from edgeinfer.kernels_cpu import flash_attention, fused_layer, heap, kv_attention, moe_routing, ops
+from edgeinfer.kernels_cpu.prompt_attention import long_prompt_attention_kernel
 from edgeinfer.kernels_cpu.act_quant import PARALLEL_ROWS
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
 from edgeinfer.kernels_cpu.prompt_plan import model_matrices, prompt_paths
@@ -136,7 +137,7 @@ class CpuBackend(Backend):
         kernels = [*self._type_kernels, qk.quantize_act, ops._rms_norm_kernel, ops._rope_kernel, ops._rope_cache_kernel,
                    f16._round_f16_kernel, *[kv_attention.attention_kernel(*h) for h in sorted(heads)],
                    # the long-prompt attention's (warm_prompt_kernels)
-                   f16._f16_to_f32_kernel, kv_attention._softmax_rows_f16]
+                   f16._f16_to_f32_kernel, long_prompt_attention_kernel()]
         kernels += self._row_quantizers()
         if config.arch.startswith("gemma"):
             kernels.append(ops._gelu_mul_kernel)
