@@ -427,6 +427,7 @@ _merge_per16 = wide.make_merge(wide.StagedLayout(_CODES, _SCALES6, _PAIRS6, _D6,
 _wide_q4k, _wide_q2k = wide.make_tokens("q4k"), wide.make_tokens("q2k")
 _wide_q6k, _wide_q3k = wide.make_tokens("per16", _CODE_OFFSET[Q6_K]), wide.make_tokens("per16", _CODE_OFFSET[Q3_K])
 _wide_iq = wide.make_tokens("per16", _CODE_OFFSET[IQ3_S])   # every i-quant's offset is 64
+_wide_iq32 = wide.make_tokens("per32", _CODE_OFFSET[IQ3_S])  # one scale per 32 values (each staged twice)
 
 
 @njit(**_JIT)
@@ -466,7 +467,7 @@ def _wide_block(w, qt, g, bi, s4, sw, xq, xd, xb, t0, acc, t1):
         for q in range(wide.GROUPS):
             _stage_iq2xxs(w, g + q, bi, s4[q])
         _merge_per16(s4, sw)
-        _wide_iq(sw, xq, xd, xb, bi, t0, acc, t1)
+        _wide_iq32(sw, xq, xd, xb, bi, t0, acc, t1)
     elif _WIDE and _HAS_IQ2_XS and qt == IQ2_XS:
         for q in range(wide.GROUPS):
             _stage_iq2xs(w, g + q, bi, s4[q])
@@ -481,12 +482,12 @@ def _wide_block(w, qt, g, bi, s4, sw, xq, xd, xb, t0, acc, t1):
         for q in range(wide.GROUPS):
             _stage_iq3xxs(w, g + q, bi, s4[q])
         _merge_per16(s4, sw)
-        _wide_iq(sw, xq, xd, xb, bi, t0, acc, t1)
+        _wide_iq32(sw, xq, xd, xb, bi, t0, acc, t1)
     elif _WIDE and _HAS_IQ3_S and qt == IQ3_S:
         for q in range(wide.GROUPS):
             _stage_iq3s(w, g + q, bi, s4[q])
         _merge_per16(s4, sw)
-        _wide_iq(sw, xq, xd, xb, bi, t0, acc, t1)
+        _wide_iq32(sw, xq, xd, xb, bi, t0, acc, t1)
 
 
 @njit(**_JIT)

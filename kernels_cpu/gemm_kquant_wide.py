@@ -146,21 +146,24 @@ def bcast16(h, p, off):
     return h.splat(h.load(p, c64(off), I32), LANES)
 
 
-def _scaled_sums(h, sw, xs, n_groups):
+def _scaled_sums(h, sw, xs, n_groups, pair_scales=False):
     """[[I] NV x <16 x i32>] a token: sum over the n_groups groups (8 of 32 values, or 16
     of 16) of scale_g * (codes . x)_g, each group's sum in i32 by vpdpbusd, one token
-    broadcast serving both zmm of a line. The 8 sub-blocks are a loop, not unrolled."""
+    broadcast serving both zmm of a line. The 8 sub-blocks are a loop, not unrolled.
+    pair_scales: 8 groups whose scales sit in the per-16 layout, each twice (the i-quants
+    with one scale per 32 values): every other scale line is read."""
     b = h.b
     zero = const_vec(I32, LANES, 0)
     per_j = n_groups // 8    # groups a sub-block: 1 or 2
     steps = 8 // per_j       # 4-byte steps a group
-    sc_at = _SC16 if n_groups == 16 else _SC
+    sc_at = _SC16 if n_groups == 16 or pair_scales else _SC
+    sc_step = 4 * ROWS * (2 if pair_scales else per_j)   # bytes from sub-block j's scales to j + 1's
     nt = len(xs)
 
     def sub_block(j, flat):
         isum = [flat[NV * t:NV * t + NV] for t in range(nt)]
         for gi in range(per_j):
-            at = b.add(b.mul(j, c64(4 * ROWS * per_j)), c64(sc_at + 4 * ROWS * gi))
+            at = b.add(b.mul(j, c64(sc_step)), c64(sc_at + 4 * ROWS * gi))
             sc = [h.load(sw, b.add(at, c64(64 * v)), vec(I32, LANES)) for v in range(NV)]
             sub = [[zero] * NV for _ in range(nt)]
             for k in range(steps):
@@ -190,7 +193,9 @@ def _pair_sums(h, sw, bs, at, n, first):
 
 def _tokens_codegen(kind: str, code_offset: int):
     """kind: "q4k" (Q4_K, Q5_K: I and the min term M), "per16" (I minus offset * the group
-    sums, Q6_K / Q3_K / the i-quants), "q2k" (I and the per-16 min term M)."""
+    sums, Q6_K / Q3_K / the i-quants), "per32" (per16's layout and sums where each scale
+    covers 32 values: IQ2_XXS, IQ3_XXS, IQ3_S; half the vpmulld), "q2k" (I and the per-16
+    min term M)."""
     def codegen(context, builder, sig, args):
         s, xq, xd, xb = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:4], args[:4]))
         acc = context.make_array(sig.args[6])(context, builder, args[6])
@@ -207,7 +212,7 @@ def _tokens_codegen(kind: str, code_offset: int):
         def floats(at):
             return [h.load(sw, c64(at + 64 * v), vec(F32T, LANES)) for v in range(NV)]
         d = floats(_D16 if per16 else _D)
-        dmin = None if kind == "per16" else floats(_DMIN16 if per16 else _DMIN)
+        dmin = None if kind in ("per16", "per32") else floats(_DMIN16 if per16 else _DMIN)
 
         def update(ap, off, scale, dx, ints):
             for v in range(NV):   # acc += (scale * dx) * ints: the 8-row kernel's fma per row
@@ -218,7 +223,7 @@ def _tokens_codegen(kind: str, code_offset: int):
         def tokens_at(first, n_t):
             ts = [b.add(first, c64(ti)) for ti in range(n_t)]
             xs, bs = [xrow(t) for t in ts], [brow(t) for t in ts]
-            isum = _scaled_sums(h, sw, xs, 16 if per16 else 8)
+            isum = _scaled_sums(h, sw, xs, 16 if kind in ("per16", "q2k") else 8, kind == "per32")
             msum = None
             if kind == "q4k":
                 msum = _pair_sums(h, sw, bs, _MN, 4, 0)
