@@ -222,16 +222,38 @@ def _stage_iq4_xs(h, rows, bi, sbase):
         _store_codes(h, sbase, ib, [h.abs_i8(v) for v in vals])
         _store_codes(h, sbase, ib, vals, _SIGNS_XS)
     heads = _concat(b, [h.load(row, wo, vec(I8, 8)) for row in rows])   # d, scales_h, scales_l
-    lane = [(r, ib % 8) for r in range(8) for ib in range(16)]          # 8 scales, repeated
-    lo = b.lshr(b.shuffle_vector(heads, heads, mask([8 * r + 4 + ib // 2 for r, ib in lane])),
-                const_vec(I8, 128, [4 * (ib % 2) for _, ib in lane]))
-    hi = b.lshr(b.shuffle_vector(heads, heads, mask([8 * r + 2 + ib // 4 for r, ib in lane])),
-                const_vec(I8, 128, [2 * (ib % 4) for _, ib in lane]))
-    sc = b.sub(b.or_(b.and_(lo, const_vec(I8, 128, 15)), b.shl(b.and_(hi, const_vec(I8, 128, 3)), const_vec(I8, 128, 4))),
-               const_vec(I8, 128, 32))
+    sc = _iq4_xs_scales(h, heads, [(r, ib % 8) for r in range(8) for ib in range(16)])   # 8 scales, repeated
     for j in range(8):
         _store(h, sbase, _SCALES_XS + 32 * j, _pairs_i16(b, sc, j, j, True))
     _store_d(h, sbase, rows, wo, _D_XS)
+
+
+def _iq4_xs_scales(h, heads, lane):
+    """IQ4_XS's signed 6-bit scales (ls - 32) at the lanes `lane` lists as (row, sub-block),
+    from the 8 head bytes (d, scales_h, scales_l) of each row in `heads`."""
+    b = h.b
+    n = len(lane)
+    lo = b.lshr(b.shuffle_vector(heads, heads, mask([8 * r + 4 + ib // 2 for r, ib in lane])),
+                const_vec(I8, n, [4 * (ib % 2) for _, ib in lane]))
+    hi = b.lshr(b.shuffle_vector(heads, heads, mask([8 * r + 2 + ib // 4 for r, ib in lane])),
+                const_vec(I8, n, [2 * (ib % 4) for _, ib in lane]))
+    return b.sub(b.or_(b.and_(lo, const_vec(I8, n, 15)), b.shl(b.and_(hi, const_vec(I8, n, 3)), const_vec(I8, n, 4))),
+                 const_vec(I8, n, 32))
+
+
+def _stage_iq4_xs_wide(h, rows, bi, sbase):
+    """IQ4_XS for the 32-row kernels, as the i-quants with a scale per 32 values: codes
+    value + 128 (1..241, u8 for vpdpbusd; the offset taken back against the token's sums),
+    each sub-block's scale twice in the per-16 layout, d."""
+    b = h.b
+    wo = b.mul(bi, c64(136))
+    for ib in range(8):
+        vals = [q32_values(h, row, b.add(wo, c64(6 + 16 * ib)), IQ4_NL) for row in rows]
+        _store_codes(h, sbase, ib, [b.xor(v, const_vec(I8, 32, -128)) for v in vals])   # + 128 mod 256
+    heads = _concat(b, [h.load(row, wo, vec(I8, 8)) for row in rows])
+    sc = _iq4_xs_scales(h, heads, [(r, g // 2) for r in range(8) for g in range(16)])
+    _store_scales16(h, sbase, sc, sc, True)
+    _store_d(h, sbase, rows, wo, _D6)
 
 
 def _stage_iq(h, rows, bi, sbase, qt):
@@ -255,7 +277,8 @@ def _stage_iq(h, rows, bi, sbase, qt):
     _store(h, sbase, _D6, b.fmul(d, const_vec(F32T, 8, _IQ_FACTOR[qt])))
 
 
-def _make_stage(qt):
+def _make_stage(qt, wide_layout=False):
+    """The staging intrinsic of type qt; wide_layout: IQ4_XS's for the 32-row kernels."""
     def codegen(context, builder, sig, args):
         w = context.make_array(sig.args[0])(context, builder, args[0])
         rows = row_ptrs(builder, w, builder.mul(args[1], c64(GROUP_ROWS)), GROUP_ROWS, qt == Q4_K_X8)
@@ -266,7 +289,7 @@ def _make_stage(qt):
         elif qt in (Q3_K, Q2_K):
             _stage_q23_k(h, rows, args[2], sbase, qt == Q3_K)
         elif qt == IQ4_XS:
-            _stage_iq4_xs(h, rows, args[2], sbase)
+            (_stage_iq4_xs_wide if wide_layout else _stage_iq4_xs)(h, rows, args[2], sbase)
         elif qt in IQ_GEMM_TYPES:
             _stage_iq(h, rows, args[2], sbase, qt)
         else:
@@ -428,6 +451,7 @@ _wide_q4k, _wide_q2k = wide.make_tokens("q4k"), wide.make_tokens("q2k")
 _wide_q6k, _wide_q3k = wide.make_tokens("per16", _CODE_OFFSET[Q6_K]), wide.make_tokens("per16", _CODE_OFFSET[Q3_K])
 _wide_iq = wide.make_tokens("per16", _CODE_OFFSET[IQ3_S])   # every i-quant's offset is 64
 _wide_iq32 = wide.make_tokens("per32", _CODE_OFFSET[IQ3_S])  # one scale per 32 values (each staged twice)
+_stage_iq4xs_wide, _wide_iq4xs = _make_stage(IQ4_XS, wide_layout=True), wide.make_tokens("per32", 128)
 
 
 @njit(**_JIT)
@@ -488,13 +512,18 @@ def _wide_block(w, qt, g, bi, s4, sw, xq, xd, xb, t0, acc, t1):
             _stage_iq3s(w, g + q, bi, s4[q])
         _merge_per16(s4, sw)
         _wide_iq32(sw, xq, xd, xb, bi, t0, acc, t1)
+    elif _WIDE and _HAS_IQ4_XS and qt == IQ4_XS:
+        for q in range(wide.GROUPS):
+            _stage_iq4xs_wide(w, g + q, bi, s4[q])
+        _merge_per16(s4, sw)
+        _wide_iq4xs(sw, xq, xd, xb, bi, t0, acc, t1)
 
 
 @njit(**_JIT)
 def _gemm_wide(w, qt, g0, g1, xq, xd, xb, out):
     """_gemm_rows' groups g0..g1 in fours with the 32-row kernels where this CPU and type
     have them; returns the first group left for the 8-row kernel."""
-    if not _WIDE or qt == IQ4_XS:   # IQ4_XS's signed values: vpmaddubsw with vpsignb
+    if not _WIDE:
         return g0
     n_tok = out.shape[0]
     nb, n_pad = xd.shape

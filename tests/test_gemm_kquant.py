@@ -58,7 +58,7 @@ def test_each_type_matches_the_reference(qt, n_tok):
     _within_rounding(_gemm(w, X, qt), w, qt, X)
 
 
-WIDE_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S]
+WIDE_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_XS]
 
 
 @pytest.mark.skipif(not gemm_kquant_wide.enabled(),
