@@ -38,7 +38,6 @@ class _Lazy:
 
 
 kv_quant = _Lazy("kv_quant")
-f16 = _Lazy("f16")
 kv_quant_jit = _Lazy("kv_quant_jit")   # the compiled fwht and q8_0/q4_0/q5_0/iq4_nl stores (same bits)
 # the types whose store kv_quant_jit compiles (the others: kv_quant's numpy)
 _COMPILED_STORE = {"q8_0": "quantize_q8_0", "q4_0": "quantize_q4_0", "q5_0": "quantize_q5_0",
@@ -137,8 +136,8 @@ class CacheTypes:
         """float rows (..., head_dim) -> what the cache stores (f16 casts on assignment):
         rotated, then quantized."""
         t = self.of(which)
-        if t == "f16":   # the F16 bits by a compiled kernel: numpy's cast took 0.5 ms a 512-token K
-            return f16.to_f16_bits(x).view(np.float16) if x.dtype == np.float32 else x
+        if t == "f16":
+            return x
         compiled = _COMPILED_STORE.get(t)
         if compiled is not None:   # rotated and quantized in one compiled call
             return getattr(kv_quant_jit, compiled)(x, self.rotation(which))
