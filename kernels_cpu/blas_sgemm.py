@@ -64,13 +64,12 @@ def sgemm(typingctx, fn, trans_b, m, n, k, a, a_off, lda, b, b_off, ldb, c, c_of
         fnty = ir.FunctionType(ir.VoidType(), [i32, i32, i32, i64, i64, i64, f32, fp, i64, fp, i64, f32, fp, i64])
         b = builder
 
-        def ptr(i_arr, i_off):
-            data = context.make_array(sig.args[i_arr])(context, b, args[i_arr]).data
-            return b.gep(b.bitcast(data, fp), [b.sext(args[i_off], i64) if args[i_off].type.width < 64
-                                                else args[i_off]])
-
         def wide(v):
             return b.sext(v, i64) if v.type.width < 64 else v
+
+        def ptr(i_arr, i_off):
+            data = context.make_array(sig.args[i_arr])(context, b, args[i_arr]).data
+            return b.gep(b.bitcast(data, fp), [wide(args[i_off])])
         call = b.inttoptr(args[0], fnty.as_pointer())
         tb = b.select(b.icmp_signed("!=", wide(args[1]), ir.Constant(i64, 0)),
                       ir.Constant(i32, TRANS), ir.Constant(i32, NO_TRANS))

@@ -142,4 +142,3 @@ def warm_team_kernels() -> None:
     x = np.ones(256, np.float32)
     _round_f16_team(x, np.empty_like(x), 2)
     _f16_to_f32_team(x.astype(np.float16).view(np.uint16), np.empty_like(x), 2)
-

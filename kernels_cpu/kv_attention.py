@@ -393,9 +393,11 @@ def attention_blas(q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray
 
     The queries go in blocks of _BLAS_QUERY_BLOCK rows, each against only the keys it can
     see (causal and window bounds of its positions): a prefill chunk does about half the
-    products of the full square. With -t > 1 the blocks are shared out across the worker
-    threads by their cost (BLAS itself runs single-threaded beside Numba; numpy releases
-    the GIL in every large op here)."""
+    products of the full square. Where numpy's sgemm can be called from Numba and every
+    block's keys are a run of slots, the (KV head, block) pieces run in one parallel region
+    (prompt_attention.attention_team); else, with -t > 1, the blocks are shared out across
+    the worker threads by their cost (BLAS itself runs single-threaded beside Numba; numpy
+    releases the GIL in every large op here)."""
     qpos = np.asarray(qpos)
     kpos = np.asarray(kpos)
     if window:  # a sliding-window layer never looks further back than its window

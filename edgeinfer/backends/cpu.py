@@ -13,9 +13,9 @@ from edgeinfer import kernels_cpu
 from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.backends.offload import is_expert_tensor
 from edgeinfer.kernels_cpu import flash_attention, fused_layer, heap, kv_attention, moe_routing, ops
-from edgeinfer.kernels_cpu.prompt_attention import long_prompt_attention_kernel
 from edgeinfer.kernels_cpu.act_quant import PARALLEL_ROWS
 from edgeinfer.kernels_cpu.matvec import matvec_prepared, prepare_group
+from edgeinfer.kernels_cpu.prompt_attention import long_prompt_attention_kernel
 from edgeinfer.kernels_cpu.prompt_plan import model_matrices, prompt_paths
 from edgeinfer.kernels_cpu.repack import repack, repacks
 from edgeinfer.kernels_cpu.threads import worker_pool
