@@ -40,6 +40,9 @@ def main(argv=None) -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--depth", type=int, default=0, help="tokens in the cache before")
     ap.add_argument("--prompt", type=int, default=0, help="profile prefills of this many tokens instead")
+    ap.add_argument("--verify", type=int, default=0,
+                    help="profile speculative verifications of this many rows instead (decode's bits, "
+                         "logits of every row)")
     ap.add_argument("-ctk", "--cache-type-k", default="f16", help="K cache type (as run's)")
     ap.add_argument("-ctv", "--cache-type-v", default="f16", help="V cache type (as run's)")
     ap.add_argument("--matrices", action="store_true",
@@ -55,7 +58,7 @@ def main(argv=None) -> None:
     from edgeinfer.store.registry import resolve
 
     mf = open_model(str(resolve(args.model, download=False)))
-    engine = Engine(mf, EngineOptions(n_ctx=args.depth + max(args.n, args.prompt) + 16, threads=args.threads,
+    engine = Engine(mf, EngineOptions(n_ctx=args.depth + max(args.n, args.prompt, args.verify) + 16, threads=args.threads,
                                       gpu_layers=0, prefill_chunk=max(512, args.prompt),
                                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v))
     be = engine.backend
@@ -102,7 +105,12 @@ def main(argv=None) -> None:
     depth = kv.n_used
 
     def step_once(tok) -> None:
-        if args.prompt:   # a fresh prefill of --prompt tokens after the depth
+        if args.verify:   # rows of decode's bits and every row's logits, then rolled back
+            rows = np.random.default_rng(int(tok)).integers(0, engine.config.n_vocab, args.verify)
+            engine.forward(rows, np.arange(depth, depth + args.verify), kv,
+                           logits_for=np.arange(args.verify), decode_bits=True)
+            kv.truncate(depth)
+        elif args.prompt:   # a fresh prefill of --prompt tokens after the depth
             kv.truncate(depth)
             engine.prefill(np.random.default_rng(int(tok)).integers(0, engine.config.n_vocab, args.prompt), kv)
         else:
@@ -122,9 +130,10 @@ def main(argv=None) -> None:
             per_token[k].append(v)
         per_token["python"].append(total - sum(step.values()))
     total = statistics.median(totals)
-    what = f"prefills of {args.prompt} tokens" if args.prompt else "tokens"
+    what = (f"verifications of {args.verify} rows" if args.verify
+            else f"prefills of {args.prompt} tokens" if args.prompt else "tokens")
     print(f"{args.model}: {args.threads} threads, median of {args.n} {what}: {total * 1e3:.1f} ms a step "
-          f"({(args.prompt or 1) / total:.2f} tok/s; spread {min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f} ms)")
+          f"({(args.prompt or args.verify or 1) / total:.2f} tok/s; spread {min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f} ms)")
     print(f"{'op':<14}{'ms/step':>10}{'share':>8}{'MiB/token':>11}{'GB/s':>8}")
     rows = sorted(per_token.items(), key=lambda kv: -statistics.median(kv[1]))
     for k, samples in rows:

@@ -24,11 +24,13 @@ from .dot_iquant import (deq_row_iq1_m, deq_row_iq1_s, deq_row_iq2_s, deq_row_iq
                          deq_row_iq3_s, deq_row_iq3_xxs, row_iq1_m, row_iq1_s, row_iq2_s, row_iq2_xs, row_iq2_xxs,
                          row_iq3_s, row_iq3_xxs)
 from .dot_mxfp4 import deq_row_mxfp4, row_mxfp4, rows_mxfp4
+from .pair_tokens import (pairs1_iq4_nl, pairs1_q4_0, pairs1_q5_0, pairs1_q8_0, pairs2_iq4_nl, pairs2_q4_0,
+                          pairs2_q5_0, pairs2_q8_0, pairs4_iq4_nl, pairs4_q4_0, pairs4_q5_0, pairs4_q8_0)
 from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
 from .ir_helpers import I64, ROWS, TOKENS_A_ROW, X8_ROWS
 from .quant_kernels import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K,
                             Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0)
-from . import compile_progress
+from . import compile_progress, pair_tokens
 from .quant_types import FAST_IDS, quant_info, row_bytes
 from .tile_gemm import has_vnni
 from .threads import get_threads
@@ -244,6 +246,78 @@ def _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, out):
 
 
 @njit(**_JIT)
+def _dot_rows_pairs(w, qt, r0, r1, xq2, dx2, c2, out):
+    """out[t, r] for r0 <= r < r1 and every token t (out.shape[0] of them) from the packed
+    pairs of pair_tokens.pack: 4, 2 or 1 pairs a row loop, each (row, token) with matvec's
+    bits. Only the 32-element types of pair_tokens.PAIR_TYPES."""
+    n_tok = out.shape[0]
+    n_pairs = xq2.shape[0]
+    for r in range(r0, r1):
+        p = 0
+        while p < n_pairs:
+            if p + 4 <= n_pairs:
+                if _HAS_Q8_0 and qt == Q8_0:
+                    v = pairs4_q8_0(w, r, xq2, dx2, c2, p)
+                elif _HAS_Q5_0 and qt == Q5_0:
+                    v = pairs4_q5_0(w, r, xq2, dx2, c2, p)
+                elif _HAS_Q4_0 and qt == Q4_0:
+                    v = pairs4_q4_0(w, r, xq2, dx2, c2, p)
+                elif _HAS_IQ4_NL and qt == IQ4_NL:
+                    v = pairs4_iq4_nl(w, r, xq2, dx2, c2, p)
+                else:
+                    return
+                for j in range(8):
+                    if 2 * p + j < n_tok:
+                        out[2 * p + j, r] = v[j]
+                p += 4
+            elif p + 2 <= n_pairs:
+                if _HAS_Q8_0 and qt == Q8_0:
+                    u = pairs2_q8_0(w, r, xq2, dx2, c2, p)
+                elif _HAS_Q5_0 and qt == Q5_0:
+                    u = pairs2_q5_0(w, r, xq2, dx2, c2, p)
+                elif _HAS_Q4_0 and qt == Q4_0:
+                    u = pairs2_q4_0(w, r, xq2, dx2, c2, p)
+                elif _HAS_IQ4_NL and qt == IQ4_NL:
+                    u = pairs2_iq4_nl(w, r, xq2, dx2, c2, p)
+                else:
+                    return
+                for j in range(4):
+                    if 2 * p + j < n_tok:
+                        out[2 * p + j, r] = u[j]
+                p += 2
+            else:
+                if _HAS_Q8_0 and qt == Q8_0:
+                    e = pairs1_q8_0(w, r, xq2, dx2, c2, p)
+                elif _HAS_Q5_0 and qt == Q5_0:
+                    e = pairs1_q5_0(w, r, xq2, dx2, c2, p)
+                elif _HAS_Q4_0 and qt == Q4_0:
+                    e = pairs1_q4_0(w, r, xq2, dx2, c2, p)
+                elif _HAS_IQ4_NL and qt == IQ4_NL:
+                    e = pairs1_iq4_nl(w, r, xq2, dx2, c2, p)
+                else:
+                    return
+                for j in range(2):
+                    if 2 * p + j < n_tok:
+                        out[2 * p + j, r] = e[j]
+                p += 1
+
+
+@njit(parallel=True, **_JIT)
+def _pairs_kernel(w, qt, xq2, dx2, c2, out, nt):
+    # a short batch of one 32-element-type matrix, two tokens a vector (pair_tokens.py):
+    # rows claimed CHUNK at a time as the matvec kernel's
+    claims = np.zeros(1, np.int64)
+    for _ in prange(nt):   # one iteration per thread
+        n = _n_items(out.shape[1])
+        step = max(1, n // (CLAIMS_PER_THREAD * nt))
+        g0 = _fetch_add(claims, step)
+        while g0 < n:
+            g1 = min(g0 + step, n)
+            _dot_rows_pairs(w, qt, g0 * CHUNK, min(g1 * CHUNK, out.shape[1]), xq2, dx2, c2, out)
+            g0 = _fetch_add(claims, step)
+
+
+@njit(**_JIT)
 def _n_items(n_rows):
     return (n_rows + CHUNK - 1) // CHUNK
 
@@ -432,7 +506,7 @@ def _dequant_rows_kernel(w, qt, rows, y):
 # code of a type is the one definition above, whichever copies contain it: the same bits.
 
 _SPECIALISED = ("_quartered_rows", "_dot_rows", "_has_tokens_rows", "_dot_rows_tokens", "_deq_row", "_claimed_rows",
-                "_claimed_items", "_matvec_kernel", "_dequant_kernel",
+                "_claimed_items", "_matvec_kernel", "_dot_rows_pairs", "_pairs_kernel", "_dequant_kernel",
                 "_dequant_kernel_serial", "_dequant_rows_kernel",
                 "_expert_items", "_expert_matvec_kernel")   # callees before callers
 _SETS: dict = {}         # type set (sorted tuple) -> its kernels
@@ -460,7 +534,9 @@ class KernelSet:
 
     def forward_kernels(self) -> list:
         """The kernels a short prompt and a decoded token compile (the 8-bit matvec /
-        short matmul, the row lookup), for compile_progress.warm_up's check."""
+        short matmul, the row lookup), for compile_progress.warm_up's check. (Not the pairs
+        kernel: the two-token warm-up pass compiles it where a matrix takes it, and a model
+        whose pair type is only an embedding table never would.)"""
         return [self.matvec_kernel, self.dequant_rows_kernel]
 
 
@@ -553,6 +629,16 @@ def matmul_int(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
         compile_progress.wait_for(kernels_for(qt).matvec_kernel)
     kernels_for(qt).matvec_kernel(w_raw, qt, w_raw, qt, w_raw, qt, xq, xd, xs, out, _NO_OUT, _NO_OUT,
                                    get_threads())
+
+
+def matmul_pairs(w_raw: np.ndarray, qt: int, xq, xd, out) -> None:
+    """matmul_int for 2 or more tokens of a pair_tokens.PAIR_TYPES matrix on a host with
+    512-bit VNNI (pair_tokens.host_has_pairs): two tokens a vector, the same bits."""
+    xq2, dx2, c2 = pair_tokens.packed(xq, xd, qt)
+    ks = kernels_for(qt)
+    if compile_progress._pending:
+        compile_progress.wait_for(ks.pairs_kernel)
+    ks.pairs_kernel(w_raw, qt, xq2, dx2, c2, out, get_threads())
 
 
 def dequantize_fast(w_raw: np.ndarray, qt: int, start: int, y: np.ndarray) -> None:

@@ -82,15 +82,10 @@ def q32_values(h, wrow, wo, qt):
     return q
 
 
-def _q32_isum_vnni(h, wrow, wo, qt, xv):
-    """A 32-element block's <8 x i32> lane sums (products 4i..4i+3) where 256-bit vpdpbusd
-    exists: the exact integers of the vpmaddubsw + vpmaddwd path below, with one vpdpbusd
-    of unsigned codes (code = weight + offset) started from -offset * (x summed in fours),
-    a second vpdpbusd on the activations alone. The two replace abs, sign, vpmaddubsw and
-    vpmaddwd (these types run one row a loop: four rows a loop, sharing the start, measured
-    faster only for rows of under ~1000 columns and slower above). IQ4_NL's table
-    values go in as value + 128 (1..241). Nibbles come from one 16-byte broadcast and a
-    per-half word shift; qh's bits through a mask register (_qh_bits)."""
+def q32_codes(h, wrow, wo, qt):
+    """A 32-element block's unsigned codes as <32 x i8> (value = d * (code - offset) + m;
+    IQ4_NL: its table value + 128): nibbles from one 16-byte broadcast and a per-half word
+    shift, qh's bits through a mask register (_qh_bits)."""
     b = h.b
     bs, has_min, has_qh, offset, table = Q32[qt]
     qo = 4 if has_min else 2
@@ -102,7 +97,20 @@ def _q32_isum_vnni(h, wrow, wo, qt, xv):
         q = b.or_(q, _qh_bits(h, h.load(wrow, b.add(wo, c64(qo)), I32), 16))
     if table:
         q = h.lut16(q, [as_i8(v + 128) for v in KVALUES_IQ4NL])
-        offset = 128
+    return q
+
+
+def _q32_isum_vnni(h, wrow, wo, qt, xv):
+    """A 32-element block's <8 x i32> lane sums (products 4i..4i+3) where 256-bit vpdpbusd
+    exists: the exact integers of the vpmaddubsw + vpmaddwd path below, with one vpdpbusd
+    of unsigned codes (code = weight + offset) started from -offset * (x summed in fours),
+    a second vpdpbusd on the activations alone. The two replace abs, sign, vpmaddubsw and
+    vpmaddwd (these types run one row a loop: four rows a loop, sharing the start, measured
+    faster only for rows of under ~1000 columns and slower above). IQ4_NL's table
+    values go in as value + 128 (1..241) (q32_codes)."""
+    b = h.b
+    offset = 128 if Q32[qt][4] else Q32[qt][3]
+    q = q32_codes(h, wrow, wo, qt)
     start = const_vec(I32, 8, 0)
     if offset:
         start = b.sub(start, h.dpbusd(start, const_vec(I8, 32, as_i8(offset)), xv))

@@ -20,7 +20,7 @@ from . import quant_kernels as qk
 from .quant_types import QuantInfo, check_weight, quant_info, row_bytes
 from .threads import apply_threads, get_threads, worker_pool
 
-from . import bf16_ggml, dispatch, f32_ggml, gemm_kquant, gemm_kquant_wide, gemm_q32, tile_gemm
+from . import bf16_ggml, dispatch, f32_ggml, gemm_kquant, gemm_kquant_wide, gemm_q32, pair_tokens, tile_gemm
 
 # EDGEINFER_PLAIN_KERNELS=1 routes every type through the plain Numba kernels (debugging).
 _FAST = not os.environ.get("EDGEINFER_PLAIN_KERNELS")
@@ -364,6 +364,9 @@ if gemm_kquant_wide.enabled():
     # 17.2 against 22.3
     _GEMM_OVER_TILES = _GEMM_OVER_TILES + tuple(gemm_q32.GEMM_TYPES)
 _Q32_GEMM = _FAST and not os.environ.get("EDGEINFER_NO_Q32_GEMM")
+# short batches of the 32-element types two tokens a 512-bit vector (pair_tokens.py)
+# where the CPU has 512-bit VNNI; EDGEINFER_NO_PAIRS=1 keeps them on the row kernels (A/B)
+_PAIRS = _FAST and pair_tokens.host_has_pairs() and not os.environ.get("EDGEINFER_NO_PAIRS")
 _ORDER = threading.local()
 
 
@@ -545,7 +548,10 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         return out
     if path == "rows":
         xq, xd, xs = quantize_activation_rows(X, info)
-        dispatch.matmul_int(w_raw, qt, xq, xd, xs, out)
+        if n_tok >= 2 and _PAIRS and pair_tokens.serves(qt):
+            dispatch.matmul_pairs(w_raw, qt, xq, xd, out)
+        else:
+            dispatch.matmul_int(w_raw, qt, xq, xd, xs, out)
         return out
     n_threads = get_threads()
     if _serial_tiles(qt, n_rows):
