@@ -32,13 +32,9 @@ from .quant_kernels import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
                             Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0)
 from . import compile_progress, pair_tokens
 from .quant_types import FAST_IDS, quant_info, row_bytes
-from .tile_gemm import has_vnni
 from .threads import get_threads
 
 _JIT = dict(cache=True, nogil=True)
-# Q4_0, Q4_1, Q5_0 and Q5_1 rows four a loop (dot_q32.rows_*) where there is no VNNI; with
-# it, their one-row vpdpbusd loop was measured faster above ~1000 columns
-_QUARTER_Q32 = not has_vnni()
 
 # Which types the dispatching functions below (_dot_rows, _quartered_rows, _deq_row) and
 # the kernels calling them handle: every one in these definitions; `kernels_for` copies
@@ -70,8 +66,8 @@ CHUNK = 16   # rows per work item: the type dispatch and call overhead, once per
 
 @njit(**_JIT)
 def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
-    """Q8_0, Q6_K, Q5_K, Q4_K (rows % 8 == 0) and, without VNNI, Q4_0, Q4_1, Q5_0, Q5_1 and
-    MXFP4 "rows" r0..r1 in a quartered order: with
+    """Q8_0, Q6_K, Q5_K, Q4_K (rows % 8 == 0), Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 "rows"
+    r0..r1 in a quartered order: with
     q = n_rows // 4, slot v < 4q is row v // 4 + (v % 4) * q, slots from 4q on are rows
     themselves. Four rows a quarter of the matrix apart run in one loop: four long
     sequential streams for the prefetchers (four adjacent short rows were slower from
@@ -82,7 +78,10 @@ def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
     Measured with 2 threads, old and new loop alternating in one run: Gemma's Q8_0 head
     (262144 x 640) 6.3 -> 5.6 ms against one row a loop; Q6_K 4096 x 14336 16.9 -> 22.8
     GB/s against one row a loop (8 rows spilled: 15.0); Q4_K 4096 x 14336 20.5 -> 24.1
-    GB/s against 8 rows an eighth apart in 8 lanes."""
+    GB/s against 8 rows an eighth apart in 8 lanes. On the AVX-512 VNNI Xeon the
+    32-element types' quartered loop (vpdpbusd from a start the four rows share) beat their
+    one-row loop at every shape: Q4_0 4096 x 14336 25.5 -> 32-34 GB/s, Q5_0 2048 x 640
+    (Gemma 3 270M's gate) 0.048 -> 0.038 ms, Q4_1 4096 x 4096 16 -> 24 GB/s."""
     q = out.shape[0] // ROWS
     v = r0
     while v + ROWS <= min(r1, ROWS * q):   # r0 is a multiple of CHUNK, so of ROWS
@@ -142,31 +141,15 @@ def _dot_rows(w, qt, r0, r1, xq, xd, xs, out):
                 out[X8_ROWS * g + k] = vals[k]
     elif ((_HAS_Q6_K and qt == Q6_K) or (_HAS_Q8_0 and qt == Q8_0) or (_HAS_Q5_K and qt == Q5_K)
           or (_HAS_Q4_K and qt == Q4_K and w.shape[0] % 8 == 0)
-          or (_QUARTER_Q32 and ((_HAS_Q4_0 and qt == Q4_0) or (_HAS_Q4_1 and qt == Q4_1)
-                                or (_HAS_Q5_0 and qt == Q5_0) or (_HAS_Q5_1 and qt == Q5_1)
-                                or (_HAS_MXFP4 and qt == MXFP4)))):
+          or (_HAS_Q4_0 and qt == Q4_0) or (_HAS_Q4_1 and qt == Q4_1) or (_HAS_Q5_0 and qt == Q5_0)
+          or (_HAS_Q5_1 and qt == Q5_1) or (_HAS_MXFP4 and qt == MXFP4)):
         _quartered_rows(w, qt, r0, r1, xq, xd, xs, out)
     elif _HAS_Q4_K and qt == Q4_K:   # llama.cpp repacks only matrices with rows % 8 == 0
         for r in range(r0, r1):
             out[r] = row_q4_k(w, r, xq, xd, xs)
-    elif _HAS_Q5_0 and qt == Q5_0:
-        for r in range(r0, r1):
-            out[r] = row_q5_0(w, r, xq, xd, xs)
-    elif _HAS_Q4_0 and qt == Q4_0:
-        for r in range(r0, r1):
-            out[r] = row_q4_0(w, r, xq, xd, xs)
-    elif _HAS_Q4_1 and qt == Q4_1:
-        for r in range(r0, r1):
-            out[r] = row_q4_1(w, r, xq, xd, xs)
-    elif _HAS_Q5_1 and qt == Q5_1:
-        for r in range(r0, r1):
-            out[r] = row_q5_1(w, r, xq, xd, xs)
     elif _HAS_IQ4_NL and qt == IQ4_NL:
         for r in range(r0, r1):
             out[r] = row_iq4_nl(w, r, xq, xd, xs)
-    elif _HAS_MXFP4 and qt == MXFP4:
-        for r in range(r0, r1):
-            out[r] = row_mxfp4(w, r, xq, xd, xs)
     elif _HAS_Q3_K and qt == Q3_K:
         for r in range(r0, r1):
             out[r] = row_q3_k(w, r, xq, xd, xs)

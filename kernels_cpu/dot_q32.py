@@ -171,10 +171,13 @@ def _make_body_q32_rows(qt):
         xv = h.load(xq, b.mul(bi, c64(32)), vec(I8, 32))
         # d * dx formed in all lanes (vpbroadcastw + vcvtph2ps, no false dependency): the same product
         d = b.fmul(h.load_f16_splat(wrow, wo, 8), h.splat(dx, 8))
-        p16 = h.maddubs(q32_values(h, wrow, wo, qt), xv)   # codes <= 31: pairs <= 2 * 31 * 128
-        if offset:   # pairs - offset pairs: |difference| <= 2 * 31 * 128, exact in i16
-            p16 = b.sub(p16, offset_pairs(h, xv, offset))
-        s = h.madd_i16(p16, const_vec(I16, 16, 1))
+        if h.vnni:   # one vpdpbusd from the offset's start, which the loop's rows share
+            s = _q32_isum_vnni(h, wrow, wo, qt, xv)
+        else:
+            p16 = h.maddubs(q32_values(h, wrow, wo, qt), xv)   # codes <= 31: pairs <= 2 * 31 * 128
+            if offset:   # pairs - offset pairs: |difference| <= 2 * 31 * 128, exact in i16
+                p16 = b.sub(p16, offset_pairs(h, xv, offset))
+            s = h.madd_i16(p16, const_vec(I16, 16, 1))
         acc = h.fma(d, b.sitofp(s, vec(F32T, 8)), acc)
         if has_min:  # + m * dx * sum(x), in lane 0
             xsum = h.load(xs, b.mul(bi, c64(4)), I32)
