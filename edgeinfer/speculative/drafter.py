@@ -115,7 +115,8 @@ class BatchCosts:
 
     A size never measured is interpolated linearly between the nearest measured sizes, and
     past the largest one extrapolated at that size's average cost per extra row; with no
-    measurement at all, an extra row costs B_PRIOR decode steps. The cost is made
+    measurement at all, an extra row costs B_PRIOR decode steps. A size's first
+    verification is not counted (it runs cold). The cost is made
     non-decreasing in n. A measurement above that prior drifts back towards it while
     nothing is verified, so one noisy measurement does not stop drafting for good.
     """
@@ -126,6 +127,7 @@ class BatchCosts:
     def __init__(self) -> None:
         self.t1: float | None = None
         self.ratio: dict[int, float] = {}   # n rows -> seconds / t1, measured sizes only
+        self._seen: set[int] = set()         # sizes verified at least once (the first not counted)
         self.d = 0.0
 
     def prior(self, n: int) -> float:
@@ -143,7 +145,14 @@ class BatchCosts:
             return
         obs = max(seconds / self.t1, 1.0)
         old = self.ratio.get(n_rows)
-        self.ratio[n_rows] = obs if old is None else self.KEEP * old + (1 - self.KEEP) * obs
+        if n_rows not in self._seen:
+            # a size's first verification runs cold (the logits of several rows, caches,
+            # first calls: Gemma 3 270M's first 2 rows 38 ms, then 26) and is not counted:
+            # one cold measurement stopped drafting for dozens of tokens, or kept a size
+            # that is never tried again looking dear
+            self._seen.add(n_rows)
+        else:
+            self.ratio[n_rows] = obs if old is None else self.KEEP * old + (1 - self.KEEP) * obs
         self.d = 0.7 * self.d + 0.3 * (draft_seconds / (n_rows - 1))
 
     def ratios(self, n_max: int) -> list[float]:
