@@ -113,9 +113,12 @@ class BatchCosts:
     measurement at that size); `d` seconds per drafted token. Kept per drafter across
     requests (the costs belong to the machine and the model, not to one request).
 
-    A size never measured is interpolated linearly between the nearest measured sizes, and
-    past the largest one extrapolated at that size's average cost per extra row; with no
-    measurement at all, an extra row costs B_PRIOR decode steps. A size's first
+    A size never measured costs what the nearest measured size below it costs per extra row
+    (its average), carried on, but no more than the next measured size above it: optimistic
+    where unmeasured, so a size between two measured ones gets tried (linear interpolation
+    over a cliff in batch cost, cheap up to 8 rows and dear after, made the sizes below the
+    cliff look dear, and they were never measured); with no measurement at all, an extra
+    row costs B_PRIOR decode steps. A size's first
     verification is not counted (it runs cold). The cost is made
     non-decreasing in n. A measurement above that prior drifts back towards it while
     nothing is verified, so one noisy measurement does not stop drafting for good.
@@ -127,7 +130,7 @@ class BatchCosts:
     def __init__(self) -> None:
         self.t1: float | None = None
         self.ratio: dict[int, float] = {}   # n rows -> seconds / t1, measured sizes only
-        self._seen: set[int] = set()         # sizes verified at least once (the first not counted)
+        self.seen: set[int] = set()          # sizes verified at least once (the first not counted)
         self.d = 0.0
 
     def prior(self, n: int) -> float:
@@ -145,12 +148,12 @@ class BatchCosts:
             return
         obs = max(seconds / self.t1, 1.0)
         old = self.ratio.get(n_rows)
-        if n_rows not in self._seen:
+        if n_rows not in self.seen:
             # a size's first verification runs cold (the logits of several rows, caches,
             # first calls: Gemma 3 270M's first 2 rows 38 ms, then 26) and is not counted:
             # one cold measurement stopped drafting for dozens of tokens, or kept a size
             # that is never tried again looking dear
-            self._seen.add(n_rows)
+            self.seen.add(n_rows)
         else:
             self.ratio[n_rows] = obs if old is None else self.KEEP * old + (1 - self.KEEP) * obs
         self.d = 0.7 * self.d + 0.3 * (draft_seconds / (n_rows - 1))
@@ -166,12 +169,12 @@ class BatchCosts:
                 lo = max((m for m in seen if m < n), default=1)
                 hi = min((m for m in seen if m > n), default=None)
                 r_lo = self.ratio.get(lo, 1.0)
-                if hi is not None:
-                    r = r_lo + (self.ratio[hi] - r_lo) * (n - lo) / (hi - lo)
-                elif lo > 1:
+                if lo > 1:   # the cost per extra row up to lo, carried on
                     r = r_lo + (r_lo - 1.0) / (lo - 1) * (n - lo)
                 else:
                     r = self.prior(n)
+                if hi is not None:   # and no dearer than the next measured size
+                    r = min(r, self.ratio[hi])
             out.append(max(r, out[-1]))
         return out
 
@@ -183,22 +186,35 @@ class DraftLength:
     the ones before it were), so a draft of k yields E(k) = (1 - alpha^(k+1)) / (1 - alpha)
     tokens for one verification of k + 1 rows costing t1 * ratio(k + 1) + d * k (t1 a plain
     decode step, ratio from `BatchCosts`: what k + 1 rows measured here cost, d a drafted
-    token's cost). k = 0 (plain decode) wins whenever drafting does not pay; alpha and the
-    measured ratios drift back towards their priors while nothing is drafted, so drafting is
-    tried again now and then (more and more rarely while those tries keep failing: the
-    drift halves after each).
+    token's cost). k = 0 (plain decode) wins whenever drafting does not pay.
+
+    alpha is the acceptance estimate over recent drafted tokens, not over verifications:
+    accepted tokens against rejections (a verification that keeps all its k tokens has no
+    rejection), each verification's counts fading by DECAY, on PRIOR_WEIGHT pseudo-tokens
+    of PRIOR. One verification averaged as n/(n + 1) made a lone 0-of-3 weigh as much as
+    several 3-of-3s and stopped drafting for a dozen tokens in quoted text. While nothing is
+    drafted the counts fade (by `drift` a step), so alpha goes back towards PRIOR and the
+    measured ratios towards their priors, and drafting is tried again now and then (more
+    and more rarely while those tries keep failing: the drift halves after each).
     """
 
-    PRIOR = 0.6   # alpha before any evidence, and what it drifts back to
-    DECAY = 0.7   # weight of the old estimate per verification
-    DRIFT = 0.03  # per plain step, towards PRIOR
+    PRIOR = 0.6          # alpha before any evidence, and what it drifts back to
+    PRIOR_WEIGHT = 2.0   # pseudo-tokens of PRIOR in the estimate
+    DECAY = 0.8          # weight of the earlier counts per verification
+    DRIFT = 0.03         # per plain step, of the counts (and of the ratios towards their prior)
     B_PRIOR = BatchCosts.B_PRIOR
 
     def __init__(self, params: SpeculativeParams, costs: BatchCosts | None = None) -> None:
         self.params = params
         self.costs = costs if costs is not None else BatchCosts()
-        self.alpha = self.PRIOR
+        self.accepted = 0.0   # faded count of accepted drafted tokens
+        self.rejected = 0.0   # faded count of rejections
         self.drift = self.DRIFT
+
+    @property
+    def alpha(self) -> float:
+        w = self.PRIOR_WEIGHT
+        return (self.accepted + w * self.PRIOR) / (self.accepted + self.rejected + w)
 
     @property
     def t1(self) -> float | None:
@@ -211,6 +227,10 @@ class DraftLength:
             return 0
         if not self.params.adaptive:
             return kmax
+        # drafts lengthen at most twofold past the largest batch verified yet, so the cost
+        # curve is measured size by size (sizes between measured ones are interpolated: a
+        # long first draft on a cliff in batch cost made every size in between look dear)
+        kmax = min(kmax, 2 * max(self.costs.ratio, default=1))
         t1 = self.costs.t1
         if t1 is None:
             return 0  # time one plain step first: the cost model needs it
@@ -226,19 +246,17 @@ class DraftLength:
 
     def plain_step(self, seconds: float) -> None:
         self.costs.plain_step(seconds, self.drift)
-        # no evidence while decoding plainly: alpha drifts back to its prior (a noisy
-        # measurement must not stop drafting for good)
-        if self.alpha < self.PRIOR:
-            self.alpha += (self.PRIOR - self.alpha) * self.drift
+        # no evidence while decoding plainly: the counts fade, alpha goes back towards its
+        # prior (a run of rejections must not stop drafting for good)
+        self.accepted *= 1 - self.drift
+        self.rejected *= 1 - self.drift
 
     def verified(self, k: int, n_accepted: int, seconds: float, draft_seconds: float) -> None:
         if k > 0:
             self.costs.verified(k + 1, seconds, draft_seconds)
-        # evidence: n_accepted successes, and one failure unless all were accepted
         self.drift = self.DRIFT if n_accepted else max(self.drift / 2, self.DRIFT / 64)
-        fails = 0 if n_accepted >= k else 1
-        est = n_accepted / (n_accepted + fails) if n_accepted + fails else self.alpha
-        self.alpha = self.DECAY * self.alpha + (1 - self.DECAY) * est
+        self.accepted = self.DECAY * self.accepted + n_accepted
+        self.rejected = self.DECAY * self.rejected + (0 if n_accepted >= k else 1)
 
 
 class Speculation:
