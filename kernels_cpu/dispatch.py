@@ -25,7 +25,8 @@ from .dot_iquant import (deq_row_iq1_m, deq_row_iq1_s, deq_row_iq2_s, deq_row_iq
                          row_iq3_s, row_iq3_xxs)
 from .dot_mxfp4 import deq_row_mxfp4, row_mxfp4, rows_mxfp4
 from .pair_tokens import (pairs1_iq4_nl, pairs1_q4_0, pairs1_q5_0, pairs1_q8_0, pairs2_iq4_nl, pairs2_q4_0,
-                          pairs2_q5_0, pairs2_q8_0, pairs4_iq4_nl, pairs4_q4_0, pairs4_q5_0, pairs4_q8_0)
+                          pairs2_q5_0, pairs2_q8_0, pairs3_iq4_nl, pairs3_q4_0, pairs3_q5_0, pairs3_q8_0,
+                          pairs4_iq4_nl, pairs4_q4_0, pairs4_q5_0, pairs4_q8_0)
 from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
 from .ir_helpers import I64, ROWS, TOKENS_A_ROW, X8_ROWS
 from .quant_kernels import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K,
@@ -231,7 +232,7 @@ def _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, out):
 @njit(**_JIT)
 def _dot_rows_pairs(w, qt, r0, r1, xq2, dx2, c2, out):
     """out[t, r] for r0 <= r < r1 and every token t (out.shape[0] of them) from the packed
-    pairs of pair_tokens.pack: 4, 2 or 1 pairs a row loop, each (row, token) with matvec's
+    pairs of pair_tokens.pack: 4, 3, 2 or 1 pairs a row loop, each (row, token) with matvec's
     bits. Only the 32-element types of pair_tokens.PAIR_TYPES."""
     n_tok = out.shape[0]
     n_pairs = xq2.shape[0]
@@ -253,6 +254,21 @@ def _dot_rows_pairs(w, qt, r0, r1, xq2, dx2, c2, out):
                     if 2 * p + j < n_tok:
                         out[2 * p + j, r] = v[j]
                 p += 4
+            elif p + 3 == n_pairs:
+                if _HAS_Q8_0 and qt == Q8_0:
+                    z = pairs3_q8_0(w, r, xq2, dx2, c2, p)
+                elif _HAS_Q5_0 and qt == Q5_0:
+                    z = pairs3_q5_0(w, r, xq2, dx2, c2, p)
+                elif _HAS_Q4_0 and qt == Q4_0:
+                    z = pairs3_q4_0(w, r, xq2, dx2, c2, p)
+                elif _HAS_IQ4_NL and qt == IQ4_NL:
+                    z = pairs3_iq4_nl(w, r, xq2, dx2, c2, p)
+                else:
+                    return
+                for j in range(6):
+                    if 2 * p + j < n_tok:
+                        out[2 * p + j, r] = z[j]
+                p += 3
             elif p + 2 <= n_pairs:
                 if _HAS_Q8_0 and qt == Q8_0:
                     u = pairs2_q8_0(w, r, xq2, dx2, c2, p)
@@ -285,18 +301,33 @@ def _dot_rows_pairs(w, qt, r0, r1, xq2, dx2, c2, out):
                 p += 1
 
 
+@njit(inline="always", **_JIT)
+def _pair_claims(w, qt, c2, out, g0, g1, xq2, dx2):
+    """_dot_rows_pairs on the rows of work items g0..g1 of one matrix (numbered from its first)."""
+    a = max(g0, 0)
+    b = min(g1, _n_items(out.shape[1]))
+    if a < b:
+        _dot_rows_pairs(w, qt, a * CHUNK, min(b * CHUNK, out.shape[1]), xq2, dx2, c2, out)
+
+
 @njit(parallel=True, **_JIT)
-def _pairs_kernel(w, qt, xq2, dx2, c2, out, nt):
-    # a short batch of one 32-element-type matrix, two tokens a vector (pair_tokens.py):
-    # rows claimed CHUNK at a time as the matvec kernel's
+def _pairs_kernel(w1, q1, c1, o1, w2, q2, c2, o2, w3, q3, c3, o3, xq2, dx2, nt):
+    # a short batch of 1 to 3 matrices of the 32-element types on the same tokens (Q, K, V;
+    # gate + up), two tokens a vector (pair_tokens.py), in one parallel region: rows claimed
+    # CHUNK at a time as the matvec kernel's; o2 and o3 may have no columns. c1..c3: each
+    # matrix's vpdpbusd starts (they depend on its type's code offset)
     claims = np.zeros(1, np.int64)
     for _ in prange(nt):   # one iteration per thread
-        n = _n_items(out.shape[1])
+        n1 = _n_items(o1.shape[1])
+        n12 = n1 + _n_items(o2.shape[1])
+        n = n12 + _n_items(o3.shape[1])
         step = max(1, n // (CLAIMS_PER_THREAD * nt))
         g0 = _fetch_add(claims, step)
         while g0 < n:
             g1 = min(g0 + step, n)
-            _dot_rows_pairs(w, qt, g0 * CHUNK, min(g1 * CHUNK, out.shape[1]), xq2, dx2, c2, out)
+            _pair_claims(w1, q1, c1, o1, g0, g1, xq2, dx2)
+            _pair_claims(w2, q2, c2, o2, g0 - n1, g1 - n1, xq2, dx2)
+            _pair_claims(w3, q3, c3, o3, g0 - n12, g1 - n12, xq2, dx2)
             g0 = _fetch_add(claims, step)
 
 
@@ -489,7 +520,7 @@ def _dequant_rows_kernel(w, qt, rows, y):
 # code of a type is the one definition above, whichever copies contain it: the same bits.
 
 _SPECIALISED = ("_quartered_rows", "_dot_rows", "_has_tokens_rows", "_dot_rows_tokens", "_deq_row", "_claimed_rows",
-                "_claimed_items", "_matvec_kernel", "_dot_rows_pairs", "_pairs_kernel", "_dequant_kernel",
+                "_claimed_items", "_matvec_kernel", "_dot_rows_pairs", "_pair_claims", "_pairs_kernel", "_dequant_kernel",
                 "_dequant_kernel_serial", "_dequant_rows_kernel",
                 "_expert_items", "_expert_matvec_kernel")   # callees before callers
 _SETS: dict = {}         # type set (sorted tuple) -> its kernels
@@ -614,14 +645,22 @@ def matmul_int(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
                                    get_threads())
 
 
-def matmul_pairs(w_raw: np.ndarray, qt: int, xq, xd, out) -> None:
-    """matmul_int for 2 or more tokens of a pair_tokens.PAIR_TYPES matrix on a host with
-    512-bit VNNI (pair_tokens.host_has_pairs): two tokens a vector, the same bits."""
-    xq2, dx2, c2 = pair_tokens.packed(xq, xd, qt)
-    ks = kernels_for(qt)
+def matmul_pairs(ws: list, qts: list, xq, xd, outs: list) -> None:
+    """matmul_int for 2 or more tokens of 1 to 3 matrices of pair_tokens.PAIR_TYPES on the
+    same activations, on a host with 512-bit VNNI (pair_tokens.host_has_pairs): two tokens a
+    vector, the same bits, in one parallel region."""
+    qts = [int(q) for q in qts]
+    xq2, dx2, starts = pair_tokens.packed(xq, xd, qts)
+    ks = kernels_for(*qts)
     if compile_progress._pending:
         compile_progress.wait_for(ks.pairs_kernel)
-    ks.pairs_kernel(w_raw, qt, xq2, dx2, c2, out, get_threads())
+    args = []
+    for k in range(3):
+        if k < len(ws):
+            args += [ws[k], qts[k], starts[k], outs[k]]
+        else:
+            args += [ws[0], qts[0], starts[0], np.empty((outs[0].shape[0], 0), np.float32)]
+    ks.pairs_kernel(*args, xq2, dx2, get_threads())
 
 
 def dequantize_fast(w_raw: np.ndarray, qt: int, start: int, y: np.ndarray) -> None:

@@ -468,13 +468,15 @@ def _split(n: int, total: int, step: int):
 def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | None = None) -> list[np.ndarray]:
     """[matmul(w, qt, X) for w, qt in zip(ws, qtypes)] for matrices on the same input
     (Q/K/V, gate/up). Where every one takes the same 8-bit GEMM (the VNNI tiles,
-    gemm_kquant or gemm_q32), X is quantized and packed once and the rows of all of them
-    are shared out in one batch."""
+    gemm_kquant or gemm_q32), or the row kernels two tokens a vector (pair_tokens), X is
+    quantized and packed once and the rows of all of them are shared out in one batch."""
     infos = [check_weight(w, qt) for w, qt in zip(ws, qtypes)]
     qts = [int(info.qtype) for info in infos]
     paths = {matmul_path(qt, w.shape[0], X.shape[0]) for qt, w in zip(qts, ws)}
     path = paths.pop() if len(paths) == 1 else None
-    if path not in ("tiles", "kquant", "q32") or len(ws) > 3:
+    if path == "rows" and _PAIRS and X.shape[0] >= 2 and all(map(pair_tokens.serves, qts)):
+        path = "pairs"   # quantized and packed once, the matrices in one parallel region
+    if path not in ("tiles", "kquant", "q32", "pairs") or len(ws) > 3:
         return [matmul(w, qt, X) for w, qt in zip(ws, qtypes)]
     ws = [_readonly(w) for w in ws]
     X = np.ascontiguousarray(X, dtype=np.float32)
@@ -491,6 +493,9 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
         pieces = [(w, qt, a, b, out) for w, qt, out in zip(ws, qts, outs)
                   for a, b in _split(w.shape[0], total, tile_gemm.TILE_ROWS)]
         _run_pieces(pieces, lambda w, qt, a, b, out: tile_gemm.matmul_rows(w, qt, a, b, packed, out))
+    elif path == "pairs":
+        xq, xd, _ = quantize_activation_rows(X, infos[0])
+        dispatch.matmul_pairs(ws, qts, xq, xd, outs)
     else:
         gemm = gemm_kquant if path == "kquant" else gemm_q32
         packed = gemm.pack_activations(*quantize_activation_rows(X, infos[0]))
@@ -549,7 +554,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
     if path == "rows":
         xq, xd, xs = quantize_activation_rows(X, info)
         if n_tok >= 2 and _PAIRS and pair_tokens.serves(qt):
-            dispatch.matmul_pairs(w_raw, qt, xq, xd, out)
+            dispatch.matmul_pairs([w_raw], [qt], xq, xd, [out])
         else:
             dispatch.matmul_int(w_raw, qt, xq, xd, xs, out)
         return out

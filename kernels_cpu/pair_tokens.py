@@ -18,7 +18,8 @@ value + 8 or + 16; IQ4_NL: table value + 128), and the vpdpbusd starts from -off
 the row kernel's integers.
 
 `pack` lays the activations out for it once a call: per pair of tokens and block, the two
-tokens' 32 bytes, their scales spread over 8 lanes each, and the vpdpbusd starts. An odd
+tokens' 32 bytes, their scales spread over 8 lanes each, and their sums in fours (times
+-offset: the vpdpbusd starts of each type). An odd
 count pads a token of zeros (its sums are 0 and are not stored).
 """
 from __future__ import annotations
@@ -51,10 +52,10 @@ def serves(qt: int) -> bool:
 
 
 @njit(cache=True, nogil=True)
-def pack(xq, xd, offset, xq2, dx2, c2):
+def pack(xq, xd, xq2, dx2, s2):
     """From xq (n_tok, n_cols) int8 and xd (n_tok, n_cols // 32) f32, for pair p = tokens
     2p, 2p + 1 and block b: xq2[p, 64b:64b + 64] the two tokens' 32 bytes, dx2[p, 16b:16b +
-    16] their scales 8 times each, c2[p, 16b:16b + 16] -offset * their bytes in fours."""
+    16] their scales 8 times each, s2[p, 16b:16b + 16] their bytes summed in fours."""
     n_tok, n_cols = xq.shape
     nb = n_cols // 32
     for p in range(xq2.shape[0]):
@@ -70,25 +71,30 @@ def pack(xq, xd, offset, xq2, dx2, c2):
                         s = 0
                         for j in range(4):
                             s += np.int32(xq[t, 32 * bi + 4 * g + j])
-                        c2[p, l0 + g] = -offset * s
+                        s2[p, l0 + g] = s
                         dx2[p, l0 + g] = xd[t, bi]
                 else:
                     for j in range(32):
                         xq2[p, q0 + j] = 0
                     for g in range(8):
-                        c2[p, l0 + g] = 0
+                        s2[p, l0 + g] = 0
                         dx2[p, l0 + g] = 0.0
 
 
-def packed(xq: np.ndarray, xd: np.ndarray, qt: int):
-    """(xq2, dx2, c2) for `pack`, (ceil(n_tok / 2), ...) each."""
+def packed(xq: np.ndarray, xd: np.ndarray, qts: list):
+    """(xq2, dx2, [the vpdpbusd starts of each type in qts: -OFFSET * s2]) for `pack`,
+    (ceil(n_tok / 2), ...) each."""
     n_pairs = (xq.shape[0] + 1) // 2
     nb = xq.shape[1] // 32
     xq2 = np.empty((n_pairs, 64 * nb), np.int8)
     dx2 = np.empty((n_pairs, 16 * nb), np.float32)
-    c2 = np.empty((n_pairs, 16 * nb), np.int32)
-    pack(xq, xd, np.int32(OFFSET[int(qt)]), xq2, dx2, c2)
-    return xq2, dx2, c2
+    s2 = np.empty((n_pairs, 16 * nb), np.int32)
+    pack(xq, xd, xq2, dx2, s2)
+    starts = {}
+    for qt in qts:
+        if OFFSET[qt] not in starts:
+            starts[OFFSET[qt]] = s2 * np.int32(-OFFSET[qt])
+    return xq2, dx2, [starts[OFFSET[qt]] for qt in qts]
 
 
 def _codes(h, wrow, wo, qt):
@@ -150,8 +156,9 @@ def make_pair_intrinsic(qt: int, n_pairs: int):
     return pair_dots
 
 
-# per type, row loops serving 4, 2 and 1 pairs (dispatch._dot_rows_pairs)
-pairs4_q8_0, pairs2_q8_0, pairs1_q8_0 = (make_pair_intrinsic(Q8_0, n) for n in (4, 2, 1))
-pairs4_q4_0, pairs2_q4_0, pairs1_q4_0 = (make_pair_intrinsic(Q4_0, n) for n in (4, 2, 1))
-pairs4_q5_0, pairs2_q5_0, pairs1_q5_0 = (make_pair_intrinsic(Q5_0, n) for n in (4, 2, 1))
-pairs4_iq4_nl, pairs2_iq4_nl, pairs1_iq4_nl = (make_pair_intrinsic(IQ4_NL, n) for n in (4, 2, 1))
+# per type, row loops serving 4, 3, 2 and 1 pairs (dispatch._dot_rows_pairs: a row read
+# once for up to 8 tokens; 5 tokens as 2 + 1 pairs cost as much as 8)
+pairs4_q8_0, pairs3_q8_0, pairs2_q8_0, pairs1_q8_0 = (make_pair_intrinsic(Q8_0, n) for n in (4, 3, 2, 1))
+pairs4_q4_0, pairs3_q4_0, pairs2_q4_0, pairs1_q4_0 = (make_pair_intrinsic(Q4_0, n) for n in (4, 3, 2, 1))
+pairs4_q5_0, pairs3_q5_0, pairs2_q5_0, pairs1_q5_0 = (make_pair_intrinsic(Q5_0, n) for n in (4, 3, 2, 1))
+pairs4_iq4_nl, pairs3_iq4_nl, pairs2_iq4_nl, pairs1_iq4_nl = (make_pair_intrinsic(IQ4_NL, n) for n in (4, 3, 2, 1))
