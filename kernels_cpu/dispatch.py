@@ -229,76 +229,59 @@ def _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, out):
             out[t + j, r] = vals[j]
 
 
+@njit(inline="always", **_JIT)
+def _pair_dots(w, qt, r, xq2, dx2, c2, p, m):
+    """Row r's sums with the tokens of pairs p..p + m - 1 (m = 1..4), then zeros: 8 values."""
+    if _HAS_Q8_0 and qt == Q8_0:
+        if m == 4:
+            return pairs4_q8_0(w, r, xq2, dx2, c2, p)
+        if m == 3:
+            return pairs3_q8_0(w, r, xq2, dx2, c2, p)
+        if m == 2:
+            return pairs2_q8_0(w, r, xq2, dx2, c2, p)
+        return pairs1_q8_0(w, r, xq2, dx2, c2, p)
+    if _HAS_Q5_0 and qt == Q5_0:
+        if m == 4:
+            return pairs4_q5_0(w, r, xq2, dx2, c2, p)
+        if m == 3:
+            return pairs3_q5_0(w, r, xq2, dx2, c2, p)
+        if m == 2:
+            return pairs2_q5_0(w, r, xq2, dx2, c2, p)
+        return pairs1_q5_0(w, r, xq2, dx2, c2, p)
+    if _HAS_Q4_0 and qt == Q4_0:
+        if m == 4:
+            return pairs4_q4_0(w, r, xq2, dx2, c2, p)
+        if m == 3:
+            return pairs3_q4_0(w, r, xq2, dx2, c2, p)
+        if m == 2:
+            return pairs2_q4_0(w, r, xq2, dx2, c2, p)
+        return pairs1_q4_0(w, r, xq2, dx2, c2, p)
+    # IQ4_NL (pair_tokens.PAIR_TYPES are these four)
+    if m == 4:
+        return pairs4_iq4_nl(w, r, xq2, dx2, c2, p)
+    if m == 3:
+        return pairs3_iq4_nl(w, r, xq2, dx2, c2, p)
+    if m == 2:
+        return pairs2_iq4_nl(w, r, xq2, dx2, c2, p)
+    return pairs1_iq4_nl(w, r, xq2, dx2, c2, p)
+
+
 @njit(**_JIT)
 def _dot_rows_pairs(w, qt, r0, r1, xq2, dx2, c2, out):
     """out[t, r] for r0 <= r < r1 and every token t (out.shape[0] of them) from the packed
-    pairs of pair_tokens.pack: 4, 3, 2 or 1 pairs a row loop, each (row, token) with matvec's
-    bits. Only the 32-element types of pair_tokens.PAIR_TYPES."""
+    pairs of pair_tokens.pack: up to 4 pairs a row loop (3 when 3 are left, not 2 + 1: a
+    row read once for them), each (row, token) with matvec's bits. Only the 32-element
+    types of pair_tokens.PAIR_TYPES."""
     n_tok = out.shape[0]
     n_pairs = xq2.shape[0]
     for r in range(r0, r1):
         p = 0
         while p < n_pairs:
-            if p + 4 <= n_pairs:
-                if _HAS_Q8_0 and qt == Q8_0:
-                    v = pairs4_q8_0(w, r, xq2, dx2, c2, p)
-                elif _HAS_Q5_0 and qt == Q5_0:
-                    v = pairs4_q5_0(w, r, xq2, dx2, c2, p)
-                elif _HAS_Q4_0 and qt == Q4_0:
-                    v = pairs4_q4_0(w, r, xq2, dx2, c2, p)
-                elif _HAS_IQ4_NL and qt == IQ4_NL:
-                    v = pairs4_iq4_nl(w, r, xq2, dx2, c2, p)
-                else:
-                    return
-                for j in range(8):
-                    if 2 * p + j < n_tok:
-                        out[2 * p + j, r] = v[j]
-                p += 4
-            elif p + 3 == n_pairs:
-                if _HAS_Q8_0 and qt == Q8_0:
-                    z = pairs3_q8_0(w, r, xq2, dx2, c2, p)
-                elif _HAS_Q5_0 and qt == Q5_0:
-                    z = pairs3_q5_0(w, r, xq2, dx2, c2, p)
-                elif _HAS_Q4_0 and qt == Q4_0:
-                    z = pairs3_q4_0(w, r, xq2, dx2, c2, p)
-                elif _HAS_IQ4_NL and qt == IQ4_NL:
-                    z = pairs3_iq4_nl(w, r, xq2, dx2, c2, p)
-                else:
-                    return
-                for j in range(6):
-                    if 2 * p + j < n_tok:
-                        out[2 * p + j, r] = z[j]
-                p += 3
-            elif p + 2 <= n_pairs:
-                if _HAS_Q8_0 and qt == Q8_0:
-                    u = pairs2_q8_0(w, r, xq2, dx2, c2, p)
-                elif _HAS_Q5_0 and qt == Q5_0:
-                    u = pairs2_q5_0(w, r, xq2, dx2, c2, p)
-                elif _HAS_Q4_0 and qt == Q4_0:
-                    u = pairs2_q4_0(w, r, xq2, dx2, c2, p)
-                elif _HAS_IQ4_NL and qt == IQ4_NL:
-                    u = pairs2_iq4_nl(w, r, xq2, dx2, c2, p)
-                else:
-                    return
-                for j in range(4):
-                    if 2 * p + j < n_tok:
-                        out[2 * p + j, r] = u[j]
-                p += 2
-            else:
-                if _HAS_Q8_0 and qt == Q8_0:
-                    e = pairs1_q8_0(w, r, xq2, dx2, c2, p)
-                elif _HAS_Q5_0 and qt == Q5_0:
-                    e = pairs1_q5_0(w, r, xq2, dx2, c2, p)
-                elif _HAS_Q4_0 and qt == Q4_0:
-                    e = pairs1_q4_0(w, r, xq2, dx2, c2, p)
-                elif _HAS_IQ4_NL and qt == IQ4_NL:
-                    e = pairs1_iq4_nl(w, r, xq2, dx2, c2, p)
-                else:
-                    return
-                for j in range(2):
-                    if 2 * p + j < n_tok:
-                        out[2 * p + j, r] = e[j]
-                p += 1
+            m = min(4, n_pairs - p)
+            v = _pair_dots(w, qt, r, xq2, dx2, c2, p, m)
+            for j in range(min(2 * m, n_tok - 2 * p)):
+                out[2 * p + j, r] = v[j]
+            p += m
 
 
 @njit(inline="always", **_JIT)
@@ -520,7 +503,7 @@ def _dequant_rows_kernel(w, qt, rows, y):
 # code of a type is the one definition above, whichever copies contain it: the same bits.
 
 _SPECIALISED = ("_quartered_rows", "_dot_rows", "_has_tokens_rows", "_dot_rows_tokens", "_deq_row", "_claimed_rows",
-                "_claimed_items", "_matvec_kernel", "_dot_rows_pairs", "_pair_claims", "_pairs_kernel", "_dequant_kernel",
+                "_claimed_items", "_matvec_kernel", "_pair_dots", "_dot_rows_pairs", "_pair_claims", "_pairs_kernel", "_dequant_kernel",
                 "_dequant_kernel_serial", "_dequant_rows_kernel",
                 "_expert_items", "_expert_matvec_kernel")   # callees before callers
 _SETS: dict = {}         # type set (sorted tuple) -> its kernels

@@ -145,13 +145,16 @@ def _pair_loop(context, builder, sig, args, qt, n_pairs):
 
 def make_pair_intrinsic(qt: int, n_pairs: int):
     """pair_dots(w, r, xq2, dx2, c2, p0) -> the 2 * n_pairs sums of row r of w (type qt)
-    with the tokens of pairs p0.. (`pack`'s arrays)."""
+    with the tokens of pairs p0.. (`pack`'s arrays), then zeros: 2 * MAX_PAIRS values
+    whatever n_pairs (one tuple type for the callers' branches)."""
     @intrinsic
     def pair_dots(typingctx, w, r, xq2, dx2, c2, p0):
-        sig = types.UniTuple(types.float32, 2 * n_pairs)(w, r, xq2, dx2, c2, p0)
+        sig = types.UniTuple(types.float32, 2 * MAX_PAIRS)(w, r, xq2, dx2, c2, p0)
 
         def codegen(context, builder, sig, args):
-            return context.make_tuple(builder, sig.return_type, _pair_loop(context, builder, sig, args, qt, n_pairs))
+            sums = _pair_loop(context, builder, sig, args, qt, n_pairs)
+            sums += [ir.Constant(F32T, 0.0)] * (2 * MAX_PAIRS - len(sums))
+            return context.make_tuple(builder, sig.return_type, sums)
         return sig, codegen
     return pair_dots
 
