@@ -345,16 +345,14 @@ _GEMM_MIN_TOKENS = {qk.Q5_0: 4, qk.Q4_0: 8, qk.MXFP4: 8, qk.Q8_0: 65, qk.Q6_K: 1
                     qk.Q3_K: 8, qk.Q2_K: 8, qk.IQ4_XS: 8,
                     # the i-quants' row kernels are bound by their grid lookups, a token at a time
                     qk.IQ2_XXS: 8, qk.IQ2_XS: 8, qk.IQ2_S: 8, qk.IQ3_XXS: 8, qk.IQ3_S: 8}
-if tile_gemm.has_vnni():
-    # the AVX-512 VNNI Xeon's Q6_K crossover (2 threads): 640 x 2048 at 4 tokens 0.085 ms
-    # against 0.092 for the rows, at 8 0.135 against 0.175; 2048 x 8192 at 4 0.80 against 0.97
-    # (Q4_K_X8 keeps 12 there: 640 x 1024 at 8, 0.077 against 0.070)
-    _GEMM_MIN_TOKENS[qk.Q6_K] = 4
 if gemm_kquant_wide.enabled():
     # the 32-row kernels (AVX512-VNNI Xeon, 2 threads, rows against kquant): Q4_K_X8 at 8
     # tokens 640 x 1024 0.084 against 0.076 ms, 2048 x 2048 0.32 against 0.27, 2048 x 8192
     # 1.17 against 0.94; at 6 within 5% either way
     _Q4K_GEMM_MIN_TOKENS = 8
+    # Q6_K keeps 12 (its rows prefetch on these hosts since; rows against kquant, 2 threads:
+    # 640 x 2048 at 4 tokens 0.060 against 0.106 ms, at 8 0.118 against 0.153, at 12 0.171
+    # against 0.173; 2048 x 8192 at 8 1.09 against 1.16, at 12 1.58 against 1.40)
     # gemm_q32_wide from 4 tokens (rows against q32): Q4_0 2048 x 2048 0.32 against 0.20 ms,
     # Q4_1 0.52 against 0.24, MXFP4 2880 x 2880 0.74 against 0.48 (Q8_0 keeps llama.cpp's
     # row bits up to _INT8_MATMUL_MAX_TOKENS: 2048 x 2048 at 16 tokens 1.31 against 0.50)
