@@ -82,6 +82,12 @@ def q32_values(h, wrow, wo, qt):
     return q
 
 
+def code_offset(qt) -> int:
+    """What q32_codes' unsigned codes add to a type's signed values (IQ4_NL: its table
+    values + 128; 0 for the types with a min)."""
+    return 128 if Q32[qt][4] else Q32[qt][3]
+
+
 def q32_codes(h, wrow, wo, qt):
     """A 32-element block's unsigned codes as <32 x i8> (value = d * (code - offset) + m;
     IQ4_NL: its table value + 128): nibbles from one 16-byte broadcast and a per-half word
@@ -105,11 +111,10 @@ def _q32_isum_vnni(h, wrow, wo, qt, xv):
     exists: the exact integers of the vpmaddubsw + vpmaddwd path below, with one vpdpbusd
     of unsigned codes (code = weight + offset) started from -offset * (x summed in fours),
     a second vpdpbusd on the activations alone. The two replace abs, sign, vpmaddubsw and
-    vpmaddwd (these types run one row a loop: four rows a loop, sharing the start, measured
-    faster only for rows of under ~1000 columns and slower above). IQ4_NL's table
-    values go in as value + 128 (1..241) (q32_codes)."""
+    vpmaddwd; in the four-rows loop (_make_body_q32_rows) the rows share the start. IQ4_NL's
+    table values go in as value + 128 (1..241) (q32_codes)."""
     b = h.b
-    offset = 128 if Q32[qt][4] else Q32[qt][3]
+    offset = code_offset(qt)
     q = q32_codes(h, wrow, wo, qt)
     start = const_vec(I32, 8, 0)
     if offset:

@@ -477,8 +477,8 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
     qts = [int(info.qtype) for info in infos]
     paths = {matmul_path(qt, w.shape[0], X.shape[0]) for qt, w in zip(qts, ws)}
     path = paths.pop() if len(paths) == 1 else None
-    if (_PAIRS and 2 <= X.shape[0] and all(map(pair_tokens.serves, qts))
-            and (path == "rows" or (path is None and X.shape[0] <= _PAIRS_MIXED_MAX_TOKENS))):
+    n_tok = X.shape[0]
+    if _takes_pairs(qts, n_tok) and (path == "rows" or (path is None and n_tok <= _PAIRS_MIXED_MAX_TOKENS)):
         path = "pairs"   # quantized and packed once, the matrices in one parallel region
     if path not in ("tiles", "kquant", "q32", "pairs") or len(ws) > 3:
         return [matmul(w, qt, X) for w, qt in zip(ws, qtypes)]
@@ -506,6 +506,11 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
         _wait_compiled(gemm, qts)
         gemm.DRIVERS.run(ws, qts, packed, outs, get_threads())
     return outs
+
+
+def _takes_pairs(qts, n_tok: int) -> bool:
+    """Whether the row kernels' short batch of these types runs two tokens a vector here."""
+    return _PAIRS and n_tok >= 2 and all(map(pair_tokens.serves, qts))
 
 
 def _wait_compiled(gemm, qts) -> None:
@@ -557,7 +562,7 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
         return out
     if path == "rows":
         xq, xd, xs = quantize_activation_rows(X, info)
-        if n_tok >= 2 and _PAIRS and pair_tokens.serves(qt):
+        if _takes_pairs([qt], n_tok):
             dispatch.matmul_pairs([w_raw], [qt], xq, xd, [out])
         else:
             dispatch.matmul_int(w_raw, qt, xq, xd, xs, out)

@@ -31,15 +31,15 @@ from numba.core import cgutils
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
-from .dot_q32 import Q32, q32_codes
+from .dot_q32 import Q32, code_offset, q32_codes
 from .ir_helpers import (F32T, I8, I32, IRHelpers, as_i8, c64, const_vec, counted_loop, mask, prefetch_row_streams,
                          row_pointer, target_features, vec)
 from .quant_kernels import IQ4_NL, Q4_0, Q5_0, Q8_0
 
 PAIR_TYPES = (Q8_0, Q4_0, Q5_0, IQ4_NL)
 MAX_PAIRS = 4   # pairs of tokens one row loop serves (its accumulators: one zmm a pair)
-BLOCK_BYTES = {Q8_0: 34, Q4_0: Q32[Q4_0][0], Q5_0: Q32[Q5_0][0], IQ4_NL: Q32[IQ4_NL][0]}
-OFFSET = {Q8_0: 128, Q4_0: Q32[Q4_0][3], Q5_0: Q32[Q5_0][3], IQ4_NL: 128}
+BLOCK_BYTES = {Q8_0: 34, **{qt: Q32[qt][0] for qt in (Q4_0, Q5_0, IQ4_NL)}}
+OFFSET = {Q8_0: 128, **{qt: code_offset(qt) for qt in (Q4_0, Q5_0, IQ4_NL)}}   # code = value + OFFSET
 
 
 def host_has_pairs() -> bool:

@@ -118,8 +118,8 @@ class BatchCosts:
     where unmeasured, so a size between two measured ones gets tried (linear interpolation
     over a cliff in batch cost, cheap up to 8 rows and dear after, made the sizes below the
     cliff look dear, and they were never measured); with no measurement at all, an extra
-    row costs B_PRIOR decode steps. A size's first
-    verification is not counted (it runs cold). The cost is made
+    row costs B_PRIOR decode steps. A size's first verification is not counted (it runs
+    cold). The cost is made
     non-decreasing in n. A measurement above that prior drifts back towards it while
     nothing is verified, so one noisy measurement does not stop drafting for good.
     """
@@ -147,7 +147,6 @@ class BatchCosts:
         if self.t1 is None or n_rows < 2:
             return
         obs = max(seconds / self.t1, 1.0)
-        old = self.ratio.get(n_rows)
         if n_rows not in self.seen:
             # a size's first verification runs cold (the logits of several rows, caches,
             # first calls: Gemma 3 270M's first 2 rows 38 ms, then 26) and is not counted:
@@ -155,6 +154,7 @@ class BatchCosts:
             # that is never tried again looking dear
             self.seen.add(n_rows)
         else:
+            old = self.ratio.get(n_rows)
             self.ratio[n_rows] = obs if old is None else self.KEEP * old + (1 - self.KEEP) * obs
         self.d = 0.7 * self.d + 0.3 * (draft_seconds / (n_rows - 1))
 
@@ -227,9 +227,9 @@ class DraftLength:
             return 0
         if not self.params.adaptive:
             return kmax
-        # drafts lengthen at most twofold past the largest batch verified yet, so the cost
-        # curve is measured size by size (sizes between measured ones are interpolated: a
-        # long first draft on a cliff in batch cost made every size in between look dear)
+        # drafts lengthen at most twofold past the largest batch measured yet, so the cost
+        # curve is measured size by size (a long first draft over a cliff in batch cost
+        # left every size below it unmeasured)
         kmax = min(kmax, 2 * max(self.costs.ratio, default=1))
         t1 = self.costs.t1
         if t1 is None:
