@@ -195,38 +195,37 @@ def _has_tokens_rows(qt, n_rows):
 
 
 @njit(**_JIT)
-def _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, out):
-    """out[t + j, r] for r0 <= r < r1 and the TOKENS_A_ROW tokens from t: each row read and
-    unpacked once for them, each (row, token) with matvec's bits (ir_helpers.token_row_loop)."""
+def _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, m, out):
+    """out[t + j, r] for r0 <= r < r1 and the m tokens from t (2 <= m <= TOKENS_A_ROW):
+    each row read and unpacked once for them, each (row, token) with matvec's bits
+    (ir_helpers.token_row_loop)."""
     for r in range(r0, r1):
         if _HAS_Q8_0 and qt == Q8_0:
-            vals = tok_q8_0(w, r, xq, xd, xs, t)
+            tok_q8_0(w, r, xq, xd, xs, t, m, out)
         elif _HAS_Q6_K and qt == Q6_K:
-            vals = tok_q6_k(w, r, xq, xd, xs, t)
+            tok_q6_k(w, r, xq, xd, xs, t, m, out)
         elif _HAS_Q5_K and qt == Q5_K:
-            vals = tok_q5_k(w, r, xq, xd, xs, t)
+            tok_q5_k(w, r, xq, xd, xs, t, m, out)
         elif _HAS_Q4_0 and qt == Q4_0:
-            vals = tok_q4_0(w, r, xq, xd, xs, t)
+            tok_q4_0(w, r, xq, xd, xs, t, m, out)
         elif _HAS_Q4_1 and qt == Q4_1:
-            vals = tok_q4_1(w, r, xq, xd, xs, t)
+            tok_q4_1(w, r, xq, xd, xs, t, m, out)
         elif _HAS_Q5_0 and qt == Q5_0:
-            vals = tok_q5_0(w, r, xq, xd, xs, t)
+            tok_q5_0(w, r, xq, xd, xs, t, m, out)
         elif _HAS_Q5_1 and qt == Q5_1:
-            vals = tok_q5_1(w, r, xq, xd, xs, t)
+            tok_q5_1(w, r, xq, xd, xs, t, m, out)
         elif _HAS_IQ4_NL and qt == IQ4_NL:
-            vals = tok_iq4_nl(w, r, xq, xd, xs, t)
+            tok_iq4_nl(w, r, xq, xd, xs, t, m, out)
         elif _HAS_Q3_K and qt == Q3_K:
-            vals = tok_q3_k(w, r, xq, xd, xs, t)
+            tok_q3_k(w, r, xq, xd, xs, t, m, out)
         elif _HAS_Q2_K and qt == Q2_K:
-            vals = tok_q2_k(w, r, xq, xd, xs, t)
+            tok_q2_k(w, r, xq, xd, xs, t, m, out)
         elif _HAS_IQ4_XS and qt == IQ4_XS:
-            vals = tok_iq4_xs(w, r, xq, xd, xs, t)
+            tok_iq4_xs(w, r, xq, xd, xs, t, m, out)
         elif _HAS_Q4_K:
-            vals = tok_q4_k(w, r, xq, xd, xs, t)
+            tok_q4_k(w, r, xq, xd, xs, t, m, out)
         else:   # not reached: _has_tokens_rows names the types above
             return
-        for j in range(TOKENS_A_ROW):
-            out[t + j, r] = vals[j]
 
 
 @njit(inline="always", **_JIT)
@@ -407,15 +406,18 @@ def _claimed_rows(w, qt, out, g0, g1, xq, xd, xs):
             _dot_rows(w, qt, a * CHUNK, min(b * CHUNK, n_rows), xq[0], xd[0], xs[0], out[0])
         else:
             n_tok = xq.shape[0]
-            by_four = _has_tokens_rows(qt, n_rows)
+            by_tokens = _has_tokens_rows(qt, n_rows)
             for g in range(a, b):
                 r0 = g * CHUNK
                 r1 = min(r0 + CHUNK, n_rows)
                 t = 0
-                if by_four:   # tokens four at a time, each row unpacked once for them
-                    while t + TOKENS_A_ROW <= n_tok:
-                        _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, out)
-                        t += TOKENS_A_ROW
+                if by_tokens:   # up to four tokens a pass, each row unpacked once for them
+                    left = (n_tok + TOKENS_A_ROW - 1) // TOKENS_A_ROW   # passes: as even as can be
+                    while left > 0 and n_tok - t >= 2:
+                        m = (n_tok - t + left - 1) // left
+                        _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, m, out)
+                        t += m
+                        left -= 1
                 for u in range(t, n_tok):
                     _dot_rows(w, qt, r0, r1, xq[u], xd[u], xs[u], out[u])
 

@@ -479,7 +479,7 @@ def make_row_intrinsic(body, with_mins=False, nrows=1, block_bytes=0):
 
 
 
-TOKENS_A_ROW = 4   # tokens a row loop of make_tokens_intrinsic serves
+TOKENS_A_ROW = 4   # most tokens a row loop of make_tokens_intrinsic serves
 
 
 def token_row_loop(context, builder, sig, args, body, with_mins=False, ntok=TOKENS_A_ROW, block_bytes=0):
@@ -501,17 +501,43 @@ def token_row_loop(context, builder, sig, args, body, with_mins=False, ntok=TOKE
     return _dots_loop(builder, h, pairs, nb, body, with_mins, [wrow], block_bytes)
 
 
-def make_tokens_intrinsic(body, with_mins=False, ntok=TOKENS_A_ROW, block_bytes=0):
-    """row_tokens(w, r, xq, xd, xs, t0) -> the tuple of row r's dots with tokens t0..t0 +
-    ntok - 1 (token_row_loop; xq, xd, xs 2-D with a row per token)."""
+def _store_token_dots(context, builder, sig, args, body, with_mins, block_bytes):
+    """out[t0 + j, r] = row r's dot with token t0 + j, j < m (2 <= m <= TOKENS_A_ROW):
+    token_row_loop unrolled for each m, the one for this m run."""
+    r, t0, m = args[1], args[5], args[6]
+    out = context.make_array(sig.args[7])(context, builder, args[7])
+    o_row, o_col = cgutils.unpack_tuple(builder, out.strides)
+    base = builder.bitcast(out.data, I8.as_pointer())
+    col = builder.mul(r, o_col)
+
+    def run(ntok):
+        for j, s in enumerate(token_row_loop(context, builder, sig, args, body, with_mins, ntok, block_bytes)):
+            at = builder.gep(base, [builder.add(builder.mul(builder.add(t0, c64(j)), o_row), col)])
+            builder.store(s, builder.bitcast(at, F32T.as_pointer()))
+
+    def choose(ntok):
+        if ntok == TOKENS_A_ROW:
+            run(ntok)
+            return
+        with builder.if_else(builder.icmp_signed("==", m, c64(ntok))) as (this, more):
+            with this:
+                run(ntok)
+            with more:
+                choose(ntok + 1)
+    choose(2)
+
+
+def make_tokens_intrinsic(body, with_mins=False, block_bytes=0):
+    """row_tokens(w, r, xq, xd, xs, t0, m, out): out[t0 + j, r] = row r's dot with token
+    t0 + j for j < m, 2 <= m <= TOKENS_A_ROW (token_row_loop; xq, xd, xs and out 2-D
+    with a row per token). One intrinsic for every m: the type dispatch stays one chain."""
     @intrinsic
-    def row_tokens(typingctx, w, r, xq, xd, xs, t0):
-        sig = types.UniTuple(types.float32, ntok)(w, r, xq, xd, xs, t0)
+    def row_tokens(typingctx, w, r, xq, xd, xs, t0, m, out):
+        sig = types.void(w, r, xq, xd, xs, t0, m, out)
 
         def codegen(context, builder, sig, args):
-            return context.make_tuple(builder, sig.return_type,
-                                      token_row_loop(context, builder, sig, args, body, with_mins, ntok,
-                                                     block_bytes))
+            _store_token_dots(context, builder, sig, args, body, with_mins, block_bytes)
+            return context.get_dummy_value()
         return sig, codegen
     return row_tokens
 

@@ -1,8 +1,9 @@
-"""dispatch._dot_rows_tokens: a short batch's tokens four a row, each with matvec's bits.
+"""dispatch._dot_rows_tokens: a short batch's tokens up to four a row, each with matvec's bits.
 
 A short prompt or a speculative batch on the decode row kernels used to run every token
-over a chunk of rows on its own; ir_helpers.token_row_loop runs four tokens per row loop
-with each (row, token) pair's own accumulators and operations."""
+over a chunk of rows on its own; ir_helpers.token_row_loop runs two to four tokens per
+row loop with each (row, token) pair's own accumulators and operations, a batch in as
+few passes as can be (5 tokens: 3 + 2)."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,7 +18,7 @@ TYPES = [T.Q8_0, T.Q6_K, T.Q5_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q3_
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n_tok", [4, 7, 9])   # a run of four and 3 left; two runs and 1
+@pytest.mark.parametrize("n_tok", [2, 3, 4, 5, 7, 9])   # one pass of 2, 3, 4; 3 + 2; 4 + 3; 3 + 3 + 3
 def test_each_token_of_a_batch_has_matvecs_bits(qt, n_tok):
     rng = np.random.default_rng(int(qt) * 10 + n_tok)
     n_rows = 44 if qt == T.Q4_K else 40   # Q4_K: rows % 8 != 0, where its decode rows are row_loop's
