@@ -48,13 +48,14 @@ def repacks(qtype, n_rows: int) -> bool:
     return int(qtype) == Q4_K and n_rows % X8_ROWS == 0 and host_repacks()
 
 
-def interleave_q4_k(w_raw: np.ndarray) -> np.ndarray:
-    """The Q4_K_X8 copy of a Q4_K matrix (n_rows % 8 == 0), same shape, C-contiguous."""
+def interleave_q4_k(w_raw: np.ndarray, empty=np.empty) -> np.ndarray:
+    """The Q4_K_X8 copy of a Q4_K matrix (n_rows % 8 == 0), same shape, C-contiguous, in
+    memory from empty(shape, dtype)."""
     n_rows, row_bytes = w_raw.shape
     if n_rows % X8_ROWS or row_bytes % 144:
         raise ValueError(f"Q4_K_X8 needs whole blocks and rows in eights, got {w_raw.shape}")
     nb = row_bytes // 144
-    out = np.empty_like(w_raw)
+    out = empty(w_raw.shape, w_raw.dtype)
     # rows as (group, row, block, piece) of 16 bytes (two u64) -> (group, block, piece, row)
     src = np.ascontiguousarray(w_raw).view(np.uint64).reshape(n_rows // X8_ROWS, X8_ROWS, nb, _PIECES, 2)
     out.view(np.uint64).reshape(n_rows // X8_ROWS, nb, _PIECES, X8_ROWS, 2)[...] = src.transpose(0, 2, 3, 1, 4)
@@ -71,11 +72,11 @@ def deinterleave_q4_k(w_x8: np.ndarray) -> np.ndarray:
     return out
 
 
-def repack(w_raw: np.ndarray, qtype) -> tuple[np.ndarray, int]:
-    """(weights, type id) the CPU kernels read fastest: a read-only Q4_K_X8 copy where
-    `repacks` says so, else the input itself."""
+def repack(w_raw: np.ndarray, qtype, empty=np.empty) -> tuple[np.ndarray, int]:
+    """(weights, type id) the CPU kernels read fastest: a read-only Q4_K_X8 copy (in
+    memory from empty(shape, dtype)) where `repacks` says so, else the input itself."""
     if not repacks(qtype, w_raw.shape[0]):
         return w_raw, int(qtype)
-    out = interleave_q4_k(w_raw)
+    out = interleave_q4_k(w_raw, empty)
     out.flags.writeable = False
     return out, Q4_K_X8

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeinfer import kernels_cpu
+from edgeinfer.backends import huge_pages
 from edgeinfer.backends.base import Backend, _gelu_f16_table
 from edgeinfer.backends.offload import is_expert_tensor
 from edgeinfer.kernels_cpu import flash_attention, fused_layer, heap, kv_attention, moe_routing, ops
@@ -47,28 +48,38 @@ class CpuBackend(Backend):
         self._matrices, self._expert_matrices = model_matrices(gguf.tensors.values(), experts)
         self._prepared: dict = {}
         self._weights: dict = {}
+        self._arena = huge_pages.HugePageArena() if huge_pages.available() else None
 
     def weight(self, name: str) -> tuple[np.ndarray, int]:
-        """(blocks, type id) the kernels read for matrix `name`: the file's mapped bytes, or
-        on first use a copy in a faster layout (Q4_K -> Q4_K_X8 on AVX-512 hosts,
-        kernels_cpu/repack.py), whose file pages then leave this process's memory (peak
-        RSS stays about the file's size). Only matrices computed here are copied: layers
-        offloaded to the GPU never ask."""
+        """(blocks, type id) the kernels read for matrix `name`: on first use a copy in huge
+        pages (backends/huge_pages.py; where the OS has none, the file's mapped bytes), in
+        a faster layout where there is one (Q4_K -> Q4_K_X8 on AVX-512 hosts,
+        kernels_cpu/repack.py). The file pages of a copy then leave this process's memory
+        (peak RSS stays about the file's size). Only matrices computed here are copied:
+        layers offloaded to the GPU never ask."""
         got = self._weights.get(name)
         if got is None:
             raw = self.gguf.raw(name)
-            w, qt = repack(raw, self.gguf.tensors[name].qtype)
+            w, qt = repack(raw, self.gguf.tensors[name].qtype, self._arena.empty if self._arena else np.empty)
+            if w is raw and self._arena is not None:
+                w = self._arena.copy(raw)
             if w is not raw:
                 self.gguf.drop_pages(name)
             got = self._weights[name] = (w, qt)
         return got
 
     def prepare_weights(self) -> None:
-        """Make every copy `weight` would make, now: at load rather than on the first prompt
-        (about 0.4 s for a 1B model's Q4_K). For a model computed wholly on this backend."""
+        """Make the copies `weight` would make, now: at load rather than on the first prompt
+        (about 0.4 s for a 1B model's Q4_K). For a model computed wholly on this backend.
+        Embedding tables (names with "embd") stay in the file, where get_rows reads a few
+        of their rows, unless a matmul reads them: token_embd where the file has no
+        output.weight (a tied output)."""
+        tied = "output.weight" not in self.gguf.tensors
         # 3-D expert tensors stay in the file: their experts' rows are read where they lie
         names = [name for name, info in self.gguf.tensors.items()
-                 if not is_expert_tensor(name, info.shape) and repacks(info.qtype, info.n_rows)]
+                 if len(info.shape) == 2 and not is_expert_tensor(name, info.shape)
+                 and ("embd" not in name or (tied and name == "token_embd.weight"))
+                 and (self._arena is not None or repacks(info.qtype, info.n_rows))]
         # numpy copies without the GIL: the worker threads share the matrices out
         list(worker_pool(kernels_cpu.get_threads()).map(self.weight, names))
 
@@ -199,8 +210,11 @@ class CpuBackend(Backend):
         return self._prepared[names]
 
     def get_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
-        return kernels_cpu.get_rows(*self.weight(name), self.gguf.tensors[name].n_cols,
-                                    np.asarray(ids, dtype=np.int64))
+        info = self.gguf.tensors[name]
+        got = self._weights.get(name)   # an embedding table stays in the file unless a matmul copied it
+        if got is None:
+            got = self.weight(name) if repacks(info.qtype, info.n_rows) else (self.gguf.raw(name), int(info.qtype))
+        return kernels_cpu.get_rows(*got, info.n_cols, np.asarray(ids, dtype=np.int64))
 
     def attention(self, q, kv, layer, positions, scale, window, q_scale=1.0, sinks=None):
         k, v, kpos = kv.layer_view(layer)
