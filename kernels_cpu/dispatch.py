@@ -624,10 +624,19 @@ def matvec_fast(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
 def matmul_int(w_raw: np.ndarray, qt: int, xq, xd, xs, out) -> None:
     """out[t, r] = row r . token t's 8-bit activations (xq/xd/xs with one row per token):
     each the same bits as matvec_fast on token t alone."""
+    matmul_int_many([w_raw], [qt], xq, xd, xs, [out])
+
+
+def matmul_int_many(ws: list, qts: list, xq, xd, xs, outs: list) -> None:
+    """matmul_int for 1 to 3 matrices sharing the activations (Q, K, V; gate and up), in one
+    parallel region: one launch, and a thread done with one matrix's rows takes the next's."""
+    qts = [int(q) for q in qts]
+    ks = kernels_for(*qts)
     if compile_progress._pending:
-        compile_progress.wait_for(kernels_for(qt).matvec_kernel)
-    kernels_for(qt).matvec_kernel(w_raw, qt, w_raw, qt, w_raw, qt, xq, xd, xs, out, _NO_OUT, _NO_OUT,
-                                   get_threads())
+        compile_progress.wait_for(ks.matvec_kernel)
+    n = len(ws)
+    w, q, o = list(ws) + [ws[0]] * (3 - n), qts + [qts[0]] * (3 - n), list(outs) + [_NO_OUT] * (3 - n)
+    ks.matvec_kernel(w[0], q[0], w[1], q[1], w[2], q[2], xq, xd, xs, o[0], o[1], o[2], get_threads())
 
 
 def matmul_pairs(ws: list, qts: list, xq, xd, outs: list) -> None:
@@ -678,14 +687,8 @@ def expert_matvec_fast(ws: list, qts: list, experts, starts, rows_of, n_per: int
 
 def matvec_fast_many(ws: list, qts: list, xq, xd, xs, outs: list) -> None:
     """matvec_fast for 2 or 3 matrices sharing the quantized activations, in one call."""
-    if compile_progress._pending:
-        compile_progress.wait_for(kernels_for(*qts).matvec_kernel)
-    if len(ws) == 2:
-        kernels_for(*qts).matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[1], qts[1], xq[None], xd[None], xs[None],
-                                         outs[0][None], outs[1][None], _NO_OUT, get_threads())
-    elif len(ws) == 3:
-        kernels_for(*qts).matvec_kernel(ws[0], qts[0], ws[1], qts[1], ws[2], qts[2], xq[None], xd[None], xs[None],
-                                         outs[0][None], outs[1][None], outs[2][None], get_threads())
-    else:
+    if len(ws) > 3:
         for w, qt, out in zip(ws, qts, outs):
             matvec_fast(w, qt, xq, xd, xs, out)
+        return
+    matmul_int_many(ws, qts, xq[None], xd[None], xs[None], [out[None] for out in outs])

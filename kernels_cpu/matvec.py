@@ -471,8 +471,9 @@ def _split(n: int, total: int, step: int):
 def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | None = None) -> list[np.ndarray]:
     """[matmul(w, qt, X) for w, qt in zip(ws, qtypes)] for matrices on the same input
     (Q/K/V, gate/up). Where every one takes the same 8-bit GEMM (the VNNI tiles,
-    gemm_kquant or gemm_q32), or the row kernels two tokens a vector (pair_tokens), X is
-    quantized and packed once and the rows of all of them are shared out in one batch."""
+    gemm_kquant or gemm_q32), the row kernels two tokens a vector (pair_tokens), or the
+    row kernels on one activation format, X is quantized (and packed) once and the rows of
+    all of them are shared out in one batch."""
     infos = [check_weight(w, qt) for w, qt in zip(ws, qtypes)]
     qts = [int(info.qtype) for info in infos]
     paths = {matmul_path(qt, w.shape[0], X.shape[0]) for qt, w in zip(qts, ws)}
@@ -480,7 +481,9 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
     n_tok = X.shape[0]
     if _takes_pairs(qts, n_tok) and (path == "rows" or (path is None and n_tok <= _PAIRS_MIXED_MAX_TOKENS)):
         path = "pairs"   # quantized and packed once, the matrices in one parallel region
-    if path not in ("tiles", "kquant", "q32", "pairs") or len(ws) > 3:
+    if path == "rows" and len({info.act_block for info in infos}) > 1:
+        path = None   # Q8_0 and Q8_K activations: matrix by matrix
+    if path not in ("tiles", "kquant", "q32", "pairs", "rows") or len(ws) > 3:
         return [matmul(w, qt, X) for w, qt in zip(ws, qtypes)]
     ws = [_readonly(w) for w in ws]
     X = np.ascontiguousarray(X, dtype=np.float32)
@@ -500,6 +503,8 @@ def matmul_many(ws: list[np.ndarray], qtypes: list, X: np.ndarray, outs: list | 
     elif path == "pairs":
         xq, xd, _ = quantize_activation_rows(X, infos[0])
         dispatch.matmul_pairs(ws, qts, xq, xd, outs)
+    elif path == "rows":   # quantized once, the matrices' rows in one parallel region
+        dispatch.matmul_int_many(ws, qts, *quantize_activation_rows(X, infos[0]), outs)
     else:
         gemm = gemm_kquant if path == "kquant" else gemm_q32
         packed = gemm.pack_activations(*quantize_activation_rows(X, infos[0]))

@@ -6,6 +6,8 @@ row loop with each (row, token) pair's own accumulators and operations, a batch 
 few passes as can be (5 tokens: 3 + 2)."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -35,3 +37,27 @@ def test_each_token_of_a_batch_has_matvecs_bits(qt, n_tok):
 def test_repacked_q4_k_keeps_its_own_rows():
     # Q4_K with rows % 8 == 0 decodes in llama.cpp's repacked gemv order: not token_row_loop's
     assert not dispatch.kernel_set((int(T.Q4_K),)).has_tokens_rows(int(T.Q4_K), 64)
+
+
+@pytest.mark.parametrize("qts", [(T.Q5_0, T.Q5_0, T.Q8_0), (T.Q6_K, T.Q4_K), (T.Q8_0, T.Q6_K)],
+                         ids=["q32-mixed", "kquants", "two-activation-formats"])
+def test_matrices_on_one_input_share_one_region(qts, monkeypatch):
+    # Q/K/V and gate/up of a short batch on the row kernels (no pairs: AVX2 hosts): one
+    # quantization and one parallel region where the types share an activation format
+    matvec_mod = sys.modules["edgeinfer.kernels_cpu.matvec"]
+    monkeypatch.setattr(matvec_mod, "_PAIRS", False)
+    calls = []
+    real = dispatch.matmul_int_many
+    monkeypatch.setattr(dispatch, "matmul_int_many", lambda ws, *a: calls.append(len(ws)) or real(ws, *a))
+    rng = np.random.default_rng(11)
+    ws = [random_blocks(qt, n, 768, rng) for qt, n in zip(qts, (44, 20, 12))]
+    for w in ws:
+        w.flags.writeable = False
+    X = rng.standard_normal((3, 768)).astype(np.float32)
+    with K.decode_order():
+        got = K.matmul_many(ws, list(qts), X)
+    one_format = len({K.quant_info(qt).act_block for qt in qts}) == 1
+    assert calls == ([len(qts)] if one_format else [1] * len(qts))
+    for w, qt, g in zip(ws, qts, got):
+        for t in range(3):
+            np.testing.assert_array_equal(g[t], K.matvec(w, qt, X[t]), err_msg=f"{qt.name} token {t}")
