@@ -388,7 +388,7 @@ row_q3_k = make_row_intrinsic(_make_body_q23_k(True))
 # a short batch's tokens, four a row (dispatch._dot_rows_tokens): each the row kernel's bits
 tok_q4_k = make_tokens_intrinsic(_make_body_q45_k(False), with_mins=True)
 tok_q5_k = make_tokens_intrinsic(_make_body_q45_k(True))
-tok_q6_k = make_tokens_intrinsic(_body_q6_k)
+tok_q6_k = make_tokens_intrinsic(_body_q6_k, block_bytes=210)
 tok_iq4_xs = make_tokens_intrinsic(_body_iq4_xs)
 tok_q2_k = make_tokens_intrinsic(_make_body_q23_k(False))
 tok_q3_k = make_tokens_intrinsic(_make_body_q23_k(True))

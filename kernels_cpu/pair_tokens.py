@@ -125,8 +125,9 @@ def _pair_loop(context, builder, sig, args, qt, n_pairs):
     bs = BLOCK_BYTES[qt]
 
     def blocks(bi, accs):
-        if qt == Q8_0:   # the Q8_0 row kernel's prefetch (its rows stream from memory)
-            prefetch_row_streams(h, [wrow], bi, bs)
+        # 4 KiB ahead for every type, as the token loops: one row at a time, the hardware
+        # prefetcher fell behind (Gemma's Q5_0 gate + up, 2 tokens, Xeon: 0.31 -> 0.19 ms)
+        prefetch_row_streams(h, [wrow], bi, bs)
         wo = b.mul(bi, c64(bs))
         codes = _codes(h, wrow, wo, qt)
         both = b.shuffle_vector(codes, codes, mask(list(range(32)) * 2))
