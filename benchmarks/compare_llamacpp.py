@@ -25,11 +25,11 @@ import numpy as np
 COOL_DOWN_S = 1.0
 
 
-def llama_cpp_runner(path: str, n_ctx: int, threads: int, depth: int):
+def llama_cpp_runner(path: str, n_ctx: int, threads: int, depth: int, mmap: bool = True):
     import llama_cpp
 
     model = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                            n_threads_batch=threads, verbose=False)
+                            n_threads_batch=threads, use_mmap=mmap, verbose=False)
     n_vocab = model.n_vocab()
 
     def at_depth(seed: int) -> None:
@@ -101,6 +101,9 @@ def main() -> None:
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-d", "--n-depth", type=int, default=0, help="tokens in the context before each test")
+    ap.add_argument("--llama-no-mmap", action="store_true",
+                    help="llama.cpp reads the weights into its own memory (llama-cli --no-mmap), as edgeinfer "
+                         "copies them into huge pages; by default it maps the file")
     args = ap.parse_args()
 
     from edgeinfer.store.registry import resolve
@@ -108,7 +111,7 @@ def main() -> None:
     path = str(resolve(args.name, download=False))
     n_ctx = args.n_depth + max(args.n_prompt, args.n_gen) + 8
     runners = {"edgeinfer": edgeinfer_runner(path, n_ctx, args.threads, args.n_depth),
-               "llama.cpp": llama_cpp_runner(path, n_ctx, args.threads, args.n_depth)}
+               "llama.cpp": llama_cpp_runner(path, n_ctx, args.threads, args.n_depth, not args.llama_no_mmap)}
     results: dict[tuple[str, str], list[float]] = {}
     for test, n, which in (("pp", args.n_prompt, 0), ("tg", args.n_gen, 1)):
         if n <= 0:
@@ -122,7 +125,8 @@ def main() -> None:
                 time.sleep(COOL_DOWN_S)
                 results.setdefault((name, test), []).append(fns[which](n, r))
 
-    print(f"model {path}, threads {args.threads}, median of {args.repetitions}")
+    mapped = "llama.cpp with --no-mmap" if args.llama_no_mmap else "llama.cpp mapping the file"
+    print(f"model {path}, threads {args.threads}, median of {args.repetitions}, {mapped}")
     print(f"| test | edgeinfer t/s | llama.cpp t/s | ratio |")
     print(f"| --- | --- | --- | --- |")
     for test, n in (("pp", args.n_prompt), ("tg", args.n_gen)):
