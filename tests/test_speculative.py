@@ -347,3 +347,65 @@ def test_draft_length_recovers_from_one_noisy_measurement():
     for _ in range(200):
         dl.plain_step(0.01)
     assert dl.next_k(16) > 0
+
+
+class _Oracle:
+    """A drafter that knows the text: it proposes the true next tokens."""
+    name = "oracle"
+
+    def __init__(self, text, cheap):
+        self.text, self.CHEAP, self.calls, self.feedback = text, cheap, 0, []
+
+    def begin(self, prompt):
+        pass
+
+    def propose(self, context, k):
+        self.calls += 1
+        return self.text[len(context):len(context) + k]
+
+    def accept(self, n_drafted, n_accepted):
+        self.feedback.append((n_drafted, n_accepted))
+
+
+@pytest.mark.parametrize("cheap", [True, False])
+def test_shadow_proposals_while_decoding_plainly_bring_drafting_back(cheap):
+    # two early rejections stop drafting; a cheap drafter keeps proposing one token a plain
+    # step, unverified, and its hits bring drafting back within a few tokens. A draft model
+    # (not cheap) is not run while drafting pays nothing
+    text = list(range(100, 200))
+    drafter = _Oracle(text, cheap)
+    spec = Speculation(drafter, SpeculativeParams(n_max=8))
+    spec.length.plain_step(0.01)
+    for _ in range(3):   # measured: 2-row verifications cost 1.5 decode steps
+        spec.length.costs.verified(2, 0.015, 0.0)
+    spec.length.verified(1, 0, 0.015, 0.0)
+    spec.length.verified(1, 0, 0.015, 0.0)
+    n = 10
+    assert spec.draft(text[:n], 8) == ([], 0.0)
+    resumed = None
+    for step in range(1, 12):
+        spec.plain_step(0.01)
+        got, _ = spec.draft(text[:n + step], 8)
+        if got:
+            resumed = step
+            assert got == text[n + step:n + step + len(got)]
+            break
+    if cheap:
+        assert resumed is not None and resumed <= 6, resumed
+        assert drafter.feedback and all(f == (1, 1) for f in drafter.feedback)
+        assert spec.drafted == 0 and spec.accepted == 0   # shadows are not drafts (draft_n)
+    else:
+        assert resumed is None and drafter.calls == 0
+
+
+def test_a_shadow_is_settled_only_by_the_one_token_after_it():
+    drafter = _Oracle(list(range(50)), True)
+    spec = Speculation(drafter, SpeculativeParams(n_max=8))
+    spec.length.accepted, spec.length.rejected = 0.0, 50.0   # drafting does not pay
+    spec.length.plain_step(0.01)
+    spec.draft(list(range(5)), 8)
+    before = (spec.length.accepted, spec.length.rejected)
+    spec.draft(list(range(7)), 8)    # two tokens later (a context shift, a new request): no evidence
+    assert (spec.length.accepted, spec.length.rejected) == before and drafter.feedback == []
+    spec.draft(list(range(8)), 8)    # one token after the last shadow: a hit
+    assert spec.length.accepted > before[0] and drafter.feedback == [(1, 1)]

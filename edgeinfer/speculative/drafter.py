@@ -202,6 +202,7 @@ class DraftLength:
     PRIOR_WEIGHT = 2.0   # pseudo-tokens of PRIOR in the estimate
     DECAY = 0.8          # weight of the earlier counts per verification
     DRIFT = 0.03         # per plain step, of the counts (and of the ratios towards their prior)
+    LONGER_MARGIN = 1.03  # a longer draft must beat a shorter one's rate by this much
     B_PRIOR = BatchCosts.B_PRIOR
 
     def __init__(self, params: SpeculativeParams, costs: BatchCosts | None = None) -> None:
@@ -240,9 +241,17 @@ class DraftLength:
         best, best_rate = 0, 1.0 / t1
         for k in range(max(1, self.params.n_min), kmax + 1):
             rate = (1 - a ** (k + 1)) / (1 - a) / (t1 * ratios[k] + d * k)
-            if rate > best_rate * 1.0001:
+            if rate > best_rate * (self.LONGER_MARGIN if best else 1.0001):
                 best, best_rate = k, rate
         return best
+
+    def shadowed(self, hit: bool) -> None:
+        """A token proposed while decoding plainly (not verified: Speculation's shadow
+        proposals) came true or not: a one-token verification's evidence, at no cost."""
+        self.accepted = self.DECAY * self.accepted + hit
+        self.rejected = self.DECAY * self.rejected + (not hit)
+        if hit:
+            self.drift = self.DRIFT
 
     def plain_step(self, seconds: float) -> None:
         self.costs.plain_step(seconds, self.drift)
@@ -272,6 +281,7 @@ class Speculation:
         self.accepted = 0  # of those, kept (draft_n_accepted)
         self._round: tuple[int, float, float] | None = None  # (k, verify s, draft s)
         self._hits = 0
+        self._shadow: tuple[int, int] | None = None   # (context length, token) proposed, not verified
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.drafter.begin(prompt)
@@ -281,8 +291,10 @@ class Speculation:
         if self._observe is not None and context is not self._seen:
             self._seen = context
             self._observe(context)
+        self._settle_shadow(context)
         k = self.length.next_k(limit)
         if k <= 0:
+            self._propose_shadow(context, limit)
             return [], 0.0
         t = time.perf_counter()
         got = list(self.drafter.propose(context, k))[:k]
@@ -292,6 +304,26 @@ class Speculation:
 
     def plain_step(self, seconds: float) -> None:
         self.length.plain_step(seconds)
+
+    def _propose_shadow(self, context: Sequence[int], limit: int) -> None:
+        """While decoding plainly, a drafter whose proposals cost no forward pass (CHEAP)
+        still proposes one token, unverified: the next token says whether it was right.
+        Without it, two early rejections stopped drafting for some 60 tokens of a text
+        whose later repeats the lookup drafts well (alpha only drifted back)."""
+        if limit > 0 and getattr(self.drafter, "CHEAP", False):
+            got = self.drafter.propose(context, 1)
+            if got:
+                self._shadow = (len(context), int(got[0]))
+
+    def _settle_shadow(self, context: Sequence[int]) -> None:
+        if self._shadow is None:
+            return
+        n, token = self._shadow
+        self._shadow = None
+        if len(context) == n + 1:   # exactly the one plainly decoded token since
+            hit = int(context[n]) == token
+            self.length.shadowed(hit)
+            self.drafter.accept(1, int(hit))
 
     def start_round(self, k: int, verify_s: float, draft_s: float) -> None:
         self._round, self._hits = (k, verify_s, draft_s), 0

@@ -15,6 +15,7 @@ from typing import Sequence
 
 class PromptLookup:
     name = "lookup"
+    CHEAP = True   # a proposal costs no forward pass (Speculation proposes while decoding plainly too)
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1) -> None:
         if not 1 <= ngram_min <= ngram_max:

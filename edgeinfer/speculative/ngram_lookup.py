@@ -144,6 +144,7 @@ class NgramLookup:
     """The lookup drafter (see the module docstring); one request at a time."""
 
     name = "lookup"
+    CHEAP = True   # a proposal costs no forward pass (Speculation proposes while decoding plainly too)
 
     def __init__(self, n_vocab: int, digest: bytes = b"", static: NgramCache | None = None,
                  session: NgramCache | None = None, dynamic_path: str | None = None) -> None:
