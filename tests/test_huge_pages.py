@@ -77,3 +77,10 @@ def test_backend_copies_matrices_not_embedding_tables(tmp_path, monkeypatch, tie
     for n_tok in (1, 3):   # the copy gives the file's bits
         np.testing.assert_array_equal(be.linear("blk.0.attn_q.weight", x[:n_tok]),
                                       plain.linear("blk.0.attn_q.weight", x[:n_tok]))
+
+
+def test_a_kernel_refusing_populate_still_gets_its_copy(monkeypatch):
+    # MADV_POPULATE_WRITE is Linux 5.14+: an older kernel's EINVAL leaves the faults to the copy
+    monkeypatch.setattr(huge_pages, "_POPULATE_WRITE", 9999)
+    src = np.arange(5000, dtype=np.uint8).reshape(50, 100)
+    np.testing.assert_array_equal(huge_pages.HugePageArena().copy(src), src)
