@@ -24,9 +24,7 @@ from .dot_iquant import (deq_row_iq1_m, deq_row_iq1_s, deq_row_iq2_s, deq_row_iq
                          deq_row_iq3_s, deq_row_iq3_xxs, row_iq1_m, row_iq1_s, row_iq2_s, row_iq2_xs, row_iq2_xxs,
                          row_iq3_s, row_iq3_xxs)
 from .dot_mxfp4 import deq_row_mxfp4, row_mxfp4, rows_mxfp4
-from .pair_tokens import (pairs1_iq4_nl, pairs1_q4_0, pairs1_q5_0, pairs1_q8_0, pairs2_iq4_nl, pairs2_q4_0,
-                          pairs2_q5_0, pairs2_q8_0, pairs3_iq4_nl, pairs3_q4_0, pairs3_q5_0, pairs3_q8_0,
-                          pairs4_iq4_nl, pairs4_q4_0, pairs4_q5_0, pairs4_q8_0)
+from .pair_tokens import pairs_iq4_nl, pairs_q4_0, pairs_q5_0, pairs_q8_0
 from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
 from .ir_helpers import I64, ROWS, TOKENS_A_ROW, X8_ROWS
 from .quant_kernels import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K,
@@ -232,37 +230,12 @@ def _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, m, out):
 def _pair_dots(w, qt, r, xq2, dx2, c2, p, m):
     """Row r's sums with the tokens of pairs p..p + m - 1 (m = 1..4), then zeros: 8 values."""
     if _HAS_Q8_0 and qt == Q8_0:
-        if m == 4:
-            return pairs4_q8_0(w, r, xq2, dx2, c2, p)
-        if m == 3:
-            return pairs3_q8_0(w, r, xq2, dx2, c2, p)
-        if m == 2:
-            return pairs2_q8_0(w, r, xq2, dx2, c2, p)
-        return pairs1_q8_0(w, r, xq2, dx2, c2, p)
+        return pairs_q8_0(w, r, xq2, dx2, c2, p, m)
     if _HAS_Q5_0 and qt == Q5_0:
-        if m == 4:
-            return pairs4_q5_0(w, r, xq2, dx2, c2, p)
-        if m == 3:
-            return pairs3_q5_0(w, r, xq2, dx2, c2, p)
-        if m == 2:
-            return pairs2_q5_0(w, r, xq2, dx2, c2, p)
-        return pairs1_q5_0(w, r, xq2, dx2, c2, p)
+        return pairs_q5_0(w, r, xq2, dx2, c2, p, m)
     if _HAS_Q4_0 and qt == Q4_0:
-        if m == 4:
-            return pairs4_q4_0(w, r, xq2, dx2, c2, p)
-        if m == 3:
-            return pairs3_q4_0(w, r, xq2, dx2, c2, p)
-        if m == 2:
-            return pairs2_q4_0(w, r, xq2, dx2, c2, p)
-        return pairs1_q4_0(w, r, xq2, dx2, c2, p)
-    # IQ4_NL (pair_tokens.PAIR_TYPES are these four)
-    if m == 4:
-        return pairs4_iq4_nl(w, r, xq2, dx2, c2, p)
-    if m == 3:
-        return pairs3_iq4_nl(w, r, xq2, dx2, c2, p)
-    if m == 2:
-        return pairs2_iq4_nl(w, r, xq2, dx2, c2, p)
-    return pairs1_iq4_nl(w, r, xq2, dx2, c2, p)
+        return pairs_q4_0(w, r, xq2, dx2, c2, p, m)
+    return pairs_iq4_nl(w, r, xq2, dx2, c2, p, m)   # IQ4_NL: pair_tokens.PAIR_TYPES are these four
 
 
 @njit(**_JIT)

@@ -515,16 +515,20 @@ def _store_token_dots(context, builder, sig, args, body, with_mins, block_bytes)
             at = builder.gep(base, [builder.add(builder.mul(builder.add(t0, c64(j)), o_row), col)])
             builder.store(s, builder.bitcast(at, F32T.as_pointer()))
 
-    def choose(ntok):
-        if ntok == TOKENS_A_ROW:
-            run(ntok)
-            return
-        with builder.if_else(builder.icmp_signed("==", m, c64(ntok))) as (this, more):
-            with this:
-                run(ntok)
-            with more:
-                choose(ntok + 1)
-    choose(2)
+    emit_for_count(builder, m, 2, TOKENS_A_ROW, run)
+
+
+def emit_for_count(builder, m, lo, hi, emit):
+    """Emit emit(n) for each n in lo..hi, run for the runtime count m (an i64; hi when m is
+    none of lo..hi - 1): a loop unrolled for each count, one intrinsic for all of them."""
+    if lo == hi:
+        emit(hi)
+        return
+    with builder.if_else(builder.icmp_signed("==", m, c64(lo))) as (this, more):
+        with this:
+            emit(lo)
+        with more:
+            emit_for_count(builder, m, lo + 1, hi, emit)
 
 
 def make_tokens_intrinsic(body, with_mins=False, block_bytes=0):

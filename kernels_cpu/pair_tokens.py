@@ -32,8 +32,8 @@ from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
 from .dot_q32 import Q32, code_offset, q32_codes
-from .ir_helpers import (F32T, I8, I32, IRHelpers, as_i8, c64, const_vec, counted_loop, mask, prefetch_row_streams,
-                         row_pointer, target_features, vec)
+from .ir_helpers import (F32T, I8, I32, IRHelpers, as_i8, c64, const_vec, counted_loop, emit_for_count, mask,
+                         prefetch_row_streams, row_pointer, target_features, vec)
 from .quant_kernels import IQ4_NL, Q4_0, Q5_0, Q8_0
 
 PAIR_TYPES = (Q8_0, Q4_0, Q5_0, IQ4_NL)
@@ -144,25 +144,29 @@ def _pair_loop(context, builder, sig, args, qt, n_pairs):
     return [h.hsum_f32(h.half(acc, k)) for acc in fin for k in (0, 1)]
 
 
-def make_pair_intrinsic(qt: int, n_pairs: int):
-    """pair_dots(w, r, xq2, dx2, c2, p0) -> the 2 * n_pairs sums of row r of w (type qt)
-    with the tokens of pairs p0.. (`pack`'s arrays), then zeros: 2 * MAX_PAIRS values
-    whatever n_pairs (one tuple type for the callers' branches)."""
+def make_pair_intrinsic(qt: int):
+    """pair_dots(w, r, xq2, dx2, c2, p0, m) -> the 2 * m sums of row r of w (type qt) with
+    the tokens of pairs p0..p0 + m - 1 (`pack`'s arrays; 1 <= m <= MAX_PAIRS), then zeros:
+    2 * MAX_PAIRS values whatever m. The row loop is unrolled for each m, the one for this
+    m run (ir_helpers.emit_for_count)."""
     @intrinsic
-    def pair_dots(typingctx, w, r, xq2, dx2, c2, p0):
-        sig = types.UniTuple(types.float32, 2 * MAX_PAIRS)(w, r, xq2, dx2, c2, p0)
+    def pair_dots(typingctx, w, r, xq2, dx2, c2, p0, m):
+        sig = types.UniTuple(types.float32, 2 * MAX_PAIRS)(w, r, xq2, dx2, c2, p0, m)
 
         def codegen(context, builder, sig, args):
-            sums = _pair_loop(context, builder, sig, args, qt, n_pairs)
-            sums += [ir.Constant(F32T, 0.0)] * (2 * MAX_PAIRS - len(sums))
-            return context.make_tuple(builder, sig.return_type, sums)
+            slots = [cgutils.alloca_once(builder, F32T) for _ in range(2 * MAX_PAIRS)]
+
+            def run(n_pairs):
+                sums = _pair_loop(context, builder, sig, args, qt, n_pairs)
+                sums += [ir.Constant(F32T, 0.0)] * (2 * MAX_PAIRS - len(sums))
+                for slot, v in zip(slots, sums):
+                    builder.store(v, slot)
+            emit_for_count(builder, args[6], 1, MAX_PAIRS, run)
+            return context.make_tuple(builder, sig.return_type, [builder.load(slot) for slot in slots])
         return sig, codegen
     return pair_dots
 
 
-# per type, row loops serving 4, 3, 2 and 1 pairs (dispatch._dot_rows_pairs: a row read
-# once for up to 8 tokens; 5 tokens as 2 + 1 pairs cost as much as 8)
-pairs4_q8_0, pairs3_q8_0, pairs2_q8_0, pairs1_q8_0 = (make_pair_intrinsic(Q8_0, n) for n in (4, 3, 2, 1))
-pairs4_q4_0, pairs3_q4_0, pairs2_q4_0, pairs1_q4_0 = (make_pair_intrinsic(Q4_0, n) for n in (4, 3, 2, 1))
-pairs4_q5_0, pairs3_q5_0, pairs2_q5_0, pairs1_q5_0 = (make_pair_intrinsic(Q5_0, n) for n in (4, 3, 2, 1))
-pairs4_iq4_nl, pairs3_iq4_nl, pairs2_iq4_nl, pairs1_iq4_nl = (make_pair_intrinsic(IQ4_NL, n) for n in (4, 3, 2, 1))
+# per type, one row loop for 1 to 4 pairs (dispatch._dot_rows_pairs: a row read once for
+# up to 8 tokens; 5 tokens as 2 + 1 pairs cost as much as 8)
+pairs_q8_0, pairs_q4_0, pairs_q5_0, pairs_iq4_nl = (make_pair_intrinsic(qt) for qt in (Q8_0, Q4_0, Q5_0, IQ4_NL))
