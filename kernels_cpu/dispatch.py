@@ -63,6 +63,15 @@ CHUNK = 16   # rows per work item: the type dispatch and call overhead, once per
 #              (a multiple of ROWS: a 4-row group never straddles two chunks)
 
 
+@njit(inline="always", **_JIT)
+def _put_quarters(out, i, q, vals):
+    """The four rows of one quartered loop step: rows i, i + q, i + 2q, i + 3q."""
+    out[i] = vals[0]
+    out[i + q] = vals[1]
+    out[i + 2 * q] = vals[2]
+    out[i + 3 * q] = vals[3]
+
+
 @njit(**_JIT)
 def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
     """Q8_0, Q6_K, Q5_K, Q4_K (rows % 8 == 0), Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 "rows"
@@ -82,34 +91,38 @@ def _quartered_rows(w, qt, r0, r1, xq, xd, xs, out):
     one-row loop at every shape: Q4_0 4096 x 14336 25.5 -> 32-34 GB/s, Q5_0 2048 x 640
     (Gemma 3 270M's gate) 0.048 -> 0.038 ms, Q4_1 4096 x 4096 16 -> 24 GB/s."""
     q = out.shape[0] // ROWS
-    v = r0
-    while v + ROWS <= min(r1, ROWS * q):   # r0 is a multiple of CHUNK, so of ROWS
-        i = v // ROWS
-        if _HAS_Q8_0 and qt == Q8_0:
-            a, b, c, d = rows_q8_0(w, i, xq, xd, xs, q)
-        elif _HAS_Q6_K and qt == Q6_K:
-            a, b, c, d = rows_q6_k(w, i, xq, xd, xs, q)
-        elif _HAS_Q5_K and qt == Q5_K:
-            a, b, c, d = rows_q5_k(w, i, xq, xd, xs, q)
-        elif _HAS_Q4_0 and qt == Q4_0:
-            a, b, c, d = rows_q4_0(w, i, xq, xd, xs, q)
-        elif _HAS_Q4_1 and qt == Q4_1:
-            a, b, c, d = rows_q4_1(w, i, xq, xd, xs, q)
-        elif _HAS_Q5_0 and qt == Q5_0:
-            a, b, c, d = rows_q5_0(w, i, xq, xd, xs, q)
-        elif _HAS_Q5_1 and qt == Q5_1:
-            a, b, c, d = rows_q5_1(w, i, xq, xd, xs, q)
-        elif _HAS_MXFP4 and qt == MXFP4:
-            a, b, c, d = rows_mxfp4(w, i, xq, xd, xs, q)
-        elif _HAS_Q4_K:
-            a, b, c, d = rows4_q4_k(w, i, xq, xd, xs, q)
-        else:   # not reached: the callers pass only the types above
-            a = b = c = d = np.float32(0.0)
-        out[i] = a
-        out[i + q] = b
-        out[i + 2 * q] = c
-        out[i + 3 * q] = d
-        v += ROWS
+    # the row groups r0 // ROWS .. i1 - 1 (r0 is a multiple of CHUNK, so of ROWS), in a loop
+    # of each type's own: one loop around the dispatch kept every type's hoisted constants
+    # in registers through every other type's loop (AVX2 build: Q4_K, Q6_K spilled)
+    i0, i1 = r0 // ROWS, max(r0 // ROWS, min(r1, ROWS * q) // ROWS)
+    if _HAS_Q8_0 and qt == Q8_0:
+        for i in range(i0, i1):
+            _put_quarters(out, i, q, rows_q8_0(w, i, xq, xd, xs, q))
+    elif _HAS_Q6_K and qt == Q6_K:
+        for i in range(i0, i1):
+            _put_quarters(out, i, q, rows_q6_k(w, i, xq, xd, xs, q))
+    elif _HAS_Q5_K and qt == Q5_K:
+        for i in range(i0, i1):
+            _put_quarters(out, i, q, rows_q5_k(w, i, xq, xd, xs, q))
+    elif _HAS_Q4_0 and qt == Q4_0:
+        for i in range(i0, i1):
+            _put_quarters(out, i, q, rows_q4_0(w, i, xq, xd, xs, q))
+    elif _HAS_Q4_1 and qt == Q4_1:
+        for i in range(i0, i1):
+            _put_quarters(out, i, q, rows_q4_1(w, i, xq, xd, xs, q))
+    elif _HAS_Q5_0 and qt == Q5_0:
+        for i in range(i0, i1):
+            _put_quarters(out, i, q, rows_q5_0(w, i, xq, xd, xs, q))
+    elif _HAS_Q5_1 and qt == Q5_1:
+        for i in range(i0, i1):
+            _put_quarters(out, i, q, rows_q5_1(w, i, xq, xd, xs, q))
+    elif _HAS_MXFP4 and qt == MXFP4:
+        for i in range(i0, i1):
+            _put_quarters(out, i, q, rows_mxfp4(w, i, xq, xd, xs, q))
+    elif _HAS_Q4_K:   # else not reached: the callers pass only the types above
+        for i in range(i0, i1):
+            _put_quarters(out, i, q, rows4_q4_k(w, i, xq, xd, xs, q))
+    v = ROWS * i1
     for r in range(max(v, ROWS * q), r1):   # never for Q4_K (rows % 8 == 0)
         if _HAS_Q8_0 and qt == Q8_0:
             out[r] = row_q8_0(w, r, xq, xd, xs)
@@ -196,34 +209,46 @@ def _has_tokens_rows(qt, n_rows):
 def _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, m, out):
     """out[t + j, r] for r0 <= r < r1 and the m tokens from t (2 <= m <= TOKENS_A_ROW):
     each row read and unpacked once for them, each (row, token) with matvec's bits
-    (ir_helpers.token_row_loop)."""
-    for r in range(r0, r1):
-        if _HAS_Q8_0 and qt == Q8_0:
+    (ir_helpers.token_row_loop). A loop over the rows in each type's branch, not one loop
+    around the dispatch: LLVM hoists a loop's invariant constants to its preheader, and
+    in one loop for all the types every type's constants stayed in registers through every
+    other type's inner loop (the AVX2 build's Q8_0 four-token loop spilled 14 times)."""
+    if _HAS_Q8_0 and qt == Q8_0:
+        for r in range(r0, r1):
             tok_q8_0(w, r, xq, xd, xs, t, m, out)
-        elif _HAS_Q6_K and qt == Q6_K:
+    elif _HAS_Q6_K and qt == Q6_K:
+        for r in range(r0, r1):
             tok_q6_k(w, r, xq, xd, xs, t, m, out)
-        elif _HAS_Q5_K and qt == Q5_K:
+    elif _HAS_Q5_K and qt == Q5_K:
+        for r in range(r0, r1):
             tok_q5_k(w, r, xq, xd, xs, t, m, out)
-        elif _HAS_Q4_0 and qt == Q4_0:
+    elif _HAS_Q4_0 and qt == Q4_0:
+        for r in range(r0, r1):
             tok_q4_0(w, r, xq, xd, xs, t, m, out)
-        elif _HAS_Q4_1 and qt == Q4_1:
+    elif _HAS_Q4_1 and qt == Q4_1:
+        for r in range(r0, r1):
             tok_q4_1(w, r, xq, xd, xs, t, m, out)
-        elif _HAS_Q5_0 and qt == Q5_0:
+    elif _HAS_Q5_0 and qt == Q5_0:
+        for r in range(r0, r1):
             tok_q5_0(w, r, xq, xd, xs, t, m, out)
-        elif _HAS_Q5_1 and qt == Q5_1:
+    elif _HAS_Q5_1 and qt == Q5_1:
+        for r in range(r0, r1):
             tok_q5_1(w, r, xq, xd, xs, t, m, out)
-        elif _HAS_IQ4_NL and qt == IQ4_NL:
+    elif _HAS_IQ4_NL and qt == IQ4_NL:
+        for r in range(r0, r1):
             tok_iq4_nl(w, r, xq, xd, xs, t, m, out)
-        elif _HAS_Q3_K and qt == Q3_K:
+    elif _HAS_Q3_K and qt == Q3_K:
+        for r in range(r0, r1):
             tok_q3_k(w, r, xq, xd, xs, t, m, out)
-        elif _HAS_Q2_K and qt == Q2_K:
+    elif _HAS_Q2_K and qt == Q2_K:
+        for r in range(r0, r1):
             tok_q2_k(w, r, xq, xd, xs, t, m, out)
-        elif _HAS_IQ4_XS and qt == IQ4_XS:
+    elif _HAS_IQ4_XS and qt == IQ4_XS:
+        for r in range(r0, r1):
             tok_iq4_xs(w, r, xq, xd, xs, t, m, out)
-        elif _HAS_Q4_K:
+    elif _HAS_Q4_K:   # else not reached: _has_tokens_rows names the types above
+        for r in range(r0, r1):
             tok_q4_k(w, r, xq, xd, xs, t, m, out)
-        else:   # not reached: _has_tokens_rows names the types above
-            return
 
 
 @njit(inline="always", **_JIT)
