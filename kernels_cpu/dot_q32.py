@@ -14,10 +14,12 @@ from .ir_helpers import (F32T, I8, I16, I32, as_i8, c64, const_vec, make_deq_int
 from .quant_kernels import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1
 
 
-def _body_q8_0(h, wrow, xq, xd, xs, bi, acc):
+def _body_q8_0(h, wrow, xq, xd, xs, bi, acc, d=None):
+    """d: the block's scale product, when the loop formed it (ir_helpers.group_scales)."""
     b = h.b
     wo = b.mul(bi, c64(34))
-    d = b.fmul(h.load_f16_splat(wrow, wo, 8), h.splat(h.load(xd, b.mul(bi, c64(4)), F32T), 8))
+    if d is None:
+        d = _scale_product(h, wrow, wo, h.load(xd, b.mul(bi, c64(4)), F32T))
     wv = h.load(wrow, b.add(wo, c64(2)), vec(I8, 32))
     xv = h.load(xq, b.mul(bi, c64(32)), vec(I8, 32))
     # |w| (u8) . sign(w)*x (s8): products are the same, and vpmaddubsw takes u8 x s8
@@ -122,21 +124,27 @@ def _q32_isum_vnni(h, wrow, wo, qt, xv):
     return h.dpbusd(start, q, xv)
 
 
+def _scale_product(h, wrow, wo, dx):
+    """The block's fp16 scale at wo times dx, in all 8 lanes."""
+    b = h.b
+    if h.f16c:
+        # formed in all lanes (vpbroadcastw + vcvtph2ps): the same product, and the tokens
+        # of a several-tokens loop share the conversion (load_f16's inline vmovd is not
+        # merged: one conversion a token)
+        return b.fmul(h.load_f16_splat(wrow, wo, 8), h.splat(dx, 8))
+    return h.splat(b.fmul(h.load_f16(wrow, wo), dx), 8)
+
+
 def _make_body_q32(qt):
     bs, has_min, has_qh, offset, table = Q32[qt]
 
-    def body(h, wrow, xq, xd, xs, bi, acc):
+    def body(h, wrow, xq, xd, xs, bi, acc, d=None):
         b = h.b
         wo = b.mul(bi, c64(bs))
         dx = h.load(xd, b.mul(bi, c64(4)), F32T)
         xv = h.load(xq, b.mul(bi, c64(32)), vec(I8, 32))
-        if h.f16c:
-            # d * dx formed in all lanes (vpbroadcastw + vcvtph2ps): the same product, and
-            # the tokens of a several-tokens loop share the conversion (load_f16's inline
-            # vmovd is not merged: one conversion a token)
-            d = b.fmul(h.load_f16_splat(wrow, wo, 8), h.splat(dx, 8))
-        else:
-            d = h.splat(b.fmul(h.load_f16(wrow, wo), dx), 8)
+        if d is None:       # (else formed by the loop: ir_helpers.group_scales)
+            d = _scale_product(h, wrow, wo, dx)
         if h.vnni and h.f16c:
             s = _q32_isum_vnni(h, wrow, wo, qt, xv)
         else:
@@ -240,9 +248,13 @@ rows_q5_1 = make_row_intrinsic(_make_body_q32_rows(Q5_1), nrows=ROWS)
 
 # a short batch's tokens, up to four a row (dispatch._dot_rows_tokens): each the row
 # kernel's bits. Prefetched as Q8_0's rows: one row at a time, a long body a block, the
-# hardware prefetcher fell behind (Q5_0 147456 x 640, 2 tokens: 16 -> 6.9 ms, AVX2 build)
-tok_q8_0 = make_tokens_intrinsic(_body_q8_0, block_bytes=34)
-tok_q4_0 = make_tokens_intrinsic(_make_body_q32(Q4_0), block_bytes=Q32[Q4_0][0])
+# hardware prefetcher fell behind (Q5_0 147456 x 640, 2 tokens: 16 -> 6.9 ms, AVX2 build).
+# Q8_0 and Q4_0 form four blocks' scale products in one multiply (ir_helpers.group_scales):
+# AVX2 build on the Xeon, 4 tokens, Q8_0 262144 x 640 12.8 -> 10.5 ms, Q4_0 65536 x 640
+# 2.7-2.9 -> 2.5-2.7 ms. Q5_0, Q5_1 and IQ4_NL, whose unpacking keeps the shuffle port busy,
+# lost with it (Q5_0 2.7-2.9 -> 3.0-3.3 ms).
+tok_q8_0 = make_tokens_intrinsic(_body_q8_0, block_bytes=34, block_scales=True)
+tok_q4_0 = make_tokens_intrinsic(_make_body_q32(Q4_0), block_bytes=Q32[Q4_0][0], block_scales=True)
 tok_q4_1 = make_tokens_intrinsic(_make_body_q32(Q4_1), block_bytes=Q32[Q4_1][0])
 tok_q5_0 = make_tokens_intrinsic(_make_body_q32(Q5_0), block_bytes=Q32[Q5_0][0])
 tok_q5_1 = make_tokens_intrinsic(_make_body_q32(Q5_1), block_bytes=Q32[Q5_1][0])

@@ -34,6 +34,21 @@ def test_each_token_of_a_batch_has_matvecs_bits(qt, n_tok):
         np.testing.assert_array_equal(got[t], K.matvec(w, qt, X[t]), err_msg=f"token {t}")
 
 
+@pytest.mark.parametrize("qt", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("n_blocks", [3, 7, 9])   # no group of four; one and a tail of 3; two and 1
+def test_grouped_scale_products_keep_the_bits_with_a_tail(qt, n_blocks):
+    # these types' token loops form four blocks' scale products in one multiply
+    # (ir_helpers.group_scales), the blocks past the last group one at a time
+    rng = np.random.default_rng(n_blocks)
+    w = random_blocks(qt, 40, 32 * n_blocks, rng)
+    w.flags.writeable = False
+    X = rng.standard_normal((4, 32 * n_blocks)).astype(np.float32)
+    with K.decode_order():
+        got = K.matmul(w, qt, X)
+    for t in range(4):
+        np.testing.assert_array_equal(got[t], K.matvec(w, qt, X[t]), err_msg=f"token {t}")
+
+
 def test_repacked_q4_k_keeps_its_own_rows():
     # Q4_K with rows % 8 == 0 decodes in llama.cpp's repacked gemv order: not token_row_loop's
     assert not dispatch.kernel_set((int(T.Q4_K),)).has_tokens_rows(int(T.Q4_K), 64)
