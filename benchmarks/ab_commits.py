@@ -2,6 +2,7 @@
 
     python benchmarks/ab_commits.py MODEL --a rev:18a5a00 --b here [-t pp16,tg32] [-r 8]
     python benchmarks/ab_commits.py MODEL --a here --b "env:EDGEINFER_NO_PAIRS=1"
+    python benchmarks/ab_commits.py MODEL --a rev:HEAD --b here -t vf4 -r 8
 
 On a shared machine whose speed drifts by tens of percent from hour to hour, two runs of
 a benchmark at different times do not compare; two processes that take turns, each
@@ -10,7 +11,9 @@ holding its model loaded and its kernels compiled, do. A side is `here` (this ch
 with its own Numba cache: Numba keys its cache by source file, not by commit) or
 `env:K=V,K=V` (this checkout with those environment variables; a variable that a compiled
 kernel reads as a global needs its own NUMBA_CACHE_DIR in the same spec, for Numba's
-cache does not see globals change). Each round runs every
+cache does not see globals change). A test is ppN (a prompt of N tokens), tgN (N decoded
+tokens) or vfN (a speculative verification of N rows: decode's bits, every row's logits,
+rows/s over 8 of them after a 32-token prompt). Each round runs every
 test on both sides, the order flipping each round; the report gives each side's median
 and spread and the median and range of the per-round ratios B/A.
 """
@@ -70,19 +73,48 @@ def _start(model: str, env: dict, n_ctx: int, threads: int) -> subprocess.Popen:
     return p
 
 
+def _verify_runner(model: str, n_ctx: int, threads: int):
+    """vf(n, seed): rows/s of speculative verifications of n rows (decode_bits, every row's
+    logits), each rolled back, after a 32-token prompt: the step bench_speculative's drafts pay."""
+    import time
+
+    import numpy as np
+
+    from edgeinfer.engine import Engine, EngineOptions
+    from edgeinfer.loader import open_model
+
+    engine = Engine(open_model(model), EngineOptions(n_ctx=n_ctx + 32, threads=threads, gpu_layers=0))
+    kv = engine.new_cache()
+    engine.prefill(np.random.default_rng(0).integers(0, engine.config.n_vocab, 32), kv)
+    depth = kv.n_used
+
+    def vf(n: int, seed: int) -> float:
+        rng = np.random.default_rng(seed)
+        t0 = time.perf_counter()
+        for _ in range(8):
+            engine.forward(rng.integers(0, engine.config.n_vocab, n), np.arange(depth, depth + n), kv,
+                           logits_for=np.arange(n), decode_bits=True)
+            kv.truncate(depth)
+        return 8 * n / (time.perf_counter() - t0)
+    return vf
+
+
 def _worker(model: str, n_ctx: int, threads: int) -> None:
-    """Load the model with whatever edgeinfer this process imports; answer `pp N seed` and
-    `tg N seed` lines with tokens/s."""
+    """Load the model with whatever edgeinfer this process imports; answer `pp N seed`,
+    `tg N seed` and `vf N seed` lines with tokens (rows) a second."""
     sys.path.insert(0, str(HERE))
     from compare_llamacpp import edgeinfer_runner
 
     pp, tg = edgeinfer_runner(model, n_ctx, threads, 0)
+    vf = _verify_runner(model, n_ctx, threads)
     pp(16, 0)   # warm: compile or load the kernels, page the weights in
     tg(4, 0)
+    vf(2, 0)
     print("ready", flush=True)
+    runners = {"pp": pp, "tg": tg, "vf": vf}
     for line in sys.stdin:
         kind, n, seed = line.split()
-        print((pp if kind == "pp" else tg)(int(n), int(seed)), flush=True)
+        print(runners[kind](int(n), int(seed)), flush=True)
 
 
 def main() -> None:
@@ -93,13 +125,13 @@ def main() -> None:
     ap.add_argument("model", help="model alias or .gguf path")
     ap.add_argument("--a", default="here", help="side A: here, rev:REV or env:K=V,...")
     ap.add_argument("--b", required=True, help="side B: here, rev:REV or env:K=V,...")
-    ap.add_argument("-t", "--tests", default="pp16,tg32", help="comma-separated ppN / tgN")
+    ap.add_argument("-t", "--tests", default="pp16,tg32", help="comma-separated ppN / tgN / vfN")
     ap.add_argument("-r", "--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     tests = [(t[:2], int(t[2:])) for t in args.tests.split(",")]
-    if any(kind not in ("pp", "tg") or n <= 0 for kind, n in tests):
-        raise SystemExit(f"tests are ppN or tgN with N > 0, got {args.tests!r}")
+    if any(kind not in ("pp", "tg", "vf") or n <= 0 for kind, n in tests):
+        raise SystemExit(f"tests are ppN, tgN or vfN with N > 0, got {args.tests!r}")
     n_ctx = max(n for _, n in tests) + 64
     sys.path.insert(0, str(ROOT))
     from edgeinfer.store.registry import resolve
