@@ -41,3 +41,16 @@ def test_every_vec_dot_leftover_length():
         w = rng.standard_normal((3, k)).astype(np.float32)
         x = rng.standard_normal((1, k)).astype(np.float32)
         np.testing.assert_array_equal(_ours(w, x), _ggml_product(w, x), err_msg=f"k={k}")
+
+
+@pytest.mark.parametrize("rows,k", [(8, 64), (12, 48), (6, 100), (128, 2048), (8, 40)])
+@pytest.mark.parametrize("n", [1, 2, 7, 13])
+def test_f16_products_are_ggml_s(rows, k, n):
+    # an F16 matrix times float32 tokens: ggml rounds the tokens to F16, then tinyBLAS (F16
+    # tiles; k a multiple of its vector, rows of 4, two tokens or more) or vec_dot_f16
+    rng = np.random.default_rng(rows * 1000 + k + n)
+    w = rng.standard_normal((rows, k)).astype(np.float16)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    want = gfo.mul_mat(oracle_ggml(), w, x, 1, b_type=_F32)
+    got = f32_ggml.matmul_f16(w, x.astype(np.float16).astype(np.float32), np.empty((n, rows), np.float32))
+    np.testing.assert_array_equal(got, want)
