@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeinfer.kernels_cpu import attention_f32_ggml
 from edgeinfer.vision.activation import activation
 from edgeinfer.vision.patch_attention import attend
 
@@ -24,6 +25,12 @@ class CpuOps:
 
     def __init__(self, why: str = "") -> None:
         self.why = why   # why the encoder is here though the text model has GPU layers (describe)
+        self.ggml_order = False
+
+    def match_ggml_order(self, on: bool) -> None:
+        """Attention in ggml's exact order (kernels_cpu.attention_f32_ggml) rather than by
+        BLAS: an mmproj with 8-bit matrices asks for it (mmproj.MmprojFile.ggml_order)."""
+        self.ggml_order = on
 
     def load_linear(self, lin: Any) -> None:
         """A matrix the encoder will multiply by (vit.Linear), offered at load: the CPU keeps the file's."""
@@ -72,6 +79,8 @@ class CpuOps:
     def attention(self, q: Any, k: Any, v: Any, scale: float, query_rows: int | None = None) -> Any:
         """Non-causal attention, every patch seeing every patch: q k v (n, heads, d) -> (n, heads * d);
         query_rows bounds the CPU's score slices (patch_attention.QUERY_ROWS by default)."""
+        if self.ggml_order:
+            return attention_f32_ggml.attention(q, k, v, scale)
         return attend(q, k, v, scale, query_rows)
 
     def describe(self) -> str:

@@ -49,6 +49,9 @@ class GpuOps:
         self.nbytes = 0          # bytes of weights uploaded
 
     # -- load -----------------------------------------------------------------------------------
+
+    def match_ggml_order(self, on: bool) -> None:
+        """The CPU's exact-order switch (encoder_ops.CpuOps); the GPU's kernels keep their own order."""
     def load_linear(self, lin: Any) -> None:
         from pycuda import gpuarray
 

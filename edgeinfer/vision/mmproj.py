@@ -71,6 +71,12 @@ class MmprojFile:
         # where the encoder computes (edgeinfer.vision.encoder_ops): the projectors' matrices
         # and norms are offered to it as they are read, the CPU's by default
         self.ops = ops if ops is not None else CpuOps()
+        # 8-bit (block-quantized) matrices round every activation they read to 8 bits, so a
+        # last-bit difference upstream can move one a whole quantum: the float work then
+        # follows ggml's order (vision.vit.Linear, encoder_ops.CpuOps.attention)
+        self.ggml_order = any(len(info.shape) >= 2 and info.qtype not in (T.F32, T.F16, T.BF16)
+                              for info in gf.tensors.values())
+        self.ops.match_ggml_order(self.ggml_order)
         self.vision = read_vision_params(self)
 
     def fail(self, problem: str) -> MmprojError:

@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from edgeinfer import kernels_cpu
-from edgeinfer.kernels_cpu import gemm_float, ops
+from edgeinfer.kernels_cpu import f32_ggml, gemm_float, ops
 from edgeinfer.kernels_cpu.f16 import round_f16  # x.astype(float16).astype(float32), 4x faster
 from edgeinfer.vision.activation import activation  # noqa: F401 (the projectors import it from here)
 from edgeinfer.vision.mmproj import MmprojFile, VisionParams
@@ -24,6 +24,31 @@ from edgeinfer.vision.patch_attention import attend
 
 _FLOAT_KERNEL_TYPES = (T.F32, T.F16)
 _BLAS_MIN_ROWS = 64   # patches from which float matrices take gemm_float (fewer: the text path's)
+
+
+# Quantized types whose every patch libmtmd multiplies in ggml_vec_dot's order: it keeps
+# the mmproj in plain CPU buffers (no repack), and for these tinyBLAS's Q0 kernel (8 float
+# lanes a row and token over the blocks, then hsum_float_8) sums as vec_dot does.
+_VEC_DOT_TYPES = (T.Q8_0,)
+_VEC_DOT_CHUNK = 64   # tokens a decode-order matmul call (matvec's _INT8_MATMUL_MAX_TOKENS)
+
+
+def _vec_dot_matmul(w_raw: np.ndarray, qtype, x: np.ndarray) -> np.ndarray:
+    """x W^T with every row of x given decode's (vec_dot's) bits, however many rows."""
+    out = np.empty((x.shape[0], w_raw.shape[0]), np.float32)
+    with kernels_cpu.decode_order():
+        for lo in range(0, x.shape[0], _VEC_DOT_CHUNK):
+            kernels_cpu.matmul(w_raw, qtype, x[lo:lo + _VEC_DOT_CHUNK], out[lo:lo + _VEC_DOT_CHUNK])
+    return out
+
+
+def _ggml_float_product(w_raw: np.ndarray, qtype, x: np.ndarray) -> np.ndarray:
+    """x W^T of an F32 or F16 matrix (x already through Linear.prepare) in ggml_mul_mat's
+    order: tinyBLAS where it takes the shape, else vec_dot per output (kernels_cpu.f32_ggml)."""
+    out = np.empty((x.shape[0], w_raw.shape[0]), np.float32)
+    if qtype == T.F16:
+        return f32_ggml.matmul_f16(w_raw.view(np.float16), x, out)
+    return f32_ggml.matmul(w_raw.view(np.float32), x, out)
 
 
 class Linear:
@@ -35,6 +60,7 @@ class Linear:
         self.w_raw = mm.gguf.raw(info.name)
         self.bias = mm.vector(bias, n_out, required=False) if bias else None
         self.n_in, self.n_out = n_in, n_out
+        self.ggml_order = mm.ggml_order   # float products in ggml's order (mmproj.MmprojFile.ggml_order)
         mm.ops.load_linear(self)   # in VRAM from the start where the encoder runs there
 
     def prepare(self, x: np.ndarray) -> np.ndarray:
@@ -45,10 +71,15 @@ class Linear:
 
     def apply(self, x: np.ndarray) -> np.ndarray:
         """x W^T + b of an input already through prepare()."""
-        if self.qtype in _FLOAT_KERNEL_TYPES and x.shape[0] >= _BLAS_MIN_ROWS:
+        if self.qtype in _FLOAT_KERNEL_TYPES and self.ggml_order:
+            y = _ggml_float_product(self.w_raw, self.qtype, x)
+        elif self.qtype in _FLOAT_KERNEL_TYPES and x.shape[0] >= _BLAS_MIN_ROWS:
             return gemm_float.gemm(self.w_raw.view(np.float16 if self.qtype == T.F16 else np.float32), x,
                                    bias=self.bias)
-        y = kernels_cpu.matmul(self.w_raw, self.qtype, x)
+        elif self.qtype in _VEC_DOT_TYPES:
+            y = _vec_dot_matmul(self.w_raw, self.qtype, x)
+        else:
+            y = kernels_cpu.matmul(self.w_raw, self.qtype, x)
         if self.bias is not None:
             y += self.bias
         return y
@@ -74,10 +105,14 @@ class LayerNorm:
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """ggml_rms_norm times weight: the mean square summed in double, scale in float32."""
-    ms = np.square(x.astype(np.float64)).mean(axis=-1, keepdims=True).astype(np.float32)
-    return (x * (np.float32(1.0) / np.sqrt(ms + np.float32(eps)))) * weight
+def rms_norm(x: np.ndarray, weight, eps: float) -> np.ndarray:
+    """ggml_rms_norm times weight (an (n,) vector, or a scalar 1: none) in ggml's order
+    (kernels_cpu.ops.rms_norm): float32 squares summed in double one after another. numpy's
+    double squares and pairwise mean moved the scale's last bit on some rows, and an 8-bit
+    activation quantum of the next Q8_0 matrix with it."""
+    n = x.shape[-1]
+    w = np.broadcast_to(np.asarray(weight, np.float32), (n,))
+    return ops.rms_norm(x, np.ascontiguousarray(w), eps)
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, scale: float, ops=None) -> np.ndarray:
