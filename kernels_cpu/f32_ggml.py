@@ -28,7 +28,7 @@ from numba.extending import intrinsic
 
 from edgeinfer.kernels_cpu.ggml_math import hsum16, unfused
 from edgeinfer.kernels_cpu.f16 import has_f16c
-from edgeinfer.kernels_cpu.ir_helpers import (F16T, F32T, I16, IRHelpers, c64, counted_loop, row_ptrs,
+from edgeinfer.kernels_cpu.ir_helpers import (F16T, F32T, I16, I32, IRHelpers, c64, counted_loop, row_ptrs,
                                               target_features, vec)
 
 _JIT = dict(cache=True, nogil=True, fastmath={"contract"})
@@ -153,6 +153,18 @@ def tile_tokens(lanes: int) -> int:
     return 6 if lanes == 16 else 3
 
 
+def _widen_f16(h, bits):
+    """<n x i16> of F16 bits -> <n x float>: vcvtph2ps with F16C; elsewhere lane by lane in
+    integer ops (LLVM's own fpext would call __extendhfsf2, which Numba's JIT lacks)."""
+    b, n = h.b, bits.type.count
+    if h.f16c:
+        return b.fpext(b.bitcast(bits, vec(F16T, n)), vec(F32T, n))
+    out = ir.Constant(vec(F32T, n), [0.0] * n)
+    for k in range(n):
+        out = b.insert_element(out, h.f16_value(b.extract_element(bits, ir.Constant(I32, k))), ir.Constant(I32, k))
+    return out
+
+
 def _tile_codegen(lanes, rn, half):
     """out[t0 + j, r0 + i] for i < TILE_ROWS, j < rn: one `lanes`-wide fused multiply-add
     chain an output over k (w's row, X's token row), then the horizontal sum as tinyBLAS's
@@ -173,8 +185,7 @@ def _tile_codegen(lanes, rn, half):
 
         def step(i, accs):
             if half:
-                ws = [b.fpext(b.bitcast(h.load(wr, b.mul(i, c64(2)), vec(I16, lanes)), vec(F16T, lanes)), fv)
-                      for wr in wrows]
+                ws = [_widen_f16(h, h.load(wr, b.mul(i, c64(2)), vec(I16, lanes))) for wr in wrows]
             else:
                 ws = [h.load(wr, b.mul(i, c64(4)), fv) for wr in wrows]
             new = []

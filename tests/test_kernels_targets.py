@@ -82,6 +82,17 @@ k, v = (rng.standard_normal((40, 2, 64)).astype(np.float16) for _ in range(2))
 results["attention"] = kv_attention.attention(q, k, v, np.arange(40), np.arange(37, 40), 0.125, 16)
 results["f16_bits"] = f16.to_f16_bits(q * 1e3)
 results["f16_to_f32"] = f16.f16_to_f32(k)
+# ggml-order float products (tinyBLAS tiles, F16 widened by vcvtph2ps or integer ops) and
+# the encoders' non-flash attention: lanes of 8 or 16 as the build's ggml
+from edgeinfer.kernels_cpu import attention_f32_ggml, f32_ggml
+wh = (rng.standard_normal((8, 64)) * 0.5).astype(np.float16)
+xh = rng.standard_normal((5, 64)).astype(np.float16).astype(np.float32)
+y = f32_ggml.matmul_f16(wh, xh, np.empty((5, 8), np.float32))
+if not np.allclose(y, xh.astype(np.float64) @ wh.astype(np.float64).T, rtol=1e-5, atol=1e-4):
+    sys.exit("F16 tinyBLAS product off the float64 product")
+results["f16_tinyblas"] = y
+qa = rng.standard_normal((20, 2, 16)).astype(np.float32)
+results["attention_f32"] = attention_f32_ggml.attention(qa, qa[::-1].copy(), qa, 0.25)
 # the prefill tiles: vpdpbusd with VNNI, its portable emulation elsewhere (exact integers);
 # matmul takes them on VNNI hosts only, so only the host's run computes them
 from edgeinfer.kernels_cpu import tile_gemm
@@ -172,7 +183,7 @@ def test_fast_kernels_on_other_cpu_targets_give_the_host_bits(tmp_path):
         left_out = set(host.files) - set(got.files)
         assert all(k.startswith(("gemm_", "tiles_")) for k in left_out), (name, left_out)
         for key in got.files:
-            if key == "attention" and builds[name] != host_avx512:
+            if key in ("attention", "f16_tinyblas", "attention_f32") and builds[name] != host_avx512:
                 # each target holds the order of llama.cpp's build for it (ggml_math.AVX512):
                 # an AVX2 target's attention is llama.cpp's AVX2 one, not the AVX-512 host's
                 continue
