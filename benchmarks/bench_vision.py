@@ -1,10 +1,11 @@
 """Seconds to encode one image: edgeinfer's projector against libmtmd, same file, same pixels, one run.
 
-    python benchmarks/bench_vision.py [-r 3] [-t 2] [--size 896] [--keep /tmp/g3-4b-mmproj.gguf]
+    python benchmarks/bench_vision.py [-r 3] [-t 2] [--size 896] [--type F16] [--keep /tmp/g3-4b-mmproj.gguf]
 
 The mmproj is Gemma-3-4B-shaped (SigLIP-So400m: 27 layers, width 1152, 16 heads, FFN 4304,
-14-pixel patches, 896-pixel input, 4x4 pooling, projection to 2560), random F16 weights written
-by tests/mmproj_factory.py (~0.8 GB; --keep reuses the file). libmtmd needs a text model of the
+14-pixel patches, 896-pixel input, 4x4 pooling, projection to 2560), random weights written
+by tests/mmproj_factory.py, F16 (~0.8 GB) or --type Q8_0 (as llama.cpp's converter: the
+matrices whose width is not a multiple of 32 stay F16); --keep reuses the file. libmtmd needs a text model of the
 same width beside it: a one-layer gemma3 of width 2560. Both encode the same decoded RGB image;
 the engines alternate per repetition and the medians are compared. libmtmd runs with its
 defaults (flash attention as it picks it), as its users get it.
@@ -28,7 +29,7 @@ GEMMA3_4B_VISION = dict(image_size=896, patch_size=14, n_embd=1152, n_head=16, n
 TEXT_WIDTH = 2560
 
 
-def _files(keep: str | None, tmp: Path) -> tuple[Path, Path]:
+def _files(keep: str | None, tmp: Path, qtype: str) -> tuple[Path, Path]:
     from gguf_factory import TinyShape, write_tiny_model
     from mmproj_factory import VisionShape, write_gemma3_mmproj
 
@@ -37,7 +38,7 @@ def _files(keep: str | None, tmp: Path) -> tuple[Path, Path]:
                                             n_ff=256))
     mmproj = Path(keep) if keep else tmp / "mmproj.gguf"
     if not mmproj.exists():
-        write_gemma3_mmproj(mmproj, TEXT_WIDTH, "F16", shape=VisionShape(**GEMMA3_4B_VISION))
+        write_gemma3_mmproj(mmproj, TEXT_WIDTH, qtype, shape=VisionShape(**GEMMA3_4B_VISION))
     return text, mmproj
 
 
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--size", type=int, default=896, help="the image's side in pixels")
     ap.add_argument("--keep", help="write the mmproj here once and reuse it")
+    ap.add_argument("--type", default="F16", choices=("F16", "Q8_0"), help="the mmproj's matrices")
     args = ap.parse_args()
 
     from edgeinfer.kernels_cpu import set_threads
@@ -63,7 +65,7 @@ def main() -> None:
 
     set_threads(args.threads)   # (the encoder keeps numpy's BLAS to one thread itself)
     with tempfile.TemporaryDirectory() as tmp:
-        text, mmproj = _files(args.keep, Path(tmp))
+        text, mmproj = _files(args.keep, Path(tmp), args.type)
         pixels = _picture(args.size)
         ours = load_mmproj(mmproj)
         theirs = Mtmd(text, mmproj, n_threads=args.threads, flash_attn=None)

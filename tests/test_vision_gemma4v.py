@@ -76,9 +76,9 @@ def test_q8_0_embeddings_are_libmtmd_s_bits_where_blas_order_flipped_a_quantum(t
     oracle = mtmd_oracle.Mtmd(text_model, mmproj)
     try:
         projector = load_mmproj(mmproj)
-        assert projector.tower.ops.ggml_order   # 8-bit matrices: the float work in ggml's order
+        assert projector.tower.ops.float_order.ggml_for(1881)   # 8-bit matrices: ggml's order
         f16 = load_mmproj(write_gemma4v_mmproj(tmp_path / "f16.gguf", N_TEXT, "F16", patch_qtype="F16"))
-        assert not f16.tower.ops.ggml_order     # no 8-bit rounding to amplify a last bit: BLAS's speed
+        assert not f16.tower.ops.float_order.ggml_for(1881)    # no 8-bit rounding to amplify a last bit
         for seed in SEEDS_Q8_0:
             pixels = _picture(150, 90, seed)
             got, ref = projector.encode(pixels).embeddings, oracle.encode(pixels)

@@ -15,6 +15,7 @@ import numpy as np
 
 from edgeinfer.kernels_cpu import attention_f32_ggml
 from edgeinfer.vision.activation import activation
+from edgeinfer.vision.float_order import FloatOrder
 from edgeinfer.vision.patch_attention import attend
 
 
@@ -25,12 +26,12 @@ class CpuOps:
 
     def __init__(self, why: str = "") -> None:
         self.why = why   # why the encoder is here though the text model has GPU layers (describe)
-        self.ggml_order = False
+        self.float_order = FloatOrder(False, 0)
 
-    def match_ggml_order(self, on: bool) -> None:
-        """Attention in ggml's exact order (kernels_cpu.attention_f32_ggml) rather than by
-        BLAS: an mmproj with 8-bit matrices asks for it (mmproj.MmprojFile.ggml_order)."""
-        self.ggml_order = on
+    def use_float_order(self, order: FloatOrder) -> None:
+        """The file's rule for ggml's float order (vision.float_order): the attention follows
+        it (kernels_cpu.attention_f32_ggml) where it applies, else BLAS."""
+        self.float_order = order
 
     def load_linear(self, lin: Any) -> None:
         """A matrix the encoder will multiply by (vit.Linear), offered at load: the CPU keeps the file's."""
@@ -79,7 +80,7 @@ class CpuOps:
     def attention(self, q: Any, k: Any, v: Any, scale: float, query_rows: int | None = None) -> Any:
         """Non-causal attention, every patch seeing every patch: q k v (n, heads, d) -> (n, heads * d);
         query_rows bounds the CPU's score slices (patch_attention.QUERY_ROWS by default)."""
-        if self.ggml_order:
+        if self.float_order.ggml_for(q.shape[0]):
             return attention_f32_ggml.attention(q, k, v, scale)
         return attend(q, k, v, scale, query_rows)
 

@@ -50,8 +50,8 @@ class GpuOps:
 
     # -- load -----------------------------------------------------------------------------------
 
-    def match_ggml_order(self, on: bool) -> None:
-        """The CPU's exact-order switch (encoder_ops.CpuOps); the GPU's kernels keep their own order."""
+    def use_float_order(self, order) -> None:
+        """The CPU's rule for ggml's float order (encoder_ops.CpuOps); the GPU's kernels keep their own."""
     def load_linear(self, lin: Any) -> None:
         from pycuda import gpuarray
 

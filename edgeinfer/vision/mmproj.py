@@ -16,6 +16,7 @@ from edgeinfer.metadata import (MAX_EMBD, MAX_FF, MAX_HEAD_DIM, MAX_HEADS, MAX_L
                                 meta_float, meta_float_array, meta_int, meta_str)
 from edgeinfer.vision.chunk import ImageChunk
 from edgeinfer.vision.encoder_ops import CpuOps
+from edgeinfer.vision.float_order import FloatOrder
 
 # Projector type (clip.projector_type) -> the module under edgeinfer.vision that runs it. Each
 # module has `from_file(mmproj: MmprojFile) -> Projector` and `max_patches(mmproj) -> int` (its largest
@@ -71,13 +72,12 @@ class MmprojFile:
         # where the encoder computes (edgeinfer.vision.encoder_ops): the projectors' matrices
         # and norms are offered to it as they are read, the CPU's by default
         self.ops = ops if ops is not None else CpuOps()
-        # 8-bit (block-quantized) matrices round every activation they read to 8 bits, so a
-        # last-bit difference upstream can move one a whole quantum: the float work then
-        # follows ggml's order (vision.vit.Linear, encoder_ops.CpuOps.attention)
-        self.ggml_order = any(len(info.shape) >= 2 and info.qtype not in (T.F32, T.F16, T.BF16)
-                              for info in gf.tensors.values())
-        self.ops.match_ggml_order(self.ggml_order)
         self.vision = read_vision_params(self)
+        # with 8-bit matrices, small encodes' float work in ggml's order (vision.float_order)
+        quantized = any(len(info.shape) >= 2 and info.qtype not in (T.F32, T.F16, T.BF16)
+                        for info in gf.tensors.values())
+        self.float_order = FloatOrder(quantized, self.vision.n_embd)
+        self.ops.use_float_order(self.float_order)
 
     def fail(self, problem: str) -> MmprojError:
         return MmprojError(f"{self.path}: {problem}")

@@ -60,7 +60,7 @@ class Linear:
         self.w_raw = mm.gguf.raw(info.name)
         self.bias = mm.vector(bias, n_out, required=False) if bias else None
         self.n_in, self.n_out = n_in, n_out
-        self.ggml_order = mm.ggml_order   # float products in ggml's order (mmproj.MmprojFile.ggml_order)
+        self.float_order = mm.float_order   # when products follow ggml's order (vision.float_order)
         mm.ops.load_linear(self)   # in VRAM from the start where the encoder runs there
 
     def prepare(self, x: np.ndarray) -> np.ndarray:
@@ -71,12 +71,13 @@ class Linear:
 
     def apply(self, x: np.ndarray) -> np.ndarray:
         """x W^T + b of an input already through prepare()."""
-        if self.qtype in _FLOAT_KERNEL_TYPES and self.ggml_order:
+        ggml_order = self.float_order.ggml_for(x.shape[0])
+        if self.qtype in _FLOAT_KERNEL_TYPES and ggml_order:
             y = _ggml_float_product(self.w_raw, self.qtype, x)
         elif self.qtype in _FLOAT_KERNEL_TYPES and x.shape[0] >= _BLAS_MIN_ROWS:
             return gemm_float.gemm(self.w_raw.view(np.float16 if self.qtype == T.F16 else np.float32), x,
                                    bias=self.bias)
-        elif self.qtype in _VEC_DOT_TYPES:
+        elif self.qtype in _VEC_DOT_TYPES and ggml_order:
             y = _vec_dot_matmul(self.w_raw, self.qtype, x)
         else:
             y = kernels_cpu.matmul(self.w_raw, self.qtype, x)
