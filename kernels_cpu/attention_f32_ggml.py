@@ -23,21 +23,11 @@ import numpy as np
 from numba import njit, prange
 
 from .expf_glibc import expf as libm_expf
-from .f32_ggml import host_lanes, matmul, vec_dot_f32
+from .f32_ggml import host_lanes, matmul, vec_dot_tokens
 from .ggml_math import LANES, ggml_expf_any, hsum_vec
 from .threads import apply_threads
 
 _JIT = dict(cache=True, nogil=True)   # no fastmath: every float op's order is ggml's
-
-
-@njit(parallel=True, fastmath={"contract"}, **_JIT)   # vec_dot_f32's a * b + c are fmas (f32_ggml)
-def _scores(q, k, s, lanes):
-    """s[i, j] = ggml_vec_dot_f32(k[j], q[i]); queries on the threads."""
-    for i in prange(q.shape[0]):
-        acc, red = np.empty(4 * lanes, np.float32), np.empty(lanes, np.float32)
-        qi = q[i]
-        for j in range(k.shape[0]):
-            s[i, j] = vec_dot_f32(k[j], qi, lanes, acc, red)
 
 
 @njit(inline="always", **_JIT)
@@ -81,7 +71,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.n
     s = np.empty((n, k.shape[0]), np.float32)
     o = np.empty((n, d), np.float32)
     for h in range(n_head):
-        _scores(np.ascontiguousarray(q[:, h], np.float32), np.ascontiguousarray(k[:, h], np.float32), s, lanes)
+        # s[i, j] = vec_dot_f32(k[j], q[i]), queries on the threads
+        vec_dot_tokens(np.ascontiguousarray(k[:, h], np.float32), np.ascontiguousarray(q[:, h], np.float32), s, lanes)
         softmax_rows(s, scale)
         matmul(np.ascontiguousarray(v[:, h].T, np.float32), s, o)
         out[:, h] = o
