@@ -23,11 +23,30 @@ import numpy as np
 from numba import njit, prange
 
 from .expf_glibc import expf as libm_expf
-from .f32_ggml import host_lanes, matmul, vec_dot_tokens
+from .attention_f32_ggml_ir import scores_block8, scores_block16
+from .f32_ggml import host_lanes, matmul, vec_dot_f32
 from .ggml_math import LANES, ggml_expf_any, hsum_vec
 from .threads import apply_threads
 
 _JIT = dict(cache=True, nogil=True)   # no fastmath: every float op's order is ggml's
+
+
+@njit(parallel=True, fastmath={"contract"}, **_JIT)   # vec_dot_f32's a * b + c are fmas (f32_ggml)
+def _scores(q, kt, k, s, lanes):
+    """s[i, j] = ggml_vec_dot_f32(k[j], q[i]): `lanes` keys at a time in the vector lanes
+    (attention_f32_ggml_ir; kt: key_blocks(k)), the keys past the last block one pair at a
+    time; queries on the threads."""
+    n_keys = k.shape[0]
+    whole = n_keys - n_keys % lanes
+    for i in prange(q.shape[0]):
+        for j0 in range(0, whole, lanes):
+            if lanes == 16:
+                scores_block16(q, kt, i, j0, s)
+            else:
+                scores_block8(q, kt, i, j0, s)
+        acc, red = np.empty(4 * lanes, np.float32), np.empty(lanes, np.float32)
+        for j in range(whole, n_keys):
+            s[i, j] = vec_dot_f32(k[j], q[i], lanes, acc, red)
 
 
 @njit(inline="always", **_JIT)
@@ -60,6 +79,12 @@ def softmax_rows(s, scale):
         _softmax_row(s[i], scale)
 
 
+def key_blocks(k: np.ndarray, lanes: int) -> np.ndarray:
+    """k (keys, d) -> (keys // lanes, d, lanes): each block of `lanes` keys transposed."""
+    whole = k.shape[0] - k.shape[0] % lanes
+    return np.ascontiguousarray(k[:whole].reshape(-1, lanes, k.shape[1]).transpose(0, 2, 1))
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
     """softmax(q k^T * scale) v for every head in ggml's order: q, k, v (n, heads, d) float32
     -> (n, heads * d). Keys and queries are the same n patches."""
@@ -71,8 +96,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.n
     s = np.empty((n, k.shape[0]), np.float32)
     o = np.empty((n, d), np.float32)
     for h in range(n_head):
-        # s[i, j] = vec_dot_f32(k[j], q[i]), queries on the threads
-        vec_dot_tokens(np.ascontiguousarray(k[:, h], np.float32), np.ascontiguousarray(q[:, h], np.float32), s, lanes)
+        kh = np.ascontiguousarray(k[:, h], np.float32)
+        _scores(np.ascontiguousarray(q[:, h], np.float32), key_blocks(kh, lanes), kh, s, lanes)
         softmax_rows(s, scale)
         matmul(np.ascontiguousarray(v[:, h].T, np.float32), s, o)
         out[:, h] = o
