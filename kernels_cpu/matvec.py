@@ -375,8 +375,9 @@ _ORDER = threading.local()
 
 @contextlib.contextmanager
 def decode_order():
-    """Within this block (on this thread), a matmul of up to _INT8_MATMUL_MAX_TOKENS tokens
-    gives each token exactly matvec's numbers (speculative verification)."""
+    """Within this block (on this thread), a matmul gives each token exactly matvec's numbers
+    (speculative verification; an encoder's Q8_0 products in ggml's order): batches past
+    _INT8_MATMUL_MAX_TOKENS go through the row kernels that many tokens at a time."""
     before = getattr(_ORDER, "on", False)
     _ORDER.on = True
     try:
@@ -549,6 +550,11 @@ def matmul(w_raw: np.ndarray, qtype: T, X: np.ndarray, out: np.ndarray | None = 
     elif out.shape != (n_tok, n_rows) or out.dtype != np.float32:
         raise ValueError(f"out must be float32 ({n_tok}, {n_rows}), got {out.dtype} {out.shape}")
     qt = int(info.qtype)
+    if n_tok > _INT8_MATMUL_MAX_TOKENS and _in_decode_order():
+        for lo in range(0, n_tok, _INT8_MATMUL_MAX_TOKENS):
+            hi = lo + _INT8_MATMUL_MAX_TOKENS
+            matmul(w_raw, qtype, X[lo:hi], out[lo:hi])
+        return out
     path = matmul_path(qt, n_rows, n_tok)
     if path in ("f32", "bf16", "blas") and n_tok <= _INT8_MATMUL_MAX_TOKENS and _in_decode_order():
         # float weights (a router, a tensor the file keeps in F16) sum in another order for

@@ -49,6 +49,19 @@ def test_grouped_scale_products_keep_the_bits_with_a_tail(qt, n_blocks):
         np.testing.assert_array_equal(got[t], K.matvec(w, qt, X[t]), err_msg=f"token {t}")
 
 
+def test_decode_order_holds_past_the_short_batch_bound():
+    # an encoder's Q8_0 products take decode's bits for any patch count: the row kernels
+    # in batches of the short-batch bound (matvec._INT8_MATMUL_MAX_TOKENS = 64)
+    rng = np.random.default_rng(70)
+    w = random_blocks(T.Q8_0, 40, 256, rng)
+    w.flags.writeable = False
+    X = rng.standard_normal((150, 256)).astype(np.float32)
+    with K.decode_order():
+        got = K.matmul(w, T.Q8_0, X)
+    for t in range(150):
+        np.testing.assert_array_equal(got[t], K.matvec(w, T.Q8_0, X[t]), err_msg=f"token {t}")
+
+
 def test_repacked_q4_k_keeps_its_own_rows():
     # Q4_K with rows % 8 == 0 decodes in llama.cpp's repacked gemv order: not token_row_loop's
     assert not dispatch.kernel_set((int(T.Q4_K),)).has_tokens_rows(int(T.Q4_K), 64)

@@ -30,16 +30,6 @@ _BLAS_MIN_ROWS = 64   # patches from which float matrices take gemm_float (fewer
 # the mmproj in plain CPU buffers (no repack), and for these tinyBLAS's Q0 kernel (8 float
 # lanes a row and token over the blocks, then hsum_float_8) sums as vec_dot does.
 _VEC_DOT_TYPES = (T.Q8_0,)
-_VEC_DOT_CHUNK = 64   # tokens a decode-order matmul call (matvec's _INT8_MATMUL_MAX_TOKENS)
-
-
-def _vec_dot_matmul(w_raw: np.ndarray, qtype, x: np.ndarray) -> np.ndarray:
-    """x W^T with every row of x given decode's (vec_dot's) bits, however many rows."""
-    out = np.empty((x.shape[0], w_raw.shape[0]), np.float32)
-    with kernels_cpu.decode_order():
-        for lo in range(0, x.shape[0], _VEC_DOT_CHUNK):
-            kernels_cpu.matmul(w_raw, qtype, x[lo:lo + _VEC_DOT_CHUNK], out[lo:lo + _VEC_DOT_CHUNK])
-    return out
 
 
 def _ggml_float_product(w_raw: np.ndarray, qtype, x: np.ndarray) -> np.ndarray:
@@ -78,7 +68,8 @@ class Linear:
             return gemm_float.gemm(self.w_raw.view(np.float16 if self.qtype == T.F16 else np.float32), x,
                                    bias=self.bias)
         elif self.qtype in _VEC_DOT_TYPES and ggml_order:
-            y = _vec_dot_matmul(self.w_raw, self.qtype, x)
+            with kernels_cpu.decode_order():   # every patch with decode's (vec_dot's) bits
+                y = kernels_cpu.matmul(self.w_raw, self.qtype, x)
         else:
             y = kernels_cpu.matmul(self.w_raw, self.qtype, x)
         if self.bias is not None:
