@@ -17,14 +17,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .ir_helpers import F32T, IRHelpers, c64, counted_loop, target_features, vec
-
-
-def _fence(b, v):
-    """A product kept unfused (llvm.arithmetic.fence), as ggml_math.unfused for vectors."""
-    fn_name = f"llvm.arithmetic.fence.v{v.type.count}f32"
-    fn = b.module.globals.get(fn_name) or ir.Function(b.module, ir.FunctionType(v.type, [v.type]), fn_name)
-    return b.call(fn, [v])
+from .ir_helpers import F32T, IRHelpers, arithmetic_fence, c64, counted_loop, target_features, vec
 
 
 def _hsum_slots(b, red, lanes):
@@ -74,7 +67,7 @@ def _codegen(lanes):
         half = b.icmp_signed(">=", b.srem(left, c64(lanes)), c64(lanes // 2))
         plain = b.select(half, b.add(plain, c64(lanes // 2)), plain)
         s = counted_loop(b, b.sub(plain, body), 1, [s],
-                         lambda k, acc: [b.fadd(acc[0], _fence(b, b.fmul(qsplat(b.add(body, k)),
+                         lambda k, acc: [b.fadd(acc[0], arithmetic_fence(b, b.fmul(qsplat(b.add(body, k)),
                                                                           keys(b.add(body, k)))))], "unfused")[0]
         s = counted_loop(b, b.sub(d, plain), 1, [s],
                          lambda k, acc: [h.fma(qsplat(b.add(plain, k)), keys(b.add(plain, k)), acc[0])], "fused")[0]

@@ -28,7 +28,7 @@ from numba.extending import intrinsic
 
 from edgeinfer.kernels_cpu.ggml_math import hsum16, unfused
 from edgeinfer.kernels_cpu.f16 import has_f16c
-from edgeinfer.kernels_cpu.ir_helpers import (F16T, F32T, I16, I32, IRHelpers, c64, counted_loop, row_ptrs,
+from edgeinfer.kernels_cpu.ir_helpers import (F32T, I16, IRHelpers, c64, counted_loop, row_ptrs,
                                               target_features, vec)
 
 _JIT = dict(cache=True, nogil=True, fastmath={"contract"})
@@ -153,18 +153,6 @@ def tile_tokens(lanes: int) -> int:
     return 6 if lanes == 16 else 3
 
 
-def _widen_f16(h, bits):
-    """<n x i16> of F16 bits -> <n x float>: vcvtph2ps with F16C; elsewhere lane by lane in
-    integer ops (LLVM's own fpext would call __extendhfsf2, which Numba's JIT lacks)."""
-    b, n = h.b, bits.type.count
-    if h.f16c:
-        return b.fpext(b.bitcast(bits, vec(F16T, n)), vec(F32T, n))
-    out = ir.Constant(vec(F32T, n), [0.0] * n)
-    for k in range(n):
-        out = b.insert_element(out, h.f16_value(b.extract_element(bits, ir.Constant(I32, k))), ir.Constant(I32, k))
-    return out
-
-
 def _tile_codegen(lanes, rn, half):
     """out[t0 + j, r0 + i] for i < TILE_ROWS, j < rn: one `lanes`-wide fused multiply-add
     chain an output over k (w's row, X's token row), then the horizontal sum as tinyBLAS's
@@ -185,7 +173,7 @@ def _tile_codegen(lanes, rn, half):
 
         def step(i, accs):
             if half:
-                ws = [_widen_f16(h, h.load(wr, b.mul(i, c64(2)), vec(I16, lanes))) for wr in wrows]
+                ws = [h.f16_lanes(h.load(wr, b.mul(i, c64(2)), vec(I16, lanes))) for wr in wrows]
             else:
                 ws = [h.load(wr, b.mul(i, c64(4)), fv) for wr in wrows]
             new = []
@@ -252,14 +240,19 @@ def matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> np.ndarray:
 TINYBLAS_ROWS = TILE_ROWS   # tinyBLAS tiles src0's rows by 16, 8 or 4, and declines other counts
 
 
+def tinyblas_takes(m: int, n: int, k: int) -> bool:
+    """Whether ggml hands a product of src0 (m rows) and src1 (n rows), k long, to tinyBLAS:
+    two src1 rows or more, k a multiple of its vector, m of its row tiles."""
+    return n >= 2 and k % host_lanes() == 0 and m % TINYBLAS_ROWS == 0
+
+
 def matmul(w: np.ndarray, X: np.ndarray, out: np.ndarray) -> np.ndarray:
     """ggml_mul_mat(w, X): tinyBLAS for two tokens or more where k is a multiple of its
     vector and w's rows a multiple of TINYBLAS_ROWS, else ggml's vec_dot per output (its
     fallback: a one-row gate such as qwen35moe's shared-expert gate)."""
-    lanes = host_lanes()
-    if X.shape[0] >= 2 and X.shape[1] % lanes == 0 and w.shape[0] % TINYBLAS_ROWS == 0:
+    if tinyblas_takes(w.shape[0], X.shape[0], X.shape[1]):
         return sgemm(w, X, out)
-    vec_dot_tokens(np.ascontiguousarray(w, np.float32), np.ascontiguousarray(X, np.float32), out, lanes)
+    vec_dot_tokens(np.ascontiguousarray(w, np.float32), np.ascontiguousarray(X, np.float32), out, host_lanes())
     return out
 
 
@@ -290,7 +283,6 @@ def matmul_f16(w: np.ndarray, X: np.ndarray, out: np.ndarray) -> np.ndarray:
     """ggml_mul_mat of an F16 matrix w (float16 (rows, k)) and tokens X already rounded to F16
     (ggml converts src1 to F16 first): tinyBLAS where it takes the shape (two tokens or more,
     k a multiple of its vector, rows of TILE_ROWS), else ggml_vec_dot_f16 per output."""
-    lanes = host_lanes()
-    if X.shape[0] >= 2 and X.shape[1] % lanes == 0 and w.shape[0] % TILE_ROWS == 0:
+    if tinyblas_takes(w.shape[0], X.shape[0], X.shape[1]):
         return sgemm(w, X, out)
-    return vec_dot_f16_tokens(np.ascontiguousarray(w, np.float32), X, out, lanes)
+    return vec_dot_f16_tokens(np.ascontiguousarray(w, np.float32), X, out, host_lanes())

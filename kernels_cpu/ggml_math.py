@@ -21,7 +21,7 @@ from numba import njit, types
 from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
-from .ir_helpers import target_features
+from .ir_helpers import arithmetic_fence, target_features
 
 
 def _avx512_build() -> bool:
@@ -49,16 +49,12 @@ C1 = np.float32(float.fromhex("0x1.ffffecp-1"))
 
 @intrinsic
 def unfused(typingctx, x):
-    """x (float32) through llvm.arithmetic.fence: LLVM fuses a product into the add that
-    consumes it (an fma) even without fast-math flags; a product passed through this keeps
-    its own rounding, as a C compiler's separate vmulps then vaddss."""
+    """x (float32) through llvm.arithmetic.fence (ir_helpers.arithmetic_fence): the product
+    keeps its own rounding."""
     sig = types.float32(types.float32)
 
     def codegen(context, builder, sig, args):
-        f32 = ir.FloatType()
-        fn = builder.module.globals.get("llvm.arithmetic.fence.f32") or ir.Function(
-            builder.module, ir.FunctionType(f32, [f32]), "llvm.arithmetic.fence.f32")
-        return builder.call(fn, args)
+        return arithmetic_fence(builder, args[0])
     return sig, codegen
 
 

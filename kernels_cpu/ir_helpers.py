@@ -151,12 +151,13 @@ class IRHelpers:
         return b.shuffle_vector(v, v, mask([j] * 8 + [k + 8] * 8))
 
     def f16_lanes(self, v16):
-        """<8 x i16> fp16 bits -> <8 x float> (one vcvtph2ps with F16C)."""
-        b = self.b
+        """<n x i16> fp16 bits -> <n x float> (one vcvtph2ps with F16C; elsewhere lane by
+        lane in integer ops: LLVM's own fpext would call __extendhfsf2, which Numba's JIT lacks)."""
+        b, n = self.b, v16.type.count
         if self.f16c:
-            return b.fpext(b.bitcast(v16, vec(F16T, 8)), vec(F32T, 8))
-        out = ir.Constant(vec(F32T, 8), [0.0] * 8)
-        for k in range(8):  # the integer conversion, lane by lane
+            return b.fpext(b.bitcast(v16, vec(F16T, n)), vec(F32T, n))
+        out = ir.Constant(vec(F32T, n), [0.0] * n)
+        for k in range(n):  # the integer conversion, lane by lane
             out = b.insert_element(out, self.f16_value(b.extract_element(v16, ir.Constant(I32, k))),
                                    ir.Constant(I32, k))
         return out
@@ -440,6 +441,15 @@ def group_scales(h, wrow, xd, bi, block_bytes):
 
 def c64(v):
     return ir.Constant(I64, v)
+
+
+def arithmetic_fence(builder, v):
+    """v (float32, or a vector of them) through llvm.arithmetic.fence: LLVM fuses a product
+    into the add that consumes it (an fma) even without fast-math flags; a product passed
+    through this keeps its own rounding, as a C compiler's separate vmulps then vaddss."""
+    name = "llvm.arithmetic.fence." + (f"v{v.type.count}f32" if isinstance(v.type, ir.VectorType) else "f32")
+    fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(v.type, [v.type]), name)
+    return builder.call(fn, [v])
 
 
 # Q4_K_X8 (repack.py): per group of 8 rows, each block is the 8 rows' 16-byte heads (d,

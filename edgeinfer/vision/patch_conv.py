@@ -29,8 +29,7 @@ class PatchKernel:
         patches = np.ascontiguousarray(patches, np.float32)
         n, k = patches.shape
         out = np.empty((n, self.w.shape[0]), np.float32)
-        lanes = f32_ggml.host_lanes()
-        if n >= 2 and n % f32_ggml.TINYBLAS_ROWS == 0 and k % lanes == 0:   # src0 is the patches
+        if f32_ggml.tinyblas_takes(n, self.w.shape[0], k):   # src0 is the patches
             return f32_ggml.sgemm(self.w, patches, out)
-        f32_ggml.vec_dot_f16_tokens(self.w, patches, out, lanes)
+        f32_ggml.vec_dot_f16_tokens(self.w, patches, out, f32_ggml.host_lanes())
         return out
