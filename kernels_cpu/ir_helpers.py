@@ -60,6 +60,7 @@ class IRHelpers:
         self.avx512bw = "+avx512bw" in feats
         self.f16c = "+f16c" in feats
         self.vnni = has_vnni_features(feats)
+        self.bmi = "+bmi" in feats
 
     def ptr(self, base, off):
         """base (i8*) + off bytes."""
@@ -185,6 +186,16 @@ class IRHelpers:
         ev = self.b.shuffle_vector(v, v, mask(range(0, 2 * n, 2)))
         od = self.b.shuffle_vector(v, v, mask(range(1, 2 * n, 2)))
         return self.b.add(ev, od)
+
+    def bits(self, v, shift: int, width: int):
+        """(v >> shift) & (2^width - 1) for an i32 or i64 v: one bextr where the CPU has BMI
+        (LLVM lowers the shift-and of a 64-bit value to mov + shr + movzbl, three
+        instructions, where a kernel extracts one byte index after another)."""
+        ty = v.type
+        if self.bmi:
+            return self.x86(f"llvm.x86.bmi.bextr.{ty.width}", ty, [v, ir.Constant(ty, (width << 8) | shift)])
+        b = self.b
+        return b.and_(b.lshr(v, ir.Constant(ty, shift)), ir.Constant(ty, (1 << width) - 1))
 
     def x86(self, name, ret, args):
         mod = self.b.module
