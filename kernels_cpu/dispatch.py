@@ -26,7 +26,7 @@ from .dot_iquant import (deq_row_iq1_m, deq_row_iq1_s, deq_row_iq2_s, deq_row_iq
 from .dot_mxfp4 import deq_row_mxfp4, row_mxfp4, rows_mxfp4
 from .pair_tokens import pairs_iq4_nl, pairs_q4_0, pairs_q5_0, pairs_q8_0
 from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
-from .ir_helpers import I64, ROWS, TOKENS_A_ROW, X8_ROWS
+from .ir_helpers import I64, Q8_0_TOKENS_A_ROW, ROWS, TOKENS_A_ROW, X8_ROWS
 from .quant_kernels import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K,
                             Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0)
 from . import compile_progress, pair_tokens
@@ -206,8 +206,14 @@ def _has_tokens_rows(qt, n_rows):
 
 
 @njit(**_JIT)
+def _tokens_a_row(qt):
+    """The most tokens _dot_rows_tokens takes in one pass for this type."""
+    return Q8_0_TOKENS_A_ROW if _HAS_Q8_0 and qt == Q8_0 else TOKENS_A_ROW
+
+
+@njit(**_JIT)
 def _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, m, out):
-    """out[t + j, r] for r0 <= r < r1 and the m tokens from t (2 <= m <= TOKENS_A_ROW):
+    """out[t + j, r] for r0 <= r < r1 and the m tokens from t (2 <= m <= _tokens_a_row(qt)):
     each row read and unpacked once for them, each (row, token) with matvec's bits
     (ir_helpers.token_row_loop). A loop over the rows in each type's branch, not one loop
     around the dispatch: LLVM hoists a loop's invariant constants to its preheader, and
@@ -405,12 +411,13 @@ def _claimed_rows(w, qt, out, g0, g1, xq, xd, xs):
         else:
             n_tok = xq.shape[0]
             by_tokens = _has_tokens_rows(qt, n_rows)
+            most = _tokens_a_row(qt)
             for g in range(a, b):
                 r0 = g * CHUNK
                 r1 = min(r0 + CHUNK, n_rows)
                 t = 0
-                if by_tokens:   # up to four tokens a pass, each row unpacked once for them
-                    left = (n_tok + TOKENS_A_ROW - 1) // TOKENS_A_ROW   # passes: as even as can be
+                if by_tokens:   # up to `most` tokens a pass, each row unpacked once for them
+                    left = (n_tok + most - 1) // most   # passes: as even as can be
                     while left > 0 and n_tok - t >= 2:
                         m = (n_tok - t + left - 1) // left
                         _dot_rows_tokens(w, qt, r0, r1, xq, xd, xs, t, m, out)
@@ -502,7 +509,8 @@ def _dequant_rows_kernel(w, qt, rows, y):
 # has its own file in Numba's on-disk cache), made once per type set and process. The
 # code of a type is the one definition above, whichever copies contain it: the same bits.
 
-_SPECIALISED = ("_quartered_rows", "_dot_rows", "_has_tokens_rows", "_dot_rows_tokens", "_deq_row", "_claimed_rows",
+_SPECIALISED = ("_quartered_rows", "_dot_rows", "_has_tokens_rows", "_tokens_a_row", "_dot_rows_tokens", "_deq_row",
+                "_claimed_rows",
                 "_claimed_items", "_matvec_kernel", "_pair_dots", "_dot_rows_pairs", "_pair_claims", "_pairs_kernel", "_dequant_kernel",
                 "_dequant_kernel_serial", "_dequant_rows_kernel",
                 "_expert_items", "_expert_matvec_kernel")   # callees before callers

@@ -536,7 +536,11 @@ def make_row_intrinsic(body, with_mins=False, nrows=1, block_bytes=0):
 
 
 
-TOKENS_A_ROW = 4   # most tokens a row loop of make_tokens_intrinsic serves
+TOKENS_A_ROW = 4   # most tokens a row loop of make_tokens_intrinsic serves (by default)
+# Q8_0's loop holds 8 tokens' accumulators without spilling on AVX2 (a block is one load
+# and one abs): a 5- to 8-token batch (a speculative draft checked, the lm head of every
+# verified token) reads the matrix once, not twice
+Q8_0_TOKENS_A_ROW = 8
 
 
 def token_row_loop(context, builder, sig, args, body, with_mins=False, ntok=TOKENS_A_ROW, block_bytes=0,
@@ -559,8 +563,8 @@ def token_row_loop(context, builder, sig, args, body, with_mins=False, ntok=TOKE
     return _dots_loop(builder, h, pairs, nb, body, with_mins, [wrow], block_bytes, block_scales)
 
 
-def _store_token_dots(context, builder, sig, args, body, with_mins, block_bytes, block_scales):
-    """out[t0 + j, r] = row r's dot with token t0 + j, j < m (2 <= m <= TOKENS_A_ROW):
+def _store_token_dots(context, builder, sig, args, body, with_mins, block_bytes, block_scales, most):
+    """out[t0 + j, r] = row r's dot with token t0 + j, j < m (2 <= m <= most):
     token_row_loop unrolled for each m, the one for this m run."""
     r, t0, m = args[1], args[5], args[6]
     out = context.make_array(sig.args[7])(context, builder, args[7])
@@ -574,7 +578,7 @@ def _store_token_dots(context, builder, sig, args, body, with_mins, block_bytes,
             at = builder.gep(base, [builder.add(builder.mul(builder.add(t0, c64(j)), o_row), col)])
             builder.store(s, builder.bitcast(at, F32T.as_pointer()))
 
-    emit_for_count(builder, m, 2, TOKENS_A_ROW, run)
+    emit_for_count(builder, m, 2, most, run)
 
 
 def emit_for_count(builder, m, lo, hi, emit):
@@ -590,16 +594,16 @@ def emit_for_count(builder, m, lo, hi, emit):
             emit_for_count(builder, m, lo + 1, hi, emit)
 
 
-def make_tokens_intrinsic(body, with_mins=False, block_bytes=0, block_scales=False):
+def make_tokens_intrinsic(body, with_mins=False, block_bytes=0, block_scales=False, most=TOKENS_A_ROW):
     """row_tokens(w, r, xq, xd, xs, t0, m, out): out[t0 + j, r] = row r's dot with token
-    t0 + j for j < m, 2 <= m <= TOKENS_A_ROW (token_row_loop; xq, xd, xs and out 2-D
+    t0 + j for j < m, 2 <= m <= most (token_row_loop; xq, xd, xs and out 2-D
     with a row per token). One intrinsic for every m: the type dispatch stays one chain."""
     @intrinsic
     def row_tokens(typingctx, w, r, xq, xd, xs, t0, m, out):
         sig = types.void(w, r, xq, xd, xs, t0, m, out)
 
         def codegen(context, builder, sig, args):
-            _store_token_dots(context, builder, sig, args, body, with_mins, block_bytes, block_scales)
+            _store_token_dots(context, builder, sig, args, body, with_mins, block_bytes, block_scales, most)
             return context.get_dummy_value()
         return sig, codegen
     return row_tokens
