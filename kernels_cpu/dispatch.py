@@ -26,7 +26,7 @@ from .dot_iquant import (deq_row_iq1_m, deq_row_iq1_s, deq_row_iq2_s, deq_row_iq
 from .dot_mxfp4 import deq_row_mxfp4, row_mxfp4, rows_mxfp4
 from .pair_tokens import pairs_iq4_nl, pairs_q4_0, pairs_q5_0, pairs_q8_0
 from .dot_q4k_x8 import deq_row_q4_k_x8, rows4_q4_k, rows8_q4_k_x8
-from .ir_helpers import I64, Q8_0_TOKENS_A_ROW, ROWS, TOKENS_A_ROW, X8_ROWS
+from .ir_helpers import I64, ROWS, TOKENS_A_ROW, WIDE_TOKENS_A_ROW, X8_ROWS
 from .quant_kernels import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K,
                             Q4_0, Q4_1, Q4_K, Q4_K_X8, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0)
 from . import compile_progress, pair_tokens
@@ -208,7 +208,8 @@ def _has_tokens_rows(qt, n_rows):
 @njit(**_JIT)
 def _tokens_a_row(qt):
     """The most tokens _dot_rows_tokens takes in one pass for this type."""
-    return Q8_0_TOKENS_A_ROW if _HAS_Q8_0 and qt == Q8_0 else TOKENS_A_ROW
+    wide = qt == Q8_0 or qt == Q4_0 or qt == Q4_1 or qt == Q5_0 or qt == Q5_1 or qt == IQ4_NL
+    return WIDE_TOKENS_A_ROW if wide else TOKENS_A_ROW
 
 
 @njit(**_JIT)
@@ -510,9 +511,8 @@ def _dequant_rows_kernel(w, qt, rows, y):
 # code of a type is the one definition above, whichever copies contain it: the same bits.
 
 _SPECIALISED = ("_quartered_rows", "_dot_rows", "_has_tokens_rows", "_tokens_a_row", "_dot_rows_tokens", "_deq_row",
-                "_claimed_rows",
-                "_claimed_items", "_matvec_kernel", "_pair_dots", "_dot_rows_pairs", "_pair_claims", "_pairs_kernel", "_dequant_kernel",
-                "_dequant_kernel_serial", "_dequant_rows_kernel",
+                "_claimed_rows", "_claimed_items", "_matvec_kernel", "_pair_dots", "_dot_rows_pairs", "_pair_claims",
+                "_pairs_kernel", "_dequant_kernel", "_dequant_kernel_serial", "_dequant_rows_kernel",
                 "_expert_items", "_expert_matvec_kernel")   # callees before callers
 _SETS: dict = {}         # type set (sorted tuple) -> its kernels
 _MODEL_SETS: list = []   # sets registered by use_types, the latest first

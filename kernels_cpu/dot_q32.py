@@ -10,7 +10,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from .ir_helpers import (F32T, I8, I16, I32, as_i8, c64, const_vec, make_deq_intrinsic, make_row_intrinsic,
-                         make_tokens_intrinsic, mask, store, vec, ROWS, Q8_0_TOKENS_A_ROW)
+                         make_tokens_intrinsic, mask, store, vec, ROWS, WIDE_TOKENS_A_ROW)
 from .quant_kernels import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1
 
 
@@ -246,19 +246,20 @@ rows_q4_1 = make_row_intrinsic(_make_body_q32_rows(Q4_1), nrows=ROWS)
 rows_q5_0 = make_row_intrinsic(_make_body_q32_rows(Q5_0), nrows=ROWS)
 rows_q5_1 = make_row_intrinsic(_make_body_q32_rows(Q5_1), nrows=ROWS)
 
-# a short batch's tokens, up to four a row (dispatch._dot_rows_tokens): each the row
+# a short batch's tokens, up to eight a row (dispatch._dot_rows_tokens): each the row
 # kernel's bits. Prefetched as Q8_0's rows: one row at a time, a long body a block, the
 # hardware prefetcher fell behind (Q5_0 147456 x 640, 2 tokens: 16 -> 6.9 ms, AVX2 build).
 # Q8_0 and Q4_0 form four blocks' scale products in one multiply (ir_helpers.group_scales):
 # AVX2 build on the Xeon, 4 tokens, Q8_0 262144 x 640 12.8 -> 10.5 ms, Q4_0 65536 x 640
 # 2.7-2.9 -> 2.5-2.7 ms. Q5_0, Q5_1 and IQ4_NL, whose unpacking keeps the shuffle port busy,
 # lost with it (Q5_0 2.7-2.9 -> 3.0-3.3 ms).
-tok_q8_0 = make_tokens_intrinsic(_body_q8_0, block_bytes=34, block_scales=True, most=Q8_0_TOKENS_A_ROW)
-tok_q4_0 = make_tokens_intrinsic(_make_body_q32(Q4_0), block_bytes=Q32[Q4_0][0], block_scales=True)
-tok_q4_1 = make_tokens_intrinsic(_make_body_q32(Q4_1), block_bytes=Q32[Q4_1][0])
-tok_q5_0 = make_tokens_intrinsic(_make_body_q32(Q5_0), block_bytes=Q32[Q5_0][0])
-tok_q5_1 = make_tokens_intrinsic(_make_body_q32(Q5_1), block_bytes=Q32[Q5_1][0])
-tok_iq4_nl = make_tokens_intrinsic(_make_body_q32(IQ4_NL), block_bytes=Q32[IQ4_NL][0])
+tok_q8_0 = make_tokens_intrinsic(_body_q8_0, block_bytes=34, block_scales=True, most=WIDE_TOKENS_A_ROW)
+tok_q4_0 = make_tokens_intrinsic(_make_body_q32(Q4_0), block_bytes=Q32[Q4_0][0], block_scales=True,
+                                 most=WIDE_TOKENS_A_ROW)
+tok_q4_1 = make_tokens_intrinsic(_make_body_q32(Q4_1), block_bytes=Q32[Q4_1][0], most=WIDE_TOKENS_A_ROW)
+tok_q5_0 = make_tokens_intrinsic(_make_body_q32(Q5_0), block_bytes=Q32[Q5_0][0], most=WIDE_TOKENS_A_ROW)
+tok_q5_1 = make_tokens_intrinsic(_make_body_q32(Q5_1), block_bytes=Q32[Q5_1][0], most=WIDE_TOKENS_A_ROW)
+tok_iq4_nl = make_tokens_intrinsic(_make_body_q32(IQ4_NL), block_bytes=Q32[IQ4_NL][0], most=WIDE_TOKENS_A_ROW)
 
 deq_row_q8_0 = make_deq_intrinsic(32, _deq_q8_0)
 deq_row_q4_0 = make_deq_intrinsic(32, _make_deq_q32(Q4_0))

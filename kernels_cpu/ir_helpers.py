@@ -537,10 +537,10 @@ def make_row_intrinsic(body, with_mins=False, nrows=1, block_bytes=0):
 
 
 TOKENS_A_ROW = 4   # most tokens a row loop of make_tokens_intrinsic serves (by default)
-# Q8_0's loop holds 8 tokens' accumulators without spilling on AVX2 (a block is one load
-# and one abs): a 5- to 8-token batch (a speculative draft checked, the lm head of every
-# verified token) reads the matrix once, not twice
-Q8_0_TOKENS_A_ROW = 8
+# the 32-element types' loops hold 8 tokens' accumulators on AVX2 (a block's values are one
+# register): a 5- to 8-token batch (a speculative draft checked, the lm head of every
+# verified token) reads and unpacks each block once, not twice
+WIDE_TOKENS_A_ROW = 8
 
 
 def token_row_loop(context, builder, sig, args, body, with_mins=False, ntok=TOKENS_A_ROW, block_bytes=0,

@@ -1,10 +1,10 @@
-"""dispatch._dot_rows_tokens: a short batch's tokens up to four a row (Q8_0: eight), each
-with matvec's bits.
+"""dispatch._dot_rows_tokens: a short batch's tokens up to four a row (the 32-element types:
+eight), each with matvec's bits.
 
 A short prompt or a speculative batch on the decode row kernels used to run every token
 over a chunk of rows on its own; ir_helpers.token_row_loop runs two to four tokens per
-row loop (Q8_0 up to eight) with each (row, token) pair's own accumulators and operations,
-a batch in as few passes as can be (5 tokens: 3 + 2; Q8_0 one pass)."""
+row loop (the 32-element types up to eight) with each (row, token) pair's own accumulators
+and operations, a batch in as few passes as can be (5 tokens: 3 + 2; Q8_0 one pass)."""
 from __future__ import annotations
 
 import sys
@@ -35,17 +35,21 @@ def test_each_token_of_a_batch_has_matvecs_bits(qt, n_tok):
         np.testing.assert_array_equal(got[t], K.matvec(w, qt, X[t]), err_msg=f"token {t}")
 
 
+WIDE = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL]
+
+
+@pytest.mark.parametrize("qt", WIDE, ids=lambda t: t.name)
 @pytest.mark.parametrize("n_tok", [6, 8, 11, 17])   # one pass of 6, 8; 6 + 5; 6 + 6 + 5
-def test_q8_0_passes_of_up_to_eight_tokens_keep_matvecs_bits(n_tok):
-    assert dispatch.kernel_set((int(T.Q8_0),)).tokens_a_row(int(T.Q8_0)) == 8
-    rng = np.random.default_rng(900 + n_tok)
-    w = random_blocks(T.Q8_0, 40, 32 * 11, rng)   # 11 blocks: two groups of four scales and a tail
+def test_passes_of_up_to_eight_tokens_keep_matvecs_bits(qt, n_tok):
+    assert dispatch.kernel_set((int(qt),)).tokens_a_row(int(qt)) == 8
+    rng = np.random.default_rng(900 + n_tok + 50 * int(qt))
+    w = random_blocks(qt, 40, 32 * 11, rng)   # 11 blocks: two groups of four scales and a tail
     w.flags.writeable = False
     X = rng.standard_normal((n_tok, 32 * 11)).astype(np.float32) * rng.uniform(0.01, 10, (n_tok, 1)).astype(np.float32)
     with K.decode_order():
-        got = K.matmul(w, T.Q8_0, X)
+        got = K.matmul(w, qt, X)
     for t in range(n_tok):
-        np.testing.assert_array_equal(got[t], K.matvec(w, T.Q8_0, X[t]), err_msg=f"token {t}")
+        np.testing.assert_array_equal(got[t], K.matvec(w, qt, X[t]), err_msg=f"token {t}")
 
 
 @pytest.mark.parametrize("qt", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
