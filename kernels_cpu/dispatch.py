@@ -17,8 +17,8 @@ from numba.extending import intrinsic
 from .dot_kquant import (deq_row_iq4_xs, deq_row_q2_k, deq_row_q3_k, deq_row_q4_k, deq_row_q5_k, deq_row_q6_k,
                          row_iq4_xs, row_q2_k, row_q3_k, row_q4_k, row_q5_k, row_q6_k, rows_q5_k, rows_q6_k,
                          tok_iq4_xs, tok_q2_k, tok_q3_k, tok_q4_k, tok_q5_k, tok_q6_k)
-from .dot_q32 import (deq_row_iq4_nl, deq_row_q4_0, deq_row_q4_1, deq_row_q5_0, deq_row_q5_1, deq_row_q8_0,
-                      row_iq4_nl, row_q4_0, row_q4_1, row_q5_0, row_q5_1, row_q8_0, rows_q4_0, rows_q4_1,
+from .dot_q32 import (WIDE_TOKEN_TYPES, deq_row_iq4_nl, deq_row_q4_0, deq_row_q4_1, deq_row_q5_0, deq_row_q5_1,
+                      deq_row_q8_0, row_iq4_nl, row_q4_0, row_q4_1, row_q5_0, row_q5_1, row_q8_0, rows_q4_0, rows_q4_1,
                       rows_q5_0, rows_q5_1, rows_q8_0, tok_iq4_nl, tok_q4_0, tok_q4_1, tok_q5_0, tok_q5_1, tok_q8_0)
 from .dot_iquant import (deq_row_iq1_m, deq_row_iq1_s, deq_row_iq2_s, deq_row_iq2_xs, deq_row_iq2_xxs,
                          deq_row_iq3_s, deq_row_iq3_xxs, row_iq1_m, row_iq1_s, row_iq2_s, row_iq2_xs, row_iq2_xxs,
@@ -208,8 +208,7 @@ def _has_tokens_rows(qt, n_rows):
 @njit(**_JIT)
 def _tokens_a_row(qt):
     """The most tokens _dot_rows_tokens takes in one pass for this type."""
-    wide = qt == Q8_0 or qt == Q4_0 or qt == Q4_1 or qt == Q5_0 or qt == Q5_1 or qt == IQ4_NL
-    return WIDE_TOKENS_A_ROW if wide else TOKENS_A_ROW
+    return WIDE_TOKENS_A_ROW if qt in WIDE_TOKEN_TYPES else TOKENS_A_ROW
 
 
 @njit(**_JIT)

@@ -93,8 +93,7 @@ def _bytes(h, wrow, off, n):
     bextr (h.bits) where the CPU has BMI: 1.06-1.10x the kernel on Zen 3."""
     b = h.b
     v = h.load(wrow, off, I32 if n == 4 else I64)
-    return [b.trunc(h.bits(v, 8 * k, 8), I32) if k else b.trunc(b.and_(v, ir.Constant(v.type, 255)), I32)
-            for k in range(n)]
+    return [b.trunc(h.bits(v, 8 * k, 8), I32) for k in range(n)]
 
 
 def _bits_to_signs(h, four):

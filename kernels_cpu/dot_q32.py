@@ -11,7 +11,7 @@ from llvmlite import ir
 
 from .ir_helpers import (F32T, I8, I16, I32, as_i8, c64, const_vec, make_deq_intrinsic, make_row_intrinsic,
                          make_tokens_intrinsic, mask, store, vec, ROWS, WIDE_TOKENS_A_ROW)
-from .quant_kernels import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1
+from .quant_kernels import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 
 def _body_q8_0(h, wrow, xq, xd, xs, bi, acc, d=None):
@@ -253,6 +253,9 @@ rows_q5_1 = make_row_intrinsic(_make_body_q32_rows(Q5_1), nrows=ROWS)
 # AVX2 build on the Xeon, 4 tokens, Q8_0 262144 x 640 12.8 -> 10.5 ms, Q4_0 65536 x 640
 # 2.7-2.9 -> 2.5-2.7 ms. Q5_0, Q5_1 and IQ4_NL, whose unpacking keeps the shuffle port busy,
 # lost with it (Q5_0 2.7-2.9 -> 3.0-3.3 ms).
+# every token loop here takes up to WIDE_TOKENS_A_ROW tokens: dispatch's passes ask these
+# types for as many (a pass asking more than a loop serves would get too few sums)
+WIDE_TOKEN_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL)
 tok_q8_0 = make_tokens_intrinsic(_body_q8_0, block_bytes=34, block_scales=True, most=WIDE_TOKENS_A_ROW)
 tok_q4_0 = make_tokens_intrinsic(_make_body_q32(Q4_0), block_bytes=Q32[Q4_0][0], block_scales=True,
                                  most=WIDE_TOKENS_A_ROW)

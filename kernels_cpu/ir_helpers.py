@@ -189,10 +189,11 @@ class IRHelpers:
 
     def bits(self, v, shift: int, width: int):
         """(v >> shift) & (2^width - 1) for an i32 or i64 v: one bextr where the CPU has BMI
-        (LLVM lowers the shift-and of a 64-bit value to mov + shr + movzbl, three
-        instructions, where a kernel extracts one byte index after another)."""
+        and shift > 0 (LLVM lowers the shift-and of a 64-bit value to mov + shr + movzbl,
+        three instructions, where a kernel extracts one byte index after another; with no
+        shift the and alone is as short)."""
         ty = v.type
-        if self.bmi:
+        if self.bmi and shift:
             return self.x86(f"llvm.x86.bmi.bextr.{ty.width}", ty, [v, ir.Constant(ty, (width << 8) | shift)])
         b = self.b
         return b.and_(b.lshr(v, ir.Constant(ty, shift)), ir.Constant(ty, (1 << width) - 1))

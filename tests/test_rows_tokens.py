@@ -17,6 +17,15 @@ import edgeinfer.kernels_cpu as K
 from edgeinfer.kernels_cpu import dispatch
 from quant_blocks import random_blocks
 
+def assert_each_token_has_matvecs_bits(w, qt, X):
+    """A batch in decode_order (a speculative batch: the row kernels): every token's row of
+    the product equal to matvec's on that token alone."""
+    with K.decode_order():
+        got = K.matmul(w, qt, X)
+    for t in range(X.shape[0]):
+        np.testing.assert_array_equal(got[t], K.matvec(w, qt, X[t]), err_msg=f"token {t}")
+
+
 TYPES = [T.Q8_0, T.Q6_K, T.Q5_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q3_K, T.Q2_K, T.IQ4_XS, T.Q4_K]
 
 
@@ -29,10 +38,7 @@ def test_each_token_of_a_batch_has_matvecs_bits(qt, n_tok):
     w.flags.writeable = False
     X = rng.standard_normal((n_tok, 768)).astype(np.float32) * rng.uniform(0.01, 10, (n_tok, 1)).astype(np.float32)
     assert dispatch.kernel_set((int(qt),)).has_tokens_rows(int(qt), n_rows)
-    with K.decode_order():   # a speculative batch: the row kernels, for every type
-        got = K.matmul(w, qt, X)
-    for t in range(n_tok):
-        np.testing.assert_array_equal(got[t], K.matvec(w, qt, X[t]), err_msg=f"token {t}")
+    assert_each_token_has_matvecs_bits(w, qt, X)   # a speculative batch: the row kernels, for every type
 
 
 WIDE = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL]
@@ -46,10 +52,7 @@ def test_passes_of_up_to_eight_tokens_keep_matvecs_bits(qt, n_tok):
     w = random_blocks(qt, 40, 32 * 11, rng)   # 11 blocks: two groups of four scales and a tail
     w.flags.writeable = False
     X = rng.standard_normal((n_tok, 32 * 11)).astype(np.float32) * rng.uniform(0.01, 10, (n_tok, 1)).astype(np.float32)
-    with K.decode_order():
-        got = K.matmul(w, qt, X)
-    for t in range(n_tok):
-        np.testing.assert_array_equal(got[t], K.matvec(w, qt, X[t]), err_msg=f"token {t}")
+    assert_each_token_has_matvecs_bits(w, qt, X)
 
 
 @pytest.mark.parametrize("qt", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
@@ -61,10 +64,7 @@ def test_grouped_scale_products_keep_the_bits_with_a_tail(qt, n_blocks):
     w = random_blocks(qt, 40, 32 * n_blocks, rng)
     w.flags.writeable = False
     X = rng.standard_normal((4, 32 * n_blocks)).astype(np.float32)
-    with K.decode_order():
-        got = K.matmul(w, qt, X)
-    for t in range(4):
-        np.testing.assert_array_equal(got[t], K.matvec(w, qt, X[t]), err_msg=f"token {t}")
+    assert_each_token_has_matvecs_bits(w, qt, X)
 
 
 def test_decode_order_holds_past_the_short_batch_bound():
@@ -74,10 +74,7 @@ def test_decode_order_holds_past_the_short_batch_bound():
     w = random_blocks(T.Q8_0, 40, 256, rng)
     w.flags.writeable = False
     X = rng.standard_normal((150, 256)).astype(np.float32)
-    with K.decode_order():
-        got = K.matmul(w, T.Q8_0, X)
-    for t in range(150):
-        np.testing.assert_array_equal(got[t], K.matvec(w, T.Q8_0, X[t]), err_msg=f"token {t}")
+    assert_each_token_has_matvecs_bits(w, T.Q8_0, X)
 
 
 def test_repacked_q4_k_keeps_its_own_rows():
